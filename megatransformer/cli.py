@@ -1,0 +1,39 @@
+"""The ``megatransformer`` command: one sub-command per module, registered from a table.
+
+Each module in ``COMMANDS`` defines ``register(subparsers)``, which adds its parser and sets ``func``
+(called with the parsed arguments, returning an exit code). Modules import heavy libraries (torch,
+deepspeed) inside their functions so that ``megatransformer --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from megatransformer.config import ConfigError
+
+COMMANDS = (
+    "megatransformer.commands.info",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatransformer", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        importlib.import_module(module).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        print(f"megatransformer {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,447 @@
+"""Typed run configuration: one YAML file plus ``key.path=value`` overrides.
+
+Every section is a pydantic model whose attribute docstrings are the field documentation
+(``megatransformer info`` and the docs read them). Anything wrong with a config raises
+:class:`ConfigError` with one line that names the field and the offending numbers; the CLI
+turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration or command-line value is wrong; the message says which and how to fix it."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings document fields."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+class ModelConfig(Section):
+    arch: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"
+    """decoder: causal LM; encoder: bidirectional (masked-LM); encoder_decoder: seq2seq with cross-attention."""
+    d_model: int = 512
+    """Hidden size of the residual stream."""
+    n_layers: int = 6
+    """Number of blocks (of the encoder, for encoder_decoder)."""
+    n_decoder_layers: int | None = None
+    """Decoder blocks of an encoder_decoder model; defaults to n_layers."""
+    n_heads: int = 8
+    """Query heads per attention layer."""
+    n_kv_heads: int | None = None
+    """Key/value heads: n_heads for MHA, fewer for GQA, 1 for MQA; defaults to n_heads."""
+    d_ff: int = 2048
+    """Inner width of the feed-forward network (per branch for swiglu)."""
+    vocab_size: int = 32000
+    """Token vocabulary size (must cover the tokenizer's ids)."""
+    max_seq_len: int = 2048
+    """Longest sequence the model accepts (sizes learned position tables and RoPE caches)."""
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    """Normalisation layer."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    norm_position: Literal["pre", "post"] = "pre"
+    """pre: x + f(norm(x)) (stable, default); post: norm(x + f(x)) as in Vaswani et al. 2017."""
+    position: Literal["sinusoidal", "learned", "rope"] = "rope"
+    """Position information: added sinusoidal or learned embeddings, or rotary embeddings in attention."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    ffn: Literal["relu", "gelu", "swiglu"] = "swiglu"
+    """Feed-forward activation; swiglu uses gate_proj * up_proj."""
+    bias: bool = False
+    """Bias terms in linear and norm layers."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output projection."""
+    share_embeddings: bool = True
+    """encoder_decoder only: one embedding table for source and target tokens."""
+    scale_embeddings: bool = False
+    """Multiply token embeddings by sqrt(d_model) (the 2017 paper does)."""
+    dropout: float = 0.0
+    """Dropout on residual branches."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    embedding_dropout: float | None = None
+    """Dropout after the embeddings; defaults to dropout."""
+    final_norm: bool = True
+    """Normalise the output of a pre-LN stack (ignored for post-LN, whose blocks end in a norm)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init."""
+    depth_scaled_init: bool = True
+    """Scale residual output projections (o_proj, down_proj) by 1/sqrt(2 * n_layers)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass to save memory."""
+    attention_backend: Literal["sdpa", "flex", "flash", "eager"] = "sdpa"
+    """sdpa: PyTorch scaled_dot_product_attention; flex: FlexAttention block masks; flash: flash-attn (CUDA);
+    eager: plain matmul-softmax reference."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_decoder_layers or self.n_layers
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        for name in ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size", "max_seq_len"):
+            _require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
+        _require(
+            self.d_model % self.n_heads == 0,
+            f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}",
+        )
+        _require(
+            self.kv_heads > 0 and self.n_heads % self.kv_heads == 0,
+            f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}",
+        )
+        _require(
+            self.position != "rope" or self.head_dim % 2 == 0,
+            f"model.position=rope needs an even head dim, got d_model/n_heads={self.head_dim}",
+        )
+        _require(
+            self.n_decoder_layers is None or self.arch == "encoder_decoder",
+            f"model.n_decoder_layers is only for arch=encoder_decoder, not arch={self.arch}",
+        )
+        for name in ("dropout", "attention_dropout", "embedding_dropout"):
+            p = getattr(self, name)
+            _require(p is None or 0.0 <= p < 1.0, f"model.{name} must be in [0, 1), got {p}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+class DatasetSource(Section):
+    path: str
+    """A shard directory holding manifest.json (written by `megatransformer data shard`)."""
+    weight: float = 1.0
+    """Relative sampling weight when several datasets are mixed."""
+
+
+class DataConfig(Section):
+    train: str | list[DatasetSource] | None = None
+    """Training shards: a shard directory, or a list of {path, weight} to mix."""
+    valid: str | list[DatasetSource] | None = None
+    """Validation shards (same forms as train); defaults to the validation split of train."""
+    tokenizer: str | None = None
+    """A Hugging Face tokenizer.json; special-token ids are read from it."""
+    seq_len: int = 512
+    """Tokens per training sequence (encoder input length for encoder_decoder objectives)."""
+    pack: bool = True
+    """Pack documents into full sequences (with document boundaries); false pads each document."""
+    shuffle_buffer: int = 1000
+    """Samples held in the shuffle buffer."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+    on_corrupt: Literal["error", "skip"] = "error"
+    """A corrupt shard stops the run (error) or is skipped, counted and warned about (skip)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DataConfig:
+        _require(self.seq_len > 0, f"data.seq_len must be positive, got {self.seq_len}")
+        _require(self.num_workers >= 0, f"data.num_workers must be >= 0, got {self.num_workers}")
+        return self
+
+
+class ObjectiveArgs(Section):
+    """Options of the objectives; each objective reads its own fields."""
+
+    mask_prob: float = 0.15
+    """masked_lm: fraction of non-special tokens selected for prediction."""
+    mask_token_prob: float = 0.8
+    """masked_lm: of the selected tokens, fraction replaced by the mask token."""
+    random_token_prob: float = 0.1
+    """masked_lm: of the selected tokens, fraction replaced by a random token (the rest stay unchanged)."""
+    prefix_min: float = 0.1
+    """prefix_lm: smallest prefix as a fraction of the sequence."""
+    prefix_max: float = 0.9
+    """prefix_lm: largest prefix as a fraction of the sequence."""
+    noise_density: float = 0.15
+    """span_corruption: fraction of tokens corrupted."""
+    mean_noise_span_length: float = 3.0
+    """span_corruption: mean length of a corrupted span."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ObjectiveArgs:
+        for name in ("mask_prob", "mask_token_prob", "random_token_prob", "noise_density"):
+            p = getattr(self, name)
+            _require(0.0 <= p <= 1.0, f"objective_args.{name} must be in [0, 1], got {p}")
+        _require(
+            self.mask_token_prob + self.random_token_prob <= 1.0,
+            "objective_args.mask_token_prob + random_token_prob must be <= 1, "
+            f"got {self.mask_token_prob} + {self.random_token_prob}",
+        )
+        _require(
+            0.0 <= self.prefix_min <= self.prefix_max <= 1.0,
+            f"objective_args needs 0 <= prefix_min <= prefix_max <= 1, got {self.prefix_min}, {self.prefix_max}",
+        )
+        _require(
+            self.mean_noise_span_length >= 1.0,
+            f"objective_args.mean_noise_span_length must be >= 1, got {self.mean_noise_span_length}",
+        )
+        return self
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+class TrainConfig(Section):
+    max_steps: int = 1000
+    """Optimizer steps to train."""
+    micro_batch_size: int | None = None
+    """Sequences per rank per forward pass."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step across all ranks (= micro x grad_accum x data-parallel size)."""
+    grad_accum: int | None = None
+    """Micro batches accumulated per optimizer step."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy loss (0.1 in the 2017 paper)."""
+    log_every: int = 10
+    """Steps between metrics.jsonl lines."""
+    eval_every: int = 0
+    """Steps between validation passes (0: only at the end)."""
+    eval_batches: int = 10
+    """Batches per validation pass."""
+    compile: bool = False
+    """torch.compile the model."""
+    max_bad_steps: int = 5
+    """Consecutive non-finite losses after which the run checkpoints and stops."""
+    peak_tflops: float | None = None
+    """Per-device peak TFLOP/s for the MFU estimate (default: 989 for H100 bf16, measured matmul peak on CPU)."""
+    sample_prompt: str | None = None
+    """Text to continue with a short generated sample at the end of training (decoder models)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        _require(self.max_steps >= 0, f"train.max_steps must be >= 0, got {self.max_steps}")
+        for name in ("micro_batch_size", "global_batch_size", "grad_accum"):
+            v = getattr(self, name)
+            _require(v is None or v > 0, f"train.{name} must be positive, got {v}")
+        _require(self.log_every > 0, f"train.log_every must be positive, got {self.log_every}")
+        return self
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "adam"] = "adamw"
+    """adamw: decoupled weight decay; adam: the 2017 paper's Adam (use weight_decay=0)."""
+    lr: float = 3e-4
+    """Peak learning rate (the multiplier of the inverse_sqrt schedule)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam beta1, beta2 (the 2017 paper: 0.9, 0.98)."""
+    eps: float = 1e-8
+    """Adam epsilon (the 2017 paper: 1e-9)."""
+    weight_decay: float = 0.1
+    """Weight decay coefficient."""
+    decay_norms_and_embeddings: bool = False
+    """Also decay norm weights, biases and embeddings (off: they are excluded, the common practice)."""
+
+
+class ScheduleConfig(Section):
+    name: Literal["cosine", "linear", "constant", "inverse_sqrt"] = "cosine"
+    """Learning-rate schedule after warmup; inverse_sqrt is d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)."""
+    warmup_steps: int = 100
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of optim.lr (cosine, linear)."""
+
+
+class CheckpointConfig(Section):
+    every: int = 1000
+    """Steps between checkpoints (a final one is always written)."""
+    keep: int = 3
+    """Most recent checkpoints kept (older ones are deleted)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype of exported consolidated weights."""
+
+
+class ParallelConfig(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    """DeepSpeed ZeRO stage."""
+    tensor_parallel: int = 1
+    """Tensor-parallel degree (DeepSpeed AutoTP); the other ranks form the data-parallel group."""
+    offload_optimizer: bool = False
+    """Keep optimizer states on the CPU (ZeRO-Offload)."""
+
+
+class WandbConfig(Section):
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """online, offline or disabled; default: online if WANDB_API_KEY is set, else offline."""
+    project: str = "megatransformer"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user)."""
+    name: str | None = None
+    """Run name; defaults to the run directory's name."""
+    tags: list[str] = []
+    """Run tags."""
+
+
+# -------------------------------------------------------------------------------------------- run
+
+
+class RunConfig(Section):
+    """A complete training run."""
+
+    run_dir: str = "runs/default"
+    """Directory for config.yaml, metrics.jsonl, checkpoints and W&B files."""
+    seed: int = 0
+    """Seed of weights, data order and objectives."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    objective: Literal["autoregressive", "masked_lm", "prefix_lm", "span_corruption"] = "autoregressive"
+    """Training objective (batch builder)."""
+    objective_args: ObjectiveArgs = Field(default_factory=ObjectiveArgs)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Training precision; bf16 keeps fp32 master weights, fp16 adds loss scaling (GPU)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    resume: str | None = None
+    """auto: the latest complete checkpoint in run_dir/checkpoints (fresh start if none); or a checkpoint path."""
+    init_from: str | None = None
+    """Checkpoint whose weights (only) initialise this run, for fine-tuning."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        m, tp = self.model, self.parallel.tensor_parallel
+        _require(tp >= 1, f"parallel.tensor_parallel must be >= 1, got {tp}")
+        for name, value in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("d_ff", m.d_ff),
+                            ("vocab_size", m.vocab_size)):
+            _require(value % tp == 0,
+                     f"parallel.tensor_parallel={tp} does not divide model.{name}={value}")
+        allowed = {
+            "autoregressive": ("decoder",),
+            "prefix_lm": ("decoder", "encoder_decoder"),
+            "masked_lm": ("encoder",),
+            "span_corruption": ("encoder_decoder",),
+        }[self.objective]
+        _require(m.arch in allowed,
+                 f"objective={self.objective} needs model.arch in {list(allowed)}, got model.arch={m.arch}")
+        _require(self.data.seq_len <= m.max_seq_len,
+                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        _require(self.resume is None or self.init_from is None,
+                 "resume and init_from are exclusive: resume continues a run, init_from starts a new one")
+        _require(self.precision != "fp16" or m.attention_backend != "flex",
+                 "precision=fp16 is not supported with model.attention_backend=flex; use bf16")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` strings to a nested dict; values are parsed as YAML scalars/lists."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        value = yaml.safe_load(text) if text else None
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), schema: type[Section] = RunConfig):
+    """Read a YAML run description, apply overrides and validate it into ``schema``."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
+    raw = apply_overrides(raw, list(overrides))
+    return validate(raw, schema)
+
+
+def validate(raw: dict[str, Any], schema: type[Section] = RunConfig):
+    try:
+        return schema.model_validate(raw)
+    except ConfigError:
+        raise
+    except ValidationError as err:
+        raise ConfigError(_describe(err, schema)) from None
+
+
+def _describe(err: ValidationError, schema: type[Section]) -> str:
+    """Turn pydantic's most useful error into one line; for unknown keys suggest the closest valid key."""
+    errors = err.errors()
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    loc = [str(p) for p in first["loc"] if not _is_union_tag(p)]
+    where = ".".join(loc)
+    if first["type"] == "extra_forbidden":
+        section = _section_at(schema, [p for p in loc[:-1] if not p.isdigit()])
+        valid = list(section.model_fields) if section else []
+        close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+        hint = f"did you mean {'.'.join(loc[:-1] + close)!r}?" if close else f"valid keys: {', '.join(valid)}"
+        return f"unknown config key {where!r}; {hint}"
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, ConfigError):
+        return str(cause)
+    return f"config key {where!r}: {first['msg']} (got {first.get('input')!r})"
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the union member it tried in the error location (``str``, ``list[X]``)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
+
+
+def _section_at(schema: type[Section], loc: list[str]) -> type[BaseModel] | None:
+    node: type[BaseModel] | None = schema
+    for part in loc:
+        field = node.model_fields.get(part) if node else None
+        node = _model_in(field.annotation) if field else None
+    return node
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel class inside an annotation such as ``X``, ``list[X]`` or ``str | list[X] | None``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found:
+            return found
+    return None
+
+
+def dump_config(cfg: Section) -> str:
+    """The resolved config as YAML, in field order (what run directories store)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
