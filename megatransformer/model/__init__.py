@@ -1,0 +1,18 @@
+"""The model family. ``build_model(cfg.model)`` is the entry point; ``TP_PLAN`` the tensor-parallel plan."""
+
+from megatransformer.model.attention import BACKENDS, KVCache
+from megatransformer.model.generate import generate, stream
+from megatransformer.model.tp_plan import TP_PLAN, deepspeed_layer_specs
+from megatransformer.model.transformer import (
+    ARCHITECTURES,
+    DecoderLM,
+    EncoderDecoderLM,
+    EncoderLM,
+    LanguageModel,
+    build_model,
+)
+
+__all__ = [
+    "ARCHITECTURES", "BACKENDS", "DecoderLM", "EncoderDecoderLM", "EncoderLM", "KVCache", "LanguageModel",
+    "TP_PLAN", "build_model", "deepspeed_layer_specs", "generate", "stream",
+]

@@ -1,0 +1,155 @@
+"""Multi-head attention (MHA / GQA / MQA) with interchangeable attention cores.
+
+The projections are plain ``nn.Linear`` layers and the number of heads is read from their output width
+(``view(B, T, -1, head_dim)``): a tensor-parallel shard holding a slice of the heads runs this code unchanged.
+The core (softmax(QK^T)V under a mask) is a function picked by name from ``BACKENDS``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatransformer.model.masks import AttentionMask, cu_seqlens
+from megatransformer.model.positions import apply_rope
+
+# q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D] -> [B, H, Tq, D]
+Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask, float], torch.Tensor]
+
+
+def sdpa_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    if mask.is_simple:
+        causal = mask.causal and not (mask.q_offset and q.shape[2] == 1)
+        if causal and q.shape[2] != k.shape[2]:  # chunked prefill onto a cache: bottom-right aligned
+            attn_mask = mask.dense(q.shape[2], k.shape[2], q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, None, dropout, is_causal=causal, enable_gqa=gqa)
+    attn_mask = mask.dense(q.shape[2], k.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout, enable_gqa=gqa)
+
+
+def eager_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
+    """The textbook formula, for reference and tests."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    allowed = mask.dense(q.shape[2], k.shape[2], q.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = F.dropout(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), dropout)
+    return probs @ v
+
+
+_compiled_flex = None
+
+
+def flex_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
+    """FlexAttention with a block mask: any mask, no dense L x L tensor (compiled on first use)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _compiled_flex
+    if dropout:
+        raise ValueError("attention_backend=flex does not support attention_dropout; set it to 0 or use sdpa")
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    batch = q.shape[0] if (mask.q_segments is not None or mask.prefix_len is not None) else None
+    block_mask = create_block_mask(mask.mask_mod(), batch, None, q.shape[2], k.shape[2], device=q.device)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flash_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
+    """flash-attn (CUDA): causal / bidirectional, packed documents through the varlen kernel."""
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+    except ImportError:
+        raise RuntimeError(
+            "model.attention_backend=flash needs the flash-attn package on a CUDA machine "
+            "(pip install 'megatransformer[gpu]'); use sdpa or flex otherwise"
+        ) from None
+    if mask.prefix_len is not None:
+        raise ValueError("flash-attn cannot express prefix-LM masks; use model.attention_backend=flex")
+    causal = mask.causal and not (mask.q_offset and q.shape[2] == 1)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # flash layout: [B, T, H, D]
+    if mask.q_segments is None:
+        return flash_attn_func(q, k, v, dropout, causal=causal).transpose(1, 2)
+    if mask.q_segments is not mask.kv_segments:
+        raise ValueError("flash-attn packed cross-attention is not supported; use model.attention_backend=flex")
+    batch, length, heads, dim = q.shape
+    bounds, longest = cu_seqlens(mask.q_segments)
+    out = flash_attn_varlen_func(
+        q.reshape(batch * length, heads, dim), k.reshape(batch * length, -1, dim),
+        v.reshape(batch * length, -1, dim), bounds, bounds, longest, longest, dropout, causal=causal,
+    )
+    return out.view(batch, length, heads, dim).transpose(1, 2)
+
+
+BACKENDS: dict[str, Core] = {"sdpa": sdpa_core, "eager": eager_core, "flex": flex_core, "flash": flash_core}
+
+
+class KVCache:
+    """Pre-allocated keys/values of one self-attention layer for incremental decoding."""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> None:
+        self.k = torch.empty(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions, decoding needs {end}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float,
+                 backend: str) -> None:
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.dropout = dropout
+        self.core = BACKENDS[backend]
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        memory: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Self-attention over ``x``, or cross-attention to ``memory`` (the encoder output).
+
+        ``cache`` appends this call's keys/values (self-attention decoding); ``memory_kv`` reuses
+        precomputed cross-attention keys/values (see :meth:`project_memory`).
+        """
+        q = self._heads(self.q_proj(x))
+        if memory_kv is not None:
+            k, v = memory_kv
+        else:
+            source = x if memory is None else memory
+            k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        out = self.core(q, k, v, mask, self.dropout if self.training else 0.0)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys/values of the encoder output, computed once per generation."""
+        return self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))

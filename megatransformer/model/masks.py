@@ -1,0 +1,105 @@
+"""Attention masks as a description, rendered per backend.
+
+An :class:`AttentionMask` says *which* keys a query may see (causal order, a bidirectional prefix, document
+segments); each backend turns it into what it needs: nothing at all for plain causal/bidirectional SDPA,
+a dense boolean mask, a FlexAttention block mask, or flash-attn's ``cu_seqlens``. The rule, for query
+position ``q`` and key position ``k`` of row ``b``::
+
+    order_ok   = not causal or k <= q or k < prefix_len[b]
+    segment_ok = q_seg[b, q] == k_seg[b, k] or q_seg[b, q] == PAD_SEGMENT
+    allowed    = order_ok and segment_ok
+
+Padding queries may attend anywhere, so no row is ever fully masked (which would produce NaN); their
+outputs carry no loss. Real queries never see padding keys or other documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatransformer.batch import PAD_SEGMENT
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    causal: bool
+    q_segments: torch.Tensor | None = None  # [B, Tq]
+    kv_segments: torch.Tensor | None = None  # [B, Tk]
+    prefix_len: torch.Tensor | None = None  # [B]
+    q_offset: int = 0  # absolute position of the first query (decoding with a KV cache)
+
+    @property
+    def is_simple(self) -> bool:
+        """Plain causal or full attention: backends need no explicit mask."""
+        return self.q_segments is None and self.prefix_len is None
+
+    def dense(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+        """Boolean mask [B or 1, 1, Tq, Tk], True where attention is allowed."""
+        q = torch.arange(q_len, device=device).view(1, q_len, 1) + self.q_offset
+        k = torch.arange(kv_len, device=device).view(1, 1, kv_len)
+        allowed = torch.ones(1, q_len, kv_len, dtype=torch.bool, device=device)
+        if self.causal:
+            order = k <= q
+            if self.prefix_len is not None:
+                order = order | (k < self.prefix_len.view(-1, 1, 1))
+            allowed = allowed & order
+        if self.q_segments is not None:
+            q_seg = self.q_segments[:, -q_len:].unsqueeze(2)
+            k_seg = self.kv_segments[:, :kv_len].unsqueeze(1)
+            allowed = allowed & ((q_seg == k_seg) | (q_seg == PAD_SEGMENT))
+        return allowed.unsqueeze(1)
+
+    def mask_mod(self):
+        """The same rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``."""
+        causal, offset = self.causal, self.q_offset
+        q_segments, kv_segments, prefix_len = self.q_segments, self.kv_segments, self.prefix_len
+
+        def mod(b, h, q_idx, kv_idx):
+            q_pos = q_idx + offset
+            allowed = (kv_idx <= q_pos) if causal else (kv_idx >= 0)
+            if causal and prefix_len is not None:
+                allowed = allowed | (kv_idx < prefix_len[b])
+            if q_segments is not None:
+                q_seg = q_segments[b, q_idx]
+                allowed = allowed & ((q_seg == kv_segments[b, kv_idx]) | (q_seg == PAD_SEGMENT))
+            return allowed
+
+        return mod
+
+
+def self_attention_mask(
+    causal: bool,
+    segment_ids: torch.Tensor | None = None,
+    prefix_len: torch.Tensor | None = None,
+    q_offset: int = 0,
+) -> AttentionMask:
+    """Mask for self-attention; drops the segment check when every token is one document."""
+    if segment_ids is not None and bool((segment_ids == segment_ids[:, :1]).all()):
+        segment_ids = None
+    if not causal and prefix_len is not None:
+        raise ValueError("prefix_len only makes sense for causal self-attention")
+    return AttentionMask(causal, segment_ids, segment_ids, prefix_len, q_offset)
+
+
+def cross_attention_mask(
+    q_segments: torch.Tensor | None, kv_segments: torch.Tensor | None
+) -> AttentionMask:
+    """Decoder queries see the encoder tokens of their own example (segment)."""
+    if q_segments is None or kv_segments is None:
+        return AttentionMask(causal=False)
+    return AttentionMask(False, q_segments, kv_segments)
+
+
+def cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """flash-attn varlen boundaries: every run of equal segment ids in a row is one sequence.
+
+    Returns int32 cumulative lengths over the flattened batch and the longest run.
+    """
+    batch, length = segment_ids.shape
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_idx = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
+    bounds = torch.cat([start_idx, start_idx.new_tensor([batch * length])]).to(torch.int32)
+    return bounds, int((bounds[1:] - bounds[:-1]).max())

@@ -1,0 +1,24 @@
+"""Tensor-parallel plan: which weights are split by output (column) or by input (row), as data.
+
+Column-parallel q/k/v and gate/up projections produce a slice of the heads / FFN width on each rank;
+the row-parallel o_proj and down_proj consume that slice and all-reduce their output. Attention sizes its
+heads from the projection width, so the model code runs unchanged on a shard. Embeddings, norms and the
+(tied) output head stay replicated. The same names serve self- and cross-attention.
+"""
+
+from __future__ import annotations
+
+TP_PLAN: dict[str, str] = {
+    r".*\.[qkv]_proj\.weight$": "column",
+    r".*\.(gate|up)_proj\.weight$": "column",
+    r".*\.o_proj\.weight$": "row",
+    r".*\.down_proj\.weight$": "row",
+}
+
+
+def deepspeed_layer_specs(plan: dict[str, str] = TP_PLAN) -> list[dict]:
+    """The plan in DeepSpeed AutoTP's ``tensor_parallel.partition_config.layer_specs`` form."""
+    by_type: dict[str, list[str]] = {}
+    for pattern, partition in plan.items():
+        by_type.setdefault(partition, []).append(pattern)
+    return [{"patterns": patterns, "partition_type": kind} for kind, patterns in by_type.items()]

@@ -1,0 +1,243 @@
+"""The model family: decoder-only, encoder-only and encoder-decoder Transformers.
+
+Every model takes the batch keys of ``megatransformer.batch`` as keyword arguments and returns logits.
+Nothing here knows about parallelism or training: tensor parallelism is applied from ``tp_plan.TP_PLAN``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatransformer.config import ModelConfig
+from megatransformer.model.attention import KVCache
+from megatransformer.model.layers import Block, make_norm
+from megatransformer.model.masks import AttentionMask, cross_attention_mask, self_attention_mask
+from megatransformer.model.positions import LearnedPositions, Rotary, SinusoidalPositions
+
+
+class Stack(nn.Module):
+    """Positions, embedding dropout, the blocks and (pre-LN) the final norm."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, cross_attention: bool = False) -> None:
+        super().__init__()
+        self.positions = {
+            "learned": lambda: LearnedPositions(cfg.max_seq_len, cfg.d_model),
+            "sinusoidal": lambda: SinusoidalPositions(cfg.max_seq_len, cfg.d_model),
+            "rope": lambda: None,
+        }[cfg.position]()
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position == "rope" else None
+        dropout = cfg.dropout if cfg.embedding_dropout is None else cfg.embedding_dropout
+        self.embed_dropout = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(Block(cfg, cross_attention) for _ in range(n_layers))
+        use_final_norm = cfg.norm_position == "pre" and cfg.final_norm
+        self.norm = make_norm(cfg) if use_final_norm else None
+        self.activation_checkpointing = cfg.activation_checkpointing
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: AttentionMask,
+        memory: torch.Tensor | None = None,
+        memory_mask: AttentionMask | None = None,
+        caches: list[KVCache] | None = None,
+        memory_kvs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        if self.positions is not None:
+            x = x + self.positions(position_ids).to(x.dtype)
+        x = self.embed_dropout(x)
+        rope = self.rotary(position_ids, x.dtype) if self.rotary is not None else None
+        for i, layer in enumerate(self.layers):
+            cache = caches[i] if caches else None
+            memory_kv = memory_kvs[i] if memory_kvs else None
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(layer, x, mask, rope, memory, memory_mask, use_reentrant=False)
+            else:
+                x = layer(x, mask, rope, memory, memory_mask, cache, memory_kv)
+        return self.norm(x) if self.norm is not None else x
+
+
+def default_positions(ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    return torch.arange(offset, offset + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+
+
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding with the 2017 paper's optional sqrt(d_model) scale."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg.vocab_size, cfg.d_model)
+        self.scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(ids)
+        return x * self.scale if self.scale != 1.0 else x
+
+
+class LanguageModel(nn.Module):
+    """Shared pieces: config, output head (tied or not), weight init, KV caches."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = TokenEmbedding(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def _tie(self, embedding: nn.Embedding) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = embedding.weight
+
+    def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        cfg, weight = self.config, self.lm_head.weight
+        n = len(self.decoder.layers)
+        return [KVCache(batch, cfg.kv_heads, max_len, cfg.head_dim, weight.dtype, weight.device) for _ in range(n)]
+
+
+class DecoderLM(LanguageModel):
+    """Decoder-only causal LM (optionally with a bidirectional prefix per row: prefix-LM)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.decoder = Stack(cfg, cfg.n_layers)
+        self._tie(self.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        prefix_len: torch.Tensor | None = None,
+        caches: list[KVCache] | None = None,
+    ) -> torch.Tensor:
+        offset = caches[0].length if caches else 0
+        if position_ids is None:
+            position_ids = default_positions(input_ids, offset)
+        mask = self_attention_mask(True, segment_ids, prefix_len, offset)
+        hidden = self.decoder(self.embed_tokens(input_ids), position_ids, mask, caches=caches)
+        return self.lm_head(hidden)
+
+
+class EncoderLM(LanguageModel):
+    """Encoder-only bidirectional model with a token-prediction head (masked-LM)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.encoder = Stack(cfg, cfg.n_layers)
+        self._tie(self.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = default_positions(input_ids)
+        mask = self_attention_mask(False, segment_ids)
+        return self.lm_head(self.encoder(self.embed_tokens(input_ids), position_ids, mask))
+
+
+class EncoderDecoderLM(LanguageModel):
+    """Encoder self-attention; decoder causal self-attention plus cross-attention to the encoder output."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.decoder_embed_tokens = None if cfg.share_embeddings else TokenEmbedding(cfg)
+        self.encoder = Stack(cfg, cfg.n_layers)
+        self.decoder = Stack(cfg, cfg.decoder_layers, cross_attention=True)
+        self._tie(self.decoder_embed_tokens or self.embed_tokens)
+
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = default_positions(input_ids)
+        mask = self_attention_mask(False, segment_ids)
+        return self.encoder(self.embed_tokens(input_ids), position_ids, mask)
+
+    def decode(
+        self,
+        decoder_input_ids: torch.Tensor,
+        memory: torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        decoder_position_ids: torch.Tensor | None = None,
+        decoder_segment_ids: torch.Tensor | None = None,
+        caches: list[KVCache] | None = None,
+        memory_kvs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        offset = caches[0].length if caches else 0
+        if decoder_position_ids is None:
+            decoder_position_ids = default_positions(decoder_input_ids, offset)
+        mask = self_attention_mask(True, decoder_segment_ids, q_offset=offset)
+        memory_mask = cross_attention_mask(decoder_segment_ids, segment_ids)
+        embed = self.decoder_embed_tokens or self.embed_tokens
+        hidden = self.decoder(
+            embed(decoder_input_ids), decoder_position_ids, mask,
+            memory=None if memory_kvs else memory, memory_mask=memory_mask, caches=caches, memory_kvs=memory_kvs,
+        )
+        return self.lm_head(hidden)
+
+    def project_memory(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Cross-attention keys/values of every decoder layer, computed once for generation."""
+        return [layer.cross_attn.project_memory(memory) for layer in self.decoder.layers]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        decoder_input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        decoder_position_ids: torch.Tensor | None = None,
+        decoder_segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        memory = self.encode(input_ids, position_ids, segment_ids)
+        return self.decode(decoder_input_ids, memory, segment_ids, decoder_position_ids, decoder_segment_ids)
+
+
+ARCHITECTURES: dict[str, type[LanguageModel]] = {
+    "decoder": DecoderLM,
+    "encoder": EncoderLM,
+    "encoder_decoder": EncoderDecoderLM,
+}
+
+
+def build_model(cfg: ModelConfig) -> LanguageModel:
+    """Build and initialise the model a config describes (fp32, on the CPU)."""
+    model = ARCHITECTURES[cfg.arch](cfg)
+    init_weights(model, cfg)
+    return model
+
+
+RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 * layers) so the
+    residual stream's variance does not grow with depth (GPT-2); sqrt(d)-scaled embeddings get std d^-0.5."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            if name == "lm_head" and cfg.tie_embeddings:
+                continue  # the embedding table, initialised as such
+            std = cfg.init_std
+            if cfg.depth_scaled_init and name.endswith(RESIDUAL_OUTPUTS):
+                std /= math.sqrt(2 * _stack_depth(model, name))
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            std = cfg.d_model**-0.5 if cfg.scale_embeddings else cfg.init_std
+            nn.init.normal_(module.weight, 0.0, std)
+        elif isinstance(module, LearnedPositions):
+            nn.init.normal_(module.weight, 0.0, cfg.init_std)
+
+
+def _stack_depth(model: nn.Module, name: str) -> int:
+    stack = model.get_submodule(name.split(".layers.")[0])
+    return len(stack.layers)
