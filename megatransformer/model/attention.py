@@ -54,6 +54,11 @@ def flex_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
     global _compiled_flex
     if dropout:
         raise ValueError("attention_backend=flex does not support attention_dropout; set it to 0 or use sdpa")
+    if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+        raise ValueError(
+            "FlexAttention has no backward pass on CPU in this PyTorch; train on CPU with "
+            "model.attention_backend=sdpa (flex serves CPU inference and GPU training)"
+        )
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     batch = q.shape[0] if (mask.q_segments is not None or mask.prefix_len is not None) else None
