@@ -1,0 +1,32 @@
+"""``megatransformer info``: the resolved config, parameter counts and training FLOPs per token."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from megatransformer.config import dump_config, load_config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("info", help="show a config's resolved values, parameters and FLOPs/token")
+    parser.add_argument("--config", required=True, help="YAML run description")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatransformer.flops import model_size
+
+    cfg = load_config(args.config, args.overrides)
+    size = model_size(cfg.model, cfg.data.seq_len)
+    if args.json:
+        print(json.dumps({"config": cfg.model_dump(mode="json"), **size.as_dict()}, indent=2))
+        return 0
+    print(dump_config(cfg), end="")
+    print("---")
+    print(f"parameters:               {size.params:,} ({size.params / 1e6:.2f} M)")
+    print(f"non-embedding parameters: {size.non_embedding_params:,} ({size.non_embedding_params / 1e6:.2f} M)")
+    print(f"training FLOPs per token: {size.flops_per_token:.4g} (seq_len {size.seq_len})")
+    return 0
