@@ -6,7 +6,10 @@ model; anything else is refused with the option that prevents the mapping.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -99,3 +102,64 @@ def from_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     if missing:
         raise ValueError(f"Llama checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
     return {ours: state[theirs] for ours, theirs in _name_pairs(cfg.n_layers)}
+
+
+def save_llama_dir(
+    out: Path,
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    tokenizer_json: Path | None = None,
+    special_ids: dict[str, int | None] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Write a ``LlamaForCausalLM`` directory (config.json, model.safetensors, tokenizer files) that
+    ``transformers`` loads with no custom code. Written to a temporary directory, renamed when complete."""
+    from safetensors.torch import save_file
+
+    special_ids = special_ids or {}
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        **llama_config(cfg), "rope_theta": cfg.rope_theta,
+        "bos_token_id": special_ids.get("bos"), "eos_token_id": special_ids.get("eos"),
+        "pad_token_id": special_ids.get("pad"), "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in to_llama_state_dict(state, cfg).items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": special_ids.get("bos"), "eos_token_id": special_ids.get("eos"),
+         "pad_token_id": special_ids.get("pad")}, indent=2))
+    if tokenizer_json is not None:
+        shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
+        names = {"bos": "bos_token", "eos": "eos_token", "pad": "pad_token", "unk": "unk_token"}
+        tokens = json.loads(Path(tokenizer_json).read_text()).get("added_tokens", [])
+        by_id = {t["id"]: t["content"] for t in tokens}
+        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len}
+        tok_config.update({names[k]: by_id[i] for k, i in special_ids.items() if k in names and i in by_id})
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def load_llama_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Llama-format directory (config.json + *.safetensors, possibly sharded) into our names."""
+    from safetensors.torch import load_file
+
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{path} has no config.json; expected a Hugging Face model directory")
+    hf = json.loads(config_path.read_text())
+    if hf.get("model_type") != "llama":
+        raise ValueError(f"{path} holds model_type={hf.get('model_type')!r}; only 'llama' can be imported")
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no .safetensors weights (convert .bin weights with transformers first)")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    cfg = model_config_from_llama(hf)
+    return cfg, from_llama_state_dict(state, cfg)
