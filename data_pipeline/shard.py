@@ -1,0 +1,213 @@
+"""Tokenize documents in parallel and write WebDataset shards plus a manifest.
+
+Layout of a shard directory::
+
+    train-000000.tar ...   samples {"__key__": "<doc id>", "ids.npy": uint16|uint32 token ids}
+    valid-000000.tar ...   the held-out split (a deterministic 1/N of the documents)
+    manifest.json          per-shard samples, tokens and sha256; tokenizer hash, dtype, vocab size
+
+Each shard is written under a temporary name and renamed when complete; the manifest is written last,
+so a directory without a manifest (or a shard not listed in it) is never mistaken for data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing as mp
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from data_pipeline import DataError
+from data_pipeline.sources import DecodeStats, Document, read_documents
+from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ShardInfo:
+    file: str
+    samples: int
+    tokens: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    tokenizer_sha256: str
+    vocab_size: int
+    dtype: str
+    eos_id: int | None
+    splits: dict[str, list[ShardInfo]] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    def save(self, directory: Path) -> None:
+        tmp = directory / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(directory / MANIFEST)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Manifest:
+        path = Path(directory) / MANIFEST
+        if not path.is_file():
+            raise DataError(f"{directory} has no {MANIFEST}: not a complete shard directory "
+                            "(write one with `megatransformer data shard`)")
+        raw = json.loads(path.read_text())
+        if raw.get("version") != FORMAT_VERSION:
+            raise DataError(f"{path} has format version {raw.get('version')}, this code reads {FORMAT_VERSION}")
+        splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}
+        return cls(splits=splits, **raw)
+
+    def tokens(self, split: str) -> int:
+        return sum(s.tokens for s in self.splits.get(split, []))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def encode_sample(key: str, ids: np.ndarray) -> dict:
+    buffer = io.BytesIO()
+    np.save(buffer, ids, allow_pickle=False)
+    return {"__key__": key, "ids.npy": buffer.getvalue()}
+
+
+def decode_ids(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+class ShardWriter:
+    """Rolls over to a new tar once ``max_bytes`` is reached; each tar appears only when closed."""
+
+    def __init__(self, directory: Path, prefix: str, max_bytes: int) -> None:
+        self.directory, self.prefix, self.max_bytes = directory, prefix, max_bytes
+        self.shards: list[ShardInfo] = []
+        self._tar = None
+
+    def write(self, key: str, ids: np.ndarray) -> None:
+        if self._tar is None:
+            self._open()
+        self._tar.write(encode_sample(key, ids))
+        self._samples += 1
+        self._tokens += len(ids)
+        self._bytes += ids.nbytes + 1024
+        if self._bytes >= self.max_bytes:
+            self.close()
+
+    def _open(self) -> None:
+        import webdataset as wds
+
+        name = f"{self.prefix}-{len(self.shards):06d}.tar"
+        self._final, self._tmp = self.directory / name, self.directory / f".{name}.tmp"
+        self._stream = open(self._tmp, "wb")
+        self._tar = wds.TarWriter(self._stream)
+        self._samples = self._tokens = self._bytes = 0
+
+    def close(self) -> None:
+        if self._tar is None:
+            return
+        self._tar.close()
+        self._stream.close()
+        self._tmp.replace(self._final)
+        self.shards.append(ShardInfo(self._final.name, self._samples, self._tokens, _sha256(self._final)))
+        self._tar = None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+_worker_tokenizer: TokenizerInfo | None = None
+
+
+def _init_worker(path: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(path)
+
+
+def _tokenize(texts: list[str]) -> list[list[int]]:
+    return _worker_tokenizer.encode_batch(texts)
+
+
+def _batches(docs: Iterator[Document], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for doc in docs:
+        batch.append(doc.text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def prepare_output(out: Path, overwrite: bool) -> None:
+    existing = [p for p in out.glob("*") if p.name == MANIFEST or p.suffix == ".tar"] if out.exists() else []
+    if existing and not overwrite:
+        raise DataError(f"{out} already holds a dataset ({existing[0].name}); choose another --out or pass "
+                        "--overwrite to replace it")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # first, so a half-replaced directory never looks complete
+    for path in existing:
+        path.unlink(missing_ok=True)
+
+
+def write_shards(
+    files: list[str],
+    tokenizer_path: str,
+    out: str | Path,
+    shard_mb: float = 256.0,
+    valid_every: int = 100,
+    workers: int | None = None,
+    text_field: str = "text",
+    doc_per: str = "block",
+    on_decode_error: str = "replace",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Manifest:
+    """Every ``valid_every``-th document goes to the validation split (0: no validation split)."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    tokenizer = load_tokenizer(tokenizer_path)
+    prepare_output(out, overwrite)
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {split: ShardWriter(out, split, int(shard_mb * 2**20)) for split in ("train", "valid")}
+    stats = DecodeStats()
+    docs = read_documents(files, text_field, doc_per, on_decode_error, stats)
+    workers = workers or os.cpu_count() or 1
+    bar = tqdm(unit=" docs", disable=not progress, desc="sharding")
+    n_docs = n_tokens = 0
+    started = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path,)) as pool:
+        for batch in pool.imap(_tokenize, _batches(docs, 256)):
+            for ids in batch:
+                split = "valid" if valid_every and n_docs % valid_every == valid_every - 1 else "train"
+                writers[split].write(f"{n_docs:012d}", np.asarray(ids, dtype=dtype))
+                n_docs += 1
+                n_tokens += len(ids)
+            bar.update(len(batch))
+            rate = n_tokens / max(time.perf_counter() - started, 1e-9)
+            bar.set_postfix_str(f"{rate:,.0f} tokens/s")
+    bar.close()
+    for writer in writers.values():
+        writer.close()
+    if n_docs == 0:
+        raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
+    if stats.replaced_lines:
+        print(f"warning: {stats.replaced_lines} lines were not valid UTF-8; bad bytes were replaced")
+    manifest = Manifest(tokenizer.sha256, tokenizer.vocab_size, dtype.name, tokenizer.eos_id,
+                        {split: w.shards for split, w in writers.items() if w.shards})
+    manifest.save(out)
+    return manifest
