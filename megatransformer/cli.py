@@ -15,6 +15,7 @@ from megatransformer.config import ConfigError
 
 COMMANDS = (
     "megatransformer.commands.info",
+    "data_pipeline.cli",
 )
 
 

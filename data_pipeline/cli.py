@@ -1,0 +1,96 @@
+"""``megatransformer data tokenizer | shard | inspect | demo-corpus``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from data_pipeline import DataError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    data = subparsers.add_parser("data", help="prepare and inspect training data")
+    commands = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
+
+    p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer with the special tokens")
+    p.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files (.gz/.zst too)")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--sentinels", type=int, default=100, help="span-corruption sentinel tokens")
+    p.add_argument("--out", required=True, help="tokenizer.json to write")
+    p.set_defaults(func=_tokenizer)
+
+    p = commands.add_parser("shard", help="tokenize documents into WebDataset shards + manifest.json")
+    p.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files (.gz/.zst too)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--shard-mb", type=float, default=256.0, help="approximate shard size in MiB")
+    p.add_argument("--valid-every", type=int, default=100, help="every N-th document is held out (0: none)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--text-field", default="text", help="field of .jsonl records holding the text")
+    p.add_argument("--doc-per", choices=["block", "file"], default="block",
+                   help=".txt documents: blank-line-separated blocks or whole files")
+    p.add_argument("--on-decode-error", choices=["replace", "fail"], default="replace")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+    p.set_defaults(func=_shard)
+
+    p = commands.add_parser("inspect", help="decode a few batches of a run config and print statistics")
+    p.add_argument("--config", required=True)
+    p.add_argument("--batches", type=int, default=2)
+    p.add_argument("--split", choices=["train", "valid"], default="train")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value")
+    p.set_defaults(func=_inspect)
+
+    p = commands.add_parser("demo-corpus", help="write a text corpus from the Python standard library's docstrings")
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-mb", type=float, default=2.0)
+    p.set_defaults(func=_demo_corpus)
+
+
+def _guard(fn):
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except DataError as err:
+            print(f"megatransformer data {args.data_command}: error: {err}", file=sys.stderr)
+            return 2
+    return run
+
+
+@_guard
+def _tokenizer(args: argparse.Namespace) -> int:
+    from data_pipeline.tokenizer import train_tokenizer
+
+    info = train_tokenizer(args.input, args.vocab_size, args.out, args.sentinels)
+    print(f"wrote {args.out}: {info.vocab_size} tokens (pad {info.pad_id}, bos {info.bos_id}, eos {info.eos_id}, "
+          f"mask {info.mask_id}, {len(info.sentinel_ids)} sentinels)")
+    return 0
+
+
+@_guard
+def _shard(args: argparse.Namespace) -> int:
+    from data_pipeline.shard import write_shards
+
+    manifest = write_shards(args.input, args.tokenizer, args.out, args.shard_mb, args.valid_every, args.workers,
+                            args.text_field, args.doc_per, args.on_decode_error, args.overwrite,
+                            progress=sys.stderr.isatty())
+    for split, shards in manifest.splits.items():
+        print(f"{split}: {len(shards)} shards, {sum(s.samples for s in shards):,} documents, "
+              f"{manifest.tokens(split):,} tokens ({manifest.dtype})")
+    return 0
+
+
+@_guard
+def _inspect(args: argparse.Namespace) -> int:
+    from data_pipeline.inspect import inspect_batches
+
+    return inspect_batches(args.config, args.overrides, args.batches, args.split, args.json)
+
+
+@_guard
+def _demo_corpus(args: argparse.Namespace) -> int:
+    from data_pipeline.corpus import write_demo_corpus
+
+    path = write_demo_corpus(args.out, int(args.max_mb * 1e6))
+    print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return 0

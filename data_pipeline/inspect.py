@@ -1,0 +1,87 @@
+"""``megatransformer data inspect``: what the model will see, as a person wants to read it, plus statistics."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from megatransformer.batch import IGNORE_INDEX
+from megatransformer.config import load_config
+
+
+def batch_stats(batch: dict[str, torch.Tensor], objective: str, mask_id: int | None,
+                sentinels: set[int]) -> dict[str, float]:
+    labels = batch["labels"]
+    has_loss = labels != IGNORE_INDEX
+    stats = {"loss_fraction": has_loss.float().mean().item()}
+    segments = batch.get("decoder_segment_ids", batch.get("segment_ids"))
+    if segments is not None:
+        stats["padding_fraction"] = (segments == 0).float().mean().item()
+    if "segment_ids" in batch:
+        stats["documents_per_sequence"] = batch["segment_ids"].max(dim=1).values.float().mean().item()
+    if objective == "masked_lm":
+        inputs, selected = batch["input_ids"][has_loss], labels[has_loss]
+        n = max(len(selected), 1)
+        stats["selected_fraction"] = has_loss.sum().item() / max((batch["segment_ids"] > 0).sum().item(), 1)
+        stats["masked_fraction"] = (inputs == mask_id).sum().item() / n
+        stats["kept_fraction"] = ((inputs == selected) & (inputs != mask_id)).sum().item() / n
+        stats["random_fraction"] = 1.0 - stats["masked_fraction"] - stats["kept_fraction"]
+    if objective == "span_corruption":
+        target = labels[has_loss].tolist()
+        spans = sum(t in sentinels for t in target)
+        noise = sum(t not in sentinels for t in target) - labels.shape[0]  # minus one EOS per row
+        if spans:
+            stats["mean_noise_span_length"] = noise / spans
+    return stats
+
+
+def show_row(batch: dict[str, torch.Tensor], row: int, tok, objective: str) -> str:
+    def text(ids) -> str:
+        return tok.decode([int(i) for i in ids if int(i) != IGNORE_INDEX])
+
+    ids, labels = batch["input_ids"][row], batch["labels"][row]
+    if "decoder_input_ids" in batch:
+        return f"  encoder: {text(ids)!r}\n  target:  {text(labels)!r}"
+    if "prefix_len" in batch:
+        p = int(batch["prefix_len"][row])
+        return f"  prefix: {text(ids[:p])!r}\n  suffix (loss): {text(ids[p:][labels[p:] != IGNORE_INDEX])!r}"
+    if objective == "masked_lm":  # [input->target] at the selected positions
+        pieces = []
+        for i, lab in zip(ids.tolist(), labels.tolist()):
+            word = tok.decode([i])
+            pieces.append(word if lab == IGNORE_INDEX else f"[{word.strip() or '_'}->{tok.decode([lab]).strip()}]")
+        return "  " + repr("".join(pieces))
+    return "  " + repr(text(ids))
+
+
+def inspect_batches(config: str, overrides: list[str], n_batches: int, split: str, as_json: bool) -> int:
+    from data_pipeline.loader import build_loader
+    from data_pipeline.tokenizer import load_tokenizer
+
+    cfg = load_config(config, overrides)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    micro = cfg.train.micro_batch_size or 4
+    loader = build_loader(cfg, split, micro, 0, 1, tok)
+    started, batches = time.perf_counter(), []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == n_batches:
+            break
+    elapsed = time.perf_counter() - started
+    tokens = sum(b["input_ids"].numel() + b.get("decoder_input_ids", b["input_ids"][:, :0]).numel() for b in batches)
+    per_batch = [batch_stats(b, cfg.objective, tok.mask_id, set(tok.sentinel_ids)) for b in batches]
+    stats = {key: sum(s[key] for s in per_batch) / len(per_batch) for key in per_batch[0]}
+    stats["tokens_per_second"] = tokens / max(elapsed, 1e-9)
+    if as_json:
+        print(json.dumps({"objective": cfg.objective, "batches": len(batches), **stats}, indent=2))
+        return 0
+    for b, batch in enumerate(batches):
+        print(f"batch {b}: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items()))
+        for row in range(min(2, batch["input_ids"].shape[0])):
+            print(show_row(batch, row, tok, cfg.objective))
+    print(f"objective {cfg.objective}, {len(batches)} batches of {micro}")
+    for key, value in stats.items():
+        print(f"  {key:26s} {value:,.4f}")
+    return 0
