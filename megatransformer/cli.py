@@ -11,11 +11,14 @@ import argparse
 import importlib
 import sys
 
+from data_pipeline import DataError
 from megatransformer.config import ConfigError
 
 COMMANDS = (
     "megatransformer.commands.info",
     "data_pipeline.cli",
+    "megatransformer.training.cli",
+    "megatransformer.commands.quickstart",
 )
 
 
@@ -31,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ConfigError as err:
+    except (ConfigError, DataError) as err:
         print(f"megatransformer {args.command}: error: {err}", file=sys.stderr)
         return 2
 

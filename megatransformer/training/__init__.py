@@ -1,0 +1,1 @@
+"""Training: DeepSpeed engine from a RunConfig, the training loop, checkpoints, metrics."""

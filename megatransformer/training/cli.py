@@ -1,0 +1,42 @@
+"""``megatransformer train --config FILE [key.path=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="train a model (one process, torchrun, or Slurm via launch)")
+    parser.add_argument("--config", required=True, help="YAML run description")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return train(args.config, args.overrides)
+
+
+def train(config: str, overrides: list[str]) -> int:
+    """Train; returns the exit code (0 done, 124 preempted and checkpointed, 3 diverged)."""
+    from megatransformer.config import load_config
+
+    cfg = load_config(config, overrides)  # config errors surface before any process group exists
+    from data_pipeline.tokenizer import load_tokenizer
+    from megatransformer.training import checkpoint as ckpt
+    from megatransformer.training.distributed import setup
+    from megatransformer.training.loop import Trainer, print_sample
+
+    if cfg.data.tokenizer is None:
+        from megatransformer.config import ConfigError
+
+        raise ConfigError("data.tokenizer is not set; point it at the tokenizer.json the shards were made with")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    init_state = ckpt.load_weights(cfg.init_from, cfg.model)[1] if cfg.init_from else None
+    dist_info = setup()
+    trainer = Trainer(cfg, dist_info, tokenizer, init_state)
+    code = trainer.run()
+    if code == 0 and dist_info.is_main:
+        print_sample(cfg, ckpt.checkpoint_root(cfg), tokenizer)
+    sys.stdout.flush()
+    return code

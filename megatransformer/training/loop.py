@@ -1,0 +1,230 @@
+"""The training loop: one step is grad-accum micro batches through DeepSpeed, then an optimizer step.
+
+The loss is the mean over every loss token of the global batch (all micro batches, all data-parallel
+ranks), not a mean of per-batch means, so padding and variable loss counts (masked-LM) weigh correctly.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatransformer.batch import IGNORE_INDEX
+from megatransformer.config import RunConfig, dump_config
+from megatransformer.flops import model_size
+from megatransformer.training import checkpoint as ckpt
+from megatransformer.training.distributed import Dist
+from megatransformer.training.engine import Engine, build_engine
+from megatransformer.training.metrics import Reporter, peak_tflops
+
+EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
+EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
+
+
+class Preemption:
+    """Remembers SIGUSR1 / SIGTERM; the loop checks it between steps (all ranks agree before stopping)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           label_smoothing=label_smoothing, reduction="sum")
+
+
+def to_device(batch: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def all_reduce_sum(values: list[float], device: str) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+@dataclass
+class StepResult:
+    loss: float
+    tokens: int  # input positions processed, all ranks
+    finite: bool
+    stop: bool  # a rank was asked to stop (preemption)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None) -> None:
+        from data_pipeline.loader import build_loader
+
+        self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
+        self.e: Engine = build_engine(cfg, dist_info, init_state)
+        self.engine = self.e.engine
+        micro = self.e.sizes.micro
+        self.train_loader = build_loader(cfg, "train", micro, self.e.dp_rank, self.e.dp_size, tokenizer)
+        self.valid_loader = build_loader(cfg, "valid", micro, 0, 1, tokenizer)
+        self.state = ckpt.TrainerState(0, 0, 0, tokenizer.sha256, dist_info.world_size,
+                                       cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
+        self.preemption = Preemption()
+
+    # ---------------------------------------------------------------------------------- one step
+
+    def train_step(self, batches) -> StepResult:
+        """Forward/backward every micro batch of one optimizer step, then step (or skip a bad step)."""
+        micro = [to_device(next(batches), self.dist.device) for _ in range(self.e.sizes.accum)]
+        local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro)
+        local_tokens = sum(b["input_ids"].numel() + b.get("decoder_input_ids", b["labels"][:, :0]).numel()
+                           for b in micro)
+        targets, tokens, stop = all_reduce_sum(
+            [local_targets, local_tokens, float(self.preemption.requested)], self.dist.device)
+        # DeepSpeed averages gradients over micro batches and data-parallel ranks; undo that so the
+        # gradient is that of (sum of token losses) / (loss tokens in the global batch).
+        scale = self.e.sizes.accum * self.e.dp_size / max(targets, 1.0)
+        loss_sum, finite = 0.0, True
+        for batch in micro:
+            labels = batch.pop("labels")
+            loss = token_loss_sum(self.engine(**batch), labels, self.cfg.train.label_smoothing)
+            # every rank must take the same decision, or the replicas would drift apart
+            finite = finite and all_reduce_sum([float(not torch.isfinite(loss))], self.dist.device)[0] == 0
+            self.engine.backward(loss * scale if finite else _zero_loss(self.engine.module))
+            loss_sum += loss.item() if finite else 0.0
+            if not finite:  # no update this step; the remaining micro batches only keep DeepSpeed in step
+                self._freeze_lr()
+            self.engine.step()
+        self._restore_lr()
+        (loss_sum,) = all_reduce_sum([loss_sum], self.dist.device)
+        return StepResult(loss_sum / max(targets, 1.0), int(tokens), finite, stop > 0)
+
+    def _freeze_lr(self) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group.setdefault("_lr", group["lr"])
+            group["lr"] = 0.0
+
+    def _restore_lr(self) -> None:
+        for group in self.engine.optimizer.param_groups:
+            if "_lr" in group:
+                group["lr"] = group.pop("_lr")
+
+    # ------------------------------------------------------------------------------------ the run
+
+    def resume_or_start(self) -> None:
+        cfg = self.cfg
+        path = ckpt.resolve_resume(cfg)
+        if path is not None:
+            self.state, loader_state = ckpt.load_checkpoint(self.engine, cfg, path)
+            self.train_loader.load_state_dict(loader_state)
+        elif self.dist.is_main and cfg.resume == "auto":
+            print(f"resume=auto: no complete checkpoint in {ckpt.checkpoint_root(cfg)}, starting fresh")
+        if self.dist.is_main:
+            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.run_dir) / "config.yaml").write_text(dump_config(cfg))
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self.resume_or_start()
+        if self.state.step >= cfg.train.max_steps:
+            if self.dist.is_main:
+                print(f"nothing to do: the run is at step {self.state.step} of train.max_steps={cfg.train.max_steps}")
+            return 0
+        report = Reporter(cfg, self.dist.is_main, self.state.step)
+        flops = model_size(cfg.model, cfg.data.seq_len).flops_per_token
+        peak = peak_tflops(cfg, self.dist.device) * 1e12 * self.dist.world_size
+        batches = iter(self.train_loader)
+        exit_code, window_start, window_tokens, step_seconds = 0, time.perf_counter(), 0, 0.0
+        while self.state.step < cfg.train.max_steps:
+            started = time.perf_counter()
+            result = self.train_step(batches)
+            step_seconds = time.perf_counter() - started
+            self.state.step += 1
+            self.state.tokens += result.tokens
+            window_tokens += result.tokens
+            self.state.bad_steps = 0 if result.finite else self.state.bad_steps + 1
+            report.progress(self.state.step, result.loss, result.tokens / step_seconds, step_seconds)
+            if self.state.step % cfg.train.log_every == 0 or self.state.step == cfg.train.max_steps:
+                tokens_per_s = window_tokens / (time.perf_counter() - window_start)
+                report.log({"step": self.state.step, "loss": result.loss if result.finite else None,
+                            "lr": self.engine.get_lr()[0], "grad_norm": _grad_norm(self.engine),
+                            "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
+                            "mfu": tokens_per_s * flops / peak, "bad_steps": self.state.bad_steps,
+                            "skipped_shards": len(self.train_loader.skipped_shards)})
+                window_start, window_tokens = time.perf_counter(), 0
+            if not result.finite:
+                report.message(f"step {self.state.step}: non-finite loss, update skipped "
+                               f"({self.state.bad_steps} in a row)")
+            if cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0:
+                report.log({"step": self.state.step, **self.evaluate()})
+            if self.state.bad_steps >= cfg.train.max_bad_steps:
+                report.message(f"stopping: {self.state.bad_steps} consecutive non-finite losses "
+                               f"(train.max_bad_steps); lower optim.lr or check the data")
+                exit_code = EXIT_DIVERGED
+                break
+            if result.stop:
+                report.message(f"preempted at step {self.state.step}: checkpointing, exit {EXIT_PREEMPTED}")
+                exit_code = EXIT_PREEMPTED
+                break
+            if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
+                self.save()
+        evaluated_last = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
+        if exit_code == 0 and not evaluated_last:
+            report.log({"step": self.state.step, **self.evaluate()})
+        self.save()
+        report.close()
+        return exit_code
+
+    def save(self) -> Path:
+        return ckpt.save_checkpoint(self.engine, self.cfg, self.state, self.train_loader.state_dict(),
+                                    self.cfg.data.tokenizer)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Token-weighted validation loss over train.eval_batches batches (the same batches every time)."""
+        self.engine.eval()
+        loss_sum, targets = 0.0, 0
+        for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader):
+            batch = to_device(batch, self.dist.device)
+            labels = batch.pop("labels")
+            loss_sum += token_loss_sum(self.engine(**batch), labels, 0.0).item()
+            targets += int((labels != IGNORE_INDEX).sum())
+        self.engine.train()
+        loss_sum, targets = all_reduce_sum([loss_sum, targets], self.dist.device)
+        loss = loss_sum / max(targets, 1)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(targets)}
+
+
+def _zero_loss(module: torch.nn.Module) -> torch.Tensor:
+    """A finite loss with zero gradient for every parameter (keeps ZeRO's gradient hooks in step)."""
+    return sum(p.sum() * 0.0 for p in module.parameters() if p.requires_grad)
+
+
+def _grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm)
+
+
+def print_sample(cfg: RunConfig, weights_dir: Path, tokenizer, max_new_tokens: int = 40) -> None:
+    """Greedy continuation of train.sample_prompt with the final weights (decoder models)."""
+    from megatransformer.model import build_model, generate
+    from megatransformer.training.checkpoint import load_weights
+
+    if not cfg.train.sample_prompt or cfg.model.arch != "decoder":
+        return
+    _, weights = load_weights(weights_dir)
+    model = build_model(cfg.model).eval()
+    model.load_state_dict(weights)
+    prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)])
+    new = generate(model, prompt, max_new_tokens, temperature=0.0, eos_id=tokenizer.eos_id)
+    print(f"sample: {cfg.train.sample_prompt}{tokenizer.decode(new[0].tolist(), skip_special=True)}")
+    sys.stdout.flush()

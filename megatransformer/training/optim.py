@@ -1,0 +1,49 @@
+"""Optimizer parameter groups and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from megatransformer.config import RunConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float, decay_everything: bool) -> list[dict]:
+    """Weight decay on matrices of linear layers only (not norms, biases, embeddings) unless told otherwise."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for param in model.parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        is_matrix = param.dim() >= 2 and id(param) not in embeddings
+        (decay if decay_everything or is_matrix else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
+    """Factor applied to optim.lr at optimizer step ``step`` (0-based; the first update uses step 0)."""
+    s, total = cfg.schedule, cfg.train.max_steps
+    warmup, floor = s.warmup_steps, s.min_lr_ratio
+
+    def factor(step: int) -> float:
+        step += 1
+        if s.name == "inverse_sqrt":  # Vaswani et al.: d^-0.5 * min(step^-0.5, step * warmup^-1.5)
+            return cfg.model.d_model**-0.5 * min(step**-0.5, step * max(warmup, 1) ** -1.5)
+        if step <= warmup:
+            return step / max(warmup, 1)
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        if s.name == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if s.name == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        return 1.0
+
+    return factor
+
+
+def make_scheduler(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg))
