@@ -77,6 +77,7 @@ class Trainer:
         self.state = ckpt.TrainerState(0, 0, 0, tokenizer.sha256, dist_info.world_size,
                                        cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
         self.preemption = Preemption()
+        self.grad_norm: float | None = None
 
     # ---------------------------------------------------------------------------------- one step
 
@@ -101,10 +102,16 @@ class Trainer:
             loss_sum += loss.item() if finite else 0.0
             if not finite:  # no update this step; the remaining micro batches only keep DeepSpeed in step
                 self._freeze_lr()
+            if self.engine.is_gradient_accumulation_boundary() and self.cfg.parallel.zero_stage == 0:
+                self.grad_norm = unclipped_grad_norm(self.engine.module, self.cfg.parallel.tensor_parallel)
             self.engine.step()
         self._restore_lr()
         (loss_sum,) = all_reduce_sum([loss_sum], self.dist.device)
         return StepResult(loss_sum / max(targets, 1.0), int(tokens), finite, stop > 0)
+
+    def last_grad_norm(self) -> float | None:
+        norm = self.grad_norm if self.cfg.parallel.zero_stage == 0 else self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def _freeze_lr(self) -> None:
         for group in self.engine.optimizer.param_groups:
@@ -154,7 +161,7 @@ class Trainer:
             if self.state.step % cfg.train.log_every == 0 or self.state.step == cfg.train.max_steps:
                 tokens_per_s = window_tokens / (time.perf_counter() - window_start)
                 report.log({"step": self.state.step, "loss": result.loss if result.finite else None,
-                            "lr": self.engine.get_lr()[0], "grad_norm": _grad_norm(self.engine),
+                            "lr": self.engine.get_lr()[0], "grad_norm": self.last_grad_norm(),
                             "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
                             "mfu": tokens_per_s * flops / peak, "bad_steps": self.state.bad_steps,
                             "skipped_shards": len(self.train_loader.skipped_shards)})
@@ -207,11 +214,27 @@ def _zero_loss(module: torch.nn.Module) -> torch.Tensor:
     return sum(p.sum() * 0.0 for p in module.parameters() if p.requires_grad)
 
 
-def _grad_norm(engine) -> float | None:
-    norm = engine.get_global_grad_norm()
-    if norm is None:
-        return None
-    return float(norm)
+def unclipped_grad_norm(module: torch.nn.Module, tensor_parallel: int) -> float:
+    """Global gradient norm without ZeRO (whose optimizer computes it for us): tensor-parallel shards'
+    squares are summed over the tensor-parallel group, replicated parameters counted once."""
+    from megatransformer.training.checkpoint import _partition_dim
+
+    sharded, replicated = 0.0, 0.0
+    for name, param in module.named_parameters():
+        if param.grad is None:
+            continue
+        square = float(param.grad.detach().float().pow(2).sum())
+        if tensor_parallel > 1 and _partition_dim(name) is not None:
+            sharded += square
+        else:
+            replicated += square
+    if tensor_parallel > 1:
+        from deepspeed.utils import groups
+
+        total = torch.tensor([sharded], dtype=torch.float64)
+        dist.all_reduce(total, group=groups.get_tensor_model_parallel_group())
+        sharded = float(total)
+    return math.sqrt(sharded + replicated)
 
 
 def print_sample(cfg: RunConfig, weights_dir: Path, tokenizer, max_new_tokens: int = 40) -> None:
