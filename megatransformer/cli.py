@@ -19,6 +19,8 @@ COMMANDS = (
     "data_pipeline.cli",
     "megatransformer.training.cli",
     "megatransformer.commands.quickstart",
+    "megatransformer.commands.generate",
+    "megatransformer.commands.export",
 )
 
 

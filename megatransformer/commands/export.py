@@ -1,0 +1,95 @@
+"""``megatransformer export`` and ``megatransformer import``: hand models to and from the ecosystem.
+
+Formats: ``safetensors`` (our consolidated weights + config + tokenizer, readable without DeepSpeed) and
+``hf`` (a ``LlamaForCausalLM`` directory that ``transformers`` loads with no custom code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("export", help="write a checkpoint as consolidated safetensors or a HF model")
+    p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.set_defaults(func=export)
+
+    p = subparsers.add_parser("import", help="turn a Hugging Face Llama directory into a checkpoint for init_from=")
+    p.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.set_defaults(func=import_hf)
+
+
+def export(args: argparse.Namespace) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    from megatransformer.config import ConfigError, dump_config
+    from megatransformer.hf import llama_incompatibility, save_llama_dir
+    from megatransformer.inference import checkpoint_dir
+    from megatransformer.training.checkpoint import load_weights
+
+    source = checkpoint_dir(args.checkpoint)
+    cfg, weights = load_weights(source)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    out = Path(args.out)
+    tokenizer = source / "tokenizer.json"
+    if args.format == "hf":
+        reason = llama_incompatibility(cfg.model)
+        if reason:
+            raise ConfigError(f"cannot export as a Hugging Face Llama model: {reason}; use --format safetensors")
+        special = _special_ids(tokenizer)
+        save_llama_dir(out, cfg.model, weights, tokenizer if tokenizer.is_file() else None, special, dtype)
+    else:
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.to(dtype).contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.yaml").write_text(dump_config(cfg))
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        (tmp / "COMPLETE").touch()
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    print(f"exported {source} -> {out} ({args.format}, {args.dtype})")
+    return 0
+
+
+def _special_ids(tokenizer: Path) -> dict[str, int | None]:
+    if not tokenizer.is_file():
+        return {}
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    return {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id, "unk": tok.unk_id}
+
+
+def import_hf(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    from megatransformer.config import ConfigError, DataConfig, RunConfig, dump_config
+    from megatransformer.hf import load_llama_dir
+
+    try:
+        model_cfg, weights = load_llama_dir(Path(args.hf))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    out = Path(args.out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    run_cfg = RunConfig(model=model_cfg, data=DataConfig(seq_len=min(512, model_cfg.max_seq_len)))
+    (tmp / "config.yaml").write_text(dump_config(run_cfg))
+    if (Path(args.hf) / "tokenizer.json").is_file():
+        shutil.copyfile(Path(args.hf) / "tokenizer.json", tmp / "tokenizer.json")
+    (tmp / "COMPLETE").touch()
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"imported {args.hf} -> {out}; start a run from it with init_from={out}")
+    return 0

@@ -1,0 +1,58 @@
+"""``megatransformer generate``: sample from a checkpoint, streaming tokens to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="continue a prompt with a trained model (KV-cached)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
+    p.add_argument("--prompt", required=True, help="text to continue (encoder input for encoder-decoder models)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from megatransformer.config import ConfigError
+    from megatransformer.inference import decoder_start_id, load_for_inference
+    from megatransformer.model import stream
+
+    if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1) or (
+            args.top_k is not None and args.top_k < 1):
+        raise ConfigError("need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 1")
+    loaded = load_for_inference(args.checkpoint)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise ConfigError(f"{loaded.path} has no tokenizer.json to encode the prompt with")
+    prompt = tok.encode(args.prompt)
+    if not prompt:
+        raise ConfigError("--prompt encodes to no tokens")
+    limit = loaded.cfg.model.max_seq_len - (len(prompt) if loaded.cfg.model.arch == "decoder" else 1)
+    if args.max_new_tokens > limit:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} exceeds what model.max_seq_len="
+                          f"{loaded.cfg.model.max_seq_len} leaves after the prompt ({limit})")
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens, shown = [], ""
+    if loaded.cfg.model.arch == "decoder":
+        sys.stdout.write(args.prompt)
+    for token in stream(loaded.model, torch.tensor([prompt]), args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id, generator=generator,
+                        decoder_start_id=decoder_start_id(loaded.cfg, tok)):
+        if int(token[0]) == tok.eos_id:
+            break
+        tokens.append(int(token[0]))
+        text = tok.decode(tokens, skip_special=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,62 @@
+"""Loading a checkpoint's consolidated weights into a plain model, for eval, generation and export."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatransformer.config import ConfigError, RunConfig
+from megatransformer.model import LanguageModel, build_model
+
+
+@dataclass
+class Loaded:
+    cfg: RunConfig
+    model: LanguageModel
+    tokenizer: object | None  # data_pipeline.tokenizer.TokenizerInfo
+    path: Path
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """A step directory, or the latest complete one of a checkpoints directory or run directory."""
+    from megatransformer.training.checkpoint import COMPLETE, latest_checkpoint
+
+    path = Path(path)
+    for candidate in (path, path / "checkpoints"):
+        if (candidate / COMPLETE).is_file():
+            return candidate
+        if (candidate / "latest").is_file():
+            found = latest_checkpoint(candidate)
+            if found is not None:
+                return found
+    raise ConfigError(f"--checkpoint {path}: no complete checkpoint there (a step_XXXXXX directory, a run's "
+                      "checkpoints directory or a run directory)")
+
+
+def load_for_inference(path: str | Path, device: str = "cpu") -> Loaded:
+    from data_pipeline.tokenizer import load_tokenizer
+    from megatransformer.training.checkpoint import load_weights
+
+    directory = checkpoint_dir(path)
+    cfg, weights = load_weights(directory)
+    model = build_model(cfg.model)
+    model.load_state_dict(weights)
+    tokenizer_path = directory / "tokenizer.json"
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path.is_file() else None
+    return Loaded(cfg, model.to(device).eval(), tokenizer, directory)
+
+
+def decoder_start_id(cfg: RunConfig, tokenizer) -> int | None:
+    """The token encoder-decoder training put first in the decoder input (see data_pipeline.objectives)."""
+    if cfg.model.arch != "encoder_decoder":
+        return None
+    if cfg.objective == "prefix_lm" and tokenizer.bos_id is not None:
+        return tokenizer.bos_id
+    return tokenizer.pad_id
+
+
+@torch.no_grad()
+def logits_of(model: LanguageModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**{k: v for k, v in batch.items() if k != "labels"})
