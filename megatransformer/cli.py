@@ -21,6 +21,7 @@ COMMANDS = (
     "megatransformer.commands.quickstart",
     "megatransformer.commands.generate",
     "megatransformer.commands.export",
+    "megatransformer.commands.eval",
 )
 
 
