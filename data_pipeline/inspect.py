@@ -11,16 +11,16 @@ from megatransformer.batch import IGNORE_INDEX
 from megatransformer.config import load_config
 
 
-def batch_stats(batch: dict[str, torch.Tensor], objective: str, mask_id: int | None,
+def batch_stats(batch: dict[str, torch.Tensor], objective: str, mask_id: int | None, eos_id: int | None,
                 sentinels: set[int]) -> dict[str, float]:
+    """Averages over one batch; fractions are of all positions unless named otherwise."""
     labels = batch["labels"]
     has_loss = labels != IGNORE_INDEX
     stats = {"loss_fraction": has_loss.float().mean().item()}
-    segments = batch.get("decoder_segment_ids", batch.get("segment_ids"))
-    if segments is not None:
-        stats["padding_fraction"] = (segments == 0).float().mean().item()
-    if "segment_ids" in batch:
-        stats["documents_per_sequence"] = batch["segment_ids"].max(dim=1).values.float().mean().item()
+    stats["padding_fraction"] = (batch["segment_ids"] == 0).float().mean().item()
+    if "decoder_segment_ids" in batch:
+        stats["decoder_padding_fraction"] = (batch["decoder_segment_ids"] == 0).float().mean().item()
+    stats["documents_per_sequence"] = batch["segment_ids"].max(dim=1).values.float().mean().item()
     if objective == "masked_lm":
         inputs, selected = batch["input_ids"][has_loss], labels[has_loss]
         n = max(len(selected), 1)
@@ -31,7 +31,10 @@ def batch_stats(batch: dict[str, torch.Tensor], objective: str, mask_id: int | N
     if objective == "span_corruption":
         target = labels[has_loss].tolist()
         spans = sum(t in sentinels for t in target)
-        noise = sum(t not in sentinels for t in target) - labels.shape[0]  # minus one EOS per row
+        noise = sum(t not in sentinels and t != eos_id for t in target)
+        examples = int(batch["segment_ids"].max(dim=1).values.sum())  # one sentinel per span, one EOS each
+        kept = (batch["segment_ids"] > 0).sum().item() - spans - examples
+        stats["noise_fraction"] = noise / max(noise + kept, 1)
         if spans:
             stats["mean_noise_span_length"] = noise / spans
     return stats
@@ -71,7 +74,7 @@ def inspect_batches(config: str, overrides: list[str], n_batches: int, split: st
             break
     elapsed = time.perf_counter() - started
     tokens = sum(b["input_ids"].numel() + b.get("decoder_input_ids", b["input_ids"][:, :0]).numel() for b in batches)
-    per_batch = [batch_stats(b, cfg.objective, tok.mask_id, set(tok.sentinel_ids)) for b in batches]
+    per_batch = [batch_stats(b, cfg.objective, tok.mask_id, tok.eos_id, set(tok.sentinel_ids)) for b in batches]
     stats = {key: sum(s[key] for s in per_batch) / len(per_batch) for key in per_batch[0]}
     stats["tokens_per_second"] = tokens / max(elapsed, 1e-9)
     if as_json:

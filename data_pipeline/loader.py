@@ -2,7 +2,8 @@
 
 Who reads what. The data-parallel ranks times the DataLoader workers form ``n_readers`` readers. In epoch
 ``e`` the shards are permuted with ``(seed, e)`` and reader ``r`` reads shards ``r, r + n_readers, ...``;
-inside a shard the documents are permuted with ``(seed, e, shard)``. So every reader's stream is a pure
+inside a shard, blocks of ``data.shuffle_buffer`` documents are permuted with ``(seed, e, shard, block)``
+(a bounded shuffle: memory holds one block of one shard per reader). So every reader's stream is a pure
 function of the seed and its position: no shared state, no coordination.
 
 Exact resume. A reader's position is ``{epoch, shard, doc, offset}`` (the next window starts ``offset``
@@ -11,14 +12,16 @@ send their position with every batch, the main process keeps the latest one per 
 ``state_dict()`` is that small dict. Restarting from it, every reader continues where it stopped, and the
 batch order across workers continues too (the worker that was next is mapped to DataLoader worker 0).
 
-No hang. Training streams are endless (epochs roll over), so every rank can take the same number of steps;
-validation takes a fixed number of batches (it restarts from the beginning when it runs out).
+No hang. Training streams are endless (epochs roll over, reshuffled), so every rank can take as many steps
+as the trainer asks for; a rank never runs out first. Validation is one pass over the validation shards in
+order, identical on every rank and every time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,9 +32,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline import DataError
 from data_pipeline.objectives import Objective, Window, build_objective
-from data_pipeline.shard import Manifest, ShardInfo, decode_ids, token_dtype
+from data_pipeline.shard import Manifest, ShardInfo, decode_ids
 from data_pipeline.tokenizer import TokenizerInfo
-from megatransformer.config import DatasetSource, RunConfig
+from megatransformer.config import DatasetSource, ModelConfig, RunConfig
 
 SPLIT_SALT = {"train": 0, "valid": 1}
 
@@ -42,6 +45,7 @@ class Source:
     split: str
     shards: list[ShardInfo]
     weight: float
+    manifest: Manifest
 
 
 def resolve_sources(spec: Any, split: str, fallback: Any = None) -> list[Source]:
@@ -55,22 +59,25 @@ def resolve_sources(spec: Any, split: str, fallback: Any = None) -> list[Source]
         manifest = Manifest.load(entry.path)
         shards = manifest.splits.get(split, [])
         if not shards:
-            raise DataError(f"{entry.path} has no {split} shards (manifest lists {sorted(manifest.splits)})")
-        sources.append(Source(Path(entry.path), split, shards, entry.weight))
+            raise DataError(f"{entry.path} has no {split} shards (its manifest lists {sorted(manifest.splits)})")
+        if entry.weight <= 0:
+            raise DataError(f"data.{split}: weight of {entry.path} must be positive, got {entry.weight}")
+        sources.append(Source(Path(entry.path), split, shards, entry.weight, manifest))
     return sources
 
 
-def check_compatible(sources: list[Source], tok: TokenizerInfo, vocab_size: int) -> None:
+def check_compatible(sources: list[Source], tok: TokenizerInfo, model: ModelConfig) -> None:
     """Shards, tokenizer and model must agree on the token ids; checked before any step is taken."""
     for source in sources:
-        manifest = Manifest.load(source.directory)
-        if manifest.tokenizer_sha256 != tok.sha256:
+        m = source.manifest
+        if m.tokenizer_sha256 != tok.sha256:
             raise DataError(f"{source.directory} was tokenized with another tokenizer than data.tokenizer="
-                            f"{tok.path} (sha256 {manifest.tokenizer_sha256[:12]} vs {tok.sha256[:12]}); re-shard")
-        if manifest.dtype != token_dtype(manifest.vocab_size).name:
-            raise DataError(f"{source.directory}: dtype {manifest.dtype} cannot hold vocab {manifest.vocab_size}")
-    if tok.vocab_size > vocab_size:
-        raise DataError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but model.vocab_size={vocab_size}; "
+                            f"{tok.path} (sha256 {m.tokenizer_sha256[:12]} vs {tok.sha256[:12]}); re-shard it")
+        if m.vocab_size != tok.vocab_size or np.iinfo(m.dtype).max < m.vocab_size - 1:
+            raise DataError(f"{source.directory}: manifest says vocab {m.vocab_size} in {m.dtype}, the tokenizer "
+                            f"has {tok.vocab_size} tokens; re-shard it")
+    if tok.vocab_size > model.vocab_size:
+        raise DataError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but model.vocab_size={model.vocab_size}; "
                         f"set model.vocab_size >= {tok.vocab_size}")
 
 
@@ -81,40 +88,69 @@ def check_compatible(sources: list[Source], tok: TokenizerInfo, vocab_size: int)
 class Position:
     epoch: int = 0
     shard: int = 0  # index into this reader's shard list of the epoch
-    doc: int = 0  # index into the shard's (permuted) documents
+    doc: int = 0  # index into the shard's (block-permuted) documents
     offset: int = 0  # tokens of that document already consumed
 
     def as_dict(self) -> dict:
         return {"epoch": self.epoch, "shard": self.shard, "doc": self.doc, "offset": self.offset}
 
 
+_VERIFIED: set[tuple[str, int, int, str]] = set()  # (path, size, mtime, sha256) checked in this process
+
+
 @dataclass
-class ShardCache:
+class ShardOpener:
+    """Opens shards after checking them against the manifest; a corrupt one raises or, with
+    on_corrupt=skip, is warned about, remembered (in the loader state) and skipped."""
+
     on_corrupt: str
     skipped: list[str] = field(default_factory=list)
 
-    def read(self, source: Source, info: ShardInfo) -> list[np.ndarray] | None:
-        """All documents of a shard, or None when it is corrupt and on_corrupt=skip."""
-        import webdataset as wds
-
+    def open(self, source: Source, info: ShardInfo) -> Iterator[bytes] | None:
         path = source.directory / info.file
+        if str(path) in self.skipped:
+            return None
         try:
-            data = path.read_bytes()
-            if hashlib.sha256(data).hexdigest() != info.sha256:
-                raise DataError("checksum differs from the manifest (truncated or modified)")
-            pipeline = wds.WebDataset(str(path), shardshuffle=False, nodesplitter=_all, workersplitter=_all,
-                                      empty_check=False)
-            docs = [decode_ids(sample["ids.npy"]).astype(np.int64) for sample in pipeline]
-            if len(docs) != info.samples:
-                raise DataError(f"holds {len(docs)} samples, the manifest says {info.samples}")
-        except Exception as err:  # tarfile, numpy and I/O errors all mean the same: this shard is unusable
+            verify_shard(path, info)
+        except (OSError, DataError) as err:
             message = f"corrupt shard {path}: {err}"
             if self.on_corrupt == "error":
                 raise DataError(message + " (set data.on_corrupt=skip to skip it)") from None
-            warnings.warn(message + "; skipping it (data.on_corrupt=skip)")
+            warnings.warn(message + "; skipping it (data.on_corrupt=skip)", stacklevel=2)
             self.skipped.append(str(path))
             return None
-        return docs
+        return _samples(path, info)
+
+
+def verify_shard(path: Path, info: ShardInfo) -> None:
+    """Size-and-checksum check against the manifest (once per file version and process)."""
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns, info.sha256)
+    if key in _VERIFIED:
+        return
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    if digest.hexdigest() != info.sha256:
+        raise DataError("its sha256 differs from the manifest's (truncated or modified after writing)")
+    _VERIFIED.add(key)
+
+
+def _samples(path: Path, info: ShardInfo) -> Iterator[bytes]:
+    """The encoded token arrays of a (verified) shard, streamed with webdataset."""
+    import webdataset as wds
+
+    count = 0
+    try:
+        for sample in wds.WebDataset(str(path), shardshuffle=False, nodesplitter=_all, workersplitter=_all,
+                                     empty_check=False):
+            count += 1
+            yield sample["ids.npy"]
+    except Exception as err:  # noqa: BLE001 - any read error of a verified shard means it changed under us
+        raise DataError(f"shard {path} failed while reading (changed on disk?): {err}") from None
+    if count != info.samples:
+        raise DataError(f"shard {path} holds {count} samples, its manifest says {info.samples}")
 
 
 def _all(urls):
@@ -128,10 +164,10 @@ def _rng(*key: int) -> np.random.Generator:
 class DocumentReader:
     """The documents of one reader and one source, in the deterministic order described above."""
 
-    def __init__(self, source: Source, seed: int, reader: int, n_readers: int, shuffle: bool,
-                 cache: ShardCache, epochs: int | None) -> None:
+    def __init__(self, source: Source, seed: int, reader: int, n_readers: int, shuffle: bool, block: int,
+                 opener: ShardOpener, epochs: int | None) -> None:
         self.source, self.seed, self.reader, self.n_readers = source, seed, reader, n_readers
-        self.shuffle, self.cache, self.epochs = shuffle, cache, epochs
+        self.shuffle, self.block, self.opener, self.epochs = shuffle, block, opener, epochs
 
     def shard_order(self, epoch: int) -> list[int]:
         order = np.arange(len(self.source.shards))
@@ -140,76 +176,105 @@ class DocumentReader:
         return [int(i) for i in order[self.reader::self.n_readers]]
 
     def documents(self, start: Position) -> Iterator[tuple[np.ndarray, Position]]:
-        """Yield (document tokens, its Position) from ``start`` on (the first one from start.offset on)."""
+        """Yield (document tokens, its Position) from ``start`` on (the caller applies start.offset)."""
         epoch, shard_pos, doc_pos = start.epoch, start.shard, start.doc
         while self.epochs is None or epoch < self.epochs:
-            shards = self.shard_order(epoch)
+            shards, found, whole_epoch = self.shard_order(epoch), False, shard_pos == 0 and doc_pos == 0
             while shard_pos < len(shards):
-                docs = self.cache.read(self.source, self.source.shards[shards[shard_pos]])
-                if docs:
-                    order = np.arange(len(docs))
-                    if self.shuffle:
-                        order = _rng(self.seed, epoch, shards[shard_pos]).permutation(order)
-                    for d in range(doc_pos, len(docs)):
-                        yield docs[order[d]], Position(epoch, shard_pos, d, 0)
+                samples = self.opener.open(self.source, self.source.shards[shards[shard_pos]])
+                if samples is not None:
+                    for d, data in self._ordered(samples, epoch, shards[shard_pos], doc_pos):
+                        found = True
+                        yield decode_ids(data), Position(epoch, shard_pos, d, 0)
                 shard_pos, doc_pos = shard_pos + 1, 0
-            if not self.cache.skipped or len(self.cache.skipped) < len(self.source.shards):
-                epoch, shard_pos = epoch + 1, 0
-            else:
-                raise DataError(f"every shard of {self.source.directory} is corrupt")
+            if whole_epoch and not found:  # never spin through epochs without data
+                raise DataError(f"reader {self.reader} found no readable document in its shards of "
+                                f"{self.source.directory} in epoch {epoch} (all corrupt?)")
+            epoch, shard_pos = epoch + 1, 0
+
+    def _ordered(self, samples: Iterator[bytes], epoch: int, shard: int, first: int) -> Iterator[tuple[int, bytes]]:
+        """(index, sample) from index ``first`` on, each block of ``self.block`` samples permuted."""
+        block: list[bytes] = []
+        base = 0
+        for data in samples:
+            block.append(data)
+            if len(block) == self.block:
+                yield from self._emit(block, base, epoch, shard, first)
+                base, block = base + len(block), []
+        yield from self._emit(block, base, epoch, shard, first)
+
+    def _emit(self, block: list[bytes], base: int, epoch: int, shard: int, first: int):
+        if base + len(block) <= first:  # before the resume point: skipped without decoding
+            return
+        order = _rng(self.seed, epoch, shard, base).permutation(len(block)) if self.shuffle else range(len(block))
+        for j in range(max(first - base, 0), len(block)):
+            yield base + j, block[order[j]]
 
 
 class WindowStream:
-    """Cuts a reader's documents into the objective's windows: packed across documents (EOS between them)
-    or one document per row; consecutive windows of one document share ``overlap`` tokens."""
+    """Cuts a reader's documents into the objective's windows (see the layouts in objectives.py);
+    ``position`` always says where the next window starts."""
 
     def __init__(self, docs: DocumentReader, objective: Objective, eos: int, start: Position) -> None:
         self.docs, self.objective, self.eos = docs, objective, eos
-        self.position = start  # where the next window starts
-        self._iter = self._windows()
+        self.position = start
+        layouts = {"packed": self._packed, "rows": self._rows, "examples": self._examples}
+        self._iter = layouts[objective.layout]()
 
     def __next__(self) -> Window:
         return next(self._iter)
 
     def _pieces(self) -> Iterator[tuple[np.ndarray, Position]]:
-        """Documents (with EOS appended) from the current position, the first cut at its offset."""
-        first = True
-        for tokens, pos in self.docs.documents(self.position):
-            tokens = np.r_[tokens, self.eos]
-            if first:
-                pos = Position(pos.epoch, pos.shard, pos.doc, self.position.offset)
-                first = False
-            yield tokens, pos
+        """Documents (EOS appended if the objective wants it) from the current position; each Position's
+        offset says where its unread part starts (non-zero only for the first one)."""
+        start = self.position
+        for tokens, pos in self.docs.documents(start):
+            if self.objective.doc_eos:
+                tokens = np.r_[tokens, self.eos]
+            if (pos.epoch, pos.shard, pos.doc) == (start.epoch, start.shard, start.doc):
+                pos.offset = start.offset
+            yield tokens.astype(np.int64), pos
 
-    def _windows(self) -> Iterator[Window]:
-        size, overlap = self.objective.window, self.objective.overlap
-        if not self.objective.packed:
-            yield from self._rows(size, overlap)
-            return
-        buf_tokens, buf_seg, buf_pos, buf_off = [], [], [], []  # per token: id, doc number, doc Position, offset
-        n_docs = 0
+    def _packed(self) -> Iterator[Window]:
+        size = self.objective.window
+        stride = size - self.objective.overlap
+        pending: deque[list] = deque()  # [tokens, Position, first unread offset]
+        available = 0
         for tokens, pos in self._pieces():
-            n_docs += 1
-            count = len(tokens) - pos.offset
-            buf_tokens.extend(tokens[pos.offset:].tolist())
-            buf_seg.extend([n_docs] * count)
-            buf_pos.extend([pos] * count)
-            buf_off.extend(range(pos.offset, len(tokens)))
-            while len(buf_tokens) >= size:
-                stride = size - overlap
-                window = Window(np.array(buf_tokens[:size]), _renumber(np.array(buf_seg[:size])))
-                if len(buf_tokens) > stride:
-                    p = buf_pos[stride]
-                    self.position = Position(p.epoch, p.shard, p.doc, buf_off[stride])
-                else:  # the next window starts with the next document
-                    self.position = Position(pos.epoch, pos.shard, pos.doc + 1, 0)
-                del buf_tokens[:stride], buf_seg[:stride], buf_pos[:stride], buf_off[:stride]
-                yield window
+            pending.append([tokens, pos, pos.offset])
+            available += len(tokens) - pos.offset
+            while available >= size:
+                chunks, segments, need = [], [], size
+                for k, (t, _, s) in enumerate(pending):
+                    take = min(need, len(t) - s)
+                    chunks.append(t[s:s + take])
+                    segments.append(np.full(take, k + 1, dtype=np.int64))
+                    need -= take
+                    if need == 0:
+                        break
+                self._advance(pending, stride, pos)
+                available -= stride
+                yield Window(np.concatenate(chunks), np.concatenate(segments))
 
-    def _rows(self, size: int, overlap: int) -> Iterator[Window]:
+    def _advance(self, pending: deque, count: int, last: Position) -> None:
+        while count:
+            t, _, s = pending[0]
+            take = min(count, len(t) - s)
+            pending[0][2] += take
+            count -= take
+            if pending[0][2] == len(t):
+                pending.popleft()
+        if pending:
+            _, p, s = pending[0]
+            self.position = Position(p.epoch, p.shard, p.doc, s)
+        else:  # the next window starts with the next document
+            self.position = Position(last.epoch, last.shard, last.doc + 1, 0)
+
+    def _rows(self) -> Iterator[Window]:
+        size, overlap, shortest = self.objective.window, self.objective.overlap, self.objective.min_tokens
         for tokens, pos in self._pieces():
             offset = pos.offset
-            while len(tokens) - offset >= self.objective.min_tokens:
+            while len(tokens) - offset >= shortest:
                 chunk = tokens[offset:offset + size]
                 end = offset + len(chunk)
                 offset = end - overlap if end < len(tokens) else len(tokens)
@@ -217,25 +282,62 @@ class WindowStream:
                 yield Window(chunk, np.ones(len(chunk), dtype=np.int64))
             self.position = Position(pos.epoch, pos.shard, pos.doc + 1, 0)
 
+    def _examples(self) -> Iterator[Window]:
+        """Pieces of at most ``window`` tokens packed whole into a row; a piece that would overflow the row is
+        cut to the room left (when that room holds a useful piece), else it starts the next row."""
+        obj = self.objective
+        shortest = max(obj.min_tokens, obj.window // 8)
+        row: list[np.ndarray] = []
+        used = np.zeros(2, dtype=np.int64)
+        for tokens, pos in self._pieces():
+            offset = pos.offset
+            while len(tokens) - offset >= obj.min_tokens:
+                n = min(obj.window, len(tokens) - offset)
+                if row:
+                    n = _longest_fit(obj, used, n) if obj.packed else 0
+                    if n < min(shortest, len(tokens) - offset):
+                        self.position = Position(pos.epoch, pos.shard, pos.doc, offset)
+                        yield _example_window(row)
+                        row, used = [], np.zeros(2, dtype=np.int64)
+                        continue
+                row.append(tokens[offset:offset + n])
+                used += obj.cost(n)
+                offset += n
+        if row:  # a finite (validation) stream ends with its last row
+            yield _example_window(row)
 
-def _renumber(segments: np.ndarray) -> np.ndarray:
-    return np.r_[1, 1 + np.cumsum(segments[1:] != segments[:-1])]
+
+def _longest_fit(obj: Objective, used: np.ndarray, n: int) -> int:
+    """The longest piece of at most n tokens that still fits the row (0 if none); costs grow with n."""
+    low, high = 0, n
+    while low < high:
+        mid = (low + high + 1) // 2
+        if mid >= obj.min_tokens and (used + obj.cost(mid) <= obj.capacity).all():
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _example_window(pieces: list[np.ndarray]) -> Window:
+    segments = np.concatenate([np.full(len(p), k + 1, dtype=np.int64) for k, p in enumerate(pieces)])
+    return Window(np.concatenate(pieces), segments)
 
 
 class SampleStream:
     """One reader's samples: several sources mixed by weight, the objective applied with a per-sample seed."""
 
-    def __init__(self, sources: list[Source], objective: Objective, eos: int, seed: int, salt: int,
-                 reader: int, n_readers: int, shuffle: bool, on_corrupt: str, epochs: int | None,
-                 state: dict | None) -> None:
+    def __init__(self, spec: LoaderSpec, reader: int, state: dict | None) -> None:
+        sources = spec.sources
         state = state or {"samples": 0, "positions": [Position().as_dict() for _ in sources]}
-        self.cache = ShardCache(on_corrupt, list(state.get("skipped", [])))
-        self.seed, self.salt, self.reader, self.samples = seed, salt, reader, state["samples"]
-        self.objective = objective
+        self.opener = ShardOpener(spec.on_corrupt, list(state.get("skipped", [])))
+        self.seed, self.salt, self.reader, self.samples = spec.seed, spec.salt, reader, state["samples"]
+        self.objective = spec.objective
         self.weights = np.array([s.weight for s in sources]) / sum(s.weight for s in sources)
+        n_readers = spec.dp_size * spec.workers_per_rank
         self.streams = [
-            WindowStream(DocumentReader(s, seed, reader, n_readers, shuffle, self.cache, epochs), objective, eos,
-                         Position(**p))
+            WindowStream(DocumentReader(s, spec.seed, reader, n_readers, spec.shuffle, spec.block, self.opener,
+                                        spec.epochs), spec.objective, spec.eos, Position(**p))
             for s, p in zip(sources, state["positions"])
         ]
 
@@ -245,14 +347,14 @@ class SampleStream:
             choice = int(rng.choice(len(self.streams), p=self.weights)) if len(self.streams) > 1 else 0
             try:
                 window = next(self.streams[choice])
-            except StopIteration:
+            except StopIteration:  # a finite stream (validation) ends when its first source does
                 return
             self.samples += 1
             yield self.objective.build(window, rng)
 
     def state(self) -> dict:
         return {"samples": self.samples, "positions": [s.position.as_dict() for s in self.streams],
-                "skipped": list(self.cache.skipped)}
+                "skipped": list(self.opener.skipped)}
 
 
 def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -274,6 +376,7 @@ class LoaderSpec:
     dp_size: int
     num_workers: int
     shuffle: bool
+    block: int
     on_corrupt: str
     epochs: int | None
 
@@ -296,9 +399,7 @@ class _Batches(IterableDataset):
         info = get_worker_info()
         logical = (info.id + self.rotation) % spec.workers_per_rank if info else 0
         reader = spec.reader_id(logical)
-        stream = SampleStream(spec.sources, spec.objective, spec.eos, spec.seed, spec.salt, reader,
-                              spec.dp_size * spec.workers_per_rank, spec.shuffle, spec.on_corrupt, spec.epochs,
-                              self.states.get(reader))
+        stream = SampleStream(spec, reader, self.states.get(reader))
         samples = iter(stream)
         while True:
             batch = [s for _, s in zip(range(spec.micro_batch_size), samples)]
@@ -308,12 +409,26 @@ class _Batches(IterableDataset):
 
 
 class StreamingLoader:
-    """Iterate for batches (dicts of tensors); ``state_dict()`` after batch k resumes at batch k + 1."""
+    """Iterate for batches (dicts of tensors); ``state_dict()`` after batch k resumes at batch k + 1.
 
-    def __init__(self, spec: LoaderSpec) -> None:
+    Train loaders are endless; a validation loader yields the same finite sequence of batches on every
+    iteration (and on every rank).
+    """
+
+    def __init__(self, spec: LoaderSpec, model: ModelConfig | None = None) -> None:
         self.spec = spec
         self.states: dict[int, dict] = {}
         self.consumed = 0
+        if model is not None:
+            self.check_compatible(model)
+
+    def check_compatible(self, model: ModelConfig) -> None:
+        """Raise DataError when the shards' vocabulary does not fit the model's (also done at build time)."""
+        for source in self.spec.sources:
+            if source.manifest.vocab_size > model.vocab_size:
+                raise DataError(f"{source.directory} holds token ids up to {source.manifest.vocab_size - 1} but "
+                                f"model.vocab_size={model.vocab_size}; set model.vocab_size >= "
+                                f"{source.manifest.vocab_size}")
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         spec = self.spec
@@ -321,50 +436,75 @@ class StreamingLoader:
             self.states, self.consumed = {}, 0
         rotation = self.consumed % spec.workers_per_rank
         dataset = _Batches(spec, dict(self.states), rotation)
-        loader = DataLoader(dataset, batch_size=None, num_workers=spec.num_workers,
-                            persistent_workers=False, multiprocessing_context="fork" if spec.num_workers else None)
+        loader = DataLoader(dataset, batch_size=None, num_workers=spec.num_workers, persistent_workers=False,
+                            multiprocessing_context="fork" if spec.num_workers else None)
+        produced = 0
         for batch, reader, state in loader:
             self.states[reader] = state
             self.consumed += 1
+            produced += 1
             yield batch
+        if produced == 0 and not spec.shuffle:
+            raise DataError(f"the {spec.sources[0].split} split of {spec.sources[0].directory} holds less than one "
+                            f"batch of {spec.micro_batch_size} sequences; shard more validation documents "
+                            "(--valid-every) or lower the batch size")
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "readers": {str(k): v for k, v in self.states.items()},
-                "dp_size": self.spec.dp_size, "num_workers": self.spec.num_workers}
+                "dp_rank": self.spec.dp_rank, "dp_size": self.spec.dp_size, "num_workers": self.spec.num_workers}
 
     def load_state_dict(self, state: dict) -> None:
+        spec = self.spec
         layout = (state["dp_size"], state["num_workers"])
-        if layout != (self.spec.dp_size, self.spec.num_workers):
+        if layout != (spec.dp_size, spec.num_workers):
             raise DataError(f"the data-loader state was saved with dp_size, num_workers = {layout}, this run has "
-                            f"{(self.spec.dp_size, self.spec.num_workers)}; exact resume needs the same layout "
+                            f"{(spec.dp_size, spec.num_workers)}; exact resume needs the same layout "
                             "(use init_from= to start a new run from the weights)")
+        if state.get("dp_rank", spec.dp_rank) != spec.dp_rank:
+            raise DataError(f"the data-loader state belongs to data-parallel rank {state['dp_rank']}, "
+                            f"not to rank {spec.dp_rank}")
         self.consumed = state["consumed"]
         self.states = {int(k): v for k, v in state["readers"].items()}
 
     @property
     def skipped_shards(self) -> list[str]:
+        """Corrupt shards skipped so far (data.on_corrupt=skip), for the metrics."""
         return sorted({s for state in self.states.values() for s in state.get("skipped", [])})
+
+    def metrics(self) -> dict[str, float]:
+        return {"data/skipped_shards": float(len(self.skipped_shards)),
+                "data/epoch": float(max((p["epoch"] for st in self.states.values() for p in st["positions"]),
+                                        default=0))}
+
+    def tokens_per_epoch(self) -> int:
+        """Tokens of one pass over the split (all sources), from the manifests."""
+        return sum(s.manifest.tokens(s.split) for s in self.spec.sources)
 
 
 def build_loader(cfg: RunConfig, split: str, micro_batch_size: int, dp_rank: int, dp_size: int,
                  tokenizer: TokenizerInfo, epochs: int | None = None) -> StreamingLoader:
-    """The loader of ``split`` ("train": endless, shuffled; "valid": in order, ``epochs`` passes or endless)."""
+    """The loader of ``split``: "train" is endless and shuffled, split over ``dp_size`` ranks x
+    ``data.num_workers`` workers; "valid" is ``epochs`` (default 1) in-order passes, the same on every rank."""
     data = cfg.data
-    if split == "train":
-        sources = resolve_sources(data.train, "train")
-    else:
-        sources = resolve_sources(data.valid, "valid", fallback=data.train)
-    check_compatible(sources, tokenizer, cfg.model.vocab_size)
-    readers = dp_size * max(1, data.num_workers)
+    if split not in SPLIT_SALT:
+        raise DataError(f"split must be train or valid, got {split!r}")
+    if not 0 <= dp_rank < dp_size:
+        raise DataError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
+    sources = resolve_sources(data.valid, "valid", fallback=data.train) if split == "valid" else \
+        resolve_sources(data.train, "train")
+    check_compatible(sources, tokenizer, cfg.model)
+    workers = data.num_workers if split == "train" else 0
+    readers = dp_size * max(1, workers)
     fewest = min(len(s.shards) for s in sources)
     if split == "train" and fewest < readers:
-        raise DataError(f"{fewest} {split} shards cannot feed {dp_size} ranks x {max(1, data.num_workers)} workers "
-                        f"= {readers} readers; write smaller shards (--shard-mb) or lower data.num_workers")
-    if split == "valid":  # few validation shards: every rank reads all of them, in order
-        dp_rank, dp_size = 0, 1
+        raise DataError(f"{fewest} train shards cannot feed {dp_size} ranks x {max(1, workers)} workers = {readers} "
+                        "readers (each reader needs its own shard); write smaller shards (--shard-mb) or lower "
+                        "data.num_workers")
+    if split == "valid":  # validation shards are few: every rank reads all of them, in order
+        dp_rank, dp_size, epochs = 0, 1, epochs or 1
     objective = build_objective(cfg.objective, cfg.model.arch, data.seq_len, data.pack, tokenizer,
                                 cfg.objective_args)
     eos = tokenizer.require("eos", "document separation")
     spec = LoaderSpec(sources, objective, eos, cfg.seed, SPLIT_SALT[split], micro_batch_size, dp_rank, dp_size,
-                      data.num_workers if split == "train" else 0, split == "train", data.on_corrupt, epochs)
-    return StreamingLoader(spec)
+                      workers, split == "train", max(1, data.shuffle_buffer), data.on_corrupt, epochs)
+    return StreamingLoader(spec, cfg.model)

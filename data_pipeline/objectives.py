@@ -1,8 +1,20 @@
 """Objectives: turn a window of tokens into one training sample (numpy arrays, see megatransformer.batch).
 
-Each objective declares how it wants its tokens (``window`` tokens per sample, packed across documents
-or one document per row, and how many tokens consecutive windows share) and builds a sample with a
-random generator seeded per sample, so results depend neither on batch size nor on worker count.
+Each objective declares how it wants its tokens from the loader, its ``layout``:
+
+- ``packed``: fixed windows of ``window`` tokens cut across documents (EOS after every document); the
+  window's ``segments`` number the documents so the model keeps them apart;
+- ``rows``: one piece of one document per row (at most ``window`` tokens), padded to the row length;
+- ``examples`` (encoder-decoder): pieces of documents (at most ``window`` raw tokens each) become one
+  (source, target) example each; whole examples are packed into a row while both the encoder and the decoder
+  side fit (``cost`` / ``capacity``); example k of a row is segment k on both sides. With ``data.pack:
+  false`` a row holds one example.
+
+Randomness comes from a generator seeded per sample by the loader, so samples depend neither on the batch
+size nor on the worker count.
+
+The decoder of the encoder-decoder objectives starts from the PAD token (BOS when the tokenizer has no PAD),
+as in T5: ``decoder_input_ids`` is the target shifted right behind that start token, per example.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ Sample = dict[str, np.ndarray]
 @dataclass
 class Window:
     tokens: np.ndarray  # int64
-    segments: np.ndarray  # document number per token, 1, 2, ... (0: none)
+    segments: np.ndarray  # document (or example) number per token: 1, 2, ...
 
 
 def doc_positions(segments: np.ndarray) -> np.ndarray:
@@ -33,27 +45,51 @@ def doc_positions(segments: np.ndarray) -> np.ndarray:
 
 
 def pad_to(array: np.ndarray, length: int, value: int) -> np.ndarray:
-    return np.pad(array, (0, length - len(array)), constant_values=value)
+    return np.pad(np.asarray(array, dtype=np.int64), (0, length - len(array)), constant_values=value)
+
+
+def split_segments(window: Window) -> list[np.ndarray]:
+    cuts = np.flatnonzero(window.segments[1:] != window.segments[:-1]) + 1
+    return np.split(window.tokens, cuts)
+
+
+def decoder_start_id(tok: TokenizerInfo) -> int:
+    """The token the decoder starts from: PAD (T5's convention), else BOS."""
+    if tok.pad_id is not None:
+        return tok.pad_id
+    return tok.require("bos", "the decoder start token (the tokenizer has neither pad nor bos)")
 
 
 class Objective:
+    layout: str = "packed"
     window: int
-    overlap: int = 0
-    packed: bool = True
-    min_tokens: int = 1  # shorter rows are skipped (rows mode)
+    overlap: int = 0  # tokens shared by consecutive windows of one document
+    min_tokens: int = 1  # shorter pieces are dropped (rows and examples layouts)
+    doc_eos: bool = True  # append EOS to every document before cutting it
+    packed: bool = True  # examples layout: several examples per row
+    capacity: tuple[int, int] = (0, 0)  # examples layout: (encoder, decoder) tokens per row
+
+    def cost(self, n: int) -> tuple[int, int]:
+        """examples layout: the (encoder, decoder) tokens an example of n raw tokens takes, at most."""
+        raise NotImplementedError
 
     def build(self, window: Window, rng: np.random.Generator) -> Sample:
         raise NotImplementedError
 
 
-class Autoregressive(Objective):
-    """Next-token prediction; labels never cross a document boundary."""
+def padding_token(tok: TokenizerInfo) -> int:
+    return tok.pad_id if tok.pad_id is not None else tok.require("eos", "padding (the tokenizer has no pad)")
 
-    overlap = 1
+
+class Autoregressive(Objective):
+    """Next-token prediction, loss on every real token; labels never cross a document boundary."""
+
+    overlap = 1  # the last token of a window is the first input of the next: every token gets predicted
 
     def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool) -> None:
-        self.seq_len, self.window, self.packed, self.min_tokens = seq_len, seq_len + 1, packed, 2
-        self.pad = tok.pad_id if tok.pad_id is not None else tok.require("eos", "padding")
+        self.seq_len, self.window, self.min_tokens = seq_len, seq_len + 1, 2
+        self.layout = "packed" if packed else "rows"
+        self.pad = padding_token(tok)
 
     def build(self, window: Window, rng: np.random.Generator) -> Sample:
         tokens, segments = window.tokens, window.segments
@@ -71,7 +107,8 @@ class MaskedLM(Objective):
     """BERT: select mask_prob of the non-special tokens; of those mask / random / keep; loss on the selected."""
 
     def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool, args: ObjectiveArgs) -> None:
-        self.seq_len, self.window, self.packed, self.args = seq_len, seq_len, packed, args
+        self.seq_len, self.window, self.args = seq_len, seq_len, args
+        self.layout = "packed" if packed else "rows"
         self.mask_id = tok.require("mask", "objective=masked_lm")
         self.pad = tok.pad_id if tok.pad_id is not None else self.mask_id
         special = np.zeros(tok.vocab_size, dtype=bool)
@@ -84,7 +121,7 @@ class MaskedLM(Objective):
         a = self.args
         candidates = ~self.special[tokens]
         selected = candidates & (rng.random(len(tokens)) < a.mask_prob)
-        if candidates.any() and not selected.any():  # never an empty target
+        if a.mask_prob > 0 and candidates.any() and not selected.any():  # never an empty target
             selected[rng.choice(np.flatnonzero(candidates))] = True
         roll = rng.random(len(tokens))
         inputs = tokens.copy()
@@ -99,89 +136,123 @@ class MaskedLM(Objective):
         }
 
 
-def split_point(n: int, args: ObjectiveArgs, rng: np.random.Generator) -> int:
-    """A prefix length in [1, n-1] drawn uniformly between prefix_min and prefix_max of n."""
+def split_range(n: int, args: ObjectiveArgs) -> tuple[int, int]:
+    """The prefix lengths allowed for n tokens: [low, high], within [1, n-1]."""
     low = min(max(1, int(round(args.prefix_min * n))), n - 1)
     high = min(max(low, int(round(args.prefix_max * n))), n - 1)
+    return low, high
+
+
+def split_point(n: int, args: ObjectiveArgs, rng: np.random.Generator) -> int:
+    """A prefix length drawn uniformly from split_range(n)."""
+    low, high = split_range(n, args)
     return int(rng.integers(low, high + 1))
 
 
 class PrefixLM(Objective):
-    """Decoder-only: bidirectional prefix, causal suffix, loss on the suffix only. One document per row."""
+    """Decoder-only: bidirectional prefix, causal suffix, loss on the suffix only. One document per row
+    (``prefix_len`` is per row), padded."""
 
-    packed = False
+    layout = "rows"
     overlap = 1
 
     def __init__(self, seq_len: int, tok: TokenizerInfo, args: ObjectiveArgs) -> None:
         self.seq_len, self.window, self.args, self.min_tokens = seq_len, seq_len + 1, args, 3
-        self.pad = tok.pad_id if tok.pad_id is not None else tok.require("eos", "padding")
+        self.pad = padding_token(tok)
 
     def build(self, window: Window, rng: np.random.Generator) -> Sample:
         tokens, T = window.tokens, self.seq_len
         n = len(tokens) - 1  # input length
         prefix = split_point(n, self.args, rng)
         labels = tokens[1:].copy()
-        labels[: prefix - 1] = IGNORE_INDEX  # position prefix-1 predicts the first suffix token
+        labels[: prefix - 1] = IGNORE_INDEX  # position prefix-1 (last of the prefix) predicts the first suffix token
         return {
             "input_ids": pad_to(tokens[:-1], T, self.pad),
             "labels": pad_to(labels, T, IGNORE_INDEX),
             "segment_ids": pad_to(np.ones(n, dtype=np.int64), T, 0),
             "position_ids": pad_to(np.arange(n), T, 0),
-            "prefix_len": np.array(prefix),
+            "prefix_len": np.array(prefix, dtype=np.int64),
         }
 
 
-class Seq2SeqPrefixLM(Objective):
-    """Encoder-decoder prefix-LM: the prefix is the encoder input, the rest the decoder target (ending in the
-    document's EOS when the row holds the document's end).
+class EncoderDecoderObjective(Objective):
+    """Builds one (source, target) pair per example and packs the pairs of a window side by side."""
 
-    The decoder input is the target shifted right, starting with the BOS token (PAD if there is none).
-    """
+    layout = "examples"
 
-    packed = False
+    def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool) -> None:
+        self.seq_len, self.packed = seq_len, packed
+        self.pad, self.start = padding_token(tok), decoder_start_id(tok)
 
-    def __init__(self, seq_len: int, tok: TokenizerInfo, args: ObjectiveArgs) -> None:
-        self.seq_len, self.window, self.args, self.min_tokens = seq_len, seq_len, args, 2
-        self.eos = tok.require("eos", "objective=prefix_lm")
-        self.pad = tok.pad_id if tok.pad_id is not None else self.eos
-        self.start = tok.bos_id if tok.bos_id is not None else self.pad
+    def example(self, tokens: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
 
     def build(self, window: Window, rng: np.random.Generator) -> Sample:
-        tokens, T = window.tokens, self.seq_len
-        prefix = split_point(len(tokens), self.args, rng)
-        target = tokens[prefix:][:T]
-        return encoder_decoder_sample(tokens[:prefix], target, self.start, self.pad, T, T)
+        pairs = [self.example(piece, rng) for piece in split_segments(window)]
+        return encoder_decoder_sample(pairs, self.start, self.pad, *self.capacity)
+
+    def largest_window(self) -> int:
+        """The most raw tokens one example may hold so that it fits a row."""
+        def fits(n: int) -> bool:
+            return all(c <= cap for c, cap in zip(self.cost(n), self.capacity))
+
+        if not fits(self.min_tokens):
+            raise DataError(f"data.seq_len={self.seq_len} is too short for an encoder-decoder example")
+        n = self.min_tokens
+        while fits(n + 1):
+            n += 1
+        return n
 
 
-def encoder_decoder_sample(source, target, start: int, pad: int, src_len: int, tgt_len: int) -> Sample:
+def encoder_decoder_sample(pairs: list[tuple[np.ndarray, np.ndarray]], start: int, pad: int, src_len: int,
+                           tgt_len: int) -> Sample:
+    """Examples side by side: example k is segment k of the encoder and of the decoder."""
+
+    def side(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        segments = np.concatenate([np.full(len(p), k + 1) for k, p in enumerate(parts)])
+        return segments, np.concatenate([np.arange(len(p)) for p in parts])
+
+    sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
+    src_seg, src_pos = side(sources)
+    tgt_seg, tgt_pos = side(targets)
+    shifted = np.concatenate([np.r_[start, t[:-1]] for t in targets])
     return {
-        "input_ids": pad_to(source, src_len, pad),
-        "segment_ids": pad_to(np.ones(len(source), dtype=np.int64), src_len, 0),
-        "position_ids": pad_to(np.arange(len(source)), src_len, 0),
-        "decoder_input_ids": pad_to(np.r_[start, target[:-1]], tgt_len, pad),
-        "decoder_segment_ids": pad_to(np.ones(len(target), dtype=np.int64), tgt_len, 0),
-        "decoder_position_ids": pad_to(np.arange(len(target)), tgt_len, 0),
-        "labels": pad_to(target, tgt_len, IGNORE_INDEX),
+        "input_ids": pad_to(np.concatenate(sources), src_len, pad),
+        "segment_ids": pad_to(src_seg, src_len, 0),
+        "position_ids": pad_to(src_pos, src_len, 0),
+        "decoder_input_ids": pad_to(shifted, tgt_len, pad),
+        "decoder_segment_ids": pad_to(tgt_seg, tgt_len, 0),
+        "decoder_position_ids": pad_to(tgt_pos, tgt_len, 0),
+        "labels": pad_to(np.concatenate(targets), tgt_len, IGNORE_INDEX),
     }
 
 
+class Seq2SeqPrefixLM(EncoderDecoderObjective):
+    """Encoder-decoder prefix-LM: a document piece is split at a random point; the prefix is the encoder
+    input, the rest the decoder target (ending in the document's EOS when the piece holds its end)."""
+
+    min_tokens = 2
+
+    def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool, args: ObjectiveArgs) -> None:
+        super().__init__(seq_len, tok, packed)
+        tok.require("eos", "objective=prefix_lm")
+        self.args, self.capacity = args, (seq_len, seq_len)
+        self.window = self.largest_window()
+
+    def cost(self, n: int) -> tuple[int, int]:
+        low, high = split_range(n, self.args)
+        return high, n - low
+
+    def example(self, tokens: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        prefix = split_point(len(tokens), self.args, rng)
+        return tokens[:prefix], tokens[prefix:]
+
+
 def span_lengths(raw_len: int, density: float, mean_span: float) -> tuple[int, int]:
-    """(noise tokens, noise spans) for a window of raw_len tokens, as in T5."""
+    """(noise tokens, noise spans) for raw_len tokens, as in T5: at least one of each, never all noise."""
     noise = min(max(int(round(raw_len * density)), 1), raw_len - 1)
-    spans = max(min(int(round(noise / mean_span)), noise), 1)
+    spans = max(min(int(round(noise / mean_span)), noise, raw_len - noise), 1)
     return noise, spans
-
-
-def span_corruption_lengths(seq_len: int, density: float, mean_span: float) -> tuple[int, int]:
-    """The longest raw window whose corrupted input (with EOS) fits seq_len, and its target length."""
-    raw = seq_len
-    while True:
-        noise, spans = span_lengths(raw + 1, density, mean_span)
-        if raw + 1 - noise + spans + 1 > seq_len:
-            break
-        raw += 1
-    noise, spans = span_lengths(raw, density, mean_span)
-    return raw, noise + spans + 1
 
 
 def random_segmentation(total: int, parts: int, rng: np.random.Generator) -> np.ndarray:
@@ -190,44 +261,48 @@ def random_segmentation(total: int, parts: int, rng: np.random.Generator) -> np.
     return np.diff(np.r_[0, cuts, total]).astype(np.int64)
 
 
-class SpanCorruption(Objective):
-    """T5: noise spans replaced by unique sentinels in the input and listed after them in the target.
+class SpanCorruption(EncoderDecoderObjective):
+    """T5: noise spans replaced by unique sentinels in the input and listed after them in the target, EOS
+    ending both. Lengths are computed per example from its raw length, so no example is ever truncated:
+    ``window`` is the longest piece whose input fits ``seq_len``; ``target_len`` is that piece's target."""
 
-    Windows are packed across documents (as T5 does) and sized so that no sample is truncated or padded;
-    the decoder starts from the PAD token, as in T5.
-    """
+    min_tokens = 2
+    doc_eos = False  # the example's own EOS ends input and target
 
-    def __init__(self, seq_len: int, tok: TokenizerInfo, args: ObjectiveArgs) -> None:
-        self.args, self.seq_len = args, seq_len
-        self.window, self.target_len = span_corruption_lengths(seq_len, args.noise_density,
-                                                               args.mean_noise_span_length)
-        self.noise, self.spans = span_lengths(self.window, args.noise_density, args.mean_noise_span_length)
-        self.eos = tok.require("eos", "objective=span_corruption")
-        if len(tok.sentinel_ids) < self.spans:
-            raise DataError(f"span_corruption at seq_len={seq_len} needs {self.spans} sentinel tokens, tokenizer "
-                            f"{tok.path} has {len(tok.sentinel_ids)}; train it with more (--sentinels)")
-        self.sentinels = np.array(tok.sentinel_ids)
-        self.pad = tok.pad_id if tok.pad_id is not None else self.eos
+    def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool, args: ObjectiveArgs) -> None:
+        super().__init__(seq_len, tok, packed)
+        self.args, self.eos = args, tok.require("eos", "objective=span_corruption")
+        self.capacity = (seq_len, 1 << 30)
+        self.window = self.largest_window()
+        self.target_len = self.cost(self.window)[1]
+        self.capacity = (seq_len, self.target_len)
+        spans = span_lengths(self.window, args.noise_density, args.mean_noise_span_length)[1]
+        if len(tok.sentinel_ids) < spans:
+            raise DataError(f"span_corruption at seq_len={seq_len} needs {spans} sentinel tokens, tokenizer "
+                            f"{tok.path} has {len(tok.sentinel_ids)}; train one with more (--sentinels)")
+        self.sentinels = np.array(tok.sentinel_ids, dtype=np.int64)
 
-    def noise_mask(self, rng: np.random.Generator) -> np.ndarray:
-        noise_runs = random_segmentation(self.noise, self.spans, rng)
-        keep_runs = random_segmentation(self.window - self.noise, self.spans, rng)
+    def cost(self, n: int) -> tuple[int, int]:
+        noise, spans = span_lengths(n, self.args.noise_density, self.args.mean_noise_span_length)
+        return n - noise + spans + 1, noise + spans + 1
+
+    def noise_mask(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """Alternating kept and noise runs (starting with kept), run lengths random, counts as span_lengths."""
+        noise, spans = span_lengths(n, self.args.noise_density, self.args.mean_noise_span_length)
+        noise_runs = random_segmentation(noise, spans, rng)
+        keep_runs = random_segmentation(n - noise, spans, rng)
         runs = np.stack([keep_runs, noise_runs], axis=1).reshape(-1)
-        return np.repeat(np.tile([False, True], self.spans), runs)
+        return np.repeat(np.tile([False, True], spans), runs)
 
-    def build(self, window: Window, rng: np.random.Generator) -> Sample:
-        tokens = window.tokens
-        noise = self.noise_mask(rng)
+    def example(self, tokens: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        noise = self.noise_mask(len(tokens), rng)
         span_start = noise & ~np.r_[False, noise[:-1]]
         span_id = np.cumsum(span_start) - 1
-        source = np.where(span_start, self.sentinels[span_id], tokens)[~noise | span_start]
-        pieces = []
-        for i, start in enumerate(np.flatnonzero(span_start)):
-            end = start + np.argmin(np.r_[noise[start:], False])
-            pieces += [self.sentinels[i], *tokens[start:end]]
-        source = np.r_[source, self.eos]
-        target = np.array(pieces + [self.eos], dtype=np.int64)
-        return encoder_decoder_sample(source, target, self.pad, self.pad, self.seq_len, self.target_len)
+        source = np.where(span_start, self.sentinels[np.maximum(span_id, 0)], tokens)[~noise | span_start]
+        # target: each span's sentinel followed by the span's tokens
+        target = np.insert(tokens, np.flatnonzero(span_start), self.sentinels[span_id[span_start]])
+        in_target = np.insert(noise, np.flatnonzero(span_start), True)
+        return np.r_[source, self.eos], np.r_[target[in_target], self.eos]
 
 
 def build_objective(name: str, arch: str, seq_len: int, pack: bool, tok: TokenizerInfo,
@@ -237,7 +312,9 @@ def build_objective(name: str, arch: str, seq_len: int, pack: bool, tok: Tokeniz
     if name == "masked_lm":
         return MaskedLM(seq_len, tok, pack, args)
     if name == "prefix_lm":
-        return Seq2SeqPrefixLM(seq_len, tok, args) if arch == "encoder_decoder" else PrefixLM(seq_len, tok, args)
+        if arch == "encoder_decoder":
+            return Seq2SeqPrefixLM(seq_len, tok, pack, args)
+        return PrefixLM(seq_len, tok, args)
     if name == "span_corruption":
-        return SpanCorruption(seq_len, tok, args)
+        return SpanCorruption(seq_len, tok, pack, args)
     raise DataError(f"unknown objective {name!r}")

@@ -12,11 +12,13 @@ so a directory without a manifest (or a shard not listed in it) is never mistake
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,6 +50,8 @@ class Manifest:
     eos_id: int | None
     splits: dict[str, list[ShardInfo]] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    documents: int = 0
+    replaced_lines: int = 0  # input lines whose undecodable bytes were replaced
 
     def save(self, directory: Path) -> None:
         tmp = directory / f".{MANIFEST}.tmp"
@@ -60,11 +64,17 @@ class Manifest:
         if not path.is_file():
             raise DataError(f"{directory} has no {MANIFEST}: not a complete shard directory "
                             "(write one with `megatransformer data shard`)")
-        raw = json.loads(path.read_text())
-        if raw.get("version") != FORMAT_VERSION:
-            raise DataError(f"{path} has format version {raw.get('version')}, this code reads {FORMAT_VERSION}")
-        splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}
-        return cls(splits=splits, **raw)
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("version") != FORMAT_VERSION:
+                raise DataError(f"{path} has format version {raw.get('version')}, this code reads {FORMAT_VERSION}")
+            splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}
+            return cls(splits=splits, **raw)
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
+            if isinstance(err, DataError):
+                raise
+            raise DataError(f"{path} is not a valid shard manifest ({type(err).__name__}: {err}); "
+                            "re-create the directory with `megatransformer data shard`") from None
 
     def tokens(self, split: str) -> int:
         return sum(s.tokens for s in self.splits.get(split, []))
@@ -111,6 +121,17 @@ class ShardWriter:
         self._tar = wds.TarWriter(self._stream)
         self._samples = self._tokens = self._bytes = 0
 
+    def abort(self) -> None:
+        """Remove everything this writer wrote (a failed run leaves nothing that looks like data)."""
+        if self._tar is not None:
+            self._tar.close()
+            self._stream.close()
+            self._tmp.unlink(missing_ok=True)
+            self._tar = None
+        for shard in self.shards:
+            (self.directory / shard.file).unlink(missing_ok=True)
+        self.shards = []
+
     def close(self) -> None:
         if self._tar is None:
             return
@@ -153,7 +174,12 @@ def _batches(docs: Iterator[Document], size: int) -> Iterator[list[str]]:
 
 
 def prepare_output(out: Path, overwrite: bool) -> None:
-    existing = [p for p in out.glob("*") if p.name == MANIFEST or p.suffix == ".tar"] if out.exists() else []
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file, not a directory")
+    for stale in out.glob(".*.tmp") if out.exists() else []:  # left by a crashed run
+        stale.unlink()
+    existing = sorted((p for p in out.glob("*") if p.name == MANIFEST or p.suffix == ".tar"),
+                      key=lambda p: (p.name != MANIFEST, p.name)) if out.exists() else []
     if existing and not overwrite:
         raise DataError(f"{out} already holds a dataset ({existing[0].name}); choose another --out or pass "
                         "--overwrite to replace it")
@@ -176,38 +202,69 @@ def write_shards(
     overwrite: bool = False,
     progress: bool = True,
 ) -> Manifest:
-    """Every ``valid_every``-th document goes to the validation split (0: no validation split)."""
-    from tqdm import tqdm
-
+    """Tokenize ``files`` into ``out``; every ``valid_every``-th document goes to the validation split
+    (0: none). ``workers`` tokenizer processes (default: all cores; 1: in this process)."""
+    if shard_mb <= 0:
+        raise DataError(f"--shard-mb must be positive, got {shard_mb}")
+    if valid_every < 0 or valid_every == 1:
+        raise DataError(f"--valid-every must be 0 (no validation split) or >= 2, got {valid_every}")
     out = Path(out)
     tokenizer = load_tokenizer(tokenizer_path)
+    for name in files:  # fail before touching --out
+        if not Path(name).is_file():
+            raise DataError(f"input file {name} does not exist")
     prepare_output(out, overwrite)
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {split: ShardWriter(out, split, int(shard_mb * 2**20)) for split in ("train", "valid")}
     stats = DecodeStats()
     docs = read_documents(files, text_field, doc_per, on_decode_error, stats)
+    try:
+        n_docs = _write_documents(docs, tokenizer, tokenizer_path, writers, dtype, valid_every, workers, progress)
+        if n_docs == 0:
+            raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
+        for writer in writers.values():
+            writer.close()
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    if stats.replaced_lines:
+        print(f"warning: {stats.replaced_lines} input lines were not valid UTF-8; their bad bytes were replaced "
+              "(--on-decode-error fail stops at the first one instead)", file=sys.stderr)
+    manifest = Manifest(tokenizer.sha256, tokenizer.vocab_size, dtype.name, tokenizer.eos_id,
+                        {split: w.shards for split, w in writers.items() if w.shards}, documents=n_docs,
+                        replaced_lines=stats.replaced_lines)
+    manifest.save(out)  # last: the directory is a dataset from this moment on
+    return manifest
+
+
+def _write_documents(docs: Iterator[Document], tokenizer: TokenizerInfo, tokenizer_path: str,
+                     writers: dict[str, ShardWriter], dtype: np.dtype, valid_every: int, workers: int | None,
+                     progress: bool) -> int:
+    from tqdm import tqdm
+
     workers = workers or os.cpu_count() or 1
-    bar = tqdm(unit=" docs", disable=not progress, desc="sharding")
+    bar = tqdm(unit=" docs", disable=not progress, desc="sharding", file=sys.stderr)
     n_docs = n_tokens = 0
     started = time.perf_counter()
-    with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path,)) as pool:
-        for batch in pool.imap(_tokenize, _batches(docs, 256)):
+    with _tokenize_pool(workers, tokenizer, tokenizer_path) as tokenize:
+        for batch in tokenize(_batches(docs, 256)):
             for ids in batch:
                 split = "valid" if valid_every and n_docs % valid_every == valid_every - 1 else "train"
                 writers[split].write(f"{n_docs:012d}", np.asarray(ids, dtype=dtype))
                 n_docs += 1
                 n_tokens += len(ids)
             bar.update(len(batch))
-            rate = n_tokens / max(time.perf_counter() - started, 1e-9)
-            bar.set_postfix_str(f"{rate:,.0f} tokens/s")
+            bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s")
     bar.close()
-    for writer in writers.values():
-        writer.close()
-    if n_docs == 0:
-        raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
-    if stats.replaced_lines:
-        print(f"warning: {stats.replaced_lines} lines were not valid UTF-8; bad bytes were replaced")
-    manifest = Manifest(tokenizer.sha256, tokenizer.vocab_size, dtype.name, tokenizer.eos_id,
-                        {split: w.shards for split, w in writers.items() if w.shards})
-    manifest.save(out)
-    return manifest
+    return n_docs
+
+
+@contextlib.contextmanager
+def _tokenize_pool(workers: int, tokenizer: TokenizerInfo, tokenizer_path: str):
+    """A function mapping batches of texts to token ids: in worker processes, or here when workers == 1."""
+    if workers == 1:
+        yield lambda batches: (tokenizer.encode_batch(texts) for texts in batches)
+        return
+    with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path,)) as pool:
+        yield lambda batches: pool.imap(_tokenize, batches)
