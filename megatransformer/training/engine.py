@@ -21,7 +21,6 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str) -> dict[str
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": sizes.micro,
         "gradient_accumulation_steps": sizes.accum,
-        "train_batch_size": sizes.global_batch,
         "gradient_clipping": t.grad_clip,
         "steps_per_print": 1 << 30,
         "zero_optimization": {"stage": p.zero_stage},

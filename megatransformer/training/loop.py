@@ -89,6 +89,8 @@ class Trainer:
                            for b in micro)
         targets, tokens, stop = all_reduce_sum(
             [local_targets, local_tokens, float(self.preemption.requested)], self.dist.device)
+        tp = self.cfg.parallel.tensor_parallel  # the ranks of a tensor-parallel group share their batches
+        targets, tokens = targets / tp, tokens / tp
         # DeepSpeed averages gradients over micro batches and data-parallel ranks; undo that so the
         # gradient is that of (sum of token losses) / (loss tokens in the global batch).
         scale = self.e.sizes.accum * self.e.dp_size / max(targets, 1.0)
@@ -107,6 +109,7 @@ class Trainer:
             self.engine.step()
         self._restore_lr()
         (loss_sum,) = all_reduce_sum([loss_sum], self.dist.device)
+        loss_sum /= tp
         return StepResult(loss_sum / max(targets, 1.0), int(tokens), finite, stop > 0)
 
     def last_grad_norm(self) -> float | None:
@@ -195,7 +198,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Token-weighted validation loss over train.eval_batches batches (the same batches every time)."""
+        """Token-weighted validation loss over train.eval_batches batches (the same batches every time, on
+        every rank: validation sets are small, and no rank can run out before another)."""
         self.engine.eval()
         loss_sum, targets = 0.0, 0
         for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader):
@@ -204,7 +208,6 @@ class Trainer:
             loss_sum += token_loss_sum(self.engine(**batch), labels, 0.0).item()
             targets += int((labels != IGNORE_INDEX).sum())
         self.engine.train()
-        loss_sum, targets = all_reduce_sum([loss_sum, targets], self.dist.device)
         loss = loss_sum / max(targets, 1)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(targets)}
 
