@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import sysconfig
 from pathlib import Path
 from typing import Iterator
@@ -15,11 +16,21 @@ from typing import Iterator
 MIN_CHARS = 200
 
 
-def stdlib_docstrings(min_chars: int = MIN_CHARS) -> Iterator[str]:
+SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"}
+
+
+def stdlib_files() -> Iterator[Path]:
+    """The standard library's .py files in a fixed order, without installed packages and test suites."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(stdlib.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
-            continue
+    for root, dirs, files in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield Path(root) / name
+
+
+def stdlib_docstrings(min_chars: int = MIN_CHARS) -> Iterator[str]:
+    for path in stdlib_files():
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):

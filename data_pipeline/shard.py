@@ -118,7 +118,7 @@ class ShardWriter:
         name = f"{self.prefix}-{len(self.shards):06d}.tar"
         self._final, self._tmp = self.directory / name, self.directory / f".{name}.tmp"
         self._stream = open(self._tmp, "wb")
-        self._tar = wds.TarWriter(self._stream)
+        self._tar = wds.TarWriter(self._stream, mtime=0)  # fixed mtime: same input, same bytes, same sha256
         self._samples = self._tokens = self._bytes = 0
 
     def abort(self) -> None:
