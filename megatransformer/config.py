@@ -152,7 +152,7 @@ class DataConfig(Section):
     pack: bool = True
     """Pack documents into full sequences (with document boundaries); false pads each document."""
     shuffle_buffer: int = 1000
-    """Samples held in the shuffle buffer."""
+    """Documents shuffled together: shards are read in blocks of this many documents, each block permuted."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
     on_corrupt: Literal["error", "skip"] = "error"
