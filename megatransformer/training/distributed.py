@@ -35,6 +35,11 @@ def setup() -> Dist:
     if "WORLD_SIZE" not in os.environ:  # a plain single process: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    if os.environ.get("MASTER_PORT") == "0":  # torchrun --master_port=0 exports 0: every rank would wait forever
+        from megatransformer.config import ConfigError
+
+        raise ConfigError("MASTER_PORT=0 cannot be reached by the other ranks; use `torchrun --standalone` "
+                          "or pass a free port with --master_port")
     import deepspeed
     import torch.distributed as dist
 

@@ -10,6 +10,7 @@ import math
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,14 +101,18 @@ class Trainer:
             loss = token_loss_sum(self.engine(**batch), labels, self.cfg.train.label_smoothing)
             # every rank must take the same decision, or the replicas would drift apart
             finite = finite and all_reduce_sum([float(not torch.isfinite(loss))], self.dist.device)[0] == 0
+            # after a non-finite loss the remaining micro batches only keep DeepSpeed's hooks in step
             self.engine.backward(loss * scale if finite else _zero_loss(self.engine.module))
-            loss_sum += loss.item() if finite else 0.0
-            if not finite:  # no update this step; the remaining micro batches only keep DeepSpeed in step
-                self._freeze_lr()
-            if self.engine.is_gradient_accumulation_boundary() and self.cfg.parallel.zero_stage == 0:
+            loss_sum += loss.item() if finite else math.nan
+            boundary = self.engine.is_gradient_accumulation_boundary()
+            if boundary and self.cfg.parallel.zero_stage == 0:  # (ZeRO checks its gradients itself)
                 self.grad_norm = unclipped_grad_norm(self.engine.module, self.cfg.parallel.tensor_parallel)
-            self.engine.step()
-        self._restore_lr()
+                finite = finite and math.isfinite(self.grad_norm)
+            skipped_before = self.engine.skipped_steps
+            with skipped_update(self.engine, skip=boundary and not finite):
+                self.engine.step()
+        # ZeRO skips a step with non-finite gradients on its own (and counts it)
+        finite = finite and self.engine.skipped_steps == skipped_before
         (loss_sum,) = all_reduce_sum([loss_sum], self.dist.device)
         loss_sum /= tp
         return StepResult(loss_sum / max(targets, 1.0), int(tokens), finite, stop > 0)
@@ -115,16 +120,6 @@ class Trainer:
     def last_grad_norm(self) -> float | None:
         norm = self.grad_norm if self.cfg.parallel.zero_stage == 0 else self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
-
-    def _freeze_lr(self) -> None:
-        for group in self.engine.optimizer.param_groups:
-            group.setdefault("_lr", group["lr"])
-            group["lr"] = 0.0
-
-    def _restore_lr(self) -> None:
-        for group in self.engine.optimizer.param_groups:
-            if "_lr" in group:
-                group["lr"] = group.pop("_lr")
 
     # ------------------------------------------------------------------------------------ the run
 
@@ -163,19 +158,19 @@ class Trainer:
             report.progress(self.state.step, result.loss, result.tokens / step_seconds, step_seconds)
             if self.state.step % cfg.train.log_every == 0 or self.state.step == cfg.train.max_steps:
                 tokens_per_s = window_tokens / (time.perf_counter() - window_start)
-                report.log({"step": self.state.step, "loss": result.loss if result.finite else None,
+                report.log({"step": self.state.step, "loss": result.loss if math.isfinite(result.loss) else None,
                             "lr": self.engine.get_lr()[0], "grad_norm": self.last_grad_norm(),
                             "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
                             "mfu": tokens_per_s * flops / peak, "bad_steps": self.state.bad_steps,
                             "skipped_shards": len(self.train_loader.skipped_shards)})
                 window_start, window_tokens = time.perf_counter(), 0
             if not result.finite:
-                report.message(f"step {self.state.step}: non-finite loss, update skipped "
+                report.message(f"step {self.state.step}: non-finite loss or gradients, update skipped "
                                f"({self.state.bad_steps} in a row)")
             if cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0:
                 report.log({"step": self.state.step, **self.evaluate()})
             if self.state.bad_steps >= cfg.train.max_bad_steps:
-                report.message(f"stopping: {self.state.bad_steps} consecutive non-finite losses "
+                report.message(f"stopping: {self.state.bad_steps} consecutive non-finite steps "
                                f"(train.max_bad_steps); lower optim.lr or check the data")
                 exit_code = EXIT_DIVERGED
                 break
@@ -210,6 +205,39 @@ class Trainer:
         self.engine.train()
         loss = loss_sum / max(targets, 1)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(targets)}
+
+
+@contextmanager
+def skipped_update(engine, skip: bool):
+    """When ``skip``, the step inside this block changes nothing: weights, Adam moments, the optimizer's
+    step count and the learning-rate schedule stay as they were (DeepSpeed still zeroes the gradients).
+    This is what DeepSpeed's ZeRO optimizers do on their own for non-finite gradients.
+
+    DeepSpeed wraps the torch optimizer (ZeRO and bf16 wrappers keep it in ``.optimizer``); the innermost
+    one is the one whose ``step`` would change state.
+    """
+    if not skip:
+        yield
+        return
+    inner = engine.optimizer
+    while hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    # (torch's LR scheduler may already have wrapped the optimizer's step on the instance: put it back)
+    patched = [(obj, vars(obj).get("step")) for obj in (inner, engine.lr_scheduler) if obj is not None]
+    for obj, _ in patched:
+        obj.step = _no_op
+    try:
+        yield
+    finally:
+        for obj, own in patched:
+            if own is None:
+                del obj.step
+            else:
+                obj.step = own
+
+
+def _no_op(*args, **kwargs) -> None:
+    return None
 
 
 def _zero_loss(module: torch.nn.Module) -> torch.Tensor:
