@@ -14,6 +14,16 @@ Layout::
         COMPLETE             written after every rank finished: only then does `latest` point here
 
 A run killed during a save leaves a directory without COMPLETE, and `latest` still names the previous one.
+
+What can change between runs:
+- resume (exact continuation): nothing that shapes the state: the same world size, tensor_parallel and
+  zero_stage (DeepSpeed's optimizer shards and our per-rank loader/RNG states are per rank), the same model
+  shape (a mismatch is an error listing the fields) and the same tokenizer (sha256 in trainer.json).
+- init_from (fine-tuning) and ``megatransformer export`` read only model.safetensors, which holds the whole
+  model: ZeRO-3 partitions are gathered and tensor-parallel shards concatenated (along TP_PLAN's split
+  dimension) when it is written. So any change of data-parallel size and ZeRO stage, and any change of
+  tensor-parallel size (1 -> 2, 2 -> 1, 2 -> 4, ...) that divides the heads, kv-heads, d_ff and vocabulary,
+  is supported: the new run's AutoTP splits the full weights again.
 """
 
 from __future__ import annotations
@@ -218,10 +228,16 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
 # ----------------------------------------------------------------------------------- loading
 
 
-def load_checkpoint(engine, cfg: RunConfig, path: Path) -> tuple[TrainerState, dict]:
+def load_checkpoint(engine, cfg: RunConfig, path: Path,
+                    tokenizer_sha256: str | None = None) -> tuple[TrainerState, dict]:
     """Restore engine, RNG and return (trainer state, this rank's data-loader state)."""
     check_same_shapes(saved_config(path).model, cfg.model, f"checkpoint {path}")
     state = TrainerState(**json.loads((path / "trainer.json").read_text()))
+    if tokenizer_sha256 and state.tokenizer_sha256 and tokenizer_sha256 != state.tokenizer_sha256:
+        raise ConfigError(f"checkpoint {path} was trained with another tokenizer (sha256 "
+                          f"{state.tokenizer_sha256[:12]}, data.tokenizer={cfg.data.tokenizer} has "
+                          f"{tokenizer_sha256[:12]}); resume with the same tokenizer, or start a new run "
+                          "with init_from=")
     layout = (dist.get_world_size(), cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
     if (state.world_size, state.tensor_parallel, state.zero_stage) != layout:
         raise ConfigError(

@@ -127,7 +127,7 @@ class Trainer:
         cfg = self.cfg
         path = ckpt.resolve_resume(cfg)
         if path is not None:
-            self.state, loader_state = ckpt.load_checkpoint(self.engine, cfg, path)
+            self.state, loader_state = ckpt.load_checkpoint(self.engine, cfg, path, self.tokenizer.sha256)
             self.train_loader.load_state_dict(loader_state)
         elif self.dist.is_main and cfg.resume == "auto":
             print(f"resume=auto: no complete checkpoint in {ckpt.checkpoint_root(cfg)}, starting fresh")
