@@ -32,9 +32,9 @@ class EarlySignals:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
-        if not self.pending:
-            threading.Thread(target=self._redeliver, daemon=True, name="launch-signal-relay").start()
         self.pending.append(signum)
+        if len(self.pending) == 1:  # the relay thread ends when nothing is pending
+            threading.Thread(target=self._redeliver, daemon=True, name="launch-signal-relay").start()
 
     def _redeliver(self) -> None:
         while self.pending:
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m launch --config FILE [key.path=value ...]\n"
-              "Runs `megatransformer train` under torchrun, srun, or as one process.")
+              "Runs `megatransformer train` under torchrun, srun, or as one process.",
+              file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     EarlySignals()
     try:
