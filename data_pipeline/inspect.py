@@ -41,22 +41,31 @@ def batch_stats(batch: dict[str, torch.Tensor], objective: str, mask_id: int | N
 
 
 def show_row(batch: dict[str, torch.Tensor], row: int, tok, objective: str) -> str:
+    """One row as text: the examples of an encoder-decoder row, the prefix/suffix split, [input->target] at
+    masked-LM positions, or the packed documents separated by their EOS."""
+
     def text(ids) -> str:
         return tok.decode([int(i) for i in ids if int(i) != IGNORE_INDEX])
 
-    ids, labels = batch["input_ids"][row], batch["labels"][row]
+    ids, labels, segments = batch["input_ids"][row], batch["labels"][row], batch["segment_ids"][row]
+    real = segments > 0
     if "decoder_input_ids" in batch:
-        return f"  encoder: {text(ids)!r}\n  target:  {text(labels)!r}"
+        dec = batch["decoder_segment_ids"][row]
+        return "\n".join(f"  example {k}: input  {text(ids[segments == k])!r}\n"
+                         f"             target {text(labels[dec == k])!r}" for k in range(1, int(segments.max()) + 1))
     if "prefix_len" in batch:
         p = int(batch["prefix_len"][row])
-        return f"  prefix: {text(ids[:p])!r}\n  suffix (loss): {text(ids[p:][labels[p:] != IGNORE_INDEX])!r}"
-    if objective == "masked_lm":  # [input->target] at the selected positions
+        return f"  prefix: {text(ids[:p])!r}\n  suffix: {text(ids[p:][real[p:]])!r} (loss from position {p - 1})"
+    if objective == "masked_lm":
         pieces = []
-        for i, lab in zip(ids.tolist(), labels.tolist()):
+        for i, lab in zip(ids[real].tolist(), labels[real].tolist()):
             word = tok.decode([i])
-            pieces.append(word if lab == IGNORE_INDEX else f"[{word.strip() or '_'}->{tok.decode([lab]).strip()}]")
+            if lab == IGNORE_INDEX:
+                pieces.append(word)
+            else:
+                pieces.append(f"[{word.strip() or '_'}->{tok.decode([lab]).strip() or '_'}]")
         return "  " + repr("".join(pieces))
-    return "  " + repr(text(ids))
+    return "  " + repr(text(ids[real]))
 
 
 def inspect_batches(config: str, overrides: list[str], n_batches: int, split: str, as_json: bool) -> int:
@@ -83,7 +92,7 @@ def inspect_batches(config: str, overrides: list[str], n_batches: int, split: st
     for b, batch in enumerate(batches):
         print(f"batch {b}: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items()))
         for row in range(min(2, batch["input_ids"].shape[0])):
-            print(show_row(batch, row, tok, cfg.objective))
+            print(f" row {row}:\n{show_row(batch, row, tok, cfg.objective)}")
     print(f"objective {cfg.objective}, {len(batches)} batches of {micro}")
     for key, value in stats.items():
         print(f"  {key:26s} {value:,.4f}")

@@ -436,8 +436,7 @@ class StreamingLoader:
             self.states, self.consumed = {}, 0
         rotation = self.consumed % spec.workers_per_rank
         dataset = _Batches(spec, dict(self.states), rotation)
-        loader = DataLoader(dataset, batch_size=None, num_workers=spec.num_workers, persistent_workers=False,
-                            multiprocessing_context="fork" if spec.num_workers else None)
+        loader = DataLoader(dataset, batch_size=None, num_workers=spec.num_workers, persistent_workers=False)
         produced = 0
         for batch, reader, state in loader:
             self.states[reader] = state

@@ -13,8 +13,9 @@ Each objective declares how it wants its tokens from the loader, its ``layout``:
 Randomness comes from a generator seeded per sample by the loader, so samples depend neither on the batch
 size nor on the worker count.
 
-The decoder of the encoder-decoder objectives starts from the PAD token (BOS when the tokenizer has no PAD),
-as in T5: ``decoder_input_ids`` is the target shifted right behind that start token, per example.
+Encoder-decoder objectives: ``decoder_input_ids`` is each example's target shifted right behind a start
+token: PAD for span_corruption (T5's convention), BOS for prefix_lm (the decoder continues a text); each
+falls back to the other when the tokenizer lacks it (``decoder_start_id``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def doc_positions(segments: np.ndarray) -> np.ndarray:
 
 
 def pad_to(array: np.ndarray, length: int, value: int) -> np.ndarray:
-    return np.pad(np.asarray(array, dtype=np.int64), (0, length - len(array)), constant_values=value)
+    out = np.full(length, value, dtype=np.int64)
+    out[: len(array)] = array
+    return out
 
 
 def split_segments(window: Window) -> list[np.ndarray]:
@@ -53,11 +56,13 @@ def split_segments(window: Window) -> list[np.ndarray]:
     return np.split(window.tokens, cuts)
 
 
-def decoder_start_id(tok: TokenizerInfo) -> int:
-    """The token the decoder starts from: PAD (T5's convention), else BOS."""
-    if tok.pad_id is not None:
-        return tok.pad_id
-    return tok.require("bos", "the decoder start token (the tokenizer has neither pad nor bos)")
+def decoder_start_id(tok: TokenizerInfo, objective: str) -> int:
+    """The token the decoder starts from: BOS for prefix_lm, PAD for span_corruption (T5), else the other."""
+    first, second = ("bos", "pad") if objective == "prefix_lm" else ("pad", "bos")
+    for role in (first, second):
+        if getattr(tok, f"{role}_id") is not None:
+            return getattr(tok, f"{role}_id")
+    raise DataError(f"tokenizer {tok.path} has neither a pad nor a bos token to start the decoder with")
 
 
 class Objective:
@@ -180,9 +185,11 @@ class EncoderDecoderObjective(Objective):
 
     layout = "examples"
 
+    name: str
+
     def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool) -> None:
         self.seq_len, self.packed = seq_len, packed
-        self.pad, self.start = padding_token(tok), decoder_start_id(tok)
+        self.pad, self.start = padding_token(tok), decoder_start_id(tok, self.name)
 
     def example(self, tokens: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
@@ -231,6 +238,7 @@ class Seq2SeqPrefixLM(EncoderDecoderObjective):
     """Encoder-decoder prefix-LM: a document piece is split at a random point; the prefix is the encoder
     input, the rest the decoder target (ending in the document's EOS when the piece holds its end)."""
 
+    name = "prefix_lm"
     min_tokens = 2
 
     def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool, args: ObjectiveArgs) -> None:
@@ -257,7 +265,7 @@ def span_lengths(raw_len: int, density: float, mean_span: float) -> tuple[int, i
 
 def random_segmentation(total: int, parts: int, rng: np.random.Generator) -> np.ndarray:
     """Split ``total`` items into ``parts`` non-empty runs at random; returns the run lengths."""
-    cuts = np.sort(rng.choice(np.arange(1, total), size=parts - 1, replace=False)) if parts > 1 else []
+    cuts = np.sort(rng.choice(total - 1, size=parts - 1, replace=False) + 1) if parts > 1 else []
     return np.diff(np.r_[0, cuts, total]).astype(np.int64)
 
 
@@ -266,6 +274,7 @@ class SpanCorruption(EncoderDecoderObjective):
     ending both. Lengths are computed per example from its raw length, so no example is ever truncated:
     ``window`` is the longest piece whose input fits ``seq_len``; ``target_len`` is that piece's target."""
 
+    name = "span_corruption"
     min_tokens = 2
     doc_eos = False  # the example's own EOS ends input and target
 

@@ -150,7 +150,7 @@ def test_prefix_lm_decoder_through_the_loader(tiny_data, tok):
 
 def test_prefix_lm_encoder_decoder_reassembles_the_piece(tiny_data, tok):
     for b in loader_batches(tiny_data, tok, "prefix_lm", "encoder_decoder"):
-        assert_aligned_segments(b, tok)
+        assert_aligned_segments(b, tok, start=tok.bos_id)
         for row in range(8):
             for k in range(1, b["segment_ids"][row].max() + 1):
                 source = b["input_ids"][row][b["segment_ids"][row] == k]
@@ -224,7 +224,7 @@ def test_span_corruption_needs_enough_sentinels(tok):
         SpanCorruption(512, few, True, ObjectiveArgs())
 
 
-def assert_aligned_segments(b, tok):
+def assert_aligned_segments(b, tok, start):
     """Example k of a row is segment k on both sides; decoder inputs are the targets shifted right."""
     for row in range(b["input_ids"].shape[0]):
         enc, dec = b["segment_ids"][row], b["decoder_segment_ids"][row]
@@ -233,7 +233,7 @@ def assert_aligned_segments(b, tok):
             assert (b["position_ids"][row][enc == k] == np.arange((enc == k).sum())).all()
             assert (b["decoder_position_ids"][row][dec == k] == np.arange((dec == k).sum())).all()
             labels, inputs = b["labels"][row][dec == k], b["decoder_input_ids"][row][dec == k]
-            assert inputs[0] == tok.pad_id and (inputs[1:] == labels[:-1]).all()
+            assert inputs[0] == start and (inputs[1:] == labels[:-1]).all()
         assert (b["labels"][row][dec == 0] == IGNORE_INDEX).all()
 
 
@@ -249,7 +249,7 @@ def test_span_corruption_through_the_loader_keeps_every_token(tiny_data, tok):
     for b in batches:
         assert b["input_ids"].shape == (8, 64) and b["labels"].shape[1] == SpanCorruption(
             64, tok, True, ObjectiveArgs()).target_len
-        assert_aligned_segments(b, tok)
+        assert_aligned_segments(b, tok, start=tok.pad_id)
         for row in range(8):
             enc, dec = b["segment_ids"][row], b["decoder_segment_ids"][row]
             for k in range(1, enc.max() + 1):

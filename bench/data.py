@@ -1,0 +1,152 @@
+"""Data-pipeline throughput: shard writing and loading in tokens/s, next to what a training step consumes.
+
+    python bench/data.py [--input FILES...] [--seq-len 1024] [--batches 50] [--json OUT]
+
+Without ``--input`` the corpus is the standard library's docstrings (``megatransformer data demo-corpus``),
+repeated ``--repeat`` times so that sharding runs long enough to time. Measures:
+
+1. shard writing (read + tokenize + write tars) with 1 tokenizer process and with all cores;
+2. the loader for every objective, in the main process (num_workers=0) and with all cores as workers;
+3. a training step (forward + backward + AdamW) of a small decoder on this machine's CPU, for scale.
+
+Results print as a table (and JSON with ``--json``); BENCHMARKS.md records them. Timings on shared machines
+are noisy: compare numbers from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OBJECTIVES = [("autoregressive", "decoder"), ("masked_lm", "encoder"), ("prefix_lm", "decoder"),
+              ("prefix_lm", "encoder_decoder"), ("span_corruption", "encoder_decoder")]
+
+
+def prepare_corpus(args: argparse.Namespace, work: Path) -> list[str]:
+    if args.input:
+        return args.input
+    from data_pipeline.corpus import write_demo_corpus
+
+    one = write_demo_corpus(work / "demo.txt", max_bytes=10**9).read_text()
+    (work / "corpus.txt").write_text("\n\n".join([one] * args.repeat))
+    return [str(work / "corpus.txt")]
+
+
+def bench_sharding(files: list[str], tokenizer: Path, work: Path, cores: int) -> list[dict]:
+    from data_pipeline.shard import write_shards
+
+    rows = []
+    for workers in sorted({1, cores}):
+        started = time.perf_counter()
+        manifest = write_shards(files, str(tokenizer), work / f"shards-{workers}", shard_mb=0.25, valid_every=100,
+                                workers=workers, progress=False, overwrite=True)
+        elapsed = time.perf_counter() - started
+        tokens = sum(manifest.tokens(split) for split in manifest.splits)
+        rows.append({"stage": "shard", "workers": workers, "tokens": tokens, "seconds": elapsed,
+                     "tokens_per_s": tokens / elapsed})
+    return rows
+
+
+def bench_loading(shards: Path, tokenizer: Path, seq_len: int, micro: int, batches: int, cores: int) -> list[dict]:
+    from data_pipeline.loader import build_loader
+    from data_pipeline.tokenizer import load_tokenizer
+    from megatransformer.config import validate
+
+    tok = load_tokenizer(tokenizer)
+    rows = []
+    for objective, arch in OBJECTIVES:
+        for workers in sorted({0, cores}):
+            cfg = validate({"model": {"arch": arch, "vocab_size": tok.vocab_size, "max_seq_len": seq_len},
+                            "data": {"train": str(shards), "tokenizer": str(tokenizer), "seq_len": seq_len,
+                                     "num_workers": workers},
+                            "objective": objective})
+            loader = build_loader(cfg, "train", micro, 0, 1, tok)
+            it = iter(loader)
+            for _ in range(max(2, workers)):  # warm-up: worker start, first shards
+                next(it)
+            started, tokens = time.perf_counter(), 0
+            for _ in range(batches):
+                batch = next(it)
+                tokens += batch["input_ids"].numel()  # encoder / decoder-only tokens per batch
+            elapsed = time.perf_counter() - started
+            rows.append({"stage": "load", "objective": f"{objective} ({arch})", "workers": workers,
+                         "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed})
+    return rows
+
+
+def bench_train_step(seq_len: int, micro: int, steps: int, vocab: int) -> list[dict]:
+    """Tokens/s a small Llama-style decoder consumes per training step on this CPU (fp32 and bf16 autocast)."""
+    import torch
+
+    from megatransformer.config import ModelConfig
+    from megatransformer.model import build_model
+
+    rows = []
+    cfg = ModelConfig(arch="decoder", d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1408, vocab_size=vocab,
+                      max_seq_len=seq_len)
+    model = build_model(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, vocab, (micro, seq_len))
+    for precision in ("fp32", "bf16"):
+        times = []
+        for step in range(steps + 1):
+            started = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                logits = model(input_ids=ids)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step:  # the first step warms up
+                times.append(time.perf_counter() - started)
+        tokens = micro * seq_len * len(times)
+        rows.append({"stage": "train step", "model": f"decoder {params / 1e6:.0f}M params", "precision": precision,
+                     "tokens": tokens, "seconds": sum(times), "tokens_per_s": tokens / sum(times)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input", nargs="*", help="text files to shard (default: the demo corpus)")
+    p.add_argument("--repeat", type=int, default=4, help="copies of the demo corpus to shard")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--batches", type=int, default=50)
+    p.add_argument("--train-steps", type=int, default=3, help="0 skips the training-step measurement")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="'all cores' (default: os.cpu_count())")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    from data_pipeline.tokenizer import train_tokenizer
+
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        files = prepare_corpus(args, work)
+        tokenizer = work / "tokenizer.json"
+        train_tokenizer(files[:1], args.vocab_size, tokenizer)
+        rows += bench_sharding(files, tokenizer, work, args.workers)
+        rows += bench_loading(work / f"shards-{args.workers}", tokenizer, args.seq_len, args.micro_batch,
+                              args.batches, args.workers)
+        if args.train_steps:
+            rows += bench_train_step(args.seq_len, args.micro_batch, args.train_steps, args.vocab_size)
+    print(f"cores: {os.cpu_count()}, seq_len {args.seq_len}, micro batch {args.micro_batch}, "
+          f"vocab {args.vocab_size}, {sys.version.split()[0]}")
+    for row in rows:
+        what = row.get("objective") or row.get("model") or ""
+        detail = f"workers={row['workers']}" if "workers" in row else row["precision"]
+        print(f"{row['stage']:10s} {what:36s} {detail:10s} {row['tokens_per_s']:>12,.0f} tokens/s "
+              f"({row['tokens']:,} tokens in {row['seconds']:.2f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
