@@ -1,0 +1,148 @@
+"""What a checkpoint's weights are worth outside the run that wrote them: consolidation across tensor
+parallelism, export without DeepSpeed, init_from across tensor-parallel sizes, resume guards, and a skipped
+(non-finite) step that leaves weights and optimizer untouched.
+
+Every run is a real `megatransformer train` process (torchrun --standalone for two ranks, gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+# Tiny decoder; the tensor-parallel degree 2 divides heads (4), kv-heads (2), d_ff (96) and vocab (512).
+MODEL = ("model.d_model=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.d_ff=96 "
+         "model.vocab_size=512 model.max_seq_len=64").split()
+# One thread per rank: two ranks on two shared cores spin-wait badly with more.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def overrides(tiny_data, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    return [*MODEL, f"run_dir={run_dir}", f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}",
+            "data.seq_len=32", "train.micro_batch_size=8", "train.grad_accum=1", f"train.max_steps={steps}",
+            "train.log_every=1", "train.eval_batches=1", "optim.lr=1e-2", "schedule.warmup_steps=1",
+            "checkpoint.every=1000", "wandb.mode=disabled", *extra]
+
+
+def train(args: list[str], nproc: int = 1, expect: int = 0) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = (launcher if nproc > 1 else [sys.executable]) + ["-m", "megatransformer.cli", "train", "--config",
+                                                           os.devnull, *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    latest = (run_dir / "checkpoints" / "latest").read_text()
+    return load_file(str(run_dir / "checkpoints" / latest / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def sources(tiny_data, tmp_path_factory):
+    """The same 12 steps trained on one rank (ZeRO-0) and with tensor parallelism 2 (ZeRO-1)."""
+    root = tmp_path_factory.mktemp("sources")
+    train(overrides(tiny_data, root / "tp1", 12, "parallel.zero_stage=0"))
+    train(overrides(tiny_data, root / "tp2", 12, "parallel.zero_stage=1", "parallel.tensor_parallel=2"), nproc=2)
+    return root / "tp1", root / "tp2"
+
+
+def test_tensor_parallel_checkpoint_holds_the_whole_model(sources):
+    """The TP=2 checkpoint's consolidated weights are the full matrices, equal to the TP=1 run's."""
+    tp1, tp2 = (weights(run) for run in sources)
+    assert tp1.keys() == tp2.keys()
+    for name in tp1:
+        assert tp2[name].shape == tp1[name].shape, name
+        torch.testing.assert_close(tp2[name], tp1[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_export_is_usable_without_deepspeed(sources, tmp_path):
+    from megatransformer.cli import main
+    from megatransformer.config import load_config
+    from megatransformer.model import build_model
+    from safetensors.torch import load_file
+
+    tp2 = sources[1]
+    for dtype in ("fp32", "bf16"):
+        out = tmp_path / dtype
+        assert main(["export", "--checkpoint", str(tp2 / "checkpoints"), "--out", str(out), "--dtype", dtype]) == 0
+        exported = load_file(str(out / "model.safetensors"))
+        assert {t.dtype for t in exported.values()} == {torch.float32 if dtype == "fp32" else torch.bfloat16}
+        assert (out / "tokenizer.json").read_bytes() == (tp2 / "checkpoints/step_000012/tokenizer.json").read_bytes()
+        model = build_model(load_config(out / "config.yaml").model)
+        model.load_state_dict({k: v.float() for k, v in exported.items()})  # strict: every name, every shape
+    reference = weights(tp2)
+    for name, tensor in load_file(str(tmp_path / "fp32" / "model.safetensors")).items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_init_from_across_tensor_parallel_sizes(sources, tiny_data, tmp_path):
+    """Fine-tuning from the TP=2 checkpoint on one rank (ZeRO-3) and on TP=2 (ZeRO-2) starts from the same
+    trained weights: the same losses, far below a fresh start."""
+    tp2 = sources[1]
+    fresh, on_tp1, on_tp2 = tmp_path / "fresh", tmp_path / "on_tp1", tmp_path / "on_tp2"
+    source = f"init_from={tp2}/checkpoints"
+    train(overrides(tiny_data, on_tp1, 2, source, "parallel.zero_stage=3", "seed=7"))
+    train(overrides(tiny_data, on_tp2, 2, source, "parallel.zero_stage=2", "parallel.tensor_parallel=2", "seed=7"),
+          nproc=2)
+    train(overrides(tiny_data, fresh, 2, "parallel.zero_stage=0", "seed=7"))
+    assert losses(on_tp2) == pytest.approx(losses(on_tp1), rel=1e-5)
+    assert losses(on_tp1)[0] < losses(fresh)[0] - 0.5
+    state = json.loads((on_tp1 / "checkpoints" / "step_000002" / "trainer.json").read_text())
+    assert (state["step"], state["zero_stage"]) == (2, 3)  # a new run: weights only, not the source's step
+
+
+def test_resume_with_another_tokenizer_is_an_error(sources, tiny_data, tmp_path):
+    """Shards re-made with another tokenizer (same vocabulary size) cannot continue a run: token ids differ."""
+    from data_pipeline.tokenizer import file_sha256
+
+    run = tmp_path / "run"
+    shutil.copytree(sources[0], run)
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(Path(tiny_data.tokenizer).read_text() + "\n")  # another file hash
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_data.shards, shards)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["tokenizer_sha256"] = file_sha256(tokenizer)
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    args = overrides(tiny_data, run, 8, "parallel.zero_stage=0", "resume=auto", f"data.tokenizer={tokenizer}",
+                     f"data.train={shards}")
+    result = train(args, expect=2)
+    assert "trained with another tokenizer" in result.stderr
+
+
+def test_skipped_steps_leave_weights_and_optimizer_untouched(tiny_data, tmp_path):
+    """Weights so large that every gradient overflows: each step is skipped and counted, and the checkpoint
+    written on stopping holds the initial weights and an optimizer that never stepped."""
+    from megatransformer.config import load_config
+    from megatransformer.model import build_model
+
+    run = tmp_path / "nan"
+    args = overrides(tiny_data, run, 8, "parallel.zero_stage=0", "model.init_std=1e30", "train.max_bad_steps=2")
+    result = train(args, expect=3)
+    assert "update skipped (2 in a row)" in result.stdout
+    cfg = load_config(None, args)
+    torch.manual_seed(cfg.seed)  # the trainer's initialisation
+    initial = build_model(cfg.model).state_dict()
+    saved = weights(run)
+    assert all(torch.equal(initial[name].float(), saved[name]) for name in initial)
+    step = run / "checkpoints" / "step_000002"
+    optimizer = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]
+    assert optimizer["state"] == {}, "Adam moments or step counts changed on a skipped step"
+    assert json.loads((step / "trainer.json").read_text())["bad_steps"] == 2
