@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--shard-mb", type=float, default=256.0, help="approximate shard size in MiB")
     p.add_argument("--valid-every", type=int, default=100, help="every N-th document is held out (0: none)")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: cores - 1; 1: in-process, multi-threaded)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="tokenizer processes (default: cores - 1; 1: in this process, multi-threaded)")
     p.add_argument("--text-field", default="text", help="field of .jsonl records holding the text")
     p.add_argument("--doc-per", choices=["block", "file"], default="block",
                    help=".txt documents: blank-line-separated blocks or whole files")

@@ -47,6 +47,11 @@ class Source:
     weight: float
     manifest: Manifest
 
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the shards' content (not their location), for resume checks."""
+        return hashlib.sha256("".join(s.sha256 for s in self.shards).encode()).hexdigest()[:16]
+
 
 def resolve_sources(spec: Any, split: str, fallback: Any = None) -> list[Source]:
     """``data.train`` / ``data.valid`` (a directory or a list of {path, weight}) as Sources of one split."""
@@ -59,7 +64,8 @@ def resolve_sources(spec: Any, split: str, fallback: Any = None) -> list[Source]
         manifest = Manifest.load(entry.path)
         shards = manifest.splits.get(split, [])
         if not shards:
-            raise DataError(f"{entry.path} has no {split} shards (its manifest lists {sorted(manifest.splits)})")
+            hint = "; set data.valid or re-shard with --valid-every N" if split == "valid" else ""
+            raise DataError(f"{entry.path} has no {split} shards (its manifest lists {sorted(manifest.splits)}){hint}")
         if entry.weight <= 0:
             raise DataError(f"data.{split}: weight of {entry.path} must be positive, got {entry.weight}")
         sources.append(Source(Path(entry.path), split, shards, entry.weight, manifest))
@@ -230,7 +236,7 @@ class WindowStream:
         start = self.position
         for tokens, pos in self.docs.documents(start):
             if self.objective.doc_eos:
-                tokens = np.r_[tokens, self.eos]
+                tokens = np.append(tokens, self.eos)
             if (pos.epoch, pos.shard, pos.doc) == (start.epoch, start.shard, start.doc):
                 pos.offset = start.offset
             yield tokens.astype(np.int64), pos
@@ -450,7 +456,8 @@ class StreamingLoader:
 
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "readers": {str(k): v for k, v in self.states.items()},
-                "dp_rank": self.spec.dp_rank, "dp_size": self.spec.dp_size, "num_workers": self.spec.num_workers}
+                "dp_rank": self.spec.dp_rank, "dp_size": self.spec.dp_size, "num_workers": self.spec.num_workers,
+                "sources": [s.fingerprint for s in self.spec.sources]}
 
     def load_state_dict(self, state: dict) -> None:
         spec = self.spec
@@ -462,6 +469,11 @@ class StreamingLoader:
         if state.get("dp_rank", spec.dp_rank) != spec.dp_rank:
             raise DataError(f"the data-loader state belongs to data-parallel rank {state['dp_rank']}, "
                             f"not to rank {spec.dp_rank}")
+        fingerprints = [s.fingerprint for s in spec.sources]
+        if state.get("sources", fingerprints) != fingerprints:
+            raise DataError(f"data.{spec.sources[0].split} holds other shards than when the checkpoint was saved; "
+                            "exact resume needs the same datasets (use init_from= to start a new run from the "
+                            "weights)")
         self.consumed = state["consumed"]
         self.states = {int(k): v for k, v in state["readers"].items()}
 

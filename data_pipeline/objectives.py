@@ -40,7 +40,8 @@ class Window:
 
 def doc_positions(segments: np.ndarray) -> np.ndarray:
     """Position of each token inside its document (restarting at 0 at each document start)."""
-    starts = np.r_[True, segments[1:] != segments[:-1]]
+    starts = np.ones(len(segments), dtype=bool)
+    starts[1:] = segments[1:] != segments[:-1]
     index = np.arange(len(segments))
     return index - np.maximum.accumulate(np.where(starts, index, 0))
 
@@ -222,7 +223,7 @@ def encoder_decoder_sample(pairs: list[tuple[np.ndarray, np.ndarray]], start: in
     sources, targets = [s for s, _ in pairs], [t for _, t in pairs]
     src_seg, src_pos = side(sources)
     tgt_seg, tgt_pos = side(targets)
-    shifted = np.concatenate([np.r_[start, t[:-1]] for t in targets])
+    shifted = np.concatenate([x for t in targets for x in ([start], t[:-1])])
     return {
         "input_ids": pad_to(np.concatenate(sources), src_len, pad),
         "segment_ids": pad_to(src_seg, src_len, 0),
@@ -266,7 +267,7 @@ def span_lengths(raw_len: int, density: float, mean_span: float) -> tuple[int, i
 def random_segmentation(total: int, parts: int, rng: np.random.Generator) -> np.ndarray:
     """Split ``total`` items into ``parts`` non-empty runs at random; returns the run lengths."""
     cuts = np.sort(rng.choice(total - 1, size=parts - 1, replace=False) + 1) if parts > 1 else []
-    return np.diff(np.r_[0, cuts, total]).astype(np.int64)
+    return np.diff(np.concatenate(([0], cuts, [total]))).astype(np.int64)
 
 
 class SpanCorruption(EncoderDecoderObjective):
@@ -305,13 +306,14 @@ class SpanCorruption(EncoderDecoderObjective):
 
     def example(self, tokens: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         noise = self.noise_mask(len(tokens), rng)
-        span_start = noise & ~np.r_[False, noise[:-1]]
+        span_start = noise.copy()
+        span_start[1:] &= ~noise[:-1]
         span_id = np.cumsum(span_start) - 1
         source = np.where(span_start, self.sentinels[np.maximum(span_id, 0)], tokens)[~noise | span_start]
         # target: each span's sentinel followed by the span's tokens
         target = np.insert(tokens, np.flatnonzero(span_start), self.sentinels[span_id[span_start]])
         in_target = np.insert(noise, np.flatnonzero(span_start), True)
-        return np.r_[source, self.eos], np.r_[target[in_target], self.eos]
+        return np.append(source, self.eos), np.append(target[in_target], self.eos)
 
 
 def build_objective(name: str, arch: str, seq_len: int, pack: bool, tok: TokenizerInfo,

@@ -194,6 +194,10 @@ def test_resume_refuses_another_layout(tiny_data, tok):
     wrong_rank = build_loader(make_cfg(tiny_data, num_workers=2), "train", 2, 1, 2, tok)
     with pytest.raises(DataError, match="rank 0"):
         wrong_rank.load_state_dict(loader.state_dict())
+    mixed = [{"path": str(tiny_data.shards), "weight": 1.0}, {"path": str(tiny_data.shards), "weight": 1.0}]
+    other_data = build_loader(make_cfg(tiny_data, num_workers=2, train=mixed), "train", 2, 0, 2, tok)
+    with pytest.raises(DataError, match="other shards"):
+        other_data.load_state_dict(loader.state_dict())
 
 
 def test_same_seed_same_batches_other_seed_other_batches(tiny_data, tok):
