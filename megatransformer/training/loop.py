@@ -129,6 +129,8 @@ class Trainer:
         if path is not None:
             self.state, loader_state = ckpt.load_checkpoint(self.engine, cfg, path, self.tokenizer.sha256)
             self.train_loader.load_state_dict(loader_state)
+            if self.dist.is_main:
+                print(f"resumed from {path} at step {self.state.step} ({self.state.tokens:,} tokens seen)")
         elif self.dist.is_main and cfg.resume == "auto":
             print(f"resume=auto: no complete checkpoint in {ckpt.checkpoint_root(cfg)}, starting fresh")
         if self.dist.is_main:
