@@ -146,3 +146,13 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched(tiny_data, tmp_path
     optimizer = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]
     assert optimizer["state"] == {}, "Adam moments or step counts changed on a skipped step"
     assert json.loads((step / "trainer.json").read_text())["bad_steps"] == 2
+
+
+def test_plot_draws_several_runs(sources, tmp_path, capsys):
+    from megatransformer.cli import main
+
+    out = tmp_path / "curves.png"
+    assert main(["plot", *map(str, sources), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main(["plot", str(tmp_path), "--out", str(out)]) == 2  # not a run directory
+    assert "has no metrics.jsonl" in capsys.readouterr().err
