@@ -111,8 +111,10 @@ class Trainer:
             skipped_before = self.engine.skipped_steps
             with skipped_update(self.engine, skip=boundary and not finite):
                 self.engine.step()
-        # ZeRO skips a step with non-finite gradients on its own (and counts it)
-        finite = finite and self.engine.skipped_steps == skipped_before
+        # ZeRO skips a step with non-finite gradients on its own (and counts it); with fp16 that is the loss
+        # scaler finding its scale, which is routine, not divergence
+        if self.cfg.precision != "fp16":
+            finite = finite and self.engine.skipped_steps == skipped_before
         (loss_sum,) = all_reduce_sum([loss_sum], self.dist.device)
         loss_sum /= tp
         return StepResult(loss_sum / max(targets, 1.0), int(tokens), finite, stop > 0)
