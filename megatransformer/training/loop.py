@@ -107,7 +107,7 @@ class Trainer:
             boundary = self.engine.is_gradient_accumulation_boundary()
             if boundary and self.cfg.parallel.zero_stage == 0:  # (ZeRO checks its gradients itself)
                 self.grad_norm = unclipped_grad_norm(self.engine.module, self.cfg.parallel.tensor_parallel)
-                finite = finite and math.isfinite(self.grad_norm)
+                finite = finite and (math.isfinite(self.grad_norm) or self.cfg.precision == "fp16")
             skipped_before = self.engine.skipped_steps
             with skipped_update(self.engine, skip=boundary and not finite):
                 self.engine.step()
