@@ -63,6 +63,7 @@ class StepResult:
     tokens: int  # input positions processed, all ranks
     finite: bool
     stop: bool  # a rank was asked to stop (preemption)
+    lr: float = 0.0  # the learning rate this step's update used
 
 
 class Trainer:
@@ -95,7 +96,7 @@ class Trainer:
         # DeepSpeed averages gradients over micro batches and data-parallel ranks; undo that so the
         # gradient is that of (sum of token losses) / (loss tokens in the global batch).
         scale = self.e.sizes.accum * self.e.dp_size / max(targets, 1.0)
-        loss_sum, finite = 0.0, True
+        loss_sum, finite, lr = 0.0, True, self.engine.get_lr()[0]  # (the schedule moves on in step())
         for batch in micro:
             labels = batch.pop("labels")
             loss = token_loss_sum(self.engine(**batch), labels, self.cfg.train.label_smoothing)
@@ -117,7 +118,7 @@ class Trainer:
             finite = finite and self.engine.skipped_steps == skipped_before
         (loss_sum,) = all_reduce_sum([loss_sum], self.dist.device)
         loss_sum /= tp
-        return StepResult(loss_sum / max(targets, 1.0), int(tokens), finite, stop > 0)
+        return StepResult(loss_sum / max(targets, 1.0), int(tokens), finite, stop > 0, lr)
 
     def last_grad_norm(self) -> float | None:
         norm = self.grad_norm if self.cfg.parallel.zero_stage == 0 else self.engine.get_global_grad_norm()
@@ -163,7 +164,7 @@ class Trainer:
             if self.state.step % cfg.train.log_every == 0 or self.state.step == cfg.train.max_steps:
                 tokens_per_s = window_tokens / (time.perf_counter() - window_start)
                 report.log({"step": self.state.step, "loss": result.loss if math.isfinite(result.loss) else None,
-                            "lr": self.engine.get_lr()[0], "grad_norm": self.last_grad_norm(),
+                            "lr": result.lr, "grad_norm": self.last_grad_norm(),
                             "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
                             "mfu": tokens_per_s * flops / peak, "bad_steps": self.state.bad_steps,
                             "skipped_shards": len(self.train_loader.skipped_shards)})
