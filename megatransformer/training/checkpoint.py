@@ -62,11 +62,12 @@ def checkpoint_root(cfg: RunConfig) -> Path:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `latest` names; should that be gone (deleted by hand), the newest complete one."""
     pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if (path / COMPLETE).is_file() else None
+    if pointer.is_file() and (root / pointer.read_text().strip() / COMPLETE).is_file():
+        return root / pointer.read_text().strip()
+    complete = sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
+    return complete[-1] if complete else None
 
 
 def resolve_resume(cfg: RunConfig) -> Path | None:

@@ -12,16 +12,19 @@ from megatransformer.config import RunConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_everything: bool) -> list[dict]:
-    """Weight decay on matrices of linear layers only (not norms, biases, embeddings) unless told otherwise."""
+    """Weight decay on the matrices of linear layers only, unless told otherwise: norms, biases, token
+    embeddings (also when tied to the output head) and learned position tables are not decayed."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay, seen = [], [], set()
     for param in model.parameters():
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        is_matrix = param.dim() >= 2 and id(param) not in embeddings
+        is_matrix = id(param) in linear and id(param) not in embeddings
         (decay if decay_everything or is_matrix else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # (ZeRO rejects empty groups)
 
 
 def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:

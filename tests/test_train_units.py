@@ -1,0 +1,264 @@
+"""The trainer's pure parts, in-process and fast: batch arithmetic, parameter groups, learning-rate schedules,
+the DeepSpeed config, the loss, skipped updates, checkpoint bookkeeping and metrics truncation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatransformer.config import ConfigError, RunConfig, TrainConfig
+
+
+def run_config(**sections) -> RunConfig:
+    model = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=32)
+    return RunConfig.model_validate({"model": model, "data": {"seq_len": 32}, **sections})
+
+
+# ------------------------------------------------------------------------------------------- batch sizes
+
+
+@pytest.mark.parametrize("given,dp,expected", [
+    (dict(micro_batch_size=4, grad_accum=2), 2, (4, 2, 2, 16)),
+    (dict(micro_batch_size=4, global_batch_size=32), 2, (4, 4, 2, 32)),
+    (dict(grad_accum=2, global_batch_size=32), 4, (4, 2, 4, 32)),
+    (dict(micro_batch_size=4, grad_accum=2, global_batch_size=8), 1, (4, 2, 1, 8)),
+    (dict(micro_batch_size=4), 3, (4, 1, 3, 12)),
+])
+def test_batch_sizes_derive_the_third(given, dp, expected):
+    from megatransformer.training.batching import resolve_batch_sizes
+
+    sizes = resolve_batch_sizes(TrainConfig(**given), dp)
+    assert (sizes.micro, sizes.accum, sizes.dp, sizes.global_batch) == expected
+
+
+@pytest.mark.parametrize("given,dp,message", [
+    (dict(micro_batch_size=4, grad_accum=2, global_batch_size=12), 1, "train.global_batch_size=12 != micro"),
+    (dict(micro_batch_size=4, global_batch_size=30), 2, "not divisible by train.micro_batch_size=4 x data-parallel"),
+    (dict(grad_accum=3, global_batch_size=32), 2, "not divisible by train.grad_accum=3 x data-parallel size 2"),
+    (dict(global_batch_size=32), 1, "set two of train.micro_batch_size"),
+    (dict(), 1, "set two of train.micro_batch_size"),
+])
+def test_inconsistent_batch_sizes_are_config_errors(given, dp, message):
+    from megatransformer.training.batching import resolve_batch_sizes
+
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        resolve_batch_sizes(TrainConfig(**given), dp)
+
+
+# ------------------------------------------------------------------------------------- optimizer and LR
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    from megatransformer.model import build_model
+    from megatransformer.training.optim import param_groups
+
+    cfg = run_config(model=dict(d_model=32, n_layers=1, n_heads=4, d_ff=64, vocab_size=128, bias=True,
+                                norm="layernorm", position="learned", tie_embeddings=True))
+    model = build_model(cfg.model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, no_decay = param_groups(model, 0.1, decay_everything=False)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decayed and all(n.endswith("_proj.weight") for n in decayed)
+    assert any("norm" in names[id(p)] for p in no_decay["params"])
+    assert any(names[id(p)].endswith(".bias") for p in no_decay["params"])
+    assert any("embed" in names[id(p)] for p in no_decay["params"])
+    everything = decay["params"] + no_decay["params"]
+    assert len(everything) == len({id(p) for p in everything}) == len(list(model.parameters()))
+    (all_decay,) = param_groups(model, 0.1, decay_everything=True)
+    assert len(all_decay["params"]) == len(everything) and all_decay["weight_decay"] == 0.1
+
+
+def schedule(name: str, warmup: int = 10, steps: int = 100, **extra):
+    from megatransformer.training.optim import lr_multiplier
+
+    cfg = run_config(schedule=dict(name=name, warmup_steps=warmup, min_lr_ratio=0.1), train=dict(max_steps=steps),
+                     **extra)
+    return lr_multiplier(cfg)
+
+
+def test_warmup_then_cosine_linear_constant():
+    for name in ("cosine", "linear", "constant"):
+        f = schedule(name)
+        assert [f(i) for i in range(3)] == pytest.approx([0.1, 0.2, 0.3])  # step i is the (i+1)-th update
+        assert f(9) == pytest.approx(1.0)
+    cosine, linear, constant = schedule("cosine"), schedule("linear"), schedule("constant")
+    assert cosine(54) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay
+    assert linear(54) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert cosine(99) == pytest.approx(0.1) and linear(99) == pytest.approx(0.1)
+    assert cosine(500) == pytest.approx(0.1)  # past max_steps: the floor
+    assert constant(99) == 1.0
+
+
+def test_inverse_sqrt_is_the_papers_schedule():
+    f = schedule("inverse_sqrt", warmup=4000, steps=100_000)
+    d = 32
+    paper = [d**-0.5 * min(s**-0.5, s * 4000**-1.5) for s in (1, 100, 4000, 10_000, 100_000)]
+    assert [f(s - 1) for s in (1, 100, 4000, 10_000, 100_000)] == pytest.approx(paper)
+    assert max(f(s) for s in range(0, 20_000, 7)) == pytest.approx(d**-0.5 * 4000**-0.5, rel=1e-3)
+
+
+# --------------------------------------------------------------------------------------- DeepSpeed config
+
+
+def test_deepspeed_config_from_run_config():
+    from megatransformer.model import TP_PLAN
+    from megatransformer.training.batching import BatchSizes
+    from megatransformer.training.engine import deepspeed_config
+
+    cfg = run_config(optim=dict(name="adam", betas=[0.9, 0.98], eps=1e-9, weight_decay=0.0),
+                     parallel=dict(zero_stage=2, tensor_parallel=2, offload_optimizer=True), precision="bf16")
+    ds = deepspeed_config(cfg, BatchSizes(micro=4, accum=3, dp=2), "cpu")
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (4, 3)
+    assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    params = ds["optimizer"]["params"]
+    assert ds["optimizer"]["type"] == "Adam" and params["adam_w_mode"] is False and params["torch_adam"] is True
+    assert params["betas"] == [0.9, 0.98] and params["eps"] == 1e-9
+    tp = ds["tensor_parallel"]
+    assert tp["autotp_size"] == 2 and not tp["partition_config"]["use_default_specs"]
+    patterns = {p: spec["partition_type"] for spec in tp["partition_config"]["layer_specs"] for p in spec["patterns"]}
+    assert patterns == TP_PLAN
+    with pytest.raises(ConfigError, match="precision=fp16 needs a GPU"):
+        deepspeed_config(run_config(precision="fp16"), BatchSizes(4, 1, 1), "cpu")
+    with pytest.raises(ConfigError, match="offload_optimizer needs parallel.zero_stage >= 1"):
+        deepspeed_config(run_config(parallel=dict(zero_stage=0, offload_optimizer=True)), BatchSizes(4, 1, 1), "cpu")
+
+
+# ------------------------------------------------------------------------------------------------ loss
+
+
+def test_token_loss_ignores_padding_and_smooths_labels():
+    from megatransformer.training.loop import token_loss_sum
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[0, 3:] = -100
+    kept = labels != -100
+    for smoothing in (0.0, 0.1):
+        expected = F.cross_entropy(logits[kept], labels[kept], label_smoothing=smoothing, reduction="sum")
+        assert token_loss_sum(logits, labels, smoothing) == pytest.approx(float(expected), rel=1e-6)
+    assert token_loss_sum(logits, torch.full_like(labels, -100), 0.1) == 0.0
+
+
+def test_skipped_update_leaves_optimizer_and_schedule_untouched():
+    """What the trainer does with a non-finite step: the wrapped optimizer's step and the schedule's step are
+    no-ops for that one step, and work again afterwards."""
+    from types import SimpleNamespace
+
+    from megatransformer.training.loop import skipped_update
+
+    param = torch.nn.Parameter(torch.ones(3))
+    inner = torch.optim.AdamW([param], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 1.0 / (step + 1))
+    engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=inner), lr_scheduler=scheduler)  # as ZeRO wraps it
+    param.grad = torch.ones(3)
+    with skipped_update(engine, skip=True):
+        engine.optimizer.optimizer.step()
+        engine.lr_scheduler.step()
+    assert torch.equal(param.detach(), torch.ones(3)) and inner.state_dict()["state"] == {}
+    assert scheduler.last_epoch == 0 and inner.param_groups[0]["lr"] == 0.1
+    with skipped_update(engine, skip=False):
+        inner.step()
+        scheduler.step()
+    assert not torch.equal(param.detach(), torch.ones(3)) and scheduler.last_epoch == 1
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def test_shape_mismatch_lists_every_field():
+    from megatransformer.training.checkpoint import check_same_shapes
+
+    saved = run_config().model
+    current = run_config(model=dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128,
+                                    max_seq_len=32)).model
+    with pytest.raises(ConfigError) as err:
+        check_same_shapes(saved, current, "checkpoint X")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "model.d_model: 32 in the checkpoint, 64 now" in message
+    assert "model.n_layers: 1 in the checkpoint, 2 now" in message
+    check_same_shapes(saved, run_config(model=dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
+                                                   vocab_size=128, max_seq_len=64, dropout=0.1)).model, "ok")
+
+
+def test_resume_resolution(tmp_path):
+    from megatransformer.training.checkpoint import COMPLETE, resolve_resume
+
+    root = tmp_path / "checkpoints"
+    cfg = run_config(run_dir=str(tmp_path), resume="auto")
+    assert resolve_resume(cfg) is None  # auto with nothing saved: a fresh start
+    for step, complete in ((10, True), (20, False)):
+        (root / f"step_{step:06d}").mkdir(parents=True)
+        if complete:
+            (root / f"step_{step:06d}" / COMPLETE).touch()
+    (root / "latest").write_text("step_000010")
+    assert resolve_resume(cfg) == root / "step_000010"
+    assert resolve_resume(cfg.model_copy(update={"resume": str(root)})) == root / "step_000010"
+    for missing in (tmp_path / "nowhere", root / "step_000020"):  # absent, or cut short while saving
+        with pytest.raises(ConfigError, match="is not a complete checkpoint directory"):
+            resolve_resume(cfg.model_copy(update={"resume": str(missing)}))
+    (root / "latest").write_text("step_000020")  # never written before COMPLETE, and never trusted without it
+    assert resolve_resume(cfg) == root / "step_000010"
+    (root / "latest").unlink()
+    assert resolve_resume(cfg) == root / "step_000010"
+
+
+def test_only_the_last_k_complete_checkpoints_are_kept(tmp_path):
+    from megatransformer.training.checkpoint import COMPLETE, _prune
+
+    for step in (1, 2, 3, 4):
+        (tmp_path / f"step_{step:06d}").mkdir()
+        (tmp_path / f"step_{step:06d}" / COMPLETE).touch()
+    (tmp_path / "step_000005").mkdir()  # incomplete: not counted, not deleted here
+    _prune(tmp_path, 2, keep="step_000004")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004", "step_000005"]
+
+
+def test_tensor_parallel_split_dimensions():
+    from megatransformer.training.checkpoint import _partition_dim
+
+    assert _partition_dim("decoder.layers.0.self_attn.q_proj.weight") == 0
+    assert _partition_dim("decoder.layers.0.self_attn.q_proj.bias") == 0
+    assert _partition_dim("decoder.layers.0.cross_attn.k_proj.weight") == 0
+    assert _partition_dim("decoder.layers.0.ffn.down_proj.weight") == 1
+    assert _partition_dim("decoder.layers.0.self_attn.o_proj.bias") is None  # added after the all-reduce
+    assert _partition_dim("embed_tokens.weight") is None and _partition_dim("decoder.norm.weight") is None
+
+
+def test_rng_state_round_trip():
+    import random
+
+    import numpy as np
+
+    from megatransformer.training.checkpoint import rng_state, set_rng_state
+
+    state = rng_state()
+    first = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    set_rng_state(state)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == first
+
+
+def test_metrics_after_the_checkpoint_are_dropped_on_resume(tmp_path):
+    from megatransformer.training.metrics import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "val_loss": 2.5}, {"step": 3, "loss": 1.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    truncate_metrics(path, after_step=2)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == lines[:3]
+
+
+def test_wandb_defaults_to_offline_without_a_key(monkeypatch):
+    from megatransformer.training.metrics import wandb_mode
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode(run_config()) == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode(run_config()) == "online"
+    assert wandb_mode(run_config(wandb=dict(mode="disabled"))) == "disabled"
