@@ -69,13 +69,15 @@ def bench_loading(shards: Path, tokenizer: Path, seq_len: int, micro: int, batch
             it = iter(loader)
             for _ in range(max(2, workers)):  # warm-up: worker start, first shards
                 next(it)
-            started, tokens = time.perf_counter(), 0
+            started, tokens, real = time.perf_counter(), 0, 0
             for _ in range(batches):
                 batch = next(it)
-                tokens += batch["input_ids"].numel()  # encoder / decoder-only tokens per batch
+                tokens += batch["input_ids"].numel()  # positions (encoder / decoder-only side), padding included
+                real += int((batch["segment_ids"] > 0).sum())
             elapsed = time.perf_counter() - started
             rows.append({"stage": "load", "objective": f"{objective} ({arch})", "workers": workers,
-                         "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed})
+                         "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+                         "real_tokens_per_s": real / elapsed})
     return rows
 
 
@@ -141,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         what = row.get("objective") or row.get("model") or ""
         detail = f"workers={row['workers']}" if "workers" in row else row["precision"]
+        real = f", {row['real_tokens_per_s']:,.0f} without padding" if "real_tokens_per_s" in row else ""
         print(f"{row['stage']:10s} {what:36s} {detail:10s} {row['tokens_per_s']:>12,.0f} tokens/s "
-              f"({row['tokens']:,} tokens in {row['seconds']:.2f} s)")
+              f"({row['tokens']:,} tokens in {row['seconds']:.2f} s{real})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

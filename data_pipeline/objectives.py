@@ -112,6 +112,8 @@ class Autoregressive(Objective):
 class MaskedLM(Objective):
     """BERT: select mask_prob of the non-special tokens; of those mask / random / keep; loss on the selected."""
 
+    min_tokens = 2  # (rows) a lone EOS piece has nothing to predict
+
     def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool, args: ObjectiveArgs) -> None:
         self.seq_len, self.window, self.args = seq_len, seq_len, args
         self.layout = "packed" if packed else "rows"
@@ -156,27 +158,28 @@ def split_point(n: int, args: ObjectiveArgs, rng: np.random.Generator) -> int:
 
 
 class PrefixLM(Objective):
-    """Decoder-only: bidirectional prefix, causal suffix, loss on the suffix only. One document per row
-    (``prefix_len`` is per row), padded."""
+    """Decoder-only: a bidirectional prefix, causal after it, loss only after it. ``prefix_len`` is per row:
+    packed rows are split once (documents wholly inside the prefix are context only; labels never cross a
+    document boundary); with ``data.pack: false`` a row holds one document, padded."""
 
-    layout = "rows"
     overlap = 1
 
-    def __init__(self, seq_len: int, tok: TokenizerInfo, args: ObjectiveArgs) -> None:
+    def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool, args: ObjectiveArgs) -> None:
         self.seq_len, self.window, self.args, self.min_tokens = seq_len, seq_len + 1, args, 3
+        self.layout = "packed" if packed else "rows"
         self.pad = padding_token(tok)
 
     def build(self, window: Window, rng: np.random.Generator) -> Sample:
-        tokens, T = window.tokens, self.seq_len
+        tokens, segments, T = window.tokens, window.segments, self.seq_len
         n = len(tokens) - 1  # input length
         prefix = split_point(n, self.args, rng)
-        labels = tokens[1:].copy()
+        labels = np.where(segments[1:] == segments[:-1], tokens[1:], IGNORE_INDEX)
         labels[: prefix - 1] = IGNORE_INDEX  # position prefix-1 (last of the prefix) predicts the first suffix token
         return {
             "input_ids": pad_to(tokens[:-1], T, self.pad),
             "labels": pad_to(labels, T, IGNORE_INDEX),
-            "segment_ids": pad_to(np.ones(n, dtype=np.int64), T, 0),
-            "position_ids": pad_to(np.arange(n), T, 0),
+            "segment_ids": pad_to(segments[:-1], T, 0),
+            "position_ids": pad_to(doc_positions(segments[:n]), T, 0),
             "prefix_len": np.array(prefix, dtype=np.int64),
         }
 
@@ -325,7 +328,7 @@ def build_objective(name: str, arch: str, seq_len: int, pack: bool, tok: Tokeniz
     if name == "prefix_lm":
         if arch == "encoder_decoder":
             return Seq2SeqPrefixLM(seq_len, tok, pack, args)
-        return PrefixLM(seq_len, tok, args)
+        return PrefixLM(seq_len, tok, pack, args)
     if name == "span_corruption":
         return SpanCorruption(seq_len, tok, pack, args)
     raise DataError(f"unknown objective {name!r}")

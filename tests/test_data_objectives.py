@@ -115,7 +115,7 @@ def test_masked_lm_through_the_loader(tiny_data, tok):
 
 def test_prefix_lm_decoder_masks_the_prefix(tok):
     args = ObjectiveArgs(prefix_min=0.2, prefix_max=0.6)
-    objective = PrefixLM(32, tok, args)
+    objective = PrefixLM(32, tok, True, args)
     tokens = normal_tokens(tok, 33, np.random.default_rng(0))
     seen = set()
     for i in range(200):
@@ -130,22 +130,30 @@ def test_prefix_lm_decoder_masks_the_prefix(tok):
 
 
 def test_prefix_lm_decoder_short_document(tok):
-    s = PrefixLM(16, tok, ObjectiveArgs()).build(one_doc([300, 301, tok.eos_id]), np.random.default_rng(0))
+    s = PrefixLM(16, tok, False, ObjectiveArgs()).build(one_doc([300, 301, tok.eos_id]), np.random.default_rng(0))
     assert int(s["prefix_len"]) == 1
     assert list(s["labels"][:2]) == [301, tok.eos_id] and (s["labels"][2:] == IGNORE_INDEX).all()
     assert (s["segment_ids"] == [1, 1] + [0] * 14).all()
 
 
-def test_prefix_lm_decoder_through_the_loader(tiny_data, tok):
-    batches = loader_batches(tiny_data, tok, "prefix_lm", "decoder")
+@pytest.mark.parametrize("pack", [True, False])
+def test_prefix_lm_decoder_through_the_loader(tiny_data, tok, pack):
+    batches = loader_batches(tiny_data, tok, "prefix_lm", "decoder", pack=pack)
     for b in batches:
         assert b["prefix_len"].shape == (8,)
         assert set(b) >= {"input_ids", "labels", "prefix_len", "segment_ids", "position_ids"}
         for row in range(8):
-            p, labels = b["prefix_len"][row], b["labels"][row]
-            assert (labels[: p - 1] == IGNORE_INDEX).all() and (labels[p - 1] != IGNORE_INDEX)
-            real = b["segment_ids"][row] > 0
-            assert (labels[~real] == IGNORE_INDEX).all()
+            p, labels, ids, seg = b["prefix_len"][row], b["labels"][row], b["input_ids"][row], b["segment_ids"][row]
+            assert (labels[: p - 1] == IGNORE_INDEX).all()
+            same = (seg[1:] == seg[:-1]) & (seg[1:] > 0)
+            after = np.arange(63) >= p - 1
+            assert (labels[:-1][same & after] == ids[1:][same & after]).all()  # loss on every suffix token
+            across = (seg[1:] != seg[:-1]) & (seg[1:] > 0) & (seg[:-1] > 0)
+            assert (labels[:-1][across] == IGNORE_INDEX).all() and (labels[seg == 0] == IGNORE_INDEX).all()
+        if pack:
+            assert (b["segment_ids"] > 0).all()
+        else:
+            assert set(np.unique(b["segment_ids"])) <= {0, 1}
 
 
 def test_prefix_lm_encoder_decoder_reassembles_the_piece(tiny_data, tok):
