@@ -88,9 +88,10 @@ class ModelConfig(Section):
     """Scale residual output projections (o_proj, down_proj) by 1/sqrt(2 * n_layers)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
-    attention_backend: Literal["sdpa", "flex", "flash", "eager"] = "sdpa"
+    attention_backend: Literal["sdpa", "flex", "flash", "eager", "chunked"] = "sdpa"
     """sdpa: PyTorch scaled_dot_product_attention; flex: FlexAttention block masks; flash: flash-attn (CUDA);
-    eager: plain matmul-softmax reference."""
+    eager: plain matmul-softmax reference; chunked: exact attention in query chunks with recomputation
+    (fastest for CPU training, memory linear in sequence length for every mask; see BENCHMARKS.md)."""
 
     @property
     def kv_heads(self) -> int:
@@ -379,7 +380,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
+        if not path.exists() or path.is_dir():
             raise ConfigError(f"config file {path} does not exist")
         try:
             raw = yaml.safe_load(path.read_text()) or {}

@@ -1,0 +1,207 @@
+"""Training through DeepSpeed on CPU: ZeRO stages, tensor parallelism, exact resume, objectives, errors.
+
+Every run is a real `megatransformer train` process (torchrun for several ranks, gloo backend).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = ("model.d_model=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.d_ff=96 "
+         "model.vocab_size=512 model.max_seq_len=128").split()
+
+
+def base_overrides(tiny_data, run_dir: Path, steps: int = 8) -> list[str]:
+    return [*MODEL, f"run_dir={run_dir}", f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}",
+            "data.seq_len=64", "train.micro_batch_size=4", "train.grad_accum=2", f"train.max_steps={steps}",
+            "train.log_every=1", "train.eval_batches=2", "optim.lr=3e-3", "schedule.warmup_steps=2",
+            "checkpoint.every=4", "wandb.mode=disabled"]
+
+
+def command(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "megatransformer.cli", "train", "--config", os.devnull]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "megatransformer.cli", "train", "--config", os.devnull]
+
+
+def train(overrides: list[str], nproc: int = 1, expect: int = 0, env: dict | None = None):
+    result = subprocess.run(command(nproc) + overrides, capture_output=True, text=True,
+                            env={**os.environ, **(env or {})}, timeout=600)
+    if result.returncode != expect:
+        raise AssertionError(f"exit {result.returncode} (expected {expect})\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-5000:]}")
+    return result
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in metrics(run_dir) if "loss" in r]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_single_process_run_directory(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    train(base_overrides(tiny_data, run, steps=12) + ["wandb.mode=offline", "train.eval_every=6", "checkpoint.keep=2"],
+          env={"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"})
+    records = metrics(run)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"):
+        assert all(r[key] is not None for r in steps), key
+    assert steps[-1]["tokens"] == 12 * 8 * 64
+    assert sum(losses(run)[-3:]) < sum(losses(run)[:3])
+    assert [r["step"] for r in records if "val_loss" in r] == [6, 12]
+    assert (run / "config.yaml").is_file()
+    assert (run / "checkpoints" / "latest").read_text() == "step_000012"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000008", "step_000012"]
+    assert list((run / "wandb").glob("offline-run-*")), "no offline W&B run"
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert b"0123456789abcdef0123456789abcdef01234567" not in path.read_bytes(), path
+
+
+def test_zero_stages_train_and_agree_with_plain_data_parallel(tiny_data, tmp_path):
+    """Two data-parallel ranks: ZeRO 1, 2 and 3 partition optimizer state, gradients and parameters but
+    compute the same updates as plain data parallelism (stage 0), and the loss falls."""
+    runs = {}
+    for stage in (0, 1, 2, 3):
+        runs[stage] = tmp_path / f"zero{stage}"
+        train(base_overrides(tiny_data, runs[stage]) + [f"parallel.zero_stage={stage}"], nproc=2)
+    for stage in (1, 2, 3):
+        assert losses(runs[stage]) == pytest.approx(losses(runs[0]), rel=1e-4), f"ZeRO-{stage}"
+    assert sum(losses(runs[3])[-2:]) < sum(losses(runs[3])[:2])
+
+
+def test_data_parallel_ranks_read_disjoint_data(tiny_data, tmp_path):
+    """Two ranks with micro batch 4 consume 8 distinct sequences per step: tokens double, loss differs from a
+    single rank reading the same first 4 sequences."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    train(base_overrides(tiny_data, two, steps=2) + ["train.grad_accum=1"], nproc=2)
+    train(base_overrides(tiny_data, one, steps=2) + ["train.grad_accum=1"])
+    assert metrics(two)[0]["tokens"] == 2 * metrics(one)[0]["tokens"]
+
+
+def test_tensor_parallel_equals_single_rank(tiny_data, tmp_path):
+    tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
+    train(base_overrides(tiny_data, tp2) + ["parallel.tensor_parallel=2", "parallel.zero_stage=1"], nproc=2)
+    train(base_overrides(tiny_data, tp1) + ["parallel.zero_stage=1"])
+    assert losses(tp2) == pytest.approx(losses(tp1), rel=1e-5)
+    grads = [[r["grad_norm"] for r in metrics(run) if "grad_norm" in r] for run in (tp2, tp1)]
+    assert grads[0] == pytest.approx(grads[1], rel=1e-4)
+
+
+def test_tensor_parallel_times_data_parallel_equals_data_parallel(tiny_data, tmp_path):
+    both, dp = tmp_path / "tp2dp2", tmp_path / "dp2"
+    steps = base_overrides(tiny_data, both, steps=4) + ["train.grad_accum=1", "parallel.zero_stage=2"]
+    train(steps + ["parallel.tensor_parallel=2"], nproc=4)
+    train(base_overrides(tiny_data, dp, steps=4) + ["train.grad_accum=1", "parallel.zero_stage=2"], nproc=2)
+    assert losses(both) == pytest.approx(losses(dp), rel=1e-5)
+
+
+def test_bf16_trains(tiny_data, tmp_path):
+    run = tmp_path / "bf16"
+    train(base_overrides(tiny_data, run) + ["precision=bf16"])
+    assert losses(run)[-1] < losses(run)[0]
+
+
+def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    path = run_dir / "metrics.jsonl"
+    while time.time() < deadline:
+        if path.is_file() and any(json.loads(l).get("step", 0) >= step for l in path.read_text().splitlines() if l):
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"run ended (exit {process.returncode}) before step {step}")
+        time.sleep(0.01)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def test_kill_9_and_resume_equals_uninterrupted(tiny_data, tmp_path):
+    reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+    overrides = base_overrides(tiny_data, crashed, steps=30) + ["data.num_workers=2", "checkpoint.every=5"]
+    process = subprocess.Popen(command(1) + overrides, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    wait_for_step(crashed, 13, process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert (crashed / "checkpoints" / "latest").is_file()
+    train(overrides + ["resume=auto"])
+    train(base_overrides(tiny_data, reference, steps=30) + ["data.num_workers=2", "checkpoint.every=5"])
+    assert [r["step"] for r in metrics(crashed)] == [r["step"] for r in metrics(reference)]
+    assert losses(crashed) == losses(reference)
+
+
+def test_preemption_signal_checkpoints_and_exits_124(tiny_data, tmp_path):
+    run = tmp_path / "preempted"
+    overrides = base_overrides(tiny_data, run, steps=60) + ["checkpoint.every=1000"]
+    process = subprocess.Popen(command(1) + overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_step(run, 3, process)
+    process.send_signal(signal.SIGUSR1)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 124, output[-3000:]
+    saved = int((run / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert 3 <= saved < 60
+    train(overrides + ["resume=auto"])
+    assert [r["step"] for r in metrics(run) if "loss" in r] == list(range(1, 61))
+
+
+@pytest.mark.parametrize("arch,objective", [("decoder", "prefix_lm"), ("encoder", "masked_lm"),
+                                            ("encoder_decoder", "span_corruption"),
+                                            ("encoder_decoder", "prefix_lm")])
+def test_every_objective_trains_its_architecture(tiny_data, tmp_path, arch, objective):
+    run = tmp_path / objective
+    options = ["model.norm=layernorm", "model.position=learned", "model.ffn=gelu"] if arch == "encoder" else []
+    train(base_overrides(tiny_data, run, steps=4) + [f"model.arch={arch}", f"objective={objective}", *options])
+    assert all(0 < loss < 10 for loss in losses(run))
+
+
+def test_non_finite_losses_skip_updates_then_stop_with_a_checkpoint(tiny_data, tmp_path):
+    run = tmp_path / "nan"
+    result = train(base_overrides(tiny_data, run) + ["model.init_std=1e30", "train.max_bad_steps=2"], expect=3)
+    assert "non-finite" in result.stdout
+    assert (run / "checkpoints" / "latest").read_text() == "step_000002"
+    assert [r["bad_steps"] for r in metrics(run) if "bad_steps" in r] == [1, 2]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["train.global_batch_size=12"], "train.global_batch_size=12"),
+    (["resume=/nonexistent/step_000004"], "resume=/nonexistent/step_000004"),
+    (["model.vocab_size=256"], "model.vocab_size=256"),
+    (["data.tokenizer=/nonexistent.json"], "does not exist"),
+    (["parallel.tensor_parallel=2"], "does not divide the world size 1"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads=3"),
+])
+def test_bad_configs_exit_2_with_one_line(tiny_data, tmp_path, extra, message):
+    result = train(base_overrides(tiny_data, tmp_path / "bad") + extra, expect=2)
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_resume_with_another_model_shape_lists_the_fields(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    train(base_overrides(tiny_data, run, steps=4))
+    result = train(base_overrides(tiny_data, run, steps=8) + ["resume=auto", "model.d_ff=128", "model.n_layers=3"],
+                   expect=2)
+    assert "model.n_layers: 2 in the checkpoint, 3 now" in result.stderr
+    assert "model.d_ff: 96 in the checkpoint, 128 now" in result.stderr
+
+
+def test_init_from_across_data_parallel_size_and_zero_stage(tiny_data, tmp_path):
+    source, tuned = tmp_path / "source", tmp_path / "tuned"
+    train(base_overrides(tiny_data, source, steps=8) + ["parallel.zero_stage=3", "train.grad_accum=1"], nproc=2)
+    train(base_overrides(tiny_data, tuned, steps=2) + [f"init_from={source}/checkpoints", "parallel.zero_stage=0"])
+    assert losses(tuned)[0] < losses(source)[0] - 0.5
