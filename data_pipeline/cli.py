@@ -16,6 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files (.gz/.zst too)")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--sentinels", type=int, default=100, help="span-corruption sentinel tokens")
+    p.add_argument("--text-field", default="text", help="field of .jsonl records holding the text")
+    p.add_argument("--doc-per", choices=["block", "file"], default="block",
+                   help=".txt documents: blank-line-separated blocks or whole files")
     p.add_argument("--out", required=True, help="tokenizer.json to write")
     p.set_defaults(func=_tokenizer)
 
@@ -62,7 +65,7 @@ def _guard(fn):
 def _tokenizer(args: argparse.Namespace) -> int:
     from data_pipeline.tokenizer import train_tokenizer
 
-    info = train_tokenizer(args.input, args.vocab_size, args.out, args.sentinels)
+    info = train_tokenizer(args.input, args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per)
     print(f"wrote {args.out}: {info.vocab_size} tokens (pad {info.pad_id}, bos {info.bos_id}, eos {info.eos_id}, "
           f"mask {info.mask_id}, {len(info.sentinel_ids)} sentinels)")
     return 0

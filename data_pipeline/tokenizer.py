@@ -93,7 +93,8 @@ def load_tokenizer(path: str | Path) -> TokenizerInfo:
     )
 
 
-def train_tokenizer(files: list[str], vocab_size: int, out: str | Path, n_sentinels: int = 100) -> TokenizerInfo:
+def train_tokenizer(files: list[str], vocab_size: int, out: str | Path, n_sentinels: int = 100,
+                    text_field: str = "text", doc_per: str = "block") -> TokenizerInfo:
     """Train a byte-level BPE on text files (read with ``read_documents``), write it atomically."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -108,7 +109,16 @@ def train_tokenizer(files: list[str], vocab_size: int, out: str | Path, n_sentin
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator((doc.text for doc in read_documents(files)), trainer=trainer)
+    seen = [0]
+
+    def texts():
+        for doc in read_documents(files, text_field, doc_per):
+            seen[0] += 1
+            yield doc.text
+
+    tok.train_from_iterator(texts(), trainer=trainer)
+    if not seen[0]:
+        raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

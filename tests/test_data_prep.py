@@ -83,6 +83,10 @@ def test_tokenizer_errors(tmp_path):
     (tmp_path / "c.txt").write_text("some text\n")
     with pytest.raises(DataError, match="too small"):
         train_tokenizer([str(tmp_path / "c.txt")], 300, tmp_path / "t.json")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(DataError, match="no documents"):
+        train_tokenizer([str(tmp_path / "empty.txt")], 400, tmp_path / "t.json")
+    assert not (tmp_path / "t.json").exists()
 
 
 # ------------------------------------------------------------------------------------ sources
