@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow
 # Tiny decoder; the tensor-parallel degree 2 divides heads (4), kv-heads (2), d_ff (96) and vocab (512).
 MODEL = ("model.d_model=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.d_ff=96 "
          "model.vocab_size=512 model.max_seq_len=64").split()
+# The checkpoints that cross tensor-parallel sizes are of an encoder-decoder with biases: cross-attention and
+# column-parallel biases are split (and gathered) too.
+SEQ2SEQ = ["model.arch=encoder_decoder", "objective=span_corruption", "model.bias=true", "model.norm=layernorm"]
 # One thread per rank: two ranks on two shared cores spin-wait badly with more.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -58,8 +61,9 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def sources(tiny_data, tmp_path_factory):
     """The same 12 steps trained on one rank (ZeRO-0) and with tensor parallelism 2 (ZeRO-1)."""
     root = tmp_path_factory.mktemp("sources")
-    train(overrides(tiny_data, root / "tp1", 12, "parallel.zero_stage=0"))
-    train(overrides(tiny_data, root / "tp2", 12, "parallel.zero_stage=1", "parallel.tensor_parallel=2"), nproc=2)
+    train(overrides(tiny_data, root / "tp1", 12, *SEQ2SEQ, "parallel.zero_stage=0"))
+    train(overrides(tiny_data, root / "tp2", 12, *SEQ2SEQ, "parallel.zero_stage=1", "parallel.tensor_parallel=2"),
+          nproc=2)
     return root / "tp1", root / "tp2"
 
 
@@ -67,6 +71,7 @@ def test_tensor_parallel_checkpoint_holds_the_whole_model(sources):
     """The TP=2 checkpoint's consolidated weights are the full matrices, equal to the TP=1 run's."""
     tp1, tp2 = (weights(run) for run in sources)
     assert tp1.keys() == tp2.keys()
+    assert any(".cross_attn.q_proj.bias" in name for name in tp1), "no cross-attention bias to check"
     for name in tp1:
         assert tp2[name].shape == tp1[name].shape, name
         torch.testing.assert_close(tp2[name], tp1[name], rtol=1e-3, atol=1e-4, msg=name)
@@ -98,10 +103,10 @@ def test_init_from_across_tensor_parallel_sizes(sources, tiny_data, tmp_path):
     tp2 = sources[1]
     fresh, on_tp1, on_tp2 = tmp_path / "fresh", tmp_path / "on_tp1", tmp_path / "on_tp2"
     source = f"init_from={tp2}/checkpoints"
-    train(overrides(tiny_data, on_tp1, 2, source, "parallel.zero_stage=3", "seed=7"))
-    train(overrides(tiny_data, on_tp2, 2, source, "parallel.zero_stage=2", "parallel.tensor_parallel=2", "seed=7"),
-          nproc=2)
-    train(overrides(tiny_data, fresh, 2, "parallel.zero_stage=0", "seed=7"))
+    train(overrides(tiny_data, on_tp1, 2, *SEQ2SEQ, source, "parallel.zero_stage=3", "seed=7"))
+    train(overrides(tiny_data, on_tp2, 2, *SEQ2SEQ, source, "parallel.zero_stage=2", "parallel.tensor_parallel=2",
+                    "seed=7"), nproc=2)
+    train(overrides(tiny_data, fresh, 2, *SEQ2SEQ, "parallel.zero_stage=0", "seed=7"))
     assert losses(on_tp2) == pytest.approx(losses(on_tp1), rel=1e-5)
     assert losses(on_tp1)[0] < losses(fresh)[0] - 0.5
     state = json.loads((on_tp1 / "checkpoints" / "step_000002" / "trainer.json").read_text())
@@ -121,8 +126,8 @@ def test_resume_with_another_tokenizer_is_an_error(sources, tiny_data, tmp_path)
     manifest = json.loads((shards / "manifest.json").read_text())
     manifest["tokenizer_sha256"] = file_sha256(tokenizer)
     (shards / "manifest.json").write_text(json.dumps(manifest))
-    args = overrides(tiny_data, run, 8, "parallel.zero_stage=0", "resume=auto", f"data.tokenizer={tokenizer}",
-                     f"data.train={shards}")
+    args = overrides(tiny_data, run, 14, *SEQ2SEQ, "parallel.zero_stage=0", "resume=auto",
+                     f"data.tokenizer={tokenizer}", f"data.train={shards}")
     result = train(args, expect=2)
     assert "trained with another tokenizer" in result.stderr
 
