@@ -8,6 +8,7 @@ Every run is a real `megatransformer train` process (torchrun --standalone for t
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -99,16 +100,15 @@ def test_export_is_usable_without_deepspeed(sources, tmp_path):
 
 def test_init_from_across_tensor_parallel_sizes(sources, tiny_data, tmp_path):
     """Fine-tuning from the TP=2 checkpoint on one rank (ZeRO-3) and on TP=2 (ZeRO-2) starts from the same
-    trained weights: the same losses, far below a fresh start."""
+    trained weights: the same losses, far below a fresh start's ln(vocab)."""
     tp2 = sources[1]
-    fresh, on_tp1, on_tp2 = tmp_path / "fresh", tmp_path / "on_tp1", tmp_path / "on_tp2"
+    on_tp1, on_tp2 = tmp_path / "on_tp1", tmp_path / "on_tp2"
     source = f"init_from={tp2}/checkpoints"
     train(overrides(tiny_data, on_tp1, 2, *SEQ2SEQ, source, "parallel.zero_stage=3", "seed=7"))
     train(overrides(tiny_data, on_tp2, 2, *SEQ2SEQ, source, "parallel.zero_stage=2", "parallel.tensor_parallel=2",
                     "seed=7"), nproc=2)
-    train(overrides(tiny_data, fresh, 2, *SEQ2SEQ, "parallel.zero_stage=0", "seed=7"))
     assert losses(on_tp2) == pytest.approx(losses(on_tp1), rel=1e-5)
-    assert losses(on_tp1)[0] < losses(fresh)[0] - 0.5
+    assert losses(on_tp1)[0] < math.log(512) - 0.5
     state = json.loads((on_tp1 / "checkpoints" / "step_000002" / "trainer.json").read_text())
     assert (state["step"], state["zero_stage"]) == (2, 3)  # a new run: weights only, not the source's step
 
