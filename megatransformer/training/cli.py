@@ -25,7 +25,9 @@ def train(config: str, overrides: list[str]) -> int:
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.training import checkpoint as ckpt
     from megatransformer.training.distributed import setup
-    from megatransformer.training.loop import Trainer, print_sample
+    from megatransformer.training.loop import Preemption, Trainer, print_sample
+
+    preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
     if cfg.data.tokenizer is None:
         from megatransformer.config import ConfigError
@@ -34,7 +36,7 @@ def train(config: str, overrides: list[str]) -> int:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     init_state = ckpt.load_weights(cfg.init_from, cfg.model)[1] if cfg.init_from else None
     dist_info = setup()
-    trainer = Trainer(cfg, dist_info, tokenizer, init_state)
+    trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
     code = trainer.run()
     if code == 0 and dist_info.is_main:
         print_sample(cfg, ckpt.checkpoint_root(cfg), tokenizer)

@@ -67,7 +67,8 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None) -> None:
+    def __init__(self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None,
+                 preemption: Preemption | None = None) -> None:
         from data_pipeline.loader import build_loader
 
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
@@ -78,7 +79,7 @@ class Trainer:
         self.valid_loader = build_loader(cfg, "valid", micro, 0, 1, tokenizer)
         self.state = ckpt.TrainerState(0, 0, 0, tokenizer.sha256, dist_info.world_size,
                                        cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
-        self.preemption = Preemption()
+        self.preemption = preemption or Preemption()
         self.grad_norm: float | None = None
 
     # ---------------------------------------------------------------------------------- one step
