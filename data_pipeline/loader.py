@@ -504,6 +504,11 @@ def build_loader(cfg: RunConfig, split: str, micro_batch_size: int, dp_rank: int
     sources = resolve_sources(data.valid, "valid", fallback=data.train) if split == "valid" else \
         resolve_sources(data.train, "train")
     check_compatible(sources, tokenizer, cfg.model)
+    if data.on_corrupt == "error":  # a missing shard fails now, not hours into the run (checksums: when read)
+        missing = [str(s.directory / i.file) for s in sources for i in s.shards if not (s.directory / i.file).is_file()]
+        if missing:
+            raise DataError(f"{len(missing)} shard(s) listed in the manifest are missing, e.g. {missing[0]} "
+                            "(restore them, re-shard, or set data.on_corrupt=skip)")
     workers = data.num_workers if split == "train" else 0
     readers = dp_size * max(1, workers)
     fewest = min(len(s.shards) for s in sources)

@@ -296,6 +296,12 @@ def test_checks_at_build_time(shard_copy, tmp_path, tiny_data, tok):
         build_loader(make_cfg(tiny_data), "train", 2, 0, 1, other)
     with pytest.raises(DataError, match="cannot feed 2 ranks x 20 workers"):
         build_loader(make_cfg(tiny_data, num_workers=20), "train", 2, 0, 2, tok)
+    (shard_copy / Manifest.load(shard_copy).splits["train"][5].file).unlink()
+    with pytest.raises(DataError, match="1 shard.* missing, e.g. .*train-000005.tar"):
+        build_loader(make_cfg(tiny_data, train=str(shard_copy)), "train", 2, 0, 1, tok)
+    with pytest.warns(UserWarning, match="train-000005.tar"):
+        list(build_loader(make_cfg(tiny_data, train=str(shard_copy), on_corrupt="skip"), "train", 64, 0, 1, tok,
+                          epochs=1))
     (shard_copy / "manifest.json").unlink()
     with pytest.raises(DataError, match="no manifest.json"):
         build_loader(make_cfg(tiny_data, train=str(shard_copy)), "train", 2, 0, 1, tok)
