@@ -161,3 +161,14 @@ def test_plot_draws_several_runs(sources, tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert main(["plot", str(tmp_path), "--out", str(out)]) == 2  # not a run directory
     assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_bf16_checkpoint_holds_the_fp32_master_weights(tiny_data, tmp_path, stage):
+    """bf16 training updates fp32 master weights; the consolidated checkpoint keeps them, not their bf16
+    rounding (fine-tuning and export would otherwise lose the low mantissa bits of every step)."""
+    run = tmp_path / "bf16"
+    train(overrides(tiny_data, run, 3, "precision=bf16", f"parallel.zero_stage={stage}"))
+    matrices = [t for t in weights(run).values() if t.dim() == 2]
+    assert matrices and all(t.dtype == torch.float32 for t in matrices)
+    assert all(not torch.equal(t.bfloat16().float(), t) for t in matrices)

@@ -139,25 +139,28 @@ def _tupleize(value):
 
 
 def full_state_dict(engine, cfg: RunConfig) -> dict[str, torch.Tensor] | None:
-    """fp32 weights of the whole model on rank 0 (gathers ZeRO-3 partitions and tensor-parallel shards)."""
-    import deepspeed
+    """fp32 weights of the whole model on rank 0, one tensor at a time (a model larger than a device's memory
+    is never whole on a device): the optimizer's fp32 master copy where there is one (bf16/fp16 training,
+    ZeRO partitions gathered), tensor-parallel shards concatenated. A collective: every rank calls it."""
+    from deepspeed.utils import safe_get_full_fp32_param
 
-    module = engine.module
-    params = list(module.parameters())
-    gather = deepspeed.zero.GatheredParameters(params) if cfg.parallel.zero_stage == 3 else _Null()
-    with gather:
-        state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
-    if cfg.parallel.tensor_parallel > 1:
-        state = _gather_tensor_parallel(state, cfg.parallel.tensor_parallel)
-    return state if dist.get_rank() == 0 else None
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    is_main, tp = dist.get_rank() == 0, cfg.parallel.tensor_parallel
+    masters = _fp16_optimizer_masters(engine.optimizer)
+    state: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor | None] = {}  # tied weights appear under two names: gathered once
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        tied = id(tensor) in done
+        if not tied:
+            full = safe_get_full_fp32_param(tensor) if isinstance(tensor, torch.nn.Parameter) else None
+            full = masters.get(id(tensor), tensor) if full is None else full
+            full = full.detach().float()
+            dim = _partition_dim(name) if tp > 1 else None
+            if dim is not None:
+                full = _gather_shards(full, dim, tp)
+            done[id(tensor)] = full.cpu().clone() if is_main else None
+        if is_main:  # (safetensors stores no two names for one storage)
+            state[name] = done[id(tensor)].clone() if tied else done[id(tensor)]
+    return state if is_main else None
 
 
 def _partition_dim(name: str) -> int | None:
@@ -170,18 +173,28 @@ def _partition_dim(name: str) -> int | None:
     return None
 
 
-def _gather_tensor_parallel(state: dict[str, torch.Tensor], tp: int) -> dict[str, torch.Tensor]:
+def _fp16_optimizer_masters(optimizer) -> dict[int, torch.Tensor]:
+    """bf16/fp16 without ZeRO: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer keep fp32 masters (one
+    flat tensor, or one tensor per parameter, per group) that ``safe_get_full_fp32_param`` does not know
+    about; map each low-precision parameter to its master."""
+    from torch._utils import _unflatten_dense_tensors
+
+    low = getattr(optimizer, "fp16_groups", None)
+    if low is None:
+        return {}
+    if hasattr(optimizer, "fp32_groups_flat"):
+        high = [_unflatten_dense_tensors(flat, params) for flat, params in zip(optimizer.fp32_groups_flat, low)]
+    else:
+        high = getattr(optimizer, "fp32_groups", [])
+    return {id(p): master for params, masters in zip(low, high) for p, master in zip(params, masters)}
+
+
+def _gather_shards(shard: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
     from deepspeed.utils import groups
 
-    group = groups.get_tensor_model_parallel_group()
-    for name, tensor in state.items():
-        dim = _partition_dim(name)
-        if dim is None:
-            continue
-        pieces = [torch.empty_like(tensor) for _ in range(tp)]
-        dist.all_gather(pieces, tensor.contiguous(), group=group)
-        state[name] = torch.cat(pieces, dim=dim)
-    return state
+    pieces = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(pieces, shard.contiguous(), group=groups.get_tensor_model_parallel_group())
+    return torch.cat(pieces, dim=dim)
 
 
 def save_checkpoint(engine, cfg: RunConfig, state: TrainerState, loader_state: dict,
