@@ -172,3 +172,11 @@ def test_bf16_checkpoint_holds_the_fp32_master_weights(tiny_data, tmp_path, stag
     matrices = [t for t in weights(run).values() if t.dim() == 2]
     assert matrices and all(t.dtype == torch.float32 for t in matrices)
     assert all(not torch.equal(t.bfloat16().float(), t) for t in matrices)
+
+
+def test_a_fresh_start_never_overwrites_a_run(sources, tiny_data):
+    run = sources[0]
+    before = (run / "metrics.jsonl").read_text()
+    result = train(overrides(tiny_data, run, 14, *SEQ2SEQ, "parallel.zero_stage=0"), expect=2)
+    assert "already holds checkpoints (latest: step_000012); pass resume=auto" in result.stderr
+    assert (run / "metrics.jsonl").read_text() == before

@@ -33,6 +33,12 @@ def train(config: str, overrides: list[str]) -> int:
         from megatransformer.config import ConfigError
 
         raise ConfigError("data.tokenizer is not set; point it at the tokenizer.json the shards were made with")
+    existing = ckpt.latest_checkpoint(ckpt.checkpoint_root(cfg))
+    if cfg.resume is None and existing is not None:  # never overwrite a run by starting it afresh
+        from megatransformer.config import ConfigError
+
+        raise ConfigError(f"run_dir={cfg.run_dir} already holds checkpoints (latest: {existing.name}); pass "
+                          "resume=auto to continue that run, or choose a new run_dir")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     init_state = ckpt.load_weights(cfg.init_from, cfg.model)[1] if cfg.init_from else None
     dist_info = setup()
