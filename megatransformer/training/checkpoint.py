@@ -8,7 +8,8 @@ Layout::
         mp_rank_*_model_states.pt, *optim_states.pt   DeepSpeed: model, optimizer, LR scheduler per rank/shard
         rank_00000.pt ...    per rank: data-loader state and RNG states (python, numpy, torch)
         trainer.json         step, tokens seen, bad-step counter, tokenizer hash, layout (world, tp, zero)
-        model.safetensors    consolidated fp32 weights (no DeepSpeed needed to read them)
+        model.safetensors    the whole model's fp32 (master) weights, ZeRO and TP shards merged
+                             (no DeepSpeed needed to read them; init_from and export use only this)
         config.yaml          the resolved run config
         tokenizer.json       the tokenizer the data was made with
         COMPLETE             written after every rank finished: only then does `latest` point here
