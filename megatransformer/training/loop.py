@@ -77,6 +77,7 @@ class Trainer:
         micro = self.e.sizes.micro
         self.train_loader = build_loader(cfg, "train", micro, self.e.dp_rank, self.e.dp_size, tokenizer)
         self.valid_loader = build_loader(cfg, "valid", micro, 0, 1, tokenizer)
+        next(iter(self.valid_loader))  # a validation split smaller than one batch fails now, not after training
         self.state = ckpt.TrainerState(0, 0, 0, tokenizer.sha256, dist_info.world_size,
                                        cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
         self.preemption = preemption or Preemption()
