@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatransformer.model.chunked_attention import chunked_core
 from megatransformer.model.masks import AttentionMask, cu_seqlens
 from megatransformer.model.positions import apply_rope
 
@@ -92,7 +93,9 @@ def flash_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
     return out.view(batch, length, heads, dim).transpose(1, 2)
 
 
-BACKENDS: dict[str, Core] = {"sdpa": sdpa_core, "eager": eager_core, "flex": flex_core, "flash": flash_core}
+BACKENDS: dict[str, Core] = {
+    "sdpa": sdpa_core, "eager": eager_core, "flex": flex_core, "flash": flash_core, "chunked": chunked_core,
+}
 
 
 class KVCache:

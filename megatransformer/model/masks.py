@@ -35,18 +35,25 @@ class AttentionMask:
         """Plain causal or full attention: backends need no explicit mask."""
         return self.q_segments is None and self.prefix_len is None
 
-    def dense(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-        """Boolean mask [B or 1, 1, Tq, Tk], True where attention is allowed."""
-        q = torch.arange(q_len, device=device).view(1, q_len, 1) + self.q_offset
+    def dense(self, q_len: int, kv_len: int, device: torch.device, q_start: int = 0,
+              q_end: int | None = None) -> torch.Tensor:
+        """Boolean mask [B or 1, 1, Tq, Tk], True where attention is allowed.
+
+        ``q_start:q_end`` renders only those query rows (of ``q_len``) and ``kv_len`` only the first keys:
+        the chunked backend builds one chunk's rows at a time, never the whole L x L mask.
+        """
+        q_end = q_len if q_end is None else q_end
+        rows = q_end - q_start
+        q = torch.arange(q_start, q_end, device=device).view(1, rows, 1) + self.q_offset
         k = torch.arange(kv_len, device=device).view(1, 1, kv_len)
-        allowed = torch.ones(1, q_len, kv_len, dtype=torch.bool, device=device)
+        allowed = torch.ones(1, rows, kv_len, dtype=torch.bool, device=device)
         if self.causal:
             order = k <= q
             if self.prefix_len is not None:
                 order = order | (k < self.prefix_len.view(-1, 1, 1))
             allowed = allowed & order
         if self.q_segments is not None:
-            q_seg = self.q_segments[:, -q_len:].unsqueeze(2)
+            q_seg = self.q_segments[:, -q_len:][:, q_start:q_end].unsqueeze(2)
             k_seg = self.kv_segments[:, :kv_len].unsqueeze(1)
             allowed = allowed & ((q_seg == k_seg) | (q_seg == PAD_SEGMENT))
         return allowed.unsqueeze(1)
