@@ -126,3 +126,39 @@ def test_attention_dropout_is_refused_with_the_fix():
     q, k, v = qkv(heads=4, kv_heads=2)
     with pytest.raises(ValueError, match="attention_dropout"):
         chunked_core(q, k, v, self_attention_mask(True), 0.1)
+
+
+# ------------------------------------------------------------------ RMSNorm (the other memory/speed change)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_rmsnorm_matches_torch_values_and_gradients(dtype, tol):
+    from megatransformer.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x0, grad = torch.randn(3, 7, 32, generator=gen) * 2, torch.randn(3, 7, 32, generator=gen).to(dtype)
+    ref, ours = torch.nn.RMSNorm(32, eps=1e-5).to(dtype), RMSNorm(32, 1e-5).to(dtype)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5, generator=gen)
+        ours.weight.copy_(ref.weight)
+    xa, xb = (x0.to(dtype).clone().requires_grad_() for _ in range(2))
+    ref(xa).backward(grad)
+    out = ours(xb)
+    out.backward(grad)
+    assert out.dtype == dtype and xb.grad.dtype == dtype and ours.weight.grad.dtype == dtype
+    assert torch.allclose(out, ref(xa), atol=tol)
+    assert torch.allclose(xb.grad, xa.grad, atol=tol)
+    assert torch.allclose(ours.weight.grad, ref.weight.grad, atol=tol * 10, rtol=tol)
+
+
+def test_rmsnorm_keeps_only_its_input_for_backward():
+    """nn.RMSNorm keeps two fp32 copies of a bf16 activation; ours keeps the bf16 input and 1/rms per row."""
+    from megatransformer.model.layers import RMSNorm
+
+    x = torch.randn(4, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    norm = RMSNorm(32, 1e-5).to(torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        norm(x)
+    activation_bytes = sum(t.numel() * t.element_size() for t in saved if t.shape[:2] == x.shape[:2])
+    assert activation_bytes <= x.numel() * x.element_size() + 4 * 16 * 4

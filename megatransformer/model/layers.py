@@ -13,8 +13,48 @@ from megatransformer.model.masks import AttentionMask
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm that keeps only its input and the per-row 1/rms for the backward pass.
+
+    ``nn.RMSNorm`` on bf16 input keeps two fp32 copies of the activation for its backward (4x the bytes of
+    the input; ~100 MiB of a 32M-parameter model's 512-token batch) and runs ~20 kernels for forward and
+    backward; this one keeps the bf16 input, recomputes the rest in fp32 and needs half the time.
+    Numerics as in Llama: ``weight * (x * rstd).to(x.dtype)``, statistics in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        stats = torch.promote_types(x.dtype, torch.float32)
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=stats)
+        rstd = norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        ctx.save_for_backward(x, weight, rstd)
+        return (x * rstd).to(x.dtype).mul_(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x * rstd  # fp32
+        grad_hat = grad * weight
+        grad_weight = (grad * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
+        mean_dot = (grad_hat * x_hat).sum(-1, keepdim=True).div_(-x.shape[-1])
+        grad_x = torch.addcmul(grad_hat, x_hat, mean_dot).mul_(rstd).to(x.dtype)
+        return grad_x, grad_weight, None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale (parameter ``weight``, as ``nn.RMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class FeedForward(nn.Module):
