@@ -28,20 +28,22 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        stats = torch.promote_types(x.dtype, torch.float32)
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=stats)
-        rstd = norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        # one explicit upcast: mixed bf16/fp32 operands would each be converted by a hidden copy on CPU
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
         ctx.save_for_backward(x, weight, rstd)
-        return (x * rstd).to(x.dtype).mul_(weight)
+        x_hat = x32 * rstd if x32 is x else x32.mul_(rstd)
+        return x_hat.to(x.dtype).mul_(weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        x_hat = x * rstd  # fp32
-        grad_hat = grad * weight
-        grad_weight = (grad * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
+        x_hat = x.to(rstd.dtype).mul_(rstd) if x.dtype != rstd.dtype else x * rstd
+        grad32 = grad.to(rstd.dtype)
+        grad_weight = (grad32 * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
+        grad_hat = grad32.mul_(weight) if grad32 is not grad else grad32 * weight
         mean_dot = (grad_hat * x_hat).sum(-1, keepdim=True).div_(-x.shape[-1])
-        grad_x = torch.addcmul(grad_hat, x_hat, mean_dot).mul_(rstd).to(x.dtype)
+        grad_x = grad_hat.addcmul_(x_hat, mean_dot).mul_(rstd).to(x.dtype)
         return grad_x, grad_weight, None
 
 
