@@ -1,7 +1,7 @@
 """Exact attention in query chunks with recomputation: the CPU training core (``attention_backend=chunked``).
 
 PyTorch's CPU flash-attention kernel reaches ~20 GFLOP/s in bf16 on a 2-core machine while the same
-machine's batched matmul reaches ~200; attention was about 40% of a bf16 training step of a 512-token
+machine's batched matmul reaches ~200; attention was a quarter of a bf16 training step of a 512-token
 model. This core computes ``softmax(QK^T)V`` as a handful of large ``bmm`` calls per chunk of query rows:
 
 * scores for one chunk of queries against only the keys the chunk may see (causal chunks skip the keys
