@@ -139,7 +139,7 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched(tiny_data, tmp_path
     from megatransformer.model import build_model
 
     run = tmp_path / "nan"
-    args = overrides(tiny_data, run, 8, "parallel.zero_stage=0", "model.init_std=1e30", "train.max_bad_steps=2")
+    args = overrides(tiny_data, run, 8, "parallel.zero_stage=0", "model.init_std=1e39", "train.max_bad_steps=2")
     result = train(args, expect=3)
     assert "update skipped (2 in a row)" in result.stdout
     cfg = load_config(None, args)
