@@ -160,6 +160,19 @@ def test_two_nodes_train_with_zero2_and_checkpoint(uninterrupted):
     assert (checkpoints / "step_000050" / "COMPLETE").is_file()  # checkpoint.every=50
 
 
+def wait_for_idle_nodes(timeout: float) -> None:
+    """Until every node is idle (the previous run of a requeued job has been cleaned up), plus a margin."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        states = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True,
+                                timeout=30).stdout.split()
+        if states and all(state == "idle" for state in states):
+            time.sleep(2)
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the nodes did not become idle within {timeout} s after the requeue")
+
+
 def test_warning_signal_checkpoints_requeues_and_resumes_to_the_same_losses(submit, slurm_config, uninterrupted):
     _, reference_dir = uninterrupted
     run_dir = slurm_config.parent / "preempted"
@@ -179,7 +192,8 @@ def test_warning_signal_checkpoints_requeues_and_resumes_to_the_same_losses(subm
     assert SIGNAL_AFTER_STEP <= stopped_at < MAX_STEPS, f"stopped at step {stopped_at}"
     saved = run_dir / "checkpoints" / f"step_{stopped_at:06d}"
     assert (saved / "COMPLETE").is_file(), job.report(f"{saved} is not a complete checkpoint")
-    if info["JobState"] == "PENDING":  # Slurm holds a requeued job ~120 s (BeginTime); release it now
+    if info["JobState"] == "PENDING":  # Slurm holds a requeued job ~120 s (BeginTime); release it early
+        wait_for_idle_nodes(60)  # not before the first run has left the nodes: its credential is revoked
         subprocess.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now"], check=True, timeout=30)
 
     info = job.wait_finished()
