@@ -35,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=".txt documents: blank-line-separated blocks or whole files")
     p.add_argument("--on-decode-error", choices=["replace", "fail"], default="replace")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+    add_instruction_arguments(p)
     p.set_defaults(func=_shard)
 
     p = commands.add_parser("inspect", help="decode a few batches of a run config and print statistics")
@@ -49,6 +50,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--max-mb", type=float, default=2.0)
     p.set_defaults(func=_demo_corpus)
+
+
+def add_instruction_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-field", default=None,
+                   help="read .jsonl records as instruction examples: this field is the prompt (context only, "
+                        "no loss), --completion-field the text the model learns")
+    p.add_argument("--completion-field", default="completion", help="with --prompt-field: the completion field")
 
 
 def _guard(fn):
@@ -75,11 +83,13 @@ def _tokenizer(args: argparse.Namespace) -> int:
 def _shard(args: argparse.Namespace) -> int:
     from data_pipeline.shard import write_shards
 
+    text_field = args.completion_field if args.prompt_field else args.text_field
     manifest = write_shards(args.input, args.tokenizer, args.out, args.shard_mb, args.valid_every, args.workers,
-                            args.text_field, args.doc_per, args.on_decode_error, args.overwrite,
-                            progress=sys.stderr.isatty())
+                            text_field, args.doc_per, args.on_decode_error, args.overwrite,
+                            progress=sys.stderr.isatty(), prompt_field=args.prompt_field)
+    unit = "examples" if args.prompt_field else "documents"
     for split, shards in manifest.splits.items():
-        print(f"{split}: {len(shards)} shards, {sum(s.samples for s in shards):,} documents, "
+        print(f"{split}: {len(shards)} shards, {sum(s.samples for s in shards):,} {unit}, "
               f"{manifest.tokens(split):,} tokens ({manifest.dtype})")
     return 0
 

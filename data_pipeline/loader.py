@@ -12,6 +12,13 @@ send their position with every batch, the main process keeps the latest one per 
 ``state_dict()`` is that small dict. Restarting from it, every reader continues where it stopped, and the
 batch order across workers continues too (the worker that was next is mapped to DataLoader worker 0).
 
+Instruction data. Examples from a ``prompt_completion`` shard directory keep their prompt marked through the
+pipeline (``Window.prompt``): the objectives give its tokens no loss. They are never cut into several
+windows: packed into rows for autoregressive training, one per row for a decoder's prefix_lm (one
+bidirectional prefix per row), whole (prompt -> encoder, completion -> decoder) for an encoder-decoder.
+An example longer than a row is truncated, one whose prompt leaves no room to learn anything is skipped;
+both are warned about.
+
 No hang. Training streams are endless (epochs roll over, reshuffled), so every rank can take as many steps
 as the trainer asks for; a rank never runs out first. Validation is one pass over the validation shards in
 order, identical on every rank and every time.
@@ -32,7 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline import DataError
 from data_pipeline.objectives import Objective, Window, build_objective
-from data_pipeline.shard import Manifest, ShardInfo, decode_ids
+from data_pipeline.shard import INSTRUCTIONS, Manifest, ShardInfo, decode_ids
 from data_pipeline.tokenizer import TokenizerInfo
 from megatransformer.config import DatasetSource, ModelConfig, RunConfig
 
@@ -87,6 +94,21 @@ def check_compatible(sources: list[Source], tok: TokenizerInfo, model: ModelConf
                         f"set model.vocab_size >= {tok.vocab_size}")
 
 
+def check_instructions(sources: list[Source], cfg: RunConfig) -> None:
+    """Instruction (prompt, completion) shards need an objective that can leave the prompt unscored."""
+    instructions = [s for s in sources if s.manifest.kind == INSTRUCTIONS]
+    if not instructions:
+        return
+    where = instructions[0].directory
+    if cfg.objective not in ("autoregressive", "prefix_lm"):
+        raise DataError(f"{where} holds prompt/completion examples, which objective={cfg.objective} cannot use; "
+                        "train them with objective=autoregressive or objective=prefix_lm")
+    if cfg.objective == "prefix_lm" and cfg.model.arch == "decoder" and cfg.data.pack:
+        raise DataError(f"{where} holds prompt/completion examples: a decoder's prefix_lm row has one prefix, so "
+                        "they cannot be packed; set data.pack=false (one example per row), or use "
+                        "objective=autoregressive, which packs them")
+
+
 # ------------------------------------------------------------------------------------------- readers
 
 
@@ -112,7 +134,7 @@ class ShardOpener:
     on_corrupt: str
     skipped: list[str] = field(default_factory=list)
 
-    def open(self, source: Source, info: ShardInfo) -> Iterator[bytes] | None:
+    def open(self, source: Source, info: ShardInfo) -> Iterator[tuple[bytes, bytes | None]] | None:
         path = source.directory / info.file
         if str(path) in self.skipped:
             return None
@@ -143,8 +165,8 @@ def verify_shard(path: Path, info: ShardInfo) -> None:
     _VERIFIED.add(key)
 
 
-def _samples(path: Path, info: ShardInfo) -> Iterator[bytes]:
-    """The encoded token arrays of a (verified) shard, streamed with webdataset."""
+def _samples(path: Path, info: ShardInfo) -> Iterator[tuple[bytes, bytes | None]]:
+    """The encoded token arrays (and prompt lengths, if any) of a (verified) shard, streamed with webdataset."""
     import webdataset as wds
 
     count = 0
@@ -152,7 +174,7 @@ def _samples(path: Path, info: ShardInfo) -> Iterator[bytes]:
         for sample in wds.WebDataset(str(path), shardshuffle=False, nodesplitter=_all, workersplitter=_all,
                                      empty_check=False):
             count += 1
-            yield sample["ids.npy"]
+            yield sample["ids.npy"], sample.get("prompt_len")
     except Exception as err:  # noqa: BLE001 - any read error of a verified shard means it changed under us
         raise DataError(f"shard {path} failed while reading (changed on disk?): {err}") from None
     if count != info.samples:
@@ -181,26 +203,28 @@ class DocumentReader:
             order = _rng(self.seed, epoch).permutation(order)
         return [int(i) for i in order[self.reader::self.n_readers]]
 
-    def documents(self, start: Position) -> Iterator[tuple[np.ndarray, Position]]:
-        """Yield (document tokens, its Position) from ``start`` on (the caller applies start.offset)."""
+    def documents(self, start: Position) -> Iterator[tuple[np.ndarray, int | None, Position]]:
+        """Yield (document tokens, its prompt length or None, its Position) from ``start`` on (the caller
+        applies start.offset)."""
         epoch, shard_pos, doc_pos = start.epoch, start.shard, start.doc
         while self.epochs is None or epoch < self.epochs:
             shards, found, whole_epoch = self.shard_order(epoch), False, shard_pos == 0 and doc_pos == 0
             while shard_pos < len(shards):
                 samples = self.opener.open(self.source, self.source.shards[shards[shard_pos]])
                 if samples is not None:
-                    for d, data in self._ordered(samples, epoch, shards[shard_pos], doc_pos):
+                    for d, (data, prompt_len) in self._ordered(samples, epoch, shards[shard_pos], doc_pos):
                         found = True
-                        yield decode_ids(data), Position(epoch, shard_pos, d, 0)
+                        prompt_len = None if prompt_len is None else int(prompt_len)
+                        yield decode_ids(data), prompt_len, Position(epoch, shard_pos, d, 0)
                 shard_pos, doc_pos = shard_pos + 1, 0
             if whole_epoch and not found:  # never spin through epochs without data
                 raise DataError(f"reader {self.reader} found no readable document in its shards of "
                                 f"{self.source.directory} in epoch {epoch} (all corrupt?)")
             epoch, shard_pos = epoch + 1, 0
 
-    def _ordered(self, samples: Iterator[bytes], epoch: int, shard: int, first: int) -> Iterator[tuple[int, bytes]]:
+    def _ordered(self, samples: Iterator, epoch: int, shard: int, first: int) -> Iterator[tuple[int, Any]]:
         """(index, sample) from index ``first`` on, each block of ``self.block`` samples permuted."""
-        block: list[bytes] = []
+        block: list = []
         base = 0
         for data in samples:
             block.append(data)
@@ -209,7 +233,7 @@ class DocumentReader:
                 base, block = base + len(block), []
         yield from self._emit(block, base, epoch, shard, first)
 
-    def _emit(self, block: list[bytes], base: int, epoch: int, shard: int, first: int):
+    def _emit(self, block: list, base: int, epoch: int, shard: int, first: int):
         if base + len(block) <= first:  # before the resume point: skipped without decoding
             return
         order = _rng(self.seed, epoch, shard, base).permutation(len(block)) if self.shuffle else range(len(block))
@@ -224,61 +248,68 @@ class WindowStream:
     def __init__(self, docs: DocumentReader, objective: Objective, eos: int, start: Position) -> None:
         self.docs, self.objective, self.eos = docs, objective, eos
         self.position = start
-        layouts = {"packed": self._packed, "rows": self._rows, "examples": self._examples}
+        if docs.source.manifest.kind == INSTRUCTIONS:
+            layouts = {"packed": self._packed, "rows": self._instruction_rows, "examples": self._instruction_examples}
+        else:
+            layouts = {"packed": self._packed, "rows": self._rows, "examples": self._examples}
         self._iter = layouts[objective.layout]()
 
     def __next__(self) -> Window:
         return next(self._iter)
 
-    def _pieces(self) -> Iterator[tuple[np.ndarray, Position]]:
-        """Documents (EOS appended if the objective wants it) from the current position; each Position's
-        offset says where its unread part starts (non-zero only for the first one)."""
+    def _pieces(self) -> Iterator[tuple[np.ndarray, int, Position]]:
+        """Documents (EOS appended if the objective wants it) with their prompt length (0 for text) from the
+        current position; each Position's offset says where its unread part starts (non-zero only for the
+        first one)."""
         start = self.position
-        for tokens, pos in self.docs.documents(start):
+        for tokens, prompt_len, pos in self.docs.documents(start):
             if self.objective.doc_eos:
                 tokens = np.append(tokens, self.eos)
             if (pos.epoch, pos.shard, pos.doc) == (start.epoch, start.shard, start.doc):
                 pos.offset = start.offset
-            yield tokens.astype(np.int64), pos
+            yield tokens.astype(np.int64), prompt_len or 0, pos
 
     def _packed(self) -> Iterator[Window]:
         size = self.objective.window
         stride = size - self.objective.overlap
-        pending: deque[list] = deque()  # [tokens, Position, first unread offset]
+        marks_prompts = self.docs.source.manifest.kind == INSTRUCTIONS
+        pending: deque[list] = deque()  # [tokens, Position, first unread offset, prompt length]
         available = 0
-        for tokens, pos in self._pieces():
-            pending.append([tokens, pos, pos.offset])
+        for tokens, prompt_len, pos in self._pieces():
+            pending.append([tokens, pos, pos.offset, prompt_len])
             available += len(tokens) - pos.offset
             while available >= size:
-                chunks, segments, need = [], [], size
-                for k, (t, _, s) in enumerate(pending):
+                chunks, segments, prompts, need = [], [], [], size
+                for k, (t, _, s, p) in enumerate(pending):
                     take = min(need, len(t) - s)
                     chunks.append(t[s:s + take])
                     segments.append(np.full(take, k + 1, dtype=np.int64))
+                    prompts.append(np.arange(s, s + take) < p)
                     need -= take
                     if need == 0:
                         break
                 self._advance(pending, stride, pos)
                 available -= stride
-                yield Window(np.concatenate(chunks), np.concatenate(segments))
+                yield Window(np.concatenate(chunks), np.concatenate(segments),
+                             np.concatenate(prompts) if marks_prompts else None)
 
     def _advance(self, pending: deque, count: int, last: Position) -> None:
         while count:
-            t, _, s = pending[0]
+            t, _, s, _ = pending[0]
             take = min(count, len(t) - s)
             pending[0][2] += take
             count -= take
             if pending[0][2] == len(t):
                 pending.popleft()
         if pending:
-            _, p, s = pending[0]
+            _, p, s, _ = pending[0]
             self.position = Position(p.epoch, p.shard, p.doc, s)
         else:  # the next window starts with the next document
             self.position = Position(last.epoch, last.shard, last.doc + 1, 0)
 
     def _rows(self) -> Iterator[Window]:
         size, overlap, shortest = self.objective.window, self.objective.overlap, self.objective.min_tokens
-        for tokens, pos in self._pieces():
+        for tokens, _, pos in self._pieces():
             offset = pos.offset
             while len(tokens) - offset >= shortest:
                 chunk = tokens[offset:offset + size]
@@ -295,7 +326,7 @@ class WindowStream:
         shortest = max(obj.min_tokens, obj.window // 8)
         row: list[np.ndarray] = []
         used = np.zeros(2, dtype=np.int64)
-        for tokens, pos in self._pieces():
+        for tokens, _, pos in self._pieces():
             offset = pos.offset
             while len(tokens) - offset >= obj.min_tokens:
                 n = min(obj.window, len(tokens) - offset)
@@ -312,6 +343,59 @@ class WindowStream:
         if row:  # a finite (validation) stream ends with its last row
             yield _example_window(row)
 
+    def _instruction_rows(self) -> Iterator[Window]:
+        """One instruction example per row, cut to the row (``window`` tokens)."""
+        size = self.objective.window
+        for tokens, prompt_len, pos in self._pieces():
+            self.position = Position(pos.epoch, pos.shard, pos.doc + 1, 0)
+            if prompt_len >= size:
+                _warn_once(self.docs.source, "skipped", f"a {prompt_len}-token prompt fills the whole row")
+                continue
+            if len(tokens) > size:
+                _warn_once(self.docs.source, "truncated", f"{len(tokens)} tokens > data.seq_len + 1")
+            chunk = tokens[:size]
+            yield Window(chunk, np.ones(len(chunk), dtype=np.int64), np.arange(len(chunk)) < prompt_len)
+
+    def _instruction_examples(self) -> Iterator[Window]:
+        """Encoder-decoder: whole examples (prompt -> encoder, completion -> decoder) packed into rows while
+        both sides fit; a side longer than a row is cut to it."""
+        obj = self.objective
+        src_room, tgt_room = (int(c) for c in obj.capacity)
+        row: list[tuple[np.ndarray, np.ndarray]] = []
+        used = np.zeros(2, dtype=np.int64)
+        for tokens, prompt_len, pos in self._pieces():
+            if prompt_len == 0:
+                _warn_once(self.docs.source, "skipped", "an empty prompt leaves the encoder nothing to read")
+                continue
+            source, target = tokens[:prompt_len], tokens[prompt_len:]
+            if len(source) > src_room or len(target) > tgt_room:
+                _warn_once(self.docs.source, "truncated", f"{len(source)} prompt + {len(target)} completion "
+                           f"tokens, data.seq_len={src_room} per side")
+                source, target = source[:src_room], target[:tgt_room]
+            cost = np.array([len(source), len(target)])
+            if row and (not obj.packed or (used + cost > obj.capacity).any()):
+                self.position = Position(pos.epoch, pos.shard, pos.doc, 0)
+                yield _example_window([t for t, _ in row], [p for _, p in row])
+                row, used = [], np.zeros(2, dtype=np.int64)
+            row.append((np.concatenate([source, target]), np.arange(len(source) + len(target)) < len(source)))
+            used += cost
+        if row:
+            yield _example_window([t for t, _ in row], [p for _, p in row])
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(source: Source, what: str, example: str) -> None:
+    """Warn once per process and source that instruction examples are ``what`` ("truncated": their end is cut
+    off; "skipped": nothing left to learn), with the first case as ``example``."""
+    if (str(source.directory), what) in _WARNED:
+        return
+    _WARNED.add((str(source.directory), what))
+    consequence = "their end is cut off" if what == "truncated" else "they are skipped"
+    warnings.warn(f"some instruction examples of {source.directory} do not fit a row (e.g. {example}): "
+                  f"{consequence}; raise data.seq_len to keep them whole", stacklevel=3)
+
 
 def _longest_fit(obj: Objective, used: np.ndarray, n: int) -> int:
     """The longest piece of at most n tokens that still fits the row (0 if none); costs grow with n."""
@@ -325,9 +409,9 @@ def _longest_fit(obj: Objective, used: np.ndarray, n: int) -> int:
     return low
 
 
-def _example_window(pieces: list[np.ndarray]) -> Window:
+def _example_window(pieces: list[np.ndarray], prompts: list[np.ndarray] | None = None) -> Window:
     segments = np.concatenate([np.full(len(p), k + 1, dtype=np.int64) for k, p in enumerate(pieces)])
-    return Window(np.concatenate(pieces), segments)
+    return Window(np.concatenate(pieces), segments, None if prompts is None else np.concatenate(prompts))
 
 
 class SampleStream:
@@ -504,6 +588,7 @@ def build_loader(cfg: RunConfig, split: str, micro_batch_size: int, dp_rank: int
     sources = resolve_sources(data.valid, "valid", fallback=data.train) if split == "valid" else \
         resolve_sources(data.train, "train")
     check_compatible(sources, tokenizer, cfg.model)
+    check_instructions(sources, cfg)
     if data.on_corrupt == "error":  # a missing shard fails now, not hours into the run (checksums: when read)
         missing = [str(s.directory / i.file) for s in sources for i in s.shards if not (s.directory / i.file).is_file()]
         if missing:

@@ -10,6 +10,10 @@ Each objective declares how it wants its tokens from the loader, its ``layout``:
   side fit (``cost`` / ``capacity``); example k of a row is segment k on both sides. With ``data.pack:
   false`` a row holds one example.
 
+Instruction examples arrive with their prompt marked (``Window.prompt``): autoregressive gives prompt tokens no
+loss, prefix_lm makes the prompt the prefix (decoder) or the encoder input (encoder-decoder) instead of
+splitting at random.
+
 Randomness comes from a generator seeded per sample by the loader, so samples depend neither on the batch
 size nor on the worker count.
 
@@ -36,6 +40,7 @@ Sample = dict[str, np.ndarray]
 class Window:
     tokens: np.ndarray  # int64
     segments: np.ndarray  # document (or example) number per token: 1, 2, ...
+    prompt: np.ndarray | None = None  # bool per token: part of an instruction example's prompt
 
 
 def doc_positions(segments: np.ndarray) -> np.ndarray:
@@ -53,8 +58,11 @@ def pad_to(array: np.ndarray, length: int, value: int) -> np.ndarray:
 
 
 def split_segments(window: Window) -> list[np.ndarray]:
-    cuts = np.flatnonzero(window.segments[1:] != window.segments[:-1]) + 1
-    return np.split(window.tokens, cuts)
+    return np.split(window.tokens, _segment_starts(window))
+
+
+def _segment_starts(window: Window) -> np.ndarray:
+    return np.flatnonzero(window.segments[1:] != window.segments[:-1]) + 1
 
 
 def decoder_start_id(tok: TokenizerInfo, objective: str) -> int:
@@ -88,7 +96,7 @@ def padding_token(tok: TokenizerInfo) -> int:
 
 
 class Autoregressive(Objective):
-    """Next-token prediction, loss on every real token; labels never cross a document boundary."""
+    """Next-token prediction, loss on every real token but prompts; labels never cross a document boundary."""
 
     overlap = 1  # the last token of a window is the first input of the next: every token gets predicted
 
@@ -99,7 +107,10 @@ class Autoregressive(Objective):
 
     def build(self, window: Window, rng: np.random.Generator) -> Sample:
         tokens, segments = window.tokens, window.segments
-        labels = np.where(segments[1:] == segments[:-1], tokens[1:], IGNORE_INDEX)
+        learn = segments[1:] == segments[:-1]
+        if window.prompt is not None:
+            learn &= ~window.prompt[1:]
+        labels = np.where(learn, tokens[1:], IGNORE_INDEX)
         n, T = len(tokens) - 1, self.seq_len
         return {
             "input_ids": pad_to(tokens[:-1], T, self.pad),
@@ -160,7 +171,8 @@ def split_point(n: int, args: ObjectiveArgs, rng: np.random.Generator) -> int:
 class PrefixLM(Objective):
     """Decoder-only: a bidirectional prefix, causal after it, loss only after it. ``prefix_len`` is per row:
     packed rows are split once (documents wholly inside the prefix are context only; labels never cross a
-    document boundary); with ``data.pack: false`` a row holds one document, padded."""
+    document boundary); with ``data.pack: false`` a row holds one document, padded. An instruction example's
+    prefix is its prompt."""
 
     overlap = 1
 
@@ -172,9 +184,9 @@ class PrefixLM(Objective):
     def build(self, window: Window, rng: np.random.Generator) -> Sample:
         tokens, segments, T = window.tokens, window.segments, self.seq_len
         n = len(tokens) - 1  # input length
-        prefix = split_point(n, self.args, rng)
+        prefix = int(window.prompt.sum()) if window.prompt is not None else split_point(n, self.args, rng)
         labels = np.where(segments[1:] == segments[:-1], tokens[1:], IGNORE_INDEX)
-        labels[: prefix - 1] = IGNORE_INDEX  # position prefix-1 (last of the prefix) predicts the first suffix token
+        labels[: max(prefix - 1, 0)] = IGNORE_INDEX  # position prefix-1 (the last in the prefix) predicts token prefix
         return {
             "input_ids": pad_to(tokens[:-1], T, self.pad),
             "labels": pad_to(labels, T, IGNORE_INDEX),
@@ -199,7 +211,12 @@ class EncoderDecoderObjective(Objective):
         raise NotImplementedError
 
     def build(self, window: Window, rng: np.random.Generator) -> Sample:
-        pairs = [self.example(piece, rng) for piece in split_segments(window)]
+        if window.prompt is None:
+            pairs = [self.example(piece, rng) for piece in split_segments(window)]
+        else:  # instruction examples: the prompt is the source, the completion the target
+            starts = _segment_starts(window)
+            pieces = zip(np.split(window.tokens, starts), np.split(window.prompt, starts))
+            pairs = [(tokens[prompt], tokens[~prompt]) for tokens, prompt in pieces]
         return encoder_decoder_sample(pairs, self.start, self.pad, *self.capacity)
 
     def largest_window(self) -> int:

@@ -2,7 +2,8 @@
 
 Layout of a shard directory::
 
-    train-000000.tar ...   samples {"__key__": "<doc id>", "ids.npy": uint16|uint32 token ids}
+    train-000000.tar ...   samples {"__key__": "<doc id>", "ids.npy": uint16|uint32 token ids}; instruction
+                           examples also carry "prompt_len": the first prompt_len ids are the prompt
     valid-000000.tar ...   the held-out split (a deterministic 1/N of the documents)
     manifest.json          per-shard samples, tokens and sha256; tokenizer hash, dtype, vocab size
 
@@ -32,6 +33,7 @@ from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+TEXT, INSTRUCTIONS = "text", "prompt_completion"  # Manifest.kind
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Manifest:
     version: int = FORMAT_VERSION
     documents: int = 0
     replaced_lines: int = 0  # input lines whose undecodable bytes were replaced
+    kind: str = TEXT  # TEXT documents or INSTRUCTIONS (prompt, completion) examples
 
     def save(self, directory: Path) -> None:
         tmp = directory / f".{MANIFEST}.tmp"
@@ -84,10 +87,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def encode_sample(key: str, ids: np.ndarray) -> dict:
+def encode_sample(key: str, ids: np.ndarray, prompt_len: int | None = None) -> dict:
     buffer = io.BytesIO()
     np.save(buffer, ids, allow_pickle=False)
-    return {"__key__": key, "ids.npy": buffer.getvalue()}
+    sample = {"__key__": key, "ids.npy": buffer.getvalue()}
+    if prompt_len is not None:
+        sample["prompt_len"] = str(prompt_len).encode()
+    return sample
 
 
 def decode_ids(data: bytes) -> np.ndarray:
@@ -110,10 +116,10 @@ class ShardWriter:
         self.shards: list[ShardInfo] = []
         self._tar = None
 
-    def write(self, key: str, ids: np.ndarray) -> None:
+    def write(self, key: str, ids: np.ndarray, prompt_len: int | None = None) -> None:
         if self._tar is None:
             self._open()
-        self._tar.write(encode_sample(key, ids))
+        self._tar.write(encode_sample(key, ids, prompt_len))
         self._samples += 1
         self._tokens += len(ids)
         self._bytes += ids.nbytes + 1024
@@ -174,10 +180,12 @@ def _tokenize(texts: list[str]) -> list[np.ndarray]:
 
 
 def _batches(docs: Iterator[Document], size: int) -> Iterator[list[str]]:
+    """Texts to tokenize, ``size`` documents at a time; an instruction example is its prompt, then its
+    completion (tokenized apart, so the boundary between them is a token boundary)."""
     batch: list[str] = []
     for doc in docs:
-        batch.append(doc.text)
-        if len(batch) == size:
+        batch += [doc.text] if doc.prompt is None else [doc.prompt, doc.text]
+        if len(batch) >= size:
             yield batch
             batch = []
     if batch:
@@ -212,9 +220,11 @@ def write_shards(
     on_decode_error: str = "replace",
     overwrite: bool = False,
     progress: bool = True,
+    prompt_field: str | None = None,
 ) -> Manifest:
     """Tokenize ``files`` into ``out``; every ``valid_every``-th document goes to the validation split
-    (0: none). ``workers`` tokenizer processes (default: all cores; 1: in this process)."""
+    (0: none). ``workers`` tokenizer processes (default: all cores; 1: in this process). With
+    ``prompt_field``, the .jsonl records are (prompt, completion) examples, the completion in ``text_field``."""
     if shard_mb <= 0:
         raise DataError(f"--shard-mb must be positive, got {shard_mb}")
     if valid_every < 0 or valid_every == 1:
@@ -228,9 +238,11 @@ def write_shards(
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {split: ShardWriter(out, split, int(shard_mb * 2**20)) for split in ("train", "valid")}
     stats = DecodeStats()
-    docs = read_documents(files, text_field, doc_per, on_decode_error, stats)
+    docs = read_documents(files, text_field, doc_per, on_decode_error, stats, prompt_field)
+    paired = prompt_field is not None
     try:
-        n_docs = _write_documents(docs, tokenizer, tokenizer_path, writers, dtype, valid_every, workers, progress)
+        n_docs = _write_documents(docs, paired, tokenizer, tokenizer_path, writers, dtype, valid_every, workers,
+                                  progress)
         if n_docs == 0:
             raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
         for writer in writers.values():
@@ -244,12 +256,12 @@ def write_shards(
               "(--on-decode-error fail stops at the first one instead)", file=sys.stderr)
     manifest = Manifest(tokenizer.sha256, tokenizer.vocab_size, dtype.name, tokenizer.eos_id,
                         {split: w.shards for split, w in writers.items() if w.shards}, documents=n_docs,
-                        replaced_lines=stats.replaced_lines)
+                        replaced_lines=stats.replaced_lines, kind=INSTRUCTIONS if paired else TEXT)
     manifest.save(out)  # last: the directory is a dataset from this moment on
     return manifest
 
 
-def _write_documents(docs: Iterator[Document], tokenizer: TokenizerInfo, tokenizer_path: str,
+def _write_documents(docs: Iterator[Document], paired: bool, tokenizer: TokenizerInfo, tokenizer_path: str,
                      writers: dict[str, ShardWriter], dtype: np.dtype, valid_every: int, workers: int | None,
                      progress: bool) -> int:
     from tqdm import tqdm
@@ -260,12 +272,17 @@ def _write_documents(docs: Iterator[Document], tokenizer: TokenizerInfo, tokeniz
     started = time.perf_counter()
     with _tokenize_pool(workers, tokenizer, tokenizer_path, dtype) as tokenize:
         for batch in tokenize(_batches(docs, 256)):
-            for ids in batch:
+            examples = zip(batch[::2], batch[1::2]) if paired else ((None, ids) for ids in batch)
+            before = n_docs
+            for prompt, ids in examples:
                 split = "valid" if valid_every and n_docs % valid_every == valid_every - 1 else "train"
-                writers[split].write(f"{n_docs:012d}", np.asarray(ids, dtype=dtype))
+                ids = np.asarray(ids, dtype=dtype)
+                if prompt is not None:
+                    ids = np.concatenate([np.asarray(prompt, dtype=dtype), ids])
+                writers[split].write(f"{n_docs:012d}", ids, None if prompt is None else len(prompt))
                 n_docs += 1
                 n_tokens += len(ids)
-            bar.update(len(batch))
+            bar.update(n_docs - before)
             bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s")
     bar.close()
     return n_docs

@@ -1,5 +1,9 @@
 """Reading raw documents: .txt (one document per blank-line-separated block, or per file) and .jsonl
-(one document per line, from a configurable field), optionally .gz / .zst compressed."""
+(one document per line, from a configurable field), optionally .gz / .zst compressed.
+
+Instruction data: with ``prompt_field`` set, every .jsonl record is one (prompt, completion) example; the
+completion comes from ``text_field``. Neither is stripped: the whitespace between them is the user's choice.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +20,10 @@ from data_pipeline import DataError
 
 @dataclass
 class Document:
-    text: str
+    text: str  # the whole document, or the completion of an instruction example
     source: str
     line: int
+    prompt: str | None = None  # the prompt of an instruction example (loss on `text` only)
 
 
 @dataclass
@@ -64,15 +69,21 @@ def read_documents(
     doc_per: str = "block",
     on_decode_error: str = "replace",
     stats: DecodeStats | None = None,
+    prompt_field: str | None = None,
 ) -> Iterator[Document]:
-    """Yield documents from the files in order; empty documents are dropped."""
+    """Yield documents from the files in order; empty documents are dropped. With ``prompt_field``, yield
+    instruction examples (``.jsonl`` only)."""
     stats = stats or DecodeStats()
     for name in files:
         path = Path(name)
         if not path.is_file():
             raise DataError(f"input file {path} does not exist")
         lines = _lines(path, on_decode_error, stats)
-        if _kind(path) == "jsonl":
+        if prompt_field is not None:
+            if _kind(path) != "jsonl":
+                raise DataError(f"{path}: prompt/completion examples are read from .jsonl files only")
+            yield from _instruction_examples(path, lines, prompt_field, text_field)
+        elif _kind(path) == "jsonl":
             yield from _jsonl_documents(path, lines, text_field)
         elif doc_per == "file":
             text = "".join(line for _, line in lines).strip()
@@ -97,7 +108,7 @@ def _block_documents(path: Path, lines) -> Iterator[Document]:
         yield Document("\n".join(block), str(path), start)
 
 
-def _jsonl_documents(path: Path, lines, text_field: str) -> Iterator[Document]:
+def _records(path: Path, lines) -> Iterator[tuple[int, dict]]:
     for number, line in lines:
         if not line.strip():
             continue
@@ -105,8 +116,24 @@ def _jsonl_documents(path: Path, lines, text_field: str) -> Iterator[Document]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
-        if not isinstance(record, dict) or text_field not in record:
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        yield number, record
+
+
+def _jsonl_documents(path: Path, lines, text_field: str) -> Iterator[Document]:
+    for number, record in _records(path, lines):
+        if text_field not in record:
             raise DataError(f"{path}:{number}: no {text_field!r} field; choose one with --text-field")
         text = str(record[text_field]).strip()
         if text:
             yield Document(text, str(path), number)
+
+
+def _instruction_examples(path: Path, lines, prompt_field: str, completion_field: str) -> Iterator[Document]:
+    for number, record in _records(path, lines):
+        for name, option in ((prompt_field, "--prompt-field"), (completion_field, "--completion-field")):
+            if not isinstance(record.get(name), str):
+                raise DataError(f"{path}:{number}: no string field {name!r}; choose the field with {option}")
+        if record[prompt_field] or record[completion_field]:
+            yield Document(record[completion_field], str(path), number, prompt=record[prompt_field])

@@ -42,4 +42,45 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
                  workers=1, progress=False)
     return TinyData(tokenizer, shards)
 
+
+
+class TinyInstructions(NamedTuple):
+    jsonl: Path  # {"prompt", "completion"} records
+    shards: Path  # shard directory (kind prompt_completion), train + valid splits
+
+    def examples(self) -> list[tuple[str, str]]:
+        import json
+
+        return [(r["prompt"], r["completion"]) for r in map(json.loads, self.jsonl.read_text().splitlines())]
+
+
+INSTRUCTION_VALID_EVERY = 5
+
+
+@pytest.fixture(scope="session")
+def tiny_instructions(tiny_data: TinyData) -> TinyInstructions:
+    """Instruction examples made from the corpus documents: the prompt asks to continue a document's first
+    words, the completion is the rest (at most 90 + 110 characters); sharded with tiny_data's
+    tokenizer."""
+    import json
+
+    from data_pipeline.shard import write_shards
+    from data_pipeline.sources import read_documents
+
+    root = tiny_data.shards.parent / "instructions"
+    root.mkdir()
+    jsonl = root / "examples.jsonl"
+    with jsonl.open("w") as f:
+        for doc in list(read_documents([str(tiny_data.corpus)]))[:400]:
+            words = doc.text.split()
+            cut = max(1, min(len(words) // 3, 12))
+            completion = (" " + " ".join(words[cut:]))[:110] if len(words) > cut else ""
+            record = {"prompt": "Continue: " + " ".join(words[:cut])[:80] + "\n", "completion": completion}
+            f.write(json.dumps(record) + "\n")
+    shards = root / "shards"
+    write_shards([str(jsonl)], str(tiny_data.tokenizer), shards, shard_mb=0.01,
+                 valid_every=INSTRUCTION_VALID_EVERY, workers=1, progress=False, prompt_field="prompt",
+                 text_field="completion")
+    return TinyInstructions(jsonl, shards)
+
 # ======================================================================== end of data_pipeline fixtures
