@@ -147,11 +147,32 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     assert result.returncode == 2 and "no complete checkpoint" in result.stderr
 
 
-def test_fine_tune_from_checkpoint_with_another_objective_then_eval_and_export(pretrained, tmp_path):
-    """The documented workflow: pretrain -> init_from fine-tune (prefix_lm) -> eval -> export."""
+def write_instructions(path: Path, documents: list[str]) -> list[tuple[str, str]]:
+    """(prompt, completion) examples: continue a document from its first words."""
+    examples = []
+    for doc in documents:
+        words = doc.split()
+        if len(words) > 4:
+            examples.append(("Continue: " + " ".join(words[:4]) + "\n", (" " + " ".join(words[4:]))[:80]))
+    path.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in examples))
+    return examples
+
+
+def test_fine_tune_on_instructions_then_eval_generate_and_export(pretrained, tmp_path):
+    """The documented workflow: pretrain -> init_from fine-tune (prefix_lm on prompt/completion data, loss on
+    the completion only) -> eval -> generate -> export."""
+    from data_pipeline.tokenizer import load_tokenizer
+
+    documents = (pretrained["root"] / "corpus.txt").read_text().split("\n\n")
+    write_instructions(tmp_path / "train.jsonl", documents[:-20])
+    held_out = write_instructions(tmp_path / "held_out.jsonl", documents[-20:])
+    cli("data", "shard", "--input", str(tmp_path / "train.jsonl"), "--tokenizer", str(pretrained["tokenizer"]),
+        "--out", str(tmp_path / "sft"), "--prompt-field", "prompt", "--completion-field", "completion",
+        "--shard-mb", "0.02", "--valid-every", "10", "--workers", "1")
     run = tmp_path / "finetune"
     cli("train", "--config", str(pretrained["config"]), f"run_dir={run}", f"init_from={pretrained['run']}/checkpoints",
-        "objective=prefix_lm", "train.max_steps=4", "parallel.zero_stage=2")
+        "objective=prefix_lm", f"data.train={tmp_path / 'sft'}", "data.pack=false", "data.seq_len=128",
+        "train.max_steps=4", "parallel.zero_stage=2")
     weights_before = load_for_inference(pretrained["run"]).model.state_dict()
     tuned = load_for_inference(run)
     assert tuned.cfg.objective == "prefix_lm"
@@ -159,7 +180,15 @@ def test_fine_tune_from_checkpoint_with_another_objective_then_eval_and_export(p
     assert changed, "fine-tuning did not update the weights"
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert first["loss"] < 6.0, "started from scratch instead of the pretrained weights (ln 512 = 6.2)"
-    result = json.loads(cli("eval", "--checkpoint", str(run), "--data", str(pretrained["held_out"]), "--json").stdout)
-    assert result["objective"] == "prefix_lm" and result["tokens"] > 0
-    cli("export", "--checkpoint", str(run), "--format", "hf", "--out", str(tmp_path / "hf"))
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+    result = json.loads(cli("eval", "--checkpoint", str(run), "--data", str(tmp_path / "held_out.jsonl"),
+                            "--prompt-field", "prompt", "--json", "data.pack=false", "data.seq_len=128").stdout)
+    tok = load_tokenizer(pretrained["tokenizer"])
+    assert result["objective"] == "prefix_lm" and result["sequences"] == len(held_out)
+    assert result["tokens"] == sum(len(tok.encode(c)) + 1 for _, c in held_out), "loss on completions + EOS only"
+
+    prompt = held_out[0][0]
+    out = cli("generate", "--checkpoint", str(run), "--prompt", prompt, "--max-new-tokens", "8").stdout
+    assert out.startswith(prompt) and len(out) > len(prompt)
+    exported = cli("export", "--checkpoint", str(run), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and "objective=prefix_lm" in exported.stderr

@@ -275,6 +275,20 @@ def test_kv_cache_generation_equals_no_cache(arch, sampling):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_prefix_lm_generation_reads_the_prompt_bidirectionally(use_cache):
+    model = model_for()
+    prompt = tokens(2, 7)
+    full = torch.full((2,), 7)
+    out = generate(model, prompt, 5, prefix_lm=True, use_cache=use_cache)
+    expected = prompt
+    for _ in range(5):  # greedy by hand, the prompt as the prefix of every forward
+        next_token = model(expected, prefix_len=full)[:, -1].argmax(-1)
+        expected = torch.cat([expected, next_token[:, None]], dim=1)
+    assert torch.equal(out, expected[:, 7:])
+    assert not torch.allclose(model(prompt, prefix_len=full)[:, -1], model(prompt)[:, -1])
+
+
 def test_generation_stops_at_eos_and_pads_finished_rows():
     model = model_for()
     prompt = tokens(2, 5)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from data_pipeline.cli import add_instruction_arguments
+
     p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on held-out data")
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--data", required=True, nargs="+",
@@ -22,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     p.add_argument("--json", action="store_true")
+    add_instruction_arguments(p)
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. data.seq_len=256")
     p.set_defaults(func=run)
 
@@ -37,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{loaded.path} has no tokenizer.json")
     raw = apply_overrides(loaded.cfg.model_dump(mode="json"), args.overrides)
     with tempfile.TemporaryDirectory() as tmp:
-        shards, split = _as_shards(args.data, args.split, loaded.tokenizer.path, Path(tmp))
+        shards, split = _as_shards(args, loaded.tokenizer.path, Path(tmp))
         raw["data"] = {**raw["data"], "train": shards, "valid": shards, "num_workers": 0}
         cfg = validate(raw)
         result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
@@ -50,12 +53,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _as_shards(data: list[str], split: str, tokenizer: str, tmp: Path) -> tuple[str, str]:
+def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str, str]:
+    """``--data`` as (shard directory, split): given shards as they are, text files tokenized into ``tmp``."""
     from data_pipeline.shard import MANIFEST, write_shards
 
+    data = args.data
     if len(data) == 1 and (Path(data[0]) / MANIFEST).is_file():
-        return data[0], split
-    write_shards(data, tokenizer, tmp / "shards", valid_every=0, workers=1, progress=False)
+        return data[0], args.split
+    text_field = args.completion_field if args.prompt_field else "text"
+    write_shards(data, tokenizer, tmp / "shards", valid_every=0, workers=1, progress=False, text_field=text_field,
+                 prompt_field=args.prompt_field)
     return str(tmp / "shards"), "train"  # every document went to the (only) split
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
 
@@ -43,6 +44,10 @@ def export(args: argparse.Namespace) -> int:
         reason = llama_incompatibility(cfg.model)
         if reason:
             raise ConfigError(f"cannot export as a Hugging Face Llama model: {reason}; use --format safetensors")
+        if cfg.objective == "prefix_lm":
+            print("warning: this model was trained with objective=prefix_lm (a bidirectional prompt); "
+                  "LlamaForCausalLM reads prompts causally, so its outputs differ from `megatransformer generate`",
+                  file=sys.stderr)
         special = _special_ids(tokenizer)
         save_llama_dir(out, cfg.model, weights, tokenizer if tokenizer.is_file() else None, special, dtype)
     else:

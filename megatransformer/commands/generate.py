@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
     for token in stream(loaded.model, torch.tensor([prompt]), args.max_new_tokens, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, eos_id=tok.eos_id, generator=generator,
-                        decoder_start_id=decoder_start_id(loaded.cfg, tok)):
+                        decoder_start_id=decoder_start_id(loaded.cfg, tok),
+                        prefix_lm=loaded.cfg.objective == "prefix_lm"):
         if int(token[0]) == tok.eos_id:
             break
         tokens.append(int(token[0]))

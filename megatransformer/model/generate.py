@@ -1,11 +1,13 @@
 """Autoregressive generation: greedy or sampled (temperature, top-k, top-p), with or without KV cache.
 
-Decoder-only models continue ``input_ids``; encoder-decoder models encode ``input_ids`` once, cache the
-cross-attention keys/values, and decode from ``decoder_start_id``.
+Decoder-only models continue ``input_ids`` (a prefix-LM reads them as its bidirectional prefix, as in
+training); encoder-decoder models encode ``input_ids`` once, cache the cross-attention keys/values, and decode
+from ``decoder_start_id``.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -49,11 +51,17 @@ def stream(
     decoder_start_id: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    prefix_lm: bool = False,
 ) -> Iterator[torch.Tensor]:
-    """Yield the next token of every row ([B]) until max_new_tokens or every row has produced eos_id."""
+    """Yield the next token of every row ([B]) until max_new_tokens or every row has produced eos_id.
+    ``prefix_lm``: a decoder attends bidirectionally over the prompt (for models trained with prefix_lm)."""
     if isinstance(model, EncoderLM):
         raise ValueError("an encoder-only model does not generate text; use a decoder or encoder_decoder model")
-    step = _encoder_decoder_step if isinstance(model, EncoderDecoderLM) else _decoder_step
+    if isinstance(model, EncoderDecoderLM):
+        step = _encoder_decoder_step
+    else:
+        prefix_len = torch.full_like(input_ids[:, 0], input_ids.shape[1]) if prefix_lm else None
+        step = partial(_decoder_step, prefix_len=prefix_len)
     state = step(model, input_ids, None, use_cache, max_new_tokens, decoder_start_id)
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens):
@@ -81,15 +89,16 @@ class _State:
         self.memory, self.memory_kvs = memory, memory_kvs
 
 
-def _decoder_step(model, prompt, previous, use_cache, max_new_tokens, _start):
+def _decoder_step(model, prompt, previous, use_cache, max_new_tokens, _start, prefix_len=None):
+    """With a cache, only the prompt's forward needs ``prefix_len``: later queries see every cached key."""
     if previous is None:
         caches = model.new_caches(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
-        return _State(model(prompt, caches=caches), prompt, caches)
+        return _State(model(prompt, caches=caches, prefix_len=prefix_len), prompt, caches)
     state, token = previous
     tokens = torch.cat([state.tokens, token[:, None]], dim=1)
     if use_cache:
         return _State(model(token[:, None], caches=state.caches), tokens, state.caches)
-    return _State(model(tokens), tokens)
+    return _State(model(tokens, prefix_len=prefix_len), tokens)
 
 
 def _encoder_decoder_step(model, source, previous, use_cache, max_new_tokens, start_id):
