@@ -1,7 +1,11 @@
-"""Mapping between our decoder and Hugging Face ``LlamaForCausalLM`` (config and weight names).
+"""Mapping between our decoders and Hugging Face ``transformers`` classes (config and weight names).
 
-A decoder with pre-LN, rmsnorm, rope and swiglu, without biases or absolute positions, is exactly a Llama
-model; anything else is refused with the option that prevents the mapping.
+Two families map exactly, so ``transformers`` computes the same function with no custom code:
+
+- ``LlamaForCausalLM``: pre-LN, rmsnorm, rope, swiglu, no biases (MHA, GQA or MQA);
+- ``GPT2LMHeadModel``: pre-LN, layernorm, learned positions, (exact) gelu, biases, MHA, tied embeddings.
+
+Anything else is refused with the option that prevents each mapping.
 """
 
 from __future__ import annotations
@@ -9,7 +13,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -80,11 +86,15 @@ def model_config_from_llama(hf: dict) -> ModelConfig:
     )
 
 
-def _name_pairs(n_layers: int) -> list[tuple[str, str]]:
-    pairs = list(_GLOBAL_NAMES)
+def _pairs(global_names: list, layer_names: list, n_layers: int) -> list[tuple[str, str]]:
+    pairs = list(global_names)
     for i in range(n_layers):
-        pairs += [(ours.format(i=i), theirs.format(i=i)) for ours, theirs in _LAYER_NAMES]
+        pairs += [(ours.format(i=i), theirs.format(i=i)) for ours, theirs in layer_names]
     return pairs
+
+
+def _name_pairs(n_layers: int) -> list[tuple[str, str]]:
+    return _pairs(_GLOBAL_NAMES, _LAYER_NAMES, n_layers)
 
 
 def to_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -104,29 +114,164 @@ def from_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     return {ours: state[theirs] for ours, theirs in _name_pairs(cfg.n_layers)}
 
 
-def save_llama_dir(
+# ------------------------------------------------------------------------------------------------ GPT-2
+
+_GPT2_LAYER_NAMES = [  # (ours, GPT-2) pairs copied as they are; the attention and MLP matrices are below
+    ("decoder.layers.{i}.attn_norm.weight", "transformer.h.{i}.ln_1.weight"),
+    ("decoder.layers.{i}.attn_norm.bias", "transformer.h.{i}.ln_1.bias"),
+    ("decoder.layers.{i}.ffn_norm.weight", "transformer.h.{i}.ln_2.weight"),
+    ("decoder.layers.{i}.ffn_norm.bias", "transformer.h.{i}.ln_2.bias"),
+]
+_GPT2_GLOBAL_NAMES = [
+    ("embed_tokens.weight", "transformer.wte.weight"),
+    ("decoder.positions.weight", "transformer.wpe.weight"),
+    ("decoder.norm.weight", "transformer.ln_f.weight"),
+    ("decoder.norm.bias", "transformer.ln_f.bias"),
+]
+# GPT-2's Conv1D stores weights as [in, out]: ours transposed
+_GPT2_LINEARS = [
+    ("decoder.layers.{i}.self_attn.o_proj", "transformer.h.{i}.attn.c_proj"),
+    ("decoder.layers.{i}.ffn.up_proj", "transformer.h.{i}.mlp.c_fc"),
+    ("decoder.layers.{i}.ffn.down_proj", "transformer.h.{i}.mlp.c_proj"),
+]
+
+
+def gpt2_incompatibility(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be a GPT2LMHeadModel, or None when it can."""
+    required = {
+        "arch": "decoder", "norm_position": "pre", "norm": "layernorm", "position": "learned", "ffn": "gelu",
+        "bias": True, "scale_embeddings": False, "final_norm": True, "tie_embeddings": True,
+        "kv_heads": cfg.n_heads,
+    }
+    for field, value in required.items():
+        if getattr(cfg, field) != value:
+            return f"model.{field.replace('kv_heads', 'n_kv_heads')}={getattr(cfg, field)} (GPT-2 needs {value})"
+    return None
+
+
+def gpt2_config(cfg: ModelConfig) -> dict:
+    """``GPT2Config`` keyword arguments equivalent to ``cfg``."""
+    return dict(
+        vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
+        n_head=cfg.n_heads, n_inner=cfg.d_ff, activation_function="gelu", layer_norm_epsilon=cfg.norm_eps,
+        resid_pdrop=cfg.dropout, attn_pdrop=cfg.attention_dropout,
+        embd_pdrop=cfg.dropout if cfg.embedding_dropout is None else cfg.embedding_dropout,
+        tie_word_embeddings=True,
+    )
+
+
+def model_config_from_gpt2(hf: dict) -> ModelConfig:
+    """Our ModelConfig for a GPT-2 ``config.json`` dict."""
+    activation = hf.get("activation_function", "gelu_new")
+    if activation != "gelu":
+        raise ValueError(f"GPT-2 activation_function={activation!r} is not supported (only exact 'gelu'; "
+                         "'gelu_new' is the tanh approximation)")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(flag):
+            raise ValueError(f"GPT-2 {flag}=true is not supported")
+    return ModelConfig(
+        arch="decoder", d_model=hf["n_embd"], n_layers=hf["n_layer"], n_heads=hf["n_head"],
+        d_ff=hf.get("n_inner") or 4 * hf["n_embd"], vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
+        norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), position="learned", ffn="gelu", bias=True,
+        tie_embeddings=True,
+    )
+
+
+def to_gpt2_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {theirs: state[ours] for ours, theirs in _pairs(_GPT2_GLOBAL_NAMES, _GPT2_LAYER_NAMES, cfg.n_layers)}
+    for i in range(cfg.n_layers):
+        attn = f"decoder.layers.{i}.self_attn."
+        qkv = [f"{attn}{p}_proj" for p in "qkv"]
+        out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([state[f"{n}.weight"] for n in qkv]).t()
+        out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([state[f"{n}.bias"] for n in qkv])
+        for ours, theirs in _GPT2_LINEARS:
+            ours, theirs = ours.format(i=i), theirs.format(i=i)
+            out[f"{theirs}.weight"], out[f"{theirs}.bias"] = state[f"{ours}.weight"].t(), state[f"{ours}.bias"]
+    return out
+
+
+def from_gpt2_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    state = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v for k, v in state.items()}
+    pairs = _pairs(_GPT2_GLOBAL_NAMES, _GPT2_LAYER_NAMES, cfg.n_layers)
+    needed = [theirs for _, theirs in pairs] + [f"transformer.h.{i}.attn.c_attn.weight" for i in range(cfg.n_layers)]
+    missing = [name for name in needed if name not in state]
+    if missing:
+        raise ValueError(f"GPT-2 checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+    out = {ours: state[theirs] for ours, theirs in pairs}
+    out["lm_head.weight"] = state["transformer.wte.weight"]
+    for i in range(cfg.n_layers):
+        attn = f"decoder.layers.{i}.self_attn."
+        weights = state[f"transformer.h.{i}.attn.c_attn.weight"].t().chunk(3)
+        biases = state[f"transformer.h.{i}.attn.c_attn.bias"].chunk(3)
+        for p, w, b in zip("qkv", weights, biases):
+            out[f"{attn}{p}_proj.weight"], out[f"{attn}{p}_proj.bias"] = w, b
+        for ours, theirs in _GPT2_LINEARS:
+            ours, theirs = ours.format(i=i), theirs.format(i=i)
+            out[f"{ours}.weight"], out[f"{ours}.bias"] = state[f"{theirs}.weight"].t(), state[f"{theirs}.bias"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------- families
+
+
+@dataclass(frozen=True)
+class Family:
+    """One ``transformers`` class our decoder maps onto exactly."""
+
+    name: str
+    model_type: str
+    architecture: str
+    incompatibility: Callable[[ModelConfig], str | None]
+    config: Callable[[ModelConfig], dict]
+    to_hf: Callable[[dict, ModelConfig], dict]
+    from_hf: Callable[[dict, ModelConfig], dict]
+    model_config: Callable[[dict], ModelConfig]
+
+
+LLAMA = Family("Llama", "llama", "LlamaForCausalLM", llama_incompatibility, llama_config, to_llama_state_dict,
+               from_llama_state_dict, model_config_from_llama)
+GPT2 = Family("GPT-2", "gpt2", "GPT2LMHeadModel", gpt2_incompatibility, gpt2_config, to_gpt2_state_dict,
+              from_gpt2_state_dict, model_config_from_gpt2)
+FAMILIES = (LLAMA, GPT2)
+
+
+def hf_incompatibility(cfg: ModelConfig) -> str | None:
+    """None when some family can express ``cfg``, else each family's reason."""
+    reasons = [reason for family in FAMILIES if (reason := family.incompatibility(cfg))]
+    return "; ".join(reasons) if len(reasons) == len(FAMILIES) else None
+
+
+def hf_family(cfg: ModelConfig) -> Family:
+    for family in FAMILIES:
+        if family.incompatibility(cfg) is None:
+            return family
+    raise ValueError(f"this model maps onto no transformers class: {hf_incompatibility(cfg)}")
+
+
+def save_hf_dir(
     out: Path,
     cfg: ModelConfig,
     state: dict[str, torch.Tensor],
     tokenizer_json: Path | None = None,
     special_ids: dict[str, int | None] | None = None,
     dtype: torch.dtype = torch.float32,
-) -> None:
-    """Write a ``LlamaForCausalLM`` directory (config.json, model.safetensors, tokenizer files) that
-    ``transformers`` loads with no custom code. Written to a temporary directory, renamed when complete."""
+) -> Family:
+    """Write a ``transformers`` model directory (config.json, model.safetensors, tokenizer files) that loads with
+    no custom code, for the family ``cfg`` maps onto. Written to a temporary directory, renamed when complete."""
     from safetensors.torch import save_file
 
+    family = hf_family(cfg)
     special_ids = special_ids or {}
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        **llama_config(cfg), "rope_theta": cfg.rope_theta,
+        "architectures": [family.architecture], "model_type": family.model_type, **family.config(cfg),
+        **({"rope_theta": cfg.rope_theta} if family is LLAMA else {}),  # where older transformers read it
         "bos_token_id": special_ids.get("bos"), "eos_token_id": special_ids.get("eos"),
         "pad_token_id": special_ids.get("pad"), "torch_dtype": str(dtype).removeprefix("torch."),
     }
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in to_llama_state_dict(state, cfg).items()}
+    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in family.to_hf(state, cfg).items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
@@ -143,23 +288,26 @@ def save_llama_dir(
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
+    return family
 
 
-def load_llama_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Llama-format directory (config.json + *.safetensors, possibly sharded) into our names."""
+def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Llama or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our names."""
     from safetensors.torch import load_file
 
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{path} has no config.json; expected a Hugging Face model directory")
     hf = json.loads(config_path.read_text())
-    if hf.get("model_type") != "llama":
-        raise ValueError(f"{path} holds model_type={hf.get('model_type')!r}; only 'llama' can be imported")
+    family = next((f for f in FAMILIES if f.model_type == hf.get("model_type")), None)
+    if family is None:
+        raise ValueError(f"{path} holds model_type={hf.get('model_type')!r}; only "
+                         f"{', '.join(repr(f.model_type) for f in FAMILIES)} can be imported")
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no .safetensors weights (convert .bin weights with transformers first)")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
-    cfg = model_config_from_llama(hf)
-    return cfg, from_llama_state_dict(state, cfg)
+    cfg = family.model_config(hf)
+    return cfg, family.from_hf(state, cfg)

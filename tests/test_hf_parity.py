@@ -1,4 +1,4 @@
-"""Numerical parity with an independent implementation: Hugging Face LlamaForCausalLM."""
+"""Numerical parity with independent implementations: Hugging Face LlamaForCausalLM and GPT2LMHeadModel."""
 
 from __future__ import annotations
 
@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from megatransformer.config import ModelConfig
-from megatransformer.hf import from_llama_state_dict, llama_config, llama_incompatibility, to_llama_state_dict
+from megatransformer.hf import (
+    GPT2,
+    LLAMA,
+    from_llama_state_dict,
+    hf_incompatibility,
+    llama_config,
+    llama_incompatibility,
+    load_hf_dir,
+    save_hf_dir,
+    to_llama_state_dict,
+)
 from megatransformer.model import build_model
 
 transformers = pytest.importorskip("transformers")  # a test dependency: `pip install -e .[test]`
@@ -46,3 +56,53 @@ def test_llama_weights_round_trip():
 def test_non_llama_configs_are_refused_by_name(option, value):
     reason = llama_incompatibility(llama_style(**{option: value}))
     assert reason is not None and option in reason
+
+
+# ------------------------------------------------------------------------------------------------ GPT-2
+
+
+def gpt2_style(**overrides) -> ModelConfig:
+    base = dict(d_model=64, n_layers=3, n_heads=4, d_ff=160, vocab_size=211, max_seq_len=64, norm="layernorm",
+                position="learned", ffn="gelu", bias=True, tie_embeddings=True, norm_eps=1e-5)
+    return ModelConfig(**{**base, **overrides})
+
+
+def randomized(model: torch.nn.Module) -> torch.nn.Module:
+    """Non-trivial norm weights and biases (init sets them to 1 and 0, which would hide a swapped mapping)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    return model
+
+
+@pytest.mark.parametrize("family,cfg", [(LLAMA, llama_style(tie_embeddings=False)), (GPT2, gpt2_style())])
+def test_exported_directory_loads_in_transformers_with_the_same_logits(tmp_path, family, cfg):
+    torch.manual_seed(0)
+    ours = randomized(build_model(cfg)).eval()
+    assert save_hf_dir(tmp_path / "hf", cfg, ours.state_dict()) is family
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(theirs).__name__ == family.architecture
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
+    back_cfg, back = load_hf_dir(tmp_path / "hf")
+    assert back_cfg.model_dump() == cfg.model_dump()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("option,value", [("norm", "rmsnorm"), ("position", "rope"), ("ffn", "relu"),
+                                          ("bias", False), ("tie_embeddings", False), ("n_kv_heads", 2)])
+def test_non_gpt2_configs_are_refused_by_name(option, value):
+    reason = hf_incompatibility(gpt2_style(**{option: value}))
+    assert reason is not None and f"model.{option}=" in reason and "GPT-2 needs" in reason
+
+
+def test_gpt2_with_the_tanh_gelu_is_not_imported(tmp_path):
+    cfg = gpt2_style()
+    save_hf_dir(tmp_path / "hf", cfg, build_model(cfg).state_dict())
+    config = tmp_path / "hf" / "config.json"
+    config.write_text(config.read_text().replace('"activation_function": "gelu"', '"activation_function": "gelu_new"'))
+    with pytest.raises(ValueError, match="activation_function='gelu_new' is not supported"):
+        load_hf_dir(tmp_path / "hf")

@@ -1,7 +1,8 @@
 """``megatransformer export`` and ``megatransformer import``: hand models to and from the ecosystem.
 
 Formats: ``safetensors`` (our consolidated weights + config + tokenizer, readable without DeepSpeed) and
-``hf`` (a ``LlamaForCausalLM`` directory that ``transformers`` loads with no custom code).
+``hf`` (a ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` directory that ``transformers`` loads with no custom
+code; see megatransformer.hf).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.set_defaults(func=export)
 
-    p = subparsers.add_parser("import", help="turn a Hugging Face Llama directory into a checkpoint for init_from=")
+    p = subparsers.add_parser("import", help="turn a Hugging Face Llama or GPT-2 directory into a checkpoint "
+                                             "for init_from=")
     p.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.set_defaults(func=import_hf)
@@ -31,7 +33,7 @@ def export(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     from megatransformer.config import ConfigError, dump_config
-    from megatransformer.hf import llama_incompatibility, save_llama_dir
+    from megatransformer.hf import hf_incompatibility, save_hf_dir
     from megatransformer.inference import checkpoint_dir
     from megatransformer.training.checkpoint import load_weights
 
@@ -41,15 +43,17 @@ def export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     tokenizer = source / "tokenizer.json"
     if args.format == "hf":
-        reason = llama_incompatibility(cfg.model)
+        reason = hf_incompatibility(cfg.model)
         if reason:
-            raise ConfigError(f"cannot export as a Hugging Face Llama model: {reason}; use --format safetensors")
+            raise ConfigError(f"cannot export as a Hugging Face model: {reason}; use --format safetensors")
         if cfg.objective == "prefix_lm":
             print("warning: this model was trained with objective=prefix_lm (a bidirectional prompt); "
-                  "LlamaForCausalLM reads prompts causally, so its outputs differ from `megatransformer generate`",
+                  "a transformers causal LM reads prompts causally, so its outputs differ from `megatransformer "
+                  "generate`",
                   file=sys.stderr)
         special = _special_ids(tokenizer)
-        save_llama_dir(out, cfg.model, weights, tokenizer if tokenizer.is_file() else None, special, dtype)
+        family = save_hf_dir(out, cfg.model, weights, tokenizer if tokenizer.is_file() else None, special, dtype)
+        print(f"wrote a {family.architecture} directory")
     else:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -78,10 +82,10 @@ def import_hf(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     from megatransformer.config import ConfigError, DataConfig, RunConfig, dump_config
-    from megatransformer.hf import load_llama_dir
+    from megatransformer.hf import load_hf_dir
 
     try:
-        model_cfg, weights = load_llama_dir(Path(args.hf))
+        model_cfg, weights = load_hf_dir(Path(args.hf))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     out = Path(args.out)
