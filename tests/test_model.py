@@ -200,7 +200,7 @@ def random_masks(batch: int, length: int) -> dict[str, AttentionMask]:
     }
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "auto"])
 @pytest.mark.parametrize("mask_name", ["causal", "bidirectional", "prefix", "packed_causal", "packed_bidirectional"])
 def test_backends_agree_with_eager_reference(backend, mask_name):
     batch, heads, kv_heads, length, dim = 2, 4, 2, 16, 16
@@ -220,6 +220,40 @@ def test_whole_model_agrees_across_backends_on_packed_prefix_batch():
         reference = run(model_for(attention_backend="eager"), ids, **kwargs)
         for backend in ("sdpa", "flex"):
             assert torch.allclose(run(model_for(attention_backend=backend), ids, **kwargs), reference, atol=1e-5)
+
+
+def test_auto_backend_choices(monkeypatch):
+    from megatransformer.model import attention
+
+    segments = torch.tensor([[1, 1, 2, 2]])
+    packed, prefix = self_attention_mask(True, segments), self_attention_mask(True, prefix_len=torch.tensor([2]))
+    cross = attention.AttentionMask(False, segments, segments.clone())
+    bf16, fp32 = torch.bfloat16, torch.float32
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
+    choose = attention.auto_backend
+    assert [choose("cpu", fp32), choose("cpu", bf16, packed), choose("cpu", bf16, dropout=0.1)] == \
+        ["chunked", "chunked", "sdpa"]
+    assert [choose("cuda", bf16), choose("cuda", torch.float16, packed), choose("cuda", fp32)] == \
+        ["flash", "flash", "sdpa"]
+    assert [choose("cuda", bf16, prefix), choose("cuda", bf16, cross), choose("cuda", bf16, head_dim=512)] == \
+        ["sdpa", "sdpa", "sdpa"]
+    assert attention.describe_backend("auto", "cuda", bf16, 0.0) == "attention: auto -> flash on cuda in bfloat16"
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: False)
+    assert choose("cuda", bf16) == "sdpa"
+    assert "pip install 'megatransformer[gpu]'" in attention.describe_backend("auto", "cuda", bf16, 0.0)
+    assert attention.describe_backend("sdpa", "cpu", fp32, 0.0) == "attention: sdpa"
+
+
+def test_auto_on_cpu_trains_with_chunked_and_with_sdpa_under_dropout():
+    ids = tokens(2, 16)
+    for dropout, same_as in ((0.0, "chunked"), (0.1, "sdpa")):
+        grads = []
+        for backend in ("auto", same_as):
+            model = model_for(attention_backend=backend, attention_dropout=dropout).train()
+            torch.manual_seed(1)  # the same dropout masks
+            run(model, ids).float().pow(2).mean().backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        assert torch.equal(grads[0], grads[1]), same_as
 
 
 def test_flex_backward_on_cpu_is_refused_with_the_fix():

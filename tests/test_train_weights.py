@@ -75,7 +75,9 @@ def test_tensor_parallel_checkpoint_holds_the_whole_model(sources):
     assert any(".cross_attn.q_proj.bias" in name for name in tp1), "no cross-attention bias to check"
     for name in tp1:
         assert tp2[name].shape == tp1[name].shape, name
-        torch.testing.assert_close(tp2[name], tp1[name], rtol=1e-3, atol=1e-4, msg=name)
+        # fp32 rounding differs between the sharded and the whole matmuls; 12 Adam steps at lr 3e-3 amplify it
+        # to ~2e-4 at most (measured); a misplaced shard would be off by the weights' scale (~0.02)
+        torch.testing.assert_close(tp2[name], tp1[name], rtol=1e-3, atol=5e-4, msg=name)
 
 
 def test_export_is_usable_without_deepspeed(sources, tmp_path):

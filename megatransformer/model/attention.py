@@ -2,11 +2,14 @@
 
 The projections are plain ``nn.Linear`` layers and the number of heads is read from their output width
 (``view(B, T, -1, head_dim)``): a tensor-parallel shard holding a slice of the heads runs this code unchanged.
-The core (softmax(QK^T)V under a mask) is a function picked by name from ``BACKENDS``.
+The core (softmax(QK^T)V under a mask) is a function picked by name from ``BACKENDS``; ``auto`` (the
+default) picks the fastest exact core for each call (see :func:`auto_backend`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from typing import Callable
 
@@ -93,8 +96,48 @@ def flash_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
     return out.view(batch, length, heads, dim).transpose(1, 2)
 
 
+@functools.cache
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def auto_backend(device: str, dtype: torch.dtype, mask: AttentionMask | None = None, dropout: float = 0.0,
+                 head_dim: int = 64) -> str:
+    """The core ``attention_backend=auto`` runs for one call, by the measurements in BENCHMARKS.md.
+
+    CUDA: flash-attn in bf16/fp16 when it is installed and expresses the mask (causal, bidirectional, packed
+    self-attention; no prefix-LM, no packed cross-attention), else PyTorch SDPA (whose own dispatcher picks
+    its flash / memory-efficient kernels). CPU: the chunked core (1.7-1.9x SDPA in bf16, linear memory for
+    every mask), or SDPA when attention dropout is on (chunked has none).
+    """
+    if device == "cuda":
+        flash_mask = mask is None or (mask.prefix_len is None and mask.q_segments is mask.kv_segments)
+        flash_shape = head_dim <= 256 and head_dim % 8 == 0
+        if dtype in (torch.bfloat16, torch.float16) and flash_mask and flash_shape and flash_attn_installed():
+            return "flash"
+        return "sdpa"
+    return "sdpa" if dropout else "chunked"
+
+
+def describe_backend(backend: str, device: str, dtype: torch.dtype, dropout: float) -> str:
+    """One line for the run log: the core a run's (unmasked) self-attention uses, and why."""
+    if backend != "auto":
+        return f"attention: {backend}"
+    chosen = auto_backend(device, dtype, dropout=dropout)
+    hint = " (pip install 'megatransformer[gpu]' for flash-attn)" if device == "cuda" and chosen == "sdpa" and \
+        dtype != torch.float32 and not flash_attn_installed() else ""
+    return f"attention: auto -> {chosen} on {device} in {str(dtype).removeprefix('torch.')}{hint}"
+
+
+def auto_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    return BACKENDS[auto_backend(device, dtype, mask, dropout, q.shape[-1])](q, k, v, mask, dropout)
+
+
 BACKENDS: dict[str, Core] = {
-    "sdpa": sdpa_core, "eager": eager_core, "flex": flex_core, "flash": flash_core, "chunked": chunked_core,
+    "auto": auto_core, "sdpa": sdpa_core, "eager": eager_core, "flex": flex_core, "flash": flash_core,
+    "chunked": chunked_core,
 }
 
 

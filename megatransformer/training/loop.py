@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from megatransformer.batch import IGNORE_INDEX
 from megatransformer.config import RunConfig, dump_config
 from megatransformer.flops import model_size
+from megatransformer.model.attention import describe_backend
 from megatransformer.training import checkpoint as ckpt
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import Engine, build_engine
@@ -149,6 +150,10 @@ class Trainer:
             if self.dist.is_main:
                 print(f"nothing to do: the run is at step {self.state.step} of train.max_steps={cfg.train.max_steps}")
             return 0
+        if self.dist.is_main:
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
+            print(describe_backend(cfg.model.attention_backend, torch.device(self.dist.device).type, dtype,
+                                   cfg.model.attention_dropout))
         report = Reporter(cfg, self.dist.is_main, self.state.step)
         flops = model_size(cfg.model, cfg.data.seq_len).flops_per_token
         peak = peak_tflops(cfg, self.dist.device) * 1e12 * self.dist.world_size
