@@ -228,7 +228,8 @@ class TrainConfig(Section):
     eval_every: int = 0
     """Steps between validation passes (0: only at the end)."""
     eval_batches: int = 10
-    """Batches per validation pass."""
+    """Micro batches per validation pass, in all: the first ones of the validation split, dealt out to the
+    data-parallel ranks (the numbers do not depend on the number of ranks)."""
     compile: bool = False
     """torch.compile the model."""
     max_bad_steps: int = 5

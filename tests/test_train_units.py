@@ -262,3 +262,17 @@ def test_wandb_defaults_to_offline_without_a_key(monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert wandb_mode(run_config()) == "online"
     assert wandb_mode(run_config(wandb=dict(mode="disabled"))) == "disabled"
+
+
+@pytest.mark.parametrize("n,dp,expected", [
+    (3, 2, [[0, 2], [1, None]]),  # the second rank keeps in step with a dropped forward
+    (4, 2, [[0, 2], [1, 3]]),
+    (1, 3, [[0], [None], [None]]),
+    (5, 1, [[0, 1, 2, 3, 4]]),
+])
+def test_validation_batches_are_dealt_to_data_parallel_ranks(n, dp, expected):
+    from megatransformer.training.loop import eval_schedule
+
+    schedules = [eval_schedule(n, dp, rank) for rank in range(dp)]
+    assert schedules == expected
+    assert sorted(i for s in schedules for i in s if i is not None) == list(range(n))

@@ -94,6 +94,18 @@ def test_data_parallel_ranks_read_disjoint_data(tiny_data, tmp_path):
     assert metrics(two)[0]["tokens"] == 2 * metrics(one)[0]["tokens"]
 
 
+def test_validation_is_split_across_data_parallel_ranks_with_one_rank_numbers(tiny_data, tmp_path):
+    """Three validation batches over two ZeRO-3 ranks (2 + 1, the second rank runs a dropped forward to keep
+    the parameter gathers in step) give the loss and token count of one rank evaluating all three."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    frozen = ["train.max_steps=1", "optim.lr=1e-12", "train.eval_batches=3"]  # the same weights in both runs
+    train(base_overrides(tiny_data, two) + frozen + ["parallel.zero_stage=3"], nproc=2)
+    train(base_overrides(tiny_data, one) + frozen)
+    (val_two,), (val_one,) = ([r for r in metrics(run) if "val_loss" in r] for run in (two, one))
+    assert val_two["val_tokens"] == val_one["val_tokens"] > 2 * 4 * 64  # three batches of 4 x 64, less boundaries
+    assert val_two["val_loss"] == pytest.approx(val_one["val_loss"], rel=1e-6)
+
+
 def test_tensor_parallel_equals_single_rank(tiny_data, tmp_path):
     tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
     train(base_overrides(tiny_data, tp2) + ["parallel.tensor_parallel=2", "parallel.zero_stage=1"], nproc=2)

@@ -205,18 +205,34 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Token-weighted validation loss over train.eval_batches batches (the same batches every time, on
-        every rank: validation sets are small, and no rank can run out before another)."""
+        """Token-weighted validation loss over the first train.eval_batches batches of the validation split.
+
+        Every rank reads the same batches; data-parallel rank r evaluates batches r, r + dp, ... (its
+        tensor-parallel peers the same ones) and the sums are all-reduced: the numbers of one rank evaluating
+        them all, in 1/dp of the time. A rank with a batch fewer runs one more forward and drops its result,
+        so all ranks run the same forwards (ZeRO-3 gathers parameters in each).
+        """
+        batches = [batch for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader)]
         self.engine.eval()
         loss_sum, targets = 0.0, 0
-        for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader):
-            batch = to_device(batch, self.dist.device)
+        for index in eval_schedule(len(batches), self.e.dp_size, self.e.dp_rank):
+            batch = to_device(batches[index or 0], self.dist.device)
             labels = batch.pop("labels")
-            loss_sum += token_loss_sum(self.engine(**batch), labels, 0.0).item()
-            targets += int((labels != IGNORE_INDEX).sum())
+            loss = token_loss_sum(self.engine(**batch), labels, 0.0).item()
+            if index is not None:
+                loss_sum, targets = loss_sum + loss, targets + int((labels != IGNORE_INDEX).sum())
         self.engine.train()
+        tp = self.cfg.parallel.tensor_parallel  # tensor-parallel peers counted the same batches
+        loss_sum, targets = (x / tp for x in all_reduce_sum([loss_sum, targets], self.dist.device))
         loss = loss_sum / max(targets, 1)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(targets)}
+
+
+def eval_schedule(n_batches: int, dp_size: int, dp_rank: int) -> list[int | None]:
+    """The validation batches data-parallel rank ``dp_rank`` evaluates, round by round: ``dp_rank``,
+    ``dp_rank + dp_size``, ...; None marks a round whose forward only keeps this rank in step with the others."""
+    rounds = -(-n_batches // dp_size)
+    return [i if i < n_batches else None for i in range(dp_rank, rounds * dp_size, dp_size)]
 
 
 @contextmanager
