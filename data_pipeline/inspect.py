@@ -53,9 +53,17 @@ def show_row(batch: dict[str, torch.Tensor], row: int, tok, objective: str) -> s
         dec = batch["decoder_segment_ids"][row]
         return "\n".join(f"  example {k}: input  {text(ids[segments == k])!r}\n"
                          f"             target {text(labels[dec == k])!r}" for k in range(1, int(segments.max()) + 1))
-    if "prefix_len" in batch:
-        p = int(batch["prefix_len"][row])
-        return f"  prefix: {text(ids[:p])!r}\n  suffix: {text(ids[p:][real[p:]])!r} (loss from position {p - 1})"
+    if "prefix_len" in batch:  # per position: where the prefix of its document ends
+        ends = batch["prefix_len"][row]
+        lines = []
+        for k in range(1, int(segments.max()) + 1):
+            where = torch.nonzero(segments == k).flatten()
+            start, stop = int(where[0]), int(where[-1]) + 1
+            end = min(int(ends[start]), stop)
+            if end > start:
+                lines.append(f"  prefix: {text(ids[start:end])!r}")
+            lines.append(f"  suffix: {text(ids[max(start, end):stop])!r}")
+        return "\n".join(lines)
     if objective == "masked_lm":
         pieces = []
         for i, lab in zip(ids[real].tolist(), labels[real].tolist()):

@@ -13,11 +13,11 @@ send their position with every batch, the main process keeps the latest one per 
 batch order across workers continues too (the worker that was next is mapped to DataLoader worker 0).
 
 Instruction data. Examples from a ``prompt_completion`` shard directory keep their prompt marked through the
-pipeline (``Window.prompt``): the objectives give its tokens no loss. They are never cut into several
-windows: packed into rows for autoregressive training, one per row for a decoder's prefix_lm (one
-bidirectional prefix per row), whole (prompt -> encoder, completion -> decoder) for an encoder-decoder.
-An example longer than a row is truncated, one whose prompt leaves no room to learn anything is skipped;
-both are warned about.
+pipeline (``Window.prompt``): the objectives give its tokens no loss. A decoder packs them into rows like
+documents (a piece cut at a row boundary keeps what it holds of its prompt), or with ``data.pack: false``
+gives each its own row; an encoder-decoder reads each whole (prompt -> encoder, completion -> decoder),
+several per row when packed. An example longer than its row is truncated, one whose prompt leaves no room
+to learn anything is skipped; both are warned about.
 
 No hang. Training streams are endless (epochs roll over, reshuffled), so every rank can take as many steps
 as the trainer asks for; a rank never runs out first. Validation is one pass over the validation shards in
@@ -103,10 +103,6 @@ def check_instructions(sources: list[Source], cfg: RunConfig) -> None:
     if cfg.objective not in ("autoregressive", "prefix_lm"):
         raise DataError(f"{where} holds prompt/completion examples, which objective={cfg.objective} cannot use; "
                         "train them with objective=autoregressive or objective=prefix_lm")
-    if cfg.objective == "prefix_lm" and cfg.model.arch == "decoder" and cfg.data.pack:
-        raise DataError(f"{where} holds prompt/completion examples: a decoder's prefix_lm row has one prefix, so "
-                        "they cannot be packed; set data.pack=false (one example per row), or use "
-                        "objective=autoregressive, which packs them")
 
 
 # ------------------------------------------------------------------------------------------- readers

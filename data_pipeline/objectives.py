@@ -169,10 +169,13 @@ def split_point(n: int, args: ObjectiveArgs, rng: np.random.Generator) -> int:
 
 
 class PrefixLM(Objective):
-    """Decoder-only: a bidirectional prefix, causal after it, loss only after it. ``prefix_len`` is per row:
-    packed rows are split once (documents wholly inside the prefix are context only; labels never cross a
-    document boundary); with ``data.pack: false`` a row holds one document, padded. An instruction example's
-    prefix is its prompt."""
+    """Decoder-only: a bidirectional prefix, causal after it, loss only after it.
+
+    ``prefix_len`` is per position (see megatransformer.model.masks): where the prefix of the position's
+    document ends. Text rows are split once at a random point (documents wholly inside the prefix are context
+    only; labels never cross a document boundary); with ``data.pack: false`` a row holds one document, padded.
+    An instruction example's prefix is its prompt, so a packed row holds several examples, each with its own
+    prefix."""
 
     overlap = 1
 
@@ -184,16 +187,28 @@ class PrefixLM(Objective):
     def build(self, window: Window, rng: np.random.Generator) -> Sample:
         tokens, segments, T = window.tokens, window.segments, self.seq_len
         n = len(tokens) - 1  # input length
-        prefix = int(window.prompt.sum()) if window.prompt is not None else split_point(n, self.args, rng)
-        labels = np.where(segments[1:] == segments[:-1], tokens[1:], IGNORE_INDEX)
-        labels[: max(prefix - 1, 0)] = IGNORE_INDEX  # position prefix-1 (the last in the prefix) predicts token prefix
+        learn = segments[1:] == segments[:-1]
+        if window.prompt is None:
+            prefix = split_point(n, self.args, rng)
+            learn[: prefix - 1] = False  # position prefix-1 (the last in the prefix) predicts token prefix
+            ends = np.full(T, prefix)
+        else:
+            learn &= ~window.prompt[1:]
+            ends = pad_to(prompt_ends(segments[:n], window.prompt[:n]), T, 0)
         return {
             "input_ids": pad_to(tokens[:-1], T, self.pad),
-            "labels": pad_to(labels, T, IGNORE_INDEX),
+            "labels": pad_to(np.where(learn, tokens[1:], IGNORE_INDEX), T, IGNORE_INDEX),
             "segment_ids": pad_to(segments[:-1], T, 0),
             "position_ids": pad_to(doc_positions(segments[:n]), T, 0),
-            "prefix_len": np.array(prefix, dtype=np.int64),
+            "prefix_len": ends,
         }
+
+
+def prompt_ends(segments: np.ndarray, prompt: np.ndarray) -> np.ndarray:
+    """For every token, the row index where its document's prompt ends (prompts lead their documents)."""
+    starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
+    piece = np.cumsum(np.r_[True, segments[1:] != segments[:-1]]) - 1
+    return (starts + np.add.reduceat(prompt.astype(np.int64), starts))[piece]
 
 
 class EncoderDecoderObjective(Objective):

@@ -27,7 +27,8 @@ class Batch(TypedDict, total=False):
     labels: torch.Tensor  # [B, T] (or [B, T_dec]) int64, IGNORE_INDEX where there is no loss
     position_ids: torch.Tensor  # [B, T] int64
     segment_ids: torch.Tensor  # [B, T] int64, PAD_SEGMENT for padding
-    prefix_len: torch.Tensor  # [B] int64: prefix_lm on a decoder, bidirectional attention below it
+    prefix_len: torch.Tensor  # [B, T] int64: prefix_lm on a decoder, where the bidirectional prefix of each
+    # position's document ends (an index into the row; the model also takes one prefix per row, [B])
     decoder_input_ids: torch.Tensor  # [B, T_dec] int64 (encoder_decoder)
     decoder_position_ids: torch.Tensor  # [B, T_dec] int64
     decoder_segment_ids: torch.Tensor  # [B, T_dec] int64, matching the encoder's segment numbers

@@ -127,10 +127,31 @@ def test_decoder_prefix_lm_makes_the_prompt_the_prefix(tiny_data, tiny_instructi
     assert len(rows) == len(examples) // 2 * 2
     for row, (prompt, completion) in zip(rows, examples):
         n = len(prompt) + len(completion) - 1
-        assert int(row["prefix_len"]) == len(prompt)
+        assert (row["prefix_len"][:n] == len(prompt)).all()
         assert row["input_ids"][:n].tolist() == (prompt + completion)[:-1]
         assert row["labels"].tolist() == [IGNORE_INDEX] * (len(prompt) - 1) + completion + [IGNORE_INDEX] * (256 - n)
         assert row["segment_ids"].tolist() == [1] * n + [0] * (256 - n)
+
+
+def test_decoder_prefix_lm_packs_examples_each_with_its_prompt_as_prefix(tiny_data, tiny_instructions, tok):
+    """Packed rows: the labels of autoregressive fine-tuning, and per position the end of its own example's
+    prompt (the part of it in this row) as the prefix end."""
+    cfg = make_cfg(tiny_data, tiny_instructions.shards, "prefix_lm")
+    batches = validation_batches(cfg, tok)
+    stream, is_prompt, expected = [], [], []
+    for prompt, completion in valid_examples(tiny_instructions, tok):
+        stream += prompt + completion
+        is_prompt += [True] * len(prompt) + [False] * len(completion)
+        expected += [IGNORE_INDEX] * (len(prompt) - 1) + completion + [IGNORE_INDEX]
+    rows = [(b["input_ids"][i], b["labels"][i], b["segment_ids"][i], b["prefix_len"][i])
+            for b in batches for i in range(len(b["labels"]))]
+    assert len(rows) * 64 > 1000 and any(int(seg.max()) > 1 for _, _, seg, _ in rows), "examples were not packed"
+    for j, (ids, labels, segments, ends) in enumerate(rows):
+        assert ids.tolist() == stream[64 * j:64 * (j + 1)] and labels.tolist() == expected[64 * j:64 * (j + 1)]
+        for k in range(1, int(segments.max()) + 1):
+            where = torch.nonzero(segments == k).flatten().tolist()
+            prompt_here = sum(is_prompt[64 * j + i] for i in where)
+            assert (ends[where] == where[0] + prompt_here).all()
 
 
 def test_encoder_decoder_prefix_lm_reads_the_prompt_and_learns_the_completion(tiny_data, tiny_instructions, tok):
@@ -151,7 +172,6 @@ def test_encoder_decoder_prefix_lm_reads_the_prompt_and_learns_the_completion(ti
 @pytest.mark.parametrize("objective,arch,data,message", [
     ("masked_lm", "encoder", {}, "objective=masked_lm cannot use"),
     ("span_corruption", "encoder_decoder", {}, "objective=span_corruption cannot use"),
-    ("prefix_lm", "decoder", {}, "set data.pack=false"),
 ])
 def test_objectives_that_cannot_use_instructions_are_refused(tiny_data, tiny_instructions, tok, objective, arch,
                                                               data, message):
@@ -184,14 +204,15 @@ def test_long_examples_are_truncated_and_unlearnable_ones_skipped_with_a_warning
     messages = " | ".join(str(w.message) for w in caught)
     assert "they are skipped" in messages and "their end is cut off" in messages
     truncated, short = sorted(rows, key=lambda r: int((r["segment_ids"] == 0).sum()))
-    assert int(short["prefix_len"]) == len(tok.encode("short"))
-    assert int(truncated["prefix_len"]) == len(tok.encode("ok")) and bool((truncated["segment_ids"] == 1).all())
+    assert int(short["prefix_len"][0, 0]) == len(tok.encode("short"))
+    assert int(truncated["prefix_len"][0, 0]) == len(tok.encode("ok")) and bool((truncated["segment_ids"] == 1).all())
     assert int((truncated["labels"] != IGNORE_INDEX).sum()) == 33 - len(tok.encode("ok"))  # a 33-token window
 
 
 @pytest.mark.parametrize("objective,arch,pack", [
     ("autoregressive", "decoder", True),
     ("prefix_lm", "decoder", False),
+    ("prefix_lm", "decoder", True),
     ("prefix_lm", "encoder_decoder", True),
 ])
 def test_exact_resume(tiny_data, tiny_instructions, tok, objective, arch, pack):

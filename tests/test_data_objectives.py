@@ -120,7 +120,8 @@ def test_prefix_lm_decoder_masks_the_prefix(tok):
     seen = set()
     for i in range(200):
         s = objective.build(one_doc(tokens), np.random.default_rng(i))
-        p = int(s["prefix_len"])
+        p = int(s["prefix_len"][0])
+        assert (s["prefix_len"] == p).all()  # one prefix for the whole row
         seen.add(p)
         assert round(0.2 * 32) <= p <= round(0.6 * 32)
         assert (s["labels"][: p - 1] == IGNORE_INDEX).all()
@@ -131,7 +132,7 @@ def test_prefix_lm_decoder_masks_the_prefix(tok):
 
 def test_prefix_lm_decoder_short_document(tok):
     s = PrefixLM(16, tok, False, ObjectiveArgs()).build(one_doc([300, 301, tok.eos_id]), np.random.default_rng(0))
-    assert int(s["prefix_len"]) == 1
+    assert (s["prefix_len"] == 1).all()
     assert list(s["labels"][:2]) == [301, tok.eos_id] and (s["labels"][2:] == IGNORE_INDEX).all()
     assert (s["segment_ids"] == [1, 1] + [0] * 14).all()
 
@@ -140,10 +141,11 @@ def test_prefix_lm_decoder_short_document(tok):
 def test_prefix_lm_decoder_through_the_loader(tiny_data, tok, pack):
     batches = loader_batches(tiny_data, tok, "prefix_lm", "decoder", pack=pack)
     for b in batches:
-        assert b["prefix_len"].shape == (8,)
+        assert b["prefix_len"].shape == (8, 64)
         assert set(b) >= {"input_ids", "labels", "prefix_len", "segment_ids", "position_ids"}
         for row in range(8):
-            p, labels, ids, seg = b["prefix_len"][row], b["labels"][row], b["input_ids"][row], b["segment_ids"][row]
+            p, labels, ids, seg = b["prefix_len"][row, 0], b["labels"][row], b["input_ids"][row], b["segment_ids"][row]
+            assert (b["prefix_len"][row] == p).all()
             assert (labels[: p - 1] == IGNORE_INDEX).all()
             same = (seg[1:] == seg[:-1]) & (seg[1:] > 0)
             after = np.arange(63) >= p - 1

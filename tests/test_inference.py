@@ -171,8 +171,8 @@ def test_fine_tune_on_instructions_then_eval_generate_and_export(pretrained, tmp
         "--shard-mb", "0.02", "--valid-every", "10", "--workers", "1")
     run = tmp_path / "finetune"
     cli("train", "--config", str(pretrained["config"]), f"run_dir={run}", f"init_from={pretrained['run']}/checkpoints",
-        "objective=prefix_lm", f"data.train={tmp_path / 'sft'}", "data.pack=false", "data.seq_len=128",
-        "train.max_steps=4", "parallel.zero_stage=2")
+        "objective=prefix_lm", f"data.train={tmp_path / 'sft'}", "data.seq_len=128", "train.max_steps=4",
+        "parallel.zero_stage=2")  # packed: several examples per row, each with its prompt as prefix
     weights_before = load_for_inference(pretrained["run"]).model.state_dict()
     tuned = load_for_inference(run)
     assert tuned.cfg.objective == "prefix_lm"
@@ -181,6 +181,7 @@ def test_fine_tune_on_instructions_then_eval_generate_and_export(pretrained, tmp
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert first["loss"] < 6.0, "started from scratch instead of the pretrained weights (ln 512 = 6.2)"
 
+    # one example per row, so that every completion token is counted (a packed stream drops its last partial row)
     result = json.loads(cli("eval", "--checkpoint", str(run), "--data", str(tmp_path / "held_out.jsonl"),
                             "--prompt-field", "prompt", "--json", "data.pack=false", "data.seq_len=128").stdout)
     tok = load_tokenizer(pretrained["tokenizer"])

@@ -148,6 +148,38 @@ def test_prefix_lm_prefix_is_bidirectional_suffix_is_causal():
     assert not torch.allclose(a[1, :8], b[1, :8], atol=1e-4)
 
 
+def test_per_document_prefixes_of_a_packed_row():
+    """prefix_len per query: each packed document has its own bidirectional prefix and stays isolated."""
+    model = model_for()
+    ids = tokens(1, 16)
+    segments, positions = packed_row([7, 9], 16)
+    ends = torch.tensor([[3] * 7 + [7 + 5] * 9])  # doc 1: prefix 0..2, doc 2: prefix 7..11
+
+    def change(pos):
+        changed = ids.clone()
+        changed[0, pos] = (ids[0, pos] + 1) % VOCAB
+        kwargs = dict(segment_ids=segments, position_ids=positions, prefix_len=ends)
+        return run(model, ids, **kwargs)[0], run(model, changed, **kwargs)[0]
+
+    a, b = change(10)  # in doc 2's prefix: doc 2 changes from its start, doc 1 not at all
+    assert torch.allclose(a[:7], b[:7], atol=1e-6) and not torch.allclose(a[7], b[7], atol=1e-4)
+    a, b = change(13)  # in doc 2's suffix: only positions >= 13 change
+    assert torch.allclose(a[:13], b[:13], atol=1e-6)
+    a, b = change(2)  # in doc 1's prefix: doc 1 changes from its start, doc 2 not at all
+    assert not torch.allclose(a[0], b[0], atol=1e-4) and torch.allclose(a[7:], b[7:], atol=1e-6)
+    alone = run(model, ids[:, 7:], prefix_len=torch.tensor([5]))[0]
+    packed = run(model, ids, segment_ids=segments, position_ids=positions, prefix_len=ends)[0]
+    assert torch.allclose(packed[7:], alone, atol=1e-5)
+
+
+def test_a_constant_per_query_prefix_equals_the_per_row_prefix():
+    model = model_for()
+    ids = tokens(2, 12)
+    per_row = run(model, ids, prefix_len=torch.tensor([4, 9]))
+    per_query = run(model, ids, prefix_len=torch.tensor([[4] * 12, [9] * 12]))
+    assert torch.equal(per_row, per_query)
+
+
 def packed_row(doc_lengths, total):
     segments, positions = [], []
     for i, n in enumerate(doc_lengths, start=1):
@@ -197,11 +229,15 @@ def random_masks(batch: int, length: int) -> dict[str, AttentionMask]:
         "prefix": self_attention_mask(True, prefix_len=torch.tensor([3, 11])[:batch]),
         "packed_causal": self_attention_mask(True, segments.expand(batch, -1)),
         "packed_bidirectional": self_attention_mask(False, segments.expand(batch, -1)),
+        "packed_prefix": self_attention_mask(
+            True, segments.expand(batch, -1), torch.tensor([[2] * 5 + [9] * 6 + [14] * 3 + [0] * (length - 14)]
+                                                            ).expand(batch, -1)),
     }
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "auto"])
-@pytest.mark.parametrize("mask_name", ["causal", "bidirectional", "prefix", "packed_causal", "packed_bidirectional"])
+@pytest.mark.parametrize("mask_name", ["causal", "bidirectional", "prefix", "packed_causal", "packed_bidirectional",
+                                       "packed_prefix"])
 def test_backends_agree_with_eager_reference(backend, mask_name):
     batch, heads, kv_heads, length, dim = 2, 4, 2, 16, 16
     gen = torch.Generator().manual_seed(0)

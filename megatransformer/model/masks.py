@@ -5,9 +5,13 @@ segments); each backend turns it into what it needs: nothing at all for plain ca
 a dense boolean mask, a FlexAttention block mask, or flash-attn's ``cu_seqlens``. The rule, for query
 position ``q`` and key position ``k`` of row ``b``::
 
-    order_ok   = not causal or k <= q or k < prefix_len[b]
+    order_ok   = not causal or k <= q or k < prefix_len[b]        (prefix_len [B]: one prefix per row)
+                                    or k < prefix_len[b, q]     (prefix_len [B, Tq]: per query)
     segment_ok = q_seg[b, q] == k_seg[b, k] or q_seg[b, q] == PAD_SEGMENT
     allowed    = order_ok and segment_ok
+
+Per-query prefix ends let packed rows hold several prefix-LM documents: ``prefix_len[b, q]`` is where the
+prefix of q's document ends (an index into the row), and the segment check keeps the documents apart.
 
 Padding queries may attend anywhere, so no row is ever fully masked (which would produce NaN); their
 outputs carry no loss. Real queries never see padding keys or other documents.
@@ -27,7 +31,7 @@ class AttentionMask:
     causal: bool
     q_segments: torch.Tensor | None = None  # [B, Tq]
     kv_segments: torch.Tensor | None = None  # [B, Tk]
-    prefix_len: torch.Tensor | None = None  # [B]
+    prefix_len: torch.Tensor | None = None  # [B] or [B, Tq], see the module docstring
     q_offset: int = 0  # absolute position of the first query (decoding with a KV cache)
 
     @property
@@ -50,13 +54,19 @@ class AttentionMask:
         if self.causal:
             order = k <= q
             if self.prefix_len is not None:
-                order = order | (k < self.prefix_len.view(-1, 1, 1))
+                order = order | (k < self.prefix_ends(q_len, q_start, q_end).unsqueeze(-1))
             allowed = allowed & order
         if self.q_segments is not None:
             q_seg = self.q_segments[:, -q_len:][:, q_start:q_end].unsqueeze(2)
             k_seg = self.kv_segments[:, :kv_len].unsqueeze(1)
             allowed = allowed & ((q_seg == k_seg) | (q_seg == PAD_SEGMENT))
         return allowed.unsqueeze(1)
+
+    def prefix_ends(self, q_len: int, q_start: int = 0, q_end: int | None = None) -> torch.Tensor:
+        """Where the bidirectional prefix ends for query rows q_start:q_end: [B, rows] or [B, 1]."""
+        if self.prefix_len.dim() == 1:
+            return self.prefix_len.view(-1, 1)
+        return self.prefix_len[:, -q_len:][:, q_start:q_end]
 
     def mask_mod(self):
         """The same rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``."""
@@ -67,7 +77,7 @@ class AttentionMask:
             q_pos = q_idx + offset
             allowed = (kv_idx <= q_pos) if causal else (kv_idx >= 0)
             if causal and prefix_len is not None:
-                allowed = allowed | (kv_idx < prefix_len[b])
+                allowed = allowed | (kv_idx < (prefix_len[b] if prefix_len.dim() == 1 else prefix_len[b, q_idx]))
             if q_segments is not None:
                 q_seg = q_segments[b, q_idx]
                 allowed = allowed & ((q_seg == kv_segments[b, kv_idx]) | (q_seg == PAD_SEGMENT))
