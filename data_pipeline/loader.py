@@ -280,7 +280,8 @@ class WindowStream:
                     take = min(need, len(t) - s)
                     chunks.append(t[s:s + take])
                     segments.append(np.full(take, k + 1, dtype=np.int64))
-                    prompts.append(np.arange(s, s + take) < p)
+                    if marks_prompts:
+                        prompts.append(np.arange(s, s + take) < p)
                     need -= take
                     if need == 0:
                         break

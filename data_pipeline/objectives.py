@@ -206,8 +206,8 @@ class PrefixLM(Objective):
 
 def prompt_ends(segments: np.ndarray, prompt: np.ndarray) -> np.ndarray:
     """For every token, the row index where its document's prompt ends (prompts lead their documents)."""
-    starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
-    piece = np.cumsum(np.r_[True, segments[1:] != segments[:-1]]) - 1
+    is_start = np.r_[True, segments[1:] != segments[:-1]]
+    starts, piece = np.flatnonzero(is_start), np.cumsum(is_start) - 1
     return (starts + np.add.reduceat(prompt.astype(np.int64), starts))[piece]
 
 
