@@ -71,7 +71,7 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
 
     from data_pipeline.loader import build_loader
     from megatransformer.batch import IGNORE_INDEX
-    from megatransformer.training.loop import token_loss_sum
+    from megatransformer.training.engine import token_loss_sum
 
     loader = build_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
     loss_sum, tokens, sequences, pending = 0.0, 0, 0, []

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ import torch.distributed as dist
 import yaml
 
 from megatransformer.config import ConfigError, ModelConfig, RunConfig, dump_config, validate
-from megatransformer.model.tp_plan import TP_PLAN
+from megatransformer.model.tp_plan import partition_dim
 
 COMPLETE = "COMPLETE"
 WEIGHTS = "model.safetensors"
@@ -156,23 +155,13 @@ def full_state_dict(engine, cfg: RunConfig) -> dict[str, torch.Tensor] | None:
             full = safe_get_full_fp32_param(tensor) if isinstance(tensor, torch.nn.Parameter) else None
             full = masters.get(id(tensor), tensor) if full is None else full
             full = full.detach().float()
-            dim = _partition_dim(name) if tp > 1 else None
+            dim = partition_dim(name) if tp > 1 else None
             if dim is not None:
                 full = _gather_shards(full, dim, tp)
             done[id(tensor)] = full.cpu().clone() if is_main else None
         if is_main:  # (safetensors stores no two names for one storage)
             state[name] = done[id(tensor)].clone() if tied else done[id(tensor)]
     return state if is_main else None
-
-
-def _partition_dim(name: str) -> int | None:
-    weight = re.sub(r"\.bias$", ".weight", name)
-    for pattern, kind in TP_PLAN.items():
-        if re.match(pattern, weight):
-            if name.endswith(".bias"):
-                return 0 if kind == "column" else None
-            return 0 if kind == "column" else 1
-    return None
 
 
 def _fp16_optimizer_masters(optimizer) -> dict[int, torch.Tensor]:
