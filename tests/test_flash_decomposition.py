@@ -170,7 +170,7 @@ def test_host_masks_carry_varlen_problems_and_chunk_bounds():
     lazy = AttentionMask(True, PACKED, PACKED, prefix)
     for built, computed in zip(mask.varlen, lazy.varlen_problems(B, T, T), strict=True):
         assert torch.equal(built.cu_q, computed.cu_q) and torch.equal(built.q_index, computed.q_index)
-    assert mask.key_bounds.tolist() == prefix.amax(0).tolist()
+    assert mask.key_bounds.tolist() == prefix.amax(0).tolist()  # (host NumPy: no device read)
     assert mask.key_end(T, 0, 4, T) == max(4, int(prefix[:, :4].max()))
 
 

@@ -118,9 +118,8 @@ def test_deepspeed_config_from_run_config():
     params = ds["optimizer"]["params"]  # offloaded: DeepSpeedCPUAdam (no torch_adam) steps on the host
     assert ds["optimizer"]["type"] == "Adam" and params["adam_w_mode"] is False and "torch_adam" not in params
     assert params["betas"] == [0.9, 0.98] and params["eps"] == 1e-9
-    on_device = deepspeed_config(run_config(), BatchSizes(4, 1, 1), "cuda:0")["optimizer"]["params"]
-    assert on_device["torch_adam"] is True and on_device["fused"] is True  # one fused AdamW kernel on CUDA
-    assert "fused" not in deepspeed_config(run_config(), BatchSizes(4, 1, 1), "cpu")["optimizer"]["params"]
+    on_device = deepspeed_config(run_config(), BatchSizes(4, 1, 1), "cpu")["optimizer"]["params"]
+    assert on_device["torch_adam"] is True and on_device["fused"] is True  # one fused AdamW kernel
     tp = ds["tensor_parallel"]
     assert tp["autotp_size"] == 2 and not tp["partition_config"]["use_default_specs"]
     patterns = {p: spec["partition_type"] for spec in tp["partition_config"]["layer_specs"] for p in spec["patterns"]}

@@ -67,8 +67,8 @@ class AttentionMask:
     q_offset: int = 0  # absolute position of the first query (decoding with a KV cache)
     varlen: tuple[VarlenProblem, ...] | None = field(default=None, compare=False)
     """flash-attn's problems for this mask, built on the host by :func:`batch_masks` (else on first use)."""
-    key_bounds: torch.Tensor | None = field(default=None, compare=False)
-    """CPU int64 [Tq] (or [1]): for causal masks with a prefix, where the prefix of any row ends at that query
+    key_bounds: np.ndarray | None = field(default=None, compare=False)
+    """Host array [Tq] (or [1]): for causal masks with a prefix, where the prefix of any row ends at that query
     position, so the chunked core skips the keys past it without asking the device."""
 
     @property
@@ -125,9 +125,9 @@ class AttentionMask:
         return min(end, kv_len)
 
     @functools.cached_property
-    def _host_key_bounds(self) -> torch.Tensor:
+    def _host_key_bounds(self) -> np.ndarray:
         """``key_bounds``, or computed from the prefix (reading it from the device once per mask)."""
-        return self.key_bounds if self.key_bounds is not None else _key_bounds(self.prefix_len.cpu())
+        return self.key_bounds if self.key_bounds is not None else _key_bounds(self.prefix_len)
 
     def varlen_problems(self, batch: int, q_len: int, kv_len: int) -> tuple[VarlenProblem, ...]:
         """flash-attn's problems: those built with the batch, else computed now (reads the masks' values)."""
@@ -240,9 +240,10 @@ def _host_self_mask(causal: bool, segments: torch.Tensor | None, prefix_len: tor
     )
 
 
-def _key_bounds(prefix_len: torch.Tensor) -> torch.Tensor:
-    """Per query position, the largest prefix end over the batch: host int64 [T] ([1] for [B] prefixes)."""
-    return prefix_len.view(-1, 1).amax(dim=0) if prefix_len.dim() == 1 else prefix_len.amax(dim=0)
+def _key_bounds(prefix_len: torch.Tensor) -> np.ndarray:
+    """Per query position, the largest prefix end over the batch: host [T] ([1] for [B] prefixes)."""
+    ends = _numpy(prefix_len)
+    return ends.reshape(-1, 1).max(axis=0) if ends.ndim == 1 else ends.max(axis=0)
 
 
 def varlen_problems(causal: bool, segments: np.ndarray | None, prefix_len: np.ndarray | None,

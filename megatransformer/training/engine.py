@@ -44,9 +44,10 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str) -> dict[str
         # DeepSpeedCPUAdam (AVX, JIT-built once): the optimizer step runs on the host, next to the states
         optimizer = {"type": "AdamW" if o.name == "adamw" else "Adam", "params": adam}
     else:
-        # PyTorch's AdamW (no JIT-built op anywhere); fused into one kernel per step on CUDA
+        # PyTorch's fused AdamW (CUDA and CPU kernels; no JIT-built op): one kernel per step, and no read of
+        # the step count per parameter as its unfused implementations do
         optimizer = {"type": "AdamW" if o.name == "adamw" else "Adam",
-                     "params": {**adam, "torch_adam": True, **({"fused": True} if cuda else {})}}
+                     "params": {**adam, "torch_adam": True, "fused": True}}
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": sizes.micro,
         "gradient_accumulation_steps": sizes.accum,
