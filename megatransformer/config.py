@@ -235,7 +235,8 @@ class TrainConfig(Section):
     max_bad_steps: int = 5
     """Consecutive non-finite losses after which the run checkpoints and stops."""
     peak_tflops: float | None = None
-    """Per-device peak TFLOP/s for the MFU estimate (default: 989 for H100 bf16, measured matmul peak on CPU)."""
+    """Per-device peak TFLOP/s for the MFU estimate (default: the GPU's dense peak from
+    training.metrics.GPU_PEAK_TFLOPS, e.g. 989 for H100 SXM bf16; else a measured matmul peak)."""
     sample_prompt: str | None = None
     """Text to continue with a short generated sample at the end of training (decoder models)."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PROBE = Path(__file__).with_name("step_probe_main.py")
+PROBE = Path(__file__).parents[1] / "bench" / "step_probe.py"
 SMALL = {"layers": 1, "accum": 1}
 LARGE = {"layers": 3, "accum": 3}
 CASES = [
@@ -52,3 +52,10 @@ def test_host_syncs_per_step_do_not_grow_with_layers_or_micro_batches(probes):
 def test_collectives_run_on_the_runs_device(probes):
     for probe in probes:
         assert probe["collectives"] >= 2 and probe["collective_devices"] == ["cpu"], probe
+
+
+def test_gpu_check_refuses_a_machine_without_cuda_in_one_line():
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "gpu_check.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "no CUDA device" in done.stderr

@@ -278,3 +278,19 @@ def test_validation_batches_are_dealt_to_data_parallel_ranks(n, dp, expected):
     schedules = [eval_schedule(n, dp, rank) for rank in range(dp)]
     assert schedules == expected
     assert sorted(i for s in schedules for i in s if i is not None) == list(range(n))
+
+
+# ------------------------------------------------------------------------------------------------- MFU
+
+
+@pytest.mark.parametrize("name,dtype,peak", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0), ("NVIDIA H100 PCIe", torch.bfloat16, 756.0),
+    ("NVIDIA H100 NVL", torch.float16, 835.0), ("NVIDIA H200", torch.bfloat16, 989.0),
+    ("NVIDIA GH200 480GB", torch.bfloat16, 989.0), ("NVIDIA A100-SXM4-40GB", torch.bfloat16, 312.0),
+    ("NVIDIA A100 80GB PCIe", torch.float32, 156.0), ("NVIDIA B200", torch.bfloat16, 2250.0),
+    ("NVIDIA GeForce RTX 4090", torch.bfloat16, None),
+])
+def test_gpu_peaks_by_device_name(name, dtype, peak):
+    from megatransformer.training.metrics import gpu_peak_tflops
+
+    assert gpu_peak_tflops(name, dtype) == peak

@@ -103,7 +103,8 @@ class Trainer:
                             "lr": result.lr, "grad_norm": self.module.last_grad_norm(),
                             "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
                             "mfu": window_real / seconds * flops / peak, "bad_steps": self.state.bad_steps,
-                            "skipped_shards": len(self.train_loader.skipped_shards)})
+                            "skipped_shards": len(self.train_loader.skipped_shards),
+                            **device_memory(self.dist.device)})
                 window_start, window_tokens, window_real = time.perf_counter(), 0, 0
             if not result.finite:
                 report.message(f"step {self.state.step}: non-finite loss or gradients, update skipped "
@@ -137,6 +138,13 @@ class Trainer:
         reads the same batches; the train module deals them across data-parallel ranks)."""
         return self.module.evaluate([batch for _, batch in zip(range(self.cfg.train.eval_batches),
                                                               self.valid_loader)])
+
+
+def device_memory(device: str) -> dict[str, float]:
+    """Peak memory of this process on a GPU so far (the allocator's count: no wait for the device)."""
+    if not device.startswith("cuda"):
+        return {}
+    return {"max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
 def print_sample(cfg: RunConfig, weights_dir: Path, tokenizer, max_new_tokens: int = 40) -> None:

@@ -13,16 +13,33 @@ import torch
 
 from megatransformer.config import RunConfig
 
-H100_BF16_TFLOPS = 989.0
+# Dense (no sparsity) bf16 = fp16 tensor-core peaks per GPU, TFLOP/s, from NVIDIA's datasheets. The first
+# name contained in torch.cuda.get_device_name() wins, so the more specific names come first. fp32 runs are
+# measured against TF32, half of these.
+GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),  # H100 SXM
+    ("H200 NVL", 835.0), ("H200", 989.0), ("B200", 2250.0), ("A100", 312.0),  # A100 40/80 GB, SXM and PCIe
+)
+
+
+def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
+    """A known GPU's dense peak for ``dtype`` (bf16/fp16; fp32 as TF32), or None for a GPU not in the table."""
+    for name, peak in GPU_PEAK_TFLOPS:
+        if name in device_name:
+            return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
+    return None
 
 
 def peak_tflops(cfg: RunConfig, device: str) -> float:
     """Per-device peak for the MFU estimate: train.peak_tflops, else a known GPU, else a measured matmul peak."""
     if cfg.train.peak_tflops:
         return cfg.train.peak_tflops
-    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    if device.startswith("cuda") and "H100" in torch.cuda.get_device_name():
-        return H100_BF16_TFLOPS if dtype == torch.bfloat16 else H100_BF16_TFLOPS / 2
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
+    if device.startswith("cuda"):
+        known = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
+        if known is not None:
+            return known
+    dtype = torch.float32 if dtype == torch.float16 and not device.startswith("cuda") else dtype
     a = torch.randn(1024, 1024, device=device, dtype=dtype)
     a @ a
     started, n = time.perf_counter(), 0

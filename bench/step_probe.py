@@ -1,6 +1,6 @@
 """Runs engine.TrainModule steps in this process under megatransformer.training.probes and prints JSON.
 
-``python tests/step_probe_main.py '[{"layers": 1, "accum": 1, "zero": 0, "objective": "prefix_lm"}, ...]'``:
+``python bench/step_probe.py '[{"layers": 1, "accum": 1, "zero": 0, "objective": "prefix_lm"}, ...]'``:
 one line per case. A separate process because DeepSpeed's process group is global state.
 """
 
