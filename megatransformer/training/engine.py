@@ -106,6 +106,10 @@ class TrainModule:
         self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank
         self.dp_size = dist_info.world_size // tp
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
+        if self.dp_size == 1 and cfg.parallel.zero_stage == 0:
+            # one data-parallel rank: DeepSpeed's all-reduce over it would only copy every gradient into a
+            # flat buffer and back (tensor-parallel peers' replicated gradients are equal already)
+            self.engine.enable_backward_allreduce = False
         # flash-attn's varlen metadata is built only where flash-attn may run
         self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
         self.grad_norm: torch.Tensor | None = None  # ZeRO-0: this step's, on the device
