@@ -35,10 +35,10 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
 
     from megatransformer.training.metrics import read_metrics
 
+    metrics = [(run_dir, read_metrics(run_dir)) for run_dir in runs]  # a directory that is no run fails first
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     loss_ax, lr_ax, speed_ax, mfu_ax = axes.flat
-    for run_dir in runs:
-        records = read_metrics(run_dir)
+    for run_dir, records in metrics:
         name = Path(run_dir).resolve().name
         train = [r for r in records if "loss" in r]
         valid = [r for r in records if "val_loss" in r]
