@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatransformer.config import RunConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,7 +66,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     return code
 
 
-def print_summary(cfg, code: int, wall_seconds: float) -> None:
+def print_summary(cfg: RunConfig, code: int, wall_seconds: float) -> None:
     """The run's closing summary, after drawing its curves next to metrics.jsonl."""
     from pathlib import Path
 
