@@ -379,13 +379,42 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+def shipped_configs() -> dict[str, Path]:
+    """The configs that ship with megatransformer, by name (``quickstart``, ``llama-style``, ...).
+
+    The repository's top-level ``configs/`` directory is installed as the package ``megatransformer.configs``
+    (pyproject.toml maps it), so an installed copy finds them with importlib.resources; a source checkout
+    (plain or editable) reads the same directory beside the package.
+    """
+    from importlib.resources import files
+
+    package = Path(str(files("megatransformer")))
+    directory = package / "configs"
+    if not directory.is_dir():
+        directory = package.parent / "configs"
+    return {p.stem: p for p in sorted(directory.glob("*.yaml"))}
+
+
+def resolve_config(path: str | Path) -> Path:
+    """A config file: an existing path as given, else a shipped config named ``path`` (``llama-style`` or
+    ``llama-style.yaml``)."""
+    given = Path(path)
+    if given.exists() and not given.is_dir():
+        return given
+    shipped = shipped_configs()
+    name = given.name[:-len(".yaml")] if given.name.endswith(".yaml") else given.name
+    if given.parent == Path(".") and name in shipped:
+        return shipped[name]
+    raise ConfigError(f"config file {path} does not exist; give a YAML path or the name of a shipped config "
+                      f"({', '.join(shipped)})")
+
+
 def load_config(path: str | Path | None, overrides: list[str] = (), schema: type[Section] = RunConfig):
-    """Read a YAML run description, apply overrides and validate it into ``schema``."""
+    """Read a YAML run description (a path or a shipped config's name), apply overrides and validate it
+    into ``schema``."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.exists() or path.is_dir():
-            raise ConfigError(f"config file {path} does not exist")
+        path = resolve_config(path)
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:

@@ -16,14 +16,16 @@ from pathlib import Path
 def register(subparsers: argparse._SubParsersAction) -> None:
     from data_pipeline.cli import add_instruction_arguments
 
-    p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on held-out data")
+    p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on held-out data",
+                              description="Token-level loss and perplexity of a checkpoint on shards or text files; "
+                                          "key.path=value overrides (e.g. data.seq_len=256) may follow the options.")
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--data", required=True, nargs="+",
                    help="a shard directory (its validation split, or --split) or .txt/.jsonl files")
-    p.add_argument("--split", choices=["train", "valid"], default="valid")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--split", choices=["train", "valid"], default="valid", help="which split of a shard directory")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (does not change the numbers)")
+    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all data)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_instruction_arguments(p)
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. data.seq_len=256")
     p.set_defaults(func=run)

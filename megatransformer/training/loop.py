@@ -20,7 +20,7 @@ from megatransformer.model.attention import describe_backend
 from megatransformer.training import checkpoint as ckpt
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
-from megatransformer.training.metrics import Reporter, peak_tflops
+from megatransformer.training.metrics import Reporter, format_sample, peak_tflops
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
@@ -157,5 +157,5 @@ def print_sample(cfg: RunConfig, weights_dir: Path, tokenizer, max_new_tokens: i
     model = load_for_inference(weights_dir).model
     prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)])
     new = generate(model, prompt, max_new_tokens, temperature=0.0, eos_id=tokenizer.eos_id)
-    print(f"sample: {cfg.train.sample_prompt}{tokenizer.decode(new[0].tolist(), skip_special=True)}")
+    print(format_sample(cfg.train.sample_prompt, tokenizer.decode(new[0].tolist(), skip_special=True)))
     sys.stdout.flush()
