@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megatransformer.config import RunConfig
+from megatransformer.config import ConfigError, RunConfig
 
 H100_BF16_TFLOPS = 989.0
 
@@ -35,11 +35,28 @@ def peak_tflops(cfg: RunConfig, device: str) -> float:
 
 
 def truncate_metrics(path: Path, after_step: int) -> None:
-    """On resume, drop lines of steps after the checkpoint: they are re-run and logged again."""
+    """On resume, drop lines of steps after the checkpoint: they are re-run and logged again.
+
+    A last line that is not JSON is a write the previous run did not finish (killed mid-line): dropped with
+    a warning. A bad line anywhere else is not from an interrupted write: an error naming the line."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= after_step]
+    lines = path.read_text(errors="replace").splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                print(f"warning: {path}: the last line ({line[:40]!r}...) is cut short (an interrupted write); "
+                      "dropped", file=sys.stderr, flush=True)
+                continue
+            raise ConfigError(f"{path} line {number} is not JSON ({line[:40]!r}); remove or fix that line "
+                              "to resume") from None
+        if record.get("step", 0) <= after_step:
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
 
