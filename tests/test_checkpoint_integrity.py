@@ -91,10 +91,10 @@ def test_a_damaged_file_falls_back_or_is_named(run, capsys, name, damage):
 
     assert ckpt.resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and NEW in warnings[0] and f": {name}: " in warnings[0], warnings
+    assert len(warnings) == 1 and f"{NEW}: {name}: " in warnings[0], warnings
     assert "skipped, resuming from step_000002" in warnings[0]
 
-    with pytest.raises(ConfigError, match=f"{NEW} is damaged: {name.replace('.', '[.]')}: ") as err:
+    with pytest.raises(ConfigError, match=f"{NEW}: {name.replace('.', '[.]')}: ") as err:
         ckpt.resolve_resume(resume_cfg(run, str(run / "checkpoints" / NEW)))
     assert "\n" not in str(err.value)
 
@@ -107,7 +107,7 @@ def test_a_damaged_manifest_or_an_unlisted_file_falls_back(run, capsys):
 
     (newest / ckpt.COMPLETE).write_bytes(b'{"format": 1, "files": {"config.yaml": {"si')  # cut short
     assert ckpt.resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
-    assert f"{NEW} is damaged: COMPLETE: not a readable manifest" in capsys.readouterr().err
+    assert f"{NEW}: COMPLETE: not a readable manifest" in capsys.readouterr().err
 
 
 def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(run):
@@ -141,7 +141,7 @@ def test_weights_readers_verify_what_they_read(run):
     cfg, weights = ckpt.load_weights(run / "checkpoints")
     assert cfg.model.d_model == 32 and "embed_tokens.weight" in weights
     flip(newest / "model.safetensors")
-    with pytest.raises(ckpt.CheckpointDamaged, match="model.safetensors: its sha256 differs"):
+    with pytest.raises(ckpt.CheckpointDamaged, match="model.safetensors: changed since the save"):
         ckpt.load_weights(newest)
     result = subprocess.run([sys.executable, "-m", "megatransformer.cli", "export", "--checkpoint", str(run),
                              "--out", str(run / "exported")], capture_output=True, text=True, env=ENV, timeout=300)
@@ -177,7 +177,7 @@ def test_resume_auto_skips_damaged_newest_and_continues_exactly(tiny_data, train
     assert result.returncode == 0, result.stderr[-4000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2, warnings
-    assert "mp_rank_00_model_states.pt: its sha256 differs" in warnings[0]
+    assert "mp_rank_00_model_states.pt: changed since the save" in warnings[0]
     assert "metrics.jsonl: the last line" in warnings[1]
     assert f"resumed from {run / 'checkpoints' / OLD} at step 2" in result.stdout
     assert losses(run) == losses(trained)
@@ -232,6 +232,23 @@ def test_a_pickle_payload_never_runs_and_the_file_is_named(tiny_data, run, tmp_p
     errors = [line for line in result.stderr.splitlines() if line.startswith("megatransformer train: error:")]
     assert len(errors) == 1 and f"{name}: holds Python objects beyond tensors" in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_deepspeeds_loads_go_through_weights_only(run, tmp_path):
+    """The checkpoint engine the trainer gives DeepSpeed before a resume: the states load as before, a
+    payload is refused by the load itself (behind the pre-load scan the test above meets first)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    engine = ckpt._safe_checkpoint_engine(None)
+    assert isinstance(engine, TorchCheckpointEngine)
+    optim = run / "checkpoints" / NEW / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    loaded = engine.load(str(optim), map_location="cpu")
+    assert loaded["ds_version"] == torch.load(optim, weights_only=False)["ds_version"]
+    marker = tmp_path / "payload-ran"
+    plant(optim, marker)
+    with pytest.raises(ckpt.CheckpointUnsafe, match="zero_pp_rank_0_mp_rank_00_optim_states.pt: holds Python"):
+        engine.load(str(optim), map_location="cpu")
+    assert not marker.exists()
 
 
 def test_safe_load_names_an_unreadable_file(run):

@@ -29,9 +29,11 @@ Trust (what a checkpoint read from disk can and cannot do):
   A COMPLETE without a manifest (checkpoints of earlier versions) is accepted with a warning that its
   files are not verified.
 - No code: every ``.pt`` file (DeepSpeed's model and optimizer states and our per-rank states) is read with
-  ``torch.load(weights_only=True)``; DeepSpeed's own loads go through :class:`SafeCheckpointEngine`, which
-  allows just the few DeepSpeed classes its states hold (:data:`DEEPSPEED_SAFE_GLOBALS`). A file that needs
-  any other Python object is refused with its name (exit 2), also with a matching manifest.
+  ``torch.load(weights_only=True)`` (:func:`safe_load`), DeepSpeed's own loads too: the engine's pluggable
+  ``checkpoint_engine`` is replaced, before a resume, by a subclass of its torch engine that loads this way.
+  Only the few DeepSpeed classes its states hold are allowed (:func:`_deepspeed_safe_globals`). A file that
+  needs any other Python object is refused with its name (exit 2), also when the manifest matches it, and
+  also under ``resume=auto`` (a planted file is not accidental damage to step around).
 - A `latest` pointer that is unreadable or names no complete checkpoint is ignored (with a warning when
   resuming): the newest complete checkpoint is found by scanning the step directories.
 - Files are written with the process umask (0644 by default), so others on a shared file system can read
@@ -94,11 +96,20 @@ def checkpoint_root(cfg: RunConfig) -> Path:
 
 
 class CheckpointDamaged(ConfigError):
-    """A file of a checkpoint is missing, cut short, changed since the save, or not loadable safely."""
+    """A file of a checkpoint is missing, cut short, changed since the save, or unreadable."""
 
     def __init__(self, checkpoint: Path, file: str, reason: str) -> None:
         self.checkpoint, self.file, self.reason = checkpoint, file, reason
-        super().__init__(f"checkpoint {checkpoint} is damaged: {file}: {reason}")
+        super().__init__(f"checkpoint {checkpoint}: {file}: {reason}")
+
+
+class CheckpointUnsafe(CheckpointDamaged):
+    """A state file that needs Python objects beyond tensors and plain data to load: refused, never skipped
+    (a planted file is not accidental damage to step around)."""
+
+    def __init__(self, file: Path, detail: str) -> None:
+        super().__init__(file.parent, file.name, f"holds Python objects beyond tensors and plain data ({detail}); "
+                                                 "refused, since loading it could run code")
 
 
 def warn(message: str) -> None:
@@ -163,15 +174,17 @@ def newest_intact(root: Path) -> Path | None:
     for path in candidates:
         try:
             verify_checkpoint(path)
+        except CheckpointUnsafe:
+            raise
         except CheckpointDamaged as err:
             damaged.append(err)
             continue
         for err in damaged:
-            warn(f"{err}; skipped, resuming from {path.name}")
+            warn(f"{err}: skipped, resuming from {path.name}")
         return path
     if damaged:
-        raise ConfigError(f"resume=auto: every complete checkpoint in {root} is damaged (newest: {damaged[0]}); "
-                          "restore one, or start a new run_dir")
+        raise ConfigError(f"resume=auto: every complete checkpoint in {root} is damaged (the newest: "
+                          f"{damaged[0]}); restore one, or start a new run_dir")
     return None
 
 
@@ -201,25 +214,30 @@ def _resolve_resume(cfg: RunConfig) -> Path | None:
     try:
         verify_checkpoint(path)
     except CheckpointDamaged as err:
-        raise ConfigError(f"resume={cfg.resume}: {err}; resume from another checkpoint (resume=auto skips "
-                          "damaged ones)") from None
+        hint = "" if isinstance(err, CheckpointUnsafe) else ("; resume from another checkpoint (resume=auto "
+                                                             "skips damaged ones)")
+        raise ConfigError(f"resume={cfg.resume}: {err}{hint}") from None
     return path
 
 
 def _on_first_rank(compute: Callable[[], Any]) -> Any:
-    """``compute()`` on rank 0, its result (or its ConfigError, raised again) on every rank."""
+    """``compute()`` on rank 0, its result on every rank; should it fail, rank 0 raises its error and the
+    others a ConfigError with the same message (none is left waiting)."""
     if not (dist.is_available() and dist.is_initialized()):
         return compute()
-    box: list[Any] = [None]
+    box: list[Any] = [(None, None)]
+    failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
-            box[0] = ("ok", compute())
-        except ConfigError as err:
-            box[0] = ("error", str(err))
+            box[0] = (compute(), None)
+        except Exception as err:
+            failure, box[0] = err, (None, str(err))
     dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "error":
-        raise ConfigError(value)
+    if failure is not None:
+        raise failure
+    value, error = box[0]
+    if error is not None:
+        raise ConfigError(error)
     return value
 
 
@@ -277,26 +295,39 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]] | None:
 
 def verify_checkpoint(path: Path, only: Sequence[str] | None = None) -> None:
     """Raise :class:`CheckpointDamaged` naming the first file that is missing, has another size or sha256
-    than the manifest lists, or (checking the whole checkpoint) is not listed at all. ``only``: check just
-    these files, where the manifest lists them (init_from, eval, export read no more). Local: no collective."""
+    than the manifest lists, or (checking the whole checkpoint) is not listed at all; then
+    :class:`CheckpointUnsafe` for a state file whose pickle names a class or function that
+    weights_only loading does not allow (every rank learns it here, before any of them loads a file).
+    ``only``: check just these files, where the manifest lists them (init_from, eval, export read no more).
+    Local: no collective."""
     files = read_manifest(path)
     if files is None:
         warn(f"checkpoint {path} has no manifest (written by an earlier version): its files are not verified")
-        return
+        files = {name: {} for name in _checkpoint_files(path)}
+    else:
+        _check_files(path, files, only)
+    for name in files:
+        if name.endswith(".pt") and (only is None or name in only):
+            _refuse_unsafe_pickle(path / name)
+
+
+def _check_files(path: Path, files: dict[str, dict[str, Any]], only: Sequence[str] | None) -> None:
+    """The manifest's part of :func:`verify_checkpoint`."""
     names = [n for n in files if only is None or n in only]
-    if only is None:
-        for extra in sorted(set(_checkpoint_files(path)) - set(files)):
-            raise CheckpointDamaged(path, extra, "a file the manifest does not list")
+    unlisted = sorted(set(_checkpoint_files(path)) - set(files)) if only is None else []
+    if unlisted:
+        raise CheckpointDamaged(path, unlisted[0], "a file the manifest does not list (not from this save)")
     for name in names:  # the cheap checks first: a missing or cut-short file needs no hashing
         file = path / name
         if not file.is_file():
             raise CheckpointDamaged(path, name, "missing")
         size = file.stat().st_size
         if size != files[name]["size"]:
-            raise CheckpointDamaged(path, name, f"{size} bytes, the manifest says {files[name]['size']}")
+            raise CheckpointDamaged(path, name, f"cut short or grown: {size} bytes, the manifest says "
+                                                f"{files[name]['size']}")
     for name in names:
         if file_entry(path / name)["sha256"] != files[name]["sha256"]:
-            raise CheckpointDamaged(path, name, "its sha256 differs from the manifest's (the bytes changed)")
+            raise CheckpointDamaged(path, name, "changed since the save (its sha256 differs from the manifest's)")
 
 
 def saved_config(path: Path) -> RunConfig:
@@ -471,15 +502,29 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
 # ----------------------------------------------------------------------------------- loading
 
 
-# DeepSpeed 0.19's states hold, besides tensors and plain containers, these classes (found by loading the
-# states of ZeRO 0-3, bf16 and CPU-offload checkpoints with weights_only=True; the fp16 loss scaler read from
-# DeepSpeed's source). Unpickling them only sets their fields: no code of the file's choosing runs.
 def _deepspeed_safe_globals() -> list[type]:
+    """The classes DeepSpeed 0.19's states hold besides tensors and plain containers (found by loading the
+    states of ZeRO 0-3, bf16 and CPU-offload checkpoints with weights_only=True; the fp16 loss scaler read
+    from DeepSpeed's source). Unpickling them only builds an enum or sets a plain object's fields: no code of
+    the file's choosing runs. (Allowed for the duration of our loads only, not process-wide.)"""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _refuse_unsafe_pickle(file: Path) -> None:
+    """:class:`CheckpointUnsafe` when the pickle of ``file`` names a global weights_only loading refuses.
+    torch reads just the pickle, statically (milliseconds, no tensor data). A file it cannot scan is left to
+    :func:`safe_load`, which refuses the same and more (objects made while unpickling)."""
+    try:
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except Exception:  # (not a zip-format file, or unreadable: the load names it)
+        return
+    if unsafe:
+        raise CheckpointUnsafe(file, ", ".join(sorted(unsafe)[:3]))
 
 
 def safe_load(path: Path, map_location: Any = None) -> Any:
@@ -492,9 +537,7 @@ def safe_load(path: Path, map_location: Any = None) -> Any:
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported (?:global|operand)[^.\n]*", str(err))
-        detail = f" ({found.group(0)})" if found else ""
-        raise CheckpointDamaged(path.parent, path.name, "holds Python objects beyond tensors and plain data"
-                                f"{detail}; refused, since loading it could run code") from None
+        raise CheckpointUnsafe(path, found.group(0) if found else "refused by weights_only") from None
     except (RuntimeError, OSError, EOFError, ValueError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
         raise CheckpointDamaged(path.parent, path.name, f"unreadable ({reason[:200]})") from None
@@ -502,7 +545,9 @@ def safe_load(path: Path, map_location: Any = None) -> Any:
 
 def _safe_checkpoint_engine(config: Any):
     """DeepSpeed's torch checkpoint engine (saving unchanged) whose loads are :func:`safe_load`; DeepSpeed
-    reads every model and optimizer state file of a resume through ``engine.checkpoint_engine``."""
+    reads every model and optimizer state file of a resume through ``engine.checkpoint_engine``. (DeepSpeed
+    has no configuration key for an engine of one's own; the attribute is where it looks. The class is made
+    here so that importing this module does not import DeepSpeed.)"""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class SafeCheckpointEngine(TorchCheckpointEngine):
@@ -517,9 +562,9 @@ def _read_file(path: Path, name: str, parse: Callable[[str], Any]) -> Any:
     manifest is read unverified)."""
     try:
         return parse((path / name).read_text())
+    except ConfigError as err:  # (a config.yaml this version does not accept)
+        raise CheckpointDamaged(path, name, str(err)) from None
     except (OSError, UnicodeDecodeError, ValueError, TypeError, yaml.YAMLError) as err:
-        if isinstance(err, ConfigError):
-            raise
         raise CheckpointDamaged(path, name, f"unreadable ({err.__class__.__name__})") from None
 
 
@@ -541,7 +586,7 @@ def load_checkpoint(engine, cfg: RunConfig, path: Path,
             f"{(state.world_size, state.tensor_parallel, state.zero_stage)}, this run has {layout}; exact resume "
             "needs the same layout (start a new run from its weights with init_from= instead)")
     own = safe_load(path / f"rank_{dist.get_rank():05d}.pt")  # (before the engine: cheap, and checks the file)
-    engine.checkpoint_engine = _safe_checkpoint_engine(engine._config)
+    engine.checkpoint_engine = _safe_checkpoint_engine(engine._config)  # (its parsed DeepSpeed config)
     loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
                                        load_lr_scheduler_states=True)
     if loaded is None:
