@@ -251,6 +251,21 @@ def test_deepspeeds_loads_go_through_weights_only(run, tmp_path):
     assert not marker.exists()
 
 
+def test_deepspeeds_state_classes_are_allowed(tmp_path):
+    """The classes DeepSpeed's states hold load with weights_only, the fp16 loss scaler too (which only a
+    GPU run writes)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    scaler = DynamicLossScaler(init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    torch.save({"dynamic": scaler, "static": LossScaler(4.0), "stage": ZeroStageEnum.weights}, tmp_path / "s.pt")
+    ckpt._refuse_unsafe_pickle(tmp_path / "s.pt")
+    loaded = ckpt.safe_load(tmp_path / "s.pt")
+    assert vars(loaded["dynamic"]) == vars(scaler) and loaded["static"].cur_scale == 4.0
+    assert loaded["stage"] is ZeroStageEnum.weights
+
+
 def test_safe_load_names_an_unreadable_file(run):
     file = run / "checkpoints" / NEW / "rank_00000.pt"
     truncate(file)
