@@ -33,7 +33,9 @@ Trust (what a checkpoint read from disk can and cannot do):
   ``checkpoint_engine`` is replaced, before a resume, by a subclass of its torch engine that loads this way.
   Only the few DeepSpeed classes its states hold are allowed (:func:`_deepspeed_safe_globals`). A file that
   needs any other Python object is refused with its name (exit 2), also when the manifest matches it, and
-  also under ``resume=auto`` (a planted file is not accidental damage to step around).
+  also under ``resume=auto`` (a planted file is not accidental damage to step around): already by the
+  verification, on rank 0 before any engine load (torch's static scan of each pickle), so every rank stops
+  with the same message; the weights_only loads stay the guard.
 - A `latest` pointer that is unreadable or names no complete checkpoint is ignored (with a warning when
   resuming): the newest complete checkpoint is found by scanning the step directories.
 - Files are written with the process umask (0644 by default), so others on a shared file system can read
