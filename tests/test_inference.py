@@ -134,10 +134,13 @@ def test_generate_refuses_too_many_tokens_with_exit_2(pretrained):
 
 
 def test_export_of_a_non_llama_model_is_refused_by_name(pretrained, tmp_path):
+    from megatransformer.training.checkpoint import write_manifest
+
     ckpt = tmp_path / "ln"
     cli("export", "--checkpoint", str(pretrained["run"]), "--out", str(ckpt))  # consolidated safetensors
     config = ckpt / "config.yaml"
     config.write_text(config.read_text().replace("norm: rmsnorm", "norm: layernorm"))
+    write_manifest(ckpt)  # (the edit is ours: list the file as it is now, or the export refuses it as damaged)
     result = cli("export", "--checkpoint", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf"), check=False)
     assert result.returncode == 2 and "model.norm=layernorm" in result.stderr
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from megatransformer.config import RunConfig
+from megatransformer.config import ConfigError, RunConfig
 
 # Dense (no sparsity) bf16 = fp16 tensor-core peaks per GPU, TFLOP/s, from NVIDIA's datasheets. The first
 # name contained in torch.cuda.get_device_name() wins, so the more specific names come first. fp32 runs are
@@ -59,11 +59,28 @@ def peak_tflops(cfg: RunConfig, device: str) -> float:
 
 
 def truncate_metrics(path: Path, after_step: int) -> None:
-    """On resume, drop lines of steps after the checkpoint: they are re-run and logged again."""
+    """On resume, drop lines of steps after the checkpoint: they are re-run and logged again.
+
+    A last line that is not JSON is a write the previous run did not finish (killed mid-line): dropped with
+    a warning. A bad line anywhere else is not from an interrupted write: an error naming the line."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= after_step]
+    lines = path.read_text(errors="replace").splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                print(f"warning: {path}: the last line ({line[:40]!r}...) is cut short (an interrupted write); "
+                      "dropped", file=sys.stderr, flush=True)
+                continue
+            raise ConfigError(f"{path} line {number} is not JSON ({line[:40]!r}); remove or fix that line "
+                              "to resume") from None
+        if record.get("step", 0) <= after_step:
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
 
