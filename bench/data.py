@@ -53,7 +53,7 @@ def bench_sharding(files: list[str], tokenizer: Path, work: Path, cores: int) ->
 
 
 def bench_loading(shards: Path, tokenizer: Path, seq_len: int, micro: int, batches: int, cores: int) -> list[dict]:
-    from data_pipeline.loader import build_loader
+    from megatransformer.training.data import build_loader
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import validate
 

@@ -73,7 +73,7 @@ def test_transformers_loads_the_export_and_computes_the_same_logits(pretrained, 
 
 def test_transformers_perplexity_equals_megatransformer_eval(pretrained, exported):
     """One document per row (data.pack=false), so transformers sees the same rows with a padding mask."""
-    from data_pipeline.loader import build_loader
+    from megatransformer.training.data import build_loader
     from data_pipeline.shard import write_shards
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import load_config

@@ -69,7 +69,7 @@ def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str
 def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: int | None = None) -> dict:
     import torch
 
-    from data_pipeline.loader import build_loader
+    from megatransformer.training.data import build_loader
     from megatransformer.batch import IGNORE_INDEX
     from megatransformer.training.loop import token_loss_sum
 

@@ -70,7 +70,7 @@ class StepResult:
 class Trainer:
     def __init__(self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None,
                  preemption: Preemption | None = None) -> None:
-        from data_pipeline.loader import build_loader
+        from megatransformer.training.data import build_loader
 
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         self.e: Engine = build_engine(cfg, dist_info, init_state)

@@ -1,0 +1,152 @@
+"""Shard directories anywhere fsspec reaches: a local path, ``http(s)://``, ``s3://`` (s3fs), ``gs://`` (gcsfs).
+
+A remote shard is streamed, never written to disk: :class:`ShardStream` is a read-only file object that
+hashes the bytes as the tar parser pulls them and, at the end, compares the sha256 with the manifest's. A
+transient failure (connection reset, server gone, timeout, 5xx) reopens the file and continues at the byte
+where it broke (seeking where the filesystem can, else reading past what was already used), waiting 1, 2, 4,
+... times ``retry_wait`` seconds in between; after ``retries`` failed attempts in a row the shard is named in
+a :class:`~data_pipeline.DataError`. A missing file (404) is not transient and fails at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from data_pipeline import DataError
+
+REMOTE_SCHEMES = ("http://", "https://", "s3://", "gs://", "gcs://")
+HTTP_TIMEOUTS = {"sock_connect": 30.0, "sock_read": 60.0}  # seconds; a silent server is an error, not a hang
+
+
+def is_remote(location: str) -> bool:
+    return str(location).startswith(REMOTE_SCHEMES)
+
+
+def join(directory: str, name: str) -> str:
+    """``name`` inside the shard directory ``directory`` (a URL or a local path)."""
+    return f"{str(directory).rstrip('/')}/{name}"
+
+
+def filesystem(url: str):
+    """The fsspec filesystem of ``url`` (one per process and protocol; fsspec caches it, also across forks)."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    if protocol in ("http", "https"):
+        import aiohttp
+
+        return fsspec.filesystem(protocol, client_kwargs={"timeout": aiohttp.ClientTimeout(total=None,
+                                                                                          **HTTP_TIMEOUTS)})
+    try:
+        return fsspec.filesystem(protocol)
+    except ImportError as err:
+        extra = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}.get(protocol, protocol)
+        raise DataError(f"{url}: reading {protocol}:// needs {extra} (pip install {extra}): {err}") from None
+
+
+@dataclass
+class Retry:
+    """How often and how patiently a remote read is retried."""
+
+    retries: int = 5  # attempts after the first failure, then the file is named in the error
+    wait: float = 1.0  # seconds before the first retry; doubled each time
+
+    def pause(self, attempt: int) -> None:
+        time.sleep(self.wait * 2 ** attempt)
+
+
+def _transient(err: BaseException) -> bool:
+    """Worth retrying: network and server trouble, not a missing file or our own checks."""
+    return not isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, DataError))
+
+
+def read_bytes(url: str, retry: Retry) -> bytes:
+    """The whole (small) file at ``url``, e.g. a manifest; raises FileNotFoundError when there is none."""
+    for attempt in range(retry.retries + 1):
+        try:
+            with filesystem(url).open(url, "rb", **_stream_options(url)) as f:
+                return f.read()
+        except Exception as err:  # noqa: BLE001 - sorted by _transient
+            if not _transient(err) or attempt == retry.retries:
+                if not _transient(err):
+                    raise
+                raise DataError(f"could not read {url} after {retry.retries + 1} attempts "
+                                f"({type(err).__name__}: {err})") from None
+            retry.pause(attempt)
+    raise AssertionError("unreachable")
+
+
+def _stream_options(url: str) -> dict[str, Any]:
+    return {"block_size": 0} if url.startswith(("http://", "https://")) else {}  # http: one streamed GET
+
+
+class ShardStream:
+    """A shard at ``url`` as a read-only file object: retried, and checked against ``sha256`` at its end."""
+
+    def __init__(self, url: str, sha256: str, retry: Retry) -> None:
+        self.url, self.expected, self.retry = url, sha256, retry
+        self.digest = hashlib.sha256()
+        self.offset = 0  # bytes handed to the reader so far
+        self.file = None
+        self.done = False
+
+    def _open(self) -> None:
+        fs = filesystem(self.url)
+        self.file = fs.open(self.url, "rb", **_stream_options(self.url))
+        if self.offset:
+            if self.file.seekable():
+                self.file.seek(self.offset)
+            else:  # a streamed HTTP response: read past what was used before the failure
+                left = self.offset
+                while left:
+                    chunk = self.file.read(min(left, 1 << 20))
+                    if not chunk:
+                        raise ConnectionError(f"the file ended after {self.offset - left} bytes on reopening")
+                    left -= len(chunk)
+
+    def _close_file(self) -> None:
+        if self.file is not None:
+            try:
+                self.file.close()
+            except Exception:  # noqa: BLE001 - a broken connection may fail to close; it is dropped anyway
+                pass
+            self.file = None
+
+    def read(self, size: int = -1) -> bytes:
+        for attempt in range(self.retry.retries + 1):
+            try:
+                if self.file is None:
+                    self._open()
+                data = self.file.read(size)
+                break
+            except Exception as err:  # noqa: BLE001 - sorted by _transient
+                self._close_file()
+                if not _transient(err):
+                    raise
+                if attempt == self.retry.retries:
+                    raise DataError(f"shard {self.url} failed after {self.retry.retries + 1} attempts "
+                                    f"({type(err).__name__}: {err})") from None
+                self.retry.pause(attempt)
+        self.digest.update(data)
+        self.offset += len(data)
+        if not data and size != 0:
+            self._finish()
+        return data
+
+    def _finish(self) -> None:
+        self._close_file()
+        if not self.done and self.digest.hexdigest() != self.expected:
+            raise DataError(f"shard {self.url}: its sha256 differs from the manifest's (modified or truncated "
+                            "after writing)")
+        self.done = True
+
+    def verify_rest(self) -> None:
+        """Read to the end (the tar parser stops at the end-of-archive marker) and check the sha256."""
+        while self.read(1 << 20):
+            pass
+
+    def close(self) -> None:
+        self._close_file()
