@@ -728,13 +728,14 @@ class StreamingLoader:
         streams = {int(k): v for k, v in state["stream_states"].items()}
         if (state["dp_size"], state["dp_rank"]) == (spec.dp_size, spec.dp_rank):
             rows = state["rows"]
+            _check_counts(streams, spec.dp_rank, spec.dp_size, rows, spec.streams)
         elif state["dp_size"] == 1:  # the whole sequence: take this rank's share of it
             total = state["rows"]
             if total % spec.dp_size:
                 raise DataError(f"the data-loader state is at global row {total}, which {spec.dp_size} "
                                 "data-parallel ranks cannot split evenly; keep the global batch size a multiple "
                                 "of the data-parallel size")
-            _check_counts(streams, total, spec.streams)
+            _check_counts(streams, 0, 1, total, spec.streams)
             rows = total // spec.dp_size
             streams = {k: v for k, v in streams.items() if k % spec.dp_size == spec.dp_rank}
         else:
@@ -774,14 +775,18 @@ def _check_format(state: dict) -> None:
                         "init_from=")
 
 
-def _check_counts(streams: dict[int, dict], total: int, n_streams: int) -> None:
-    """After ``total`` global rows, stream k has made one sample per row g < total with g % S == k."""
-    for k in range(n_streams):
-        expected = max(0, -(-(total - k) // n_streams))
-        if streams.get(k, {"samples": 0})["samples"] != expected:
-            raise DataError(f"the data-loader state is inconsistent: stream {k} made "
-                            f"{streams.get(k, {'samples': 0})['samples']} samples, {expected} expected after "
-                            f"{total} global rows (states of ranks from different steps?)")
+def _check_counts(streams: dict[int, dict], rank: int, dp_size: int, rows: int, n_streams: int) -> None:
+    """After ``rows`` local rows of rank ``rank`` of ``dp_size`` (global rows rank + dp_size * i), every stream
+    has made one sample per such row that falls on it."""
+    period = n_streams // dp_size  # a rank's rows visit its streams in turn
+    for k in range(rank, n_streams, dp_size):
+        first = (k - rank) // dp_size  # the rank's first local row on stream k
+        expected = max(0, -(-(rows - first) // period))
+        made = streams.get(k, {"samples": 0})["samples"]
+        if made != expected:
+            raise DataError(f"the data-loader state is inconsistent: stream {k} made {made} samples, {expected} "
+                            f"expected after {rows} rows of rank {rank} of {dp_size} (states of ranks from "
+                            "different steps?)")
 
 
 def merge_states(states: list[dict]) -> dict:
