@@ -251,7 +251,8 @@ class ShardOpener:
                 with open(where, "rb") as f:
                     yield from _tar_samples(f, info, share, where)
         except (OSError, DataError, tarfile.TarError) as err:
-            message = f"corrupt shard {where}: {err}"
+            message = f"missing shard {where} (listed in the manifest)" if isinstance(err, FileNotFoundError) \
+                else f"corrupt shard {where}: {err}"
             if self.on_corrupt == "error":
                 raise DataError(message + " (set data.on_corrupt=skip to skip it)") from None
             warnings.warn(message + "; skipping it (data.on_corrupt=skip)", stacklevel=2)

@@ -59,8 +59,20 @@ class Retry:
 
 
 def _transient(err: BaseException) -> bool:
-    """Worth retrying: network and server trouble, not a missing file or our own checks."""
-    return not isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, DataError))
+    """Worth retrying: network and server trouble (refused connections, resets, timeouts, 5xx, 408, 429), not a
+    missing file, another 4xx or our own checks. (fsspec's http reports both a refused connection and a 404
+    as FileNotFoundError, caused by the client's error.)"""
+    status = getattr(err.__cause__, "status", None) or getattr(err, "status", None)
+    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+        return False
+    if isinstance(err, FileNotFoundError):
+        return err.__cause__ is not None
+    return not isinstance(err, (PermissionError, IsADirectoryError, DataError))
+
+
+def _describe(err: BaseException) -> str:
+    cause = err.__cause__ if isinstance(err, FileNotFoundError) and err.__cause__ is not None else err
+    return f"{type(cause).__name__}: {cause}"
 
 
 def read_bytes(url: str, retry: Retry) -> bytes:
@@ -73,14 +85,20 @@ def read_bytes(url: str, retry: Retry) -> bytes:
             if not _transient(err) or attempt == retry.retries:
                 if not _transient(err):
                     raise
-                raise DataError(f"could not read {url} after {retry.retries + 1} attempts "
-                                f"({type(err).__name__}: {err})") from None
+                raise DataError(f"could not read {url} after {retry.retries + 1} attempts ({_describe(err)})") \
+                    from None
             retry.pause(attempt)
     raise AssertionError("unreachable")
 
 
+def _streamed(url: str) -> bool:
+    """http(s) files are read as one streamed GET (no range requests: plain servers need not support them);
+    object stores' files are read in (seekable) blocks."""
+    return url.startswith(("http://", "https://"))
+
+
 def _stream_options(url: str) -> dict[str, Any]:
-    return {"block_size": 0} if url.startswith(("http://", "https://")) else {}  # http: one streamed GET
+    return {"block_size": 0} if _streamed(url) else {}
 
 
 class ShardStream:
@@ -97,9 +115,9 @@ class ShardStream:
         fs = filesystem(self.url)
         self.file = fs.open(self.url, "rb", **_stream_options(self.url))
         if self.offset:
-            if self.file.seekable():
+            if not _streamed(self.url):
                 self.file.seek(self.offset)
-            else:  # a streamed HTTP response: read past what was used before the failure
+            else:  # a streamed response: read past what was used before the failure
                 left = self.offset
                 while left:
                     chunk = self.file.read(min(left, 1 << 20))
@@ -128,7 +146,7 @@ class ShardStream:
                     raise
                 if attempt == self.retry.retries:
                     raise DataError(f"shard {self.url} failed after {self.retry.retries + 1} attempts "
-                                    f"({type(err).__name__}: {err})") from None
+                                    f"({_describe(err)})") from None
                 self.retry.pause(attempt)
         self.digest.update(data)
         self.offset += len(data)
