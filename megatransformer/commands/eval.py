@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     raw = apply_overrides(loaded.cfg.model_dump(mode="json"), args.overrides)
     with tempfile.TemporaryDirectory() as tmp:
         shards, split = _as_shards(args, loaded.tokenizer.path, Path(tmp))
-        raw["data"] = {**raw["data"], "train": shards, "valid": shards, "num_workers": 0}
+        # one stream: every document once, in order, however few there are
+        raw["data"] = {**raw["data"], "train": shards, "valid": shards, "num_workers": 0, "streams": 1}
         cfg = validate(raw)
         result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
     result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
