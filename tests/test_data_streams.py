@@ -67,7 +67,7 @@ def test_global_rows_do_not_depend_on_ranks_or_workers(tiny_data, tok, objective
             assert_same_rows(rows, reference)
 
 
-@pytest.mark.parametrize("before,after", [((2, 2), (1, 0)), ((1, 0), (4, 2)), ((4, 0), (2, 2))])
+@pytest.mark.parametrize("before,after", [((2, 2), (1, 0)), ((1, 0), (4, 2)), ((4, 0), (2, 2)), ((2, 0), (2, 2))])
 def test_state_continues_on_another_layout(tiny_data, tok, before, after):
     """Loader states saved after 3 steps on (dp, workers) = before, merged, continue the same global rows on
     after: rows of steps 3..5 equal those of an uninterrupted run."""
@@ -80,6 +80,14 @@ def test_state_continues_on_another_layout(tiny_data, tok, before, after):
     rest, _ = global_rows(settings(tiny_data.shards, streams=16, num_workers=new_workers), tok, new_dp, 3, 2,
                           state=saved)
     assert_same_rows(rest, reference[24:])
+    if dp == new_dp:  # the same ranks with other workers continue from their own states as well
+        for rank, loader in enumerate(loaders):
+            again = build_loader(settings(tiny_data.shards, streams=16, num_workers=new_workers), "train", 2, rank,
+                                 dp, tok)
+            again.load_state_dict(loader.state_dict())
+            batch = next(iter(again))
+            assert_same_rows([{k: v[j] for k, v in batch.items()} for j in range(2)],
+                             [reference[24 + rank + dp * j] for j in range(2)])
     # the ranks' own states are accepted as a list (merged on loading) too
     rest_from_list, _ = global_rows(settings(tiny_data.shards, streams=16), tok, 1, 1, 8,
                                     state=[loader.state_dict() for loader in loaders])
