@@ -132,3 +132,14 @@ def test_layouts_that_do_not_divide_the_streams_fail_early(tmp_path, tiny_data, 
                                         "data.streams=64.*to 10 or less"):
         build_loader(settings(tmp_path / "tiny"), "train", 2, 0, 1, tok)
     assert next(iter(build_loader(settings(tmp_path / "tiny", streams=8), "train", 2, 0, 1, tok)))
+
+
+def test_data_pipeline_imports_only_the_batch_format():
+    """data_pipeline takes plain arguments: of megatransformer it imports the batch format, nothing else."""
+    import subprocess
+    import sys
+
+    code = ("import sys, data_pipeline.loader, data_pipeline.shard, data_pipeline.objectives, data_pipeline.inspect, "
+            "data_pipeline.remote; print(sorted(m for m in sys.modules if m.startswith('megatransformer')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['megatransformer', 'megatransformer.batch']"
