@@ -86,22 +86,27 @@ def bench_loading(shards: str, tokenizer: Path, seq_len: int, micro: int, batche
 
 @contextlib.contextmanager
 def http_server(directory: Path):
-    """``directory`` served by Python's http.server on loopback (a thread of this process); yields its URL."""
-    import functools
-    import http.server
-    import threading
+    """``directory`` served by ``python -m http.server`` on loopback (its own process, as a server would be);
+    yields its URL."""
+    import socket
+    import subprocess
 
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(directory)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory",
+                               str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
+        for _ in range(100):  # until it accepts connections
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/"
     finally:
-        server.shutdown()
-        server.server_close()
+        server.terminate()
+        server.wait()
 
 
 def bench_train_step(seq_len: int, micro: int, steps: int, vocab: int) -> list[dict]:

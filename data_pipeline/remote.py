@@ -18,6 +18,7 @@ from typing import Any
 from data_pipeline import DataError
 
 REMOTE_SCHEMES = ("http://", "https://", "s3://", "gs://", "gcs://")
+FETCH = 1 << 20  # bytes per remote read
 HTTP_TIMEOUTS = {"sock_connect": 30.0, "sock_read": 60.0}  # seconds; a silent server is an error, not a hang
 
 
@@ -107,7 +108,8 @@ class ShardStream:
     def __init__(self, url: str, sha256: str, retry: Retry) -> None:
         self.url, self.expected, self.retry = url, sha256, retry
         self.digest = hashlib.sha256()
-        self.offset = 0  # bytes handed to the reader so far
+        self.offset = 0  # bytes fetched (and hashed) so far
+        self.buffer, self.position = b"", 0  # fetched bytes; those before position were read
         self.file = None
         self.done = False
 
@@ -134,6 +136,19 @@ class ShardStream:
             self.file = None
 
     def read(self, size: int = -1) -> bytes:
+        """Up to ``size`` bytes (all that is left for -1), from a buffer filled FETCH bytes at a time: the tar
+        parser asks for small pieces, each remote read is a round trip to the filesystem's event loop."""
+        while (size < 0 or len(self.buffer) - self.position < size) and not self.done:
+            chunk = self._fetch(FETCH)
+            if not chunk:
+                self._finish()
+            self.buffer, self.position = self.buffer[self.position:] + chunk, 0
+        end = len(self.buffer) if size < 0 else self.position + size
+        data, self.position = self.buffer[self.position:end], min(end, len(self.buffer))
+        return data
+
+    def _fetch(self, size: int) -> bytes:
+        """The next ``size`` bytes of the file (fewer at its end), retried; hashed on the way."""
         for attempt in range(self.retry.retries + 1):
             try:
                 if self.file is None:
@@ -150,16 +165,14 @@ class ShardStream:
                 self.retry.pause(attempt)
         self.digest.update(data)
         self.offset += len(data)
-        if not data and size != 0:
-            self._finish()
         return data
 
     def _finish(self) -> None:
         self._close_file()
-        if not self.done and self.digest.hexdigest() != self.expected:
+        self.done = True
+        if self.digest.hexdigest() != self.expected:
             raise DataError(f"shard {self.url}: its sha256 differs from the manifest's (modified or truncated "
                             "after writing)")
-        self.done = True
 
     def verify_rest(self) -> None:
         """Read to the end (the tar parser stops at the end-of-archive marker) and check the sha256."""
