@@ -68,7 +68,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline import DataError
 from data_pipeline.objectives import ObjectiveArgs, Objective, Window, build_objective
-from data_pipeline.remote import Retry, ShardStream, is_remote, join
+from data_pipeline.remote import Retry, ShardStream, check_location, is_remote, join
 from data_pipeline.shard import INSTRUCTIONS, Manifest, ShardInfo, decode_ids
 from data_pipeline.tokenizer import TokenizerInfo
 
@@ -138,6 +138,7 @@ def resolve_sources(spec: str | list[SourceSpec] | None, split: str, retry: Retr
     entries = [SourceSpec(str(spec))] if isinstance(spec, (str, Path)) else spec
     sources = []
     for entry in entries:
+        check_location(entry.path)
         manifest = Manifest.load(entry.path, retry)
         shards = manifest.splits.get(split, [])
         if not shards:

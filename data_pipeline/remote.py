@@ -26,6 +26,19 @@ def is_remote(location: str) -> bool:
     return str(location).startswith(REMOTE_SCHEMES)
 
 
+def check_location(location: str) -> None:
+    """A URL must not carry credentials: it is written to the run's config.yaml, logs and checkpoints."""
+    from urllib.parse import urlsplit
+
+    if is_remote(location):
+        parts = urlsplit(str(location))
+        if "@" in parts.netloc or parts.query:
+            raise DataError(f"{parts.scheme}://{parts.hostname}/...: a shard URL must not carry credentials (user:"
+                            "password@ or ?query): they would be written to config.yaml, logs and checkpoints; "
+                            "give them to fsspec through the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, "
+                            "~/.netrc for http)")
+
+
 def join(directory: str, name: str) -> str:
     """``name`` inside the shard directory ``directory`` (a URL or a local path)."""
     return f"{str(directory).rstrip('/')}/{name}"
@@ -39,8 +52,8 @@ def filesystem(url: str):
     if protocol in ("http", "https"):
         import aiohttp
 
-        return fsspec.filesystem(protocol, client_kwargs={"timeout": aiohttp.ClientTimeout(total=None,
-                                                                                          **HTTP_TIMEOUTS)})
+        timeout = aiohttp.ClientTimeout(total=None, **HTTP_TIMEOUTS)
+        return fsspec.filesystem(protocol, client_kwargs={"timeout": timeout, "trust_env": True})  # proxies, netrc
     try:
         return fsspec.filesystem(protocol)
     except ImportError as err:

@@ -187,3 +187,10 @@ def test_missing_manifest_or_shard_fails_at_once(served, tok):
     with pytest.raises(DataError, match=f"missing shard {served.url}{name} \\(listed in the manifest\\)"):
         take(loader, 12)
     assert served.requests.count(name) == 1
+
+
+def test_urls_with_credentials_are_refused(tok):
+    for url in ("http://user:secret@127.0.0.1:1/shards/", "https://host/shards/?X-Amz-Signature=secret"):
+        with pytest.raises(DataError, match="must not carry credentials") as err:
+            build_loader(settings(url), "train", 8, 0, 1, tok)
+        assert "secret" not in str(err.value)
