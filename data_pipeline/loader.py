@@ -20,8 +20,11 @@ and ``S``, whatever the micro batch size and accumulation (only which rank compu
 Loader workers split a rank the same way: worker ``w`` of ``W`` produces local rows ``i = i0 + w + W*t``
 (``i0``: the rows the rank had consumed when the workers started); their streams are fixed when ``W``
 divides ``S / D``; the main process interleaves the workers' rows back into local order. Hence
-``S`` must be a multiple of ``D * max(1, W)`` (checked when the loader is built); the default 64 serves 1-64
-ranks with 1 worker, 8 ranks with 8 workers, and any power-of-two layout up to 64 readers.
+``S`` must be a multiple of ``D * max(1, W)`` (checked when the loader is built). The default 64 serves every
+power-of-two layout up to 64 readers (8 nodes x 8 GPUs with one worker each, 16 ranks x 4 workers, ...). More
+is not free: a rank serves ``S / D`` streams, each with its own open shard (a connection, for remote shards)
+and partly filled window, and a dataset with fewer than ``S`` shards is read ``ceil(S / N)`` times per epoch
+(each stream its part); larger jobs set ``data.streams`` when the run starts (e.g. 512 for 64 x 8 GPUs).
 
 Exact and elastic resume. ``state_dict()`` is the rank's local row count and the position of each stream it
 read (``{epoch, shard, doc, offset}`` per source plus the stream's sample count; objectives are seeded per

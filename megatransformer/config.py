@@ -163,8 +163,9 @@ class DataConfig(Section):
     on_corrupt: Literal["error", "skip"] = "error"
     """A corrupt shard stops the run (error) or is skipped, counted and warned about (skip)."""
     streams: int = 64
-    """Logical data streams, fixed when a run starts: the row order is the same on any number of data-parallel
-    ranks x workers dividing it (64: up to 64 readers, e.g. 8 nodes x 8 GPUs, or 16 ranks x 4 workers)."""
+    """Logical data streams, fixed when a run starts (recorded in checkpoints): the rows of every step are the
+    same on any data-parallel ranks x workers dividing it (64: power-of-two layouts up to 64 readers, e.g.
+    8 nodes x 8 GPUs; each rank keeps streams/ranks shards open, so not more than needed)."""
     retries: int = 5
     """Remote shards (http(s)://, s3://, gs://): retries of a failed read (waiting 1, 2, 4, ... s) before
     the shard is named in the error (or skipped under on_corrupt=skip)."""
