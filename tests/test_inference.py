@@ -83,7 +83,7 @@ def test_transformers_perplexity_equals_megatransformer_eval(pretrained, exporte
     shards = pretrained["root"] / "held_out_shards"
     write_shards([str(pretrained["held_out"])], str(pretrained["tokenizer"]), shards, valid_every=0, workers=1,
                  progress=False, overwrite=True)
-    cfg = load_config(pretrained["config"], [f"data.train={shards}", "data.pack=false"])
+    cfg = load_config(pretrained["config"], [f"data.train={shards}", "data.pack=false", "data.streams=1"])
     theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     loss_sum, count = 0.0, 0
     for batch in build_loader(cfg, "train", 1, 0, 1, load_tokenizer(pretrained["tokenizer"]), epochs=1):
