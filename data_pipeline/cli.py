@@ -100,8 +100,12 @@ def _shard(args: argparse.Namespace) -> int:
 @_guard
 def _inspect(args: argparse.Namespace) -> int:
     from data_pipeline.inspect import inspect_batches
+    from megatransformer.config import load_config  # the run config is the command line's, not the pipeline's
+    from megatransformer.training.data import loader_settings
 
-    return inspect_batches(args.config, args.overrides, args.batches, args.split, args.json)
+    cfg = load_config(args.config, args.overrides)
+    return inspect_batches(loader_settings(cfg), cfg.data.tokenizer, cfg.train.micro_batch_size or 4, args.batches,
+                           args.split, args.json)
 
 
 @_guard

@@ -138,14 +138,16 @@ class ModelConfig(Section):
 
 class DatasetSource(Section):
     path: str
-    """A shard directory holding manifest.json (written by `megatransformer data shard`)."""
+    """A shard directory holding manifest.json (written by `megatransformer data shard`): a local path or an
+    http(s)://, s3:// or gs:// URL."""
     weight: float = 1.0
     """Relative sampling weight when several datasets are mixed."""
 
 
 class DataConfig(Section):
     train: str | list[DatasetSource] | None = None
-    """Training shards: a shard directory, or a list of {path, weight} to mix."""
+    """Training shards: a shard directory (local path or http(s)://, s3://, gs:// URL), or a list of
+    {path, weight} to mix."""
     valid: str | list[DatasetSource] | None = None
     """Validation shards (same forms as train); defaults to the validation split of train."""
     tokenizer: str | None = None
@@ -160,11 +162,20 @@ class DataConfig(Section):
     """DataLoader worker processes per rank."""
     on_corrupt: Literal["error", "skip"] = "error"
     """A corrupt shard stops the run (error) or is skipped, counted and warned about (skip)."""
+    streams: int = 64
+    """Logical data streams, fixed when a run starts (recorded in checkpoints): the rows of every step are the
+    same on any data-parallel ranks x workers dividing it (64: power-of-two layouts up to 64 readers, e.g.
+    8 nodes x 8 GPUs; each rank keeps streams/ranks shards open, so not more than needed)."""
+    retries: int = 5
+    """Remote shards (http(s)://, s3://, gs://): retries of a failed read (waiting 1, 2, 4, ... s) before
+    the shard is named in the error (or skipped under on_corrupt=skip)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
         _require(self.seq_len > 0, f"data.seq_len must be positive, got {self.seq_len}")
         _require(self.num_workers >= 0, f"data.num_workers must be >= 0, got {self.num_workers}")
+        _require(self.streams > 0, f"data.streams must be positive, got {self.streams}")
+        _require(self.retries >= 0, f"data.retries must be >= 0, got {self.retries}")
         return self
 
 

@@ -73,7 +73,7 @@ def test_transformers_loads_the_export_and_computes_the_same_logits(pretrained, 
 
 def test_transformers_perplexity_equals_megatransformer_eval(pretrained, exported):
     """One document per row (data.pack=false), so transformers sees the same rows with a padding mask."""
-    from data_pipeline.loader import build_loader
+    from megatransformer.training.data import build_loader
     from data_pipeline.shard import write_shards
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import load_config
@@ -83,7 +83,7 @@ def test_transformers_perplexity_equals_megatransformer_eval(pretrained, exporte
     shards = pretrained["root"] / "held_out_shards"
     write_shards([str(pretrained["held_out"])], str(pretrained["tokenizer"]), shards, valid_every=0, workers=1,
                  progress=False, overwrite=True)
-    cfg = load_config(pretrained["config"], [f"data.train={shards}", "data.pack=false"])
+    cfg = load_config(pretrained["config"], [f"data.train={shards}", "data.pack=false", "data.streams=1"])
     theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     loss_sum, count = 0.0, 0
     for batch in build_loader(cfg, "train", 1, 0, 1, load_tokenizer(pretrained["tokenizer"]), epochs=1):

@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     raw = apply_overrides(loaded.cfg.model_dump(mode="json"), args.overrides)
     with tempfile.TemporaryDirectory() as tmp:
         shards, split = _as_shards(args, loaded.tokenizer.path, Path(tmp))
-        raw["data"] = {**raw["data"], "train": shards, "valid": shards, "num_workers": 0}
+        # one stream: every document once, in order, however few there are
+        raw["data"] = {**raw["data"], "train": shards, "valid": shards, "num_workers": 0, "streams": 1}
         cfg = validate(raw)
         result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
     result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
@@ -71,7 +72,7 @@ def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str
 def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: int | None = None) -> dict:
     import torch
 
-    from data_pipeline.loader import build_loader
+    from megatransformer.training.data import build_loader
     from megatransformer.batch import IGNORE_INDEX
     from megatransformer.training.engine import token_loss_sum
 

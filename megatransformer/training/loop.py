@@ -41,7 +41,7 @@ class Preemption:
 class Trainer:
     def __init__(self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None,
                  preemption: Preemption | None = None) -> None:
-        from data_pipeline.loader import build_loader
+        from megatransformer.training.data import build_loader
 
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         self.module = TrainModule(cfg, dist_info, init_state)
