@@ -109,6 +109,7 @@ class LoaderSettings:
     streams: int = DEFAULT_STREAMS
     retries: int = 5  # remote reads: retries after a failure before the shard is named in the error
     retry_wait: float = 1.0  # seconds before the first retry (doubled each time)
+    pin_memory: bool = False  # batches in page-locked memory (a CUDA run copies them without waiting)
 
 
 @dataclass
@@ -572,6 +573,14 @@ class StreamSamples:
         return {"samples": self.samples, "positions": [w.position.as_dict() for w in self.windows]}
 
 
+def _stack(rows: list[torch.Tensor], pin_memory: bool) -> torch.Tensor:
+    """Rows into one batch tensor, written straight into page-locked memory when asked."""
+    if not pin_memory:
+        return torch.stack(rows)
+    out = torch.empty((len(rows), *rows[0].shape), dtype=rows[0].dtype, pin_memory=True)
+    return torch.stack(rows, out=out)
+
+
 def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     return {key: torch.from_numpy(np.stack([s[key] for s in samples]).astype(np.int64)) for key in samples[0]}
 
@@ -596,6 +605,7 @@ class LoaderSpec:
     epochs: int | None
     streams: int
     retry: Retry
+    pin_memory: bool = False
 
     @property
     def workers_per_rank(self) -> int:
@@ -704,7 +714,7 @@ class StreamingLoader:
         for _, (stream, state) in rows:
             self.stream_states[stream] = state
         self.rows += len(rows)
-        return {key: torch.stack([tensors[key] for tensors, _ in rows]) for key in rows[0][0]}
+        return {key: _stack([tensors[key] for tensors, _ in rows], self.spec.pin_memory) for key in rows[0][0]}
 
     def _note_skipped(self, skipped: list[str]) -> None:
         self.skipped += [s for s in skipped if s not in self.skipped]
@@ -846,5 +856,5 @@ def build_loader(settings: LoaderSettings, split: str, micro_batch_size: int, dp
     eos = tokenizer.require("eos", "document separation")
     spec = LoaderSpec(sources, objective, eos, s.seed, SPLIT_SALT[split], micro_batch_size, dp_rank, dp_size,
                       workers, split == "train", max(1, s.shuffle_buffer // streams), s.on_corrupt, epochs, streams,
-                      retry)
+                      retry, s.pin_memory)
     return StreamingLoader(spec)

@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 import os
 import pickle
 import random

@@ -47,8 +47,10 @@ class Trainer:
         self.module = TrainModule(cfg, dist_info, init_state)
         self.engine = self.module.engine  # (checkpoints hold DeepSpeed's engine states)
         micro = self.module.sizes.micro
-        self.train_loader = build_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer)
-        self.valid_loader = build_loader(cfg, "valid", micro, 0, 1, tokenizer)
+        pin = dist_info.device.startswith("cuda")  # batches in page-locked memory: copies that do not wait
+        self.train_loader = build_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer,
+                                         pin_memory=pin)
+        self.valid_loader = build_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
         next(iter(self.valid_loader))  # a validation split smaller than one batch fails now, not after training
         self.state = ckpt.TrainerState(0, 0, 0, tokenizer.sha256, dist_info.world_size,
                                        cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
