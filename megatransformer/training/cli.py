@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -24,8 +25,9 @@ def train(config: str, overrides: list[str]) -> int:
     cfg = load_config(config, overrides)  # config errors surface before any process group exists
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.training import checkpoint as ckpt
-    from megatransformer.training.distributed import setup
+    from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, setup
     from megatransformer.training.loop import Preemption, Trainer, print_sample
+    from megatransformer.training.preflight import check_before_start
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
@@ -40,10 +42,18 @@ def train(config: str, overrides: list[str]) -> int:
         raise ConfigError(f"run_dir={cfg.run_dir} already holds checkpoints (latest: {existing.name}); pass "
                           "resume=auto to continue that run, or choose a new run_dir")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_before_start(cfg, tokenizer)  # device and files: seconds, not after DeepSpeed's start-up
     init_state = ckpt.load_weights(cfg.init_from, cfg.model)[1] if cfg.init_from else None
-    dist_info = setup()
-    trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
-    code = trainer.run()
+    try:
+        dist_info = setup(cfg.parallel.timeout_minutes)
+        trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
+        code = trainer.run()
+    except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
+        line = collective_failure(err, cfg.parallel.timeout_minutes)
+        if line is None:
+            raise
+        print(f"megatransformer train: error: rank {os.environ.get('RANK', 0)}: {line}", file=sys.stderr, flush=True)
+        return EXIT_COLLECTIVE_FAILED
     if code == 0 and dist_info.is_main:
         print_sample(cfg, ckpt.checkpoint_root(cfg), tokenizer)
     sys.stdout.flush()
