@@ -19,7 +19,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(config: str, overrides: list[str]) -> int:
-    """Train; returns the exit code (0 done, 124 preempted and checkpointed, 3 diverged)."""
+    """Train; returns the exit code (0 done, 124 preempted and checkpointed, 3 diverged, 4 a collective
+    timed out or lost a peer: another rank stalled or died)."""
     from megatransformer.config import load_config
 
     cfg = load_config(config, overrides)  # config errors surface before any process group exists
@@ -52,7 +53,8 @@ def train(config: str, overrides: list[str]) -> int:
         line = collective_failure(err, cfg.parallel.timeout_minutes)
         if line is None:
             raise
-        print(f"megatransformer train: error: rank {os.environ.get('RANK', 0)}: {line}", file=sys.stderr, flush=True)
+        rank = os.environ.get("RANK", "0")
+        print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
         return EXIT_COLLECTIVE_FAILED
     if code == 0 and dist_info.is_main:
         print_sample(cfg, ckpt.checkpoint_root(cfg), tokenizer)
