@@ -276,9 +276,9 @@ class ParallelConfig(Section):
     """Tensor-parallel degree (DeepSpeed AutoTP); the other ranks form the data-parallel group."""
     offload_optimizer: bool = False
     """Keep optimizer states on the CPU (ZeRO-Offload)."""
-    timeout_minutes: PositiveFloat = 10.0
+    timeout_minutes: Annotated[float, Field(gt=0, le=7 * 24 * 60)] = 10.0
     """Longest wait of a collective (all-reduce, broadcast, barrier) for the other ranks: a stalled or dead
-    rank makes the others exit with an error after this long instead of hanging."""
+    rank makes the others exit with an error after this long instead of hanging (at most a week)."""
 
 
 class WandbConfig(Section):

@@ -84,6 +84,7 @@ BAD_VALUES = [
     ("parallel.tensor_parallel=0", "parallel.tensor_parallel=0"),
     ("parallel.timeout_minutes=0", "parallel.timeout_minutes=0 must be > 0"),
     ("parallel.timeout_minutes=.inf", "parallel.timeout_minutes=inf must be a finite number"),
+    ("parallel.timeout_minutes=1e12", "parallel.timeout_minutes=1e12 must be <= 10080"),
     # run
     ("seed=-1", "seed=-1 must be >= 0"),
     ("run_dir=''", "run_dir must not be empty"),
