@@ -34,8 +34,6 @@ from megatransformer.training.optim import make_scheduler, param_groups
 
 def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str) -> dict[str, Any]:
     t, o, p = cfg.train, cfg.optim, cfg.parallel
-    if cfg.precision == "fp16" and device == "cpu":
-        raise ConfigError("precision=fp16 needs a GPU; use precision=bf16 or fp32 on CPU")
     cuda = device.startswith("cuda")
     adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if o.name == "adam":
