@@ -215,7 +215,9 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float,
                  backend: str) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = n_heads, d_model // n_heads  # all heads (a shard may hold fewer)
+        self.head_dim = d_model // n_heads
+        self.total_heads = n_heads  # all heads, of which a tensor-parallel shard holds a slice (not "n_heads":
+        # DeepSpeed's AutoTP divides attributes of that name by the tensor-parallel size)
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)

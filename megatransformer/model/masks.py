@@ -71,6 +71,14 @@ class AttentionMask:
     """Host array [Tq] (or [1]): for causal masks with a prefix, where the prefix of any row ends at that query
     position, so the chunked core skips the keys past it without asking the device."""
 
+    def __eq__(self, other: object) -> bool:
+        """By value, tensors with ``torch.equal``: DeepSpeed's AutoTP compares the first batch's forward arguments
+        across tensor-parallel ranks with ``!=``, and a generated comparison of tensor fields has no truth value."""
+        if not isinstance(other, AttentionMask):
+            return NotImplemented
+        return (self.causal, self.q_offset) == (other.causal, other.q_offset) and all(
+            _same_tensor(getattr(self, name), getattr(other, name)) for name in ("q_segments", "kv_segments", "prefix_len"))
+
     @property
     def is_simple(self) -> bool:
         """Plain causal or full attention: backends need no explicit mask."""
@@ -322,6 +330,12 @@ def _problem(q_lengths: np.ndarray, k_lengths: np.ndarray, causal: bool, q_index
 
     return VarlenProblem(cumulative(q_lengths), cumulative(k_lengths), int(q_lengths.max(initial=0)),
                          int(k_lengths.max(initial=0)), causal, index(q_index), index(k_index))
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and torch.equal(a, b.to(a.device))
 
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:

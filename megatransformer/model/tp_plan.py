@@ -46,4 +46,4 @@ def assign_head_offsets(model: nn.Module, rank: int, size: int) -> None:
     column-parallel ``q_proj`` holds, so that it picks those heads' ALiBi slopes."""
     for module in model.modules():
         if hasattr(module, "head_offset"):
-            module.head_offset = rank * module.n_heads // size
+            module.head_offset = rank * module.total_heads // size
