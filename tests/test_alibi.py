@@ -302,3 +302,62 @@ def test_a_model_trained_at_128_evaluates_at_256(alibi_runs, tiny_data):
     losses = torch.nn.functional.cross_entropy(logits[0], ids[0, 1:], reduction="none")
     assert logits.shape[1] == 256 and torch.isfinite(losses).all()
     assert losses[128:].mean() < math.log(512)  # better than uniform beyond the trained length
+
+
+@pytest.mark.slow
+def test_export_as_hf_refuses_alibi_by_name(alibi_runs, tmp_path, capsys):
+    from megatransformer.cli import main
+
+    assert main(["export", "--checkpoint", str(alibi_runs["tp1"]), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
+    assert "model.position=alibi (Llama needs rope)" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+# ------------------------------------------------------------------------------ the real kernel (GPU)
+
+needs_flash = pytest.mark.skipif(
+    not torch.cuda.is_available() or attention.flash_attn_module() is None,
+    reason="needs CUDA and the flash-attn package (pip install 'megatransformer[gpu]'); CPU machines check "
+           "flash_core's ALiBi against tests/flash_reference.py above",
+)
+
+
+def on_cuda(alibi: Alibi) -> Alibi:
+    return Alibi(alibi.slopes.cuda(), alibi.q_positions.cuda(), alibi.k_positions.cuda())
+
+
+@pytest.mark.gpu
+@needs_flash
+@pytest.mark.parametrize("name", [*SELF_MASKS, "cached"])
+def test_real_flash_attn_alibi_equals_eager(name):
+    """flash-attn's alibi_slopes (bf16) against eager in fp32, forward and gradients, for every mask."""
+    q_len, k_len = (6, 15) if name == "cached" else (T, T)
+    if name == "cached":
+        mask = self_attention_mask(True, q_offset=9)
+        alibi = alibi_for(mask, q_offset=9, kv_len=15)
+    else:
+        mask = SELF_MASKS[name]()
+        alibi = alibi_for(mask)
+    mask, alibi = mask.to("cuda"), on_cuda(alibi)
+    q, k, v = (t.detach().cuda().bfloat16().requires_grad_() for t in qkv(q_len, k_len))
+    flash = values_and_grads(BACKENDS["flash"], q, k, v, mask, alibi)
+    eager = values_and_grads(eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask, alibi)
+    keep = real_queries(mask, q_len).cuda()
+    assert torch.allclose(flash[0].float() * keep, eager[0], atol=2e-2)
+    for got, want in zip(flash[1], eager[1]):
+        assert torch.allclose(got.float(), want, atol=5e-2)
+
+
+@pytest.mark.gpu
+@needs_flash
+def test_real_flash_attn_alibi_model_equals_eager_on_a_packed_prefix_batch():
+    batch = {k: v.cuda() for k, v in packed_batch("decoder").items()}
+    masks = batch_masks("decoder", {k: v.cpu() for k, v in batch.items()}, varlen=True).to("cuda")
+    keep = (batch["segment_ids"] != PAD_SEGMENT).unsqueeze(-1)
+    logits = {}
+    for name in ("eager", "flash"):
+        torch.manual_seed(0)
+        model = build_model(tiny(attention_backend=name)).cuda()
+        with torch.autocast("cuda", torch.bfloat16, enabled=name == "flash"), torch.no_grad():
+            logits[name] = model(**batch, masks=masks).float() * keep
+    assert torch.allclose(logits["flash"], logits["eager"], atol=5e-2)
