@@ -361,3 +361,13 @@ def test_real_flash_attn_alibi_model_equals_eager_on_a_packed_prefix_batch():
         with torch.autocast("cuda", torch.bfloat16, enabled=name == "flash"), torch.no_grad():
             logits[name] = model(**batch, masks=masks).float() * keep
     assert torch.allclose(logits["flash"], logits["eager"], atol=5e-2)
+
+
+def test_activation_checkpointing_recomputes_with_the_bias():
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = build_model(tiny(attention_backend="chunked", activation_checkpointing=recompute)).train()
+        model(torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))).square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.equal(grads[0], grads[1])

@@ -224,9 +224,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         self.dropout = dropout
         self.core = BACKENDS[backend]
+        # the first of all heads that q_proj holds: 0, or a tensor-parallel shard's first head (set by
+        # tp_plan.assign_head_offsets); picks this module's ALiBi slopes
         self.head_offset = 0
-        """The first of all heads that ``q_proj`` holds: 0, or a tensor-parallel shard's first head (set by
-        ``tp_plan.assign_head_offsets``); picks this module's ALiBi slopes."""
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
