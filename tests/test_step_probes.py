@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 PROBE = Path(__file__).parents[1] / "bench" / "step_probe.py"
 SMALL = {"layers": 1, "accum": 1}
@@ -59,3 +60,18 @@ def test_gpu_check_refuses_a_machine_without_cuda_in_one_line():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
     assert "no CUDA device" in done.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA (no pinned allocator on a "
+                                                          "CPU-only machine); this CPU runs pin_memory=False")
+def test_loader_batches_are_page_locked_for_a_cuda_run(tiny_data):
+    from data_pipeline.tokenizer import load_tokenizer
+    from megatransformer.config import RunConfig
+    from megatransformer.training.data import build_loader
+
+    cfg = RunConfig.model_validate({"model": {"vocab_size": 512}, "data": {
+        "train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64, "streams": 4}})
+    loader = build_loader(cfg, "train", 2, 0, 1, load_tokenizer(tiny_data.tokenizer), pin_memory=True)
+    batch = next(iter(loader))
+    assert all(t.is_pinned() for t in batch.values())

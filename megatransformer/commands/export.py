@@ -17,8 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("export", help="write a checkpoint as consolidated safetensors or a HF model")
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                   help="safetensors: our weights + config + tokenizer; hf: a transformers Llama or GPT-2 directory")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written weights")
     p.set_defaults(func=export)
 
     p = subparsers.add_parser("import", help="turn a Hugging Face Llama or GPT-2 directory into a checkpoint "
@@ -30,12 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def export(args: argparse.Namespace) -> int:
     import torch
-    from safetensors.torch import save_file
 
     from megatransformer.config import ConfigError, dump_config
     from megatransformer.hf import hf_incompatibility, save_hf_dir
     from megatransformer.inference import checkpoint_dir
-    from megatransformer.training.checkpoint import load_weights
+    from megatransformer.training.checkpoint import load_weights, save_safetensors, write_manifest
 
     source = checkpoint_dir(args.checkpoint)
     cfg, weights = load_weights(source)
@@ -58,11 +58,11 @@ def export(args: argparse.Namespace) -> int:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file({k: v.to(dtype).contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        save_safetensors({k: v.to(dtype).contiguous() for k, v in weights.items()}, tmp / "model.safetensors")
         (tmp / "config.yaml").write_text(dump_config(cfg))
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-        (tmp / "COMPLETE").touch()
+        write_manifest(tmp)  # COMPLETE, listing every file
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     print(f"exported {source} -> {out} ({args.format}, {args.dtype})")
@@ -79,10 +79,9 @@ def _special_ids(tokenizer: Path) -> dict[str, int | None]:
 
 
 def import_hf(args: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
-
     from megatransformer.config import ConfigError, DataConfig, RunConfig, dump_config
     from megatransformer.hf import load_hf_dir
+    from megatransformer.training.checkpoint import save_safetensors, write_manifest
 
     try:
         model_cfg, weights = load_hf_dir(Path(args.hf))
@@ -92,12 +91,12 @@ def import_hf(args: argparse.Namespace) -> int:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.contiguous().clone() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    save_safetensors({k: v.contiguous().clone() for k, v in weights.items()}, tmp / "model.safetensors")
     run_cfg = RunConfig(model=model_cfg, data=DataConfig(seq_len=min(512, model_cfg.max_seq_len)))
     (tmp / "config.yaml").write_text(dump_config(run_cfg))
     if (Path(args.hf) / "tokenizer.json").is_file():
         shutil.copyfile(Path(args.hf) / "tokenizer.json", tmp / "tokenizer.json")
-    (tmp / "COMPLETE").touch()
+    write_manifest(tmp)  # COMPLETE, listing every file
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     print(f"imported {args.hf} -> {out}; start a run from it with init_from={out}")

@@ -34,8 +34,6 @@ from megatransformer.training.optim import make_scheduler, param_groups
 
 def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str) -> dict[str, Any]:
     t, o, p = cfg.train, cfg.optim, cfg.parallel
-    if cfg.precision == "fp16" and device == "cpu":
-        raise ConfigError("precision=fp16 needs a GPU; use precision=bf16 or fp32 on CPU")
     cuda = device.startswith("cuda")
     adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if o.name == "adam":
@@ -108,6 +106,10 @@ class TrainModule:
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
         if tp > 1:
             assign_head_offsets(self.engine.module, self.tp_rank, tp)
+        if self.dp_size == 1 and cfg.parallel.zero_stage == 0:
+            # one data-parallel rank: DeepSpeed's all-reduce over it would only copy every gradient into a
+            # flat buffer and back (tensor-parallel peers' replicated gradients are equal already)
+            self.engine.enable_backward_allreduce = False
         # flash-attn's varlen metadata is built only where flash-attn may run
         self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
         self.grad_norm: torch.Tensor | None = None  # ZeRO-0: this step's, on the device

@@ -20,7 +20,7 @@ from megatransformer.model.attention import describe_backend
 from megatransformer.training import checkpoint as ckpt
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
-from megatransformer.training.metrics import Reporter, peak_tflops
+from megatransformer.training.metrics import Reporter, format_sample, peak_tflops
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
@@ -41,14 +41,16 @@ class Preemption:
 class Trainer:
     def __init__(self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None,
                  preemption: Preemption | None = None) -> None:
-        from data_pipeline.loader import build_loader
+        from megatransformer.training.data import build_loader
 
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         self.module = TrainModule(cfg, dist_info, init_state)
         self.engine = self.module.engine  # (checkpoints hold DeepSpeed's engine states)
         micro = self.module.sizes.micro
-        self.train_loader = build_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer)
-        self.valid_loader = build_loader(cfg, "valid", micro, 0, 1, tokenizer)
+        pin = dist_info.device.startswith("cuda")  # batches in page-locked memory: copies that do not wait
+        self.train_loader = build_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer,
+                                         pin_memory=pin)
+        self.valid_loader = build_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
         next(iter(self.valid_loader))  # a validation split smaller than one batch fails now, not after training
         self.state = ckpt.TrainerState(0, 0, 0, tokenizer.sha256, dist_info.world_size,
                                        cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
@@ -157,5 +159,5 @@ def print_sample(cfg: RunConfig, weights_dir: Path, tokenizer, max_new_tokens: i
     model = load_for_inference(weights_dir).model
     prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)])
     new = generate(model, prompt, max_new_tokens, temperature=0.0, eos_id=tokenizer.eos_id)
-    print(f"sample: {cfg.train.sample_prompt}{tokenizer.decode(new[0].tolist(), skip_special=True)}")
+    print(format_sample(cfg.train.sample_prompt, tokenizer.decode(new[0].tolist(), skip_special=True)))
     sys.stdout.flush()
