@@ -371,3 +371,13 @@ def test_activation_checkpointing_recomputes_with_the_bias():
         model(torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))).square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.slow
+def test_generate_goes_past_max_seq_len(alibi_runs, capsys):
+    """max_seq_len (128) sizes no table with ALiBi: `generate` may write 200 tokens after the prompt."""
+    from megatransformer.cli import main
+
+    assert main(["generate", "--checkpoint", str(alibi_runs["tp1"]), "--prompt", "Return the",
+                 "--max-new-tokens", "200", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("Return the")
