@@ -67,15 +67,16 @@ class ModelConfig(Section):
     vocab_size: Annotated[int, Field(gt=0, le=MAX_VOCAB)] = 32000
     """Token vocabulary size (must cover the tokenizer's ids)."""
     max_seq_len: PositiveInt = 2048
-    """Longest sequence the model accepts (sizes learned position tables and RoPE caches)."""
+    """Longest sequence the model accepts (sizes learned and sinusoidal position tables; ALiBi has no limit)."""
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     """Normalisation layer."""
     norm_eps: PositiveFloat = 1e-5
     """Epsilon of the normalisation layers."""
     norm_position: Literal["pre", "post"] = "pre"
     """pre: x + f(norm(x)) (stable, default); post: norm(x + f(x)) as in Vaswani et al. 2017."""
-    position: Literal["sinusoidal", "learned", "rope"] = "rope"
-    """Position information: added sinusoidal or learned embeddings, or rotary embeddings in attention."""
+    position: Literal["sinusoidal", "learned", "rope", "alibi"] = "rope"
+    """Position information: added sinusoidal or learned embeddings, rotary embeddings in attention, or ALiBi's
+    per-head linear distance bias on the attention scores (Press et al. 2022; evaluates beyond max_seq_len)."""
     rope_theta: PositiveFloat = 10000.0
     """Base of the rotary frequencies."""
     ffn: Literal["relu", "gelu", "swiglu"] = "swiglu"
@@ -347,7 +348,7 @@ class RunConfig(Section):
         }[self.objective]
         _require(m.arch in allowed,
                  f"objective={self.objective} needs model.arch in {list(allowed)}, got model.arch={m.arch}")
-        _require(self.data.seq_len <= m.max_seq_len,
+        _require(self.data.seq_len <= m.max_seq_len or m.position == "alibi",
                  f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         _require(self.resume is None or self.init_from is None,
                  "resume and init_from are exclusive: resume continues a run, init_from starts a new one")

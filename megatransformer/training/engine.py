@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.model import build_model, deepspeed_layer_specs
-from megatransformer.model.tp_plan import partition_dim
+from megatransformer.model.tp_plan import assign_head_offsets, partition_dim
 from megatransformer.model.masks import ModelMasks, batch_masks
 from megatransformer.training.batching import BatchSizes, resolve_batch_sizes
 from megatransformer.training.distributed import Dist
@@ -104,6 +104,8 @@ class TrainModule:
         self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank
         self.dp_size = dist_info.world_size // tp
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
+        if tp > 1:
+            assign_head_offsets(self.engine.module, self.tp_rank, tp)
         if self.dp_size == 1 and cfg.parallel.zero_stage == 0:
             # one data-parallel rank: DeepSpeed's all-reduce over it would only copy every gradient into a
             # flat buffer and back (tensor-parallel peers' replicated gradients are equal already)
