@@ -29,10 +29,19 @@ GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 
 def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     """A known GPU's dense peak for ``dtype`` (bf16/fp16; fp32 as TF32), or None for a GPU not in the table."""
+    import torch
+
     for name, peak in GPU_PEAK_TFLOPS:
         if name in device_name:
             return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
     return None
+
+
+def precision_dtype(precision: str):
+    """The compute dtype of a run's ``precision`` (fp32 | bf16 | fp16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 def peak_tflops(cfg: RunConfig, device: str) -> float:
@@ -41,7 +50,7 @@ def peak_tflops(cfg: RunConfig, device: str) -> float:
 
     if cfg.train.peak_tflops:
         return cfg.train.peak_tflops
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
+    dtype = precision_dtype(cfg.precision)
     if device.startswith("cuda"):
         known = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
         if known is not None:
