@@ -150,7 +150,7 @@ class TrainModule:
             self.grad_norm = unclipped_grad_norm(engine.module, self.tp)
             if self.cfg.precision != "fp16":
                 bad += (~torch.isfinite(self.grad_norm)).double()
-        stats = torch.stack([loss_sum, bad, self._on_device([float(stop_requested)])[0], self._on_device([real])[0]])
+        stats = torch.cat([torch.stack([loss_sum, bad]), self._on_device([float(stop_requested), real])])
         dist.all_reduce(stats)
         loss_total, n_bad, stop, real_total, targets_total = torch.cat([stats, global_targets]).tolist()
         finite = n_bad == 0
