@@ -60,3 +60,37 @@ def decoder_start_id(cfg: RunConfig, tokenizer) -> int | None:
 @torch.no_grad()
 def logits_of(model: LanguageModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**{k: v for k, v in batch.items() if k != "labels"})
+
+
+DEFAULT_NEW_TOKENS = 64  # decoders; encoder-decoders default to the source length + 50 (the 2017 paper)
+
+
+def new_token_limit(cfg: RunConfig, prompt_len: int, requested: int | None) -> int:
+    """How many tokens generation may add to a prompt (decoder) or after a source (encoder-decoder):
+    ``requested``, or the default capped at what model.max_seq_len leaves; a request beyond that is an error."""
+    decoder = cfg.model.arch == "decoder"
+    if not decoder and prompt_len > cfg.model.max_seq_len:
+        raise ConfigError(f"the input has {prompt_len} tokens, more than model.max_seq_len={cfg.model.max_seq_len}")
+    room = cfg.model.max_seq_len - (prompt_len if decoder else 1)
+    if room < 1:
+        raise ConfigError(f"the prompt ({prompt_len} tokens) leaves no room in model.max_seq_len="
+                          f"{cfg.model.max_seq_len}")
+    if requested is None:
+        return min(DEFAULT_NEW_TOKENS if decoder else prompt_len + 50, room)
+    if requested > room:
+        raise ConfigError(f"--max-new-tokens {requested} exceeds what model.max_seq_len={cfg.model.max_seq_len} "
+                          f"leaves after the prompt ({room})")
+    return requested
+
+
+def beam_decode(loaded: Loaded, prompt: list[int], num_beams: int, alpha: float, form: str,
+                max_new_tokens: int | None = None) -> list[int]:
+    """The best beam-search continuation of ``prompt`` (token ids), without its EOS."""
+    from megatransformer.model.beam import beam_search
+
+    tok = loaded.tokenizer
+    limit = new_token_limit(loaded.cfg, len(prompt), max_new_tokens)
+    best = beam_search(loaded.model, torch.tensor([prompt]), limit, num_beams, tok.eos_id, alpha, form,
+                       decoder_start_id=decoder_start_id(loaded.cfg, tok),
+                       prefix_lm=loaded.cfg.objective == "prefix_lm")[0]
+    return best.tokens[:-1] if best.tokens and best.tokens[-1] == tok.eos_id else best.tokens

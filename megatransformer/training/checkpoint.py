@@ -285,3 +285,28 @@ def load_weights(path: str | Path, model_cfg: ModelConfig | None = None) -> tupl
     if model_cfg is not None:
         check_same_shapes(saved.model, model_cfg, f"init_from={path}")
     return saved, load_file(str(path / WEIGHTS))
+
+
+def write_weights_checkpoint(out: str | Path, cfg: RunConfig, weights: dict[str, torch.Tensor],
+                             tokenizer: str | Path | None = None) -> Path:
+    """A weights-only checkpoint directory (model.safetensors, config.yaml, tokenizer.json, COMPLETE) that
+    eval, generate, export and init_from read like a training checkpoint's; written under a temporary name and
+    renamed when complete, replacing ``out``."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    stored, seen = {}, set()
+    for name, tensor in weights.items():  # safetensors stores no two names for one storage (tied weights)
+        stored[name] = tensor.contiguous() if tensor.data_ptr() not in seen else tensor.clone()
+        seen.add(tensor.data_ptr())
+    save_file(stored, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    (tmp / "config.yaml").write_text(dump_config(cfg))
+    if tokenizer is not None and Path(tokenizer).is_file():
+        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+    (tmp / COMPLETE).touch()
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
