@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def add_beam_arguments(p: argparse.ArgumentParser) -> None:
     """Beam search options, shared with ``eval --bleu``."""
     p.add_argument("--num-beams", type=int, default=1,
-                   help="beam search with this many beams (deterministic; 1: sample as --temperature says)")
+                   help="beam search with this many beams (generate: 1 samples as --temperature says; "
+                        "eval --bleu: 1 is greedy)")
     p.add_argument("--length-penalty", type=float, default=0.6,
                    help="beam search: alpha of the length penalty (the 2017 paper: 0.6)")
     p.add_argument("--length-penalty-form", choices=["gnmt", "hf"], default="gnmt",
