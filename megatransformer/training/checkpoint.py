@@ -299,9 +299,10 @@ def write_weights_checkpoint(out: str | Path, cfg: RunConfig, weights: dict[str,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     stored, seen = {}, set()
-    for name, tensor in weights.items():  # safetensors stores no two names for one storage (tied weights)
-        stored[name] = tensor.contiguous() if tensor.data_ptr() not in seen else tensor.clone()
-        seen.add(tensor.data_ptr())
+    for name, tensor in weights.items():  # safetensors stores no two tensors of one storage (tied weights, views)
+        storage = tensor.untyped_storage().data_ptr()
+        stored[name] = tensor.contiguous() if storage not in seen else tensor.clone()
+        seen.add(storage)
     save_file(stored, str(tmp / WEIGHTS), metadata={"format": "pt"})
     (tmp / "config.yaml").write_text(dump_config(cfg))
     if tokenizer is not None and Path(tokenizer).is_file():
