@@ -83,14 +83,25 @@ def new_token_limit(cfg: RunConfig, prompt_len: int, requested: int | None) -> i
     return requested
 
 
-def beam_decode(loaded: Loaded, prompt: list[int], num_beams: int, alpha: float, form: str,
-                max_new_tokens: int | None = None) -> list[int]:
-    """The best beam-search continuation of ``prompt`` (token ids), without its EOS."""
+def beam_decode(loaded: Loaded, prompts: list[list[int]], num_beams: int, alpha: float, form: str,
+                max_new_tokens: int | None = None, batch_size: int = 1) -> list[list[int]]:
+    """The best beam-search continuation of every prompt (token ids), without its EOS. Prompts of equal length
+    are searched together, ``batch_size`` at a time (no padding needed, and the same length limit for all)."""
     from megatransformer.model.beam import beam_search
 
     tok = loaded.tokenizer
-    limit = new_token_limit(loaded.cfg, len(prompt), max_new_tokens)
-    best = beam_search(loaded.model, torch.tensor([prompt]), limit, num_beams, tok.eos_id, alpha, form,
-                       decoder_start_id=decoder_start_id(loaded.cfg, tok),
-                       prefix_lm=loaded.cfg.objective == "prefix_lm")[0]
-    return best.tokens[:-1] if best.tokens and best.tokens[-1] == tok.eos_id else best.tokens
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(i)
+    results: list[list[int]] = [[] for _ in prompts]
+    for length, indices in by_length.items():
+        limit = new_token_limit(loaded.cfg, length, max_new_tokens)
+        for start in range(0, len(indices), batch_size):
+            batch = indices[start:start + batch_size]
+            best = beam_search(loaded.model, torch.tensor([prompts[i] for i in batch]), limit, num_beams,
+                               tok.eos_id, alpha, form, decoder_start_id=decoder_start_id(loaded.cfg, tok),
+                               prefix_lm=loaded.cfg.objective == "prefix_lm")
+            for i, hyp in zip(batch, best):
+                ends = hyp.tokens and hyp.tokens[-1] == tok.eos_id
+                results[i] = hyp.tokens[:-1] if ends else hyp.tokens
+    return results

@@ -73,6 +73,17 @@ def test_source_target_fields_are_the_prompt_completion_path(tmp_path, tiny_data
     assert a == b and a["kind"] == "prompt_completion" and a["documents"] == 50
 
 
+@pytest.mark.parametrize("args,message", [
+    (["eval", "--data", "t.jsonl", "--bleu"], "--bleu needs --source-field"),
+    (["eval", "--data", "t.jsonl", "--source-field", "s", "--hypotheses", "h.txt"], "--hypotheses goes with --bleu"),
+    (["eval", "--data", "t.jsonl", "--source-field", "s", "--bleu", "--num-beams", "0"], "--num-beams must be >= 1"),
+    (["generate", "--prompt", "x", "--num-beams", "4", "--top-p", "0.9"], "does not combine with --top-k / --top-p"),
+])
+def test_bad_decoding_arguments_are_refused_before_loading(args, message):
+    result = cli(*args, "--checkpoint", "no/such/checkpoint", check=False)
+    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1
+
+
 # ------------------------------------------------------------------------------ training, averaging, BLEU
 
 

@@ -42,10 +42,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
+    if args.bleu or args.hypotheses:
+        _check_bleu_arguments(args)
     loaded = load_for_inference(args.checkpoint)
     if loaded.tokenizer is None:
         raise ConfigError(f"{loaded.path} has no tokenizer.json")
-    if args.bleu or args.hypotheses:
+    if args.bleu:
         return _bleu(args, loaded)
     raw = apply_overrides(loaded.cfg.model_dump(mode="json"), args.overrides)
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bleu(args: argparse.Namespace, loaded) -> int:
+def _check_bleu_arguments(args: argparse.Namespace) -> None:
     from data_pipeline.shard import MANIFEST
     from megatransformer.config import ConfigError
 
@@ -74,9 +76,15 @@ def _bleu(args: argparse.Namespace, loaded) -> int:
         raise ConfigError("--bleu translates text: give --data .jsonl/.tsv files, not a shard directory")
     if args.num_beams < 1:
         raise ConfigError("--num-beams must be >= 1")
+    if args.overrides:
+        raise ConfigError(f"--bleu takes no key.path=value overrides (got {' '.join(args.overrides)})")
+
+
+def _bleu(args: argparse.Namespace, loaded) -> int:
     result = {"checkpoint": str(loaded.path), **bleu_of(loaded, args.data, args.prompt_field, args.completion_field,
                                                         args.num_beams, args.length_penalty,
-                                                        args.length_penalty_form, args.hypotheses)}
+                                                        args.length_penalty_form, args.hypotheses,
+                                                        args.batch_size)}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -87,9 +95,9 @@ def _bleu(args: argparse.Namespace, loaded) -> int:
 
 
 def bleu_of(loaded, files: list[str], source_field: str, target_field: str, num_beams: int, alpha: float,
-            form: str, hypotheses: str | None = None) -> dict:
-    """Beam-search translations of the pairs in ``files`` scored by sacrebleu: BLEU, chrF and their signatures
-    (the settings that make the numbers comparable across papers)."""
+            form: str, hypotheses: str | None = None, batch_size: int = 8) -> dict:
+    """Beam-search translations of the pairs in ``files`` (sources of equal length ``batch_size`` at a time)
+    scored by sacrebleu: BLEU, chrF and their signatures (the settings that make scores comparable)."""
     from sacrebleu.metrics import BLEU, CHRF
 
     from data_pipeline.sources import read_documents
@@ -97,16 +105,16 @@ def bleu_of(loaded, files: list[str], source_field: str, target_field: str, num_
     from megatransformer.inference import beam_decode
 
     tok = loaded.tokenizer
-    outputs, references = [], []
+    sources, references = [], []
     for pair in read_documents(files, target_field, prompt_field=source_field):
-        source = tok.encode(pair.prompt)
-        if not source:
+        sources.append(tok.encode(pair.prompt))
+        if not sources[-1]:
             raise ConfigError(f"{pair.source}:{pair.line}: the source encodes to no tokens")
-        tokens = beam_decode(loaded, source, num_beams, alpha, form)
-        outputs.append(tok.decode(tokens, skip_special=True).strip())
         references.append(pair.text)
-    if not outputs:
+    if not sources:
         raise ConfigError(f"no translation pairs in {', '.join(files)}")
+    outputs = [tok.decode(tokens, skip_special=True).strip()
+               for tokens in beam_decode(loaded, sources, num_beams, alpha, form, batch_size=batch_size)]
     if hypotheses:
         Path(hypotheses).write_text("".join(line.replace("\n", " ") + "\n" for line in outputs))
     bleu, chrf = BLEU(), CHRF()

@@ -41,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1) or (
             args.top_k is not None and args.top_k < 1):
         raise ConfigError("need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 1")
+    if args.num_beams < 1 or (args.num_beams > 1 and (args.top_k is not None or args.top_p is not None)):
+        raise ConfigError("--num-beams must be >= 1 and does not combine with --top-k / --top-p (beam search does "
+                          "not sample)")
     loaded = load_for_inference(args.checkpoint)
     tok = loaded.tokenizer
     if tok is None:
@@ -49,12 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if not prompt:
         raise ConfigError("--prompt encodes to no tokens")
     max_new_tokens = new_token_limit(loaded.cfg, len(prompt), args.max_new_tokens)
-    if args.num_beams != 1:
-        if args.num_beams < 1 or args.top_k is not None or args.top_p is not None:
-            raise ConfigError("--num-beams must be >= 1 and does not combine with --top-k / --top-p (beam search "
-                              "does not sample)")
-        tokens = beam_decode(loaded, prompt, args.num_beams, args.length_penalty, args.length_penalty_form,
-                             max_new_tokens)
+    if args.num_beams > 1:
+        tokens = beam_decode(loaded, [prompt], args.num_beams, args.length_penalty, args.length_penalty_form,
+                             max_new_tokens)[0]
         text = tok.decode(tokens, skip_special=True)
         print(args.prompt + text if loaded.cfg.model.arch == "decoder" else text)
         return 0
