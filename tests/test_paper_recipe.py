@@ -203,7 +203,7 @@ def test_average_refuses_other_model_shapes(toy_run, tmp_path):
                              source / "tokenizer.json")
     result = cli("average", "--checkpoints", source, tmp_path / "other", "--out", tmp_path / "x", check=False)
     assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "model.d_ff: 128 in the checkpoint, 96 now" in result.stderr
+    assert result.stderr.count("\n") == 1 and "model.d_ff=96 (not 128)" in result.stderr
     assert not (tmp_path / "x").exists()
     result = cli("average", "--last", "99", toy_run["run"], "--out", tmp_path / "x", check=False)
     assert result.returncode == 2 and "only" in result.stderr

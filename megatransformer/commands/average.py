@@ -16,7 +16,8 @@ from pathlib import Path
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("average", help="average the weights of checkpoints (e.g. the last 5 of a run)")
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--checkpoints", nargs="+", metavar="C", help="checkpoint (step) directories to average")
+    which.add_argument("--checkpoints", nargs="+", metavar="C",
+                       help="checkpoint (step) directories to average (a run directory: its latest checkpoint)")
     which.add_argument("--last", nargs=2, metavar=("N", "RUN_DIR"),
                        help="the last N complete checkpoints of a run directory (or its checkpoints directory)")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
@@ -54,8 +55,10 @@ def average_checkpoints(paths: list[Path]):
     import torch
 
     from megatransformer.config import ConfigError
-    from megatransformer.training.checkpoint import check_same_shapes, load_weights
+    from megatransformer.inference import checkpoint_dir
+    from megatransformer.training.checkpoint import SHAPE_FIELDS, load_weights
 
+    paths = [checkpoint_dir(p) for p in paths]  # a run or checkpoints directory stands for its latest checkpoint
     sums: dict[str, torch.Tensor] = {}
     first_cfg, first_tokenizer = None, None
     for path in paths:
@@ -65,7 +68,11 @@ def average_checkpoints(paths: list[Path]):
         if first_cfg is None:
             first_cfg, first_tokenizer = cfg, tokenizer_bytes
         else:
-            check_same_shapes(first_cfg.model, cfg.model, f"checkpoint {path} (compared with {paths[0]})")
+            diffs = [f"model.{f}={getattr(cfg.model, f)} (not {getattr(first_cfg.model, f)})"
+                     for f in SHAPE_FIELDS if getattr(cfg.model, f) != getattr(first_cfg.model, f)]
+            if diffs:
+                raise ConfigError(f"cannot average checkpoints of different model shapes: {path} has "
+                                  f"{', '.join(diffs)} of {paths[0]}")
             if tokenizer_bytes != first_tokenizer:
                 raise ConfigError(f"checkpoint {path} has another tokenizer.json than {paths[0]}: average "
                                   "checkpoints of one run only")
