@@ -1,12 +1,13 @@
 """Data-pipeline throughput: shard writing and loading in tokens/s, next to what a training step consumes.
 
-    python bench/data.py [--input FILES...] [--seq-len 1024] [--batches 50] [--json OUT]
+    python bench/data.py [--input FILES...] [--seq-len 1024] [--batches 50] [--http] [--json OUT]
 
 Without ``--input`` the corpus is the standard library's docstrings (``megatransformer data demo-corpus``),
 repeated ``--repeat`` times so that sharding runs long enough to time. Measures:
 
 1. shard writing (read + tokenize + write tars) with 1 tokenizer process and with all cores;
-2. the loader for every objective, in the main process (num_workers=0) and with all cores as workers;
+2. the loader for every objective, in the main process (num_workers=0) and with all cores as workers; with
+   ``--http`` also the autoregressive loader streaming the same shards from an http.server on loopback;
 3. a training step (forward + backward + AdamW) of a small decoder on this machine's CPU, for scale.
 
 Results print as a table (and JSON with ``--json``); BENCHMARKS.md records them. Timings on shared machines
@@ -16,6 +17,7 @@ are noisy: compare numbers from one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -52,14 +54,15 @@ def bench_sharding(files: list[str], tokenizer: Path, work: Path, cores: int) ->
     return rows
 
 
-def bench_loading(shards: Path, tokenizer: Path, seq_len: int, micro: int, batches: int, cores: int) -> list[dict]:
-    from data_pipeline.loader import build_loader
+def bench_loading(shards: str, tokenizer: Path, seq_len: int, micro: int, batches: int, cores: int,
+                  objectives: list[tuple[str, str]] = OBJECTIVES, where: str = "local") -> list[dict]:
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import validate
+    from megatransformer.training.data import build_loader
 
     tok = load_tokenizer(tokenizer)
     rows = []
-    for objective, arch in OBJECTIVES:
+    for objective, arch in objectives:
         for workers in sorted({0, cores}):
             cfg = validate({"model": {"arch": arch, "vocab_size": tok.vocab_size, "max_seq_len": seq_len},
                             "data": {"train": str(shards), "tokenizer": str(tokenizer), "seq_len": seq_len,
@@ -75,10 +78,35 @@ def bench_loading(shards: Path, tokenizer: Path, seq_len: int, micro: int, batch
                 tokens += batch["input_ids"].numel()  # positions (encoder / decoder-only side), padding included
                 real += int((batch["segment_ids"] > 0).sum())
             elapsed = time.perf_counter() - started
-            rows.append({"stage": "load", "objective": f"{objective} ({arch})", "workers": workers,
+            rows.append({"stage": "load", "objective": f"{objective} ({arch})", "workers": workers, "from": where,
                          "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
                          "real_tokens_per_s": real / elapsed})
     return rows
+
+
+@contextlib.contextmanager
+def http_server(directory: Path):
+    """``directory`` served by ``python -m http.server`` on loopback (its own process, as a server would be);
+    yields its URL."""
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory",
+                               str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):  # until it accepts connections
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def bench_train_step(seq_len: int, micro: int, steps: int, vocab: int) -> list[dict]:
@@ -123,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=50)
     p.add_argument("--train-steps", type=int, default=3, help="0 skips the training-step measurement")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="'all cores' (default: os.cpu_count())")
+    p.add_argument("--http", action="store_true", help="also load (autoregressive) from an HTTP server on loopback")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     from data_pipeline.tokenizer import train_tokenizer
@@ -134,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = work / "tokenizer.json"
         train_tokenizer(files[:1], args.vocab_size, tokenizer)
         rows += bench_sharding(files, tokenizer, work, args.workers)
-        rows += bench_loading(work / f"shards-{args.workers}", tokenizer, args.seq_len, args.micro_batch,
-                              args.batches, args.workers)
+        shards = work / f"shards-{args.workers}"
+        rows += bench_loading(str(shards), tokenizer, args.seq_len, args.micro_batch, args.batches, args.workers)
+        if args.http:  # the same shards streamed from an HTTP server on this machine
+            with http_server(shards) as url:
+                rows += bench_loading(url, tokenizer, args.seq_len, args.micro_batch, args.batches, args.workers,
+                                      OBJECTIVES[:1], where="http")
         if args.train_steps:
             rows += bench_train_step(args.seq_len, args.micro_batch, args.train_steps, args.vocab_size)
     print(f"cores: {os.cpu_count()}, seq_len {args.seq_len}, micro batch {args.micro_batch}, "
@@ -143,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         what = row.get("objective") or row.get("model") or ""
         detail = f"workers={row['workers']}" if "workers" in row else row["precision"]
+        detail += f" {row['from']}" if "from" in row else ""
         real = f", {row['real_tokens_per_s']:,.0f} without padding" if "real_tokens_per_s" in row else ""
         print(f"{row['stage']:10s} {what:36s} {detail:10s} {row['tokens_per_s']:>12,.0f} tokens/s "
               f"({row['tokens']:,} tokens in {row['seconds']:.2f} s{real})")

@@ -14,7 +14,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer with the special tokens")
     p.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files (.gz/.zst too)")
-    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--vocab-size", type=int, required=True,
+                   help="tokens to learn (the result has fewer when the corpus runs out of merges)")
     p.add_argument("--sentinels", type=int, default=100, help="span-corruption sentinel tokens")
     p.add_argument("--text-field", default="text", help="field of .jsonl records holding the text")
     p.add_argument("--doc-per", choices=["block", "file"], default="block",
@@ -33,22 +34,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--text-field", default="text", help="field of .jsonl records holding the text")
     p.add_argument("--doc-per", choices=["block", "file"], default="block",
                    help=".txt documents: blank-line-separated blocks or whole files")
-    p.add_argument("--on-decode-error", choices=["replace", "fail"], default="replace")
+    p.add_argument("--on-decode-error", choices=["replace", "fail"], default="replace",
+                   help="invalid UTF-8 in the input: replace the bad bytes (warned about) or stop")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     add_instruction_arguments(p)
     p.set_defaults(func=_shard)
 
     p = commands.add_parser("inspect", help="decode a few batches of a run config and print statistics")
-    p.add_argument("--config", required=True)
-    p.add_argument("--batches", type=int, default=2)
-    p.add_argument("--split", choices=["train", "valid"], default="train")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("overrides", nargs="*", metavar="key.path=value")
+    p.add_argument("--config", required=True, help="YAML run description, or a shipped config's name (llama-style)")
+    p.add_argument("--batches", type=int, default=2, help="micro batches to decode")
+    p.add_argument("--split", choices=["train", "valid"], default="train", help="which split to read")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. data.seq_len=256")
     p.set_defaults(func=_inspect)
 
     p = commands.add_parser("demo-corpus", help="write a text corpus from the Python standard library's docstrings")
-    p.add_argument("--out", required=True)
-    p.add_argument("--max-mb", type=float, default=2.0)
+    p.add_argument("--out", required=True, help="text file to write")
+    p.add_argument("--max-mb", type=float, default=2.0, help="corpus size in MB")
     p.set_defaults(func=_demo_corpus)
 
 
@@ -79,7 +81,8 @@ def _tokenizer(args: argparse.Namespace) -> int:
     from data_pipeline.tokenizer import train_tokenizer
 
     info = train_tokenizer(args.input, args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per)
-    print(f"wrote {args.out}: {info.vocab_size} tokens (pad {info.pad_id}, bos {info.bos_id}, eos {info.eos_id}, "
+    asked = "" if info.vocab_size == args.vocab_size else f" of {args.vocab_size} asked"
+    print(f"wrote {args.out}: {info.vocab_size} tokens{asked} (pad {info.pad_id}, bos {info.bos_id}, eos {info.eos_id}, "
           f"mask {info.mask_id}, {len(info.sentinel_ids)} sentinels)")
     return 0
 
@@ -102,8 +105,12 @@ def _shard(args: argparse.Namespace) -> int:
 @_guard
 def _inspect(args: argparse.Namespace) -> int:
     from data_pipeline.inspect import inspect_batches
+    from megatransformer.config import load_config  # the run config is the command line's, not the pipeline's
+    from megatransformer.training.data import loader_settings
 
-    return inspect_batches(args.config, args.overrides, args.batches, args.split, args.json)
+    cfg = load_config(args.config, args.overrides)
+    return inspect_batches(loader_settings(cfg), cfg.data.tokenizer, cfg.train.micro_batch_size or 4, args.batches,
+                           args.split, args.json)
 
 
 @_guard

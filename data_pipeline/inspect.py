@@ -7,8 +7,8 @@ import time
 
 import torch
 
+from data_pipeline.loader import LoaderSettings
 from megatransformer.batch import IGNORE_INDEX
-from megatransformer.config import load_config
 
 
 def batch_stats(batch: dict[str, torch.Tensor], objective: str, mask_id: int | None, eos_id: int | None,
@@ -76,14 +76,14 @@ def show_row(batch: dict[str, torch.Tensor], row: int, tok, objective: str) -> s
     return "  " + repr(text(ids[real]))
 
 
-def inspect_batches(config: str, overrides: list[str], n_batches: int, split: str, as_json: bool) -> int:
+def inspect_batches(settings: LoaderSettings, tokenizer: str, micro: int, n_batches: int, split: str,
+                    as_json: bool) -> int:
     from data_pipeline.loader import build_loader
     from data_pipeline.tokenizer import load_tokenizer
 
-    cfg = load_config(config, overrides)
-    tok = load_tokenizer(cfg.data.tokenizer)
-    micro = cfg.train.micro_batch_size or 4
-    loader = build_loader(cfg, split, micro, 0, 1, tok)
+    tok = load_tokenizer(tokenizer)
+    objective = settings.objective
+    loader = build_loader(settings, split, micro, 0, 1, tok)
     started, batches = time.perf_counter(), []
     for batch in loader:
         batches.append(batch)
@@ -91,17 +91,17 @@ def inspect_batches(config: str, overrides: list[str], n_batches: int, split: st
             break
     elapsed = time.perf_counter() - started
     tokens = sum(b["input_ids"].numel() + b.get("decoder_input_ids", b["input_ids"][:, :0]).numel() for b in batches)
-    per_batch = [batch_stats(b, cfg.objective, tok.mask_id, tok.eos_id, set(tok.sentinel_ids)) for b in batches]
+    per_batch = [batch_stats(b, objective, tok.mask_id, tok.eos_id, set(tok.sentinel_ids)) for b in batches]
     stats = {key: sum(s[key] for s in per_batch) / len(per_batch) for key in per_batch[0]}
     stats["tokens_per_second"] = tokens / max(elapsed, 1e-9)
     if as_json:
-        print(json.dumps({"objective": cfg.objective, "batches": len(batches), **stats}, indent=2))
+        print(json.dumps({"objective": objective, "batches": len(batches), **stats}, indent=2))
         return 0
     for b, batch in enumerate(batches):
         print(f"batch {b}: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items()))
         for row in range(min(2, batch["input_ids"].shape[0])):
-            print(f" row {row}:\n{show_row(batch, row, tok, cfg.objective)}")
-    print(f"objective {cfg.objective}, {len(batches)} batches of {micro}")
+            print(f" row {row}:\n{show_row(batch, row, tok, objective)}")
+    print(f"objective {objective}, {len(batches)} batches of {micro}")
     for key, value in stats.items():
         print(f"  {key:26s} {value:,.4f}")
     return 0

@@ -1,54 +1,120 @@
-"""The streaming loader: shards -> documents -> windows -> objective samples -> batches, resumable exactly.
+"""The streaming loader: shards -> documents -> windows -> objective samples -> rows -> batches; the order of
+the rows does not depend on how many ranks and workers read them, and it resumes exactly on any of them.
 
-Who reads what. The data-parallel ranks times the DataLoader workers form ``n_readers`` readers. In epoch
-``e`` the shards are permuted with ``(seed, e)`` and reader ``r`` reads shards ``r, r + n_readers, ...``;
-inside a shard, blocks of ``data.shuffle_buffer`` documents are permuted with ``(seed, e, shard, block)``
-(a bounded shuffle: memory holds one block of one shard per reader). So every reader's stream is a pure
-function of the seed and its position: no shared state, no coordination.
+Streams. A run fixes ``streams`` (S, ``data.streams``) when it starts; the loader state records it. Stream
+``k`` is a pure function of (seed, k, S, the datasets): in epoch ``e`` the shards are permuted with
+``(seed, e)``; with N >= S shards stream ``k`` reads shards ``k, k + S, ...`` of that permutation, with
+N < S shards it reads part ``k // N`` of shard ``k % N`` (a shard read by ``c`` streams is cut into ``c``
+contiguous runs of samples), so even a one-shard dataset feeds every stream. Inside its share a stream
+permutes blocks of ``shuffle_buffer // S`` documents with ``(seed, e, shard, first sample)``, cuts its
+documents into the objective's windows and builds sample ``j`` with a generator seeded by
+``(seed, split, k, j)``. Several sources are mixed per stream by weight, with the same per-sample generator.
 
-Exact resume. A reader's position is ``{epoch, shard, doc, offset}`` (the next window starts ``offset``
-tokens into that document) plus its sample counter; objectives seed their randomness per sample. Workers
-send their position with every batch, the main process keeps the latest one per reader, and
-``state_dict()`` is that small dict. Restarting from it, every reader continues where it stopped, and the
-batch order across workers continues too (the worker that was next is mapped to DataLoader worker 0).
+The global row sequence. Global row ``g`` (counting from the first row of the run) is the next sample of
+stream ``g % S``. Global step ``s`` with global batch ``B`` is rows ``s*B ... s*B + B - 1``. Data-parallel
+rank ``r`` of ``D`` takes rows ``g = r + D*i`` (``i`` = its local row counter) and cuts them into its micro
+batches in that order. When ``D`` divides ``S``, ``g % S % D == r``: rank ``r`` reads exactly the streams
+``k = r (mod D)``, and when ``D`` divides ``B`` its rows of step ``s`` are ``B/D`` of the ``B`` rows of that
+step, the ranks together all of them. So step ``s`` holds the same rows for every ``D`` dividing both ``B``
+and ``S``, whatever the micro batch size and accumulation (only which rank computes which row changes).
+Loader workers split a rank the same way: worker ``w`` of ``W`` produces local rows ``i = i0 + w + W*t``
+(``i0``: the rows the rank had consumed when the workers started); their streams are fixed when ``W``
+divides ``S / D``; the main process interleaves the workers' rows back into local order. Hence
+``S`` must be a multiple of ``D * max(1, W)`` (checked when the loader is built). The default 64 serves every
+power-of-two layout up to 64 readers (8 nodes x 8 GPUs with one worker each, 16 ranks x 4 workers, ...). More
+is not free: a rank serves ``S / D`` streams, each with its own open shard (a connection, for remote shards)
+and partly filled window, and a dataset with fewer than ``S`` shards is read ``ceil(S / N)`` times per epoch
+(each stream its part); larger jobs set ``data.streams`` when the run starts (e.g. 512 for 64 x 8 GPUs).
+
+Exact and elastic resume. ``state_dict()`` is the rank's local row count and the position of each stream it
+read (``{epoch, shard, doc, offset}`` per source plus the stream's sample count; objectives are seeded per
+sample). ``merge_states`` joins the states of all ranks into the state of the global sequence (``rows`` =
+global rows consumed), which ``load_state_dict`` accepts on any layout whose rank count divides it: every
+stream continues where it stopped and the global row sequence continues unchanged.
+
+Memory: a reader holds one block of documents and one open shard per stream it serves, about
+``shuffle_buffer / (D * W)`` documents and ``S / (D * W)`` open shards.
 
 Instruction data. Examples from a ``prompt_completion`` shard directory keep their prompt marked through the
 pipeline (``Window.prompt``): the objectives give its tokens no loss. A decoder packs them into rows like
-documents (a piece cut at a row boundary keeps what it holds of its prompt), or with ``data.pack: false``
+documents (a piece cut at a row boundary keeps what it holds of its prompt), or with ``pack=False``
 gives each its own row; an encoder-decoder reads each whole (prompt -> encoder, completion -> decoder),
 several per row when packed. An example longer than its row is truncated, one whose prompt leaves no room
 to learn anything is skipped; both are warned about.
 
+Remote shards. A shard directory may be a URL (``http(s)://``, ``s3://``, ``gs://``): the manifest and the
+shards are read through fsspec and streamed, never stored (see data_pipeline.remote). Local shards are
+checked against the manifest's sha256 before they are read, remote ones while they stream (a mismatch is found
+at the end of the shard).
+
 No hang. Training streams are endless (epochs roll over, reshuffled), so every rank can take as many steps
-as the trainer asks for; a rank never runs out first. Validation is one pass over the validation shards in
-order, identical on every rank and every time.
+as the trainer asks for; a rank never runs out first. Validation is one stream: one pass over the validation
+shards in order, identical on every rank and every time. A finite training loader (``epochs`` given) skips
+exhausted streams; its tail order then depends on the layout.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
+import tarfile
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline import DataError
-from data_pipeline.objectives import Objective, Window, build_objective
+from data_pipeline.objectives import ObjectiveArgs, Objective, Window, build_objective
+from data_pipeline.remote import Retry, ShardStream, check_location, is_remote, join
 from data_pipeline.shard import INSTRUCTIONS, Manifest, ShardInfo, decode_ids
 from data_pipeline.tokenizer import TokenizerInfo
-from megatransformer.config import DatasetSource, ModelConfig, RunConfig
 
 SPLIT_SALT = {"train": 0, "valid": 1}
+STATE_FORMAT = 2  # format 1 (before streams): per-reader positions, resumable on the same layout only
+DEFAULT_STREAMS = 64
+MAX_EMPTY_EPOCHS = 100  # epochs in a row in which a stream's shares were all corrupt: then it fails
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One dataset to read: a shard directory (local path or URL) and its mixing weight."""
+
+    path: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """Everything the loader needs to know, as plain values (megatransformer.training.data builds it from a
+    run config)."""
+
+    train: str | list[SourceSpec] | None  # shard directory (or URL), or datasets to mix
+    seq_len: int  # tokens per row (encoder side for encoder-decoder objectives)
+    objective: str  # autoregressive | masked_lm | prefix_lm | span_corruption
+    arch: str  # decoder | encoder | encoder_decoder
+    vocab_size: int  # the model's; shards must fit it
+    seed: int = 0
+    valid: str | list[SourceSpec] | None = None  # default: the validation split of train
+    objective_args: ObjectiveArgs = field(default_factory=ObjectiveArgs)
+    pack: bool = True
+    shuffle_buffer: int = 1000  # documents held for shuffling by one reader of all streams
+    num_workers: int = 0  # DataLoader worker processes per rank (train only)
+    on_corrupt: str = "error"  # error | skip
+    streams: int = DEFAULT_STREAMS
+    retries: int = 5  # remote reads: retries after a failure before the shard is named in the error
+    retry_wait: float = 1.0  # seconds before the first retry (doubled each time)
+    pin_memory: bool = False  # batches in page-locked memory (a CUDA run copies them without waiting)
 
 
 @dataclass
 class Source:
-    directory: Path
+    directory: str  # local path or URL
     split: str
     shards: list[ShardInfo]
     weight: float
@@ -59,27 +125,36 @@ class Source:
         """Identifies the shards' content (not their location), for resume checks."""
         return hashlib.sha256("".join(s.sha256 for s in self.shards).encode()).hexdigest()[:16]
 
+    @property
+    def remote(self) -> bool:
+        return is_remote(self.directory)
 
-def resolve_sources(spec: Any, split: str, fallback: Any = None) -> list[Source]:
-    """``data.train`` / ``data.valid`` (a directory or a list of {path, weight}) as Sources of one split."""
+    def location(self, info: ShardInfo) -> str:
+        return join(self.directory, info.file)
+
+
+def resolve_sources(spec: str | list[SourceSpec] | None, split: str, retry: Retry,
+                    fallback: str | list[SourceSpec] | None = None) -> list[Source]:
+    """``train`` / ``valid`` (a directory or URL, or a list of SourceSpec) as Sources of one split."""
     spec = spec if spec is not None else fallback
     if spec is None:
         raise DataError(f"data.{split} is not set; point it at a directory written by `megatransformer data shard`")
-    entries = [DatasetSource(path=spec)] if isinstance(spec, str) else spec
+    entries = [SourceSpec(str(spec))] if isinstance(spec, (str, Path)) else spec
     sources = []
     for entry in entries:
-        manifest = Manifest.load(entry.path)
+        check_location(entry.path)
+        manifest = Manifest.load(entry.path, retry)
         shards = manifest.splits.get(split, [])
         if not shards:
             hint = "; set data.valid or re-shard with --valid-every N" if split == "valid" else ""
             raise DataError(f"{entry.path} has no {split} shards (its manifest lists {sorted(manifest.splits)}){hint}")
         if entry.weight <= 0:
             raise DataError(f"data.{split}: weight of {entry.path} must be positive, got {entry.weight}")
-        sources.append(Source(Path(entry.path), split, shards, entry.weight, manifest))
+        sources.append(Source(str(entry.path), split, shards, entry.weight, manifest))
     return sources
 
 
-def check_compatible(sources: list[Source], tok: TokenizerInfo, model: ModelConfig) -> None:
+def check_compatible(sources: list[Source], tok: TokenizerInfo, vocab_size: int) -> None:
     """Shards, tokenizer and model must agree on the token ids; checked before any step is taken."""
     for source in sources:
         m = source.manifest
@@ -89,34 +164,64 @@ def check_compatible(sources: list[Source], tok: TokenizerInfo, model: ModelConf
         if m.vocab_size != tok.vocab_size or np.iinfo(m.dtype).max < m.vocab_size - 1:
             raise DataError(f"{source.directory}: manifest says vocab {m.vocab_size} in {m.dtype}, the tokenizer "
                             f"has {tok.vocab_size} tokens; re-shard it")
-    if tok.vocab_size > model.vocab_size:
-        raise DataError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but model.vocab_size={model.vocab_size}; "
+        if m.vocab_size > vocab_size:
+            raise DataError(f"{source.directory} holds token ids up to {m.vocab_size - 1} but "
+                            f"model.vocab_size={vocab_size}; set model.vocab_size >= {m.vocab_size}")
+    if tok.vocab_size > vocab_size:
+        raise DataError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but model.vocab_size={vocab_size}; "
                         f"set model.vocab_size >= {tok.vocab_size}")
 
 
-def check_instructions(sources: list[Source], cfg: RunConfig) -> None:
+def check_instructions(sources: list[Source], objective: str) -> None:
     """Instruction (prompt, completion) shards need an objective that can leave the prompt unscored."""
     instructions = [s for s in sources if s.manifest.kind == INSTRUCTIONS]
     if not instructions:
         return
     where = instructions[0].directory
-    if cfg.objective not in ("autoregressive", "prefix_lm"):
-        raise DataError(f"{where} holds prompt/completion examples, which objective={cfg.objective} cannot use; "
+    if objective not in ("autoregressive", "prefix_lm"):
+        raise DataError(f"{where} holds prompt/completion examples, which objective={objective} cannot use; "
                         "train them with objective=autoregressive or objective=prefix_lm")
 
 
-# ------------------------------------------------------------------------------------------- readers
+def check_streams(sources: list[Source], streams: int, dp_size: int, workers: int) -> None:
+    """Every reader serves a whole number of streams, and every stream gets documents in every epoch."""
+    readers = dp_size * max(1, workers)
+    if streams % readers:
+        fits = [w for w in range(max(1, workers), 0, -1) if streams % (dp_size * w) == 0]
+        hint = f"data.num_workers={fits[0]}" if fits else "a data-parallel size that divides it"
+        raise DataError(f"data.streams={streams} cannot be dealt to {dp_size} ranks x {max(1, workers)} workers = "
+                        f"{readers} readers (each reader serves a whole number of streams); set data.streams to a "
+                        f"multiple of {readers} when the run starts, or use {hint}")
+    for source in sources:
+        n = len(source.shards)
+        fewest = min(s.samples for s in source.shards)
+        if n < streams and fewest < math.ceil(streams / n):
+            raise DataError(f"{source.directory}: {n} {source.split} shard(s) with as few as {fewest} documents "
+                            f"cannot feed data.streams={streams} (each stream needs a document per epoch); lower "
+                            f"data.streams to {n * fewest} or less when the run starts")
+
+
+# ------------------------------------------------------------------------------------------- shards
 
 
 @dataclass
 class Position:
     epoch: int = 0
-    shard: int = 0  # index into this reader's shard list of the epoch
-    doc: int = 0  # index into the shard's (block-permuted) documents
+    shard: int = 0  # index into this stream's shard list of the epoch
+    doc: int = 0  # index into the (block-permuted) documents of that shard (part)
     offset: int = 0  # tokens of that document already consumed
 
     def as_dict(self) -> dict:
         return {"epoch": self.epoch, "shard": self.shard, "doc": self.doc, "offset": self.offset}
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one stream reads of one shard: samples [first, stop) (the whole shard unless split)."""
+
+    shard: int  # index into Source.shards
+    first: int
+    stop: int
 
 
 _VERIFIED: set[tuple[str, int, int, str]] = set()  # (path, size, mtime, sha256) checked in this process
@@ -124,26 +229,39 @@ _VERIFIED: set[tuple[str, int, int, str]] = set()  # (path, size, mtime, sha256)
 
 @dataclass
 class ShardOpener:
-    """Opens shards after checking them against the manifest; a corrupt one raises or, with
-    on_corrupt=skip, is warned about, remembered (in the loader state) and skipped."""
+    """Opens shards after (local) or while (remote) checking them against the manifest; a corrupt or
+    unreachable one raises or, with on_corrupt=skip, is warned about, remembered (in the loader state) and
+    skipped."""
 
     on_corrupt: str
+    retry: Retry
     skipped: list[str] = field(default_factory=list)
 
-    def open(self, source: Source, info: ShardInfo) -> Iterator[tuple[bytes, bytes | None]] | None:
-        path = source.directory / info.file
-        if str(path) in self.skipped:
-            return None
+    def samples(self, source: Source, share: Share) -> Iterator[tuple[bytes, bytes | None]]:
+        """The samples of ``share`` in shard order; nothing if the shard is (found) corrupt and skipped."""
+        info = source.shards[share.shard]
+        where = source.location(info)
+        if where in self.skipped:
+            return
         try:
-            verify_shard(path, info)
-        except (OSError, DataError) as err:
-            message = f"corrupt shard {path}: {err}"
+            if source.remote:
+                stream = ShardStream(where, info.sha256, self.retry)
+                try:
+                    yield from _tar_samples(stream, info, share, where)
+                    stream.verify_rest()
+                finally:
+                    stream.close()
+            else:
+                verify_shard(Path(where), info)
+                with open(where, "rb") as f:
+                    yield from _tar_samples(f, info, share, where)
+        except (OSError, DataError, tarfile.TarError) as err:
+            message = f"missing shard {where} (listed in the manifest)" if isinstance(err, FileNotFoundError) \
+                else f"corrupt shard {where}: {err}"
             if self.on_corrupt == "error":
                 raise DataError(message + " (set data.on_corrupt=skip to skip it)") from None
             warnings.warn(message + "; skipping it (data.on_corrupt=skip)", stacklevel=2)
-            self.skipped.append(str(path))
-            return None
-        return _samples(path, info)
+            self.skipped.append(where)
 
 
 def verify_shard(path: Path, info: ShardInfo) -> None:
@@ -161,24 +279,26 @@ def verify_shard(path: Path, info: ShardInfo) -> None:
     _VERIFIED.add(key)
 
 
-def _samples(path: Path, info: ShardInfo) -> Iterator[tuple[bytes, bytes | None]]:
-    """The encoded token arrays (and prompt lengths, if any) of a (verified) shard, streamed with webdataset."""
-    import webdataset as wds
-
-    count = 0
-    try:
-        for sample in wds.WebDataset(str(path), shardshuffle=False, nodesplitter=_all, workersplitter=_all,
-                                     empty_check=False):
-            count += 1
-            yield sample["ids.npy"], sample.get("prompt_len")
-    except Exception as err:  # noqa: BLE001 - any read error of a verified shard means it changed under us
-        raise DataError(f"shard {path} failed while reading (changed on disk?): {err}") from None
-    if count != info.samples:
-        raise DataError(f"shard {path} holds {count} samples, its manifest says {info.samples}")
-
-
-def _all(urls):
-    return urls
+def _tar_samples(fileobj: BinaryIO, info: ShardInfo, share: Share, where: str) -> Iterator[tuple[bytes, bytes | None]]:
+    """(ids.npy bytes, prompt_len bytes or None) of samples [share.first, share.stop) of a shard written by
+    ShardWriter (a sample's files are consecutive members ``<key>.<ext>``), read as a stream: samples before
+    the share are passed over unread."""
+    index, key, sample = -1, None, {}
+    with tarfile.open(fileobj=fileobj, mode="r|") as tar:
+        for member in tar:
+            name, _, ext = member.name.rpartition("/")[2].partition(".")
+            if name != key:
+                if share.first <= index < share.stop:
+                    yield sample["ids.npy"], sample.get("prompt_len")
+                index, key, sample = index + 1, name, {}
+                if index >= share.stop and share.stop < info.samples:
+                    return  # the rest belongs to other streams (remote: the caller checks the sha256)
+            if share.first <= index < share.stop and member.isfile():
+                sample[ext] = tar.extractfile(member).read()
+    if share.first <= index < share.stop:
+        yield sample["ids.npy"], sample.get("prompt_len")
+    if index + 1 != info.samples:
+        raise DataError(f"shard {where} holds {index + 1} samples, its manifest says {info.samples}")
 
 
 def _rng(*key: int) -> np.random.Generator:
@@ -186,53 +306,67 @@ def _rng(*key: int) -> np.random.Generator:
 
 
 class DocumentReader:
-    """The documents of one reader and one source, in the deterministic order described above."""
+    """The documents of one stream and one source, in the deterministic order described above."""
 
-    def __init__(self, source: Source, seed: int, reader: int, n_readers: int, shuffle: bool, block: int,
+    def __init__(self, source: Source, seed: int, stream: int, streams: int, shuffle: bool, block: int,
                  opener: ShardOpener, epochs: int | None) -> None:
-        self.source, self.seed, self.reader, self.n_readers = source, seed, reader, n_readers
+        self.source, self.seed, self.stream, self.streams = source, seed, stream, streams
         self.shuffle, self.block, self.opener, self.epochs = shuffle, block, opener, epochs
 
-    def shard_order(self, epoch: int) -> list[int]:
-        order = np.arange(len(self.source.shards))
+    def shares(self, epoch: int) -> list[Share]:
+        """This stream's shares of the epoch: whole shards k, k+S, ... of the permutation, or, with fewer
+        shards than streams, one contiguous part of shard k % N."""
+        shards = self.source.shards
+        order = np.arange(len(shards))
         if self.shuffle:
             order = _rng(self.seed, epoch).permutation(order)
-        return [int(i) for i in order[self.reader::self.n_readers]]
+        n, k = len(shards), self.stream
+        if n >= self.streams:
+            return [Share(int(i), 0, shards[i].samples) for i in order[k::self.streams]]
+        shard = int(order[k % n])
+        parts, part, samples = len(range(k % n, self.streams, n)), k // n, shards[shard].samples
+        return [Share(shard, part * samples // parts, (part + 1) * samples // parts)]
 
     def documents(self, start: Position) -> Iterator[tuple[np.ndarray, int | None, Position]]:
         """Yield (document tokens, its prompt length or None, its Position) from ``start`` on (the caller
         applies start.offset)."""
         epoch, shard_pos, doc_pos = start.epoch, start.shard, start.doc
+        empty_epochs = 0
         while self.epochs is None or epoch < self.epochs:
-            shards, found, whole_epoch = self.shard_order(epoch), False, shard_pos == 0 and doc_pos == 0
-            while shard_pos < len(shards):
-                samples = self.opener.open(self.source, self.source.shards[shards[shard_pos]])
-                if samples is not None:
-                    for d, (data, prompt_len) in self._ordered(samples, epoch, shards[shard_pos], doc_pos):
-                        found = True
-                        prompt_len = None if prompt_len is None else int(prompt_len)
-                        yield decode_ids(data), prompt_len, Position(epoch, shard_pos, d, 0)
+            shares, found, whole_epoch = self.shares(epoch), False, shard_pos == 0 and doc_pos == 0
+            while shard_pos < len(shares):
+                share = shares[shard_pos]
+                for d, (data, prompt_len) in self._ordered(self.opener.samples(self.source, share), epoch, share,
+                                                           doc_pos):
+                    found = True
+                    prompt_len = None if prompt_len is None else int(prompt_len)
+                    yield decode_ids(data), prompt_len, Position(epoch, shard_pos, d, 0)
                 shard_pos, doc_pos = shard_pos + 1, 0
-            if whole_epoch and not found:  # never spin through epochs without data
-                raise DataError(f"reader {self.reader} found no readable document in its shards of "
+            # a stream whose shares were all skipped moves on to the next epoch (other shards), but never spins
+            # through epochs without data
+            empty_epochs = empty_epochs + 1 if whole_epoch and not found else 0
+            skipped = {self.source.location(info) for info in self.source.shards} <= set(self.opener.skipped)
+            if empty_epochs and (skipped or empty_epochs > MAX_EMPTY_EPOCHS):
+                raise DataError(f"stream {self.stream} found no readable document in its shards of "
                                 f"{self.source.directory} in epoch {epoch} (all corrupt?)")
             epoch, shard_pos = epoch + 1, 0
 
-    def _ordered(self, samples: Iterator, epoch: int, shard: int, first: int) -> Iterator[tuple[int, Any]]:
+    def _ordered(self, samples: Iterator, epoch: int, share: Share, first: int) -> Iterator[tuple[int, Any]]:
         """(index, sample) from index ``first`` on, each block of ``self.block`` samples permuted."""
         block: list = []
         base = 0
         for data in samples:
             block.append(data)
             if len(block) == self.block:
-                yield from self._emit(block, base, epoch, shard, first)
+                yield from self._emit(block, base, epoch, share, first)
                 base, block = base + len(block), []
-        yield from self._emit(block, base, epoch, shard, first)
+        yield from self._emit(block, base, epoch, share, first)
 
-    def _emit(self, block: list, base: int, epoch: int, shard: int, first: int):
+    def _emit(self, block: list, base: int, epoch: int, share: Share, first: int):
         if base + len(block) <= first:  # before the resume point: skipped without decoding
             return
-        order = _rng(self.seed, epoch, shard, base).permutation(len(block)) if self.shuffle else range(len(block))
+        order = _rng(self.seed, epoch, share.shard, share.first + base).permutation(len(block)) if self.shuffle \
+            else range(len(block))
         for j in range(max(first - base, 0), len(block)):
             yield base + j, block[order[j]]
 
@@ -411,37 +545,40 @@ def _example_window(pieces: list[np.ndarray], prompts: list[np.ndarray] | None =
     return Window(np.concatenate(pieces), segments, None if prompts is None else np.concatenate(prompts))
 
 
-class SampleStream:
-    """One reader's samples: several sources mixed by weight, the objective applied with a per-sample seed."""
 
-    def __init__(self, spec: LoaderSpec, reader: int, state: dict | None) -> None:
+class StreamSamples:
+    """The samples of one stream: its sources mixed by weight, the objective applied with a per-sample seed."""
+
+    def __init__(self, spec: LoaderSpec, stream: int, state: dict | None, opener: ShardOpener) -> None:
         sources = spec.sources
         state = state or {"samples": 0, "positions": [Position().as_dict() for _ in sources]}
-        self.opener = ShardOpener(spec.on_corrupt, list(state.get("skipped", [])))
-        self.seed, self.salt, self.reader, self.samples = spec.seed, spec.salt, reader, state["samples"]
+        self.seed, self.salt, self.stream, self.samples = spec.seed, spec.salt, stream, state["samples"]
         self.objective = spec.objective
         self.weights = np.array([s.weight for s in sources]) / sum(s.weight for s in sources)
-        n_readers = spec.dp_size * spec.workers_per_rank
-        self.streams = [
-            WindowStream(DocumentReader(s, spec.seed, reader, n_readers, spec.shuffle, spec.block, self.opener,
+        self.windows = [
+            WindowStream(DocumentReader(s, spec.seed, stream, spec.streams, spec.shuffle, spec.block, opener,
                                         spec.epochs), spec.objective, spec.eos, Position(**p))
             for s, p in zip(sources, state["positions"])
         ]
 
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        while True:
-            rng = _rng(self.seed, self.salt, self.reader, self.samples)
-            choice = int(rng.choice(len(self.streams), p=self.weights)) if len(self.streams) > 1 else 0
-            try:
-                window = next(self.streams[choice])
-            except StopIteration:  # a finite stream (validation) ends when its first source does
-                return
-            self.samples += 1
-            yield self.objective.build(window, rng)
+    def __next__(self) -> dict[str, np.ndarray]:
+        """The next sample; StopIteration when a finite stream ends (when its first source does)."""
+        rng = _rng(self.seed, self.salt, self.stream, self.samples)
+        choice = int(rng.choice(len(self.windows), p=self.weights)) if len(self.windows) > 1 else 0
+        window = next(self.windows[choice])
+        self.samples += 1
+        return self.objective.build(window, rng)
 
     def state(self) -> dict:
-        return {"samples": self.samples, "positions": [s.position.as_dict() for s in self.streams],
-                "skipped": list(self.opener.skipped)}
+        return {"samples": self.samples, "positions": [w.position.as_dict() for w in self.windows]}
+
+
+def _stack(rows: list[torch.Tensor], pin_memory: bool) -> torch.Tensor:
+    """Rows into one batch tensor, written straight into page-locked memory when asked."""
+    if not pin_memory:
+        return torch.stack(rows)
+    out = torch.empty((len(rows), *rows[0].shape), dtype=rows[0].dtype, pin_memory=True)
+    return torch.stack(rows, out=out)
 
 
 def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -466,33 +603,66 @@ class LoaderSpec:
     block: int
     on_corrupt: str
     epochs: int | None
+    streams: int
+    retry: Retry
+    pin_memory: bool = False
 
     @property
     def workers_per_rank(self) -> int:
         return max(1, self.num_workers)
 
-    def reader_id(self, logical_worker: int) -> int:
-        return self.dp_rank * self.workers_per_rank + logical_worker
+    def stream_of(self, local_row: int) -> int:
+        """The stream of this rank's local row ``local_row`` (global row dp_rank + dp_size * local_row)."""
+        return (self.dp_rank + self.dp_size * local_row) % self.streams
 
 
-class _Batches(IterableDataset):
-    """Runs inside each DataLoader worker (or in the main process): batches tagged with reader states."""
+@dataclass
+class _Chunk:
+    """Rows a worker made: its local rows start + worker + W * (round * n + u), u < n."""
 
-    def __init__(self, spec: LoaderSpec, states: dict[int, dict], rotation: int) -> None:
-        self.spec, self.states, self.rotation = spec, states, rotation
+    worker: int
+    round: int
+    batch: dict[str, torch.Tensor]  # [n, ...] per key
+    states: list[tuple[int, dict]]  # per row: (stream, the stream's state after the row)
+    skipped: list[str]
 
-    def __iter__(self):
+
+class _Rows(IterableDataset):
+    """Runs inside each DataLoader worker (or in the main process): this worker's rows, in chunks."""
+
+    def __init__(self, spec: LoaderSpec, start: int, states: dict[int, dict], skipped: list[str]) -> None:
+        self.spec, self.start, self.states, self.skipped = spec, start, states, skipped
+
+    def __iter__(self) -> Iterator[_Chunk]:
         spec = self.spec
         info = get_worker_info()
-        logical = (info.id + self.rotation) % spec.workers_per_rank if info else 0
-        reader = spec.reader_id(logical)
-        stream = SampleStream(spec, reader, self.states.get(reader))
-        samples = iter(stream)
-        while True:
-            batch = [s for _, s in zip(range(spec.micro_batch_size), samples)]
-            if len(batch) < spec.micro_batch_size:
-                return  # a finite (validation) stream drops its last partial batch
-            yield collate(batch), reader, stream.state()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        # the streams this worker's rows visit, in order; the cycle repeats (workers * dp_size divides streams)
+        cycle = [spec.stream_of(self.start + worker + workers * t)
+                 for t in range(spec.streams // (spec.dp_size * workers))]
+        opener = ShardOpener(spec.on_corrupt, spec.retry, list(self.skipped))
+        streams = {k: StreamSamples(spec, k, self.states.get(k), opener) for k in cycle}
+        size = spec.micro_batch_size
+        turn = 0  # index into cycle of the stream of the next row
+        for round_ in itertools.count():
+            rows, states = [], []
+            while len(rows) < size and cycle:
+                k = cycle[turn]
+                try:
+                    rows.append(next(streams[k]))
+                except StopIteration:  # finite loaders only: the exhausted stream leaves the cycle
+                    del cycle[turn]
+                    turn = turn % len(cycle) if cycle else 0
+                    continue
+                states.append((k, streams[k].state()))
+                turn = (turn + 1) % len(cycle)
+            if not rows:
+                return
+            yield _Chunk(worker, round_, collate(rows), states, list(opener.skipped))
+
+
+def _same(item):
+    return item
 
 
 class StreamingLoader:
@@ -502,70 +672,101 @@ class StreamingLoader:
     iteration (and on every rank).
     """
 
-    def __init__(self, spec: LoaderSpec, model: ModelConfig | None = None) -> None:
+    def __init__(self, spec: LoaderSpec) -> None:
         self.spec = spec
-        self.states: dict[int, dict] = {}
-        self.consumed = 0
-        if model is not None:
-            self.check_compatible(model)
-
-    def check_compatible(self, model: ModelConfig) -> None:
-        """Raise DataError when the shards' vocabulary does not fit the model's (also done at build time)."""
-        for source in self.spec.sources:
-            if source.manifest.vocab_size > model.vocab_size:
-                raise DataError(f"{source.directory} holds token ids up to {source.manifest.vocab_size - 1} but "
-                                f"model.vocab_size={model.vocab_size}; set model.vocab_size >= "
-                                f"{source.manifest.vocab_size}")
+        self.rows = 0  # local rows consumed (handed out in batches)
+        self.stream_states: dict[int, dict] = {}
+        self.skipped: list[str] = []
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         spec = self.spec
         if not spec.shuffle:  # validation: the same batches, from the beginning, every time
-            self.states, self.consumed = {}, 0
-        rotation = self.consumed % spec.workers_per_rank
-        dataset = _Batches(spec, dict(self.states), rotation)
-        loader = DataLoader(dataset, batch_size=None, num_workers=spec.num_workers, persistent_workers=False)
+            self.rows, self.stream_states = 0, {}
+        dataset = _Rows(spec, self.rows, dict(self.stream_states), list(self.skipped))
+        loader = DataLoader(dataset, batch_size=None, num_workers=spec.num_workers, collate_fn=_same,
+                            persistent_workers=False)
+        pending: deque = deque()  # rows in local order: (tensors of one row, (stream, state))
+        chunks: list[_Chunk] = []  # of the current round, one per worker
         produced = 0
-        for batch, reader, state in loader:
-            self.states[reader] = state
-            self.consumed += 1
+        for chunk in loader:
+            if chunks and chunk.round != chunks[0].round:  # a finite loader lost a worker
+                pending.extend(_interleave(chunks))
+                chunks = []
+            chunks.append(chunk)
+            if len(chunks) == spec.workers_per_rank:
+                pending.extend(_interleave(chunks))
+                chunks = []
+            self._note_skipped(chunk.skipped)
+            while len(pending) >= spec.micro_batch_size:
+                produced += 1
+                yield self._take(pending)
+        pending.extend(_interleave(chunks))
+        while len(pending) >= spec.micro_batch_size:  # (a finite loader drops its last partial batch)
             produced += 1
-            yield batch
+            yield self._take(pending)
         if produced == 0 and not spec.shuffle:
             raise DataError(f"the {spec.sources[0].split} split of {spec.sources[0].directory} holds less than one "
                             f"batch of {spec.micro_batch_size} sequences; shard more validation documents "
                             "(--valid-every) or lower the batch size")
 
-    def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "readers": {str(k): v for k, v in self.states.items()},
-                "dp_rank": self.spec.dp_rank, "dp_size": self.spec.dp_size, "num_workers": self.spec.num_workers,
-                "sources": [s.fingerprint for s in self.spec.sources]}
+    def _take(self, pending: deque) -> dict[str, torch.Tensor]:
+        rows = [pending.popleft() for _ in range(self.spec.micro_batch_size)]
+        for _, (stream, state) in rows:
+            self.stream_states[stream] = state
+        self.rows += len(rows)
+        return {key: _stack([tensors[key] for tensors, _ in rows], self.spec.pin_memory) for key in rows[0][0]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _note_skipped(self, skipped: list[str]) -> None:
+        self.skipped += [s for s in skipped if s not in self.skipped]
+
+    def state_dict(self) -> dict:
         spec = self.spec
-        layout = (state["dp_size"], state["num_workers"])
-        if layout != (spec.dp_size, spec.num_workers):
-            raise DataError(f"the data-loader state was saved with dp_size, num_workers = {layout}, this run has "
-                            f"{(spec.dp_size, spec.num_workers)}; exact resume needs the same layout "
-                            "(use init_from= to start a new run from the weights)")
-        if state.get("dp_rank", spec.dp_rank) != spec.dp_rank:
-            raise DataError(f"the data-loader state belongs to data-parallel rank {state['dp_rank']}, "
-                            f"not to rank {spec.dp_rank}")
+        return {"format": STATE_FORMAT, "streams": spec.streams, "dp_rank": spec.dp_rank, "dp_size": spec.dp_size,
+                "rows": self.rows, "stream_states": {str(k): v for k, v in sorted(self.stream_states.items())},
+                "skipped": list(self.skipped), "sources": [s.fingerprint for s in spec.sources]}
+
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """Continue from a state of this rank (same layout), of a one-rank run, or ``merge_states`` of all
+        ranks of a run (a list of per-rank states is merged here): any layout continues the global rows."""
+        spec = self.spec
+        if isinstance(state, list):
+            state = merge_states(state)
+        _check_format(state)
+        if state["streams"] != spec.streams:
+            raise DataError(f"the data-loader state was saved with data.streams={state['streams']}, this run has "
+                            f"data.streams={spec.streams}; set data.streams={state['streams']} to resume it")
         fingerprints = [s.fingerprint for s in spec.sources]
-        if state.get("sources", fingerprints) != fingerprints:
+        if state["sources"] != fingerprints:
             raise DataError(f"data.{spec.sources[0].split} holds other shards than when the checkpoint was saved; "
                             "exact resume needs the same datasets (use init_from= to start a new run from the "
                             "weights)")
-        self.consumed = state["consumed"]
-        self.states = {int(k): v for k, v in state["readers"].items()}
+        streams = {int(k): v for k, v in state["stream_states"].items()}
+        if (state["dp_size"], state["dp_rank"]) == (spec.dp_size, spec.dp_rank):
+            rows = state["rows"]
+            _check_counts(streams, spec.dp_rank, spec.dp_size, rows, spec.streams)
+        elif state["dp_size"] == 1:  # the whole sequence: take this rank's share of it
+            total = state["rows"]
+            if total % spec.dp_size:
+                raise DataError(f"the data-loader state is at global row {total}, which {spec.dp_size} "
+                                "data-parallel ranks cannot split evenly; keep the global batch size a multiple "
+                                "of the data-parallel size")
+            _check_counts(streams, 0, 1, total, spec.streams)
+            rows = total // spec.dp_size
+            streams = {k: v for k, v in streams.items() if k % spec.dp_size == spec.dp_rank}
+        else:
+            raise DataError(f"the data-loader state belongs to data-parallel rank {state['dp_rank']} of "
+                            f"{state['dp_size']}, not to rank {spec.dp_rank} of {spec.dp_size}; load the states "
+                            "of all ranks (merge_states) to resume on another layout")
+        self.rows, self.stream_states, self.skipped = rows, streams, list(state["skipped"])
 
     @property
     def skipped_shards(self) -> list[str]:
         """Corrupt shards skipped so far (data.on_corrupt=skip), for the metrics."""
-        return sorted({s for state in self.states.values() for s in state.get("skipped", [])})
+        return sorted(self.skipped)
 
     def metrics(self) -> dict[str, float]:
         return {"data/skipped_shards": float(len(self.skipped_shards)),
-                "data/epoch": float(max((p["epoch"] for st in self.states.values() for p in st["positions"]),
+                "data/epoch": float(max((p["epoch"] for st in self.stream_states.values() for p in st["positions"]),
                                         default=0))}
 
     def tokens_per_epoch(self) -> int:
@@ -573,36 +774,97 @@ class StreamingLoader:
         return sum(s.manifest.tokens(s.split) for s in self.spec.sources)
 
 
-def build_loader(cfg: RunConfig, split: str, micro_batch_size: int, dp_rank: int, dp_size: int,
+def _interleave(chunks: list[_Chunk]) -> Iterator[tuple[dict[str, torch.Tensor], tuple[int, dict]]]:
+    """The rows of one round of chunks (one per worker, in worker order) in local row order: row u of every
+    worker, then row u + 1, ..."""
+    for u in range(max((len(c.states) for c in chunks), default=0)):
+        for c in chunks:
+            if u < len(c.states):
+                yield {key: value[u] for key, value in c.batch.items()}, c.states[u]
+
+
+def _check_format(state: dict) -> None:
+    if state.get("format") != STATE_FORMAT:
+        raise DataError("the data-loader state was written by an older version (per-reader positions, before "
+                        "data.streams); it cannot be resumed exactly: start a new run from its weights with "
+                        "init_from=")
+
+
+def _check_counts(streams: dict[int, dict], rank: int, dp_size: int, rows: int, n_streams: int) -> None:
+    """After ``rows`` local rows of rank ``rank`` of ``dp_size`` (global rows rank + dp_size * i), every stream
+    has made one sample per such row that falls on it."""
+    period = n_streams // dp_size  # a rank's rows visit its streams in turn
+    for k in range(rank, n_streams, dp_size):
+        first = (k - rank) // dp_size  # the rank's first local row on stream k
+        expected = max(0, -(-(rows - first) // period))
+        made = streams.get(k, {"samples": 0})["samples"]
+        if made != expected:
+            raise DataError(f"the data-loader state is inconsistent: stream {k} made {made} samples, {expected} "
+                            f"expected after {rows} rows of rank {rank} of {dp_size} (states of ranks from "
+                            "different steps?)")
+
+
+def merge_states(states: list[dict]) -> dict:
+    """The states of all data-parallel ranks of one run (tensor-parallel peers may repeat) as one state of the
+    global row sequence, which ``load_state_dict`` accepts on any layout."""
+    if not states:
+        raise DataError("merge_states needs the data-loader states of all data-parallel ranks, got none")
+    for state in states:
+        _check_format(state)
+    first = states[0]
+    by_rank = {s["dp_rank"]: s for s in states}
+    if sorted(by_rank) != list(range(first["dp_size"])):
+        raise DataError(f"merge_states needs the states of data-parallel ranks 0..{first['dp_size'] - 1}, got "
+                        f"ranks {sorted(by_rank)}")
+    for s in states:
+        same = (s["streams"], s["dp_size"], s["sources"]) == (first["streams"], first["dp_size"], first["sources"])
+        if not same or s["rows"] != first["rows"]:
+            raise DataError("the data-loader states of the ranks do not belong together (other streams, layout, "
+                            "datasets or rows consumed)")
+    streams = {k: v for s in by_rank.values() for k, v in s["stream_states"].items()}
+    skipped = sorted({p for s in states for p in s["skipped"]})
+    return {"format": STATE_FORMAT, "streams": first["streams"], "dp_rank": 0, "dp_size": 1,
+            "rows": first["rows"] * first["dp_size"], "stream_states": streams, "skipped": skipped,
+            "sources": first["sources"]}
+
+
+def check_data(settings: LoaderSettings, tokenizer: TokenizerInfo) -> None:
+    """The checks a loader makes when built, of both splits, from the manifests alone: a run can make them
+    before its engines start."""
+    retry = Retry(settings.retries, settings.retry_wait)
+    sources = resolve_sources(settings.train, "train", retry) + \
+        resolve_sources(settings.valid, "valid", retry, fallback=settings.train)
+    check_compatible(sources, tokenizer, settings.vocab_size)
+    check_instructions(sources, settings.objective)
+
+
+def build_loader(settings: LoaderSettings, split: str, micro_batch_size: int, dp_rank: int, dp_size: int,
                  tokenizer: TokenizerInfo, epochs: int | None = None) -> StreamingLoader:
     """The loader of ``split``: "train" is endless and shuffled, split over ``dp_size`` ranks x
-    ``data.num_workers`` workers; "valid" is ``epochs`` (default 1) in-order passes, the same on every rank."""
-    data = cfg.data
+    ``num_workers`` workers; "valid" is ``epochs`` (default 1) in-order passes, the same on every rank."""
+    s = settings
     if split not in SPLIT_SALT:
         raise DataError(f"split must be train or valid, got {split!r}")
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
-    sources = resolve_sources(data.valid, "valid", fallback=data.train) if split == "valid" else \
-        resolve_sources(data.train, "train")
-    check_compatible(sources, tokenizer, cfg.model)
-    check_instructions(sources, cfg)
-    if data.on_corrupt == "error":  # a missing shard fails now, not hours into the run (checksums: when read)
-        missing = [str(s.directory / i.file) for s in sources for i in s.shards if not (s.directory / i.file).is_file()]
+    retry = Retry(s.retries, s.retry_wait)
+    sources = resolve_sources(s.valid, "valid", retry, fallback=s.train) if split == "valid" else \
+        resolve_sources(s.train, "train", retry)
+    check_compatible(sources, tokenizer, s.vocab_size)
+    check_instructions(sources, s.objective)
+    if s.on_corrupt == "error":  # a missing local shard fails now, not hours into the run (checksums: when read)
+        missing = [src.location(i) for src in sources if not src.remote for i in src.shards
+                   if not Path(src.location(i)).is_file()]
         if missing:
             raise DataError(f"{len(missing)} shard(s) listed in the manifest are missing, e.g. {missing[0]} "
                             "(restore them, re-shard, or set data.on_corrupt=skip)")
-    workers = data.num_workers if split == "train" else 0
-    readers = dp_size * max(1, workers)
-    fewest = min(len(s.shards) for s in sources)
-    if split == "train" and fewest < readers:
-        raise DataError(f"{fewest} train shards cannot feed {dp_size} ranks x {max(1, workers)} workers = {readers} "
-                        "readers (each reader needs its own shard); write smaller shards (--shard-mb) or lower "
-                        "data.num_workers")
-    if split == "valid":  # validation shards are few: every rank reads all of them, in order
+    workers, streams = (s.num_workers, s.streams) if split == "train" else (0, 1)
+    if split == "valid":  # validation shards are few: every rank reads all of them, in order, as one stream
         dp_rank, dp_size, epochs = 0, 1, epochs or 1
-    objective = build_objective(cfg.objective, cfg.model.arch, data.seq_len, data.pack, tokenizer,
-                                cfg.objective_args)
+    check_streams(sources, streams, dp_size, workers)
+    objective = build_objective(s.objective, s.arch, s.seq_len, s.pack, tokenizer, s.objective_args)
     eos = tokenizer.require("eos", "document separation")
-    spec = LoaderSpec(sources, objective, eos, cfg.seed, SPLIT_SALT[split], micro_batch_size, dp_rank, dp_size,
-                      workers, split == "train", max(1, data.shuffle_buffer), data.on_corrupt, epochs)
-    return StreamingLoader(spec, cfg.model)
+    spec = LoaderSpec(sources, objective, eos, s.seed, SPLIT_SALT[split], micro_batch_size, dp_rank, dp_size,
+                      workers, split == "train", max(1, s.shuffle_buffer // streams), s.on_corrupt, epochs, streams,
+                      retry, s.pin_memory)
+    return StreamingLoader(spec)

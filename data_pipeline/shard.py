@@ -28,6 +28,7 @@ from typing import Iterator
 import numpy as np
 
 from data_pipeline import DataError
+from data_pipeline.remote import Retry, is_remote, join, read_bytes
 from data_pipeline.sources import DecodeStats, Document, read_documents
 from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
 
@@ -62,13 +63,23 @@ class Manifest:
         tmp.replace(directory / MANIFEST)
 
     @classmethod
-    def load(cls, directory: str | Path) -> Manifest:
-        path = Path(directory) / MANIFEST
-        if not path.is_file():
-            raise DataError(f"{directory} has no {MANIFEST}: not a complete shard directory "
+    def load(cls, directory: str | Path, retry: Retry | None = None) -> Manifest:
+        """The manifest of a shard directory: a local path or a URL (see data_pipeline.remote)."""
+        missing = DataError(f"{directory} has no {MANIFEST}: not a complete shard directory "
                             "(write one with `megatransformer data shard`)")
+        if is_remote(str(directory)):
+            path = join(str(directory), MANIFEST)
+            try:
+                text = read_bytes(path, retry or Retry()).decode()
+            except FileNotFoundError:
+                raise missing from None
+        else:
+            path = Path(directory) / MANIFEST
+            if not path.is_file():
+                raise missing
+            text = path.read_text()
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(text)
             if raw.get("version") != FORMAT_VERSION:
                 raise DataError(f"{path} has format version {raw.get('version')}, this code reads {FORMAT_VERSION}")
             splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -124,4 +125,8 @@ def train_tokenizer(files: list[str], vocab_size: int, out: str | Path, n_sentin
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     tok.save(str(tmp))
     tmp.replace(out)
-    return load_tokenizer(out)
+    info = load_tokenizer(out)
+    if info.vocab_size < vocab_size:  # BPE ran out of pairs to merge: say so, the number matters for model.vocab_size
+        print(f"note: {out} has {info.vocab_size:,} tokens, fewer than the {vocab_size:,} asked: the corpus has "
+              f"no more pairs to merge (model.vocab_size >= {info.vocab_size} covers it)", file=sys.stderr)
+    return info

@@ -27,16 +27,82 @@ COMMANDS = (
 )
 
 
+DESCRIPTION = """\
+Pretrain Transformer language models (decoder, encoder, encoder-decoder) from one YAML config plus
+key.path=value overrides, on a laptop CPU or many GPU nodes.
+
+Start with `megatransformer quickstart` (a small model on a local corpus, a few minutes on a CPU). A config is a
+YAML path or the name of a shipped one: quickstart, llama-style, bert-style, t5-style, transformer-base,
+transformer-big. `megatransformer COMMAND --help` describes each command."""
+
+EPILOG = """\
+typical session:
+  megatransformer data tokenizer --input corpus.txt --vocab-size 32000 --out data/pretrain/tokenizer.json
+  megatransformer data shard --input corpus.txt --tokenizer data/pretrain/tokenizer.json --out data/pretrain/shards
+  megatransformer train --config llama-style train.max_steps=1000
+  megatransformer eval --checkpoint runs/llama-style --data data/pretrain/shards"""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default, except the ones that say nothing (None, an unset flag); keeps the
+    line breaks of descriptions and epilogs."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose sub-parsers (created through add_subparsers) use :class:`HelpFormatter`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatransformer", description=__doc__.splitlines()[0])
+    parser = Parser(prog="megatransformer", description=DESCRIPTION, epilog=EPILOG)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
         importlib.import_module(module).register(subparsers)
     return parser
 
 
+def is_override(arg: str) -> bool:
+    """Whether a command-line word is a ``key.path=value`` override: its first key is a section or field of
+    the run config (``data.seq_len=64``, ``seed=1``), so a file name holding '=' is not mistaken for one."""
+    from megatransformer.config import RunConfig
+
+    key, sep, _ = arg.partition("=")
+    return bool(sep) and key.split(".")[0] in RunConfig.model_fields
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse, letting overrides come anywhere after the sub-command's options: argparse alone would read
+    ``--data a.txt data.seq_len=64`` as two data files, and reject overrides that follow an option."""
+    args, extra = parser.parse_known_args(argv)
+    if not hasattr(args, "overrides"):  # a command without overrides: plain argparse rules
+        return parser.parse_args(argv)
+    stray = [arg for arg in extra if not is_override(arg)]
+    if stray:
+        parser.parse_args(argv)  # argparse's own message and exit 2
+    moved = list(extra)
+    for name, value in vars(args).items():
+        if name != "overrides" and isinstance(value, list) and any(map(is_override, value)):
+            moved += [v for v in value if is_override(v)]
+            kept = [v for v in value if not is_override(v)]
+            if not kept:
+                parser.exit(2, f"megatransformer {args.command}: error: --{name.replace('_', '-')} needs a value "
+                               f"that is not a key.path=value override\n")
+            setattr(args, name, kept)
+    given = set(moved) | set(args.overrides or [])
+    args.overrides = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg in given]  # in their order
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return int(args.func(args) or 0)
     except (ConfigError, DataError) as err:

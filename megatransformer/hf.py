@@ -258,7 +258,7 @@ def save_hf_dir(
 ) -> Family:
     """Write a ``transformers`` model directory (config.json, model.safetensors, tokenizer files) that loads with
     no custom code, for the family ``cfg`` maps onto. Written to a temporary directory, renamed when complete."""
-    from safetensors.torch import save_file
+    from megatransformer.training.checkpoint import save_safetensors
 
     family = hf_family(cfg)
     special_ids = special_ids or {}
@@ -272,7 +272,7 @@ def save_hf_dir(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in family.to_hf(state, cfg).items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, tmp / "model.safetensors")
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": special_ids.get("bos"), "eos_token_id": special_ids.get("eos"),

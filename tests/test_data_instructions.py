@@ -12,7 +12,7 @@ import torch
 
 from conftest import INSTRUCTION_VALID_EVERY
 from data_pipeline import DataError
-from data_pipeline.loader import build_loader
+from megatransformer.training.data import build_loader
 from data_pipeline.shard import INSTRUCTIONS, Manifest, write_shards
 from data_pipeline.sources import read_documents
 from data_pipeline.tokenizer import load_tokenizer
@@ -196,7 +196,7 @@ def test_long_examples_are_truncated_and_unlearnable_ones_skipped_with_a_warning
     path.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in records))
     write_shards([str(path)], str(tiny_data.tokenizer), tmp_path / "shards", valid_every=0, workers=1,
                  progress=False, prompt_field="prompt", text_field="completion")
-    cfg = make_cfg(tiny_data, tmp_path / "shards", "prefix_lm", seq_len=32, pack=False)
+    cfg = make_cfg(tiny_data, tmp_path / "shards", "prefix_lm", seq_len=32, pack=False, streams=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loader = build_loader(cfg, "train", 1, 0, 1, tok)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data_pipeline import DataError
-from data_pipeline.loader import build_loader
+from megatransformer.training.data import build_loader
 from data_pipeline.shard import Manifest, write_shards
 from data_pipeline.sources import read_documents
 from data_pipeline.tokenizer import load_tokenizer
@@ -97,33 +97,21 @@ def test_round_trip_valid_split_in_order(tiny_data, tok):
     assert (pos[starts] == 0).all() and pos[0] == 0
 
 
-def test_ranks_and_workers_split_the_train_split(tiny_data, tok):
-    """2 ranks x 2 workers, one epoch: no document served twice, all of them served (but each reader's
-    last partial batch)."""
-    cfg = make_cfg(tiny_data, num_workers=2, seq_len=256)
+@pytest.mark.parametrize("streams", [8, 64])
+def test_streams_split_the_train_split(tiny_data, tok, streams):
+    """One epoch of all streams serves every train document exactly once: whole shards per stream (8 streams,
+    25 shards) or parts of shards (64 streams)."""
+    from data_pipeline.loader import DocumentReader, Position, ShardOpener, resolve_sources
+    from data_pipeline.remote import Retry
+
+    (source,) = resolve_sources(str(tiny_data.shards), "train", Retry())
+    assert (len(source.shards) < streams) == (streams == 64)
+    opener = ShardOpener("error", Retry())
+    served = Counter(tok.decode(tokens.tolist()) for k in range(streams)
+                     for tokens, _, _ in DocumentReader(source, 1234, k, streams, True, 4, opener, 1).documents(
+                         Position()))
     train, _ = split_docs(tiny_data, tok)
-    total = Counter(train)
-    served: Counter = Counter()
-    for rank in range(2):
-        for worker_stream in _reader_streams(cfg, rank, tok):
-            docs, _ = documents_of(worker_stream, tok.eos_id)
-            served.update(tok.decode(d) for d in docs)
-    assert not served - total, "a document was served more often than it exists"
-    assert sum(served.values()) >= 0.95 * sum(total.values())  # 4 readers drop their last partial batch
-
-
-def _reader_streams(cfg, rank, tok):
-    """Token streams per reader of one rank: DataLoader batches come round-robin from the workers."""
-    loader = build_loader(cfg, "train", 4, rank, 2, tok, epochs=1)
-    streams: dict[int, list[int]] = {}
-    before = {}
-    for batch in loader:
-        changed = [r for r, s in loader.states.items() if before.get(r) != s["samples"]]
-        assert len(changed) == 1
-        before[changed[0]] = loader.states[changed[0]]["samples"]
-        streams.setdefault(changed[0], []).extend(batch["input_ids"].flatten().tolist())
-    assert sorted(streams) == [rank * 2, rank * 2 + 1]
-    return list(streams.values())
+    assert served == Counter(train)
 
 
 def test_ranks_get_disjoint_data_and_tp_peers_the_same(tiny_data, tok):
@@ -143,7 +131,7 @@ def test_ranks_get_disjoint_data_and_tp_peers_the_same(tiny_data, tok):
 @pytest.mark.parametrize("objective,arch,workers", [
     ("autoregressive", "decoder", 0),
     ("autoregressive", "decoder", 2),
-    ("masked_lm", "encoder", 3),
+    ("masked_lm", "encoder", 4),
     ("span_corruption", "encoder_decoder", 2),
     ("prefix_lm", "decoder", 0),
     ("prefix_lm", "encoder_decoder", 2),
@@ -169,31 +157,32 @@ def test_resume_across_epochs_and_reshuffle(tmp_path, tiny_data, tok):
     (tmp_path / "small.txt").write_text("\n\n".join(docs))
     write_shards([str(tmp_path / "small.txt")], str(tiny_data.tokenizer), tmp_path / "small", shard_mb=0.002,
                  valid_every=0, workers=1, progress=False)
-    cfg = make_cfg(tiny_data, train=str(tmp_path / "small"), seq_len=32, num_workers=2, shuffle_buffer=4)
+    cfg = make_cfg(tiny_data, train=str(tmp_path / "small"), seq_len=32, num_workers=2, shuffle_buffer=32,
+                   streams=8)
     reference = take(build_loader(cfg, "train", 2, 0, 1, tok), 60)
     loader = build_loader(cfg, "train", 2, 0, 1, tok)
     take(loader, 37)
-    assert max(p["epoch"] for s in loader.state_dict()["readers"].values() for p in s["positions"]) >= 1
+    assert max(p["epoch"] for s in loader.state_dict()["stream_states"].values() for p in s["positions"]) >= 1
     resumed = build_loader(cfg, "train", 2, 0, 1, tok)
     resumed.load_state_dict(loader.state_dict())
     assert_same(take(resumed, 23), reference[37:])
     # epoch 0 and epoch 1 of one reader differ in order
-    one = build_loader(make_cfg(tiny_data, train=str(tmp_path / "small"), seq_len=32), "train", 1, 0, 1, tok,
-                       epochs=2)
+    one = build_loader(make_cfg(tiny_data, train=str(tmp_path / "small"), seq_len=32, streams=1), "train", 1, 0, 1,
+                       tok, epochs=2)
     texts = [tok.decode(r) for b in one for r in b["input_ids"].tolist()]
     half = len(texts) // 2
     assert texts[:half] != texts[half:2 * half]
 
 
-def test_resume_refuses_another_layout(tiny_data, tok):
+def test_resume_refuses_what_cannot_continue(tiny_data, tok):
     loader = build_loader(make_cfg(tiny_data, num_workers=2), "train", 2, 0, 2, tok)
     take(loader, 2)
-    other = build_loader(make_cfg(tiny_data, num_workers=1), "train", 2, 0, 2, tok)
-    with pytest.raises(DataError, match="same layout"):
-        other.load_state_dict(loader.state_dict())
     wrong_rank = build_loader(make_cfg(tiny_data, num_workers=2), "train", 2, 1, 2, tok)
-    with pytest.raises(DataError, match="rank 0"):
+    with pytest.raises(DataError, match="rank 0 of 2, not to rank 1 of 2.*merge_states"):
         wrong_rank.load_state_dict(loader.state_dict())
+    other_streams = build_loader(make_cfg(tiny_data, streams=32), "train", 2, 0, 2, tok)
+    with pytest.raises(DataError, match="data.streams=64 to resume"):
+        other_streams.load_state_dict(loader.state_dict())
     mixed = [{"path": str(tiny_data.shards), "weight": 1.0}, {"path": str(tiny_data.shards), "weight": 1.0}]
     other_data = build_loader(make_cfg(tiny_data, num_workers=2, train=mixed), "train", 2, 0, 2, tok)
     with pytest.raises(DataError, match="other shards"):
@@ -294,7 +283,7 @@ def test_checks_at_build_time(shard_copy, tmp_path, tiny_data, tok):
     other = train_tokenizer([str(tmp_path / "other.txt")], 400, tmp_path / "other.json")
     with pytest.raises(DataError, match="another tokenizer"):
         build_loader(make_cfg(tiny_data), "train", 2, 0, 1, other)
-    with pytest.raises(DataError, match="cannot feed 2 ranks x 20 workers"):
+    with pytest.raises(DataError, match="data.streams=64 cannot be dealt to 2 ranks x 20 workers.*num_workers=16"):
         build_loader(make_cfg(tiny_data, num_workers=20), "train", 2, 0, 2, tok)
     (shard_copy / Manifest.load(shard_copy).splits["train"][5].file).unlink()
     with pytest.raises(DataError, match="1 shard.* missing, e.g. .*train-000005.tar"):

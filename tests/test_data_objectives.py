@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from data_pipeline import DataError
-from data_pipeline.loader import build_loader
+from megatransformer.training.data import build_loader
 from data_pipeline.objectives import (
     MaskedLM,
     PrefixLM,

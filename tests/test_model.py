@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megatransformer.config import ModelConfig
 from megatransformer.model import TP_PLAN, build_model, generate
 from megatransformer.model.attention import BACKENDS, eager_core, flash_core
-from megatransformer.model.masks import AttentionMask, cu_seqlens, self_attention_mask
+from megatransformer.model.masks import AttentionMask, self_attention_mask
 
 VOCAB = 97
 
@@ -264,6 +264,7 @@ def test_auto_backend_choices(monkeypatch):
     segments = torch.tensor([[1, 1, 2, 2]])
     packed, prefix = self_attention_mask(True, segments), self_attention_mask(True, prefix_len=torch.tensor([2]))
     cross = attention.AttentionMask(False, segments, segments.clone())
+    cached_prefix = self_attention_mask(True, prefix_len=torch.tensor([2]), q_offset=4)
     bf16, fp32 = torch.bfloat16, torch.float32
     monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
     choose = attention.auto_backend
@@ -271,13 +272,17 @@ def test_auto_backend_choices(monkeypatch):
         ["chunked", "chunked", "sdpa"]
     assert [choose("cuda", bf16), choose("cuda", torch.float16, packed), choose("cuda", fp32)] == \
         ["flash", "flash", "sdpa"]
-    assert [choose("cuda", bf16, prefix), choose("cuda", bf16, cross), choose("cuda", bf16, head_dim=512)] == \
-        ["sdpa", "sdpa", "sdpa"]
-    assert attention.describe_backend("auto", "cuda", bf16, 0.0) == "attention: auto -> flash on cuda in bfloat16"
+    # every training mask reaches flash-attn; a prefix behind a KV cache and odd head sizes do not
+    assert [choose("cuda", bf16, prefix), choose("cuda", bf16, cross)] == ["flash", "flash"]
+    assert [choose("cuda", bf16, cached_prefix), choose("cuda", bf16, head_dim=512)] == ["sdpa", "sdpa"]
+    assert attention.describe_backend("auto", "cuda", bf16, 0.0) == \
+        "attention: auto -> flash for every mask on cuda in bfloat16"
     monkeypatch.setattr(attention, "flash_attn_installed", lambda: False)
     assert choose("cuda", bf16) == "sdpa"
     assert "pip install 'megatransformer[gpu]'" in attention.describe_backend("auto", "cuda", bf16, 0.0)
     assert attention.describe_backend("sdpa", "cpu", fp32, 0.0) == "attention: sdpa"
+    assert attention.describe_backend("auto", "cpu", bf16, 0.0) == \
+        "attention: auto -> chunked for every mask on cpu in bfloat16"
 
 
 def test_auto_on_cpu_trains_with_chunked_and_with_sdpa_under_dropout():
@@ -320,13 +325,6 @@ def test_flash_backend_without_flash_attn_says_how_to_fix():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises((RuntimeError, ValueError), match="flash"):
         flash_core(q, q, q, self_attention_mask(True), 0.0)
-
-
-def test_cu_seqlens_from_packed_segments():
-    segments = torch.tensor([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]])
-    bounds, longest = cu_seqlens(segments)
-    assert bounds.tolist() == [0, 3, 5, 6, 12]
-    assert longest == 6 and bounds.dtype == torch.int32
 
 
 # ------------------------------------------------------------------------------------- generation

@@ -115,15 +115,15 @@ def test_deepspeed_config_from_run_config():
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (4, 3)
     assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
-    params = ds["optimizer"]["params"]
-    assert ds["optimizer"]["type"] == "Adam" and params["adam_w_mode"] is False and params["torch_adam"] is True
+    params = ds["optimizer"]["params"]  # offloaded: DeepSpeedCPUAdam (no torch_adam) steps on the host
+    assert ds["optimizer"]["type"] == "Adam" and params["adam_w_mode"] is False and "torch_adam" not in params
     assert params["betas"] == [0.9, 0.98] and params["eps"] == 1e-9
+    on_device = deepspeed_config(run_config(), BatchSizes(4, 1, 1), "cpu")["optimizer"]["params"]
+    assert on_device["torch_adam"] is True and on_device["fused"] is True  # one fused AdamW kernel
     tp = ds["tensor_parallel"]
     assert tp["autotp_size"] == 2 and not tp["partition_config"]["use_default_specs"]
     patterns = {p: spec["partition_type"] for spec in tp["partition_config"]["layer_specs"] for p in spec["patterns"]}
     assert patterns == TP_PLAN
-    with pytest.raises(ConfigError, match="precision=fp16 needs a GPU"):
-        deepspeed_config(run_config(precision="fp16"), BatchSizes(4, 1, 1), "cpu")
     with pytest.raises(ConfigError, match="offload_optimizer needs parallel.zero_stage >= 1"):
         deepspeed_config(run_config(parallel=dict(zero_stage=0, offload_optimizer=True)), BatchSizes(4, 1, 1), "cpu")
 
@@ -132,7 +132,7 @@ def test_deepspeed_config_from_run_config():
 
 
 def test_token_loss_ignores_padding_and_smooths_labels():
-    from megatransformer.training.loop import token_loss_sum
+    from megatransformer.training.engine import token_loss_sum
 
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11)
@@ -150,7 +150,7 @@ def test_skipped_update_leaves_optimizer_and_schedule_untouched():
     no-ops for that one step, and work again afterwards."""
     from types import SimpleNamespace
 
-    from megatransformer.training.loop import skipped_update
+    from megatransformer.training.engine import skipped_update
 
     param = torch.nn.Parameter(torch.ones(3))
     inner = torch.optim.AdamW([param], lr=0.1)
@@ -221,14 +221,14 @@ def test_only_the_last_k_complete_checkpoints_are_kept(tmp_path):
 
 
 def test_tensor_parallel_split_dimensions():
-    from megatransformer.training.checkpoint import _partition_dim
+    from megatransformer.model.tp_plan import partition_dim
 
-    assert _partition_dim("decoder.layers.0.self_attn.q_proj.weight") == 0
-    assert _partition_dim("decoder.layers.0.self_attn.q_proj.bias") == 0
-    assert _partition_dim("decoder.layers.0.cross_attn.k_proj.weight") == 0
-    assert _partition_dim("decoder.layers.0.ffn.down_proj.weight") == 1
-    assert _partition_dim("decoder.layers.0.self_attn.o_proj.bias") is None  # added after the all-reduce
-    assert _partition_dim("embed_tokens.weight") is None and _partition_dim("decoder.norm.weight") is None
+    assert partition_dim("decoder.layers.0.self_attn.q_proj.weight") == 0
+    assert partition_dim("decoder.layers.0.self_attn.q_proj.bias") == 0
+    assert partition_dim("decoder.layers.0.cross_attn.k_proj.weight") == 0
+    assert partition_dim("decoder.layers.0.ffn.down_proj.weight") == 1
+    assert partition_dim("decoder.layers.0.self_attn.o_proj.bias") is None  # added after the all-reduce
+    assert partition_dim("embed_tokens.weight") is None and partition_dim("decoder.norm.weight") is None
 
 
 def test_rng_state_round_trip():
@@ -271,8 +271,24 @@ def test_wandb_defaults_to_offline_without_a_key(monkeypatch):
     (5, 1, [[0, 1, 2, 3, 4]]),
 ])
 def test_validation_batches_are_dealt_to_data_parallel_ranks(n, dp, expected):
-    from megatransformer.training.loop import eval_schedule
+    from megatransformer.training.engine import eval_schedule
 
     schedules = [eval_schedule(n, dp, rank) for rank in range(dp)]
     assert schedules == expected
     assert sorted(i for s in schedules for i in s if i is not None) == list(range(n))
+
+
+# ------------------------------------------------------------------------------------------------- MFU
+
+
+@pytest.mark.parametrize("name,dtype,peak", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0), ("NVIDIA H100 PCIe", torch.bfloat16, 756.0),
+    ("NVIDIA H100 NVL", torch.float16, 835.0), ("NVIDIA H200", torch.bfloat16, 989.0),
+    ("NVIDIA GH200 480GB", torch.bfloat16, 989.0), ("NVIDIA A100-SXM4-40GB", torch.bfloat16, 312.0),
+    ("NVIDIA A100 80GB PCIe", torch.float32, 156.0), ("NVIDIA B200", torch.bfloat16, 2250.0),
+    ("NVIDIA GeForce RTX 4090", torch.bfloat16, None),
+])
+def test_gpu_peaks_by_device_name(name, dtype, peak):
+    from megatransformer.training.metrics import gpu_peak_tflops
+
+    assert gpu_peak_tflops(name, dtype) == peak

@@ -18,14 +18,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from data_pipeline.cli import add_instruction_arguments
     from megatransformer.commands.generate import add_beam_arguments
 
-    p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on held-out data")
+    p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on held-out data",
+                              description="Token-level loss and perplexity of a checkpoint on shards or text files; "
+                                          "key.path=value overrides (e.g. data.seq_len=256) may follow the options.")
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--data", required=True, nargs="+",
                    help="a shard directory (its validation split, or --split) or .txt/.jsonl files")
-    p.add_argument("--split", choices=["train", "valid"], default="valid")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--split", choices=["train", "valid"], default="valid", help="which split of a shard directory")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (does not change the numbers)")
+    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all data)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_instruction_arguments(p)
     p.add_argument("--bleu", action="store_true",
                    help="translate every --source-field text of --data (.jsonl/.tsv) and score the hypotheses "
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     raw = apply_overrides(loaded.cfg.model_dump(mode="json"), args.overrides)
     with tempfile.TemporaryDirectory() as tmp:
         shards, split = _as_shards(args, loaded.tokenizer.path, Path(tmp))
-        raw["data"] = {**raw["data"], "train": shards, "valid": shards, "num_workers": 0}
+        # one stream: every document once, in order, however few there are
+        raw["data"] = {**raw["data"], "train": shards, "valid": shards, "num_workers": 0, "streams": 1}
         cfg = validate(raw)
         result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
     result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
@@ -140,9 +143,9 @@ def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str
 def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: int | None = None) -> dict:
     import torch
 
-    from data_pipeline.loader import build_loader
+    from megatransformer.training.data import build_loader
     from megatransformer.batch import IGNORE_INDEX
-    from megatransformer.training.loop import token_loss_sum
+    from megatransformer.training.engine import token_loss_sum
 
     loader = build_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
     loss_sum, tokens, sequences, pending = 0.0, 0, 0, []

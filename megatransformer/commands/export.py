@@ -16,8 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("export", help="write a checkpoint as consolidated safetensors or a HF model")
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                   help="safetensors: our weights + config + tokenizer; hf: a transformers Llama or GPT-2 directory")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written weights")
     p.set_defaults(func=export)
 
     p = subparsers.add_parser("import", help="turn a Hugging Face Llama or GPT-2 directory into a checkpoint "

@@ -7,15 +7,19 @@ import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("generate", help="continue a prompt with a trained model (KV-cached)")
+    p = subparsers.add_parser("generate", help="continue a prompt with a trained model (KV-cached)",
+                              description="Continue --prompt with a checkpoint's model, streaming the text, "
+                                          "or beam-search it (--num-beams).")
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--prompt", required=True, help="text to continue (encoder input for encoder-decoder models)")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default: 64 for decoders, the input length + 50 for encoder-decoders")
+                   help="stop after this many new tokens (or at EOS); default: 64 for decoders, the input length "
+                        "+ 50 for encoder-decoders")
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only (default: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample from the smallest set of tokens whose probability reaches p (default: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
     add_beam_arguments(p)
     p.set_defaults(func=run)
 

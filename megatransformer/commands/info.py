@@ -10,9 +10,9 @@ from megatransformer.config import dump_config, load_config
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("info", help="show a config's resolved values, parameters and FLOPs/token")
-    parser.add_argument("--config", required=True, help="YAML run description")
+    parser.add_argument("--config", required=True, help="YAML run description, or a shipped config's name (llama-style)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. model.n_layers=4")
     parser.set_defaults(func=run)
 
 

@@ -1,50 +1,68 @@
-"""``megatransformer plot RUN_DIR... --out PNG``: loss, validation loss and throughput of one or more runs."""
+"""``megatransformer plot RUN_DIR...``: loss, learning rate, throughput and MFU curves of one or more runs."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 from pathlib import Path
+
+PLOT_NAME = "metrics.png"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plot", help="draw loss and throughput curves of runs to a PNG")
+    p = subparsers.add_parser("plot", help="draw loss, learning-rate, throughput and MFU curves of runs to a PNG",
+                              description="Draw the curves of metrics.jsonl of one or more runs into one PNG.")
     p.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")
-    p.add_argument("--out", default="runs.png", help="PNG file to write")
+    p.add_argument("--out", default=None,
+                   help=f"PNG file to write (default: RUN_DIR/{PLOT_NAME} for one run, the runs' common "
+                        "directory/compare.png for several)")
     p.set_defaults(func=run)
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    from megatransformer.config import ConfigError
-
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} has no metrics.jsonl (is it a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def default_out(runs: list[str | Path]) -> Path:
+    """Next to the runs: inside the run directory for one run, in the directory holding them all for several."""
+    if len(runs) == 1:
+        return Path(runs[0]) / PLOT_NAME
+    return Path(os.path.commonpath([os.path.abspath(r) for r in runs])) / "compare.png"
 
 
-def run(args: argparse.Namespace) -> int:
+def draw(runs: list[str | Path], out: str | Path) -> Path:
+    """Write the four panels (loss with validation points, learning rate, tokens/s, MFU) to ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for run_dir in args.runs:
-        records = read_metrics(Path(run_dir))
-        name = Path(run_dir).name
-        train = [r for r in records if r.get("loss") is not None]
+    from megatransformer.training.metrics import read_metrics
+
+    metrics = [(run_dir, read_metrics(run_dir)) for run_dir in runs]  # a directory that is no run fails first
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    loss_ax, lr_ax, speed_ax, mfu_ax = axes.flat
+    for run_dir, records in metrics:
+        name = Path(run_dir).resolve().name
+        train = [r for r in records if "loss" in r]
         valid = [r for r in records if "val_loss" in r]
-        loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{name} train")
+        steps = [r["step"] for r in train]
+        loss_ax.plot(steps, [r["loss"] for r in train], label=f"{name} train")
         if valid:
             loss_ax.plot([r["step"] for r in valid], [r["val_loss"] for r in valid], "o--", label=f"{name} valid")
-        speed_ax.plot([r["step"] for r in train], [r.get("tokens_per_s", 0) for r in train], label=name)
-    loss_ax.set(xlabel="step", ylabel="loss", title="loss")
-    speed_ax.set(xlabel="step", ylabel="tokens / s", title="throughput")
-    for ax in (loss_ax, speed_ax):
+        lr_ax.plot(steps, [r.get("lr") for r in train], label=name)
+        speed_ax.plot(steps, [r.get("tokens_per_s") for r in train], label=name)
+        mfu_ax.plot(steps, [100 * r["mfu"] if r.get("mfu") is not None else None for r in train], label=name)
+    for ax, ylabel, title in ((loss_ax, "loss", "loss"), (lr_ax, "learning rate", "learning rate"),
+                              (speed_ax, "tokens / s", "throughput"), (mfu_ax, "MFU (%)", "model FLOPs utilisation")):
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out, dpi=100)
-    print(f"wrote {args.out}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    out = draw(args.runs, args.out or default_out(args.runs))
+    print(f"wrote {out}")
     return 0

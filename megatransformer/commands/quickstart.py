@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("quickstart", help="prepare a demo corpus and train configs/quickstart.yaml")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="run description (default: quickstart)")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value")
+    parser = subparsers.add_parser(
+        "quickstart", help="prepare a demo corpus and train the quickstart config",
+        description="Write a corpus of Python docstrings, train a tokenizer, shard, and train a small model; all "
+                    "files land under the config's run_dir, relative to the current directory.")
+    parser.add_argument("--config", default="quickstart", help="YAML run description or a shipped config's name")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. train.max_steps=50")
+    parser.add_argument("--verbose", action="store_true", help="also show DeepSpeed's start-up messages")
     parser.set_defaults(func=run)
 
 
@@ -40,4 +42,4 @@ def run(args: argparse.Namespace) -> int:
         write_shards([str(corpus)], str(tokenizer), shards, shard_mb=1.0, valid_every=50, overwrite=True,
                      progress=False)
     print(f"[4/4] training {args.config} (metrics in {cfg.run_dir}/metrics.jsonl)")
-    return train(args.config, ["resume=auto", *args.overrides])
+    return train(args.config, ["resume=auto", *args.overrides], args.verbose)

@@ -9,7 +9,6 @@ default) picks the fastest exact core for each call (see :func:`auto_backend`).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 from typing import Callable
 
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatransformer.model.chunked_attention import chunked_core
-from megatransformer.model.masks import AttentionMask, cu_seqlens
+from megatransformer.model.masks import AttentionMask
 from megatransformer.model.positions import apply_rope
 
 # q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D] -> [B, H, Tq, D]
@@ -71,47 +70,69 @@ def flex_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
 
 
 def flash_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
-    """flash-attn (CUDA): causal / bidirectional, packed documents through the varlen kernel."""
-    try:
-        from flash_attn import flash_attn_func, flash_attn_varlen_func
-    except ImportError:
+    """flash-attn (CUDA) for every mask: dense calls for plain causal / bidirectional attention (and a KV
+    cache, bottom-right aligned), varlen calls for packed documents, prefix-LM and packed cross-attention,
+    from the problems the mask carries (see :func:`masks.varlen_problems`)."""
+    flash = flash_attn_module()
+    if flash is None:
         raise RuntimeError(
-            "model.attention_backend=flash needs the flash-attn package on a CUDA machine "
-            "(pip install 'megatransformer[gpu]'); use sdpa or flex otherwise"
-        ) from None
-    if mask.prefix_len is not None:
-        raise ValueError("flash-attn cannot express prefix-LM masks; use model.attention_backend=flex")
-    causal = mask.causal and not (mask.q_offset and q.shape[2] == 1)
+            "model.attention_backend=flash needs a working flash-attn package on a CUDA machine "
+            "(pip install 'megatransformer[gpu]'); use auto, sdpa or flex otherwise"
+        )
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # flash layout: [B, T, H, D]
-    if mask.q_segments is None:
-        return flash_attn_func(q, k, v, dropout, causal=causal).transpose(1, 2)
-    if mask.q_segments is not mask.kv_segments:
-        raise ValueError("flash-attn packed cross-attention is not supported; use model.attention_backend=flex")
-    batch, length, heads, dim = q.shape
-    bounds, longest = cu_seqlens(mask.q_segments)
-    out = flash_attn_varlen_func(
-        q.reshape(batch * length, heads, dim), k.reshape(batch * length, -1, dim),
-        v.reshape(batch * length, -1, dim), bounds, bounds, longest, longest, dropout, causal=causal,
-    )
-    return out.view(batch, length, heads, dim).transpose(1, 2)
+    if mask.is_simple:
+        causal = mask.causal and not (mask.q_offset and q.shape[1] == 1)
+        return flash.flash_attn_func(q, k, v, dropout, causal=causal).transpose(1, 2)
+    batch, q_len, heads, dim = q.shape
+    q, k, v = q.reshape(batch * q_len, heads, dim), k.flatten(0, 1), v.flatten(0, 1)
+    out = None
+    for problem in mask.varlen_problems(batch, q_len, k.shape[0] // batch):
+        part = flash.flash_attn_varlen_func(
+            _gather(q, problem.q_index), _gather(k, problem.k_index), _gather(v, problem.k_index),
+            problem.cu_q, problem.cu_k, problem.max_q, problem.max_k, dropout, causal=problem.causal,
+        )
+        if problem.q_index is None:  # the problem holds every query in order
+            out = part
+        else:
+            out = (q.new_zeros(q.shape) if out is None else out).index_copy(0, problem.q_index, part)
+    return out.view(batch, q_len, heads, dim).transpose(1, 2)
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return x if index is None else x.index_select(0, index)
 
 
 @functools.cache
+def flash_attn_module():
+    """The flash-attn package when it imports and has the varlen kernel, else None.
+
+    Importing it, not only finding it, is the test: a build against another torch or CUDA fails at import
+    (undefined symbols), and such a build must not be chosen by ``auto``.
+    """
+    try:
+        import flash_attn
+
+        flash_attn.flash_attn_func, flash_attn.flash_attn_varlen_func  # noqa: B018 (present in >= 2.0)
+    except Exception:  # ImportError, OSError, undefined symbols: not usable here
+        return None
+    return flash_attn
+
+
 def flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    return flash_attn_module() is not None
 
 
 def auto_backend(device: str, dtype: torch.dtype, mask: AttentionMask | None = None, dropout: float = 0.0,
                  head_dim: int = 64) -> str:
     """The core ``attention_backend=auto`` runs for one call, by the measurements in BENCHMARKS.md.
 
-    CUDA: flash-attn in bf16/fp16 when it is installed and expresses the mask (causal, bidirectional, packed
-    self-attention; no prefix-LM, no packed cross-attention), else PyTorch SDPA (whose own dispatcher picks
-    its flash / memory-efficient kernels). CPU: the chunked core (1.7-1.9x SDPA in bf16, linear memory for
+    CUDA: flash-attn in bf16/fp16 when it is installed, for every mask (plain, packed documents, prefix-LM,
+    packed cross-attention; a KV cache with plain masks), else PyTorch SDPA (whose own dispatcher picks its
+    flash / memory-efficient kernels). CPU: the chunked core (1.7-1.9x SDPA in bf16, linear memory for
     every mask), or SDPA when attention dropout is on (chunked has none).
     """
     if device == "cuda":
-        flash_mask = mask is None or (mask.prefix_len is None and mask.q_segments is mask.kv_segments)
+        flash_mask = mask is None or mask.is_simple or not mask.q_offset
         flash_shape = head_dim <= 256 and head_dim % 8 == 0
         if dtype in (torch.bfloat16, torch.float16) and flash_mask and flash_shape and flash_attn_installed():
             return "flash"
@@ -119,14 +140,21 @@ def auto_backend(device: str, dtype: torch.dtype, mask: AttentionMask | None = N
     return "sdpa" if dropout else "chunked"
 
 
-def describe_backend(backend: str, device: str, dtype: torch.dtype, dropout: float) -> str:
-    """One line for the run log: the core a run's (unmasked) self-attention uses, and why."""
+def describe_backend(backend: str, device: str, dtype: torch.dtype, dropout: float, head_dim: int = 64) -> str:
+    """One line for the run log: the core a run's attention uses for each kind of mask, and why."""
     if backend != "auto":
         return f"attention: {backend}"
-    chosen = auto_backend(device, dtype, dropout=dropout)
-    hint = " (pip install 'megatransformer[gpu]' for flash-attn)" if device == "cuda" and chosen == "sdpa" and \
-        dtype != torch.float32 and not flash_attn_installed() else ""
-    return f"attention: auto -> {chosen} on {device} in {str(dtype).removeprefix('torch.')}{hint}"
+    kinds = {"causal/bidirectional": AttentionMask(True),
+             "packed documents, prefix-LM, cross-attention": AttentionMask(True, prefix_len=torch.zeros(1))}
+    chosen = {name: auto_backend(device, dtype, mask, dropout, head_dim) for name, mask in kinds.items()}
+    where = f"on {device} in {str(dtype).removeprefix('torch.')}"
+    if len(set(chosen.values())) == 1:
+        line = f"attention: auto -> {next(iter(chosen.values()))} for every mask {where}"
+    else:
+        line = "attention: auto -> " + ", ".join(f"{core} for {name}" for name, core in chosen.items()) + f" {where}"
+    if device == "cuda" and "sdpa" in chosen.values() and dtype != torch.float32 and not flash_attn_installed():
+        line += " (pip install 'megatransformer[gpu]' for flash-attn)"
+    return line
 
 
 def auto_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:

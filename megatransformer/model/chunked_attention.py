@@ -27,16 +27,6 @@ from megatransformer.model.masks import AttentionMask
 CHUNK = 64  # query positions per chunk (measured best of 32-256 at seq 512 and 2048, bf16 and fp32)
 
 
-def _key_end(mask: AttentionMask, q_len: int, q_start: int, q_end: int, kv_len: int) -> int:
-    """Keys 0..end are all a causal chunk of queries q_start:q_end may see (bidirectional: all keys)."""
-    if not mask.causal:
-        return kv_len
-    end = mask.q_offset + q_end
-    if mask.prefix_len is not None:
-        end = max(end, int(mask.prefix_ends(q_len, q_start, q_end).max()))
-    return min(end, kv_len)
-
-
 def _rows(x: torch.Tensor, start: int, end: int, scale: float | None = None) -> torch.Tensor:
     """Query-shaped [B, H, T, D] rows start:end as one contiguous [B * KV, C * G, D] matrix per key/value head.
 
@@ -78,7 +68,7 @@ class ChunkedAttention(torch.autograd.Function):
         out = q.new_empty(batch, q_len, kv_heads, groups, dim)  # o_proj's layout: [B, T, H, D]
         for start in range(0, q_len, chunk):
             end = min(q_len, start + chunk)
-            key_end = _key_end(mask, q_len, start, end, kv_len)
+            key_end = mask.key_end(q_len, start, end, kv_len)
             scores = _scores(_rows(q5, start, end, scale), keys[:, :key_end], mask, q_len, batch, start, end)
             chunk_out = torch.bmm(torch.softmax(scores, dim=-1), values[:, :key_end])
             out[:, start:end] = chunk_out.view(batch, kv_heads, end - start, groups, dim).transpose(1, 2)
@@ -100,7 +90,7 @@ class ChunkedAttention(torch.autograd.Function):
         grad_v = torch.zeros(values.shape, dtype=torch.float32, device=v.device)
         for start in range(0, q_len, chunk):
             end = min(q_len, start + chunk)
-            key_end = _key_end(mask, q_len, start, end, kv_len)
+            key_end = mask.key_end(q_len, start, end, kv_len)
             chunk_keys, chunk_values = keys[:, :key_end].contiguous(), values[:, :key_end].contiguous()
             q_rows, grad_rows = _rows(q5, start, end, scale), _rows(grad5, start, end)
             probs = torch.softmax(_scores(q_rows, chunk_keys, mask, q_len, batch, start, end), dim=-1)

@@ -1,8 +1,8 @@
-"""Attention masks as a description, rendered per backend.
+"""Attention masks as a description, rendered per backend, with their metadata built once per batch.
 
 An :class:`AttentionMask` says *which* keys a query may see (causal order, a bidirectional prefix, document
 segments); each backend turns it into what it needs: nothing at all for plain causal/bidirectional SDPA,
-a dense boolean mask, a FlexAttention block mask, or flash-attn's ``cu_seqlens``. The rule, for query
+a dense boolean mask, a FlexAttention block mask, or flash-attn varlen problems. The rule, for query
 position ``q`` and key position ``k`` of row ``b``::
 
     order_ok   = not causal or k <= q or k < prefix_len[b]        (prefix_len [B]: one prefix per row)
@@ -15,29 +15,85 @@ prefix of q's document ends (an index into the row), and the segment check keeps
 
 Padding queries may attend anywhere, so no row is ever fully masked (which would produce NaN); their
 outputs carry no loss. Real queries never see padding keys or other documents.
+
+Metadata that needs the values of the segment and prefix tensors (flash-attn's ``cu_seqlens``, whether a row
+holds one document, the chunked core's key bounds) is computed on the host, from the batch as the loader
+made it, by :func:`batch_masks`, once per batch, and travels with the mask to every layer: a training step
+on a GPU never waits for the device to learn a shape. A mask built from device tensors alone (generation,
+evaluation) computes the same metadata on first use, once per forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Mapping
 
+import numpy as np
 import torch
 
 from megatransformer.batch import PAD_SEGMENT
 
 
 @dataclass(frozen=True)
+class VarlenProblem:
+    """One call of flash-attn's ``flash_attn_varlen_func`` over the flattened batch.
+
+    Queries ``q_index`` of the flattened ``[B * Tq]`` rows (all, in order, when None) form sequences with
+    cumulative lengths ``cu_q``; keys ``k_index`` of ``[B * Tk]`` form ``cu_k``. Sequence i of the queries
+    attends to sequence i of the keys, causally bottom-right aligned (flash-attn >= 2.1) when ``causal``.
+    """
+
+    cu_q: torch.Tensor  # int32 [n + 1]
+    cu_k: torch.Tensor  # int32 [n + 1]
+    max_q: int
+    max_k: int
+    causal: bool
+    q_index: torch.Tensor | None = None  # int64 [total_q]
+    k_index: torch.Tensor | None = None  # int64 [total_k]
+
+    def to(self, device: torch.device | str) -> VarlenProblem:
+        move = _mover(device)
+        return replace(self, cu_q=move(self.cu_q), cu_k=move(self.cu_k), q_index=move(self.q_index),
+                       k_index=move(self.k_index))
+
+
+@dataclass(frozen=True, eq=False)
 class AttentionMask:
     causal: bool
     q_segments: torch.Tensor | None = None  # [B, Tq]
     kv_segments: torch.Tensor | None = None  # [B, Tk]
     prefix_len: torch.Tensor | None = None  # [B] or [B, Tq], see the module docstring
     q_offset: int = 0  # absolute position of the first query (decoding with a KV cache)
+    varlen: tuple[VarlenProblem, ...] | None = field(default=None, compare=False)
+    """flash-attn's problems for this mask, built on the host by :func:`batch_masks` (else on first use)."""
+    key_bounds: np.ndarray | None = field(default=None, compare=False)
+    """Host array [Tq] (or [1]): for causal masks with a prefix, where the prefix of any row ends at that query
+    position, so the chunked core skips the keys past it without asking the device."""
+
+    def __eq__(self, other: object) -> bool:
+        """The same rule (DeepSpeed's AutoTP compares the first inputs of tensor-parallel peers); the metadata
+        derived from it is not compared."""
+        if not isinstance(other, AttentionMask):
+            return NotImplemented
+        return (self.causal, self.q_offset) == (other.causal, other.q_offset) and all(
+            _same(getattr(self, name), getattr(other, name)) for name in ("q_segments", "kv_segments", "prefix_len"))
+
+    __hash__ = object.__hash__  # (identity, as before: masks are not used as keys by value)
 
     @property
     def is_simple(self) -> bool:
         """Plain causal or full attention: backends need no explicit mask."""
         return self.q_segments is None and self.prefix_len is None
+
+    def to(self, device: torch.device | str) -> AttentionMask:
+        """The mask with its tensors on ``device`` (``key_bounds`` stays on the host, where it is read)."""
+        move = _mover(device)
+        q_segments = move(self.q_segments)
+        kv_segments = q_segments if self.kv_segments is self.q_segments else move(self.kv_segments)
+        varlen = None if self.varlen is None else tuple(p.to(device) for p in self.varlen)
+        return replace(self, q_segments=q_segments, kv_segments=kv_segments, prefix_len=move(self.prefix_len),
+                       varlen=varlen)
 
     def dense(self, q_len: int, kv_len: int, device: torch.device, q_start: int = 0,
               q_end: int | None = None) -> torch.Tensor:
@@ -68,6 +124,34 @@ class AttentionMask:
             return self.prefix_len.view(-1, 1)
         return self.prefix_len[:, -q_len:][:, q_start:q_end]
 
+    def key_end(self, q_len: int, q_start: int, q_end: int, kv_len: int) -> int:
+        """Keys 0..end are all that queries q_start:q_end of a causal mask may see (else all keys)."""
+        if not self.causal:
+            return kv_len
+        end = self.q_offset + q_end
+        if self.prefix_len is not None:
+            bounds = self._host_key_bounds  # [Tq], or [1] for one prefix per row
+            end = max(end, int((bounds if len(bounds) == 1 else bounds[-q_len:][q_start:q_end]).max()))
+        return min(end, kv_len)
+
+    @functools.cached_property
+    def _host_key_bounds(self) -> np.ndarray:
+        """``key_bounds``, or computed from the prefix (reading it from the device once per mask)."""
+        return self.key_bounds if self.key_bounds is not None else _key_bounds(self.prefix_len)
+
+    def varlen_problems(self, batch: int, q_len: int, kv_len: int) -> tuple[VarlenProblem, ...]:
+        """flash-attn's problems: those built with the batch, else computed now (reads the masks' values)."""
+        if self.varlen is not None:
+            return self.varlen
+        if self.q_offset:
+            raise ValueError("flash-attn varlen attention takes no KV-cache offset with a non-causal mask")
+        device = (self.q_segments if self.q_segments is not None else self.prefix_len).device
+        if self.kv_segments is not self.q_segments:
+            problems = (cross_varlen_problem(_numpy(self.q_segments), _numpy(self.kv_segments)),)
+        else:
+            problems = varlen_problems(self.causal, _numpy(self.q_segments), _numpy(self.prefix_len), (batch, q_len))
+        return tuple(p.to(device) for p in problems)
+
     def mask_mod(self):
         """The same rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``."""
         causal, offset = self.causal, self.q_offset
@@ -92,7 +176,11 @@ def self_attention_mask(
     prefix_len: torch.Tensor | None = None,
     q_offset: int = 0,
 ) -> AttentionMask:
-    """Mask for self-attention; drops the segment check when every token is one document."""
+    """Mask for self-attention; drops the segment check when every row is one document.
+
+    That check reads the segment values: built here from device tensors it waits for the device once per
+    forward. Training builds its masks on the host with :func:`batch_masks` instead.
+    """
     if segment_ids is not None and bool((segment_ids == segment_ids[:, :1]).all()):
         segment_ids = None
     if not causal and prefix_len is not None:
@@ -109,14 +197,162 @@ def cross_attention_mask(
     return AttentionMask(False, q_segments, kv_segments)
 
 
-def cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """flash-attn varlen boundaries: every run of equal segment ids in a row is one sequence.
+# -------------------------------------------------------------------------------- per-batch metadata
 
-    Returns int32 cumulative lengths over the flattened batch and the longest run.
+
+@dataclass(frozen=True)
+class ModelMasks:
+    """Every mask one forward of a model needs, built once per batch and handed to every layer."""
+
+    encoder: AttentionMask | None = None  # encoder-only model, or the encoder of an encoder-decoder
+    decoder: AttentionMask | None = None  # decoder-only model, or the decoder's self-attention
+    cross: AttentionMask | None = None  # encoder-decoder: decoder queries to encoder keys
+
+    def to(self, device: torch.device | str) -> ModelMasks:
+        return ModelMasks(*(None if m is None else m.to(device) for m in (self.encoder, self.decoder, self.cross)))
+
+
+def batch_masks(arch: str, batch: Mapping[str, torch.Tensor], varlen: bool = False) -> ModelMasks:
+    """The masks of a model ``arch`` for a batch still on the host (CPU tensors, as the loader made them).
+
+    Everything that depends on the values of segments and prefixes is decided here, in NumPy: whether a row
+    holds one document, the chunked core's key bounds and, with ``varlen`` (a run that may use flash-attn),
+    flash-attn's varlen problems. Move the result with :meth:`ModelMasks.to`.
     """
-    batch, length = segment_ids.shape
-    starts = torch.ones_like(segment_ids, dtype=torch.bool)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    start_idx = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
-    bounds = torch.cat([start_idx, start_idx.new_tensor([batch * length])]).to(torch.int32)
-    return bounds, int((bounds[1:] - bounds[:-1]).max())
+    segments = batch.get("segment_ids")
+    shape = tuple(batch["input_ids"].shape)
+    if arch == "encoder":
+        return ModelMasks(encoder=_host_self_mask(False, segments, None, shape, varlen))
+    if arch == "decoder":
+        return ModelMasks(decoder=_host_self_mask(True, segments, batch.get("prefix_len"), shape, varlen))
+    decoder_segments = batch.get("decoder_segment_ids")
+    cross = cross_attention_mask(decoder_segments, segments)
+    if varlen and not cross.is_simple:
+        cross = replace(cross, varlen=(cross_varlen_problem(_numpy(decoder_segments), _numpy(segments)),))
+    return ModelMasks(encoder=_host_self_mask(False, segments, None, shape, varlen),
+                      decoder=_host_self_mask(True, decoder_segments, None, tuple(batch["decoder_input_ids"].shape),
+                                              varlen),
+                      cross=cross)
+
+
+def _host_self_mask(causal: bool, segments: torch.Tensor | None, prefix_len: torch.Tensor | None,
+                    shape: tuple[int, int], varlen: bool) -> AttentionMask:
+    host_segments = _numpy(segments)
+    if host_segments is not None and (host_segments == host_segments[:, :1]).all():
+        segments = host_segments = None  # one document per row: no segment check
+    mask = AttentionMask(causal, segments, segments, prefix_len)
+    if mask.is_simple:
+        return mask
+    return replace(
+        mask,
+        key_bounds=None if prefix_len is None else _key_bounds(prefix_len),
+        varlen=varlen_problems(causal, host_segments, _numpy(prefix_len), shape) if varlen else None,
+    )
+
+
+def _key_bounds(prefix_len: torch.Tensor) -> np.ndarray:
+    """Per query position, the largest prefix end over the batch: host [T] ([1] for [B] prefixes)."""
+    ends = _numpy(prefix_len)
+    return ends.reshape(-1, 1).max(axis=0) if ends.ndim == 1 else ends.max(axis=0)
+
+
+def varlen_problems(causal: bool, segments: np.ndarray | None, prefix_len: np.ndarray | None,
+                    shape: tuple[int, int]) -> tuple[VarlenProblem, ...]:
+    """Self-attention as flash-attn varlen problems (host arrays in, CPU tensors out).
+
+    Every run of equal segment ids in a row is one sequence (a row without segments is one run), attending
+    causally or bidirectionally. With a prefix (causal only), each run ``[s, e)`` with prefix end ``p``
+    (clamped into the run) is two problems: its prefix queries ``[s, p)`` attend bidirectionally to its
+    prefix keys; its other queries ``[p, e)`` attend causally, bottom-right aligned, to all its keys
+    ``[s, e)``, so query ``i`` sees keys up to ``i`` (flash-attn's alignment puts the last query on the last
+    key). A run that is all prefix or has no prefix takes part in one problem only.
+    """
+    batch, length = shape
+    if segments is None:
+        segments = np.ones((batch, length), dtype=np.int64)
+    starts, ends = _runs(segments)  # flattened [s, e) of every run, in order
+    if prefix_len is None or not causal:
+        return (_problem(ends - starts, ends - starts, causal),)
+    row = starts // length
+    run_prefix = prefix_len[row] if prefix_len.ndim == 1 else prefix_len.reshape(-1)[starts]
+    split = np.clip(row * length + run_prefix, starts, ends)  # flattened prefix end of each run
+    problems = []
+    has_prefix = split > starts
+    if has_prefix.any():
+        lengths = (split - starts)[has_prefix]
+        index = _ranges(starts[has_prefix], split[has_prefix])
+        problems.append(_problem(lengths, lengths, False, index, index))
+    suffix = ends - split
+    if suffix.any():
+        problems.append(_problem(suffix, ends - starts, True, _ranges(split, ends), None))
+    return tuple(problems)
+
+
+def cross_varlen_problem(q_segments: np.ndarray, kv_segments: np.ndarray) -> VarlenProblem:
+    """Packed cross-attention as one varlen problem: queries of segment ``s`` of row ``b`` attend to the keys
+    of segment ``s`` of row ``b``, both gathered into (row, segment) order. Padding queries (segment 0) attend
+    to the padding keys, or to none (flash-attn writes zeros): their outputs carry no loss."""
+    base = int(max(q_segments.max(initial=0), kv_segments.max(initial=0))) + 1
+    q_keys = (np.arange(q_segments.shape[0])[:, None] * base + q_segments).reshape(-1)
+    k_keys = (np.arange(kv_segments.shape[0])[:, None] * base + kv_segments).reshape(-1)
+    groups = np.union1d(q_keys, k_keys)
+    q_count = np.bincount(np.searchsorted(groups, q_keys), minlength=len(groups))
+    k_count = np.bincount(np.searchsorted(groups, k_keys), minlength=len(groups))
+    return _problem(q_count, k_count, False, _order(q_keys), _order(k_keys))
+
+
+def _order(keys: np.ndarray) -> np.ndarray | None:
+    """Positions in (row, segment) order, or None when they already are."""
+    order = np.argsort(keys, kind="stable")
+    return None if np.array_equal(order, np.arange(len(keys))) else order
+
+
+def _runs(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flattened start and end of every run of equal ids in each row."""
+    batch, length = segments.shape
+    is_start = np.ones_like(segments, dtype=bool)
+    is_start[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    starts = np.flatnonzero(is_start)
+    return starts, np.append(starts[1:], batch * length)
+
+
+def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The concatenation of arange(s, e) for every pair."""
+    return np.concatenate([np.arange(s, e) for s, e in zip(starts.tolist(), ends.tolist())]) if len(starts) \
+        else np.zeros(0, dtype=np.int64)
+
+
+def _problem(q_lengths: np.ndarray, k_lengths: np.ndarray, causal: bool, q_index: np.ndarray | None = None,
+             k_index: np.ndarray | None = None) -> VarlenProblem:
+    def cumulative(lengths: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+    def index(positions: np.ndarray | None) -> torch.Tensor | None:
+        return None if positions is None else torch.from_numpy(np.asarray(positions, dtype=np.int64))
+
+    return VarlenProblem(cumulative(q_lengths), cumulative(k_lengths), int(q_lengths.max(initial=0)),
+                         int(k_lengths.max(initial=0)), causal, index(q_index), index(k_index))
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+
+
+def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:
+    return None if tensor is None else tensor.detach().cpu().numpy()
+
+
+def _mover(device: torch.device | str):
+    """Copies tensors to ``device`` without waiting (pinned host memory on CUDA)."""
+    target = torch.device(device)
+
+    def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None or tensor.device == target:
+            return tensor
+        if target.type == "cuda" and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(target, non_blocking=True)
+
+    return move

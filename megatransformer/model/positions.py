@@ -41,15 +41,23 @@ class LearnedPositions(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin of the rotary angles for given positions (half-split layout, as in Llama)."""
+    """cos/sin of the rotary angles for given positions (half-split layout, as in Llama).
+
+    The frequencies are computed in fp32 on every call (head_dim / 2 numbers), not kept as a buffer: an
+    engine that casts the module to bf16 casts its buffers too, and bf16 frequencies put positions a few
+    hundred tokens apart at visibly wrong angles.
+    """
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        return 1.0 / (self.theta ** exponents)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids.unsqueeze(-1).float() * self.inv_freq  # [B, T, D/2]
+        angles = position_ids.unsqueeze(-1).float() * self.inv_freq(position_ids.device)  # [B, T, D/2]
         angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [B, 1, T, D]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 

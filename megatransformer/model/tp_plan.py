@@ -8,6 +8,8 @@ heads from the projection width, so the model code runs unchanged on a shard. Em
 
 from __future__ import annotations
 
+import re
+
 TP_PLAN: dict[str, str] = {
     r".*\.[qkv]_proj\.weight$": "column",
     r".*\.(gate|up)_proj\.weight$": "column",
@@ -22,3 +24,15 @@ def deepspeed_layer_specs(plan: dict[str, str] = TP_PLAN) -> list[dict]:
     for pattern, partition in plan.items():
         by_type.setdefault(partition, []).append(pattern)
     return [{"patterns": patterns, "partition_type": kind} for kind, patterns in by_type.items()]
+
+
+def partition_dim(name: str, plan: dict[str, str] = TP_PLAN) -> int | None:
+    """The dimension a parameter is split along under tensor parallelism, or None if it is replicated:
+    column-parallel weights and biases by output (0), row-parallel weights by input (1); row biases whole."""
+    weight = re.sub(r"\.bias$", ".weight", name)
+    for pattern, kind in plan.items():
+        if re.match(pattern, weight):
+            if name.endswith(".bias"):
+                return 0 if kind == "column" else None
+            return 0 if kind == "column" else 1
+    return None

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from megatransformer.config import ModelConfig
 from megatransformer.model.attention import KVCache
 from megatransformer.model.layers import Block, make_norm
-from megatransformer.model.masks import AttentionMask, cross_attention_mask, self_attention_mask
+from megatransformer.model.masks import AttentionMask, ModelMasks, cross_attention_mask, self_attention_mask
 from megatransformer.model.positions import LearnedPositions, Rotary, SinusoidalPositions
 
 
@@ -111,11 +111,13 @@ class DecoderLM(LanguageModel):
         segment_ids: torch.Tensor | None = None,
         prefix_len: torch.Tensor | None = None,
         caches: list[KVCache] | None = None,
+        masks: ModelMasks | None = None,
     ) -> torch.Tensor:
+        """``masks``: built once per batch on the host (training); else built here from the inputs."""
         offset = caches[0].length if caches else 0
         if position_ids is None:
             position_ids = default_positions(input_ids, offset)
-        mask = self_attention_mask(True, segment_ids, prefix_len, offset)
+        mask = masks.decoder if masks is not None else self_attention_mask(True, segment_ids, prefix_len, offset)
         hidden = self.decoder(self.embed_tokens(input_ids), position_ids, mask, caches=caches)
         return self.lm_head(hidden)
 
@@ -133,10 +135,11 @@ class EncoderLM(LanguageModel):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        masks: ModelMasks | None = None,
     ) -> torch.Tensor:
         if position_ids is None:
             position_ids = default_positions(input_ids)
-        mask = self_attention_mask(False, segment_ids)
+        mask = masks.encoder if masks is not None else self_attention_mask(False, segment_ids)
         return self.lm_head(self.encoder(self.embed_tokens(input_ids), position_ids, mask))
 
 
@@ -155,10 +158,11 @@ class EncoderDecoderLM(LanguageModel):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
         if position_ids is None:
             position_ids = default_positions(input_ids)
-        mask = self_attention_mask(False, segment_ids)
+        mask = mask or self_attention_mask(False, segment_ids)
         return self.encoder(self.embed_tokens(input_ids), position_ids, mask)
 
     def decode(
@@ -170,12 +174,16 @@ class EncoderDecoderLM(LanguageModel):
         decoder_segment_ids: torch.Tensor | None = None,
         caches: list[KVCache] | None = None,
         memory_kvs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        masks: ModelMasks | None = None,
     ) -> torch.Tensor:
         offset = caches[0].length if caches else 0
         if decoder_position_ids is None:
             decoder_position_ids = default_positions(decoder_input_ids, offset)
-        mask = self_attention_mask(True, decoder_segment_ids, q_offset=offset)
-        memory_mask = cross_attention_mask(decoder_segment_ids, segment_ids)
+        if masks is not None:
+            mask, memory_mask = masks.decoder, masks.cross
+        else:
+            mask = self_attention_mask(True, decoder_segment_ids, q_offset=offset)
+            memory_mask = cross_attention_mask(decoder_segment_ids, segment_ids)
         embed = self.decoder_embed_tokens or self.embed_tokens
         hidden = self.decoder(
             embed(decoder_input_ids), decoder_position_ids, mask,
@@ -195,9 +203,11 @@ class EncoderDecoderLM(LanguageModel):
         segment_ids: torch.Tensor | None = None,
         decoder_position_ids: torch.Tensor | None = None,
         decoder_segment_ids: torch.Tensor | None = None,
+        masks: ModelMasks | None = None,
     ) -> torch.Tensor:
-        memory = self.encode(input_ids, position_ids, segment_ids)
-        return self.decode(decoder_input_ids, memory, segment_ids, decoder_position_ids, decoder_segment_ids)
+        memory = self.encode(input_ids, position_ids, segment_ids, masks.encoder if masks is not None else None)
+        return self.decode(decoder_input_ids, memory, segment_ids, decoder_position_ids, decoder_segment_ids,
+                           masks=masks)
 
 
 ARCHITECTURES: dict[str, type[LanguageModel]] = {

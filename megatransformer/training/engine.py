@@ -1,14 +1,32 @@
-"""The DeepSpeed engine a RunConfig describes: ZeRO stage, AutoTP tensor parallelism, precision, optimizer."""
+"""The DeepSpeed side of training: the engine a RunConfig describes, and one optimizer step on it.
+
+Everything that knows DeepSpeed lives here (its config, the loss normalisation it needs, skipped updates,
+gradient norms, tensor-parallel corrections); the loop in ``loop.py`` only sees :meth:`TrainModule.step`
+returning a :class:`StepResult`, :meth:`TrainModule.evaluate`, and the engine handed to checkpointing.
+
+One step waits for the device once (:meth:`TrainModule.step` reads one small vector of step statistics
+before the optimizer step). The rest is decided on the host before the batches move: label and token
+counts are counted from the loader's CPU tensors, attention metadata is built once per batch
+(:func:`masks.batch_masks`), and the loss normaliser is all-reduced on the device and used there.
+"""
 
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator, Mapping
 
+import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
+from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.model import build_model, deepspeed_layer_specs
+from megatransformer.model.tp_plan import partition_dim
+from megatransformer.model.masks import ModelMasks, batch_masks
 from megatransformer.training.batching import BatchSizes, resolve_batch_sizes
 from megatransformer.training.distributed import Dist
 from megatransformer.training.optim import make_scheduler, param_groups
@@ -16,8 +34,18 @@ from megatransformer.training.optim import make_scheduler, param_groups
 
 def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str) -> dict[str, Any]:
     t, o, p = cfg.train, cfg.optim, cfg.parallel
-    if cfg.precision == "fp16" and device == "cpu":
-        raise ConfigError("precision=fp16 needs a GPU; use precision=bf16 or fp32 on CPU")
+    cuda = device.startswith("cuda")
+    adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    if o.name == "adam":
+        adam["adam_w_mode"] = False
+    if p.offload_optimizer:
+        # DeepSpeedCPUAdam (AVX, JIT-built once): the optimizer step runs on the host, next to the states
+        optimizer = {"type": "AdamW" if o.name == "adamw" else "Adam", "params": adam}
+    else:
+        # PyTorch's fused AdamW (CUDA and CPU kernels; no JIT-built op): one kernel per step, and no read of
+        # the step count per parameter as its unfused implementations do
+        optimizer = {"type": "AdamW" if o.name == "adamw" else "Adam",
+                     "params": {**adam, "torch_adam": True, "fused": True}}
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": sizes.micro,
         "gradient_accumulation_steps": sizes.accum,
@@ -26,18 +54,12 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str) -> dict[str
         "zero_optimization": {"stage": p.zero_stage},
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
-        "optimizer": {
-            "type": "AdamW" if o.name == "adamw" else "Adam",
-            # torch_adam: PyTorch's implementation, no JIT-built C++/CUDA op needed anywhere.
-            "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-                       "torch_adam": True, **({"adam_w_mode": False} if o.name == "adam" else {})},
-        },
+        "optimizer": optimizer,
     }
     if p.offload_optimizer:
         if p.zero_stage == 0:
             raise ConfigError("parallel.offload_optimizer needs parallel.zero_stage >= 1")
-        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": device != "cpu"}
-        ds["zero_force_ds_cpu_optimizer"] = False
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     if p.tensor_parallel > 1:
         ds["tensor_parallel"] = {"autotp_size": p.tensor_parallel, "partition_config": {
             "use_default_specs": False, "layer_specs": deepspeed_layer_specs()}}
@@ -45,32 +67,245 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str) -> dict[str
 
 
 @dataclass
-class Engine:
-    engine: Any  # deepspeed.DeepSpeedEngine
-    sizes: BatchSizes
-    dp_rank: int
-    dp_size: int
-    tp_rank: int
+class StepResult:
+    loss: float  # mean token loss of the global batch (NaN when non-finite)
+    tokens: int  # input positions processed, all ranks, padding included
+    real_tokens: int  # of those, positions holding a token (the MFU numerator)
+    finite: bool  # the update was applied
+    stop: bool  # a rank was asked to stop (preemption)
+    lr: float  # the learning rate this step's update used
 
 
-def build_engine(cfg: RunConfig, dist: Dist, init_state: dict[str, torch.Tensor] | None = None) -> Engine:
-    import deepspeed
-    from deepspeed.utils import groups
+class TrainModule:
+    """A DeepSpeed engine and the optimizer step of a RunConfig: ZeRO stage, AutoTP, precision, optimizer."""
 
-    tp = cfg.parallel.tensor_parallel
-    if dist.world_size % tp:
-        raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the world size {dist.world_size}")
-    sizes = resolve_batch_sizes(cfg.train, dist.world_size // tp)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model)
-    if init_state is not None:
-        model.load_state_dict(init_state)
-    groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups_,
-                                      config=deepspeed_config(cfg, sizes, dist.device),
-                                      lr_scheduler=make_scheduler(cfg))
-    if cfg.train.compile:
-        engine.compile()
-    dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist.rank
-    tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
-    return Engine(engine, sizes, dp_rank, dist.world_size // tp, tp_rank)
+    def __init__(self, cfg: RunConfig, dist_info: Dist, init_state: dict[str, torch.Tensor] | None = None) -> None:
+        import deepspeed
+        from deepspeed.utils import groups
+
+        self.cfg, self.device = cfg, torch.device(dist_info.device)
+        tp = self.tp = cfg.parallel.tensor_parallel
+        if dist_info.world_size % tp:
+            raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the world size {dist_info.world_size}")
+        self.sizes = resolve_batch_sizes(cfg.train, dist_info.world_size // tp)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        model = build_model(cfg.model)
+        if init_state is not None:
+            model.load_state_dict(init_state)
+        full_shapes = {name: p.shape for name, p in model.named_parameters()}
+        groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=groups_,
+                                               config=deepspeed_config(cfg, self.sizes, dist_info.device),
+                                               lr_scheduler=make_scheduler(cfg))
+        if tp > 1:
+            check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
+        if cfg.train.compile:
+            self.engine.compile()
+        self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank
+        self.dp_size = dist_info.world_size // tp
+        self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
+        if self.dp_size == 1 and cfg.parallel.zero_stage == 0:
+            # one data-parallel rank: DeepSpeed's all-reduce over it would only copy every gradient into a
+            # flat buffer and back (tensor-parallel peers' replicated gradients are equal already)
+            self.engine.enable_backward_allreduce = False
+        # flash-attn's varlen metadata is built only where flash-attn may run
+        self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
+        self.grad_norm: torch.Tensor | None = None  # ZeRO-0: this step's, on the device
+
+    # ------------------------------------------------------------------------------------ one step
+
+    def step(self, batches: Iterator[Mapping[str, torch.Tensor]], stop_requested: bool = False) -> StepResult:
+        """Forward/backward every micro batch of one optimizer step, then step (or skip a bad step).
+
+        The loss is the mean over every loss token of the global batch (all micro batches, all data-parallel
+        ranks), not a mean of per-batch means, so padding and variable loss counts (masked-LM) weigh right.
+        A non-finite loss or gradient on any rank skips the update on every rank (weights, Adam moments and
+        the schedule unchanged); with fp16, DeepSpeed's loss scaler skips overflowing steps on its own.
+        """
+        accum, engine = self.sizes.accum, self.engine
+        host = [next(batches) for _ in range(accum)]
+        targets = sum(int(np.count_nonzero(b["labels"].numpy() != IGNORE_INDEX)) for b in host)
+        tokens = sum(positions(b) for b in host) * self.dp_size  # every rank's batches have one shape
+        real = float(sum(real_positions(b) for b in host))
+        # DeepSpeed averages gradients over micro batches and data-parallel ranks; undo that so the gradient
+        # is that of (sum of token losses) / (loss tokens in the global batch). Summed on the device: no wait.
+        global_targets = self._on_device([float(targets)])
+        dist.all_reduce(global_targets)  # tensor-parallel peers count the same batches: tp copies
+        scale = (accum * self.dp_size * self.tp) / global_targets.clamp(min=1.0)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        bad = torch.zeros((), dtype=torch.float64, device=self.device)
+        lr = engine.get_lr()[0]  # (the schedule moves on in step())
+        for i, batch in enumerate(host):
+            inputs, labels, masks = self.to_device(batch)
+            loss = token_loss_sum(engine(**inputs, masks=masks), labels, self.cfg.train.label_smoothing)
+            loss_sum += loss.detach()
+            bad += (~torch.isfinite(loss.detach())).double()
+            engine.backward(loss * scale)
+            if i < accum - 1:
+                engine.step()  # (not a boundary: DeepSpeed only counts the micro step)
+        # the boundary: one reduction of the step's statistics, the one wait for the device in the step
+        if self.cfg.parallel.zero_stage == 0:  # (ZeRO computes its gradient norm itself)
+            self.grad_norm = unclipped_grad_norm(engine.module, self.tp)
+            if self.cfg.precision != "fp16":
+                bad += (~torch.isfinite(self.grad_norm)).double()
+        stats = torch.stack([loss_sum, bad, self._on_device([float(stop_requested)])[0], self._on_device([real])[0]])
+        dist.all_reduce(stats)
+        loss_total, n_bad, stop, real_total, targets_total = torch.cat([stats, global_targets]).tolist()
+        finite = n_bad == 0
+        skipped_before = engine.skipped_steps
+        with skipped_update(engine, skip=not finite):
+            engine.step()
+        # ZeRO skips a step with non-finite gradients on its own (and counts it); with fp16 that is the loss
+        # scaler finding its scale, which is routine, not divergence
+        if self.cfg.precision != "fp16":
+            finite = finite and engine.skipped_steps == skipped_before
+        # (loss sums and counts are both counted once per tensor-parallel peer)
+        return StepResult(loss_total / max(targets_total, 1.0), tokens, round(real_total / self.tp), finite,
+                          stop > 0, lr)
+
+    def to_device(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
+        """A loader batch as model inputs, labels and attention masks on the device.
+
+        The masks' metadata is computed here, from the host tensors, before the copies are queued; on CUDA the
+        copies come from pinned memory and do not wait.
+        """
+        masks = batch_masks(self.cfg.model.arch, batch, varlen=self.varlen).to(self.device)
+        moved = {k: _move(v, self.device) for k, v in batch.items()}
+        labels = moved.pop("labels")
+        return moved, labels, masks
+
+    def last_grad_norm(self) -> float | None:
+        """The gradient norm before clipping of the last step (reads it from the device: log steps only)."""
+        norm = self.grad_norm if self.cfg.parallel.zero_stage == 0 else self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def _on_device(self, values: list[float]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.float64)
+        return _move(host, self.device)
+
+    # ---------------------------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Mapping[str, torch.Tensor]]) -> dict[str, float]:
+        """Token-weighted loss over ``batches`` (the same list on every rank).
+
+        Data-parallel rank r evaluates batches r, r + dp, ... (its tensor-parallel peers the same ones) and the
+        sums are all-reduced: the numbers of one rank evaluating them all, in 1/dp of the time. A rank with a
+        batch fewer runs one more forward and drops its result, so all ranks run the same forwards (ZeRO-3
+        gathers parameters in each).
+        """
+        self.engine.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, loss tokens
+        for index in eval_schedule(len(batches), self.dp_size, self.dp_rank):
+            batch = batches[index or 0]
+            inputs, labels, masks = self.to_device(batch)
+            loss = token_loss_sum(self.engine(**inputs, masks=masks), labels, 0.0)
+            if index is not None:
+                sums += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
+        self.engine.train()
+        dist.all_reduce(sums)
+        loss_sum, targets = (x / self.tp for x in sums.tolist())
+        loss = loss_sum / max(targets, 1)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(targets)}
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           label_smoothing=label_smoothing, reduction="sum")
+
+
+def positions(batch: Mapping[str, torch.Tensor]) -> int:
+    """Input positions of a batch (both stacks of an encoder-decoder), padding included."""
+    return sum(batch[key].numel() for key in ("input_ids", "decoder_input_ids") if key in batch)
+
+
+def real_positions(batch: Mapping[str, torch.Tensor]) -> int:
+    """Input positions that hold a token (segment ids mark padding), counted on the host."""
+    total = 0
+    for ids, segments in (("input_ids", "segment_ids"), ("decoder_input_ids", "decoder_segment_ids")):
+        if ids in batch:
+            total += int(np.count_nonzero(batch[segments].numpy() != PAD_SEGMENT)) if segments in batch \
+                else batch[ids].numel()
+    return total
+
+
+def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without waiting: from pinned memory on CUDA (the loader pins; anything else is pinned here)."""
+    if device.type == "cuda" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def eval_schedule(n_batches: int, dp_size: int, dp_rank: int) -> list[int | None]:
+    """The validation batches data-parallel rank ``dp_rank`` evaluates, round by round: ``dp_rank``,
+    ``dp_rank + dp_size``, ...; None marks a round whose forward only keeps this rank in step with the others."""
+    rounds = -(-n_batches // dp_size)
+    return [i if i < n_batches else None for i in range(dp_rank, rounds * dp_size, dp_size)]
+
+
+@contextmanager
+def skipped_update(engine, skip: bool):
+    """When ``skip``, the step inside this block changes nothing: weights, Adam moments, the optimizer's
+    step count and the learning-rate schedule stay as they were (DeepSpeed still zeroes the gradients).
+    This is what DeepSpeed's ZeRO optimizers do on their own for non-finite gradients.
+
+    DeepSpeed wraps the torch optimizer (ZeRO and bf16 wrappers keep it in ``.optimizer``); the innermost
+    one is the one whose ``step`` would change state.
+    """
+    if not skip:
+        yield
+        return
+    inner = engine.optimizer
+    while hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    # (torch's LR scheduler may already have wrapped the optimizer's step on the instance: put it back)
+    patched = [(obj, vars(obj).get("step")) for obj in (inner, engine.lr_scheduler) if obj is not None]
+    for obj, _ in patched:
+        obj.step = _no_op
+    try:
+        yield
+    finally:
+        for obj, own in patched:
+            if own is None:
+                del obj.step
+            else:
+                obj.step = own
+
+
+def _no_op(*args, **kwargs) -> None:
+    return None
+
+
+def unclipped_grad_norm(module: torch.nn.Module, tensor_parallel: int) -> torch.Tensor:
+    """Global gradient norm without ZeRO (whose optimizer computes it for us), as a device tensor:
+    tensor-parallel shards' squares are summed over the tensor-parallel group (on the gradients' device),
+    replicated parameters counted once."""
+    sharded, replicated = [], []
+    for name, param in module.named_parameters():
+        if param.grad is not None:
+            split = tensor_parallel > 1 and partition_dim(name) is not None
+            (sharded if split else replicated).append(param.grad.detach())
+    device = next(module.parameters()).device
+    squares = [sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads),
+                   torch.zeros((), device=device)) for grads in (sharded, replicated)]
+    if tensor_parallel > 1:
+        from deepspeed.utils import groups
+
+        dist.all_reduce(squares[0], group=groups.get_tensor_model_parallel_group())
+    return (squares[0] + squares[1]).sqrt()
+
+
+def check_tensor_parallel_shards(module: torch.nn.Module, full_shapes: Mapping[str, torch.Size], tp: int) -> None:
+    """Every weight the plan splits holds 1/tp of its elements after DeepSpeed's AutoTP set-up.
+
+    A DeepSpeed that does not apply custom partition patterns leaves the layers whole and would train a
+    replicated model at tp times the cost with no error; this makes that an error at start-up.
+    """
+    for name, param in module.named_parameters():
+        if partition_dim(name) is None or name.endswith(".bias") or name not in full_shapes:
+            continue
+        shape = getattr(param, "ds_shape", param.shape)  # (ZeRO-3 keeps the shape aside)
+        if math.prod(shape) * tp != math.prod(full_shapes[name]):
+            raise ConfigError(f"tensor parallelism did not split {name}: it holds {tuple(shape)} of "
+                              f"{tuple(full_shapes[name])} on tensor_parallel={tp}; upgrade DeepSpeed "
+                              "(pip install -U deepspeed) or set parallel.tensor_parallel=1")

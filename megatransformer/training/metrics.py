@@ -1,28 +1,52 @@
-"""What a run reports: metrics.jsonl, a progress bar (or log lines when not a TTY), W&B. Rank 0 only."""
+"""What a run reports: metrics.jsonl, W&B, and the console. Rank 0 only.
+
+The console prints a line per metrics.jsonl record, made from that record (so the two always agree), a
+progress bar on a terminal, and a closing summary; DeepSpeed's start-up chatter is held back unless asked for.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-import torch
+from megatransformer.config import ConfigError, RunConfig
 
-from megatransformer.config import RunConfig
+# Dense (no sparsity) bf16 = fp16 tensor-core peaks per GPU, TFLOP/s, from NVIDIA's datasheets. The first
+# name contained in torch.cuda.get_device_name() wins, so the more specific names come first. fp32 runs are
+# measured against TF32, half of these.
+GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),  # H100 SXM
+    ("H200 NVL", 835.0), ("H200", 989.0), ("B200", 2250.0), ("A100", 312.0),  # A100 40/80 GB, SXM and PCIe
+)
 
-H100_BF16_TFLOPS = 989.0
+
+def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
+    """A known GPU's dense peak for ``dtype`` (bf16/fp16; fp32 as TF32), or None for a GPU not in the table."""
+    for name, peak in GPU_PEAK_TFLOPS:
+        if name in device_name:
+            return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
+    return None
 
 
 def peak_tflops(cfg: RunConfig, device: str) -> float:
     """Per-device peak for the MFU estimate: train.peak_tflops, else a known GPU, else a measured matmul peak."""
+    import torch
+
     if cfg.train.peak_tflops:
         return cfg.train.peak_tflops
-    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    if device.startswith("cuda") and "H100" in torch.cuda.get_device_name():
-        return H100_BF16_TFLOPS if dtype == torch.bfloat16 else H100_BF16_TFLOPS / 2
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
+    if device.startswith("cuda"):
+        known = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
+        if known is not None:
+            return known
+    dtype = torch.float32 if dtype == torch.float16 and not device.startswith("cuda") else dtype
     a = torch.randn(1024, 1024, device=device, dtype=dtype)
     a @ a
     started, n = time.perf_counter(), 0
@@ -35,21 +59,50 @@ def peak_tflops(cfg: RunConfig, device: str) -> float:
 
 
 def truncate_metrics(path: Path, after_step: int) -> None:
-    """On resume, drop lines of steps after the checkpoint: they are re-run and logged again."""
+    """On resume, drop lines of steps after the checkpoint: they are re-run and logged again.
+
+    A last line that is not JSON is a write the previous run did not finish (killed mid-line): dropped with
+    a warning. A bad line anywhere else is not from an interrupted write: an error naming the line."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= after_step]
+    lines = path.read_text(errors="replace").splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                print(f"warning: {path}: the last line ({line[:40]!r}...) is cut short (an interrupted write); "
+                      "dropped", file=sys.stderr, flush=True)
+                continue
+            raise ConfigError(f"{path} line {number} is not JSON ({line[:40]!r}); remove or fix that line "
+                              "to resume") from None
+        if record.get("step", 0) <= after_step:
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
 
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run directory's metrics.jsonl."""
+    from megatransformer.config import ConfigError
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} has no metrics.jsonl (is it a run directory?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 class Reporter:
+    """Writes metrics.jsonl and W&B, and shows every record on the console as it is written."""
+
     def __init__(self, cfg: RunConfig, is_main: bool, start_step: int) -> None:
         self.cfg, self.is_main = cfg, is_main
         self.path = Path(cfg.run_dir) / "metrics.jsonl"
         self.bar = None
         self.wandb = None
-        self._last_line = time.perf_counter()
+        self._started, self._start_step = time.perf_counter(), start_step
         if not is_main:
             return
         truncate_metrics(self.path, start_step)
@@ -66,27 +119,113 @@ class Reporter:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if "loss" in record:
+            self.message(self.train_line(record))
+        if "val_loss" in record:
+            self.message(f"step {record['step']}: validation loss {record['val_loss']:.4f}, perplexity "
+                         f"{record['val_ppl']:,.2f} ({record['val_tokens']:,} tokens)")
+
+    def train_line(self, record: dict[str, Any]) -> str:
+        """A training record as one line: its own numbers, plus the ETA at the run's average pace so far."""
+        step, total = record["step"], self.cfg.train.max_steps
+        loss = "nan" if record["loss"] is None else f"{record['loss']:.4f}"
+        pace = (time.perf_counter() - self._started) / max(step - self._start_step, 1)
+        return (f"step {step}/{total} | loss {loss} | lr {record['lr']:.3g} | {record['tokens_per_s']:,.0f} tok/s"
+                f" | MFU {record['mfu']:.2%} | ETA {format_duration((total - step) * pace)}")
 
     def progress(self, step: int, loss: float, tokens_per_s: float, seconds_per_step: float) -> None:
-        if not self.is_main:
-            return
-        eta = (self.cfg.train.max_steps - step) * seconds_per_step
-        if self.bar is not None:
+        """Moves the progress bar (on a terminal); the numbers are shown per log interval by :meth:`log`."""
+        if self.bar is not None and self.is_main:
             self.bar.n = step
-            self.bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s", refresh=True)
-        elif step % self.cfg.train.log_every == 0 or step == self.cfg.train.max_steps:
-            print(f"step {step}/{self.cfg.train.max_steps} loss {loss:.4f} {tokens_per_s:,.0f} tok/s "
-                  f"eta {eta / 60:.1f} min", flush=True)
+            self.bar.refresh()
 
     def message(self, text: str) -> None:
         if self.is_main:
             (self.bar.write if self.bar is not None else print)(text)
+            sys.stdout.flush()
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_sample(prompt: str, continuation: str) -> str:
+    """The end-of-training sample, cut at its first blank line (an untrained model repeats newlines)."""
+    cut = continuation.split("\n\n", 1)[0].rstrip()
+    return f"sample: {prompt}{cut}"
+
+
+@contextlib.contextmanager
+def quiet_engine(verbose: bool) -> Iterator[None]:
+    """Hold back what DeepSpeed prints on stdout while it starts (``deepspeed_shm_comm_op built successfully``
+    and the like) unless ``verbose``; if start-up fails, what it printed goes to stderr with the error."""
+    if verbose:
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+
+
+def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Path | None,
+            plot: Path | None) -> str:
+    """The closing lines of a run: what was done (from metrics.jsonl), where the results are, what to run next."""
+    run_dir = Path(cfg.run_dir)
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    train = [r for r in records if "loss" in r]
+    valid = [r for r in records if "val_loss" in r]
+    step = max((r["step"] for r in records), default=0)
+    tokens = train[-1]["tokens"] if train else 0
+    status = {0: "done", 124: "preempted (checkpointed; run again with resume=auto)",
+              3: "stopped: the loss diverged"}.get(exit_code, f"stopped (exit {exit_code})")
+    lines = [f"{status}: {step:,} of {cfg.train.max_steps:,} steps, {tokens:,} tokens, "
+             f"wall time {format_duration(wall_seconds)}"]
+    if train:
+        loss = train[-1]["loss"]
+        lines.append(f"  final train loss       {'nan' if loss is None else f'{loss:.4f}'}")
+    if valid:
+        lines.append(f"  final validation loss  {valid[-1]['val_loss']:.4f} "
+                     f"(perplexity {valid[-1]['val_ppl']:,.2f})")
+    for name, path in (("checkpoint", checkpoint), ("metrics", run_dir / "metrics.jsonl"), ("plot", plot)):
+        if path is not None:
+            lines.append(f"  {name + ':':22s} {path}")
+    if exit_code == 0:
+        lines += ["next:", *(f"  {command}" for command in next_commands(cfg))]
+    return "\n".join(lines)
+
+
+def next_commands(cfg: RunConfig) -> list[str]:
+    """Evaluate, sample from and export the run just finished, as commands to copy."""
+    from megatransformer.hf import hf_incompatibility
+
+    run = shlex.quote(cfg.run_dir)
+    data = cfg.data.valid or cfg.data.train
+    data = data if isinstance(data, str) or data is None else data[0].path
+    commands = []
+    if data is not None:
+        commands.append(f"megatransformer eval --checkpoint {run} --data {shlex.quote(data)}")
+    if cfg.model.arch != "encoder":
+        prompt = cfg.train.sample_prompt or "The"
+        commands.append(f"megatransformer generate --checkpoint {run} --prompt {shlex.quote(prompt)}")
+    hf = hf_incompatibility(cfg.model) is None
+    commands.append(f"megatransformer export --checkpoint {run} --format {'hf' if hf else 'safetensors'} "
+                    f"--out {shlex.quote(cfg.run_dir + ('/hf' if hf else '/export'))}")
+    return commands
 
 
 def wandb_mode(cfg: RunConfig) -> str:
@@ -96,18 +235,37 @@ def wandb_mode(cfg: RunConfig) -> str:
 
 
 def start_wandb(cfg: RunConfig):
-    """A W&B run (offline when there is no API key, so a run never fails for lack of network)."""
+    """A W&B run (offline when there is no API key, so a run never fails for lack of network).
+
+    W&B never stops a run: when online start-up fails (server unreachable, bad key, timeout) one warning
+    line says so and the run logs offline, into files that `wandb sync` uploads later. Start-up waits at
+    most WANDB_INIT_TIMEOUT seconds (W&B's default, 90), and less than half of parallel.timeout_minutes,
+    so the other ranks, waiting in a collective meanwhile, do not time out.
+    """
     mode = wandb_mode(cfg)
     if mode == "disabled":
         return None
     import wandb
 
+    # W&B's own messages (credentials found, retries, errors) stay in its debug logs; the run log is ours
+    quiet = wandb.Settings(silent=True, quiet=True, console="off", show_info=False, show_warnings=False,
+                           show_errors=False)
+    wandb.setup(quiet)
     run_dir = Path(cfg.run_dir)
-    return wandb.init(
-        project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
-        tags=cfg.wandb.tags, config=cfg.model_dump(mode="json"), dir=str(run_dir), mode=mode,
-        resume="allow", id=_run_id(run_dir), settings=wandb.Settings(silent=True, console="off"),
-    )
+    timeout = min(float(os.environ.get("WANDB_INIT_TIMEOUT", 90)), cfg.parallel.timeout_minutes * 60 / 2)
+    init = dict(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
+                tags=cfg.wandb.tags, config=cfg.model_dump(mode="json"), dir=str(run_dir), resume="allow",
+                id=_run_id(run_dir))
+    if mode != "online":
+        return wandb.init(**init, mode=mode, settings=quiet)
+    try:
+        return wandb.init(**init, mode="online", settings=quiet.model_copy(update={"init_timeout": timeout}))
+    except Exception as err:  # noqa: BLE001 - whatever W&B raises, the run goes on offline
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"warning: W&B online start-up failed ({reason}); logging offline instead, upload later with "
+              f"`wandb sync {run_dir / 'wandb'}/offline-run-*`", file=sys.stderr, flush=True)
+        wandb.teardown()  # the failed run still holds its id in W&B's service process
+        return wandb.init(**init, mode="offline", settings=quiet)
 
 
 def _run_id(run_dir: Path) -> str:

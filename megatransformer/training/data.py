@@ -1,0 +1,35 @@
+"""The run config's side of the data: ``data_pipeline`` takes plain arguments (LoaderSettings), this turns a
+RunConfig into them. Nothing in data_pipeline imports the run config."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from data_pipeline.loader import LoaderSettings, SourceSpec, StreamingLoader
+from data_pipeline.loader import build_loader as build_pipeline_loader
+from data_pipeline.objectives import ObjectiveArgs
+from data_pipeline.tokenizer import TokenizerInfo
+from megatransformer.config import DatasetSource, RunConfig
+
+
+def _sources(spec: str | list[DatasetSource] | None) -> str | list[SourceSpec] | None:
+    return spec if spec is None or isinstance(spec, str) else [SourceSpec(s.path, s.weight) for s in spec]
+
+
+def loader_settings(cfg: RunConfig, pin_memory: bool = False) -> LoaderSettings:
+    """The loader's arguments from a run config (data.*, objective, objective_args, model.arch/vocab_size, seed);
+    ``pin_memory`` for a run on CUDA."""
+    data = cfg.data
+    args = ObjectiveArgs(**{f.name: getattr(cfg.objective_args, f.name) for f in fields(ObjectiveArgs)})
+    return LoaderSettings(train=_sources(data.train), valid=_sources(data.valid), seq_len=data.seq_len,
+                          objective=cfg.objective, arch=cfg.model.arch, vocab_size=cfg.model.vocab_size,
+                          seed=cfg.seed, objective_args=args, pack=data.pack, shuffle_buffer=data.shuffle_buffer,
+                          num_workers=data.num_workers, on_corrupt=data.on_corrupt, streams=data.streams,
+                          retries=data.retries, pin_memory=pin_memory)
+
+
+def build_loader(cfg: RunConfig, split: str, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 tokenizer: TokenizerInfo, epochs: int | None = None, pin_memory: bool = False) -> StreamingLoader:
+    """data_pipeline.loader.build_loader for a run config (same arguments otherwise)."""
+    return build_pipeline_loader(loader_settings(cfg, pin_memory), split, micro_batch_size, dp_rank, dp_size,
+                                 tokenizer, epochs)

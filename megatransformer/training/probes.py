@@ -1,0 +1,117 @@
+"""Probes for what a training step asks of the host: host syncs, and where collectives' tensors live.
+
+On a GPU every value the host reads from the device (``.item()``, ``bool(t)``, ``nonzero``, ``tolist`` ...)
+waits for all queued work; a step that does so per layer or per micro batch leaves the GPU idle. A collective
+on a tensor that is not on the run's device fails on NCCL (or silently goes through the host on gloo).
+:class:`HostSyncCounter` counts the first while code runs; :class:`CollectiveDevices` records the second.
+The tests and ``bench/gpu_check.py`` wrap :meth:`engine.TrainModule.step` in both.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# operators whose result (a value or a shape) the host must read from the device
+SYNCING_OPS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
+               aten.unique_consecutive, aten.equal, aten.is_nonzero}
+# tensor methods that read values without an operator the dispatcher sees (on CPU tensors)
+SYNCING_METHODS = {torch.Tensor.tolist}
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "reduce", "all_to_all_single")
+
+
+class _DispatchCounter(TorchDispatchMode):
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in SYNCING_OPS:
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _MethodCounter(TorchFunctionMode):
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in SYNCING_METHODS:
+            self.counts[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostSyncCounter:
+    """Counts host syncs of the code run inside ``with HostSyncCounter() as syncs:``; ``syncs.total``."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self._stack = ExitStack()
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __enter__(self) -> HostSyncCounter:
+        self._stack.enter_context(_MethodCounter(self.counts))
+        self._stack.enter_context(_DispatchCounter(self.counts))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+
+class CollectiveDevices:
+    """Records the device of every tensor handed to a ``torch.distributed`` collective inside the block
+    (DeepSpeed's communication goes through the same functions)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []  # (collective, device)
+        self._saved: dict[str, Any] = {}
+
+    def devices(self) -> set[str]:
+        return {device for _, device in self.calls}
+
+    def __enter__(self) -> CollectiveDevices:
+        for name in COLLECTIVES:
+            original = getattr(dist, name)
+            self._saved[name] = original
+            setattr(dist, name, self._recording(name, original))
+        return self
+
+    def _recording(self, name: str, original):
+        def collective(*args, **kwargs):
+            for value in (*args, *kwargs.values()):
+                for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(tensor, torch.Tensor):
+                        self.calls.append((name, str(tensor.device)))
+            return original(*args, **kwargs)
+
+        return collective
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def probe_step(module, batches, warmup: int = 2) -> dict[str, Any]:
+    """Run ``warmup`` steps of a :class:`engine.TrainModule` (ZeRO-3 traces its parameter fetches in its first
+    steps), then one under both probes: its host syncs (by
+    operator) and the devices its collectives used."""
+    for _ in range(warmup):
+        module.step(batches)
+    with HostSyncCounter() as syncs, CollectiveDevices() as collectives:
+        result = module.step(batches)
+    return {"host_syncs": syncs.total, "by_op": dict(syncs.counts), "collectives": len(collectives.calls),
+            "collective_devices": sorted(collectives.devices()), "loss": result.loss}
