@@ -59,6 +59,11 @@ def add_instruction_arguments(p: argparse.ArgumentParser) -> None:
                    help="read .jsonl records as instruction examples: this field is the prompt (context only, "
                         "no loss), --completion-field the text the model learns")
     p.add_argument("--completion-field", default="completion", help="with --prompt-field: the completion field")
+    # Translation pairs are (prompt, completion) examples: the same options under the names of the field.
+    p.add_argument("--source-field", dest="prompt_field", default=argparse.SUPPRESS, metavar="FIELD",
+                   help="translation pairs (.jsonl or .tsv): the source side, read like --prompt-field")
+    p.add_argument("--target-field", dest="completion_field", default=argparse.SUPPRESS, metavar="FIELD",
+                   help="translation pairs: the target side, read like --completion-field")
 
 
 def _guard(fn):

@@ -3,6 +3,9 @@
 
 Instruction data: with ``prompt_field`` set, every .jsonl record is one (prompt, completion) example; the
 completion comes from ``text_field``. Neither is stripped: the whitespace between them is the user's choice.
+Translation pairs are such examples (source = prompt, target = completion); they may also come from .tsv
+files: one pair per line, tab-separated, no quoting. If the first line's columns include both field names, it
+is a header and those columns are read; otherwise every line has exactly two columns, source then target.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def _kind(path: Path) -> str:
     name = path.name.removesuffix(".gz").removesuffix(".zst")
     if name.endswith(".jsonl") or name.endswith(".json"):
         return "jsonl"
+    if name.endswith(".tsv"):
+        return "tsv"
     return "txt"
 
 
@@ -72,7 +77,7 @@ def read_documents(
     prompt_field: str | None = None,
 ) -> Iterator[Document]:
     """Yield documents from the files in order; empty documents are dropped. With ``prompt_field``, yield
-    instruction examples (``.jsonl`` only)."""
+    instruction examples (``.jsonl`` or ``.tsv``)."""
     stats = stats or DecodeStats()
     for name in files:
         path = Path(name)
@@ -80,8 +85,12 @@ def read_documents(
             raise DataError(f"input file {path} does not exist")
         lines = _lines(path, on_decode_error, stats)
         if prompt_field is not None:
+            if _kind(path) == "tsv":
+                yield from _tsv_examples(path, lines, prompt_field, text_field)
+                continue
             if _kind(path) != "jsonl":
-                raise DataError(f"{path}: prompt/completion examples are read from .jsonl files only")
+                raise DataError(f"{path}: prompt/completion (source/target) examples are read from .jsonl and "
+                                ".tsv files only")
             yield from _instruction_examples(path, lines, prompt_field, text_field)
         elif _kind(path) == "jsonl":
             yield from _jsonl_documents(path, lines, text_field)
@@ -137,3 +146,21 @@ def _instruction_examples(path: Path, lines, prompt_field: str, completion_field
                 raise DataError(f"{path}:{number}: no string field {name!r}; choose the field with {option}")
         if record[prompt_field] or record[completion_field]:
             yield Document(record[completion_field], str(path), number, prompt=record[prompt_field])
+
+
+def _tsv_examples(path: Path, lines, source_field: str, target_field: str) -> Iterator[Document]:
+    """Pairs from a .tsv file (see the module docstring for the header rule)."""
+    columns, width = (0, 1), 2
+    for number, line in lines:
+        cells = line.rstrip("\r\n").split("\t")
+        if number == 1 and source_field in cells and target_field in cells:
+            columns, width = (cells.index(source_field), cells.index(target_field)), len(cells)
+            continue
+        if not line.strip():
+            continue
+        if len(cells) != width:
+            raise DataError(f"{path}:{number}: {len(cells)} tab-separated columns, expected {width} (source, "
+                            f"target; or a first line naming the columns {source_field!r} and {target_field!r})")
+        source, target = cells[columns[0]], cells[columns[1]]
+        if source or target:
+            yield Document(target, str(path), number, prompt=source)

@@ -22,6 +22,7 @@ COMMANDS = (
     "megatransformer.commands.generate",
     "megatransformer.commands.export",
     "megatransformer.commands.eval",
+    "megatransformer.commands.average",
     "megatransformer.commands.plot",
 )
 

@@ -60,3 +60,51 @@ def decoder_start_id(cfg: RunConfig, tokenizer) -> int | None:
 @torch.no_grad()
 def logits_of(model: LanguageModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**{k: v for k, v in batch.items() if k != "labels"})
+
+
+DEFAULT_NEW_TOKENS = 64  # decoders; encoder-decoders default to the source length + 50 (the 2017 paper)
+
+
+def new_token_limit(cfg: RunConfig, prompt_len: int, requested: int | None) -> int:
+    """How many tokens generation may add to a prompt (decoder) or after a source (encoder-decoder):
+    ``requested``, or the default capped at what model.max_seq_len leaves; a request beyond that is an error
+    (ALiBi models have no position table and no such limit)."""
+    decoder = cfg.model.arch == "decoder"
+    if cfg.model.position == "alibi":  # no position table: any length
+        return requested if requested is not None else DEFAULT_NEW_TOKENS if decoder else prompt_len + 50
+    if not decoder and prompt_len > cfg.model.max_seq_len:
+        raise ConfigError(f"the input has {prompt_len} tokens, more than model.max_seq_len={cfg.model.max_seq_len}")
+    room = cfg.model.max_seq_len - (prompt_len if decoder else 1)
+    if room < 1:
+        raise ConfigError(f"the prompt ({prompt_len} tokens) leaves no room in model.max_seq_len="
+                          f"{cfg.model.max_seq_len}")
+    if requested is None:
+        return min(DEFAULT_NEW_TOKENS if decoder else prompt_len + 50, room)
+    if requested > room:
+        raise ConfigError(f"--max-new-tokens {requested} exceeds what model.max_seq_len={cfg.model.max_seq_len} "
+                          f"leaves after the prompt ({room})")
+    return requested
+
+
+def beam_decode(loaded: Loaded, prompts: list[list[int]], num_beams: int, alpha: float, form: str,
+                max_new_tokens: int | None = None, batch_size: int = 1) -> list[list[int]]:
+    """The best beam-search continuation of every prompt (token ids), without its EOS. Prompts of equal length
+    are searched together, ``batch_size`` at a time (no padding needed, and the same length limit for all)."""
+    from megatransformer.model.beam import beam_search
+
+    tok = loaded.tokenizer
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(i)
+    results: list[list[int]] = [[] for _ in prompts]
+    for length, indices in by_length.items():
+        limit = new_token_limit(loaded.cfg, length, max_new_tokens)
+        for start in range(0, len(indices), batch_size):
+            batch = indices[start:start + batch_size]
+            best = beam_search(loaded.model, torch.tensor([prompts[i] for i in batch]), limit, num_beams,
+                               tok.eos_id, alpha, form, decoder_start_id=decoder_start_id(loaded.cfg, tok),
+                               prefix_lm=loaded.cfg.objective == "prefix_lm")
+            for i, hyp in zip(batch, best):
+                ends = hyp.tokens and hyp.tokens[-1] == tok.eos_id
+                results[i] = hyp.tokens[:-1] if ends else hyp.tokens
+    return results

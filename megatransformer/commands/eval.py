@@ -1,4 +1,5 @@
-"""``megatransformer eval``: token-level loss and perplexity of a checkpoint on shards or text files.
+"""``megatransformer eval``: token-level loss and perplexity of a checkpoint on shards or text files, or
+(``--bleu``) BLEU and chrF of its beam-search translations of a test file.
 
 Every loss token counts once: the numbers do not depend on the batch size (samples are built one by one
 with per-sample seeds, then batched; the last partial batch is kept).
@@ -15,6 +16,7 @@ from pathlib import Path
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from data_pipeline.cli import add_instruction_arguments
+    from megatransformer.commands.generate import add_beam_arguments
 
     p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on held-out data",
                               description="Token-level loss and perplexity of a checkpoint on shards or text files; "
@@ -27,6 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all data)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_instruction_arguments(p)
+    p.add_argument("--bleu", action="store_true",
+                   help="translate every --source-field text of --data (.jsonl/.tsv) and score the hypotheses "
+                        "against --target-field with sacrebleu (BLEU, chrF) instead of computing the loss")
+    p.add_argument("--hypotheses", default=None, help="with --bleu: write the hypotheses here, one per line")
+    add_beam_arguments(p)
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. data.seq_len=256")
     p.set_defaults(func=run)
 
@@ -37,9 +44,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
+    if args.bleu or args.hypotheses:
+        _check_bleu_arguments(args)
     loaded = load_for_inference(args.checkpoint)
     if loaded.tokenizer is None:
         raise ConfigError(f"{loaded.path} has no tokenizer.json")
+    if args.bleu:
+        return _bleu(args, loaded)
     raw = apply_overrides(loaded.cfg.model_dump(mode="json"), args.overrides)
     with tempfile.TemporaryDirectory() as tmp:
         shards, split = _as_shards(args, loaded.tokenizer.path, Path(tmp))
@@ -54,6 +65,66 @@ def run(args: argparse.Namespace) -> int:
         print(f"{cfg.objective}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
               f"over {result['tokens']:,} tokens ({result['sequences']:,} sequences)")
     return 0
+
+
+def _check_bleu_arguments(args: argparse.Namespace) -> None:
+    from data_pipeline.shard import MANIFEST
+    from megatransformer.config import ConfigError
+
+    if not args.bleu:
+        raise ConfigError("--hypotheses goes with --bleu")
+    if not args.prompt_field:
+        raise ConfigError("--bleu needs --source-field (and --target-field) to read translation pairs from --data")
+    if any((Path(d) / MANIFEST).is_file() for d in args.data):
+        raise ConfigError("--bleu translates text: give --data .jsonl/.tsv files, not a shard directory")
+    if args.num_beams < 1:
+        raise ConfigError("--num-beams must be >= 1")
+    if args.overrides:
+        raise ConfigError(f"--bleu takes no key.path=value overrides (got {' '.join(args.overrides)})")
+
+
+def _bleu(args: argparse.Namespace, loaded) -> int:
+    result = {"checkpoint": str(loaded.path), **bleu_of(loaded, args.data, args.prompt_field, args.completion_field,
+                                                        args.num_beams, args.length_penalty,
+                                                        args.length_penalty_form, args.hypotheses,
+                                                        args.batch_size)}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{result['bleu_text']}\n{result['chrf_text']}\nBLEU signature: {result['bleu_signature']}\n"
+              f"chrF signature: {result['chrf_signature']}\n({result['sentences']:,} sentences, beam "
+              f"{args.num_beams}, length penalty {args.length_penalty_form} alpha={args.length_penalty})")
+    return 0
+
+
+def bleu_of(loaded, files: list[str], source_field: str, target_field: str, num_beams: int, alpha: float,
+            form: str, hypotheses: str | None = None, batch_size: int = 8) -> dict:
+    """Beam-search translations of the pairs in ``files`` (sources of equal length ``batch_size`` at a time)
+    scored by sacrebleu: BLEU, chrF and their signatures (the settings that make scores comparable)."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    from data_pipeline.sources import read_documents
+    from megatransformer.config import ConfigError
+    from megatransformer.inference import beam_decode
+
+    tok = loaded.tokenizer
+    sources, references = [], []
+    for pair in read_documents(files, target_field, prompt_field=source_field):
+        sources.append(tok.encode(pair.prompt))
+        if not sources[-1]:
+            raise ConfigError(f"{pair.source}:{pair.line}: the source encodes to no tokens")
+        references.append(pair.text)
+    if not sources:
+        raise ConfigError(f"no translation pairs in {', '.join(files)}")
+    outputs = [tok.decode(tokens, skip_special=True).strip()
+               for tokens in beam_decode(loaded, sources, num_beams, alpha, form, batch_size=batch_size)]
+    if hypotheses:
+        Path(hypotheses).write_text("".join(line.replace("\n", " ") + "\n" for line in outputs))
+    bleu, chrf = BLEU(), CHRF()
+    bleu_score, chrf_score = bleu.corpus_score(outputs, [references]), chrf.corpus_score(outputs, [references])
+    return {"bleu": bleu_score.score, "chrf": chrf_score.score, "bleu_text": str(bleu_score),
+            "chrf_text": str(chrf_score), "bleu_signature": str(bleu.get_signature()),
+            "chrf_signature": str(chrf.get_signature()), "sentences": len(outputs)}
 
 
 def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str, str]:

@@ -8,7 +8,6 @@ code; see megatransformer.hf).
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -32,10 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def export(args: argparse.Namespace) -> int:
     import torch
 
-    from megatransformer.config import ConfigError, dump_config
+    from megatransformer.config import ConfigError
     from megatransformer.hf import hf_incompatibility, save_hf_dir
     from megatransformer.inference import checkpoint_dir
-    from megatransformer.training.checkpoint import load_weights, save_safetensors, write_manifest
+    from megatransformer.training.checkpoint import load_weights, write_weights_checkpoint
 
     source = checkpoint_dir(args.checkpoint)
     cfg, weights = load_weights(source)
@@ -55,16 +54,7 @@ def export(args: argparse.Namespace) -> int:
         family = save_hf_dir(out, cfg.model, weights, tokenizer if tokenizer.is_file() else None, special, dtype)
         print(f"wrote a {family.architecture} directory")
     else:
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_safetensors({k: v.to(dtype).contiguous() for k, v in weights.items()}, tmp / "model.safetensors")
-        (tmp / "config.yaml").write_text(dump_config(cfg))
-        if tokenizer.is_file():
-            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-        write_manifest(tmp)  # COMPLETE, listing every file
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        write_weights_checkpoint(out, cfg, {k: v.to(dtype) for k, v in weights.items()}, tokenizer)
     print(f"exported {source} -> {out} ({args.format}, {args.dtype})")
     return 0
 
@@ -79,25 +69,16 @@ def _special_ids(tokenizer: Path) -> dict[str, int | None]:
 
 
 def import_hf(args: argparse.Namespace) -> int:
-    from megatransformer.config import ConfigError, DataConfig, RunConfig, dump_config
+    from megatransformer.config import ConfigError, DataConfig, RunConfig
     from megatransformer.hf import load_hf_dir
-    from megatransformer.training.checkpoint import save_safetensors, write_manifest
+    from megatransformer.training.checkpoint import write_weights_checkpoint
 
     try:
         model_cfg, weights = load_hf_dir(Path(args.hf))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     out = Path(args.out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_safetensors({k: v.contiguous().clone() for k, v in weights.items()}, tmp / "model.safetensors")
     run_cfg = RunConfig(model=model_cfg, data=DataConfig(seq_len=min(512, model_cfg.max_seq_len)))
-    (tmp / "config.yaml").write_text(dump_config(run_cfg))
-    if (Path(args.hf) / "tokenizer.json").is_file():
-        shutil.copyfile(Path(args.hf) / "tokenizer.json", tmp / "tokenizer.json")
-    write_manifest(tmp)  # COMPLETE, listing every file
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    write_weights_checkpoint(out, run_cfg, weights, Path(args.hf) / "tokenizer.json")
     print(f"imported {args.hf} -> {out}; start a run from it with init_from={out}")
     return 0

@@ -55,13 +55,7 @@ def stream(
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row ([B]) until max_new_tokens or every row has produced eos_id.
     ``prefix_lm``: a decoder attends bidirectionally over the prompt (for models trained with prefix_lm)."""
-    if isinstance(model, EncoderLM):
-        raise ValueError("an encoder-only model does not generate text; use a decoder or encoder_decoder model")
-    if isinstance(model, EncoderDecoderLM):
-        step = _encoder_decoder_step
-    else:
-        prefix_len = torch.full_like(input_ids[:, 0], input_ids.shape[1]) if prefix_lm else None
-        step = partial(_decoder_step, prefix_len=prefix_len)
+    step = _step_function(model, input_ids, prefix_lm)
     state = step(model, input_ids, None, use_cache, max_new_tokens, decoder_start_id)
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens):
@@ -81,6 +75,16 @@ def generate(model: LanguageModel, input_ids: torch.Tensor, max_new_tokens: int,
     if not tokens:
         return input_ids.new_zeros(input_ids.shape[0], 0)
     return torch.stack(tokens, dim=1)
+
+
+def _step_function(model: LanguageModel, input_ids: torch.Tensor, prefix_lm: bool):
+    """The function that runs one decoding step of ``model`` (see _decoder_step, _encoder_decoder_step)."""
+    if isinstance(model, EncoderLM):
+        raise ValueError("an encoder-only model does not generate text; use a decoder or encoder_decoder model")
+    if isinstance(model, EncoderDecoderLM):
+        return _encoder_decoder_step
+    prefix_len = torch.full_like(input_ids[:, 0], input_ids.shape[1]) if prefix_lm else None
+    return partial(_decoder_step, prefix_len=prefix_len)
 
 
 class _State:

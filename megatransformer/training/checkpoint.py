@@ -611,3 +611,27 @@ def load_weights(path: str | Path, model_cfg: ModelConfig | None = None) -> tupl
         return saved, load_file(str(path / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointDamaged(path, WEIGHTS, f"unreadable ({str(err)[:200]})") from None
+
+
+def write_weights_checkpoint(out: str | Path, cfg: RunConfig, weights: dict[str, torch.Tensor],
+                             tokenizer: str | Path | None = None) -> Path:
+    """A weights-only checkpoint directory (model.safetensors, config.yaml, tokenizer.json, COMPLETE with the
+    manifest of its files) that eval, generate, export and init_from read like a training checkpoint's; written
+    under a temporary name and renamed when complete, replacing ``out``."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    stored, seen = {}, set()
+    for name, tensor in weights.items():  # safetensors stores no two tensors of one storage (tied weights, views)
+        storage = tensor.untyped_storage().data_ptr()
+        stored[name] = tensor.contiguous() if storage not in seen else tensor.clone()
+        seen.add(storage)
+    save_safetensors(stored, tmp / WEIGHTS)
+    (tmp / "config.yaml").write_text(dump_config(cfg))
+    if tokenizer is not None and Path(tokenizer).is_file():
+        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+    write_manifest(tmp)  # COMPLETE, listing every file
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

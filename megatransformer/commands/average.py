@@ -1,0 +1,86 @@
+"""``megatransformer average``: the parameter mean of several checkpoints, as one checkpoint.
+
+Vaswani et al. (2017) evaluated the average of the last 5 (base) or 20 (big) checkpoints, written at
+10-minute intervals. The mean is taken in fp32 (accumulated in fp64) over the consolidated ``model.safetensors``
+of each checkpoint, so any training layout (data/tensor parallel, ZeRO stage) can be averaged; the result is a
+weights-only checkpoint directory that ``eval``, ``generate``, ``export`` and ``init_from=`` accept. It takes
+the config and tokenizer of the newest checkpoint given; all must have the same model shape and tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("average", help="average the weights of checkpoints (e.g. the last 5 of a run)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoints", nargs="+", metavar="C",
+                       help="checkpoint (step) directories to average (a run directory: its latest checkpoint)")
+    which.add_argument("--last", nargs=2, metavar=("N", "RUN_DIR"),
+                       help="the last N complete checkpoints of a run directory (or its checkpoints directory)")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatransformer.training.checkpoint import write_weights_checkpoint
+
+    sources = last_checkpoints(*args.last) if args.last else [Path(c) for c in args.checkpoints]
+    cfg, weights, tokenizer = average_checkpoints(sources)
+    write_weights_checkpoint(args.out, cfg, weights, tokenizer)
+    print(f"averaged {len(sources)} checkpoints ({', '.join(p.name for p in sources)}) -> {args.out}")
+    return 0
+
+
+def last_checkpoints(n: str, run_dir: str) -> list[Path]:
+    """The last ``n`` complete step directories of a run (or checkpoints) directory, oldest first."""
+    from megatransformer.config import ConfigError
+    from megatransformer.training.checkpoint import COMPLETE
+
+    if not n.isdigit() or int(n) < 1:
+        raise ConfigError(f"--last N RUN_DIR: N must be a positive integer, got {n!r}")
+    root = Path(run_dir) / "checkpoints" if (Path(run_dir) / "checkpoints").is_dir() else Path(run_dir)
+    complete = sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
+    if len(complete) < int(n):
+        raise ConfigError(f"--last {n} {run_dir}: only {len(complete)} complete checkpoints in {root} (raise "
+                          "checkpoint.keep to keep more of them)")
+    return complete[-int(n):]
+
+
+def average_checkpoints(paths: list[Path]):
+    """(config, fp32 mean weights, tokenizer.json path or None) of ``paths``; the config and tokenizer are the
+    last checkpoint's. Refuses checkpoints of another model shape or tokenizer than the first."""
+    import torch
+
+    from megatransformer.config import ConfigError
+    from megatransformer.inference import checkpoint_dir
+    from megatransformer.training.checkpoint import SHAPE_FIELDS, load_weights
+
+    paths = [checkpoint_dir(p) for p in paths]  # a run or checkpoints directory stands for its latest checkpoint
+    sums: dict[str, torch.Tensor] = {}
+    first_cfg, first_tokenizer = None, None
+    for path in paths:
+        cfg, weights = load_weights(path)
+        tokenizer = path / "tokenizer.json"
+        tokenizer_bytes = tokenizer.read_bytes() if tokenizer.is_file() else None
+        if first_cfg is None:
+            first_cfg, first_tokenizer = cfg, tokenizer_bytes
+        else:
+            diffs = [f"model.{f}={getattr(cfg.model, f)} (not {getattr(first_cfg.model, f)})"
+                     for f in SHAPE_FIELDS if getattr(cfg.model, f) != getattr(first_cfg.model, f)]
+            if diffs:
+                raise ConfigError(f"cannot average checkpoints of different model shapes: {path} has "
+                                  f"{', '.join(diffs)} of {paths[0]}")
+            if tokenizer_bytes != first_tokenizer:
+                raise ConfigError(f"checkpoint {path} has another tokenizer.json than {paths[0]}: average "
+                                  "checkpoints of one run only")
+        for name, tensor in weights.items():
+            if name in sums:
+                sums[name] += tensor.double()
+            else:
+                sums[name] = tensor.double()
+    mean = {name: (total / len(paths)).float() for name, total in sums.items()}
+    tokenizer = paths[-1] / "tokenizer.json"
+    return cfg, mean, tokenizer if tokenizer.is_file() else None
