@@ -47,7 +47,7 @@ def test_one_beam_is_greedy(arch, form):
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
-@pytest.mark.parametrize("position", ["rope", "alibi"])  # ALiBi: the cache's key positions follow the beams
+@pytest.mark.parametrize("position", ["rope", "alibi"])  # ALiBi: its bias reads the cached key positions
 def test_cached_beam_search_equals_uncached(arch, position):
     model = tiny(arch, position=position)
     ids = prompts(64, rows=3)
