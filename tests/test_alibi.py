@@ -22,7 +22,8 @@ from megatransformer.model.attention import BACKENDS, eager_core
 from megatransformer.model.masks import batch_masks, self_attention_mask
 from megatransformer.model.positions import Alibi, alibi_slopes
 from megatransformer.model.tp_plan import assign_head_offsets
-from test_flash_decomposition import LEADING_PAD, PACKED, SELF_MASKS, B, H, T, per_document_prefix, qkv, rows
+from test_flash_decomposition import (PACKED, SELF_MASKS, B, H, T, assert_same, per_document_prefix,
+                                      qkv, real_queries, rows, values_and_grads)
 
 
 def test_slopes_are_the_papers_for_8_and_12_heads():
@@ -62,29 +63,6 @@ def alibi_for(mask, heads: int = H, q_offset: int = 0, kv_len: int = T) -> Alibi
         keys = torch.arange(kv_len).expand(B, -1)
         return Alibi(alibi_slopes(heads), keys[:, q_offset:], keys)
     return Alibi(alibi_slopes(heads), q_pos, q_pos)
-
-
-def real_queries(mask, q_len: int) -> torch.Tensor:
-    if mask.q_segments is None:
-        return torch.ones(B, 1, q_len, 1, dtype=torch.bool)
-    return (mask.q_segments != PAD_SEGMENT).view(B, 1, q_len, 1)
-
-
-def values_and_grads(core, q, k, v, mask, alibi, **kwargs):
-    out = core(q, k, v, mask, 0.0, alibi, **kwargs)
-    keep = real_queries(mask, q.shape[2])
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
-    (out * weights * keep).sum().backward()
-    grads = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    return out.detach() * keep, grads
-
-
-def assert_same(got, want, atol=1e-5):
-    assert torch.allclose(got[0], want[0], atol=atol), (got[0] - want[0]).abs().max()
-    for a, b in zip(got[1], want[1]):
-        assert torch.allclose(a, b, atol=atol), (a - b).abs().max()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import json
 import shutil
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 

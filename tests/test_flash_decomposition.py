@@ -86,8 +86,10 @@ def real_queries(mask: AttentionMask, q_len: int) -> torch.Tensor:
     return (mask.q_segments != PAD_SEGMENT).view(B, 1, q_len, 1)
 
 
-def values_and_grads(core, q, k, v, mask):
-    out = core(q, k, v, mask, 0.0)
+def values_and_grads(core, q, k, v, mask, *extra, **kwargs):
+    """The core's outputs at real queries and q/k/v gradients of a random weighting of them (``extra``,
+    ``kwargs``: more arguments of the core, e.g. an ALiBi bias)."""
+    out = core(q, k, v, mask, 0.0, *extra, **kwargs)
     keep = real_queries(mask, q.shape[2])
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     (out * weights * keep).sum().backward()

@@ -14,9 +14,12 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from megatransformer.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
+    import torch
 
 # Dense (no sparsity) bf16 = fp16 tensor-core peaks per GPU, TFLOP/s, from NVIDIA's datasheets. The first
 # name contained in torch.cuda.get_device_name() wins, so the more specific names come first. fp32 runs are
@@ -37,7 +40,7 @@ def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-def precision_dtype(precision: str):
+def precision_dtype(precision: str) -> torch.dtype:
     """The compute dtype of a run's ``precision`` (fp32 | bf16 | fp16)."""
     import torch
 
