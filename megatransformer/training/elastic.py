@@ -187,7 +187,7 @@ def load_elastic(engine, cfg: RunConfig, plan: ElasticResume, tokenizer_sha256: 
 
     inner = _torch_optimizer(engine)
     step = int(meta["adam_step"])
-    _ensure_adam_state(inner, step)
+    _ensure_adam_state(engine, inner, step)
     _link_state(engine)
     _set_full(engine, inner, None, {name: mine(name, w) for name, w in plan.weights.items()})
     for key in ADAM_KEYS:
@@ -205,23 +205,31 @@ def load_elastic(engine, cfg: RunConfig, plan: ElasticResume, tokenizer_sha256: 
     return state, [r["loader"] for r in old_ranks]
 
 
-def _ensure_adam_state(inner: torch.optim.Optimizer, step: int) -> None:
-    """Every parameter the torch optimizer steps has Adam state (it makes it lazily at the first step), with
+def _ensure_adam_state(engine, inner: torch.optim.Optimizer, step: int) -> None:
+    """Every tensor the torch optimizer steps has Adam state (it makes it lazily at the first step), with
     the saved step count."""
-    for group in inner.param_groups:
-        on_device = group.get("fused") or group.get("capturable")
-        for p in group["params"]:
-            state = inner.state[p]
-            for key in ADAM_KEYS:
-                state.setdefault(key, torch.zeros_like(p, memory_format=torch.preserve_format))
-            old = state.get("step")
-            if isinstance(old, torch.Tensor):
-                state["step"] = torch.full_like(old, float(step))
-            elif old is not None:
-                state["step"] = type(old)(step)
-            else:
-                state["step"] = torch.tensor(float(step), dtype=torch.float32,
-                                             device=p.device if on_device else "cpu")
+    for p, group in _stepped(engine, inner):
+        state = inner.state[p]
+        for key in ADAM_KEYS:
+            state.setdefault(key, torch.zeros_like(p, memory_format=torch.preserve_format))
+        old = state.get("step")
+        if isinstance(old, torch.Tensor):
+            state["step"] = torch.full_like(old, float(step))
+        elif old is not None:
+            state["step"] = type(old)(step)
+        else:
+            on_device = group.get("fused") or group.get("capturable")
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device if on_device else "cpu")
+
+
+def _stepped(engine, inner: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
+    """The tensors the torch optimizer updates, with their parameter group. ZeRO-3 puts its flat fp32
+    partitions into the groups only for the duration of a step."""
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
+    if flats is not None:
+        group_of = engine.optimizer.sub_group_to_group_id
+        return [(flat, inner.param_groups[group_of[i]]) for i, flat in enumerate(flats)]
+    return [(p, group) for group in inner.param_groups for p in group["params"]]
 
 
 def _set_full(engine, inner: torch.optim.Optimizer, key: str | None, values: dict[str, torch.Tensor]) -> None:
