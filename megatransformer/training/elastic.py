@@ -232,6 +232,7 @@ def _stepped(engine, inner: torch.optim.Optimizer) -> list[tuple[torch.Tensor, d
     return [(p, group) for group in inner.param_groups for p in group["params"]]
 
 
+@torch.no_grad()
 def _set_full(engine, inner: torch.optim.Optimizer, key: str | None, values: dict[str, torch.Tensor]) -> None:
     """Write this rank's tensor-parallel share ``values[name]`` of each parameter's fp32 master (``key``
     None) or optimizer state ``key`` into the engine, wherever its layout keeps it."""
