@@ -395,7 +395,7 @@ def full_state_dict(engine, cfg: RunConfig) -> dict[str, torch.Tensor] | None:
     ZeRO partitions gathered), tensor-parallel shards concatenated. A collective: every rank calls it."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    masters = functools.cache(lambda: _fp16_optimizer_masters(engine.optimizer))
+    masters = functools.cache(lambda: fp16_optimizer_masters(engine.optimizer))
 
     def fp32(tensor: torch.Tensor) -> torch.Tensor:
         full = safe_get_full_fp32_param(tensor) if isinstance(tensor, torch.nn.Parameter) else None
@@ -426,7 +426,7 @@ def consolidate(engine, cfg: RunConfig, value: Callable[[torch.Tensor], torch.Te
     return state if is_main else None
 
 
-def _fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch.Tensor]:
+def fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch.Tensor]:
     """bf16/fp16 without ZeRO: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer keep fp32 masters (one
     flat tensor, or one tensor per parameter, per group) that ``safe_get_full_fp32_param`` does not know
     about; map each low-precision parameter to its master, or with ``key`` to the master's optimizer state
@@ -591,6 +591,10 @@ def _read_file(path: Path, name: str, parse: Callable[[str], Any]) -> Any:
         raise CheckpointDamaged(path, name, f"unreadable ({err.__class__.__name__})") from None
 
 
+def read_trainer_state(path: Path) -> TrainerState:
+    return _read_file(path, "trainer.json", lambda text: TrainerState(**json.loads(text)))
+
+
 def check_tokenizer(path: Path, state: TrainerState, cfg: RunConfig, tokenizer_sha256: str | None) -> None:
     if tokenizer_sha256 and state.tokenizer_sha256 and tokenizer_sha256 != state.tokenizer_sha256:
         raise ConfigError(f"checkpoint {path} was trained with another tokenizer (sha256 "
@@ -604,7 +608,7 @@ def load_checkpoint(engine, cfg: RunConfig, path: Path,
     """Restore engine, RNG and return (trainer state, this rank's data-loader state). ``path`` comes from
     :func:`resolve_resume` (verified); every state file is read with weights_only=True."""
     check_same_shapes(saved_config(path).model, cfg.model, f"checkpoint {path}")
-    state = _read_file(path, "trainer.json", lambda text: TrainerState(**json.loads(text)))
+    state = read_trainer_state(path)
     check_tokenizer(path, state, cfg, tokenizer_sha256)
     layout = (dist.get_world_size(), cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
     if (state.world_size, state.tensor_parallel, state.zero_stage) != layout:

@@ -55,9 +55,9 @@ def full_optimizer_state(engine, cfg: RunConfig) -> tuple[dict[str, torch.Tensor
     named = list(engine.module.named_parameters())  # (a tied weight once, under its first name)
     tensors: dict[str, torch.Tensor] = {}
     for key in ADAM_KEYS:
-        masters = functools.cache(lambda key=key: ckpt._fp16_optimizer_masters(engine.optimizer, key))
+        masters = functools.cache(lambda key=key: ckpt.fp16_optimizer_masters(engine.optimizer, key))
 
-        def moment(param: torch.Tensor, key: str = key) -> torch.Tensor:
+        def moment(param: torch.Tensor, key: str = key, masters=masters) -> torch.Tensor:
             full = safe_get_full_optimizer_state(param, key)  # ZeRO 1-3, bf16 optimizer (a collective)
             if full is None:
                 full = masters().get(id(param))  # ZeRO-0 with bf16/fp16 masters
@@ -134,7 +134,7 @@ def plan_resume(cfg: RunConfig, path: Path | None, world_size: int) -> ElasticRe
     layout (DeepSpeed's exact resume) or without a checkpoint. Before any engine is built."""
     if path is None:
         return None
-    saved = ckpt._read_file(path, "trainer.json", lambda text: ckpt.TrainerState(**json.loads(text)))
+    saved = ckpt.read_trainer_state(path)
     saved_cfg = ckpt.saved_config(path)
     tp = cfg.parallel.tensor_parallel
     saved_sizes = resolve_batch_sizes(saved_cfg.train, saved.world_size // saved.tensor_parallel)
@@ -238,7 +238,7 @@ def _set_full(engine, inner: torch.optim.Optimizer, key: str | None, values: dic
     None) or optimizer state ``key`` into the engine, wherever its layout keeps it."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    masters = ckpt._fp16_optimizer_masters(engine.optimizer, key)
+    masters = ckpt.fp16_optimizer_masters(engine.optimizer, key)
     for name, param in engine.module.named_parameters():
         value = values[name]
         if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):  # ZeRO 1-3, bf16 optimizer
