@@ -828,6 +828,16 @@ def merge_states(states: list[dict]) -> dict:
             "sources": first["sources"]}
 
 
+def check_data(settings: LoaderSettings, tokenizer: TokenizerInfo) -> None:
+    """The checks a loader makes when built, of both splits, from the manifests alone: a run can make them
+    before its engines start."""
+    retry = Retry(settings.retries, settings.retry_wait)
+    sources = resolve_sources(settings.train, "train", retry) + \
+        resolve_sources(settings.valid, "valid", retry, fallback=settings.train)
+    check_compatible(sources, tokenizer, settings.vocab_size)
+    check_instructions(sources, settings.objective)
+
+
 def build_loader(settings: LoaderSettings, split: str, micro_batch_size: int, dp_rank: int, dp_size: int,
                  tokenizer: TokenizerInfo, epochs: int | None = None) -> StreamingLoader:
     """The loader of ``split``: "train" is endless and shuffled, split over ``dp_size`` ranks x

@@ -11,10 +11,11 @@ from __future__ import annotations
 import difflib
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
+                      ValidationError, model_validator)
 
 
 class ConfigError(ValueError):
@@ -27,9 +28,22 @@ def _require(ok: bool, message: str) -> None:
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, docstrings document fields."""
+    """Base of every config section: unknown keys are errors, docstrings document fields, and no float
+    may be NaN or infinite (a NaN passes every ``<``/``>`` range check, then trains to NaN)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
+
+
+# Ranges of the schema's values: one out of range is refused with a line naming the key and the value.
+Fraction = Annotated[float, Field(ge=0.0, lt=1.0)]
+"""A probability that must leave something over: dropout, label smoothing, Adam betas."""
+UnitInterval = Annotated[float, Field(ge=0.0, le=1.0)]
+"""A fraction of a whole, both ends included."""
+MAX_VOCAB = 1 << 22
+"""Largest model.vocab_size accepted: the largest vocabularies in use hold about 256k tokens (Gemma's
+262,144); 2**22 leaves 16x headroom and still refuses a typo such as 1e9, whose embedding table alone would
+need terabytes (the run would die allocating it, with a traceback)."""
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -38,31 +52,32 @@ class Section(BaseModel):
 class ModelConfig(Section):
     arch: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"
     """decoder: causal LM; encoder: bidirectional (masked-LM); encoder_decoder: seq2seq with cross-attention."""
-    d_model: int = 512
+    d_model: PositiveInt = 512
     """Hidden size of the residual stream."""
-    n_layers: int = 6
+    n_layers: PositiveInt = 6
     """Number of blocks (of the encoder, for encoder_decoder)."""
-    n_decoder_layers: int | None = None
+    n_decoder_layers: PositiveInt | None = None
     """Decoder blocks of an encoder_decoder model; defaults to n_layers."""
-    n_heads: int = 8
+    n_heads: PositiveInt = 8
     """Query heads per attention layer."""
-    n_kv_heads: int | None = None
+    n_kv_heads: PositiveInt | None = None
     """Key/value heads: n_heads for MHA, fewer for GQA, 1 for MQA; defaults to n_heads."""
-    d_ff: int = 2048
+    d_ff: PositiveInt = 2048
     """Inner width of the feed-forward network (per branch for swiglu)."""
-    vocab_size: int = 32000
+    vocab_size: Annotated[int, Field(gt=0, le=MAX_VOCAB)] = 32000
     """Token vocabulary size (must cover the tokenizer's ids)."""
-    max_seq_len: int = 2048
-    """Longest sequence the model accepts (sizes learned position tables and RoPE caches)."""
+    max_seq_len: PositiveInt = 2048
+    """Longest sequence the model accepts (sizes learned and sinusoidal position tables; ALiBi has no limit)."""
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     """Normalisation layer."""
-    norm_eps: float = 1e-5
+    norm_eps: PositiveFloat = 1e-5
     """Epsilon of the normalisation layers."""
     norm_position: Literal["pre", "post"] = "pre"
     """pre: x + f(norm(x)) (stable, default); post: norm(x + f(x)) as in Vaswani et al. 2017."""
-    position: Literal["sinusoidal", "learned", "rope"] = "rope"
-    """Position information: added sinusoidal or learned embeddings, or rotary embeddings in attention."""
-    rope_theta: float = 10000.0
+    position: Literal["sinusoidal", "learned", "rope", "alibi"] = "rope"
+    """Position information: added sinusoidal or learned embeddings, rotary embeddings in attention, or ALiBi's
+    per-head linear distance bias on the attention scores (Press et al. 2022; evaluates beyond max_seq_len)."""
+    rope_theta: PositiveFloat = 10000.0
     """Base of the rotary frequencies."""
     ffn: Literal["relu", "gelu", "swiglu"] = "swiglu"
     """Feed-forward activation; swiglu uses gate_proj * up_proj."""
@@ -74,15 +89,15 @@ class ModelConfig(Section):
     """encoder_decoder only: one embedding table for source and target tokens."""
     scale_embeddings: bool = False
     """Multiply token embeddings by sqrt(d_model) (the 2017 paper does)."""
-    dropout: float = 0.0
+    dropout: Fraction = 0.0
     """Dropout on residual branches."""
-    attention_dropout: float = 0.0
+    attention_dropout: Fraction = 0.0
     """Dropout on attention probabilities."""
-    embedding_dropout: float | None = None
+    embedding_dropout: Fraction | None = None
     """Dropout after the embeddings; defaults to dropout."""
     final_norm: bool = True
     """Normalise the output of a pre-LN stack (ignored for post-LN, whose blocks end in a norm)."""
-    init_std: float = 0.02
+    init_std: PositiveFloat = 0.02
     """Standard deviation of the normal weight init."""
     depth_scaled_init: bool = True
     """Scale residual output projections (o_proj, down_proj) by 1/sqrt(2 * n_layers)."""
@@ -109,14 +124,12 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
-        for name in ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size", "max_seq_len"):
-            _require(getattr(self, name) > 0, f"model.{name} must be positive, got {getattr(self, name)}")
         _require(
             self.d_model % self.n_heads == 0,
             f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}",
         )
         _require(
-            self.kv_heads > 0 and self.n_heads % self.kv_heads == 0,
+            self.n_heads % self.kv_heads == 0,
             f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}",
         )
         _require(
@@ -127,9 +140,6 @@ class ModelConfig(Section):
             self.n_decoder_layers is None or self.arch == "encoder_decoder",
             f"model.n_decoder_layers is only for arch=encoder_decoder, not arch={self.arch}",
         )
-        for name in ("dropout", "attention_dropout", "embedding_dropout"):
-            p = getattr(self, name)
-            _require(p is None or 0.0 <= p < 1.0, f"model.{name} must be in [0, 1), got {p}")
         return self
 
 
@@ -140,7 +150,7 @@ class DatasetSource(Section):
     path: str
     """A shard directory holding manifest.json (written by `megatransformer data shard`): a local path or an
     http(s)://, s3:// or gs:// URL."""
-    weight: float = 1.0
+    weight: PositiveFloat = 1.0
     """Relative sampling weight when several datasets are mixed."""
 
 
@@ -152,68 +162,53 @@ class DataConfig(Section):
     """Validation shards (same forms as train); defaults to the validation split of train."""
     tokenizer: str | None = None
     """A Hugging Face tokenizer.json; special-token ids are read from it."""
-    seq_len: int = 512
+    seq_len: PositiveInt = 512
     """Tokens per training sequence (encoder input length for encoder_decoder objectives)."""
     pack: bool = True
     """Pack documents into full sequences (with document boundaries); false pads each document."""
-    shuffle_buffer: int = 1000
+    shuffle_buffer: NonNegativeInt = 1000
     """Documents shuffled together: shards are read in blocks of this many documents, each block permuted."""
-    num_workers: int = 0
+    num_workers: NonNegativeInt = 0
     """DataLoader worker processes per rank."""
     on_corrupt: Literal["error", "skip"] = "error"
     """A corrupt shard stops the run (error) or is skipped, counted and warned about (skip)."""
-    streams: int = 64
+    streams: PositiveInt = 64
     """Logical data streams, fixed when a run starts (recorded in checkpoints): the rows of every step are the
     same on any data-parallel ranks x workers dividing it (64: power-of-two layouts up to 64 readers, e.g.
     8 nodes x 8 GPUs; each rank keeps streams/ranks shards open, so not more than needed)."""
-    retries: int = 5
+    retries: NonNegativeInt = 5
     """Remote shards (http(s)://, s3://, gs://): retries of a failed read (waiting 1, 2, 4, ... s) before
     the shard is named in the error (or skipped under on_corrupt=skip)."""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> DataConfig:
-        _require(self.seq_len > 0, f"data.seq_len must be positive, got {self.seq_len}")
-        _require(self.num_workers >= 0, f"data.num_workers must be >= 0, got {self.num_workers}")
-        _require(self.streams > 0, f"data.streams must be positive, got {self.streams}")
-        _require(self.retries >= 0, f"data.retries must be >= 0, got {self.retries}")
-        return self
 
 
 class ObjectiveArgs(Section):
     """Options of the objectives; each objective reads its own fields."""
 
-    mask_prob: float = 0.15
+    mask_prob: UnitInterval = 0.15
     """masked_lm: fraction of non-special tokens selected for prediction."""
-    mask_token_prob: float = 0.8
+    mask_token_prob: UnitInterval = 0.8
     """masked_lm: of the selected tokens, fraction replaced by the mask token."""
-    random_token_prob: float = 0.1
+    random_token_prob: UnitInterval = 0.1
     """masked_lm: of the selected tokens, fraction replaced by a random token (the rest stay unchanged)."""
-    prefix_min: float = 0.1
+    prefix_min: UnitInterval = 0.1
     """prefix_lm: smallest prefix as a fraction of the sequence."""
-    prefix_max: float = 0.9
+    prefix_max: UnitInterval = 0.9
     """prefix_lm: largest prefix as a fraction of the sequence."""
-    noise_density: float = 0.15
+    noise_density: UnitInterval = 0.15
     """span_corruption: fraction of tokens corrupted."""
-    mean_noise_span_length: float = 3.0
+    mean_noise_span_length: Annotated[float, Field(ge=1.0)] = 3.0
     """span_corruption: mean length of a corrupted span."""
 
     @model_validator(mode="after")
     def _consistent(self) -> ObjectiveArgs:
-        for name in ("mask_prob", "mask_token_prob", "random_token_prob", "noise_density"):
-            p = getattr(self, name)
-            _require(0.0 <= p <= 1.0, f"objective_args.{name} must be in [0, 1], got {p}")
         _require(
             self.mask_token_prob + self.random_token_prob <= 1.0,
             "objective_args.mask_token_prob + random_token_prob must be <= 1, "
             f"got {self.mask_token_prob} + {self.random_token_prob}",
         )
         _require(
-            0.0 <= self.prefix_min <= self.prefix_max <= 1.0,
-            f"objective_args needs 0 <= prefix_min <= prefix_max <= 1, got {self.prefix_min}, {self.prefix_max}",
-        )
-        _require(
-            self.mean_noise_span_length >= 1.0,
-            f"objective_args.mean_noise_span_length must be >= 1, got {self.mean_noise_span_length}",
+            self.prefix_min <= self.prefix_max,
+            f"objective_args needs prefix_min <= prefix_max, got {self.prefix_min}, {self.prefix_max}",
         )
         return self
 
@@ -222,55 +217,46 @@ class ObjectiveArgs(Section):
 
 
 class TrainConfig(Section):
-    max_steps: int = 1000
+    max_steps: NonNegativeInt = 1000
     """Optimizer steps to train."""
-    micro_batch_size: int | None = None
+    micro_batch_size: PositiveInt | None = None
     """Sequences per rank per forward pass."""
-    global_batch_size: int | None = None
+    global_batch_size: PositiveInt | None = None
     """Sequences per optimizer step across all ranks (= micro x grad_accum x data-parallel size)."""
-    grad_accum: int | None = None
+    grad_accum: PositiveInt | None = None
     """Micro batches accumulated per optimizer step."""
-    grad_clip: float = 1.0
+    grad_clip: NonNegativeFloat = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
-    label_smoothing: float = 0.0
+    label_smoothing: Fraction = 0.0
     """Label smoothing of the cross-entropy loss (0.1 in the 2017 paper)."""
-    log_every: int = 10
+    log_every: PositiveInt = 10
     """Steps between metrics.jsonl lines."""
-    eval_every: int = 0
+    eval_every: NonNegativeInt = 0
     """Steps between validation passes (0: only at the end)."""
-    eval_batches: int = 10
+    eval_batches: PositiveInt = 10
     """Micro batches per validation pass, in all: the first ones of the validation split, dealt out to the
     data-parallel ranks (the numbers do not depend on the number of ranks)."""
     compile: bool = False
     """torch.compile the model."""
-    max_bad_steps: int = 5
+    max_bad_steps: Annotated[int, Field(ge=1)] = 5
     """Consecutive non-finite losses after which the run checkpoints and stops."""
-    peak_tflops: float | None = None
+    peak_tflops: PositiveFloat | None = None
     """Per-device peak TFLOP/s for the MFU estimate (default: the GPU's dense peak from
     training.metrics.GPU_PEAK_TFLOPS, e.g. 989 for H100 SXM bf16; else a measured matmul peak)."""
     sample_prompt: str | None = None
     """Text to continue with a short generated sample at the end of training (decoder models)."""
 
-    @model_validator(mode="after")
-    def _consistent(self) -> TrainConfig:
-        _require(self.max_steps >= 0, f"train.max_steps must be >= 0, got {self.max_steps}")
-        for name in ("micro_batch_size", "global_batch_size", "grad_accum"):
-            v = getattr(self, name)
-            _require(v is None or v > 0, f"train.{name} must be positive, got {v}")
-        _require(self.log_every > 0, f"train.log_every must be positive, got {self.log_every}")
-        return self
-
 
 class OptimConfig(Section):
     name: Literal["adamw", "adam"] = "adamw"
     """adamw: decoupled weight decay; adam: the 2017 paper's Adam (use weight_decay=0)."""
-    lr: float = 3e-4
+    lr: PositiveFloat = 3e-4
     """Peak learning rate (the multiplier of the inverse_sqrt schedule)."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Fraction, Fraction] = (0.9, 0.95)
     """Adam beta1, beta2 (the 2017 paper: 0.9, 0.98)."""
-    eps: float = 1e-8
+    eps: PositiveFloat = 1e-8
     """Adam epsilon (the 2017 paper: 1e-9)."""
-    weight_decay: float = 0.1
+    weight_decay: NonNegativeFloat = 0.1
     """Weight decay coefficient."""
     decay_norms_and_embeddings: bool = False
     """Also decay norm weights, biases and embeddings (off: they are excluded, the common practice)."""
@@ -279,16 +265,16 @@ class OptimConfig(Section):
 class ScheduleConfig(Section):
     name: Literal["cosine", "linear", "constant", "inverse_sqrt"] = "cosine"
     """Learning-rate schedule after warmup; inverse_sqrt is d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)."""
-    warmup_steps: int = 100
+    warmup_steps: NonNegativeInt = 100
     """Linear warmup steps."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: UnitInterval = 0.1
     """Final learning rate as a fraction of optim.lr (cosine, linear)."""
 
 
 class CheckpointConfig(Section):
-    every: int = 1000
+    every: PositiveInt = 1000
     """Steps between checkpoints (a final one is always written)."""
-    keep: int = 3
+    keep: PositiveInt = 3
     """Most recent checkpoints kept (older ones are deleted)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """dtype of exported consolidated weights."""
@@ -297,10 +283,13 @@ class CheckpointConfig(Section):
 class ParallelConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 1
     """DeepSpeed ZeRO stage."""
-    tensor_parallel: int = 1
+    tensor_parallel: PositiveInt = 1
     """Tensor-parallel degree (DeepSpeed AutoTP); the other ranks form the data-parallel group."""
     offload_optimizer: bool = False
     """Keep optimizer states on the CPU (ZeRO-Offload)."""
+    timeout_minutes: Annotated[float, Field(gt=0, le=7 * 24 * 60)] = 10.0
+    """Longest wait of a collective (all-reduce, broadcast, barrier) for the other ranks: a stalled or dead
+    rank makes the others exit with an error after this long instead of hanging (at most a week)."""
 
 
 class WandbConfig(Section):
@@ -322,9 +311,9 @@ class WandbConfig(Section):
 class RunConfig(Section):
     """A complete training run."""
 
-    run_dir: str = "runs/default"
+    run_dir: Annotated[str, Field(min_length=1)] = "runs/default"
     """Directory for config.yaml, metrics.jsonl, checkpoints and W&B files."""
-    seed: int = 0
+    seed: Annotated[int, Field(ge=0, lt=1 << 63)] = 0
     """Seed of weights, data order and objectives."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -352,7 +341,6 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         m, tp = self.model, self.parallel.tensor_parallel
-        _require(tp >= 1, f"parallel.tensor_parallel must be >= 1, got {tp}")
         for name, value in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("d_ff", m.d_ff),
                             ("vocab_size", m.vocab_size)):
             _require(value % tp == 0,
@@ -365,7 +353,7 @@ class RunConfig(Section):
         }[self.objective]
         _require(m.arch in allowed,
                  f"objective={self.objective} needs model.arch in {list(allowed)}, got model.arch={m.arch}")
-        _require(self.data.seq_len <= m.max_seq_len,
+        _require(self.data.seq_len <= m.max_seq_len or m.position == "alibi",
                  f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         _require(self.resume is None or self.init_from is None,
                  "resume and init_from are exclusive: resume continues a run, init_from starts a new one")
@@ -432,13 +420,32 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
     if path is not None:
         path = resolve_config(path)
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
     raw = apply_overrides(raw, list(overrides))
     return validate(raw, schema)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping: plain YAML keeps the last one, so a
+    repeated ``train:`` section would silently replace the first. (Keys merged in with ``<<`` may still be
+    overridden, as YAML intends.)"""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} on line {line} (first on line {first_line[key]})")
+            first_line[key] = line
+        return super().construct_mapping(node, deep)
 
 
 def validate(raw: dict[str, Any], schema: type[Section] = RunConfig):
@@ -453,9 +460,12 @@ def validate(raw: dict[str, Any], schema: type[Section] = RunConfig):
 def _describe(err: ValidationError, schema: type[Section]) -> str:
     """Turn pydantic's most useful error into one line; for unknown keys suggest the closest valid key."""
     errors = err.errors()
-    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-    loc = [str(p) for p in first["loc"] if not _is_union_tag(p)]
-    where = ".".join(loc)
+    # an unknown key first; then a value out of range (in a union, rather than "not a string" for the other member)
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), None) or \
+        next((e for e in errors if e["type"] in _BOUNDS or e["type"] == "finite_number"), errors[0])
+    parts = [p for p in first["loc"] if not _is_union_tag(p)]
+    loc = [str(p) for p in parts]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
     if first["type"] == "extra_forbidden":
         section = _section_at(schema, [p for p in loc[:-1] if not p.isdigit()])
         valid = list(section.model_fields) if section else []
@@ -465,7 +475,22 @@ def _describe(err: ValidationError, schema: type[Section]) -> str:
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, ConfigError):
         return str(cause)
+    if first["type"] in _BOUNDS:
+        (bound,) = first["ctx"].values()
+        return f"{where}={first['input']} must be {_BOUNDS[first['type']]} {_number(bound)}"
+    if first["type"] == "finite_number":
+        return f"{where}={first['input']} must be a finite number"
+    if first["type"] == "string_too_short":
+        return f"{where} must not be empty"
     return f"config key {where!r}: {first['msg']} (got {first.get('input')!r})"
+
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+"""pydantic's range errors, as the comparison the value failed."""
+
+
+def _number(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
 
 
 def _is_union_tag(part: Any) -> bool:

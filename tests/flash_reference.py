@@ -6,6 +6,13 @@ cu_q[i]:cu_q[i+1] of q attending to rows cu_k[i]:cu_k[i+1] of k/v; ``causal`` is
 corner (flash-attn >= 2.1): query j of a sequence sees keys up to j + (len_k - len_q). A query that sees no
 key (an empty key sequence, or above the diagonal when len_q > len_k) gets zeros. ``flash_attn_func`` is the
 same over equal-length rows ([B, T, H, D]).
+
+``alibi_slopes`` (fp32 [H], or [n, H] with one row per sequence): flash-attn's docstring adds
+``-alibi_slope * |i + seqlen_k - seqlen_q - j|`` to the score of query i and key j of a sequence. Its kernel
+(``csrc/flash_attn/src/alibi.h`` and ``mask.h``) subtracts exactly that, absolute value included, when not
+causal; when causal it adds ``alibi_slope * j``, which differs from the documented bias by a constant per
+query row (on the allowed keys, j <= i + seqlen_k - seqlen_q) and so gives the same softmax. This reference
+implements the documented bias for both.
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ import torch
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, **unsupported):
+                           softmax_scale=None, causal=False, alibi_slopes=None, **unsupported):
     assert not unsupported and dropout_p == 0.0
+    if alibi_slopes is not None:
+        assert alibi_slopes.dtype == torch.float32 and alibi_slopes.shape[-1] == q.shape[1]
+        assert alibi_slopes.dim() == 1 or alibi_slopes.shape[0] == len(cu_seqlens_q) - 1
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and len(cu_seqlens_q) == len(cu_seqlens_k)
     assert q.shape[1] % k.shape[1] == 0 and k.shape[0] == v.shape[0] == int(cu_seqlens_k[-1])
     assert q.shape[0] == int(cu_seqlens_q[-1])
@@ -37,8 +47,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ki = k[ks:ke].repeat_interleave(groups, 1).transpose(0, 1).float()
         vi = v[ks:ke].repeat_interleave(groups, 1).transpose(0, 1).float()
         scores = qi @ ki.transpose(-1, -2) * scale
+        rows, cols = torch.arange(qe - qs).view(-1, 1), torch.arange(ke - ks).view(1, -1)
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
+            distance = (rows + (ke - ks) - (qe - qs) - cols).abs()
+            scores = scores - slopes.view(-1, 1, 1) * distance
         if causal:
-            rows, cols = torch.arange(qe - qs).view(-1, 1), torch.arange(ke - ks).view(1, -1)
             allowed = cols <= rows + (ke - ks) - (qe - qs)
             scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.nan_to_num(scores.softmax(-1), nan=0.0) * allowed.any(-1, keepdim=True)
@@ -48,13 +62,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return torch.cat(pieces) if pieces else q.new_zeros(q.shape)
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **unsupported):
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, alibi_slopes=None, **unsupported):
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
     cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32)
     cu_k = torch.arange(0, (batch + 1) * k_len, k_len, dtype=torch.int32)
     out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, q_len, k_len,
-                                 dropout_p, softmax_scale, causal, **unsupported)
+                                 dropout_p, softmax_scale, causal, alibi_slopes, **unsupported)
     return out.view(batch, q_len, heads, dim)
 
 

@@ -124,8 +124,6 @@ def test_deepspeed_config_from_run_config():
     assert tp["autotp_size"] == 2 and not tp["partition_config"]["use_default_specs"]
     patterns = {p: spec["partition_type"] for spec in tp["partition_config"]["layer_specs"] for p in spec["patterns"]}
     assert patterns == TP_PLAN
-    with pytest.raises(ConfigError, match="precision=fp16 needs a GPU"):
-        deepspeed_config(run_config(precision="fp16"), BatchSizes(4, 1, 1), "cpu")
     with pytest.raises(ConfigError, match="offload_optimizer needs parallel.zero_stage >= 1"):
         deepspeed_config(run_config(parallel=dict(zero_stage=0, offload_optimizer=True)), BatchSizes(4, 1, 1), "cpu")
 
@@ -294,3 +292,29 @@ def test_gpu_peaks_by_device_name(name, dtype, peak):
     from megatransformer.training.metrics import gpu_peak_tflops
 
     assert gpu_peak_tflops(name, dtype) == peak
+
+
+def test_tensor_parallel_shards_are_checked_after_set_up():
+    """A DeepSpeed that leaves a planned layer whole (old versions ignore custom patterns) is refused by name."""
+    from megatransformer.training.engine import check_tensor_parallel_shards
+
+    model = torch.nn.Module()
+    model.attn = torch.nn.Module()
+    model.attn.q_proj = torch.nn.Linear(8, 8, bias=False)
+    model.norm = torch.nn.LayerNorm(8)
+    full = {"attn.q_proj.weight": torch.Size([8, 8]), "norm.weight": torch.Size([8]), "norm.bias": torch.Size([8])}
+    with pytest.raises(ConfigError, match=r"did not split attn\.q_proj\.weight: it holds \(8, 8\) of \(8, 8\)"):
+        check_tensor_parallel_shards(model, full, 2)
+    model.attn.q_proj = torch.nn.Linear(8, 4, bias=False)  # the column shard of rank r: 4 of 8 output rows
+    check_tensor_parallel_shards(model, full, 2)
+
+
+def test_rope_frequencies_stay_fp32_when_the_engine_casts_the_model():
+    from megatransformer.model.positions import Rotary
+
+    rotary = Rotary(64, 10000.0).to(torch.bfloat16)  # what DeepSpeed's bf16 mode does to every module
+    positions = torch.tensor([[4000]])
+    cos, _ = rotary(positions, torch.float32)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    expected = torch.cos(4000 * inv_freq).float()
+    assert torch.allclose(cos[0, 0, 0, :32], expected, atol=1e-3)  # bf16 frequencies are off by up to ~1 here

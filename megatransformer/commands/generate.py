@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if not prompt:
         raise ConfigError("--prompt encodes to no tokens")
     limit = loaded.cfg.model.max_seq_len - (len(prompt) if loaded.cfg.model.arch == "decoder" else 1)
-    if args.max_new_tokens > limit:
+    if args.max_new_tokens > limit and loaded.cfg.model.position != "alibi":  # ALiBi: no position table
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens} exceeds what model.max_seq_len="
                           f"{loaded.cfg.model.max_seq_len} leaves after the prompt ({limit})")
     generator = torch.Generator().manual_seed(args.seed)

@@ -3,7 +3,8 @@
 The projections are plain ``nn.Linear`` layers and the number of heads is read from their output width
 (``view(B, T, -1, head_dim)``): a tensor-parallel shard holding a slice of the heads runs this code unchanged.
 The core (softmax(QK^T)V under a mask) is a function picked by name from ``BACKENDS``; ``auto`` (the
-default) picks the fastest exact core for each call (see :func:`auto_backend`).
+default) picks the fastest exact core for each call (see :func:`auto_backend`). With ALiBi every core adds the
+same bias, ``-slope * |q_pos - k_pos|`` (:class:`positions.Alibi`), to the scores of the allowed entries.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ from torch import nn
 
 from megatransformer.model.chunked_attention import chunked_core
 from megatransformer.model.masks import AttentionMask
-from megatransformer.model.positions import apply_rope
+from megatransformer.model.positions import Alibi, apply_rope
 
-# q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D] -> [B, H, Tq, D]
-Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask, float], torch.Tensor]
+# core(q, k, v, mask, dropout, alibi=None); q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D] -> [B, H, Tq, D]
+Core = Callable[..., torch.Tensor]
 
 
-def sdpa_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
+def sdpa_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
+    if alibi is not None:  # an additive float mask: the bias, -inf where the mask forbids (in q's dtype)
+        allowed = mask.dense(q.shape[2], k.shape[2], q.device)
+        attn_mask = alibi.bias(kv_len=k.shape[2]).masked_fill(~allowed, float("-inf")).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout, enable_gqa=gqa)
     if mask.is_simple:
         causal = mask.causal and not (mask.q_offset and q.shape[2] == 1)
         if causal and q.shape[2] != k.shape[2]:  # chunked prefill onto a cache: bottom-right aligned
@@ -36,11 +41,13 @@ def sdpa_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout, enable_gqa=gqa)
 
 
-def eager_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
-    """The textbook formula, for reference and tests."""
+def eager_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None) -> torch.Tensor:
+    """The textbook formula, for reference and tests (an ALiBi bias is added in fp32)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if alibi is not None:
+        scores = scores.float() + alibi.bias(kv_len=k.shape[2])
     allowed = mask.dense(q.shape[2], k.shape[2], q.device)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = F.dropout(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), dropout)
@@ -50,8 +57,9 @@ def eager_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
 _compiled_flex = None
 
 
-def flex_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
-    """FlexAttention with a block mask: any mask, no dense L x L tensor (compiled on first use)."""
+def flex_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None) -> torch.Tensor:
+    """FlexAttention with a block mask: any mask, no dense L x L tensor (compiled on first use); ALiBi as a
+    ``score_mod``."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     global _compiled_flex
@@ -66,13 +74,23 @@ def flex_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     batch = q.shape[0] if (mask.q_segments is not None or mask.prefix_len is not None) else None
     block_mask = create_block_mask(mask.mask_mod(), batch, None, q.shape[2], k.shape[2], device=q.device)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    score_mod = None if alibi is None else alibi.score_mod()
+    return _compiled_flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def flash_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
+def flash_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None) -> torch.Tensor:
     """flash-attn (CUDA) for every mask: dense calls for plain causal / bidirectional attention (and a KV
     cache, bottom-right aligned), varlen calls for packed documents, prefix-LM and packed cross-attention,
-    from the problems the mask carries (see :func:`masks.varlen_problems`)."""
+    from the problems the mask carries (see :func:`masks.varlen_problems`).
+
+    ALiBi goes in as flash-attn's ``alibi_slopes``: a bias ``-slope * |i + len_k - len_q - j|`` for query i
+    and key j of each (varlen) sequence, with the absolute value for causal and non-causal calls alike (the
+    kernel's ``alibi.h``; causal calls add ``slope * j``, the same after softmax). Those are indices within
+    each sequence, bottom-right aligned: for a document, a prefix-LM suffix problem (queries [p, e) over keys
+    [s, e)) or a KV cache they are the positions within the document, so this equals :class:`Alibi` on
+    ``position_ids`` wherever positions advance by one within a document, as the loader and generation make
+    them.
+    """
     flash = flash_attn_module()
     if flash is None:
         raise RuntimeError(
@@ -80,16 +98,17 @@ def flash_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
             "(pip install 'megatransformer[gpu]'); use auto, sdpa or flex otherwise"
         )
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # flash layout: [B, T, H, D]
+    extra = {} if alibi is None else {"alibi_slopes": alibi.slopes.contiguous()}
     if mask.is_simple:
         causal = mask.causal and not (mask.q_offset and q.shape[1] == 1)
-        return flash.flash_attn_func(q, k, v, dropout, causal=causal).transpose(1, 2)
+        return flash.flash_attn_func(q, k, v, dropout, causal=causal, **extra).transpose(1, 2)
     batch, q_len, heads, dim = q.shape
     q, k, v = q.reshape(batch * q_len, heads, dim), k.flatten(0, 1), v.flatten(0, 1)
     out = None
     for problem in mask.varlen_problems(batch, q_len, k.shape[0] // batch):
         part = flash.flash_attn_varlen_func(
             _gather(q, problem.q_index), _gather(k, problem.k_index), _gather(v, problem.k_index),
-            problem.cu_q, problem.cu_k, problem.max_q, problem.max_k, dropout, causal=problem.causal,
+            problem.cu_q, problem.cu_k, problem.max_q, problem.max_k, dropout, causal=problem.causal, **extra,
         )
         if problem.q_index is None:  # the problem holds every query in order
             out = part
@@ -157,10 +176,10 @@ def describe_backend(backend: str, device: str, dtype: torch.dtype, dropout: flo
     return line
 
 
-def auto_core(q, k, v, mask: AttentionMask, dropout: float) -> torch.Tensor:
+def auto_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None) -> torch.Tensor:
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
-    return BACKENDS[auto_backend(device, dtype, mask, dropout, q.shape[-1])](q, k, v, mask, dropout)
+    return BACKENDS[auto_backend(device, dtype, mask, dropout, q.shape[-1])](q, k, v, mask, dropout, alibi)
 
 
 BACKENDS: dict[str, Core] = {
@@ -170,19 +189,24 @@ BACKENDS: dict[str, Core] = {
 
 
 class KVCache:
-    """Pre-allocated keys/values of one self-attention layer for incremental decoding."""
+    """Pre-allocated keys/values of one self-attention layer for incremental decoding, and the keys'
+    positions (which ALiBi's bias needs)."""
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> None:
         self.k = torch.empty(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
+        self.positions = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.length = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache holds {self.k.shape[2]} positions, decoding needs {end}")
         self.k[:, :, self.length:end] = k
         self.v[:, :, self.length:end] = v
+        if positions is not None:
+            self.positions[:, self.length:end] = positions
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
@@ -192,12 +216,17 @@ class Attention(nn.Module):
                  backend: str) -> None:
         super().__init__()
         self.head_dim = d_model // n_heads
+        self.total_heads = n_heads  # all heads, of which a tensor-parallel shard holds a slice (not "n_heads":
+        # DeepSpeed's AutoTP divides attributes of that name by the tensor-parallel size)
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         self.dropout = dropout
         self.core = BACKENDS[backend]
+        # the first of all heads that q_proj holds: 0, or a tensor-parallel shard's first head (set by
+        # tp_plan.assign_head_offsets); picks this module's ALiBi slopes
+        self.head_offset = 0
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
@@ -210,11 +239,13 @@ class Attention(nn.Module):
         memory: torch.Tensor | None = None,
         cache: KVCache | None = None,
         memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        alibi: Alibi | None = None,
     ) -> torch.Tensor:
         """Self-attention over ``x``, or cross-attention to ``memory`` (the encoder output).
 
         ``cache`` appends this call's keys/values (self-attention decoding); ``memory_kv`` reuses
-        precomputed cross-attention keys/values (see :meth:`project_memory`).
+        precomputed cross-attention keys/values (see :meth:`project_memory`). ``alibi``: the bias of all
+        heads, of which this module takes its own.
         """
         q = self._heads(self.q_proj(x))
         if memory_kv is not None:
@@ -225,8 +256,12 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
-            k, v = cache.append(k, v)
-        out = self.core(q, k, v, mask, self.dropout if self.training else 0.0)
+            k, v = cache.append(k, v, None if alibi is None else alibi.q_positions)
+            if alibi is not None:
+                alibi = alibi.with_keys(cache.positions[:, :cache.length])
+        if alibi is not None:
+            alibi = alibi.heads(self.head_offset, q.shape[1])
+        out = self.core(q, k, v, mask, self.dropout if self.training else 0.0, alibi)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,9 @@ model. This core computes ``softmax(QK^T)V`` as a handful of large ``bmm`` calls
   flash-attention does) and uses the fused softmax backward, so memory is linear in sequence length for
   every mask (causal, bidirectional, prefix-LM, packed documents), the dense mask included;
 * grouped-query attention without repeating keys/values: the query heads that share a key/value head are
-  stacked into the rows of one matmul.
+  stacked into the rows of one matmul;
+* ALiBi's bias is built per chunk (rows x visible keys) in forward and again in backward; it is a constant,
+  so the gradients are those of the biased scores.
 
 Scores pass through the input dtype (bf16 scores in bf16 runs, like an eager bf16 implementation; the
 softmax itself runs in fp32). Attention dropout is not supported.
@@ -23,6 +25,7 @@ import math
 import torch
 
 from megatransformer.model.masks import AttentionMask
+from megatransformer.model.positions import Alibi
 
 CHUNK = 64  # query positions per chunk (measured best of 32-256 at seq 512 and 2048, bf16 and fp32)
 
@@ -37,12 +40,15 @@ def _rows(x: torch.Tensor, start: int, end: int, scale: float | None = None) -> 
     return rows.mul_(scale) if scale is not None else rows
 
 
-def _scores(q_rows: torch.Tensor, keys: torch.Tensor, mask: AttentionMask, q_len: int, batch: int,
-            start: int, end: int) -> torch.Tensor:
-    """Scores of one chunk, [B * KV, C * G, K], with disallowed entries at -inf."""
+def _scores(q_rows: torch.Tensor, keys: torch.Tensor, mask: AttentionMask, alibi: Alibi | None, q_len: int,
+            batch: int, start: int, end: int) -> torch.Tensor:
+    """Scores of one chunk, [B * KV, C * G, K], ALiBi's bias added, disallowed entries at -inf."""
     scores = torch.bmm(q_rows, keys.transpose(1, 2))
     key_end, rows = keys.shape[1], end - start
     view = scores.view(batch, -1, rows, scores.shape[1] // rows, key_end)  # [B, KV, C, G, K]
+    if alibi is not None:
+        bias = alibi.bias(start, end, key_end)  # [B, H, C, K], heads ordered (KV, G)
+        view += bias.view(batch, view.shape[1], -1, rows, key_end).transpose(2, 3).to(view.dtype)
     if mask.is_simple:
         if mask.causal:  # only keys from the chunk's first query on can lie in the future of a row
             first = start + mask.q_offset
@@ -59,7 +65,7 @@ class ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
-                chunk: int) -> torch.Tensor:
+                alibi: Alibi | None, chunk: int) -> torch.Tensor:
         batch, heads, q_len, dim = q.shape
         kv_heads, kv_len = k.shape[1], k.shape[2]
         groups, scale = heads // kv_heads, 1.0 / math.sqrt(dim)
@@ -69,17 +75,17 @@ class ChunkedAttention(torch.autograd.Function):
         for start in range(0, q_len, chunk):
             end = min(q_len, start + chunk)
             key_end = mask.key_end(q_len, start, end, kv_len)
-            scores = _scores(_rows(q5, start, end, scale), keys[:, :key_end], mask, q_len, batch, start, end)
+            scores = _scores(_rows(q5, start, end, scale), keys[:, :key_end], mask, alibi, q_len, batch, start, end)
             chunk_out = torch.bmm(torch.softmax(scores, dim=-1), values[:, :key_end])
             out[:, start:end] = chunk_out.view(batch, kv_heads, end - start, groups, dim).transpose(1, 2)
         ctx.save_for_backward(q, k, v)
-        ctx.mask, ctx.chunk = mask, chunk
+        ctx.mask, ctx.alibi, ctx.chunk = mask, alibi, chunk
         return out.view(batch, q_len, heads, dim).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v = ctx.saved_tensors
-        mask, chunk = ctx.mask, ctx.chunk
+        mask, alibi, chunk = ctx.mask, ctx.alibi, ctx.chunk
         batch, heads, q_len, dim = q.shape
         kv_heads, kv_len = k.shape[1], k.shape[2]
         groups, scale = heads // kv_heads, 1.0 / math.sqrt(dim)
@@ -93,7 +99,7 @@ class ChunkedAttention(torch.autograd.Function):
             key_end = mask.key_end(q_len, start, end, kv_len)
             chunk_keys, chunk_values = keys[:, :key_end].contiguous(), values[:, :key_end].contiguous()
             q_rows, grad_rows = _rows(q5, start, end, scale), _rows(grad5, start, end)
-            probs = torch.softmax(_scores(q_rows, chunk_keys, mask, q_len, batch, start, end), dim=-1)
+            probs = torch.softmax(_scores(q_rows, chunk_keys, mask, alibi, q_len, batch, start, end), dim=-1)
             grad_v[:, :key_end] += torch.bmm(probs.transpose(1, 2), grad_rows)
             grad_probs = torch.bmm(grad_rows, chunk_values.transpose(1, 2))
             grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
@@ -103,15 +109,16 @@ class ChunkedAttention(torch.autograd.Function):
         grad_q = grad_q.view(batch, q_len, heads, dim).transpose(1, 2)
         grad_k = grad_k.view(k.shape).to(k.dtype)
         grad_v = grad_v.view(v.shape).to(v.dtype)
-        return grad_q, grad_k, grad_v, None, None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
-def chunked_core(q, k, v, mask: AttentionMask, dropout: float, chunk: int = CHUNK) -> torch.Tensor:
+def chunked_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None,
+                 chunk: int = CHUNK) -> torch.Tensor:
     if dropout:
         raise ValueError("attention_backend=chunked does not support attention_dropout; set it to 0 or use sdpa")
     device = q.device.type
     if torch.is_autocast_enabled(device):  # run the matmuls in the autocast dtype, the Function without autocast
         dtype = torch.get_autocast_dtype(device)
         with torch.autocast(device, enabled=False):
-            return ChunkedAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), mask, chunk)
-    return ChunkedAttention.apply(q, k.to(q.dtype), v.to(q.dtype), mask, chunk)
+            return ChunkedAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), mask, alibi, chunk)
+    return ChunkedAttention.apply(q, k.to(q.dtype), v.to(q.dtype), mask, alibi, chunk)

@@ -9,6 +9,7 @@ from torch import nn
 from megatransformer.config import ModelConfig
 from megatransformer.model.attention import Attention, KVCache
 from megatransformer.model.masks import AttentionMask
+from megatransformer.model.positions import Alibi
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -115,8 +116,10 @@ class Block(nn.Module):
         memory_mask: AttentionMask | None = None,
         cache: KVCache | None = None,
         memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        alibi: Alibi | None = None,
     ) -> torch.Tensor:
-        x = self._residual(x, self.attn_norm, lambda h: self.self_attn(h, mask, rope, cache=cache))
+        """``alibi`` biases self-attention only: decoder queries and encoder keys share no position axis."""
+        x = self._residual(x, self.attn_norm, lambda h: self.self_attn(h, mask, rope, cache=cache, alibi=alibi))
         if memory is not None or memory_kv is not None:
             x = self._residual(
                 x, self.cross_norm,

@@ -58,7 +58,7 @@ class VarlenProblem:
                        k_index=move(self.k_index))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionMask:
     causal: bool
     q_segments: torch.Tensor | None = None  # [B, Tq]
@@ -70,6 +70,16 @@ class AttentionMask:
     key_bounds: np.ndarray | None = field(default=None, compare=False)
     """Host array [Tq] (or [1]): for causal masks with a prefix, where the prefix of any row ends at that query
     position, so the chunked core skips the keys past it without asking the device."""
+
+    def __eq__(self, other: object) -> bool:
+        """The same rule (DeepSpeed's AutoTP compares the first inputs of tensor-parallel peers); the metadata
+        derived from it is not compared."""
+        if not isinstance(other, AttentionMask):
+            return NotImplemented
+        return (self.causal, self.q_offset) == (other.causal, other.q_offset) and all(
+            _same(getattr(self, name), getattr(other, name)) for name in ("q_segments", "kv_segments", "prefix_len"))
+
+    __hash__ = object.__hash__  # (identity, as before: masks are not used as keys by value)
 
     @property
     def is_simple(self) -> bool:
@@ -322,6 +332,12 @@ def _problem(q_lengths: np.ndarray, k_lengths: np.ndarray, causal: bool, q_index
 
     return VarlenProblem(cumulative(q_lengths), cumulative(k_lengths), int(q_lengths.max(initial=0)),
                          int(k_lengths.max(initial=0)), causal, index(q_index), index(k_index))
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
 
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:

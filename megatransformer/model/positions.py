@@ -1,4 +1,4 @@
-"""Position information: sinusoidal and learned absolute embeddings, rotary embeddings (RoPE).
+"""Position information: sinusoidal and learned absolute embeddings, rotary embeddings (RoPE), ALiBi.
 
 All take explicit ``position_ids`` so that packed documents restart at 0 and cached decoding continues
 where the prompt ended.
@@ -7,6 +7,7 @@ where the prompt ended.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -67,3 +68,63 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+# ------------------------------------------------------------------------------------------- ALiBi
+
+
+def alibi_slopes(n_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """ALiBi's per-head slopes (Press et al. 2022), fp32 [n_heads].
+
+    For n heads a power of two: 2^(-8i/n) for i = 1..n. Otherwise the slopes of the closest smaller power of
+    two c, then every other slope of 2c (its odd i) until there are n. Built on ``device`` with device ops,
+    not as a buffer: an engine that casts the module to bf16 would round the slopes too (2^-0.5 is not a
+    bf16 number), and a host list copied in would make the host wait.
+    """
+    closest = 1 << (n_heads.bit_length() - 1)
+    exponents = torch.cat([
+        torch.arange(1, closest + 1, dtype=torch.float32, device=device),
+        torch.arange(n_heads - closest, dtype=torch.float32, device=device) + 0.5,  # odd i of 2c, halved
+    ])
+    return torch.exp2(exponents * (-8.0 / closest))
+
+
+@dataclass(frozen=True)
+class Alibi:
+    """ALiBi's additive attention bias for one attention call: ``-slopes[h] * |q_pos - k_pos|``.
+
+    Positions are the model's ``position_ids`` (packed documents restart at 0, cached decoding continues), so
+    the bias is a function of the distance within a document. Causal masks only allow ``k_pos <= q_pos``,
+    where this is the paper's ``-m * (i - j)``; bidirectional attention (encoders, the prefix of a prefix-LM)
+    uses the distance both ways, the usual symmetric extension and what flash-attn computes for its
+    non-causal ``alibi_slopes``. There is no position table: any length works.
+    """
+
+    slopes: torch.Tensor  # fp32 [H]: one per query head of this call
+    q_positions: torch.Tensor  # [B, Tq]
+    k_positions: torch.Tensor  # [B, Tk]
+
+    def heads(self, start: int, count: int) -> Alibi:
+        """The bias of query heads start:start + count (a tensor-parallel shard of the heads)."""
+        if start == 0 and count == len(self.slopes):
+            return self
+        return replace(self, slopes=self.slopes[start:start + count])
+
+    def with_keys(self, k_positions: torch.Tensor) -> Alibi:
+        return replace(self, k_positions=k_positions)
+
+    def bias(self, q_start: int = 0, q_end: int | None = None, kv_len: int | None = None) -> torch.Tensor:
+        """fp32 [B, H, rows, Tk] for query rows q_start:q_end and the first ``kv_len`` keys (all by default)."""
+        q_pos = self.q_positions[:, q_start:q_end]
+        k_pos = self.k_positions[:, :kv_len]
+        distance = (q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)).abs().unsqueeze(1)  # [B, 1, rows, Tk]
+        return distance * -self.slopes.view(1, -1, 1, 1)
+
+    def score_mod(self):
+        """The same bias as a FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)``."""
+        slopes, q_positions, k_positions = self.slopes, self.q_positions, self.k_positions
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_positions[b, q_idx] - k_positions[b, kv_idx]).abs()
+
+        return mod

@@ -3,12 +3,15 @@
 Column-parallel q/k/v and gate/up projections produce a slice of the heads / FFN width on each rank;
 the row-parallel o_proj and down_proj consume that slice and all-reduce their output. Attention sizes its
 heads from the projection width, so the model code runs unchanged on a shard. Embeddings, norms and the
-(tied) output head stay replicated. The same names serve self- and cross-attention.
+(tied) output head stay replicated. The same names serve self- and cross-attention. Rank r of ``size`` holds
+heads [r * H / size, (r + 1) * H / size); per-head constants (ALiBi slopes) follow ``head_offset``.
 """
 
 from __future__ import annotations
 
 import re
+
+from torch import nn
 
 TP_PLAN: dict[str, str] = {
     r".*\.[qkv]_proj\.weight$": "column",
@@ -36,3 +39,11 @@ def partition_dim(name: str, plan: dict[str, str] = TP_PLAN) -> int | None:
                 return 0 if kind == "column" else None
             return 0 if kind == "column" else 1
     return None
+
+
+def assign_head_offsets(model: nn.Module, rank: int, size: int) -> None:
+    """Tell every attention module (those with a ``head_offset``) which of all heads its shard of the
+    column-parallel ``q_proj`` holds, so that it picks those heads' ALiBi slopes."""
+    for module in model.modules():
+        if hasattr(module, "head_offset"):
+            module.head_offset = rank * module.total_heads // size

@@ -16,7 +16,7 @@ from megatransformer.config import ModelConfig
 from megatransformer.model.attention import KVCache
 from megatransformer.model.layers import Block, make_norm
 from megatransformer.model.masks import AttentionMask, ModelMasks, cross_attention_mask, self_attention_mask
-from megatransformer.model.positions import LearnedPositions, Rotary, SinusoidalPositions
+from megatransformer.model.positions import Alibi, LearnedPositions, Rotary, SinusoidalPositions, alibi_slopes
 
 
 class Stack(nn.Module):
@@ -28,8 +28,10 @@ class Stack(nn.Module):
             "learned": lambda: LearnedPositions(cfg.max_seq_len, cfg.d_model),
             "sinusoidal": lambda: SinusoidalPositions(cfg.max_seq_len, cfg.d_model),
             "rope": lambda: None,
+            "alibi": lambda: None,
         }[cfg.position]()
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position == "rope" else None
+        self.alibi_heads = cfg.n_heads if cfg.position == "alibi" else None
         dropout = cfg.dropout if cfg.embedding_dropout is None else cfg.embedding_dropout
         self.embed_dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList(Block(cfg, cross_attention) for _ in range(n_layers))
@@ -51,13 +53,16 @@ class Stack(nn.Module):
             x = x + self.positions(position_ids).to(x.dtype)
         x = self.embed_dropout(x)
         rope = self.rotary(position_ids, x.dtype) if self.rotary is not None else None
+        alibi = None
+        if self.alibi_heads is not None:  # slopes of all heads; each attention module takes its own
+            alibi = Alibi(alibi_slopes(self.alibi_heads, x.device), position_ids, position_ids)
         for i, layer in enumerate(self.layers):
             cache = caches[i] if caches else None
             memory_kv = memory_kvs[i] if memory_kvs else None
             if self.activation_checkpointing and self.training:
-                x = checkpoint(layer, x, mask, rope, memory, memory_mask, use_reentrant=False)
+                x = checkpoint(layer, x, mask, rope, memory, memory_mask, alibi=alibi, use_reentrant=False)
             else:
-                x = layer(x, mask, rope, memory, memory_mask, cache, memory_kv)
+                x = layer(x, mask, rope, memory, memory_mask, cache, memory_kv, alibi)
         return self.norm(x) if self.norm is not None else x
 
 

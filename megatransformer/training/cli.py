@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -26,16 +27,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(config: str, overrides: list[str], verbose: bool = False) -> int:
-    """Train; returns the exit code (0 done, 124 preempted and checkpointed, 3 diverged)."""
+    """Train; returns the exit code (0 done, 124 preempted and checkpointed, 3 diverged, 4 a collective
+    timed out or lost a peer: another rank stalled or died)."""
     from megatransformer.config import load_config
 
     started = time.perf_counter()
     cfg = load_config(config, overrides)  # config errors surface before any process group exists
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.training import checkpoint as ckpt
-    from megatransformer.training.distributed import setup
+    from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, setup
     from megatransformer.training.loop import Preemption, Trainer, print_sample
     from megatransformer.training.metrics import quiet_engine
+    from megatransformer.training.preflight import check_before_start
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
@@ -50,14 +53,23 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         raise ConfigError(f"run_dir={cfg.run_dir} already holds checkpoints (latest: {existing.name}); pass "
                           "resume=auto to continue that run, or choose a new run_dir")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_before_start(cfg, tokenizer)  # device and files: seconds, not after DeepSpeed's start-up
     init_state = ckpt.load_weights(cfg.init_from, cfg.model)[1] if cfg.init_from else None
-    with quiet_engine(verbose):
-        dist_info = setup()
-        trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
-    if init_state is not None and dist_info.is_main:
-        print(f"init_from={cfg.init_from}: starting from its weights ({len(init_state)} tensors); optimizer, "
-              "learning-rate schedule and data order start fresh")
-    code = trainer.run()
+    try:
+        with quiet_engine(verbose):
+            dist_info = setup(cfg.parallel.timeout_minutes)
+            trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
+        if init_state is not None and dist_info.is_main:
+            print(f"init_from={cfg.init_from}: starting from its weights ({len(init_state)} tensors); optimizer, "
+                  "learning-rate schedule and data order start fresh")
+        code = trainer.run()
+    except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
+        line = collective_failure(err, cfg.parallel.timeout_minutes)
+        if line is None:
+            raise
+        rank = os.environ.get("RANK", "0")
+        print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:
         if code == 0:
             print_sample(cfg, ckpt.checkpoint_root(cfg), tokenizer)

@@ -4,8 +4,13 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment; DeepSpeed does
 from __future__ import annotations
 
 import os
+import re
 import socket
+import traceback
 from dataclasses import dataclass
+from datetime import timedelta
+
+EXIT_COLLECTIVE_FAILED = 4  # a collective timed out or lost a peer: another rank is stalled or dead
 
 
 @dataclass(frozen=True)
@@ -26,8 +31,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup() -> Dist:
-    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU)."""
+def setup(timeout_minutes: float = 10.0) -> Dist:
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); a collective that waits
+    longer than ``timeout_minutes`` for the other ranks fails (parallel.timeout_minutes)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -48,5 +54,38 @@ def setup() -> Dist:
     if cuda:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        timeout = timedelta(minutes=timeout_minutes)
+        # DeepSpeed makes groups of its own (ZeRO's clone of the world group, tensor/data-parallel groups)
+        # without a timeout, and torch gives those its module default (30 min for gloo), not the world
+        # group's: set that default too, or a rank stalled in ZeRO's gradient all-reduce hangs the others
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, f"cuda:{local_rank}" if cuda else "cpu")
+
+
+_COMM_FILES = (f"torch{os.sep}distributed{os.sep}", f"deepspeed{os.sep}comm{os.sep}")
+_OWN_FILES = (f"megatransformer{os.sep}", f"data_pipeline{os.sep}")
+_PEER_GONE = re.compile(r"connection (closed|reset|refused)|broken pipe", re.IGNORECASE)
+
+
+def collective_failure(err: BaseException, timeout_minutes: float) -> str | None:
+    """One line for a collective that failed for want of another rank (gloo raises when one waits longer
+    than the timeout, or when a peer's connection drops): which collective, called from where, and why;
+    None for any other error. The traceback names the collective; gloo's message does not."""
+    frames = traceback.extract_tb(err.__traceback__)
+    comm = [f for f in frames if any(part in f.filename for part in _COMM_FILES)]
+    if not comm:
+        return None
+    own = [f for f in frames if any(part in f.filename for part in _OWN_FILES)]
+    # the innermost two of our frames: e.g. "in all_reduce_sum (loop.py:57) < train_step (loop.py:95)"
+    where = " in " + " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in own[:-3:-1]) \
+        if own else ""
+    reason = re.sub(r"^\[[^\]]*\] ", "", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+    if "timed out" in reason.lower():
+        return (f"{comm[-1].name}{where} timed out: no answer from another rank within parallel.timeout_minutes="
+                f"{timeout_minutes:g}; a rank is stalled or dead ({reason})")
+    if _PEER_GONE.search(reason):
+        return f"{comm[-1].name}{where} failed: another rank is gone ({reason})"
+    return None

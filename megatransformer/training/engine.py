@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.model import build_model, deepspeed_layer_specs
-from megatransformer.model.tp_plan import partition_dim
+from megatransformer.model.tp_plan import assign_head_offsets, partition_dim
 from megatransformer.model.masks import ModelMasks, batch_masks
 from megatransformer.training.batching import BatchSizes, resolve_batch_sizes
 from megatransformer.training.distributed import Dist
@@ -34,8 +34,6 @@ from megatransformer.training.optim import make_scheduler, param_groups
 
 def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str) -> dict[str, Any]:
     t, o, p = cfg.train, cfg.optim, cfg.parallel
-    if cfg.precision == "fp16" and device == "cpu":
-        raise ConfigError("precision=fp16 needs a GPU; use precision=bf16 or fp32 on CPU")
     cuda = device.startswith("cuda")
     adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if o.name == "adam":
@@ -106,6 +104,8 @@ class TrainModule:
         self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank
         self.dp_size = dist_info.world_size // tp
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
+        if tp > 1:
+            assign_head_offsets(self.engine.module, self.tp_rank, tp)
         if self.dp_size == 1 and cfg.parallel.zero_stage == 0:
             # one data-parallel rank: DeepSpeed's all-reduce over it would only copy every gradient into a
             # flat buffer and back (tensor-parallel peers' replicated gradients are equal already)
@@ -150,7 +150,7 @@ class TrainModule:
             self.grad_norm = unclipped_grad_norm(engine.module, self.tp)
             if self.cfg.precision != "fp16":
                 bad += (~torch.isfinite(self.grad_norm)).double()
-        stats = torch.stack([loss_sum, bad, self._on_device([float(stop_requested)])[0], self._on_device([real])[0]])
+        stats = torch.cat([torch.stack([loss_sum, bad]), self._on_device([float(stop_requested), real])])
         dist.all_reduce(stats)
         loss_total, n_bad, stop, real_total, targets_total = torch.cat([stats, global_targets]).tolist()
         finite = n_bad == 0

@@ -21,7 +21,7 @@ from megatransformer.training import checkpoint as ckpt
 from megatransformer.training import elastic
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
-from megatransformer.training.metrics import Reporter, format_sample, peak_tflops
+from megatransformer.training.metrics import Reporter, format_sample, peak_tflops, precision_dtype
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
@@ -93,9 +93,9 @@ class Trainer:
                 print(f"nothing to do: the run is at step {self.state.step} of train.max_steps={cfg.train.max_steps}")
             return 0
         if self.dist.is_main:
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
+            dtype = precision_dtype(cfg.precision)
             print(describe_backend(cfg.model.attention_backend, torch.device(self.dist.device).type, dtype,
-                                   cfg.model.attention_dropout))
+                                   cfg.model.attention_dropout, cfg.model.head_dim))
         report = Reporter(cfg, self.dist.is_main, self.state.step)
         flops = model_size(cfg.model, cfg.data.seq_len).flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device) * 1e12 * self.dist.world_size

@@ -29,10 +29,19 @@ GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 
 def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     """A known GPU's dense peak for ``dtype`` (bf16/fp16; fp32 as TF32), or None for a GPU not in the table."""
+    import torch
+
     for name, peak in GPU_PEAK_TFLOPS:
         if name in device_name:
             return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
     return None
+
+
+def precision_dtype(precision: str):
+    """The compute dtype of a run's ``precision`` (fp32 | bf16 | fp16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 def peak_tflops(cfg: RunConfig, device: str) -> float:
@@ -41,7 +50,7 @@ def peak_tflops(cfg: RunConfig, device: str) -> float:
 
     if cfg.train.peak_tflops:
         return cfg.train.peak_tflops
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
+    dtype = precision_dtype(cfg.precision)
     if device.startswith("cuda"):
         known = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
         if known is not None:
@@ -235,18 +244,37 @@ def wandb_mode(cfg: RunConfig) -> str:
 
 
 def start_wandb(cfg: RunConfig):
-    """A W&B run (offline when there is no API key, so a run never fails for lack of network)."""
+    """A W&B run (offline when there is no API key, so a run never fails for lack of network).
+
+    W&B never stops a run: when online start-up fails (server unreachable, bad key, timeout) one warning
+    line says so and the run logs offline, into files that `wandb sync` uploads later. Start-up waits at
+    most WANDB_INIT_TIMEOUT seconds (W&B's default, 90), and less than half of parallel.timeout_minutes,
+    so the other ranks, waiting in a collective meanwhile, do not time out.
+    """
     mode = wandb_mode(cfg)
     if mode == "disabled":
         return None
     import wandb
 
+    # W&B's own messages (credentials found, retries, errors) stay in its debug logs; the run log is ours
+    quiet = wandb.Settings(silent=True, quiet=True, console="off", show_info=False, show_warnings=False,
+                           show_errors=False)
+    wandb.setup(quiet)
     run_dir = Path(cfg.run_dir)
-    return wandb.init(
-        project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
-        tags=cfg.wandb.tags, config=cfg.model_dump(mode="json"), dir=str(run_dir), mode=mode,
-        resume="allow", id=_run_id(run_dir), settings=wandb.Settings(silent=True, console="off"),
-    )
+    timeout = min(float(os.environ.get("WANDB_INIT_TIMEOUT", 90)), cfg.parallel.timeout_minutes * 60 / 2)
+    init = dict(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
+                tags=cfg.wandb.tags, config=cfg.model_dump(mode="json"), dir=str(run_dir), resume="allow",
+                id=_run_id(run_dir))
+    if mode != "online":
+        return wandb.init(**init, mode=mode, settings=quiet)
+    try:
+        return wandb.init(**init, mode="online", settings=quiet.model_copy(update={"init_timeout": timeout}))
+    except Exception as err:  # noqa: BLE001 - whatever W&B raises, the run goes on offline
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"warning: W&B online start-up failed ({reason}); logging offline instead, upload later with "
+              f"`wandb sync {run_dir / 'wandb'}/offline-run-*`", file=sys.stderr, flush=True)
+        wandb.teardown()  # the failed run still holds its id in W&B's service process
+        return wandb.init(**init, mode="offline", settings=quiet)
 
 
 def _run_id(run_dir: Path) -> str:
