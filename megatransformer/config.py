@@ -330,6 +330,11 @@ class RunConfig(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     resume: str | None = None
     """auto: the latest complete checkpoint in run_dir/checkpoints (fresh start if none); or a checkpoint path."""
+    resume_elastic: Literal["keep_batch", "allow_batch_change"] = "keep_batch"
+    """A resume may change the data-parallel size, tensor_parallel and zero_stage (micro batch and grad_accum
+    are derived again from train.global_batch_size); keep_batch refuses a global batch other than the
+    checkpoint's, allow_batch_change continues the same data, step count and schedule with the new batch
+    (not an exact continuation)."""
     init_from: str | None = None
     """Checkpoint whose weights (only) initialise this run, for fine-tuning."""
 

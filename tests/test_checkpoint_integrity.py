@@ -28,7 +28,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 OLD, NEW = "step_000002", "step_000004"
 # The files of a ZeRO-1 checkpoint of one rank: every kind there is.
 FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "rank_00000.pt",
-         "model.safetensors", "trainer.json", "config.yaml", "tokenizer.json")
+         "model.safetensors", "trainer.json", "config.yaml", "tokenizer.json", "optimizer.safetensors")
 STATE_FILES = FILES[:3]  # the pickled ones
 
 

@@ -3,7 +3,9 @@
 * a 2-node x 1-task job trains a tiny decoder with ZeRO-2 over gloo and writes its checkpoints;
 * a second, identical job is sent the warning signal mid-run: it checkpoints, exits 124, requeues itself,
   resumes (resume=auto) and ends with the same losses, step for step, as the uninterrupted job;
-* a job with a bad config fails once, with the one-line error, and is not requeued.
+* a job with a bad config fails once, with the one-line error, and is not requeued;
+* a 2-node job preempted and requeued onto 1 node continues (an elastic resume, same global batch) with the
+  uninterrupted 2-node job's losses.
 
 In CI (CI=true) a missing cluster fails these tests; elsewhere they are skipped with the reason.
 Every wait is bounded; a failure shows the job's log and `scontrol show job`.
@@ -222,3 +224,39 @@ def test_failed_job_is_not_requeued(submit, tmp_path):
     log = job.text()
     assert "megatransformer train: error: config file" in log and "does not exist" in log, log
     assert "requeueing" not in log
+
+
+def test_preempted_on_two_nodes_requeued_onto_one_continues_exactly(submit, slurm_config, uninterrupted):
+    """Elastic resume on Slurm: a 2-node job is sent the warning signal, checkpoints and requeues itself; while
+    it waits, its request is cut to one node (as a scheduler handing a requeued job fewer nodes), so the
+    requeued run resumes the 2-rank ZeRO-2 checkpoint on 1 rank, with the same global batch (micro 2 x
+    accum 2 instead of micro 2 x dp 2), and continues the uninterrupted 2-node job's losses."""
+    _, reference_dir = uninterrupted
+    run_dir = slurm_config.parent / "elastic"
+    batch = ("train.global_batch_size=4", "train.grad_accum=null")  # the uninterrupted job's 2 x 1 x 2
+    job = submit("mt-elastic", slurm_config, f"run_dir={run_dir}", "checkpoint.every=50", *batch)
+    job.wait(lambda i: logged_steps(run_dir) >= SIGNAL_AFTER_STEP or i.get("JobState") not in ("PENDING", "RUNNING"),
+             JOB_TIMEOUT, f"{SIGNAL_AFTER_STEP} logged steps")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job.id)], check=True, timeout=30)
+    info = job.wait(lambda i: i.get("Restarts") == "1" or i.get("JobState") in ("COMPLETED", "FAILED"),
+                    180, "the requeue")
+    if info.get("Restarts") != "1" or info["JobState"] != "PENDING":
+        pytest.fail(job.report("the signalled job did not requeue itself"))
+    subprocess.run(["scontrol", "update", f"JobId={job.id}", "NumNodes=1-1", "NumTasks=1", "NumCPUs=1"], check=True,
+                   timeout=30)
+    wait_for_idle_nodes(60)
+    subprocess.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now"], check=True, timeout=30)
+    info = job.wait_finished()
+    if info["JobState"] != "COMPLETED" or info["ExitCode"] != "0:0" or info["Restarts"] != "1":
+        pytest.fail(job.report("the requeued job did not complete once with exit code 0"))
+    assert info["NumNodes"] == "1", job.report("the requeued run did not run on one node")
+    first_part, restarted, second_part = job.text().partition(f"train.sbatch: job {job.id} (restart 1)")
+    assert restarted, job.report("the log shows no restart")
+    assert "launch: slurm: world 2" in first_part and "launch: slurm: world 1" in second_part, job.text()
+    stopped_at = int(re.search(r"preempted at step (\d+): checkpointing, exit 124", first_part)[1])
+    assert (f"resuming step {stopped_at} written by 2 ranks (dp2, tp1, zero2) on 1 rank (dp1, tp1, zero2): "
+            "micro 2 x accum 2 (was micro 2 x accum 1)") in second_part, job.report("no elastic resume line")
+    resumed, reference = train_losses(run_dir), train_losses(reference_dir)
+    assert sorted(resumed) == list(range(1, MAX_STEPS + 1))  # every step once: none lost, none doubled
+    for step in range(stopped_at + 1, MAX_STEPS + 1):
+        assert resumed[step] == pytest.approx(reference[step], rel=0, abs=1e-5), f"step {step}"

@@ -10,6 +10,9 @@ Layout::
         trainer.json         step, tokens seen, bad-step counter, tokenizer hash, layout (world, tp, zero)
         model.safetensors    the whole model's fp32 (master) weights, ZeRO and TP shards merged
                              (no DeepSpeed needed to read them; init_from and export use only this)
+        optimizer.safetensors  the whole Adam state the same way (exp_avg, exp_avg_sq; step count and LR
+                             schedule in its metadata): what an elastic resume on another layout loads
+                             (training/elastic.py)
         config.yaml          the resolved run config
         tokenizer.json       the tokenizer the data was made with
         COMPLETE             the manifest: every other file's size and sha256; written last (atomically),
@@ -42,9 +45,11 @@ Trust (what a checkpoint read from disk can and cannot do):
   them (safetensors writes 0600 on its own; :func:`save_safetensors` corrects that).
 
 What can change between runs:
-- resume (exact continuation): nothing that shapes the state: the same world size, tensor_parallel and
-  zero_stage (DeepSpeed's optimizer shards and our per-rank loader/RNG states are per rank), the same model
-  shape (a mismatch is an error listing the fields) and the same tokenizer (sha256 in trainer.json).
+- resume (exact continuation): the same model shape (a mismatch is an error listing the fields), the same
+  tokenizer (sha256 in trainer.json) and the same global batch (unless resume_elastic=allow_batch_change).
+  On the same world size, tensor_parallel and zero_stage DeepSpeed loads its own per-rank states; on another
+  one (an elastic resume, training/elastic.py) the engine is built for the new layout and loads
+  model.safetensors, optimizer.safetensors and every old rank's loader state.
 - init_from (fine-tuning) and ``megatransformer export`` read only model.safetensors, which holds the whole
   model: ZeRO-3 partitions are gathered and tensor-parallel shards concatenated (along TP_PLAN's split
   dimension) when it is written. So any change of data-parallel size and ZeRO stage, and any change of
@@ -390,39 +395,59 @@ def full_state_dict(engine, cfg: RunConfig) -> dict[str, torch.Tensor] | None:
     ZeRO partitions gathered), tensor-parallel shards concatenated. A collective: every rank calls it."""
     from deepspeed.utils import safe_get_full_fp32_param
 
+    masters = functools.cache(lambda: fp16_optimizer_masters(engine.optimizer))
+
+    def fp32(tensor: torch.Tensor) -> torch.Tensor:
+        full = safe_get_full_fp32_param(tensor) if isinstance(tensor, torch.nn.Parameter) else None
+        return masters().get(id(tensor), tensor) if full is None else full
+
+    return consolidate(engine, cfg, fp32, engine.module.state_dict(keep_vars=True).items())
+
+
+def consolidate(engine, cfg: RunConfig, value: Callable[[torch.Tensor], torch.Tensor],
+                named: Any) -> dict[str, torch.Tensor] | None:
+    """``value`` of every (name, tensor) of ``named`` as one whole fp32 tensor on rank 0 (None elsewhere), one
+    at a time: ``value`` gives this rank's tensor-parallel shard (gathering ZeRO partitions itself), the shards
+    are concatenated along TP_PLAN's dimension here. A tensor under two names (tied weights) is gathered once
+    and stored under both (safetensors stores no two names for one storage). A collective."""
     is_main, tp = dist.get_rank() == 0, cfg.parallel.tensor_parallel
-    masters = _fp16_optimizer_masters(engine.optimizer)
     state: dict[str, torch.Tensor] = {}
-    done: dict[int, torch.Tensor | None] = {}  # tied weights appear under two names: gathered once
-    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+    done: dict[int, torch.Tensor | None] = {}
+    for name, tensor in named:
         tied = id(tensor) in done
         if not tied:
-            full = safe_get_full_fp32_param(tensor) if isinstance(tensor, torch.nn.Parameter) else None
-            full = masters.get(id(tensor), tensor) if full is None else full
-            full = full.detach().float()
+            full = value(tensor).detach().float()
             dim = partition_dim(name) if tp > 1 else None
             if dim is not None:
                 full = _gather_shards(full, dim, tp)
             done[id(tensor)] = full.cpu().clone() if is_main else None
-        if is_main:  # (safetensors stores no two names for one storage)
+        if is_main:
             state[name] = done[id(tensor)].clone() if tied else done[id(tensor)]
     return state if is_main else None
 
 
-def _fp16_optimizer_masters(optimizer) -> dict[int, torch.Tensor]:
+def fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch.Tensor]:
     """bf16/fp16 without ZeRO: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer keep fp32 masters (one
     flat tensor, or one tensor per parameter, per group) that ``safe_get_full_fp32_param`` does not know
-    about; map each low-precision parameter to its master."""
+    about; map each low-precision parameter to its master, or with ``key`` to the master's optimizer state
+    ``key`` (views: writing them writes the state; masters without that state yet are left out)."""
     from torch._utils import _unflatten_dense_tensors
 
     low = getattr(optimizer, "fp16_groups", None)
     if low is None:
         return {}
+
+    def state_of(master: torch.Tensor) -> torch.Tensor | None:
+        return master if key is None else optimizer.optimizer.state.get(master, {}).get(key)
+
     if hasattr(optimizer, "fp32_groups_flat"):
-        high = [_unflatten_dense_tensors(flat, params) for flat, params in zip(optimizer.fp32_groups_flat, low)]
+        flats = [state_of(f) for f in optimizer.fp32_groups_flat]
+        high = [[None] * len(params) if f is None else _unflatten_dense_tensors(f, params)
+                for f, params in zip(flats, low)]
     else:
-        high = getattr(optimizer, "fp32_groups", [])
-    return {id(p): master for params, masters in zip(low, high) for p, master in zip(params, masters)}
+        high = [[state_of(m) for m in masters] for masters in getattr(optimizer, "fp32_groups", [])]
+    return {id(p): master for params, masters in zip(low, high) for p, master in zip(params, masters)
+            if master is not None}
 
 
 def _gather_shards(shard: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
@@ -445,8 +470,12 @@ def save_checkpoint(engine, cfg: RunConfig, state: TrainerState, loader_state: d
     engine.save_checkpoint(str(root), tag=tag, save_latest=False)
     torch.save({"loader": loader_state, "rng": rng_state()}, path / f"rank_{rank:05d}.pt")
     weights = full_state_dict(engine, cfg)
+    from megatransformer.training.elastic import OPTIMIZER, full_optimizer_state  # (it needs DeepSpeed)
+
+    moments, optimizer_meta = full_optimizer_state(engine, cfg)
     if rank == 0:
         save_safetensors(weights, path / WEIGHTS)
+        save_safetensors(moments, path / OPTIMIZER, optimizer_meta)
         (path / "trainer.json").write_text(json.dumps(state.__dict__, indent=2))
         (path / "config.yaml").write_text(dump_config(cfg))
         if tokenizer_path:
@@ -463,12 +492,12 @@ def save_checkpoint(engine, cfg: RunConfig, state: TrainerState, loader_state: d
     return path
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """safetensors' ``save_file``, but with the mode any other file gets (0644 under the usual umask):
     safetensors writes a private temporary file (0600) and renames it."""
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
     os.chmod(path, _default_file_mode())
 
 
@@ -562,23 +591,31 @@ def _read_file(path: Path, name: str, parse: Callable[[str], Any]) -> Any:
         raise CheckpointDamaged(path, name, f"unreadable ({err.__class__.__name__})") from None
 
 
-def load_checkpoint(engine, cfg: RunConfig, path: Path,
-                    tokenizer_sha256: str | None = None) -> tuple[TrainerState, dict]:
-    """Restore engine, RNG and return (trainer state, this rank's data-loader state). ``path`` comes from
-    :func:`resolve_resume` (verified); every state file is read with weights_only=True."""
-    check_same_shapes(saved_config(path).model, cfg.model, f"checkpoint {path}")
-    state = _read_file(path, "trainer.json", lambda text: TrainerState(**json.loads(text)))
+def read_trainer_state(path: Path) -> TrainerState:
+    return _read_file(path, "trainer.json", lambda text: TrainerState(**json.loads(text)))
+
+
+def check_tokenizer(path: Path, state: TrainerState, cfg: RunConfig, tokenizer_sha256: str | None) -> None:
     if tokenizer_sha256 and state.tokenizer_sha256 and tokenizer_sha256 != state.tokenizer_sha256:
         raise ConfigError(f"checkpoint {path} was trained with another tokenizer (sha256 "
                           f"{state.tokenizer_sha256[:12]}, data.tokenizer={cfg.data.tokenizer} has "
                           f"{tokenizer_sha256[:12]}); resume with the same tokenizer, or start a new run "
                           "with init_from=")
+
+
+def load_checkpoint(engine, cfg: RunConfig, path: Path,
+                    tokenizer_sha256: str | None = None) -> tuple[TrainerState, dict]:
+    """Restore engine, RNG and return (trainer state, this rank's data-loader state). ``path`` comes from
+    :func:`resolve_resume` (verified); every state file is read with weights_only=True."""
+    check_same_shapes(saved_config(path).model, cfg.model, f"checkpoint {path}")
+    state = read_trainer_state(path)
+    check_tokenizer(path, state, cfg, tokenizer_sha256)
     layout = (dist.get_world_size(), cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
     if (state.world_size, state.tensor_parallel, state.zero_stage) != layout:
         raise ConfigError(
             f"checkpoint {path} was written with world size, tensor_parallel, zero_stage = "
             f"{(state.world_size, state.tensor_parallel, state.zero_stage)}, this run has {layout}; exact resume "
-            "needs the same layout (start a new run from its weights with init_from= instead)")
+            "needs the same layout (training/elastic.py resumes on another one)")
     own = safe_load(path / f"rank_{dist.get_rank():05d}.pt")  # (before the engine: cheap, and checks the file)
     engine.checkpoint_engine = _safe_checkpoint_engine(engine._config)  # (its parsed DeepSpeed config)
     loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,

@@ -18,6 +18,7 @@ from megatransformer.config import RunConfig, dump_config
 from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
 from megatransformer.training import checkpoint as ckpt
+from megatransformer.training import elastic
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
 from megatransformer.training.metrics import Reporter, format_sample, peak_tflops, precision_dtype
@@ -44,6 +45,11 @@ class Trainer:
         from megatransformer.training.data import build_loader
 
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
+        self.resume_path = ckpt.resolve_resume(cfg)
+        # on another layout the engine is built from the checkpoint's weights (a changed batch refused here)
+        self.elastic = elastic.plan_resume(cfg, self.resume_path, dist_info.world_size)
+        if self.elastic is not None:
+            init_state = self.elastic.weights
         self.module = TrainModule(cfg, dist_info, init_state)
         self.engine = self.module.engine  # (checkpoints hold DeepSpeed's engine states)
         micro = self.module.sizes.micro
@@ -60,8 +66,15 @@ class Trainer:
 
     def resume_or_start(self) -> None:
         cfg = self.cfg
-        path = ckpt.resolve_resume(cfg)
-        if path is not None:
+        path = self.resume_path
+        if self.elastic is not None:
+            self.state, loader_states = elastic.load_elastic(self.engine, cfg, self.elastic, self.tokenizer.sha256,
+                                                             self.module.tp_rank)
+            self.train_loader.load_state_dict(loader_states)
+            if self.dist.is_main:
+                print(self.elastic.describe(cfg, self.dist.world_size))
+            self.elastic.weights = {}  # (no second copy of the model kept for the run)
+        elif path is not None:
             self.state, loader_state = ckpt.load_checkpoint(self.engine, cfg, path, self.tokenizer.sha256)
             self.train_loader.load_state_dict(loader_state)
             if self.dist.is_main:
