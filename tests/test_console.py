@@ -52,7 +52,7 @@ def test_help_shows_defaults_and_a_description(capsys):
             main(argv)
     out = " ".join(capsys.readouterr().out.split())  # (help is wrapped to the terminal's width)
     assert "Pretrain Transformer language models" in out and "registered from a table" not in out
-    assert "(default: 64)" in out and "(default: 0.8)" in out  # generate's --max-new-tokens, --temperature
+    assert "(default: 1)" in out and "(default: 0.8)" in out  # generate's --num-beams, --temperature
     assert "(default: 256.0)" in out  # shard's --shard-mb
     assert "(default: None)" not in out  # unset defaults say nothing
 

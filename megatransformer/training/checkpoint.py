@@ -209,6 +209,19 @@ def _resolve_resume(cfg: RunConfig) -> Path | None:
         return None
     if cfg.resume == "auto":
         return newest_intact(checkpoint_root(cfg))
+    path = locate_resume(cfg)
+    try:
+        verify_checkpoint(path)
+    except CheckpointDamaged as err:
+        hint = "" if isinstance(err, CheckpointUnsafe) else ("; resume from another checkpoint (resume=auto "
+                                                             "skips damaged ones)")
+        raise ConfigError(f"resume={cfg.resume}: {err}{hint}") from None
+    return path
+
+
+def locate_resume(cfg: RunConfig) -> Path:
+    """The checkpoint an explicit ``resume=PATH`` names (a step directory, or a checkpoints directory's
+    `latest`), marked complete; not yet verified. Cheap: every rank can ask before engines start."""
     path = Path(cfg.resume)
     if (path / "latest").is_file() and not (path / COMPLETE).is_file():  # a checkpoints directory
         found = latest_checkpoint(path)
@@ -218,12 +231,6 @@ def _resolve_resume(cfg: RunConfig) -> Path | None:
     elif not (path / COMPLETE).is_file():
         raise ConfigError(f"resume={cfg.resume} is not a complete checkpoint directory (no {COMPLETE} marker); "
                           "use resume=auto to take the latest complete one")
-    try:
-        verify_checkpoint(path)
-    except CheckpointDamaged as err:
-        hint = "" if isinstance(err, CheckpointUnsafe) else ("; resume from another checkpoint (resume=auto "
-                                                             "skips damaged ones)")
-        raise ConfigError(f"resume={cfg.resume}: {err}{hint}") from None
     return path
 
 

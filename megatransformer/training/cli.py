@@ -47,6 +47,8 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
 
         raise ConfigError("data.tokenizer is not set; point it at the tokenizer.json the shards were made with")
     existing = ckpt.latest_checkpoint(ckpt.checkpoint_root(cfg))
+    if cfg.resume not in (None, "auto"):
+        ckpt.locate_resume(cfg)  # a missing or incomplete resume=PATH fails now (its files are verified later)
     if cfg.resume is None and existing is not None:  # never overwrite a run by starting it afresh
         from megatransformer.config import ConfigError
 

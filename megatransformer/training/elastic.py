@@ -51,13 +51,17 @@ def full_optimizer_state(engine, cfg: RunConfig) -> tuple[dict[str, torch.Tensor
     from deepspeed.utils import safe_get_full_optimizer_state
 
     inner = _torch_optimizer(engine)
-    _link_state(engine)
+    stepped = any(inner.state.values())  # Adam's state appears with its first step (every rank alike)
+    if stepped:
+        _link_state(engine)
     named = list(engine.module.named_parameters())  # (a tied weight once, under its first name)
     tensors: dict[str, torch.Tensor] = {}
     for key in ADAM_KEYS:
         masters = functools.cache(lambda key=key: ckpt.fp16_optimizer_masters(engine.optimizer, key))
 
         def moment(param: torch.Tensor, key: str = key, masters=masters) -> torch.Tensor:
+            if not stepped:  # (every update so far was skipped: zero moments, as Adam starts)
+                return torch.zeros(getattr(param, "ds_shape", param.shape), dtype=torch.float32, device=param.device)
             full = safe_get_full_optimizer_state(param, key)  # ZeRO 1-3, bf16 optimizer (a collective)
             if full is None:
                 full = masters().get(id(param))  # ZeRO-0 with bf16/fp16 masters

@@ -181,7 +181,10 @@ def format_sample(prompt: str, continuation: str) -> str:
 @contextlib.contextmanager
 def quiet_engine(verbose: bool) -> Iterator[None]:
     """Hold back what DeepSpeed prints on stdout while it starts (``deepspeed_shm_comm_op built successfully``
-    and the like) unless ``verbose``; if start-up fails, what it printed goes to stderr with the error."""
+    and the like) unless ``verbose``; if start-up fails unexpectedly, what it printed goes to stderr with the
+    error (a bad config or input is its own one line: exit 2)."""
+    from data_pipeline import DataError
+
     if verbose:
         yield
         return
@@ -189,6 +192,8 @@ def quiet_engine(verbose: bool) -> Iterator[None]:
     try:
         with contextlib.redirect_stdout(held):
             yield
+    except (ConfigError, DataError):
+        raise
     except BaseException:
         sys.stderr.write(held.getvalue())
         raise
