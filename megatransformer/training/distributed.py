@@ -79,7 +79,7 @@ def collective_failure(err: BaseException, timeout_minutes: float) -> str | None
     if not comm:
         return None
     own = [f for f in frames if any(part in f.filename for part in _OWN_FILES)]
-    # the innermost two of our frames: e.g. "in all_reduce_sum (loop.py:57) < train_step (loop.py:95)"
+    # the innermost two of our frames: e.g. "in step (engine.py:154) < run (loop.py:106)"
     where = " in " + " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in own[:-3:-1]) \
         if own else ""
     reason = re.sub(r"^\[[^\]]*\] ", "", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
