@@ -53,7 +53,9 @@ class VarlenProblem:
     k_index: torch.Tensor | None = None  # int64 [total_k]
 
     def to(self, device: torch.device | str) -> VarlenProblem:
-        move = _mover(device)
+        def move(t):
+            return to_device(t, device)
+
         return replace(self, cu_q=move(self.cu_q), cu_k=move(self.cu_k), q_index=move(self.q_index),
                        k_index=move(self.k_index))
 
@@ -86,9 +88,12 @@ class AttentionMask:
         """Plain causal or full attention: backends need no explicit mask."""
         return self.q_segments is None and self.prefix_len is None
 
-    def to(self, device: torch.device | str) -> AttentionMask:
-        """The mask with its tensors on ``device`` (``key_bounds`` stays on the host, where it is read)."""
-        move = _mover(device)
+    def to(self, device: torch.device | str, moved: Mapping[int, torch.Tensor] | None = None) -> AttentionMask:
+        """The mask with its tensors on ``device`` (``key_bounds`` stays on the host, where it is read);
+        ``moved``: tensors already copied there, by the id of their host tensor (not copied again)."""
+        def move(t):
+            return to_device(t, device, moved)
+
         q_segments = move(self.q_segments)
         kv_segments = q_segments if self.kv_segments is self.q_segments else move(self.kv_segments)
         varlen = None if self.varlen is None else tuple(p.to(device) for p in self.varlen)
@@ -208,8 +213,10 @@ class ModelMasks:
     decoder: AttentionMask | None = None  # decoder-only model, or the decoder's self-attention
     cross: AttentionMask | None = None  # encoder-decoder: decoder queries to encoder keys
 
-    def to(self, device: torch.device | str) -> ModelMasks:
-        return ModelMasks(*(None if m is None else m.to(device) for m in (self.encoder, self.decoder, self.cross)))
+    def to(self, device: torch.device | str, moved: Mapping[int, torch.Tensor] | None = None) -> ModelMasks:
+        """On ``device``; ``moved`` as in :meth:`AttentionMask.to` (the batch's segment tensors, copied once)."""
+        return ModelMasks(*(None if m is None else m.to(device, moved)
+                            for m in (self.encoder, self.decoder, self.cross)))
 
 
 def batch_masks(arch: str, batch: Mapping[str, torch.Tensor], varlen: bool = False) -> ModelMasks:
@@ -344,15 +351,15 @@ def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:
     return None if tensor is None else tensor.detach().cpu().numpy()
 
 
-def _mover(device: torch.device | str):
-    """Copies tensors to ``device`` without waiting (pinned host memory on CUDA)."""
+def to_device(tensor: torch.Tensor | None, device: torch.device | str,
+              moved: Mapping[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """Host -> device without waiting (from page-locked memory on CUDA; a tensor not yet pinned is pinned);
+    a tensor in ``moved`` (by id) is already there and not copied again."""
     target = torch.device(device)
-
-    def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        if tensor is None or tensor.device == target:
-            return tensor
-        if target.type == "cuda" and not tensor.is_pinned():
-            tensor = tensor.pin_memory()
-        return tensor.to(target, non_blocking=True)
-
-    return move
+    if tensor is None or tensor.device == target:
+        return tensor
+    if moved is not None and id(tensor) in moved:
+        return moved[id(tensor)]
+    if target.type == "cuda" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(target, non_blocking=True)

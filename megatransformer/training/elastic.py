@@ -28,7 +28,6 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -26,7 +26,7 @@ from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.model import build_model, deepspeed_layer_specs
 from megatransformer.model.tp_plan import assign_head_offsets, partition_dim
-from megatransformer.model.masks import ModelMasks, batch_masks
+from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.training.batching import BatchSizes, resolve_batch_sizes
 from megatransformer.training.distributed import Dist
 from megatransformer.training.optim import make_scheduler, param_groups
@@ -171,8 +171,9 @@ class TrainModule:
         The masks' metadata is computed here, from the host tensors, before the copies are queued; on CUDA the
         copies come from pinned memory and do not wait.
         """
-        masks = batch_masks(self.cfg.model.arch, batch, varlen=self.varlen).to(self.device)
-        moved = {k: _move(v, self.device) for k, v in batch.items()}
+        moved = {k: to_device(v, self.device) for k, v in batch.items()}
+        masks = batch_masks(self.cfg.model.arch, batch, varlen=self.varlen)
+        masks = masks.to(self.device, {id(batch[k]): moved[k] for k in batch})  # (segments: copied once)
         labels = moved.pop("labels")
         return moved, labels, masks
 
@@ -183,7 +184,7 @@ class TrainModule:
 
     def _on_device(self, values: list[float]) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.float64)
-        return _move(host, self.device)
+        return to_device(host, self.device)
 
     # ---------------------------------------------------------------------------------- evaluation
 
@@ -229,13 +230,6 @@ def real_positions(batch: Mapping[str, torch.Tensor]) -> int:
             total += int(np.count_nonzero(batch[segments].numpy() != PAD_SEGMENT)) if segments in batch \
                 else batch[ids].numel()
     return total
-
-
-def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without waiting: from pinned memory on CUDA (the loader pins; anything else is pinned here)."""
-    if device.type == "cuda" and not tensor.is_pinned():
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
 
 
 def eval_schedule(n_batches: int, dp_size: int, dp_rank: int) -> list[int | None]:
