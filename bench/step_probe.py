@@ -44,7 +44,7 @@ def main(cases: list[dict]) -> None:
             "train": {"micro_batch_size": 2, "grad_accum": case["accum"]},
             "parallel": {"zero_stage": case["zero"]}, "precision": case.get("precision", "fp32"),
         })
-        module = TrainModule(cfg, dist_info)
+        module = TrainModule(cfg, dist_info, zero_stage=case["zero"])  # (ZeRO's own step, even on one rank)
         report = probe_step(module, batches(128, 2, 32, cfg.objective == "prefix_lm"))
         print(json.dumps({**case, **report}), flush=True)
 

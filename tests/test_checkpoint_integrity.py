@@ -1,6 +1,6 @@
 """Checkpoints you can trust: a damaged checkpoint is never resumed, a pickle in one never runs.
 
-One tiny run (one process, ZeRO-1, 4 steps, a checkpoint every 2) is trained once for the module; each case
+One tiny run (one process, ZeRO-3, 4 steps, a checkpoint every 2) is trained once for the module; each case
 copies its run directory, damages the copy and checks what resuming does. Most cases check the resolution
 (``resolve_resume``, what the trainer calls before any engine load) directly; a few run the real
 ``megatransformer train`` end to end, where DeepSpeed's own loads take part.
@@ -26,8 +26,10 @@ pytestmark = pytest.mark.slow
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 OLD, NEW = "step_000002", "step_000004"
-# The files of a ZeRO-1 checkpoint of one rank: every kind there is.
-FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "rank_00000.pt",
+# The files of a ZeRO-3 checkpoint of one rank: every kind there is. (ZeRO-3, because stages 1 and 2 on one
+# rank run as stage 0, whose optimizer states live in the model states file: engine.engine_zero_stage.)
+MODEL_STATES, OPTIM_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+FILES = (MODEL_STATES, OPTIM_STATES, "rank_00000.pt",
          "model.safetensors", "trainer.json", "config.yaml", "tokenizer.json", "optimizer.safetensors")
 STATE_FILES = FILES[:3]  # the pickled ones
 
@@ -37,7 +39,7 @@ def overrides(tiny_data, run_dir: Path, *extra: str) -> list[str]:
             "model.vocab_size=512", "model.max_seq_len=32", f"run_dir={run_dir}", f"data.train={tiny_data.shards}",
             f"data.tokenizer={tiny_data.tokenizer}", "data.seq_len=32", "train.micro_batch_size=2",
             "train.max_steps=4", "train.log_every=1", "train.eval_batches=1", "optim.lr=1e-2",
-            "schedule.warmup_steps=1", "checkpoint.every=2", "parallel.zero_stage=1", "wandb.mode=disabled", *extra]
+            "schedule.warmup_steps=1", "checkpoint.every=2", "parallel.zero_stage=3", "wandb.mode=disabled", *extra]
 
 
 def train(args: list[str]) -> subprocess.CompletedProcess:
@@ -140,7 +142,7 @@ def test_weights_readers_verify_what_they_read(run):
     """init_from, eval, generate and export read model.safetensors, config.yaml and tokenizer.json: damage
     there is an error naming the file; damage in the optimizer states does not concern them."""
     newest = run / "checkpoints" / NEW
-    truncate(newest / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    truncate(newest / OPTIM_STATES)
     cfg, weights = ckpt.load_weights(run / "checkpoints")
     assert cfg.model.d_model == 32 and "embed_tokens.weight" in weights
     flip(newest / "model.safetensors")
@@ -173,25 +175,25 @@ def losses(run: Path) -> dict[int, float]:
 def test_resume_auto_skips_damaged_newest_and_continues_exactly(tiny_data, trained, run):
     """Bytes flipped in the model states (the issue's silent wrong resume) and a torn last metrics line:
     one warning for each, a resume from step 2, and steps 3-4 as the uninterrupted run had them."""
-    flip(run / "checkpoints" / NEW / "mp_rank_00_model_states.pt")
+    flip(run / "checkpoints" / NEW / MODEL_STATES)
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 6.2')  # a write cut short
     result = train(overrides(tiny_data, run, "resume=auto"))
     assert result.returncode == 0, result.stderr[-4000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2, warnings
-    assert "mp_rank_00_model_states.pt: changed since the save" in warnings[0]
+    assert f"{MODEL_STATES}: changed since the save" in warnings[0]
     assert "metrics.jsonl: the last line" in warnings[1]
     assert f"resumed from {run / 'checkpoints' / OLD} at step 2" in result.stdout
     assert losses(run) == losses(trained)
 
 
 def test_resume_path_of_a_damaged_checkpoint_exits_2_naming_the_file(tiny_data, run):
-    truncate(run / "checkpoints" / NEW / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    truncate(run / "checkpoints" / NEW / OPTIM_STATES)
     result = train(overrides(tiny_data, run, f"resume={run / 'checkpoints' / NEW}"))
     assert result.returncode == 2, result.stderr[-4000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("megatransformer train: error:")]
-    assert len(errors) == 1 and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in errors[0], result.stderr[-2000:]
+    assert len(errors) == 1 and OPTIM_STATES in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
 
 
@@ -240,13 +242,13 @@ def test_a_pickle_payload_in_deepspeeds_model_states_never_runs(tiny_data, run, 
     file, and the payload never runs. Written with pickle protocol 4, which the verification's static scan
     cannot read: what refuses it is DeepSpeed's own load, through the weights_only checkpoint engine."""
     marker = tmp_path / "payload-ran"
-    plant(run / "checkpoints" / NEW / "mp_rank_00_model_states.pt", marker, protocol=4)
+    plant(run / "checkpoints" / NEW / MODEL_STATES, marker, protocol=4)
     ckpt.verify_checkpoint(run / "checkpoints" / NEW)  # (passes: the scan does not see it)
     result = train(overrides(tiny_data, run, "resume=auto"))
     assert not marker.exists(), "the payload ran"
     assert result.returncode == 2, result.stderr[-4000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("megatransformer train: error:")]
-    assert len(errors) == 1 and "mp_rank_00_model_states.pt: holds Python objects beyond tensors" in errors[0]
+    assert len(errors) == 1 and f"{MODEL_STATES}: holds Python objects beyond tensors" in errors[0]
     assert "Traceback" not in result.stderr
 
 
@@ -257,7 +259,7 @@ def test_deepspeeds_loads_go_through_weights_only(run, tmp_path):
 
     engine = ckpt._safe_checkpoint_engine(None)
     assert isinstance(engine, TorchCheckpointEngine)
-    optim = run / "checkpoints" / NEW / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    optim = run / "checkpoints" / NEW / OPTIM_STATES
     loaded = engine.load(str(optim), map_location="cpu")
     assert loaded["ds_version"] == torch.load(optim, weights_only=False)["ds_version"]
     marker = tmp_path / "payload-ran"

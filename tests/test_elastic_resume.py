@@ -64,8 +64,11 @@ def test_the_checkpoint_holds_the_whole_adam_state(zero1_dp2):
 def test_two_ranks_resume_on_one_rank_loss_for_loss(zero1_dp2, tiny_data, tmp_path):
     run = tmp_path / "dp1"
     result = resume(tiny_data, zero1_dp2, run, 1, "parallel.zero_stage=1")
-    assert (f"resuming step {SAVED} written by 2 ranks (dp2, tp1, zero1) on 1 rank (dp1, tp1, zero1): "
+    # (ZeRO-1 over one data-parallel rank partitions nothing: the engine runs stage 0, and says so)
+    assert "parallel.zero_stage=1 on one data-parallel rank: nothing to partition" in result.stdout
+    assert (f"resuming step {SAVED} written by 2 ranks (dp2, tp1, zero1) on 1 rank (dp1, tp1, zero0): "
             "micro 4 x accum 2 (was micro 4 x accum 1)") in result.stdout
+    assert json.loads((run / "checkpoints" / f"step_{STEPS:06d}" / "trainer.json").read_text())["zero_stage"] == 0
     continued = losses(run)
     assert len(continued) == STEPS - SAVED
     assert continued == pytest.approx(losses(zero1_dp2)[SAVED:], abs=1e-5, rel=0)
@@ -87,7 +90,7 @@ def test_tensor_parallel_two_resumes_on_one_rank(tiny_data, tmp_path):
     tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
     train(overrides(tiny_data, tp2, "parallel.tensor_parallel=2", "parallel.zero_stage=1"), nproc=2)
     result = resume(tiny_data, tp2, tp1, 1, "parallel.zero_stage=1")
-    assert "written by 2 ranks (dp1, tp2, zero1) on 1 rank (dp1, tp1, zero1)" in result.stdout
+    assert "written by 2 ranks (dp1, tp2, zero0) on 1 rank (dp1, tp1, zero0)" in result.stdout
     assert losses(tp1) == pytest.approx(losses(tp2)[SAVED:], rel=1e-5)
 
 

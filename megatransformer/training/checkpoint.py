@@ -617,7 +617,7 @@ def load_checkpoint(engine, cfg: RunConfig, path: Path,
     check_same_shapes(saved_config(path).model, cfg.model, f"checkpoint {path}")
     state = read_trainer_state(path)
     check_tokenizer(path, state, cfg, tokenizer_sha256)
-    layout = (dist.get_world_size(), cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
+    layout = (dist.get_world_size(), cfg.parallel.tensor_parallel, engine.zero_optimization_stage())
     if (state.world_size, state.tensor_parallel, state.zero_stage) != layout:
         raise ConfigError(
             f"checkpoint {path} was written with world size, tensor_parallel, zero_stage = "

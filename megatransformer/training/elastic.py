@@ -36,6 +36,7 @@ from megatransformer.config import ConfigError, RunConfig
 from megatransformer.model.tp_plan import partition_dim
 from megatransformer.training import checkpoint as ckpt
 from megatransformer.training.batching import BatchSizes, resolve_batch_sizes
+from megatransformer.training.engine import engine_zero_stage
 
 OPTIMIZER = "optimizer.safetensors"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -114,8 +115,9 @@ class ElasticResume:
 
     def describe(self, cfg: RunConfig, world_size: int) -> str:
         s, old, new = self.saved, self.saved_sizes, self.sizes
-        line = (f"resuming step {s.step} written by {_ranks(s.world_size)} ({_layout(old.dp, s.tensor_parallel, s.zero_stage)}) "
-                f"on {_ranks(world_size)} ({_layout(new.dp, cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)}): "
+        was = _layout(old.dp, s.tensor_parallel, s.zero_stage)
+        now = _layout(new.dp, cfg.parallel.tensor_parallel, engine_zero_stage(cfg.parallel, new.dp))
+        line = (f"resuming step {s.step} written by {_ranks(s.world_size)} ({was}) on {_ranks(world_size)} ({now}): "
                 f"micro {new.micro} x accum {new.accum} (was micro {old.micro} x accum {old.accum})")
         if new.global_batch != old.global_batch:
             line += (f"; global batch {old.global_batch} -> {new.global_batch} (resume_elastic=allow_batch_change): "
@@ -149,7 +151,8 @@ def plan_resume(cfg: RunConfig, path: Path | None, world_size: int) -> ElasticRe
             f"{sizes.global_batch} (micro {sizes.micro} x accum {sizes.accum} x dp {sizes.dp}); set "
             f"train.global_batch_size={saved_sizes.global_batch} to continue exactly, or "
             "resume_elastic=allow_batch_change to continue with the new batch")
-    if (saved.world_size, saved.tensor_parallel, saved.zero_stage) == (world_size, tp, cfg.parallel.zero_stage):
+    if (saved.world_size, saved.tensor_parallel, saved.zero_stage) == \
+            (world_size, tp, engine_zero_stage(cfg.parallel, sizes.dp)):
         return None
     if not (path / OPTIMIZER).is_file():
         raise ConfigError(
@@ -204,7 +207,7 @@ def load_elastic(engine, cfg: RunConfig, plan: ElasticResume, tokenizer_sha256: 
             group["lr"] = lr  # (a scheduler's load sets its own fields, not the optimizer's)
     ckpt.set_rng_state(old_ranks[0]["rng"])
     state = ckpt.TrainerState(**{**saved.__dict__, "world_size": dist.get_world_size(), "tensor_parallel": tp,
-                                 "zero_stage": cfg.parallel.zero_stage})
+                                 "zero_stage": engine.zero_optimization_stage()})
     return state, [r["loader"] for r in old_ranks]
 
 

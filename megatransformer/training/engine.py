@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
-from megatransformer.config import ConfigError, RunConfig
+from megatransformer.config import ConfigError, ParallelConfig, RunConfig
 from megatransformer.model import build_model, deepspeed_layer_specs
 from megatransformer.model.tp_plan import assign_head_offsets, partition_dim
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
@@ -32,7 +32,24 @@ from megatransformer.training.distributed import Dist
 from megatransformer.training.optim import make_scheduler, param_groups
 
 
-def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str) -> dict[str, Any]:
+def engine_zero_stage(parallel: ParallelConfig, dp_size: int) -> int:
+    """The ZeRO stage the engine runs: ``parallel.zero_stage``, except that stages 1 and 2 over a single
+    data-parallel rank run as stage 0.
+
+    Partitioning optimizer states or gradients over one rank saves no memory (its one partition is all of
+    them), yet DeepSpeed's ZeRO-1/2 path still copies every gradient through its reduction buckets into
+    flat partitions: +8% (ZeRO-1) and +19% (ZeRO-2) per step at dp=1 on CPU (BENCHMARKS.md section 5c).
+    torchtitan likewise applies FSDP only when there is more than one shard. The updates are the same
+    (fp32 masters and Adam in both). Offloading needs a ZeRO stage and keeps it; ZeRO-3 is left as asked.
+    Checkpoints record this stage, so a resume on another data-parallel size goes through elastic resume.
+    """
+    if parallel.zero_stage in (1, 2) and dp_size == 1 and not parallel.offload_optimizer:
+        return 0
+    return parallel.zero_stage
+
+
+def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage: int | None = None) -> dict[str, Any]:
+    """DeepSpeed's config for ``cfg``; ``zero_stage`` defaults to :func:`engine_zero_stage`."""
     t, o, p = cfg.train, cfg.optim, cfg.parallel
     cuda = device.startswith("cuda")
     adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
@@ -51,7 +68,7 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str) -> dict[str
         "gradient_accumulation_steps": sizes.accum,
         "gradient_clipping": t.grad_clip,
         "steps_per_print": 1 << 30,
-        "zero_optimization": {"stage": p.zero_stage},
+        "zero_optimization": {"stage": engine_zero_stage(p, sizes.dp) if zero_stage is None else zero_stage},
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "optimizer": optimizer,
@@ -79,7 +96,10 @@ class StepResult:
 class TrainModule:
     """A DeepSpeed engine and the optimizer step of a RunConfig: ZeRO stage, AutoTP, precision, optimizer."""
 
-    def __init__(self, cfg: RunConfig, dist_info: Dist, init_state: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, cfg: RunConfig, dist_info: Dist, init_state: dict[str, torch.Tensor] | None = None,
+                 zero_stage: int | None = None) -> None:
+        """``zero_stage``: the stage DeepSpeed runs, by default :func:`engine_zero_stage` (probes of ZeRO's
+        own step on one rank pass ``cfg.parallel.zero_stage``)."""
         import deepspeed
         from deepspeed.utils import groups
 
@@ -88,6 +108,7 @@ class TrainModule:
         if dist_info.world_size % tp:
             raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the world size {dist_info.world_size}")
         self.sizes = resolve_batch_sizes(cfg.train, dist_info.world_size // tp)
+        self.zero_stage = engine_zero_stage(cfg.parallel, self.sizes.dp) if zero_stage is None else zero_stage
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = build_model(cfg.model)
         if init_state is not None:
@@ -95,7 +116,8 @@ class TrainModule:
         full_shapes = {name: p.shape for name, p in model.named_parameters()}
         groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=groups_,
-                                               config=deepspeed_config(cfg, self.sizes, dist_info.device),
+                                               config=deepspeed_config(cfg, self.sizes, dist_info.device,
+                                                                       self.zero_stage),
                                                lr_scheduler=make_scheduler(cfg))
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
@@ -106,7 +128,7 @@ class TrainModule:
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
         if tp > 1:
             assign_head_offsets(self.engine.module, self.tp_rank, tp)
-        if self.dp_size == 1 and cfg.parallel.zero_stage == 0:
+        if self.dp_size == 1 and self.zero_stage == 0:
             # one data-parallel rank: DeepSpeed's all-reduce over it would only copy every gradient into a
             # flat buffer and back (tensor-parallel peers' replicated gradients are equal already)
             self.engine.enable_backward_allreduce = False
@@ -146,7 +168,7 @@ class TrainModule:
             if i < accum - 1:
                 engine.step()  # (not a boundary: DeepSpeed only counts the micro step)
         # the boundary: one reduction of the step's statistics, the one wait for the device in the step
-        if self.cfg.parallel.zero_stage == 0:  # (ZeRO computes its gradient norm itself)
+        if self.zero_stage == 0:  # (ZeRO computes its gradient norm itself)
             self.grad_norm = unclipped_grad_norm(engine.module, self.tp)
             if self.cfg.precision != "fp16":
                 bad += (~torch.isfinite(self.grad_norm)).double()
@@ -179,7 +201,7 @@ class TrainModule:
 
     def last_grad_norm(self) -> float | None:
         """The gradient norm before clipping of the last step (reads it from the device: log steps only)."""
-        norm = self.grad_norm if self.cfg.parallel.zero_stage == 0 else self.engine.get_global_grad_norm()
+        norm = self.grad_norm if self.zero_stage == 0 else self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
 
     def _on_device(self, values: list[float]) -> torch.Tensor:

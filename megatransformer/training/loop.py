@@ -59,7 +59,7 @@ class Trainer:
         self.valid_loader = build_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
         next(iter(self.valid_loader))  # a validation split smaller than one batch fails now, not after training
         self.state = ckpt.TrainerState(0, 0, 0, tokenizer.sha256, dist_info.world_size,
-                                       cfg.parallel.tensor_parallel, cfg.parallel.zero_stage)
+                                       cfg.parallel.tensor_parallel, self.module.zero_stage)
         self.preemption = preemption or Preemption()
 
     # ------------------------------------------------------------------------------------ the run
@@ -96,6 +96,9 @@ class Trainer:
             dtype = precision_dtype(cfg.precision)
             print(describe_backend(cfg.model.attention_backend, torch.device(self.dist.device).type, dtype,
                                    cfg.model.attention_dropout, cfg.model.head_dim))
+            if self.module.zero_stage != cfg.parallel.zero_stage:
+                print(f"parallel.zero_stage={cfg.parallel.zero_stage} on one data-parallel rank: nothing to "
+                      f"partition, so DeepSpeed runs without ZeRO (the same updates, without the bucket copies)")
         report = Reporter(cfg, self.dist.is_main, self.state.step)
         flops = model_size(cfg.model, cfg.data.seq_len).flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device) * 1e12 * self.dist.world_size
