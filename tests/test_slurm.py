@@ -254,7 +254,7 @@ def test_preempted_on_two_nodes_requeued_onto_one_continues_exactly(submit, slur
     assert restarted, job.report("the log shows no restart")
     assert "launch: slurm: world 2" in first_part and "launch: slurm: world 1" in second_part, job.text()
     stopped_at = int(re.search(r"preempted at step (\d+): checkpointing, exit 124", first_part)[1])
-    assert (f"resuming step {stopped_at} written by 2 ranks (dp2, tp1, zero2) on 1 rank (dp1, tp1, zero2): "
+    assert (f"resuming step {stopped_at} written by 2 ranks (dp2, tp1, zero2) on 1 rank (dp1, tp1, zero0): "
             "micro 2 x accum 2 (was micro 2 x accum 1)") in second_part, job.report("no elastic resume line")
     resumed, reference = train_losses(run_dir), train_losses(reference_dir)
     assert sorted(resumed) == list(range(1, MAX_STEPS + 1))  # every step once: none lost, none doubled
