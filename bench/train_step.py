@@ -51,17 +51,22 @@ from megatransformer.model import build_model  # noqa: E402
 MODES = ("fp32", "autocast", "bf16")
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The workload's options (model shape and batch), shared by the benches that time a training step."""
+    p.add_argument("--d-model", type=int, default=512, help="model width")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers")
+    p.add_argument("--heads", type=int, default=8, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped-query attention)")
+    p.add_argument("--ffn", type=int, default=1408, help="SwiGLU hidden size")
+    p.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
+    p.add_argument("--batch", type=int, default=4, help="sequences per (micro) batch")
+    p.add_argument("--seq", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--tie", action="store_true", help="tie embeddings (Llama default: untied)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=1408)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--tie", action="store_true", help="tie embeddings (Llama default: untied)")
+    add_model_args(p)
     p.add_argument("--backends", default="sdpa,chunked",
                    help="our model.attention_backend(s), each timed side by side against HF")
     p.add_argument("--modes", default="fp32,autocast,bf16", help=f"comma list of {MODES}")
@@ -94,9 +99,14 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 class Runner:
-    """One model + optimizer in one precision mode; ``step()`` is a full training step."""
+    """One model + optimizer in one precision mode; ``step()`` is a full training step.
 
-    def __init__(self, name: str, model: torch.nn.Module, mode: str, device: str, compile_: bool) -> None:
+    ``adamw``: keyword arguments for ``torch.optim.AdamW`` over the defaults (lr 1e-4, weight decay 0.1,
+    torch's default implementation), e.g. a run config's betas and ``fused=True`` as the trainer uses them.
+    """
+
+    def __init__(self, name: str, model: torch.nn.Module, mode: str, device: str, compile_: bool,
+                 adamw: dict | None = None) -> None:
         self.name, self.mode, self.device = name, mode, device
         model = model.to(device)
         if mode == "bf16":
@@ -111,17 +121,18 @@ class Runner:
         self.model = model.train()
         self.forward = torch.compile(model) if compile_ else model
         self.params = list(model.parameters())
-        self.optimizer = torch.optim.AdamW(opt_params, lr=1e-4, weight_decay=0.1)
+        self.optimizer = torch.optim.AdamW(opt_params, **{"lr": 1e-4, "weight_decay": 0.1, **(adamw or {})})
         self.is_hf = name == "hf"
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = self.forward(input_ids=input_ids)
+    def logits(self, input_ids: torch.Tensor, **inputs) -> torch.Tensor:
+        out = self.forward(input_ids=input_ids, **inputs)
         return out.logits if self.is_hf else out
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, **inputs) -> float:
+        """``inputs``: further model inputs (position_ids, masks= built once per batch, ...)."""
         autocast = torch.autocast(self.device, torch.bfloat16) if self.mode == "autocast" else contextlib.nullcontext()
         with autocast:
-            logits = self.logits(input_ids)
+            logits = self.logits(input_ids, **inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         loss.backward()
         if self.master is not None:  # DeepSpeed bf16: fp32 grads -> fp32 AdamW -> copy weights back to bf16
@@ -150,8 +161,6 @@ class Runner:
 
 def build_runners(cfg: ModelConfig, mode: str, args: argparse.Namespace) -> dict[str, Runner]:
     """``ours-<backend>`` for each backend and ``hf``, all holding the same initial weights."""
-    import transformers
-
     torch.manual_seed(0)
     state = build_model(cfg).state_dict()
     runners = {}
@@ -159,11 +168,18 @@ def build_runners(cfg: ModelConfig, mode: str, args: argparse.Namespace) -> dict
         ours = build_model(cfg.model_copy(update={"attention_backend": backend}))
         ours.load_state_dict(state)
         runners[f"ours-{backend}"] = Runner("ours", ours, mode, args.device, args.compile)
+    runners["hf"] = hf_runner(cfg, state, mode, args.device, args.compile)
+    return runners
+
+
+def hf_runner(cfg: ModelConfig, state: dict[str, torch.Tensor], mode: str, device: str, compile_: bool) -> Runner:
+    """transformers' LlamaForCausalLM (SDPA attention) holding our weights ``state``, with torch's default AdamW."""
+    import transformers
+
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(cfg), attn_implementation="sdpa"))
     missing, unexpected = hf.load_state_dict(to_llama_state_dict(state, cfg), strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    runners["hf"] = Runner("hf", hf, mode, args.device, args.compile)
-    return runners
+    return Runner("hf", hf, mode, device, compile_)
 
 
 def make_batch(cfg: ModelConfig, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:

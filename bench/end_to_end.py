@@ -1,0 +1,431 @@
+"""The trainer end to end, side by side with the bare model step and a plain transformers loop.
+
+Issue 12's measure: ``megatransformer train`` end to end against the bare model step of the same config (target
+>= 0.95x, fp32 and bf16) and against a plain transformers bf16-autocast loop (target >= 1.25x). Four runners, on
+the same shards, the same run config (``llama-style`` with the workload's overrides) and the same batches:
+
+  trainer-z0  the real ``megatransformer train`` command (a subprocess, ``DS_ACCELERATOR=cpu``) with
+              ``parallel.zero_stage=0``, ``train.log_every=1``, no evaluation during training, W&B off.
+              Tokens/s = tokens of the steps after the warm-up / the sum of their logged windows, from
+              ``RUN_DIR/metrics.jsonl`` (a window's time = its tokens / its tokens_per_s). A window is one step
+              as the loop runs it: the loader's ``next()``, the engine step, progress line and metrics record.
+              The start-up (DeepSpeed init, loader start), the final evaluation, checkpoint, sample and plot
+              lie outside the windows and are not counted.
+  trainer-z1  the same with ``parallel.zero_stage=1`` (what the shipped llama-style config runs).
+  bare        our model alone in ``bench/train_step.py``'s Runner, in the run's precision (bf16: bf16 weights
+              with fp32 masters, as DeepSpeed), with the run's AdamW settings and torch's fused AdamW (as the
+              engine), fed by our loader (``training.data.build_loader`` with the trainer's RunConfig, one rank)
+              and attention masks built on the host once per batch (``masks.batch_masks``), as the engine does.
+              No engine, no grad clipping, no logging. The loader's ``next()`` is inside the timed step.
+  hf          transformers' ``LlamaForCausalLM`` (SDPA) with the same initial weights, in a plain loop: bf16
+              autocast and torch's default AdamW (fp32 with ``--precision fp32``), fed by the same loader's
+              ``input_ids`` and ``labels`` only: packed rows of several documents with no document masks and
+              positions running across the row, as a ``run_clm``-style script that concatenates documents
+              trains. Loss: fp32 cross-entropy over the logits (our labels are shifted already).
+
+Every runner runs in its own fresh process for every round (the same threads, fresh memory); rounds alternate
+over all (precision, runner) pairs with the order reversed on odd rounds, and a ratio is the median over rounds
+of the per-round ratio (BENCHMARKS.md section 1).
+
+``--profile`` also runs the trainer once in this process under cProfile (``megatransformer.cli.main``) and
+breaks the time of the steps after the warm-up down into the loader's ``next()``, host-to-device copies and
+masks, forward, loss, DeepSpeed's ``backward``, the gradient norm, DeepSpeed's ``step`` and the rest: where
+the engine's overhead goes. (cProfile slows Python-heavy code: compare shares, not absolute times.)
+
+Data: shards are prepared once in ``--work`` with the project's CLI (``data demo-corpus``, ``data tokenizer``,
+``data shard``) and reused; or pass ``--shards DIR --tokenizer FILE``.
+
+    python bench/end_to_end.py                                  # bf16, the issue's llama-style workload
+    python bench/end_to_end.py --precision bf16,fp32 --rounds 5 --steps 6 --profile
+    python bench/end_to_end.py --d-model 64 --layers 2 --heads 2 --kv-heads 1 --ffn 128 --seq 64 --batch 2 \\
+        --rounds 1 --steps 3                                    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import datetime
+import importlib.metadata
+import inspect
+import json
+import os
+import platform
+import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+from unittest import mock
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+import train_step  # noqa: E402
+from megatransformer.config import RunConfig, load_config  # noqa: E402
+
+CONFIG = "llama-style"
+PRECISIONS = ("bf16", "fp32")
+RUNNERS = ("trainer-z0", "trainer-z1", "bare", "hf")
+TRAINERS = {"trainer-z0": 0, "trainer-z1": 1}  # runner -> parallel.zero_stage
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from megatransformer.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    train_step.add_model_args(p)
+    p.set_defaults(vocab=2048)
+    p.add_argument("--precision", default="bf16", help=f"comma list of {PRECISIONS}")
+    p.add_argument("--runners", default=",".join(RUNNERS), help=f"comma list of {RUNNERS}")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (0: only --profile)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per runner and round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before them, in every process")
+    p.add_argument("--work", type=Path, default=Path("/tmp/mt-e2e"), help="data (prepared once) and run dirs")
+    p.add_argument("--shards", type=Path, help="use these shards instead of preparing them in --work")
+    p.add_argument("--tokenizer", type=Path, help="the tokenizer.json of --shards")
+    p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every runner (default: torch's own)")
+    p.add_argument("--profile", action="store_true", help="then cProfile one trainer run: where its time goes")
+    p.add_argument("--profile-runner", choices=tuple(TRAINERS), default="trainer-z1",
+                   help="the trainer --profile runs (in the first --precision)")
+    p.add_argument("--worker", choices=("bare", "hf"), help=argparse.SUPPRESS)  # one runner, one JSON line
+    args = p.parse_args(argv)
+    for name, allowed in (("precision", PRECISIONS), ("runners", RUNNERS)):
+        bad = [x for x in getattr(args, name).split(",") if x not in allowed]
+        if bad:
+            p.error(f"--{name}: unknown {bad}; choose from {allowed}")
+    if (args.shards is None) != (args.tokenizer is None):
+        p.error("--shards and --tokenizer go together (the tokenizer the shards were made with)")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 0:
+        p.error("--steps must be >= 1, --warmup and --rounds >= 0")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ data and config
+
+
+def subprocess_env(args: argparse.Namespace) -> dict[str, str]:
+    """This checkout's code, DeepSpeed on the CPU, and the same thread count in every runner."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    return env
+
+
+def megatransformer_command(*words: str) -> list[str]:
+    return [sys.executable, "-m", "megatransformer.cli", *words]
+
+
+def prepare_data(args: argparse.Namespace) -> tuple[Path, Path]:
+    """``(shards, tokenizer)``: the given ones, or a demo corpus sharded once in ``--work`` with the CLI."""
+    if args.shards is not None:
+        return args.shards, args.tokenizer
+    work = args.work
+    shards, tokenizer, corpus = work / "shards", work / "tokenizer.json", work / "corpus.txt"
+    if (shards / "manifest.json").is_file():  # (the manifest is written last: the set is complete)
+        return shards, tokenizer
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"# preparing shards in {work} (once)", flush=True)
+    for words in (("data", "demo-corpus", "--out", str(corpus)),
+                  ("data", "tokenizer", "--input", str(corpus), "--vocab-size", str(args.vocab), "--out",
+                   str(tokenizer)),
+                  ("data", "shard", "--input", str(corpus), "--tokenizer", str(tokenizer), "--out", str(shards),
+                   "--overwrite")):
+        subprocess.run(megatransformer_command(*words), env=subprocess_env(args), check=True,
+                       stdout=subprocess.DEVNULL)
+    return shards, tokenizer
+
+
+def overrides(args: argparse.Namespace, precision: str, zero_stage: int, run_dir: Path, shards: Path,
+              tokenizer: Path) -> list[str]:
+    """The trainer's command-line overrides of the llama-style config: the workload, one log line per step."""
+    steps = args.warmup + args.steps
+    return [
+        f"run_dir={run_dir}", f"precision={precision}", f"parallel.zero_stage={zero_stage}",
+        f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
+        f"model.n_kv_heads={args.kv_heads}", f"model.d_ff={args.ffn}", f"model.vocab_size={args.vocab}",
+        f"model.max_seq_len={args.seq}", f"model.tie_embeddings={str(args.tie).lower()}",
+        f"data.train={shards}", f"data.tokenizer={tokenizer}", f"data.seq_len={args.seq}", "data.streams=4",
+        f"train.max_steps={steps}", f"train.micro_batch_size={args.batch}", "train.global_batch_size=null",
+        "train.grad_accum=1", "train.log_every=1", "train.eval_every=0", f"checkpoint.every={steps}",
+        "wandb.mode=disabled",
+    ]
+
+
+# ------------------------------------------------------------------------------------------ the runners
+
+
+def trainer_rate(args: argparse.Namespace, runner: str, precision: str, shards: Path, tokenizer: Path) -> float:
+    """Tokens/s of ``megatransformer train`` over its logged windows after the warm-up steps."""
+    run_dir = args.work / "runs" / f"{runner}-{precision}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    command = megatransformer_command("train", "--config", CONFIG,
+                                      *overrides(args, precision, TRAINERS[runner], run_dir, shards, tokenizer))
+    log = run_dir.with_suffix(".log")
+    with log.open("w") as out:
+        code = subprocess.run(command, env=subprocess_env(args), stdout=out, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise SystemExit(f"{runner} {precision}: megatransformer train exited {code}; its output: {log}\n"
+                         + "".join(log.read_text().splitlines(keepends=True)[-15:]))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"tokens_per_s"' in line]
+    shutil.rmtree(run_dir / "checkpoints")  # (hundreds of MB per round at the full size)
+    if len(rows) != args.warmup + args.steps:
+        raise SystemExit(f"{runner} {precision}: {len(rows)} logged steps in {run_dir}/metrics.jsonl, expected "
+                         f"{args.warmup + args.steps}")
+    before = rows[args.warmup - 1]["tokens"] if args.warmup else 0
+    tokens = rows[-1]["tokens"] - before
+    seconds = sum((row["tokens"] - prev) / row["tokens_per_s"]
+                  for row, prev in zip(rows[args.warmup:], [before] + [r["tokens"] for r in rows[args.warmup:-1]]))
+    return tokens / seconds
+
+
+def worker_rate(args: argparse.Namespace, runner: str, precision: str, shards: Path, tokenizer: Path) -> float:
+    """Tokens/s of the bare or hf runner, run in a fresh process (``--worker``)."""
+    command = [sys.executable, __file__, "--worker", runner, "--precision", precision, "--shards", str(shards),
+               "--tokenizer", str(tokenizer), "--work", str(args.work), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--d-model", str(args.d_model), "--layers", str(args.layers),
+               "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--ffn", str(args.ffn),
+               "--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq)]
+    if args.tie:
+        command.append("--tie")
+    done = subprocess.run(command, env=subprocess_env(args), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{runner} {precision}: the worker exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["tokens_per_s"]
+
+
+def run_config(args: argparse.Namespace, precision: str) -> RunConfig:
+    """The trainer's RunConfig (its zero stage and run dir do not matter to the bare and hf runners)."""
+    return load_config(CONFIG, overrides(args, precision, 0, args.work / "runs" / "unused", args.shards,
+                                         args.tokenizer))
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One bare or hf runner: ``--warmup`` steps, then ``--steps`` timed ones; prints one JSON line."""
+    from data_pipeline.tokenizer import load_tokenizer
+    from megatransformer.model import build_model
+    from megatransformer.training.batching import resolve_batch_sizes
+    from megatransformer.training.data import build_loader
+
+    precision = args.precision
+    cfg = run_config(args, precision)
+    torch.manual_seed(cfg.seed)  # the trainer's initial weights
+    model = build_model(cfg.model)
+    micro = resolve_batch_sizes(cfg.train, 1).micro
+    batches = iter(build_loader(cfg, "train", micro, 0, 1, load_tokenizer(cfg.data.tokenizer)))
+    if args.worker == "bare":
+        o = cfg.optim
+        adamw = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay, "fused": True}
+        step = bare_step(train_step.Runner("ours", model, precision, "cpu", False, adamw), batches, cfg)
+    else:
+        mode = "autocast" if precision == "bf16" else "fp32"
+        step = hf_step(train_step.hf_runner(cfg.model, model.state_dict(), mode, "cpu", False), batches)
+        del model
+    for _ in range(args.warmup):
+        step()
+    tokens, start = 0, time.perf_counter()
+    for _ in range(args.steps):
+        tokens += step()
+    seconds = time.perf_counter() - start
+    print(json.dumps({"runner": args.worker, "precision": precision, "tokens": tokens, "seconds": seconds,
+                      "tokens_per_s": tokens / seconds, "threads": torch.get_num_threads()}))
+    return 0
+
+
+def bare_step(runner: train_step.Runner, batches: Iterator[dict], cfg: RunConfig) -> Callable[[], int]:
+    """A step as the engine feeds the model: the loader's batch on the device, its masks built on the host once
+    (``TrainModule.to_device``), without DeepSpeed around the model. Returns the positions it trained on."""
+    from megatransformer.model.masks import batch_masks, to_device
+
+    device = torch.device(runner.device)
+
+    def step() -> int:
+        batch = next(batches)
+        moved = {k: to_device(v, device) for k, v in batch.items()}
+        masks = batch_masks(cfg.model.arch, batch).to(device, {id(batch[k]): moved[k] for k in batch})
+        input_ids, labels = moved.pop("input_ids"), moved.pop("labels")
+        runner.step(input_ids, labels, **moved, masks=masks)
+        return input_ids.numel()
+
+    return step
+
+
+def hf_step(runner: train_step.Runner, batches: Iterator[dict]) -> Callable[[], int]:
+    """A plain transformers loop's step: token ids and labels only (no document masks, positions 0..T-1)."""
+    def step() -> int:
+        batch = next(batches)
+        runner.step(batch["input_ids"], batch["labels"])
+        return batch["input_ids"].numel()
+
+    return step
+
+
+# ------------------------------------------------------------------------------------------ the rotation
+
+
+def run_rounds(args: argparse.Namespace, shards: Path, tokenizer: Path) -> dict[tuple[str, str], list[float]]:
+    """Tokens/s per round of every (precision, runner), in one rotation (reversed on odd rounds)."""
+    keys = [(p, r) for p in args.precision.split(",") for r in args.runners.split(",")]
+    rates: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
+    for round_ in range(args.rounds):
+        for precision, runner in keys if round_ % 2 == 0 else reversed(keys):
+            rate = trainer_rate if runner in TRAINERS else worker_rate
+            rates[(precision, runner)].append(rate(args, runner, precision, shards, tokenizer))
+        print(f"# round {round_ + 1}: " + ", ".join(f"{r} {p} {v[-1]:,.0f}" for (p, r), v in rates.items()),
+              flush=True)
+    return rates
+
+
+def table(rates: dict[tuple[str, str], list[float]]) -> str:
+    def ratio(key: tuple[str, str], other: tuple[str, str]) -> str:
+        if key == other or other not in rates or key[1] == "hf":
+            return "-"
+        per_round = [a / b for a, b in zip(rates[key], rates[other])]
+        return f"**{statistics.median(per_round):.3f}x**; {', '.join(f'{x:.2f}' for x in per_round)}"
+
+    lines = ["| precision | runner | tokens/s median (min-max) | vs bare (median; per round) "
+             "| vs hf (median; per round) |", "|---|---|---|---|---|"]
+    for (precision, runner), values in rates.items():
+        vs_bare = ratio((precision, runner), (precision, "bare")) if runner in TRAINERS else "-"
+        lines.append(f"| {precision} | {runner} | {statistics.median(values):,.0f} ({min(values):,.0f}-"
+                     f"{max(values):,.0f}) | {vs_bare} | {ratio((precision, runner), (precision, 'hf'))} |")
+    return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def header(args: argparse.Namespace, shards: Path) -> str:
+    versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("deepspeed", "transformers"))
+    threads = args.threads or torch.get_num_threads()
+    return (
+        f"# {datetime.date.today()} {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}, {versions};"
+        f" threads per runner: {threads}\n"
+        f"# {CONFIG} d{args.d_model} L{args.layers} H{args.heads} KV{args.kv_heads} FFN{args.ffn} V{args.vocab}"
+        f" tie={args.tie}, micro batch {args.batch} x {args.seq}, grad_accum 1, shards {shards};"
+        f" {args.rounds} rounds x {args.steps} steps (+{args.warmup} warm-up) per runner, each a fresh process\n"
+        f"# command: python {' '.join(sys.argv)}"
+    )
+
+
+# ------------------------------------------------------------------------------------------ the profile
+
+
+def profile_trainer(args: argparse.Namespace, shards: Path, tokenizer: Path) -> str:
+    """cProfile of the trainer's steps after the warm-up (in this process), per step, by part of the step."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from data_pipeline.loader import StreamingLoader
+    from megatransformer import cli
+    from megatransformer.model.transformer import DecoderLM
+    from megatransformer.training import engine
+    from megatransformer.training.loop import Trainer
+
+    precision = args.precision.split(",")[0]
+    run_dir = args.work / "runs" / f"profile-{args.profile_runner}-{precision}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    profiler, calls = cProfile.Profile(), 0
+    step, evaluate = engine.TrainModule.step, Trainer.evaluate
+
+    def profiled_step(self, *a, **kw):  # the profile starts with the first step after the warm-up ...
+        nonlocal calls
+        calls += 1
+        if calls == args.warmup + 1:
+            profiler.enable()
+        return step(self, *a, **kw)
+
+    def evaluate_unprofiled(self):  # ... and ends with the loop (the final evaluation follows it)
+        profiler.disable()
+        return evaluate(self)
+
+    argv = ["train", "--config", CONFIG, *overrides(args, precision, TRAINERS[args.profile_runner], run_dir, shards,
+                                                    tokenizer)]
+    log = run_dir.with_suffix(".log")
+    with mock.patch.object(engine.TrainModule, "step", profiled_step), \
+            mock.patch.object(Trainer, "evaluate", evaluate_unprofiled), \
+            log.open("w") as out, contextlib.redirect_stdout(out):
+        code = cli.main(argv)
+    if code != 0:
+        raise SystemExit(f"profile: megatransformer train exited {code}; its output: {log}")
+    shutil.rmtree(run_dir / "checkpoints")
+    stats = pstats.Stats(profiler)
+
+    def seconds(fn: Callable | None = None, file: str | None = None, name: str | None = None) -> float:
+        """Cumulative seconds of one function: by its code, or by file and name (DeepSpeed's NVTX decorator
+        hides the code of what it wraps); at most one profiled function may match (0 s: never called)."""
+        if fn is not None:
+            code = fn.__code__
+            file, name, line = code.co_filename, code.co_name, code.co_firstlineno
+        else:
+            line = None
+        found = [v[3] for (f, l, n), v in stats.stats.items() if (f, n) == (file, name) and line in (None, l)]
+        if len(found) > 1:
+            raise SystemExit(f"profile: {len(found)} functions {name} in {file}; name the one to count")
+        return found[0] if found else 0.0
+
+    ds_file = sys.modules[DeepSpeedEngine.__module__].__file__
+    step_total = seconds(step)
+    # (part, its seconds, of those: the model's forward / torch's autograd / torch's AdamW, as in the bare step)
+    parts: list[tuple[str, float, float | None]] = [
+        ("loader next()", seconds(StreamingLoader.__iter__), None),
+        ("to_device + masks (TrainModule.to_device)", seconds(engine.TrainModule.to_device), None),
+        ("forward (DeepSpeedEngine.forward)", seconds(file=ds_file, name="forward"), seconds(DecoderLM.forward)),
+        ("loss (token_loss_sum)", seconds(engine.token_loss_sum), None),
+        ("backward (DeepSpeedEngine.backward)", seconds(file=ds_file, name="backward"),
+         seconds(torch.autograd.backward)),
+        ("grad norm (unclipped_grad_norm; ZeRO-0 only)", seconds(engine.unclipped_grad_norm), None),
+        ("optimizer (DeepSpeedEngine.step)", seconds(file=ds_file, name="step"),
+         seconds(inspect.unwrap(torch.optim.AdamW.step))),
+    ]
+    parts.append(("rest of TrainModule.step (counts, statistics all-reduce, skip check)",
+                  step_total - sum(s for _, s, _ in parts), None))
+    parts.append(("loop outside TrainModule.step (progress, grad-norm read, metrics record)",
+                  stats.total_tt - step_total, None))
+    lines = [f"## where the trainer's time goes: cProfile of {args.profile_runner} {precision}, steps "
+             f"{args.warmup + 1}-{args.warmup + args.steps}, seconds per step",
+             "(of which torch: the model's forward, torch's autograd backward, torch's AdamW step: the work a bare "
+             "step does too; the rest of a part is the engine's)",
+             "| part | s/step | share | of which torch, s/step |", "|---|---|---|---|"]
+    for label, total, inner in parts:
+        torch_part = "-" if inner is None else f"{inner / args.steps:.4f}"
+        lines.append(f"| {label} | {total / args.steps:.4f} | {total / stats.total_tt:.1%} | {torch_part} |")
+    lines.append(f"| total (profiled) | {stats.total_tt / args.steps:.4f} | 100% | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    shards, tokenizer = prepare_data(args)
+    print(header(args, shards), flush=True)
+    if args.rounds:
+        print(table(run_rounds(args, shards, tokenizer)), flush=True)
+    if args.profile:
+        print(profile_trainer(args, shards, tokenizer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
