@@ -128,21 +128,20 @@ def test_deepspeed_config_from_run_config():
         deepspeed_config(run_config(parallel=dict(zero_stage=0, offload_optimizer=True)), BatchSizes(4, 1, 1), "cpu")
 
 
-@pytest.mark.parametrize("stage,dp,offload,runs", [
-    (0, 1, False, 0), (1, 1, False, 0), (2, 1, False, 0), (3, 1, False, 3),  # one rank: nothing to partition
-    (1, 2, False, 1), (2, 8, False, 2), (3, 2, False, 3),
-    (1, 1, True, 1), (2, 1, True, 2),  # offloading needs ZeRO, on one rank too
+@pytest.mark.parametrize("stage,dp,precision,offload,runs", [
+    (0, 1, "fp32", False, 0), (1, 1, "fp32", False, 0), (2, 1, "fp32", False, 0),  # one rank: nothing to partition
+    (3, 1, "fp32", False, 3), (1, 2, "fp32", False, 1), (2, 8, "fp32", False, 2), (3, 2, "fp32", False, 3),
+    (1, 1, "fp32", True, 1), (2, 1, "fp32", True, 2),  # offloading needs ZeRO, on one rank too
+    (1, 1, "bf16", False, 1), (2, 1, "fp16", False, 2),  # (DeepSpeed's ZeRO-0 bf16/fp16 wrapper syncs per parameter)
 ])
-def test_zero_1_and_2_on_one_data_parallel_rank_run_as_stage_0(stage, dp, offload, runs):
+def test_zero_1_and_2_on_one_data_parallel_rank_run_as_stage_0_in_fp32(stage, dp, precision, offload, runs):
     from megatransformer.training.batching import BatchSizes
     from megatransformer.training.engine import deepspeed_config, engine_zero_stage
 
-    cfg = run_config(parallel=dict(zero_stage=stage, offload_optimizer=offload))
-    assert engine_zero_stage(cfg.parallel, dp) == runs
+    cfg = run_config(parallel=dict(zero_stage=stage, offload_optimizer=offload), precision=precision)
+    assert engine_zero_stage(cfg.parallel, dp, precision) == runs
     assert deepspeed_config(cfg, BatchSizes(4, 1, dp), "cpu")["zero_optimization"]["stage"] == runs
     assert deepspeed_config(cfg, BatchSizes(4, 1, dp), "cpu", zero_stage=stage)["zero_optimization"]["stage"] == stage
-
-# ------------------------------------------------------------------------------------------------ loss
 
 
 def test_token_loss_ignores_padding_and_smooths_labels():

@@ -116,7 +116,7 @@ class ElasticResume:
     def describe(self, cfg: RunConfig, world_size: int) -> str:
         s, old, new = self.saved, self.saved_sizes, self.sizes
         was = _layout(old.dp, s.tensor_parallel, s.zero_stage)
-        now = _layout(new.dp, cfg.parallel.tensor_parallel, engine_zero_stage(cfg.parallel, new.dp))
+        now = _layout(new.dp, cfg.parallel.tensor_parallel, engine_zero_stage(cfg.parallel, new.dp, cfg.precision))
         line = (f"resuming step {s.step} written by {_ranks(s.world_size)} ({was}) on {_ranks(world_size)} ({now}): "
                 f"micro {new.micro} x accum {new.accum} (was micro {old.micro} x accum {old.accum})")
         if new.global_batch != old.global_batch:
@@ -152,7 +152,7 @@ def plan_resume(cfg: RunConfig, path: Path | None, world_size: int) -> ElasticRe
             f"train.global_batch_size={saved_sizes.global_batch} to continue exactly, or "
             "resume_elastic=allow_batch_change to continue with the new batch")
     if (saved.world_size, saved.tensor_parallel, saved.zero_stage) == \
-            (world_size, tp, engine_zero_stage(cfg.parallel, sizes.dp)):
+            (world_size, tp, engine_zero_stage(cfg.parallel, sizes.dp, cfg.precision)):
         return None
     if not (path / OPTIMIZER).is_file():
         raise ConfigError(

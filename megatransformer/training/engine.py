@@ -32,18 +32,21 @@ from megatransformer.training.distributed import Dist
 from megatransformer.training.optim import make_scheduler, param_groups
 
 
-def engine_zero_stage(parallel: ParallelConfig, dp_size: int) -> int:
-    """The ZeRO stage the engine runs: ``parallel.zero_stage``, except that stages 1 and 2 over a single
-    data-parallel rank run as stage 0.
+def engine_zero_stage(parallel: ParallelConfig, dp_size: int, precision: str) -> int:
+    """The ZeRO stage the engine runs: ``parallel.zero_stage``, except that an fp32 run's stage 1 or 2 over a
+    single data-parallel rank runs as stage 0.
 
     Partitioning optimizer states or gradients over one rank saves no memory (its one partition is all of
-    them), yet DeepSpeed's ZeRO-1/2 path still copies every gradient through its reduction buckets into
-    flat partitions: +8% (ZeRO-1) and +19% (ZeRO-2) per step at dp=1 on CPU (BENCHMARKS.md section 5c).
-    torchtitan likewise applies FSDP only when there is more than one shard. The updates are the same
-    (fp32 masters and Adam in both). Offloading needs a ZeRO stage and keeps it; ZeRO-3 is left as asked.
-    Checkpoints record this stage, so a resume on another data-parallel size goes through elastic resume.
+    them), yet DeepSpeed's ZeRO-1/2 path still copies every gradient through its reduction buckets into flat
+    partitions: 8-19% of a step at dp=1 on CPU (BENCHMARKS.md section 5c). torchtitan likewise applies FSDP
+    only when there is more than one shard. In fp32, ZeRO-0 is the torch optimizer itself, stepping the same
+    AdamW. Not in bf16 or fp16: there DeepSpeed's ZeRO-0 wrapper (FP16_UnfusedOptimizer) reads every
+    parameter's overflow flag and norm on the host, a GPU wait per parameter, where ZeRO's own step has a
+    constant few (tests/test_step_probes.py). Offloading needs a ZeRO stage and keeps it; ZeRO-3 is left as
+    asked. Checkpoints record the stage that ran, so a resume on another data-parallel size or stage goes
+    through elastic resume.
     """
-    if parallel.zero_stage in (1, 2) and dp_size == 1 and not parallel.offload_optimizer:
+    if parallel.zero_stage in (1, 2) and dp_size == 1 and precision == "fp32" and not parallel.offload_optimizer:
         return 0
     return parallel.zero_stage
 
@@ -68,7 +71,8 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
         "gradient_accumulation_steps": sizes.accum,
         "gradient_clipping": t.grad_clip,
         "steps_per_print": 1 << 30,
-        "zero_optimization": {"stage": engine_zero_stage(p, sizes.dp) if zero_stage is None else zero_stage},
+        "zero_optimization": {"stage": engine_zero_stage(p, sizes.dp, cfg.precision) if zero_stage is None
+                              else zero_stage},
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "optimizer": optimizer,
@@ -108,7 +112,8 @@ class TrainModule:
         if dist_info.world_size % tp:
             raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the world size {dist_info.world_size}")
         self.sizes = resolve_batch_sizes(cfg.train, dist_info.world_size // tp)
-        self.zero_stage = engine_zero_stage(cfg.parallel, self.sizes.dp) if zero_stage is None else zero_stage
+        self.zero_stage = zero_stage if zero_stage is not None else \
+            engine_zero_stage(cfg.parallel, self.sizes.dp, cfg.precision)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = build_model(cfg.model)
         if init_state is not None:
