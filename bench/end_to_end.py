@@ -17,11 +17,12 @@ the same shards, the same run config (``llama-style`` with the workload's overri
               engine), fed by our loader (``training.data.build_loader`` with the trainer's RunConfig, one rank)
               and attention masks built on the host once per batch (``masks.batch_masks``), as the engine does.
               No engine, no grad clipping, no logging. The loader's ``next()`` is inside the timed step.
-  hf          transformers' ``LlamaForCausalLM`` (SDPA) with the same initial weights, in a plain loop: bf16
-              autocast and torch's default AdamW (fp32 with ``--precision fp32``), fed by the same loader's
-              ``input_ids`` and ``labels`` only: packed rows of several documents with no document masks and
-              positions running across the row, as a ``run_clm``-style script that concatenates documents
-              trains. Loss: fp32 cross-entropy over the logits (our labels are shifted already).
+  hf          transformers' ``LlamaForCausalLM`` (``GPT2LMHeadModel`` with ``--family gpt2``; SDPA) with the
+              same initial weights, in a plain loop: bf16 autocast and torch's default AdamW (fp32 with
+              ``--precision fp32``), fed by the same loader's ``input_ids`` and ``labels`` only: packed rows of
+              several documents with no document masks and positions running across the row, as a
+              ``run_clm``-style script that concatenates documents trains. Loss: fp32 cross-entropy over the
+              logits (our labels are shifted already).
 
 Every runner runs in its own fresh process for every round (the same threads, fresh memory); rounds alternate
 over all (precision, runner) pairs with the order reversed on odd rounds, and a ratio is the median over rounds
@@ -37,6 +38,8 @@ Data: shards are prepared once in ``--work`` with the project's CLI (``data demo
 
     python bench/end_to_end.py                                  # bf16, the issue's llama-style workload
     python bench/end_to_end.py --precision bf16,fp32 --rounds 5 --steps 6 --profile
+    python bench/end_to_end.py --family gpt2 --d-model 256 --layers 4 --heads 8 --ffn 1024 --batch 8 \
+        --seq 256 --precision fp32                              # the issue's small GPT-2-style model
     python bench/end_to_end.py --d-model 64 --layers 2 --heads 2 --kv-heads 1 --ffn 128 --seq 64 --batch 2 \\
         --rounds 1 --steps 3                                    # a smoke run
 """
@@ -75,6 +78,12 @@ CONFIG = "llama-style"
 PRECISIONS = ("bf16", "fp32")
 RUNNERS = ("trainer-z0", "trainer-z1", "bare", "hf")
 TRAINERS = {"trainer-z0": 0, "trainer-z1": 1}  # runner -> parallel.zero_stage
+# the model family's overrides of the llama-style config (gpt2: the issue's small GPT-2-style model, whose
+# plain loop is transformers' GPT2LMHeadModel)
+FAMILIES = {
+    "llama": [],
+    "gpt2": ["model.norm=layernorm", "model.position=learned", "model.ffn=gelu", "model.bias=true"],
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     train_step.add_model_args(p)
     p.set_defaults(vocab=2048)
+    p.add_argument("--family", choices=tuple(FAMILIES), default="llama",
+                   help="llama: RMSNorm, RoPE, GQA, SwiGLU; gpt2: LayerNorm, learned positions, GELU, biases, "
+                        "tied embeddings, no GQA (the plain loop is GPT2LMHeadModel)")
     p.add_argument("--precision", default="bf16", help=f"comma list of {PRECISIONS}")
     p.add_argument("--runners", default=",".join(RUNNERS), help=f"comma list of {RUNNERS}")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (0: only --profile)")
@@ -101,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad = [x for x in getattr(args, name).split(",") if x not in allowed]
         if bad:
             p.error(f"--{name}: unknown {bad}; choose from {allowed}")
+    if args.family == "gpt2":
+        args.tie, args.kv_heads = True, args.heads  # (what GPT2LMHeadModel is)
     if (args.shards is None) != (args.tokenizer is None):
         p.error("--shards and --tokenizer go together (the tokenizer the shards were made with)")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 0:
@@ -156,7 +170,7 @@ def overrides(args: argparse.Namespace, precision: str, zero_stage: int, run_dir
         f"data.train={shards}", f"data.tokenizer={tokenizer}", f"data.seq_len={args.seq}", "data.streams=4",
         f"train.max_steps={steps}", f"train.micro_batch_size={args.batch}", "train.global_batch_size=null",
         "train.grad_accum=1", "train.log_every=1", "train.eval_every=0", f"checkpoint.every={steps}",
-        "wandb.mode=disabled",
+        "wandb.mode=disabled", *FAMILIES[args.family],
     ]
 
 
@@ -193,7 +207,8 @@ def worker_rate(args: argparse.Namespace, runner: str, precision: str, shards: P
     """Tokens/s of the bare or hf runner, run in a fresh process (``--worker``)."""
     command = [sys.executable, __file__, "--worker", runner, "--precision", precision, "--shards", str(shards),
                "--tokenizer", str(tokenizer), "--work", str(args.work), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--d-model", str(args.d_model), "--layers", str(args.layers),
+               "--warmup", str(args.warmup), "--family", args.family,
+               "--d-model", str(args.d_model), "--layers", str(args.layers),
                "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--ffn", str(args.ffn),
                "--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq)]
     if args.tie:
@@ -318,7 +333,8 @@ def header(args: argparse.Namespace, shards: Path) -> str:
     return (
         f"# {datetime.date.today()} {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}, {versions};"
         f" threads per runner: {threads}\n"
-        f"# {CONFIG} d{args.d_model} L{args.layers} H{args.heads} KV{args.kv_heads} FFN{args.ffn} V{args.vocab}"
+        f"# {CONFIG} ({args.family}) d{args.d_model} L{args.layers} H{args.heads} KV{args.kv_heads} FFN{args.ffn}"
+        f" V{args.vocab}"
         f" tie={args.tie}, micro batch {args.batch} x {args.seq}, grad_accum 1, shards {shards};"
         f" {args.rounds} rounds x {args.steps} steps (+{args.warmup} warm-up) per runner, each a fresh process\n"
         f"# command: python {' '.join(sys.argv)}"

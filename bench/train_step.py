@@ -45,7 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatransformer.config import ModelConfig  # noqa: E402
-from megatransformer.hf import llama_config, to_llama_state_dict  # noqa: E402
+from megatransformer.hf import hf_family  # noqa: E402
 from megatransformer.model import build_model  # noqa: E402
 
 MODES = ("fp32", "autocast", "bf16")
@@ -173,12 +173,15 @@ def build_runners(cfg: ModelConfig, mode: str, args: argparse.Namespace) -> dict
 
 
 def hf_runner(cfg: ModelConfig, state: dict[str, torch.Tensor], mode: str, device: str, compile_: bool) -> Runner:
-    """transformers' LlamaForCausalLM (SDPA attention) holding our weights ``state``, with torch's default AdamW."""
+    """The transformers model ``cfg`` maps onto (LlamaForCausalLM or GPT2LMHeadModel, SDPA attention) holding
+    our weights ``state``, with torch's default AdamW."""
     import transformers
 
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(cfg), attn_implementation="sdpa"))
-    missing, unexpected = hf.load_state_dict(to_llama_state_dict(state, cfg), strict=False)
-    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    family = hf_family(cfg)
+    config = transformers.AutoConfig.for_model(family.model_type, **family.config(cfg))
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    missing, unexpected = hf.load_state_dict(family.to_hf(state, cfg), strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set()), missing
     return Runner("hf", hf, mode, device, compile_)
 
 

@@ -35,7 +35,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     cfg = load_config(config, overrides)  # config errors surface before any process group exists
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.training import checkpoint as ckpt
-    from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, setup
+    from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, setup, teardown
     from megatransformer.training.loop import Preemption, Trainer, print_sample
     from megatransformer.training.metrics import quiet_engine
     from megatransformer.training.preflight import check_before_start
@@ -65,6 +65,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             print(f"init_from={cfg.init_from}: starting from its weights ({len(init_state)} tensors); optimizer, "
                   "learning-rate schedule and data order start fresh")
         code = trainer.run()
+        teardown()  # (every collective of the run is behind it)
     except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
         line = collective_failure(err, cfg.parallel.timeout_minutes)
         if line is None:

@@ -65,6 +65,17 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, f"cuda:{local_rank}" if cuda else "cpu")
 
 
+def teardown() -> None:
+    """Destroy the process group at the end of a run that finished. A rank that exits with the group's
+    threads still running can abort at interpreter shutdown ("terminate called without an active
+    exception", SIGABRT: seen once in a two-rank gloo run after its final checkpoint), turning a finished
+    run into a failed one; torchtitan ends the same way."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 _COMM_FILES = (f"torch{os.sep}distributed{os.sep}", f"deepspeed{os.sep}comm{os.sep}")
 _OWN_FILES = (f"megatransformer{os.sep}", f"data_pipeline{os.sep}")
 _PEER_GONE = re.compile(r"connection (closed|reset|refused)|broken pipe", re.IGNORECASE)
