@@ -282,9 +282,9 @@ class CheckpointConfig(Section):
 
 class ParallelConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 1
-    """DeepSpeed ZeRO stage. In fp32, stages 1 and 2 over a single data-parallel rank run as stage 0 (one
-    partition is everything: nothing to save, only DeepSpeed's bucket copies to pay), unless offload_optimizer
-    is set."""
+    """DeepSpeed ZeRO stage. Stages 1 and 2 over a single data-parallel rank run as stage 0 in fp32, and in any
+    precision on a CPU (one partition is everything: nothing to save, only DeepSpeed's bucket copies to pay),
+    unless offload_optimizer is set."""
     tensor_parallel: PositiveInt = 1
     """Tensor-parallel degree (DeepSpeed AutoTP); the other ranks form the data-parallel group."""
     offload_optimizer: bool = False

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.slow
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 OLD, NEW = "step_000002", "step_000004"
-# The files of a ZeRO-3 checkpoint of one rank: every kind there is. (ZeRO-3, because fp32 stages 1 and 2 on
-# one rank run as stage 0, whose optimizer states live in the model states file: engine.engine_zero_stage.)
+# The files of a ZeRO-3 checkpoint of one rank: every kind there is. (ZeRO-3, because stages 1 and 2 on one
+# CPU rank run as stage 0, whose optimizer states live in the model states file: engine.engine_zero_stage.)
 MODEL_STATES, OPTIM_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 FILES = (MODEL_STATES, OPTIM_STATES, "rank_00000.pt",
          "model.safetensors", "trainer.json", "config.yaml", "tokenizer.json", "optimizer.safetensors")

@@ -128,20 +128,37 @@ def test_deepspeed_config_from_run_config():
         deepspeed_config(run_config(parallel=dict(zero_stage=0, offload_optimizer=True)), BatchSizes(4, 1, 1), "cpu")
 
 
-@pytest.mark.parametrize("stage,dp,precision,offload,runs", [
-    (0, 1, "fp32", False, 0), (1, 1, "fp32", False, 0), (2, 1, "fp32", False, 0),  # one rank: nothing to partition
-    (3, 1, "fp32", False, 3), (1, 2, "fp32", False, 1), (2, 8, "fp32", False, 2), (3, 2, "fp32", False, 3),
-    (1, 1, "fp32", True, 1), (2, 1, "fp32", True, 2),  # offloading needs ZeRO, on one rank too
-    (1, 1, "bf16", False, 1), (2, 1, "fp16", False, 2),  # (DeepSpeed's ZeRO-0 bf16/fp16 wrapper syncs per parameter)
+@pytest.mark.parametrize("stage,dp,precision,device,offload,runs", [
+    (0, 1, "fp32", "cuda", False, 0), (1, 1, "fp32", "cuda", False, 0),  # one rank: nothing to partition
+    (2, 1, "fp32", "cuda", False, 0), (3, 1, "fp32", "cuda", False, 3), (1, 2, "fp32", "cuda", False, 1),
+    (2, 8, "fp32", "cpu", False, 2), (3, 2, "fp32", "cpu", False, 3),
+    (1, 1, "fp32", "cpu", True, 1), (2, 1, "fp32", "cuda", True, 2),  # offloading needs ZeRO, on one rank too
+    (1, 1, "bf16", "cuda", False, 1), (2, 1, "fp16", "cuda", False, 2),  # (a GPU wait per parameter at ZeRO-0)
+    (1, 1, "bf16", "cpu", False, 0), (2, 1, "bf16", "cpu", False, 0),  # (the same reads cost a CPU nothing)
 ])
-def test_zero_1_and_2_on_one_data_parallel_rank_run_as_stage_0_in_fp32(stage, dp, precision, offload, runs):
+def test_zero_1_and_2_on_one_data_parallel_rank_run_as_stage_0(stage, dp, precision, device, offload, runs):
     from megatransformer.training.batching import BatchSizes
     from megatransformer.training.engine import deepspeed_config, engine_zero_stage
 
     cfg = run_config(parallel=dict(zero_stage=stage, offload_optimizer=offload), precision=precision)
-    assert engine_zero_stage(cfg.parallel, dp, precision) == runs
-    assert deepspeed_config(cfg, BatchSizes(4, 1, dp), "cpu")["zero_optimization"]["stage"] == runs
-    assert deepspeed_config(cfg, BatchSizes(4, 1, dp), "cpu", zero_stage=stage)["zero_optimization"]["stage"] == stage
+    assert engine_zero_stage(cfg, dp, device) == runs
+    assert deepspeed_config(cfg, BatchSizes(4, 1, dp), f"{device}:0" if device == "cuda" else device)[
+        "zero_optimization"]["stage"] == runs
+    assert deepspeed_config(cfg, BatchSizes(4, 1, dp), device, zero_stage=stage)["zero_optimization"]["stage"] == stage
+
+
+def test_the_run_log_says_which_zero_stage_runs_and_warns_of_per_parameter_waits():
+    from megatransformer.training.engine import zero_stage_notes
+
+    one_rank = run_config(parallel=dict(zero_stage=2))
+    assert zero_stage_notes(one_rank, 2, "cpu") == []
+    [line] = zero_stage_notes(one_rank, 0, "cpu")
+    assert line.startswith("parallel.zero_stage=2 on one data-parallel rank: nothing to partition")
+    bf16_zero0 = run_config(parallel=dict(zero_stage=0), precision="bf16")
+    assert zero_stage_notes(bf16_zero0, 0, "cpu") == []  # (a CPU does not wait)
+    [warning] = zero_stage_notes(bf16_zero0, 0, "cuda")
+    assert warning.startswith("warning: precision=bf16 with parallel.zero_stage=0") and "zero_stage=1" in warning
+    assert zero_stage_notes(run_config(parallel=dict(zero_stage=0)), 0, "cuda") == []  # fp32: the torch optimizer
 
 
 def test_token_loss_ignores_padding_and_smooths_labels():

@@ -112,11 +112,12 @@ class ElasticResume:
     saved_sizes: BatchSizes
     sizes: BatchSizes
     weights: dict[str, torch.Tensor]  # the whole model's fp32 masters (the engine is built from them)
+    zero_stage: int  # the stage the new engine runs (engine.engine_zero_stage)
 
     def describe(self, cfg: RunConfig, world_size: int) -> str:
         s, old, new = self.saved, self.saved_sizes, self.sizes
         was = _layout(old.dp, s.tensor_parallel, s.zero_stage)
-        now = _layout(new.dp, cfg.parallel.tensor_parallel, engine_zero_stage(cfg.parallel, new.dp, cfg.precision))
+        now = _layout(new.dp, cfg.parallel.tensor_parallel, self.zero_stage)
         line = (f"resuming step {s.step} written by {_ranks(s.world_size)} ({was}) on {_ranks(world_size)} ({now}): "
                 f"micro {new.micro} x accum {new.accum} (was micro {old.micro} x accum {old.accum})")
         if new.global_batch != old.global_batch:
@@ -133,7 +134,7 @@ def _layout(dp: int, tp: int, zero: int) -> str:
     return f"dp{dp}, tp{tp}, zero{zero}"
 
 
-def plan_resume(cfg: RunConfig, path: Path | None, world_size: int) -> ElasticResume | None:
+def plan_resume(cfg: RunConfig, path: Path | None, world_size: int, device_type: str) -> ElasticResume | None:
     """For a resume from ``path``: refuse a changed global batch (unless allowed), and on another layout
     (world size, tensor_parallel or zero_stage than the checkpoint's) return what to load; None on the same
     layout (DeepSpeed's exact resume) or without a checkpoint. Before any engine is built."""
@@ -151,8 +152,8 @@ def plan_resume(cfg: RunConfig, path: Path | None, world_size: int) -> ElasticRe
             f"{sizes.global_batch} (micro {sizes.micro} x accum {sizes.accum} x dp {sizes.dp}); set "
             f"train.global_batch_size={saved_sizes.global_batch} to continue exactly, or "
             "resume_elastic=allow_batch_change to continue with the new batch")
-    if (saved.world_size, saved.tensor_parallel, saved.zero_stage) == \
-            (world_size, tp, engine_zero_stage(cfg.parallel, sizes.dp, cfg.precision)):
+    zero_stage = engine_zero_stage(cfg, sizes.dp, device_type)
+    if (saved.world_size, saved.tensor_parallel, saved.zero_stage) == (world_size, tp, zero_stage):
         return None
     if not (path / OPTIMIZER).is_file():
         raise ConfigError(
@@ -160,7 +161,7 @@ def plan_resume(cfg: RunConfig, path: Path | None, world_size: int) -> ElasticRe
             f"on its own layout: world size {saved.world_size}, parallel.tensor_parallel={saved.tensor_parallel}, "
             f"parallel.zero_stage={saved.zero_stage} (or start a new run from its weights with init_from=)")
     ckpt.check_same_shapes(saved_cfg.model, cfg.model, f"checkpoint {path}")
-    return ElasticResume(path, saved, saved_sizes, sizes, _load_safetensors(path, ckpt.WEIGHTS)[0])
+    return ElasticResume(path, saved, saved_sizes, sizes, _load_safetensors(path, ckpt.WEIGHTS)[0], zero_stage)
 
 
 def _load_safetensors(path: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -32,23 +32,38 @@ from megatransformer.training.distributed import Dist
 from megatransformer.training.optim import make_scheduler, param_groups
 
 
-def engine_zero_stage(parallel: ParallelConfig, dp_size: int, precision: str) -> int:
-    """The ZeRO stage the engine runs: ``parallel.zero_stage``, except that an fp32 run's stage 1 or 2 over a
-    single data-parallel rank runs as stage 0.
+def engine_zero_stage(cfg: RunConfig, dp_size: int, device_type: str) -> int:
+    """The ZeRO stage the engine runs: ``parallel.zero_stage``, except that stage 1 or 2 over a single
+    data-parallel rank runs as stage 0 in fp32, and in every precision on a CPU.
 
     Partitioning optimizer states or gradients over one rank saves no memory (its one partition is all of
     them), yet DeepSpeed's ZeRO-1/2 path still copies every gradient through its reduction buckets into flat
-    partitions: 8-19% of a step at dp=1 on CPU (BENCHMARKS.md section 5c). torchtitan likewise applies FSDP
-    only when there is more than one shard. In fp32, ZeRO-0 is the torch optimizer itself, stepping the same
-    AdamW. Not in bf16 or fp16: there DeepSpeed's ZeRO-0 wrapper (FP16_UnfusedOptimizer) reads every
-    parameter's overflow flag and norm on the host, a GPU wait per parameter, where ZeRO's own step has a
-    constant few (tests/test_step_probes.py). Offloading needs a ZeRO stage and keeps it; ZeRO-3 is left as
-    asked. Checkpoints record the stage that ran, so a resume on another data-parallel size or stage goes
-    through elastic resume.
+    partitions: 6-12% of a step at dp=1 on CPU (BENCHMARKS.md section 5c). torchtitan likewise applies FSDP
+    only when there is more than one shard. ZeRO-0 steps the same AdamW on the same fp32 masters. Not in bf16
+    or fp16 on a GPU: there DeepSpeed's ZeRO-0 wrapper (FP16_UnfusedOptimizer) reads every parameter's
+    overflow flag and norm on the host, a wait for the GPU per parameter, where ZeRO's own step waits a
+    constant few times (bench/gpu_check.py); on a CPU such a read costs nothing. Offloading needs a ZeRO stage
+    and keeps it; ZeRO-3 is left as asked. Checkpoints record the stage that ran, so a resume on another
+    data-parallel size, stage or device goes through elastic resume.
     """
-    if parallel.zero_stage in (1, 2) and dp_size == 1 and precision == "fp32" and not parallel.offload_optimizer:
+    p = cfg.parallel
+    free_reads = cfg.precision == "fp32" or device_type == "cpu"
+    if p.zero_stage in (1, 2) and dp_size == 1 and free_reads and not p.offload_optimizer:
         return 0
-    return parallel.zero_stage
+    return p.zero_stage
+
+
+def zero_stage_notes(cfg: RunConfig, engine_stage: int, device_type: str) -> list[str]:
+    """The run log's lines about the ZeRO stage the engine runs (``engine_stage``)."""
+    notes = []
+    if engine_stage != cfg.parallel.zero_stage:
+        notes.append(f"parallel.zero_stage={cfg.parallel.zero_stage} on one data-parallel rank: nothing to partition, "
+                     "so DeepSpeed runs without ZeRO (the same AdamW, without the bucket copies)")
+    if engine_stage == 0 and cfg.precision != "fp32" and device_type == "cuda":
+        notes.append(f"warning: precision={cfg.precision} with parallel.zero_stage=0 steps through DeepSpeed's unfused "
+                     f"{cfg.precision} optimizer, which waits for the GPU once per parameter in every step; "
+                     "parallel.zero_stage=1 waits a constant few times")
+    return notes
 
 
 def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage: int | None = None) -> dict[str, Any]:
@@ -71,8 +86,8 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
         "gradient_accumulation_steps": sizes.accum,
         "gradient_clipping": t.grad_clip,
         "steps_per_print": 1 << 30,
-        "zero_optimization": {"stage": engine_zero_stage(p, sizes.dp, cfg.precision) if zero_stage is None
-                              else zero_stage},
+        "zero_optimization": {"stage": engine_zero_stage(cfg, sizes.dp, torch.device(device).type)
+                              if zero_stage is None else zero_stage},
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "optimizer": optimizer,
@@ -113,7 +128,7 @@ class TrainModule:
             raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the world size {dist_info.world_size}")
         self.sizes = resolve_batch_sizes(cfg.train, dist_info.world_size // tp)
         self.zero_stage = zero_stage if zero_stage is not None else \
-            engine_zero_stage(cfg.parallel, self.sizes.dp, cfg.precision)
+            engine_zero_stage(cfg, self.sizes.dp, self.device.type)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = build_model(cfg.model)
         if init_state is not None:

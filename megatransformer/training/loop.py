@@ -20,7 +20,7 @@ from megatransformer.model.attention import describe_backend
 from megatransformer.training import checkpoint as ckpt
 from megatransformer.training import elastic
 from megatransformer.training.distributed import Dist
-from megatransformer.training.engine import TrainModule
+from megatransformer.training.engine import TrainModule, zero_stage_notes
 from megatransformer.training.metrics import Reporter, format_sample, peak_tflops, precision_dtype
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
@@ -47,7 +47,8 @@ class Trainer:
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         self.resume_path = ckpt.resolve_resume(cfg)
         # on another layout the engine is built from the checkpoint's weights (a changed batch refused here)
-        self.elastic = elastic.plan_resume(cfg, self.resume_path, dist_info.world_size)
+        self.elastic = elastic.plan_resume(cfg, self.resume_path, dist_info.world_size,
+                                           torch.device(dist_info.device).type)
         if self.elastic is not None:
             init_state = self.elastic.weights
         self.module = TrainModule(cfg, dist_info, init_state)
@@ -96,9 +97,8 @@ class Trainer:
             dtype = precision_dtype(cfg.precision)
             print(describe_backend(cfg.model.attention_backend, torch.device(self.dist.device).type, dtype,
                                    cfg.model.attention_dropout, cfg.model.head_dim))
-            if self.module.zero_stage != cfg.parallel.zero_stage:
-                print(f"parallel.zero_stage={cfg.parallel.zero_stage} on one data-parallel rank: nothing to "
-                      f"partition, so DeepSpeed runs without ZeRO (the same updates, without the bucket copies)")
+            for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
+                print(line)
         report = Reporter(cfg, self.dist.is_main, self.state.step)
         flops = model_size(cfg.model, cfg.data.seq_len).flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device) * 1e12 * self.dist.world_size
