@@ -9,6 +9,7 @@ Runs alternate (each runner once per round, the order reversed on odd rounds); t
 times and the median per-round ratios.
 
     python bench/engine_overhead.py --modes fp32,bf16 --rounds 5 --steps 3
+    python bench/engine_overhead.py --modes fp32,bf16 --zero 0,1,2   # ZeRO's cost on one rank
 """
 
 from __future__ import annotations
@@ -47,30 +48,35 @@ def host_batches(input_ids: torch.Tensor, labels: torch.Tensor):
 
 
 def main() -> int:
-    args = train_step.parse_args(sys.argv[1:])
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--zero", default="0", help="comma list of ZeRO stages to time the engine at (one rank)")
+    extra, rest = own.parse_known_args(sys.argv[1:])
+    args = train_step.parse_args(rest)
     from megatransformer.training.distributed import setup
     from megatransformer.training.engine import TrainModule
 
     dist_info = setup()
-    modes = args.modes.split(",")
+    modes, stages = args.modes.split(","), [int(z) for z in extra.zero.split(",")]
     print(f"# engine overhead: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, d{args.d_model} L{args.layers} H{args.heads} KV{args.kv_heads} "
           f"FFN{args.ffn} V{args.vocab}, batch {args.batch} x {args.seq}")
-    print("| mode | engine s/step | bare s/step | hf autocast s/step | engine / bare speed | engine vs hf |")
-    print("|---|---|---|---|---|---|")
+    print("| mode | runner | s/step (median) | speed vs bare | speed vs hf autocast |")
+    print("|---|---|---|---|---|")
     for mode in modes:
         cfg = run_config(args, mode)
         input_ids, labels = train_step.make_batch(cfg.model, args)
-        module = TrainModule(cfg, dist_info)
+        # (the stage forced, as probes do: on one rank the trainer itself runs ZeRO-1/2 as 0, engine_zero_stage)
+        modules = {f"engine-z{z}": TrainModule(cfg, dist_info, zero_stage=z) for z in stages}
         bare_model = train_step.build_model(cfg.model)
-        bare_model.load_state_dict({k: v.float() for k, v in module.engine.module.state_dict().items()})
+        first = next(iter(modules.values()))
+        bare_model.load_state_dict({k: v.float() for k, v in first.engine.module.state_dict().items()})
         bare = train_step.Runner("ours", bare_model, mode, args.device, False)
         hf_args = argparse.Namespace(**{**vars(args), "backends": "chunked"})
         hf = train_step.build_runners(cfg.model.model_copy(update={"attention_backend": "chunked"}), "autocast",
                                       hf_args)["hf"]
         batches = host_batches(input_ids, labels)
-        runners = {"engine": lambda: module.step(batches), "bare": lambda: bare.step(input_ids, labels),
-                   "hf": lambda: hf.step(input_ids, labels)}
+        runners = {name: (lambda m=module: m.step(batches)) for name, module in modules.items()}
+        runners |= {"bare": lambda: bare.step(input_ids, labels), "hf": lambda: hf.step(input_ids, labels)}
         for run in runners.values():
             for _ in range(args.warmup):
                 run()
@@ -83,8 +89,9 @@ def main() -> int:
                     runners[name]()
                     times[name].append(time.perf_counter() - start)
         med = {name: statistics.median(t) for name, t in times.items()}
-        print(f"| {mode} | {med['engine']:.3f} | {med['bare']:.3f} | {med['hf']:.3f} | "
-              f"{med['bare'] / med['engine']:.3f}x | {med['hf'] / med['engine']:.3f}x |", flush=True)
+        for name in runners:
+            print(f"| {mode} | {name} | {med[name]:.3f} | {med['bare'] / med[name]:.3f}x | "
+                  f"{med['hf'] / med[name]:.3f}x |", flush=True)
     return 0
 
 
