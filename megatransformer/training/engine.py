@@ -38,7 +38,7 @@ def engine_zero_stage(cfg: RunConfig, dp_size: int, device_type: str) -> int:
 
     Partitioning optimizer states or gradients over one rank saves no memory (its one partition is all of
     them), yet DeepSpeed's ZeRO-1/2 path still copies every gradient through its reduction buckets into flat
-    partitions: 6-12% of a step at dp=1 on CPU (BENCHMARKS.md section 5c). torchtitan likewise applies FSDP
+    partitions: 6-17% of a step at dp=1 on CPU (BENCHMARKS.md section 5c). torchtitan likewise applies FSDP
     only when there is more than one shard. ZeRO-0 steps the same AdamW on the same fp32 masters. Not in bf16
     or fp16 on a GPU: there DeepSpeed's ZeRO-0 wrapper (FP16_UnfusedOptimizer) reads every parameter's
     overflow flag and norm on the host, a wait for the GPU per parameter, where ZeRO's own step waits a
