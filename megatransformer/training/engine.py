@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
-from megatransformer.config import ConfigError, ParallelConfig, RunConfig
+from megatransformer.config import ConfigError, RunConfig
 from megatransformer.model import build_model, deepspeed_layer_specs
 from megatransformer.model.tp_plan import assign_head_offsets, partition_dim
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
