@@ -258,18 +258,16 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def bare_step(runner: train_step.Runner, batches: Iterator[dict], cfg: RunConfig) -> Callable[[], int]:
-    """A step as the engine feeds the model: the loader's batch on the device, its masks built on the host once
-    (``TrainModule.to_device``), without DeepSpeed around the model. Returns the positions it trained on."""
-    from megatransformer.model.masks import batch_masks, to_device
+    """A step as the engine feeds the model (``engine.batch_to_device``: the loader's batch on the device, its
+    masks built on the host once), without DeepSpeed around the model. Returns the positions it trained on."""
+    from megatransformer.training.engine import batch_to_device
 
     device = torch.device(runner.device)
 
     def step() -> int:
-        batch = next(batches)
-        moved = {k: to_device(v, device) for k, v in batch.items()}
-        masks = batch_masks(cfg.model.arch, batch).to(device, {id(batch[k]): moved[k] for k in batch})
-        input_ids, labels = moved.pop("input_ids"), moved.pop("labels")
-        runner.step(input_ids, labels, **moved, masks=masks)
+        inputs, labels, masks = batch_to_device(next(batches), device, cfg.model.arch)
+        input_ids = inputs.pop("input_ids")
+        runner.step(input_ids, labels, **inputs, masks=masks)
         return input_ids.numel()
 
     return step

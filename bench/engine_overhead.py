@@ -50,13 +50,12 @@ def host_batches(input_ids: torch.Tensor, labels: torch.Tensor):
 def main() -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--zero", default="0", help="comma list of ZeRO stages to time the engine at (one rank)")
-    extra, rest = own.parse_known_args(sys.argv[1:])
-    args = train_step.parse_args(rest)
+    args = train_step.parse_args(sys.argv[1:], parents=(own,))
     from megatransformer.training.distributed import setup
     from megatransformer.training.engine import TrainModule
 
     dist_info = setup()
-    modes, stages = args.modes.split(","), [int(z) for z in extra.zero.split(",")]
+    modes, stages = args.modes.split(","), [int(z) for z in args.zero.split(",")]
     print(f"# engine overhead: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, d{args.d_model} L{args.layers} H{args.heads} KV{args.kv_heads} "
           f"FFN{args.ffn} V{args.vocab}, batch {args.batch} x {args.seq}")

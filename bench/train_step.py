@@ -64,8 +64,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tie", action="store_true", help="tie embeddings (Llama default: untied)")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None,
+               parents: tuple[argparse.ArgumentParser, ...] = ()) -> argparse.Namespace:
+    """This bench's options, plus those of ``parents`` (a bench built on this one adds its own)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=list(parents))
     add_model_args(p)
     p.add_argument("--backends", default="sdpa,chunked",
                    help="our model.attention_backend(s), each timed side by side against HF")

@@ -208,16 +208,9 @@ class TrainModule:
                           stop > 0, lr)
 
     def to_device(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
-        """A loader batch as model inputs, labels and attention masks on the device.
-
-        The masks' metadata is computed here, from the host tensors, before the copies are queued; on CUDA the
-        copies come from pinned memory and do not wait.
-        """
-        moved = {k: to_device(v, self.device) for k, v in batch.items()}
-        masks = batch_masks(self.cfg.model.arch, batch, varlen=self.varlen)
-        masks = masks.to(self.device, {id(batch[k]): moved[k] for k in batch})  # (segments: copied once)
-        labels = moved.pop("labels")
-        return moved, labels, masks
+        """A loader batch as model inputs, labels and attention masks on the device (:func:`batch_to_device`;
+        on CUDA the copies come from pinned memory and do not wait)."""
+        return batch_to_device(batch, self.device, self.cfg.model.arch, self.varlen)
 
     def last_grad_norm(self) -> float | None:
         """The gradient norm before clipping of the last step (reads it from the device: log steps only)."""
@@ -252,6 +245,16 @@ class TrainModule:
         loss_sum, targets = (x / self.tp for x in sums.tolist())
         loss = loss_sum / max(targets, 1)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(targets)}
+
+
+def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device, arch: str, varlen: bool = False
+                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
+    """A loader batch as model inputs, labels and attention masks on ``device``: the masks' metadata built
+    from the host tensors, each tensor copied once (a segment tensor the masks share with the inputs too)."""
+    moved = {k: to_device(v, device) for k, v in batch.items()}
+    masks = batch_masks(arch, batch, varlen=varlen).to(device, {id(batch[k]): moved[k] for k in batch})
+    labels = moved.pop("labels")
+    return moved, labels, masks
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
