@@ -1,7 +1,7 @@
 """The trainer end to end, side by side with the bare model step and a plain transformers loop.
 
 Issue 12's measure: ``megatransformer train`` end to end against the bare model step of the same config (target
->= 0.95x, fp32 and bf16) and against a plain transformers bf16-autocast loop (target >= 1.25x). Four runners, on
+>= 0.95x, fp32 and bf16) and against a plain transformers bf16-autocast loop (target >= 1.25x). The runners, on
 the same shards, the same run config (``llama-style`` with the workload's overrides) and the same batches:
 
   trainer-z0  the real ``megatransformer train`` command (a subprocess, ``DS_ACCELERATOR=cpu``) with
@@ -11,18 +11,24 @@ the same shards, the same run config (``llama-style`` with the workload's overri
               as the loop runs it: the loader's ``next()``, the engine step, progress line and metrics record.
               The start-up (DeepSpeed init, loader start), the final evaluation, checkpoint, sample and plot
               lie outside the windows and are not counted.
-  trainer-z1  the same with ``parallel.zero_stage=1`` (what the shipped llama-style config runs).
+  trainer-z1  the same with ``parallel.zero_stage=1`` (what the shipped llama-style config runs; over one CPU
+              rank the trainer runs it as ZeRO-0).
+  trainer-release  trainer-z0 with ``train.host_memory=release``: glibc's malloc defaults, as before that
+              setting existed (``megatransformer.training.host_memory``).
   bare        our model alone in ``bench/train_step.py``'s Runner, in the run's precision (bf16: bf16 weights
               with fp32 masters, as DeepSpeed), with the run's AdamW settings and torch's fused AdamW (as the
               engine), fed by our loader (``training.data.build_loader`` with the trainer's RunConfig, one rank)
               and attention masks built on the host once per batch (``masks.batch_masks``), as the engine does.
-              No engine, no grad clipping, no logging. The loader's ``next()`` is inside the timed step.
+              No engine, no grad clipping, no logging. The loader's ``next()`` is inside the timed step. Its
+              process keeps freed host memory as the trainer's does (``train.host_memory=keep``).
   hf          transformers' ``LlamaForCausalLM`` (``GPT2LMHeadModel`` with ``--family gpt2``; SDPA) with the
               same initial weights, in a plain loop: bf16 autocast and torch's default AdamW (fp32 with
               ``--precision fp32``), fed by the same loader's ``input_ids`` and ``labels`` only: packed rows of
               several documents with no document masks and positions running across the row, as a
               ``run_clm``-style script that concatenates documents trains. Loss: fp32 cross-entropy over the
-              logits (our labels are shifted already).
+              logits (our labels are shifted already). The C library's malloc defaults, as a plain script has.
+  hf-keep     hf in a process that keeps freed host memory as the trainer's does: the same model-to-model
+              comparison without the allocator's part.
 
 Every runner runs in its own fresh process for every round (the same threads, fresh memory); rounds alternate
 over all (precision, runner) pairs with the order reversed on odd rounds, and a ratio is the median over rounds
@@ -76,8 +82,10 @@ from megatransformer.config import RunConfig, load_config  # noqa: E402
 
 CONFIG = "llama-style"
 PRECISIONS = ("bf16", "fp32")
-RUNNERS = ("trainer-z0", "trainer-z1", "bare", "hf")
-TRAINERS = {"trainer-z0": 0, "trainer-z1": 1}  # runner -> parallel.zero_stage
+TRAINERS = {"trainer-z0": (0, "keep"), "trainer-z1": (1, "keep"), "trainer-release": (0, "release")}
+WORKERS = {"bare": "keep", "hf": "release", "hf-keep": "keep"}  # runner -> host memory policy of its process
+RUNNERS = (*TRAINERS, *WORKERS)
+DEFAULT_RUNNERS = ("trainer-z0", "trainer-release", "bare", "hf", "hf-keep")
 # the model family's overrides of the llama-style config (gpt2: the issue's small GPT-2-style model, whose
 # plain loop is transformers' GPT2LMHeadModel)
 FAMILIES = {
@@ -96,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="llama: RMSNorm, RoPE, GQA, SwiGLU; gpt2: LayerNorm, learned positions, GELU, biases, "
                         "tied embeddings, no GQA (the plain loop is GPT2LMHeadModel)")
     p.add_argument("--precision", default="bf16", help=f"comma list of {PRECISIONS}")
-    p.add_argument("--runners", default=",".join(RUNNERS), help=f"comma list of {RUNNERS}")
+    p.add_argument("--runners", default=",".join(DEFAULT_RUNNERS), help=f"comma list of {RUNNERS}")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (0: only --profile)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per runner and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them, in every process")
@@ -107,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="then cProfile one trainer run: where its time goes")
     p.add_argument("--profile-runner", choices=tuple(TRAINERS), default="trainer-z1",
                    help="the trainer --profile runs (in the first --precision)")
-    p.add_argument("--worker", choices=("bare", "hf"), help=argparse.SUPPRESS)  # one runner, one JSON line
+    p.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)  # one runner, one JSON line
     args = p.parse_args(argv)
     for name, allowed in (("precision", PRECISIONS), ("runners", RUNNERS)):
         bad = [x for x in getattr(args, name).split(",") if x not in allowed]
@@ -159,11 +167,12 @@ def prepare_data(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def overrides(args: argparse.Namespace, precision: str, zero_stage: int, run_dir: Path, shards: Path,
-              tokenizer: Path) -> list[str]:
+              tokenizer: Path, host_memory: str = "keep") -> list[str]:
     """The trainer's command-line overrides of the llama-style config: the workload, one log line per step."""
     steps = args.warmup + args.steps
     return [
         f"run_dir={run_dir}", f"precision={precision}", f"parallel.zero_stage={zero_stage}",
+        f"train.host_memory={host_memory}",
         f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
         f"model.n_kv_heads={args.kv_heads}", f"model.d_ff={args.ffn}", f"model.vocab_size={args.vocab}",
         f"model.max_seq_len={args.seq}", f"model.tie_embeddings={str(args.tie).lower()}",
@@ -183,7 +192,8 @@ def trainer_rate(args: argparse.Namespace, runner: str, precision: str, shards: 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     command = megatransformer_command("train", "--config", CONFIG,
-                                      *overrides(args, precision, TRAINERS[runner], run_dir, shards, tokenizer))
+                                      *overrides(args, precision, *TRAINERS[runner][:1], run_dir, shards, tokenizer,
+                                                 TRAINERS[runner][1]))
     log = run_dir.with_suffix(".log")
     with log.open("w") as out:
         code = subprocess.run(command, env=subprocess_env(args), stdout=out, stderr=subprocess.STDOUT).returncode
@@ -204,7 +214,7 @@ def trainer_rate(args: argparse.Namespace, runner: str, precision: str, shards: 
 
 
 def worker_rate(args: argparse.Namespace, runner: str, precision: str, shards: Path, tokenizer: Path) -> float:
-    """Tokens/s of the bare or hf runner, run in a fresh process (``--worker``)."""
+    """Tokens/s of the bare or an hf runner, run in a fresh process (``--worker``)."""
     command = [sys.executable, __file__, "--worker", runner, "--precision", precision, "--shards", str(shards),
                "--tokenizer", str(tokenizer), "--work", str(args.work), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--family", args.family,
@@ -228,10 +238,12 @@ def run_config(args: argparse.Namespace, precision: str) -> RunConfig:
 def worker(args: argparse.Namespace) -> int:
     """One bare or hf runner: ``--warmup`` steps, then ``--steps`` timed ones; prints one JSON line."""
     from data_pipeline.tokenizer import load_tokenizer
+    from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.model import build_model
     from megatransformer.training.batching import resolve_batch_sizes
     from megatransformer.training.data import build_loader
 
+    apply_host_memory_policy(WORKERS[args.worker])
     precision = args.precision
     cfg = run_config(args, precision)
     torch.manual_seed(cfg.seed)  # the trainer's initial weights
@@ -300,18 +312,20 @@ def run_rounds(args: argparse.Namespace, shards: Path, tokenizer: Path) -> dict[
 
 
 def table(rates: dict[tuple[str, str], list[float]]) -> str:
+    """One row per (precision, runner): tokens/s and its ratio to bare (trainers), hf and hf-keep."""
     def ratio(key: tuple[str, str], other: tuple[str, str]) -> str:
-        if key == other or other not in rates or key[1] == "hf":
+        if key == other or other not in rates or key[1] in WORKERS and key[1] != "bare":
             return "-"
         per_round = [a / b for a, b in zip(rates[key], rates[other])]
         return f"**{statistics.median(per_round):.3f}x**; {', '.join(f'{x:.2f}' for x in per_round)}"
 
     lines = ["| precision | runner | tokens/s median (min-max) | vs bare (median; per round) "
-             "| vs hf (median; per round) |", "|---|---|---|---|---|"]
+             "| vs hf | vs hf-keep |", "|---|---|---|---|---|---|"]
     for (precision, runner), values in rates.items():
         vs_bare = ratio((precision, runner), (precision, "bare")) if runner in TRAINERS else "-"
         lines.append(f"| {precision} | {runner} | {statistics.median(values):,.0f} ({min(values):,.0f}-"
-                     f"{max(values):,.0f}) | {vs_bare} | {ratio((precision, runner), (precision, 'hf'))} |")
+                     f"{max(values):,.0f}) | {vs_bare} | {ratio((precision, runner), (precision, 'hf'))} "
+                     f"| {ratio((precision, runner), (precision, 'hf-keep'))} |")
     return "\n".join(lines)
 
 
@@ -373,8 +387,9 @@ def profile_trainer(args: argparse.Namespace, shards: Path, tokenizer: Path) -> 
         profiler.disable()
         return evaluate(self)
 
-    argv = ["train", "--config", CONFIG, *overrides(args, precision, TRAINERS[args.profile_runner], run_dir, shards,
-                                                    tokenizer)]
+    zero_stage, host_memory = TRAINERS[args.profile_runner]
+    argv = ["train", "--config", CONFIG, *overrides(args, precision, zero_stage, run_dir, shards, tokenizer,
+                                                    host_memory)]
     log = run_dir.with_suffix(".log")
     with mock.patch.object(engine.TrainModule, "step", profiled_step), \
             mock.patch.object(Trainer, "evaluate", evaluate_unprofiled), \

@@ -238,6 +238,11 @@ class TrainConfig(Section):
     data-parallel ranks (the numbers do not depend on the number of ranks)."""
     compile: bool = False
     """torch.compile the model."""
+    host_memory: Literal["keep", "release"] = "keep"
+    """keep: host memory the process frees stays with it for the next step (glibc malloc maps no large
+    blocks afresh and does not trim its heap), as PyTorch's caching allocator keeps GPU memory; a CPU step
+    of a small model spent ~15% of its time in page faults without it (BENCHMARKS.md 5e). The process then
+    holds its peak host memory. release: the C library's defaults, memory goes back to the system."""
     max_bad_steps: Annotated[int, Field(ge=1)] = 5
     """Consecutive non-finite losses after which the run checkpoints and stops."""
     peak_tflops: PositiveFloat | None = None

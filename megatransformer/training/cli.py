@@ -36,6 +36,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.training import checkpoint as ckpt
     from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, setup, teardown
+    from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer, print_sample
     from megatransformer.training.metrics import quiet_engine
     from megatransformer.training.preflight import check_before_start
@@ -56,11 +57,14 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
                           "resume=auto to continue that run, or choose a new run_dir")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_before_start(cfg, tokenizer)  # device and files: seconds, not after DeepSpeed's start-up
+    host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
     init_state = ckpt.load_weights(cfg.init_from, cfg.model)[1] if cfg.init_from else None
     try:
         with quiet_engine(verbose):
             dist_info = setup(cfg.parallel.timeout_minutes)
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
+        if dist_info.is_main:
+            print(host_memory)
         if init_state is not None and dist_info.is_main:
             print(f"init_from={cfg.init_from}: starting from its weights ({len(init_state)} tensors); optimizer, "
                   "learning-rate schedule and data order start fresh")

@@ -1,0 +1,46 @@
+"""The training process's host memory policy: memory it frees stays with it for the next step.
+
+Under glibc's defaults, malloc serves every block above its mmap threshold (128 KiB at first, raised to at
+most 32 MiB as such blocks are freed) with fresh pages from the kernel, returns them on free, and trims the
+free top of its heap. A training step allocates and frees the same tensors every step, so every step pays a
+page fault per 4 KiB of many of them: ~100,000 faults and ~15% of a bf16 CPU step of a 26M-parameter
+model (BENCHMARKS.md, section 5e). On a GPU, PyTorch's caching allocator keeps device memory for reuse;
+PyTorch's CPU launcher (``torch.backends.xeon.run_cpu``) gets the same on the host by preloading jemalloc
+or tcmalloc. Two ``mallopt`` calls give it without a preload: no mmap for large blocks (they come from the
+heap, which grows once to the step's peak) and no trimming. The price: the process keeps its peak host
+memory until it exits, as it would with a caching allocator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+POLICIES = ("keep", "release")
+
+# mallopt's parameters (glibc's malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+INT_MAX = 2**31 - 1
+
+
+def apply_host_memory_policy(policy: str) -> str:
+    """Apply ``train.host_memory`` to this process (and the loader workers it starts); returns the run log's line.
+
+    ``keep``: large blocks come from the heap, never from mmap, and the heap is trimmed only when more than
+    2 GiB lie free at its top. ``release``: glibc's defaults, untouched. Other C libraries: nothing changes
+    (the line says so).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"host memory policy {policy!r}: choose from {POLICIES}")
+    if policy == "release":
+        return "host memory: release (the C library's defaults)"
+    libc_name, _ = platform.libc_ver()
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if libc_name == "glibc" else None
+    if mallopt is None:
+        return f"host memory: keep has no effect with {libc_name or 'this C library'} (glibc only); its defaults apply"
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    # mallopt answers 1 on success; setting either parameter also fixes glibc's moving mmap threshold
+    if not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, INT_MAX)):
+        return "host memory: keep was refused by glibc's mallopt; its defaults apply"
+    return "host memory: keep (glibc malloc: large blocks from the heap, no trimming; the process holds its peak)"
