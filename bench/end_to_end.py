@@ -31,8 +31,8 @@ the same shards, the same run config (``llama-style`` with the workload's overri
               comparison without the allocator's part.
 
 Every runner runs in its own fresh process for every round (the same threads, fresh memory); rounds alternate
-over all (precision, runner) pairs with the order reversed on odd rounds, and a ratio is the median over rounds
-of the per-round ratio (BENCHMARKS.md section 1).
+over all (precision, runner) pairs with the order reversed on odd rounds, after one untimed process, and a ratio
+is the median over rounds of the per-round ratio (BENCHMARKS.md section 1).
 
 ``--profile`` also runs the trainer once in this process under cProfile (``megatransformer.cli.main``) and
 breaks the time of the steps after the warm-up down into the loader's ``next()``, host-to-device copies and
@@ -302,6 +302,11 @@ def run_rounds(args: argparse.Namespace, shards: Path, tokenizer: Path) -> dict[
     """Tokens/s per round of every (precision, runner), in one rotation (reversed on odd rounds)."""
     keys = [(p, r) for p in args.precision.split(",") for r in args.runners.split(",")]
     rates: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
+    # The first process after a pause ran 20-40% slow in two runs here (whichever runner it was): one
+    # untimed process first.
+    precision, runner = keys[0]
+    rate = (trainer_rate if runner in TRAINERS else worker_rate)(args, runner, precision, shards, tokenizer)
+    print(f"# untimed warm-up process: {runner} {precision} {rate:,.0f}", flush=True)
     for round_ in range(args.rounds):
         for precision, runner in keys if round_ % 2 == 0 else reversed(keys):
             rate = trainer_rate if runner in TRAINERS else worker_rate

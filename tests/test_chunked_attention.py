@@ -52,6 +52,26 @@ def test_values_and_gradients_match_eager_reference(mask_name, chunk, kv_heads):
         assert torch.allclose(a, b, atol=2e-6), (name, (a - b).abs().max())
 
 
+def test_rendered_chunks_are_shared_by_layers_up_to_the_limit(monkeypatch):
+    """Every layer gets the same chunk masks from one mask (rendered once); beyond the limit they are rendered
+    per call and not kept."""
+    mask = MASKS["packed_causal"]()
+    q, k, v = qkv(4, 2)
+    first = values_and_grads(chunked_core, q, k, v, mask, chunk=5)
+    kept = dict(mask._rendered)
+    assert len(kept) == 4  # (19 queries in chunks of 5)
+    for (q_len, kv_len, start, end, _), blocked in kept.items():
+        assert torch.equal(blocked, ~mask.dense(q_len, kv_len, torch.device("cpu"), start, end))
+    second = values_and_grads(chunked_core, q, k, v, mask, chunk=5)  # another layer
+    assert all(a is b for a, b in zip(kept.values(), mask._rendered.values()))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+    monkeypatch.setattr("megatransformer.model.masks.RENDERED_LIMIT", 2 * 19 * 10)  # two chunks' worth
+    small = MASKS["packed_causal"]()
+    values_and_grads(chunked_core, q, k, v, small, chunk=5)
+    assert sum(t.numel() for t in small._rendered.values()) <= 2 * 19 * 10 and len(small._rendered) < 4
+
+
 def test_cached_prefill_and_cross_attention_match_eager():
     q, k, v = qkv(heads=4, kv_heads=2, q_len=6, kv_len=15)
     cached = self_attention_mask(True, q_offset=9)  # 6 new queries after 9 cached positions

@@ -59,6 +59,7 @@ BAD_VALUES = [
     ("train.eval_every=-1", "train.eval_every=-1 must be >= 0"),  # used to evaluate every step
     ("train.eval_batches=0", "train.eval_batches=0"),
     ("train.max_bad_steps=0", "train.max_bad_steps=0 must be >= 1"),  # used to stop after one good step
+    ("train.host_memory=cache", "'train.host_memory': Input should be 'keep' or 'release' (got 'cache')"),
     ("train.peak_tflops=-3", "train.peak_tflops=-3"),
     # optim
     ("optim.lr=-1", "optim.lr=-1 must be > 0"),

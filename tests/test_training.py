@@ -54,8 +54,10 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def test_single_process_run_directory(tiny_data, tmp_path):
     run = tmp_path / "run"
-    train(base_overrides(tiny_data, run, steps=12) + ["wandb.mode=offline", "train.eval_every=6", "checkpoint.keep=2"],
-          env={"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"})
+    result = train(base_overrides(tiny_data, run, steps=12) + ["wandb.mode=offline", "train.eval_every=6",
+                                                               "checkpoint.keep=2"],
+                   env={"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"})
+    assert "host memory: keep" in result.stdout  # (train.host_memory's default, said in the run log)
     records = metrics(run)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))

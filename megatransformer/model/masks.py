@@ -35,6 +35,9 @@ import torch
 from megatransformer.batch import PAD_SEGMENT
 
 
+RENDERED_LIMIT = 2**26  # booleans (64 MiB) of rendered chunk masks one AttentionMask keeps for its layers
+
+
 @dataclass(frozen=True)
 class VarlenProblem:
     """One call of flash-attn's ``flash_attn_varlen_func`` over the flattened batch.
@@ -122,6 +125,24 @@ class AttentionMask:
             k_seg = self.kv_segments[:, :kv_len].unsqueeze(1)
             allowed = allowed & ((q_seg == k_seg) | (q_seg == PAD_SEGMENT))
         return allowed.unsqueeze(1)
+
+    def blocked(self, q_len: int, kv_len: int, device: torch.device, q_start: int, q_end: int) -> torch.Tensor:
+        """``~dense(...)`` of query rows q_start:q_end, [B or 1, 1, rows, kv_len]: True where attention is not
+        allowed. Rendered once per mask and kept (up to RENDERED_LIMIT elements in all): the mask is built once
+        per batch and handed to every layer, whose chunked core asks for the same chunks in forward and
+        backward (16 renders of each with 8 layers)."""
+        key = (q_len, kv_len, q_start, q_end, str(device))
+        rendered = self._rendered
+        if key in rendered:
+            return rendered[key]
+        blocked = ~self.dense(q_len, kv_len, device, q_start, q_end)
+        if sum(t.numel() for t in rendered.values()) + blocked.numel() <= RENDERED_LIMIT:
+            rendered[key] = blocked
+        return blocked
+
+    @functools.cached_property
+    def _rendered(self) -> dict[tuple, torch.Tensor]:
+        return {}
 
     def prefix_ends(self, q_len: int, q_start: int = 0, q_end: int | None = None) -> torch.Tensor:
         """Where the bidirectional prefix ends for query rows q_start:q_end: [B, rows] or [B, 1]."""
