@@ -191,9 +191,9 @@ def trainer_rate(args: argparse.Namespace, runner: str, precision: str, shards: 
     run_dir = args.work / "runs" / f"{runner}-{precision}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    command = megatransformer_command("train", "--config", CONFIG,
-                                      *overrides(args, precision, *TRAINERS[runner][:1], run_dir, shards, tokenizer,
-                                                 TRAINERS[runner][1]))
+    zero_stage, host_memory = TRAINERS[runner]
+    command = megatransformer_command("train", "--config", CONFIG, *overrides(args, precision, zero_stage, run_dir,
+                                                                              shards, tokenizer, host_memory))
     log = run_dir.with_suffix(".log")
     with log.open("w") as out:
         code = subprocess.run(command, env=subprocess_env(args), stdout=out, stderr=subprocess.STDOUT).returncode
@@ -238,10 +238,10 @@ def run_config(args: argparse.Namespace, precision: str) -> RunConfig:
 def worker(args: argparse.Namespace) -> int:
     """One bare or hf runner: ``--warmup`` steps, then ``--steps`` timed ones; prints one JSON line."""
     from data_pipeline.tokenizer import load_tokenizer
-    from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.model import build_model
     from megatransformer.training.batching import resolve_batch_sizes
     from megatransformer.training.data import build_loader
+    from megatransformer.training.host_memory import apply_host_memory_policy
 
     apply_host_memory_policy(WORKERS[args.worker])
     precision = args.precision
