@@ -4,8 +4,10 @@ changes the process's allocator for good)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import platform
+import statistics
 import subprocess
 import sys
 
@@ -14,22 +16,20 @@ import pytest
 from megatransformer.training.host_memory import apply_host_memory_policy
 
 # A step's pattern: tensors of many sizes from 256 KiB to 64 MiB written, then freed, again and again.
-# Prints the line of the policy and the minor page faults of five repeats after four.
+# Prints the line of the policy and the minor page faults of each of fifteen steps.
 PROBE = """
 import json, resource, sys
 import torch
 from megatransformer.training.host_memory import apply_host_memory_policy
 line = apply_host_memory_policy(sys.argv[1])
 sizes = [2**k for k in range(16, 25)]  # float32 elements: 256 KiB ... 64 MiB
-def step():
+faults = []
+for _ in range(15):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     tensors = [torch.ones(n) for n in sizes]
     del tensors
-for _ in range(4):  # the heap grows to the step's peak, in a few steps around what stays allocated
-    step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
-    step()
-print(json.dumps({"line": line, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"line": line, "faults": faults}))
 """
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the keep policy acts on glibc's malloc only")
@@ -43,9 +43,11 @@ def faults(policy: str) -> dict:
 @glibc
 def test_keep_stops_page_faults_of_repeated_steps() -> None:
     kept, released = faults("keep"), faults("release")
-    touched_pages = 5 * sum(4 * 2**k for k in range(16, 25)) // 4096  # pages the five repeats write
-    assert released["faults"] > touched_pages // 4, released  # glibc hands large blocks back and faults again
-    assert kept["faults"] < touched_pages // 100, kept  # the heap keeps them
+    step_pages = sum(4 * 2**k for k in range(16, 25)) // 4096  # pages one step writes
+    # (medians over the steps: with keep the heap still grows now and then in the first steps, around the
+    # interpreter's own allocations, wherever they happen to lie)
+    assert statistics.median(released["faults"]) > step_pages // 4, released  # handed back, faulted in again
+    assert statistics.median(kept["faults"]) < step_pages // 100, kept  # the heap keeps them
     assert kept["line"].startswith("host memory: keep (glibc malloc"), kept
     assert released["line"] == "host memory: release (the C library's defaults)"
 
@@ -54,6 +56,16 @@ def test_other_c_libraries_are_told_not_changed(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))
     assert apply_host_memory_policy("keep") == (
         "host memory: keep has no effect with this C library (glibc only); its defaults apply")
+
+
+def test_a_refused_mallopt_is_said_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Libc:  # glibc whose mallopt answers 0 (refused) to every call
+        def __init__(self) -> None:
+            self.mallopt = lambda parameter, value: 0
+
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    assert apply_host_memory_policy("keep") == "host memory: keep was refused by glibc's mallopt; its defaults apply"
 
 
 def test_unknown_policy_is_refused() -> None:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import platform
+import typing
 
-POLICIES = ("keep", "release")
+from megatransformer.config import TrainConfig
+
+POLICIES = typing.get_args(TrainConfig.model_fields["host_memory"].annotation)  # ("keep", "release")
 
 # mallopt's parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
