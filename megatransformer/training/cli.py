@@ -39,7 +39,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer, print_sample
     from megatransformer.training.metrics import quiet_engine
-    from megatransformer.training.preflight import check_before_start
+    from megatransformer.training.preflight import check_before_start, stale_build_locks
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
@@ -57,6 +57,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
                           "resume=auto to continue that run, or choose a new run_dir")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_before_start(cfg, tokenizer)  # device and files: seconds, not after DeepSpeed's start-up
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # (one line per node: the build directory is per node)
+        for line in stale_build_locks():
+            print(line, file=sys.stderr, flush=True)
     host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
     init_state = ckpt.load_weights(cfg.init_from, cfg.model)[1] if cfg.init_from else None
     try:
