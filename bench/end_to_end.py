@@ -36,7 +36,7 @@ is the median over rounds of the per-round ratio (BENCHMARKS.md section 1).
 
 ``--profile`` also runs the trainer once in this process under cProfile (``megatransformer.cli.main``) and
 breaks the time of the steps after the warm-up down into the loader's ``next()``, host-to-device copies and
-masks, forward, loss, DeepSpeed's ``backward``, the gradient norm, DeepSpeed's ``step`` and the rest: where
+masks, forward with the loss, DeepSpeed's ``backward``, the gradient norm, DeepSpeed's ``step`` and the rest: where
 the engine's overhead goes. (cProfile slows Python-heavy code: compare shares, not absolute times.)
 
 Data: shards are prepared once in ``--work`` with the project's CLI (``data demo-corpus``, ``data tokenizer``,
@@ -424,8 +424,8 @@ def profile_trainer(args: argparse.Namespace, shards: Path, tokenizer: Path) -> 
     parts: list[tuple[str, float, float | None]] = [
         ("loader next()", seconds(StreamingLoader.__iter__), None),
         ("to_device + masks (TrainModule.to_device)", seconds(engine.TrainModule.to_device), None),
-        ("forward (DeepSpeedEngine.forward)", seconds(file=ds_file, name="forward"), seconds(DecoderLM.forward)),
-        ("loss (token_loss_sum)", seconds(engine.token_loss_sum), None),
+        ("forward and loss (DeepSpeedEngine.forward; the loss's gradients too, head.linear_cross_entropy)",
+         seconds(file=ds_file, name="forward"), seconds(DecoderLM.forward)),
         ("backward (DeepSpeedEngine.backward)", seconds(file=ds_file, name="backward"),
          seconds(torch.autograd.backward)),
         ("grad norm (unclipped_grad_norm; ZeRO-0 only)", seconds(engine.unclipped_grad_norm), None),

@@ -134,8 +134,10 @@ class Runner:
         """``inputs``: further model inputs (position_ids, masks= built once per batch, ...)."""
         autocast = torch.autocast(self.device, torch.bfloat16) if self.mode == "autocast" else contextlib.nullcontext()
         with autocast:
-            logits = self.logits(input_ids, **inputs)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            if self.is_hf:
+                loss = F.cross_entropy(self.logits(input_ids, **inputs).float().flatten(0, 1), labels.flatten())
+            else:  # the loss fused into our head, as the trainer computes it (model.head.linear_cross_entropy)
+                loss = self.forward(input_ids=input_ids, labels=labels, **inputs) / (labels != -100).sum()
         loss.backward()
         if self.master is not None:  # DeepSpeed bf16: fp32 grads -> fp32 AdamW -> copy weights back to bf16
             for p, m in zip(self.params, self.master):

@@ -418,3 +418,31 @@ def test_loss_decreases_when_overfitting_one_batch():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] * 0.5
+
+
+@pytest.mark.parametrize("arch,tied", [("decoder", True), ("decoder", False), ("encoder", True),
+                                       ("encoder_decoder", True)])
+def test_labels_give_the_loss_of_the_logits_and_its_gradients(arch, tied):
+    """Given labels, a model returns the summed token loss from its fused head (no logits) and the same
+    gradients for every parameter as the cross-entropy of its logits (tied head and embedding included)."""
+    import torch.nn.functional as F
+
+    model = model_for(arch=arch, tie_embeddings=tied).train()
+    inputs = {"input_ids": tokens(2, 12)}
+    labels = tokens(2, 12, seed=2)
+    if arch == "encoder_decoder":
+        inputs["decoder_input_ids"] = tokens(2, 7, seed=3)
+        labels = tokens(2, 7, seed=4)
+    labels[0, :3] = -100
+
+    def loss_and_grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    plain = loss_and_grads(F.cross_entropy(model(**inputs).float().flatten(0, 1), labels.flatten(), reduction="sum"))
+    fused = loss_and_grads(model(**inputs, labels=labels))
+    torch.testing.assert_close(fused[0], plain[0])
+    assert fused[1].keys() == plain[1].keys()
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(fused[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -162,18 +162,41 @@ def test_the_run_log_says_which_zero_stage_runs_and_warns_of_per_parameter_waits
     assert zero_stage_notes(run_config(parallel=dict(zero_stage=0)), 0, "cuda") == []  # fp32: the torch optimizer
 
 
-def test_token_loss_ignores_padding_and_smooths_labels():
-    from megatransformer.training.engine import token_loss_sum
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_fused_loss_equals_cross_entropy_of_the_logits(dtype, smoothing):
+    """linear_cross_entropy (the head's loss, chunk by chunk, gradients computed in the forward pass) against
+    the plain head: F.linear, fp32 logits, F.cross_entropy summed; padding ignored; several chunks."""
+    from megatransformer.model.head import linear_cross_entropy
 
     torch.manual_seed(0)
-    logits = torch.randn(2, 5, 11)
-    labels = torch.randint(0, 11, (2, 5))
-    labels[0, 3:] = -100
-    kept = labels != -100
-    for smoothing in (0.0, 0.1):
-        expected = F.cross_entropy(logits[kept], labels[kept], label_smoothing=smoothing, reduction="sum")
-        assert token_loss_sum(logits, labels, smoothing) == pytest.approx(float(expected), rel=1e-6)
-    assert token_loss_sum(logits, torch.full_like(labels, -100), 0.1) == 0.0
+    hidden, weight = torch.randn(13, 8, dtype=dtype), torch.randn(11, 8, dtype=dtype)
+    labels = torch.randint(0, 11, (13,))
+    labels[3:6] = -100
+
+    def grads(loss_fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = loss_fn(h, w)
+        (loss * 0.37).backward()  # a scaled loss, as the trainer's
+        return loss.detach(), h.grad, w.grad
+
+    def plain_loss(h, w):
+        return F.cross_entropy(F.linear(h, w).float(), labels, label_smoothing=smoothing, reduction="sum")
+
+    plain = grads(plain_loss)
+    fused = grads(lambda h, w: linear_cross_entropy(h, w, labels, smoothing, chunk_logits=4 * 11))  # 4 rows
+    assert fused[0].dtype == torch.float32
+    if dtype == torch.float32:
+        for a, b in zip(plain, fused):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    else:  # both round: against float64, each is within two bf16 roundings (2^-8 each) of the largest value
+        hidden, weight = hidden.double(), weight.double()
+        exact = grads(plain_loss)
+        for a, b, x in zip(plain, fused, exact):
+            bound = 2**-7 * x.abs().max()
+            assert (a.double() - x).abs().max() <= bound and (b.double() - x).abs().max() <= bound, (a, b, x)
+    none = torch.full_like(labels, -100)
+    assert linear_cross_entropy(hidden, weight, none, smoothing) == 0.0
 
 
 def test_skipped_update_leaves_optimizer_and_schedule_untouched():

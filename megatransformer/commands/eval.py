@@ -145,7 +145,6 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
 
     from megatransformer.training.data import build_loader
     from megatransformer.batch import IGNORE_INDEX
-    from megatransformer.training.engine import token_loss_sum
 
     loader = build_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
     loss_sum, tokens, sequences, pending = 0.0, 0, 0, []
@@ -155,7 +154,7 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
         batch = {k: torch.cat([b[k] for b in pending]) for k in pending[0]}
         labels = batch.pop("labels")
         with torch.no_grad():
-            loss_sum += token_loss_sum(model(**batch), labels, 0.0).item()
+            loss_sum += model(**batch, labels=labels).item()
         tokens += int((labels != IGNORE_INDEX).sum())
         sequences += len(pending)
         pending.clear()

@@ -1,6 +1,7 @@
 """The model family: decoder-only, encoder-only and encoder-decoder Transformers.
 
-Every model takes the batch keys of ``megatransformer.batch`` as keyword arguments and returns logits.
+Every model takes the batch keys of ``megatransformer.batch`` as keyword arguments and returns logits, or,
+given ``labels``, the summed token loss computed without the logits (``head.linear_cross_entropy``).
 Nothing here knows about parallelism or training: tensor parallelism is applied from ``tp_plan.TP_PLAN``.
 """
 
@@ -14,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatransformer.config import ModelConfig
 from megatransformer.model.attention import KVCache
+from megatransformer.model.head import LMHead
 from megatransformer.model.layers import Block, make_norm
 from megatransformer.model.masks import AttentionMask, ModelMasks, cross_attention_mask, self_attention_mask
 from megatransformer.model.positions import Alibi, LearnedPositions, Rotary, SinusoidalPositions, alibi_slopes
@@ -89,7 +91,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = TokenEmbedding(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, bias=False)
 
     def _tie(self, embedding: nn.Embedding) -> None:
         if self.config.tie_embeddings:
@@ -117,14 +119,17 @@ class DecoderLM(LanguageModel):
         prefix_len: torch.Tensor | None = None,
         caches: list[KVCache] | None = None,
         masks: ModelMasks | None = None,
+        labels: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> torch.Tensor:
-        """``masks``: built once per batch on the host (training); else built here from the inputs."""
+        """``masks``: built once per batch on the host (training); else built here from the inputs.
+        ``labels``: return the summed token loss instead of the logits."""
         offset = caches[0].length if caches else 0
         if position_ids is None:
             position_ids = default_positions(input_ids, offset)
         mask = masks.decoder if masks is not None else self_attention_mask(True, segment_ids, prefix_len, offset)
         hidden = self.decoder(self.embed_tokens(input_ids), position_ids, mask, caches=caches)
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, labels, label_smoothing)
 
 
 class EncoderLM(LanguageModel):
@@ -141,11 +146,13 @@ class EncoderLM(LanguageModel):
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         masks: ModelMasks | None = None,
+        labels: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> torch.Tensor:
         if position_ids is None:
             position_ids = default_positions(input_ids)
         mask = masks.encoder if masks is not None else self_attention_mask(False, segment_ids)
-        return self.lm_head(self.encoder(self.embed_tokens(input_ids), position_ids, mask))
+        return self.lm_head(self.encoder(self.embed_tokens(input_ids), position_ids, mask), labels, label_smoothing)
 
 
 class EncoderDecoderLM(LanguageModel):
@@ -180,6 +187,8 @@ class EncoderDecoderLM(LanguageModel):
         caches: list[KVCache] | None = None,
         memory_kvs: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         masks: ModelMasks | None = None,
+        labels: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> torch.Tensor:
         offset = caches[0].length if caches else 0
         if decoder_position_ids is None:
@@ -194,7 +203,7 @@ class EncoderDecoderLM(LanguageModel):
             embed(decoder_input_ids), decoder_position_ids, mask,
             memory=None if memory_kvs else memory, memory_mask=memory_mask, caches=caches, memory_kvs=memory_kvs,
         )
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, labels, label_smoothing)
 
     def project_memory(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Cross-attention keys/values of every decoder layer, computed once for generation."""
@@ -209,10 +218,12 @@ class EncoderDecoderLM(LanguageModel):
         decoder_position_ids: torch.Tensor | None = None,
         decoder_segment_ids: torch.Tensor | None = None,
         masks: ModelMasks | None = None,
+        labels: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
     ) -> torch.Tensor:
         memory = self.encode(input_ids, position_ids, segment_ids, masks.encoder if masks is not None else None)
         return self.decode(decoder_input_ids, memory, segment_ids, decoder_position_ids, decoder_segment_ids,
-                           masks=masks)
+                           masks=masks, labels=labels, label_smoothing=label_smoothing)
 
 
 ARCHITECTURES: dict[str, type[LanguageModel]] = {

@@ -20,7 +20,6 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.config import ConfigError, RunConfig
@@ -181,7 +180,7 @@ class TrainModule:
         lr = engine.get_lr()[0]  # (the schedule moves on in step())
         for i, batch in enumerate(host):
             inputs, labels, masks = self.to_device(batch)
-            loss = token_loss_sum(engine(**inputs, masks=masks), labels, self.cfg.train.label_smoothing)
+            loss = engine(**inputs, masks=masks, labels=labels, label_smoothing=self.cfg.train.label_smoothing)
             loss_sum += loss.detach()
             bad += (~torch.isfinite(loss.detach())).double()
             engine.backward(loss * scale)
@@ -237,7 +236,7 @@ class TrainModule:
         for index in eval_schedule(len(batches), self.dp_size, self.dp_rank):
             batch = batches[index or 0]
             inputs, labels, masks = self.to_device(batch)
-            loss = token_loss_sum(self.engine(**inputs, masks=masks), labels, 0.0)
+            loss = self.engine(**inputs, masks=masks, labels=labels)
             if index is not None:
                 sums += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
         self.engine.train()
@@ -255,11 +254,6 @@ def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device, arc
     masks = batch_masks(arch, batch, varlen=varlen).to(device, {id(batch[k]): moved[k] for k in batch})
     labels = moved.pop("labels")
     return moved, labels, masks
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           label_smoothing=label_smoothing, reduction="sum")
 
 
 def positions(batch: Mapping[str, torch.Tensor]) -> int:

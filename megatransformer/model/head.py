@@ -1,0 +1,90 @@
+"""The output head, and the training loss fused into it.
+
+A plain head materialises the logits of every position, ``[tokens, vocab]`` in the compute dtype, then an fp32
+copy for a stable cross-entropy, a same-sized log-softmax and, in the backward pass, a same-sized gradient:
+at a 32k vocabulary and 8k tokens per micro batch that is 1 GiB per copy, the step's memory peak, and several
+passes over memory that do no arithmetic. :func:`linear_cross_entropy` instead takes the hidden states and
+the head's weight and walks the tokens in chunks: each chunk's logits are computed, turned into its loss and
+into the gradient of that loss with respect to them, and dropped; the gradients with respect to the hidden
+states and the weight are accumulated as it goes (the loss is a scalar, so they are known in the forward
+pass; the backward only scales them). Liger-Kernel's and Apple's cut cross-entropy work the same way on
+GPUs. The arithmetic is the plain head's (same matmuls, the logits upcast to fp32 before the softmax), so the
+loss and gradients agree with it to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatransformer.batch import IGNORE_INDEX
+
+
+CHUNK_LOGITS = 1 << 23  # logits per chunk (8M: 32 MiB in fp32), whatever the vocabulary
+
+
+class LMHead(nn.Linear):
+    """``nn.Linear(d_model, vocab, bias=False)`` that can also return the summed token loss of ``labels``
+    without materialising the logits (its own forward, so ZeRO-3 gathers its weight for it)."""
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
+                label_smoothing: float = 0.0) -> torch.Tensor:
+        if labels is None:
+            return super().forward(hidden)
+        return linear_cross_entropy(hidden.flatten(0, -2), self.weight, labels.flatten(), label_smoothing)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         label_smoothing: float = 0.0, chunk_logits: int = CHUNK_LOGITS) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum", ...)``, chunk by chunk.
+
+    ``hidden``: [N, d]; ``weight``: [V, d]; ``labels``: [N], ``IGNORE_INDEX`` where no loss is taken. Returns
+    the fp32 sum of the token losses; its gradient flows to ``hidden`` and ``weight``.
+    """
+    return _LinearCrossEntropy.apply(hidden, weight, labels, label_smoothing, chunk_logits)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
+                chunk_logits: int) -> torch.Tensor:
+        vocab = weight.shape[0]
+        rows = max(1, chunk_logits // vocab)
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if grads else None
+        # the weight's gradient is summed over chunks in fp32 (each chunk's product is rounded to the compute
+        # dtype once: the plain head rounds the whole sum once, so bf16 weight gradients differ by about one
+        # bf16 rounding per chunk, ~2^-9 relative; the hidden states' gradients are the plain head's)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+        for start in range(0, hidden.shape[0], rows):
+            h, y = hidden[start:start + rows], labels[start:start + rows]
+            logits = F.linear(h, weight).float()
+            keep = y != IGNORE_INDEX
+            target = torch.where(keep, y, 0)
+            lse = torch.logsumexp(logits, dim=-1)
+            token_loss = lse - logits.gather(1, target[:, None]).squeeze(1)
+            if label_smoothing:
+                token_loss = (1 - label_smoothing) * token_loss + label_smoothing * (lse - logits.mean(dim=-1))
+            loss += torch.where(keep, token_loss, 0.0).sum()
+            if not grads:
+                continue
+            # d(loss)/d(logits) = softmax - (1 - eps) * onehot - eps / V, zero where no loss is taken
+            grad_logits = logits.sub_(lse[:, None]).exp_()
+            grad_logits.scatter_add_(1, target[:, None], torch.full_like(lse[:, None], label_smoothing - 1))
+            if label_smoothing:
+                grad_logits.sub_(label_smoothing / vocab)
+            grad_logits = grad_logits.mul_(keep[:, None]).to(h.dtype)
+            grad_hidden[start:start + rows] = grad_logits @ weight
+            grad_weight += grad_logits.t() @ h
+        if grads:  # (the weight's kept in fp32: scaled by the loss's gradient before its one rounding)
+            ctx.save_for_backward(grad_hidden, grad_weight)
+            ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # (an fp32 0-dim factor: each product is rounded once, to the gradient's dtype)
+        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None
