@@ -76,8 +76,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if label_smoothing:
                 grad_logits.sub_(label_smoothing / vocab)
             grad_logits = grad_logits.mul_(keep[:, None]).to(h.dtype)
-            grad_hidden[start:start + rows] = grad_logits @ weight
-            grad_weight += grad_logits.t() @ h
+            torch.mm(grad_logits, weight, out=grad_hidden[start:start + rows])
+            if h.dtype == grad_weight.dtype:
+                grad_weight.addmm_(grad_logits.t(), h)  # (fp32: accumulated in place)
+            else:
+                grad_weight += grad_logits.t() @ h
         if grads:  # (the weight's kept in fp32: scaled by the loss's gradient before its one rounding)
             ctx.save_for_backward(grad_hidden, grad_weight)
             ctx.weight_dtype = weight.dtype
