@@ -199,6 +199,29 @@ def test_fused_loss_equals_cross_entropy_of_the_logits(dtype, smoothing):
     assert linear_cross_entropy(hidden, weight, none, smoothing) == 0.0
 
 
+def test_fused_loss_without_autograd_computes_no_gradients():
+    """Evaluation (no_grad) does one matmul per chunk, training three (logits, then both gradients)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatransformer.model.head import linear_cross_entropy
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+            return func(*args, **(kwargs or {}))
+
+    hidden, weight = torch.randn(12, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    labels = torch.randint(0, 10, (12,))
+    for grad_enabled, matmuls in ((False, 3), (True, 9)):  # 3 chunks of 4 rows
+        with torch.set_grad_enabled(grad_enabled), CountMatmuls() as counter:
+            loss = linear_cross_entropy(hidden, weight, labels, chunk_logits=40)
+        assert counter.count == matmuls and loss.requires_grad == grad_enabled
+
+
 def test_skipped_update_leaves_optimizer_and_schedule_untouched():
     """What the trainer does with a non-finite step: the wrapped optimizer's step and the schedule's step are
     no-ops for that one step, and work again afterwards."""

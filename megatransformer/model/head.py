@@ -7,9 +7,9 @@ passes over memory that do no arithmetic. :func:`linear_cross_entropy` instead t
 the head's weight and walks the tokens in chunks: each chunk's logits are computed, turned into its loss and
 into the gradient of that loss with respect to them, and dropped; the gradients with respect to the hidden
 states and the weight are accumulated as it goes (the loss is a scalar, so they are known in the forward
-pass; the backward only scales them). Liger-Kernel's and Apple's cut cross-entropy work the same way on
-GPUs. The arithmetic is the plain head's (same matmuls, the logits upcast to fp32 before the softmax), so the
-loss and gradients agree with it to rounding.
+pass; the backward only scales them), as Liger-Kernel's fused linear cross-entropy does on GPUs. The
+arithmetic is the plain head's (same matmuls, the logits upcast to fp32 before the softmax), so the loss and
+gradients agree with it to rounding.
 """
 
 from __future__ import annotations
@@ -40,50 +40,64 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """``F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum", ...)``, chunk by chunk.
 
     ``hidden``: [N, d]; ``weight``: [V, d]; ``labels``: [N], ``IGNORE_INDEX`` where no loss is taken. Returns
-    the fp32 sum of the token losses; its gradient flows to ``hidden`` and ``weight``.
+    the fp32 sum of the token losses; its gradient flows to ``hidden`` and ``weight``. Without autograd
+    (evaluation, ``torch.no_grad``) only the loss is computed.
     """
-    return _LinearCrossEntropy.apply(hidden, weight, labels, label_smoothing, chunk_logits)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, labels, label_smoothing, chunk_logits)
+    return chunked_loss_and_grads(hidden, weight, labels, label_smoothing, chunk_logits, grads=False)[0]
+
+
+def chunked_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
+                           chunk_logits: int, grads: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The summed loss and, when ``grads``, its gradients with respect to ``hidden`` (in its dtype) and
+    ``weight`` (fp32), one chunk of ``chunk_logits`` logits at a time."""
+    vocab = weight.shape[0]
+    rows = max(1, chunk_logits // vocab)
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if grads else None
+    # the weight's gradient is summed over chunks in fp32 (each chunk's product is rounded to the compute
+    # dtype once: the plain head rounds the whole sum once, so bf16 weight gradients differ by about one
+    # bf16 rounding per chunk, ~2^-9 relative; the hidden states' gradients are the plain head's)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+    for start in range(0, hidden.shape[0], rows):
+        h, y = hidden[start:start + rows], labels[start:start + rows]
+        logits = F.linear(h, weight).float()
+        keep = y != IGNORE_INDEX
+        target = torch.where(keep, y, 0)
+        lse = torch.logsumexp(logits, dim=-1)
+        token_loss = lse - logits.gather(1, target[:, None]).squeeze(1)
+        if label_smoothing:
+            token_loss = (1 - label_smoothing) * token_loss + label_smoothing * (lse - logits.mean(dim=-1))
+        loss += torch.where(keep, token_loss, 0.0).sum()
+        if not grads:
+            continue
+        # d(loss)/d(logits) = softmax - (1 - eps) * onehot - eps / V, zero where no loss is taken
+        grad_logits = logits.sub_(lse[:, None]).exp_()
+        grad_logits.scatter_add_(1, target[:, None], torch.full_like(lse[:, None], label_smoothing - 1))
+        if label_smoothing:
+            grad_logits.sub_(label_smoothing / vocab)
+        grad_logits = grad_logits.mul_(keep[:, None]).to(h.dtype)
+        torch.mm(grad_logits, weight, out=grad_hidden[start:start + rows])
+        if h.dtype == grad_weight.dtype:
+            grad_weight.addmm_(grad_logits.t(), h)  # (fp32: accumulated in place)
+        else:
+            grad_weight += grad_logits.t() @ h
+    return loss, grad_hidden, grad_weight
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """The loss, with its gradients computed in the forward pass and scaled in the backward."""
+
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
                 chunk_logits: int) -> torch.Tensor:
-        vocab = weight.shape[0]
-        rows = max(1, chunk_logits // vocab)
-        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if grads else None
-        # the weight's gradient is summed over chunks in fp32 (each chunk's product is rounded to the compute
-        # dtype once: the plain head rounds the whole sum once, so bf16 weight gradients differ by about one
-        # bf16 rounding per chunk, ~2^-9 relative; the hidden states' gradients are the plain head's)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
-        for start in range(0, hidden.shape[0], rows):
-            h, y = hidden[start:start + rows], labels[start:start + rows]
-            logits = F.linear(h, weight).float()
-            keep = y != IGNORE_INDEX
-            target = torch.where(keep, y, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            token_loss = lse - logits.gather(1, target[:, None]).squeeze(1)
-            if label_smoothing:
-                token_loss = (1 - label_smoothing) * token_loss + label_smoothing * (lse - logits.mean(dim=-1))
-            loss += torch.where(keep, token_loss, 0.0).sum()
-            if not grads:
-                continue
-            # d(loss)/d(logits) = softmax - (1 - eps) * onehot - eps / V, zero where no loss is taken
-            grad_logits = logits.sub_(lse[:, None]).exp_()
-            grad_logits.scatter_add_(1, target[:, None], torch.full_like(lse[:, None], label_smoothing - 1))
-            if label_smoothing:
-                grad_logits.sub_(label_smoothing / vocab)
-            grad_logits = grad_logits.mul_(keep[:, None]).to(h.dtype)
-            torch.mm(grad_logits, weight, out=grad_hidden[start:start + rows])
-            if h.dtype == grad_weight.dtype:
-                grad_weight.addmm_(grad_logits.t(), h)  # (fp32: accumulated in place)
-            else:
-                grad_weight += grad_logits.t() @ h
-        if grads:  # (the weight's kept in fp32: scaled by the loss's gradient before its one rounding)
-            ctx.save_for_backward(grad_hidden, grad_weight)
-            ctx.weight_dtype = weight.dtype
+        loss, grad_hidden, grad_weight = chunked_loss_and_grads(hidden, weight, labels, label_smoothing,
+                                                                chunk_logits, grads=True)
+        # (the weight's kept in fp32: scaled by the loss's gradient before its one rounding)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod

@@ -50,7 +50,6 @@ def check_data(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
     check_shards(loader_settings(cfg), tokenizer)
 
 
-
 STALE_LOCK_SECONDS = 600  # DeepSpeed's JIT-built ops take about a minute to build here
 
 
