@@ -2,6 +2,7 @@
 
 1. flash-attn against ``eager`` for every mask (causal, bidirectional, prefix-LM per row and per document,
    packed documents, padding, packed cross-attention, KV cache): the ``gpu``-marked tests, real kernels.
+   The loss fused into the head against the plain head, bf16 at vocabulary 32000 (a ``gpu``-marked test).
 2. Host syncs and collective devices of one optimizer step on CUDA (``bench/step_probe.py``).
 3. A short packed bf16 training run through the real trainer (``megatransformer quickstart`` with a larger
    model), reporting tokens/s, MFU and peak memory from its metrics.jsonl.
@@ -33,8 +34,9 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, **kwargs)
 
 
-def flash_tests() -> dict:
-    done = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", "tests/test_flash_decomposition.py"])
+def gpu_tests(path: str) -> dict:
+    """The ``gpu``-marked tests of one file: every one must run (none skipped) and pass."""
+    done = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", path])
     return {"ok": done.returncode == 0 and " skipped" not in done.stdout.splitlines()[-1],
             "summary": done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]}
 
@@ -86,8 +88,10 @@ def main() -> int:
 
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "deepspeed": deepspeed.__version__, "flash_attn": flash_attn.__version__,
-              "flash_vs_eager": flash_tests(), "step_probe": step_probe(), "training": training(out)}
-    report["ok"] = all(report[k]["ok"] for k in ("flash_vs_eager", "step_probe", "training"))
+              "flash_vs_eager": gpu_tests("tests/test_flash_decomposition.py"),
+              "fused_loss": gpu_tests("tests/test_train_units.py"), "step_probe": step_probe(),
+              "training": training(out)}
+    report["ok"] = all(report[k]["ok"] for k in ("flash_vs_eager", "fused_loss", "step_probe", "training"))
     text = json.dumps(report, indent=2)
     (out / "gpu_check.json").write_text(text + "\n")
     print(text)

@@ -199,6 +199,37 @@ def test_fused_loss_equals_cross_entropy_of_the_logits(dtype, smoothing):
     assert linear_cross_entropy(hidden, weight, none, smoothing) == 0.0
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU tests above check the same arithmetic")
+def test_fused_loss_on_cuda_equals_the_plain_head_in_less_memory():
+    """bf16 on a GPU at a real vocabulary, several chunks: the loss and gradients of the plain head (within
+    bf16 rounding), and a peak below the plain head's fp32 logits."""
+    from megatransformer.model.head import linear_cross_entropy
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4096, 512, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(32000, 512, device="cuda", generator=gen) * 0.02).bfloat16()
+    labels = torch.randint(0, 32000, (4096,), device="cuda", generator=gen)
+    labels[::5] = -100
+
+    def run(loss_fn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = loss_fn(h, w)
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.detach(), h.grad, w.grad, torch.cuda.max_memory_allocated() - base
+
+    *plain, plain_peak = run(lambda h, w: F.cross_entropy(F.linear(h, w).float(), labels, reduction="sum"))
+    *fused, fused_peak = run(lambda h, w: linear_cross_entropy(h, w, labels))
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-4, atol=1e-2)
+    for a, b in zip(plain[1:], fused[1:]):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2**-7 * a.float().abs().max().item())
+    assert fused_peak < plain_peak / 2, (fused_peak, plain_peak)
+
 def test_fused_loss_without_autograd_computes_no_gradients():
     """Evaluation (no_grad) does one matmul per chunk, training three (logits, then both gradients)."""
     from torch.utils._python_dispatch import TorchDispatchMode
