@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatransformer.batch import IGNORE_INDEX  # noqa: E402
 from megatransformer.config import ModelConfig  # noqa: E402
 from megatransformer.hf import hf_family  # noqa: E402
 from megatransformer.model import build_model  # noqa: E402
@@ -137,7 +138,7 @@ class Runner:
             if self.is_hf:
                 loss = F.cross_entropy(self.logits(input_ids, **inputs).float().flatten(0, 1), labels.flatten())
             else:  # the loss fused into our head, as the trainer computes it (model.head.linear_cross_entropy)
-                loss = self.forward(input_ids=input_ids, labels=labels, **inputs) / (labels != -100).sum()
+                loss = self.forward(input_ids=input_ids, labels=labels, **inputs) / (labels != IGNORE_INDEX).sum()
         loss.backward()
         if self.master is not None:  # DeepSpeed bf16: fp32 grads -> fp32 AdamW -> copy weights back to bf16
             for p, m in zip(self.params, self.master):
