@@ -15,20 +15,26 @@ the same shards, the same run config (``llama-style`` with the workload's overri
               rank the trainer runs it as ZeRO-0).
   trainer-release  trainer-z0 with ``train.host_memory=release``: glibc's malloc defaults, as before that
               setting existed (``megatransformer.training.host_memory``).
+  trainer-native  trainer-z0 with ``train.cpu_bf16_matmul=native``: PyTorch's own bf16 GEMMs on a CPU that
+              has no bf16 kernels (an AVX2-only CPU: many times slower; run it with few --steps).
   bare        our model alone in ``bench/train_step.py``'s Runner, in the run's precision (bf16: bf16 weights
               with fp32 masters, as DeepSpeed), with the run's AdamW settings and torch's fused AdamW (as the
               engine), fed by our loader (``training.data.build_loader`` with the trainer's RunConfig, one rank)
               and attention masks built on the host once per batch (``masks.batch_masks``), as the engine does.
               No engine, no grad clipping, no logging. The loader's ``next()`` is inside the timed step. Its
-              process keeps freed host memory as the trainer's does (``train.host_memory=keep``).
+              process keeps freed host memory as the trainer's does (``train.host_memory=keep``), and its bf16
+              GEMMs run as the trainer's do (``train.cpu_bf16_matmul=auto``: fp32 GEMMs of the bf16 operands on
+              a CPU without bf16 kernels, ``megatransformer.training.cpu_bf16``).
   hf          transformers' ``LlamaForCausalLM`` (``GPT2LMHeadModel`` with ``--family gpt2``; SDPA) with the
               same initial weights, in a plain loop: bf16 autocast and torch's default AdamW (fp32 with
               ``--precision fp32``), fed by the same loader's ``input_ids`` and ``labels`` only: packed rows of
               several documents with no document masks and positions running across the row, as a
               ``run_clm``-style script that concatenates documents trains. Loss: fp32 cross-entropy over the
-              logits (our labels are shifted already). The C library's malloc defaults, as a plain script has.
-  hf-keep     hf in a process that keeps freed host memory as the trainer's does: the same model-to-model
-              comparison without the allocator's part.
+              logits (our labels are shifted already). The C library's malloc defaults and PyTorch's own bf16
+              GEMMs, as a plain script has.
+  hf-keep     hf in a process set up as the trainer's is: freed host memory kept, bf16 GEMMs as
+              ``train.cpu_bf16_matmul=auto`` runs them: the same model-to-model comparison without the parts that
+              come from the process (the allocator, the CPU's GEMM kernels).
 
 Every runner runs in its own fresh process for every round (the same threads, fresh memory); rounds alternate
 over all (precision, runner) pairs with the order reversed on odd rounds, after one untimed process, and a ratio
@@ -79,11 +85,15 @@ sys.path.insert(0, str(ROOT))
 
 import train_step  # noqa: E402
 from megatransformer.config import RunConfig, load_config  # noqa: E402
+from megatransformer.training.cpu_bf16 import native_bf16_gemm  # noqa: E402
 
 CONFIG = "llama-style"
 PRECISIONS = ("bf16", "fp32")
-TRAINERS = {"trainer-z0": (0, "keep"), "trainer-z1": (1, "keep"), "trainer-release": (0, "release")}
-WORKERS = {"bare": "keep", "hf": "release", "hf-keep": "keep"}  # runner -> host memory policy of its process
+# runner -> (ZeRO stage, host memory policy, train.cpu_bf16_matmul)
+TRAINERS = {"trainer-z0": (0, "keep", "auto"), "trainer-z1": (1, "keep", "auto"),
+            "trainer-release": (0, "release", "auto"), "trainer-native": (0, "keep", "native")}
+# runner -> (host memory policy of its process, how its bf16 GEMMs run on a CPU)
+WORKERS = {"bare": ("keep", "auto"), "hf": ("release", "native"), "hf-keep": ("keep", "auto")}
 RUNNERS = (*TRAINERS, *WORKERS)
 DEFAULT_RUNNERS = ("trainer-z0", "trainer-release", "bare", "hf", "hf-keep")
 # the model family's overrides of the llama-style config (gpt2: the issue's small GPT-2-style model, whose
@@ -167,12 +177,12 @@ def prepare_data(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def overrides(args: argparse.Namespace, precision: str, zero_stage: int, run_dir: Path, shards: Path,
-              tokenizer: Path, host_memory: str = "keep") -> list[str]:
+              tokenizer: Path, host_memory: str = "keep", cpu_bf16_matmul: str = "auto") -> list[str]:
     """The trainer's command-line overrides of the llama-style config: the workload, one log line per step."""
     steps = args.warmup + args.steps
     return [
         f"run_dir={run_dir}", f"precision={precision}", f"parallel.zero_stage={zero_stage}",
-        f"train.host_memory={host_memory}",
+        f"train.host_memory={host_memory}", f"train.cpu_bf16_matmul={cpu_bf16_matmul}",
         f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
         f"model.n_kv_heads={args.kv_heads}", f"model.d_ff={args.ffn}", f"model.vocab_size={args.vocab}",
         f"model.max_seq_len={args.seq}", f"model.tie_embeddings={str(args.tie).lower()}",
@@ -191,9 +201,9 @@ def trainer_rate(args: argparse.Namespace, runner: str, precision: str, shards: 
     run_dir = args.work / "runs" / f"{runner}-{precision}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    zero_stage, host_memory = TRAINERS[runner]
-    command = megatransformer_command("train", "--config", CONFIG, *overrides(args, precision, zero_stage, run_dir,
-                                                                              shards, tokenizer, host_memory))
+    zero_stage, host_memory, cpu_bf16_matmul = TRAINERS[runner]
+    command = megatransformer_command("train", "--config", CONFIG, *overrides(
+        args, precision, zero_stage, run_dir, shards, tokenizer, host_memory, cpu_bf16_matmul))
     log = run_dir.with_suffix(".log")
     with log.open("w") as out:
         code = subprocess.run(command, env=subprocess_env(args), stdout=out, stderr=subprocess.STDOUT).returncode
@@ -243,7 +253,8 @@ def worker(args: argparse.Namespace) -> int:
     from megatransformer.training.data import build_loader
     from megatransformer.training.host_memory import apply_host_memory_policy
 
-    apply_host_memory_policy(WORKERS[args.worker])
+    host_memory, cpu_bf16_matmul = WORKERS[args.worker]
+    apply_host_memory_policy(host_memory)
     precision = args.precision
     cfg = run_config(args, precision)
     torch.manual_seed(cfg.seed)  # the trainer's initial weights
@@ -253,10 +264,12 @@ def worker(args: argparse.Namespace) -> int:
     if args.worker == "bare":
         o = cfg.optim
         adamw = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay, "fused": True}
-        step = bare_step(train_step.Runner("ours", model, precision, "cpu", False, adamw), batches, cfg)
+        runner = train_step.Runner("ours", model, precision, "cpu", False, adamw, cpu_bf16_matmul)
+        step = bare_step(runner, batches, cfg)
     else:
         mode = "autocast" if precision == "bf16" else "fp32"
-        step = hf_step(train_step.hf_runner(cfg.model, model.state_dict(), mode, "cpu", False), batches)
+        runner = train_step.hf_runner(cfg.model, model.state_dict(), mode, "cpu", False, cpu_bf16_matmul)
+        step = hf_step(runner, batches)
         del model
     for _ in range(args.warmup):
         step()
@@ -347,9 +360,10 @@ def cpu_name() -> str:
 def header(args: argparse.Namespace, shards: Path) -> str:
     versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("deepspeed", "transformers"))
     threads = args.threads or torch.get_num_threads()
+    gemms = "bf16 GEMM kernels" if native_bf16_gemm() else "no bf16 GEMM kernels in PyTorch"
     return (
-        f"# {datetime.date.today()} {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}, {versions};"
-        f" threads per runner: {threads}\n"
+        f"# {datetime.date.today()} {cpu_name()}, {os.cpu_count()} cores ({torch.backends.cpu.get_cpu_capability()},"
+        f" {gemms}); torch {torch.__version__}, {versions}; threads per runner: {threads}\n"
         f"# {CONFIG} ({args.family}) d{args.d_model} L{args.layers} H{args.heads} KV{args.kv_heads} FFN{args.ffn}"
         f" V{args.vocab}"
         f" tie={args.tie}, micro batch {args.batch} x {args.seq}, grad_accum 1, shards {shards};"
@@ -392,9 +406,8 @@ def profile_trainer(args: argparse.Namespace, shards: Path, tokenizer: Path) -> 
         profiler.disable()
         return evaluate(self)
 
-    zero_stage, host_memory = TRAINERS[args.profile_runner]
-    argv = ["train", "--config", CONFIG, *overrides(args, precision, zero_stage, run_dir, shards, tokenizer,
-                                                    host_memory)]
+    argv = ["train", "--config", CONFIG, *overrides(args, precision, TRAINERS[args.profile_runner][0], run_dir, shards,
+                                                    tokenizer, *TRAINERS[args.profile_runner][1:])]
     log = run_dir.with_suffix(".log")
     with mock.patch.object(engine.TrainModule, "step", profiled_step), \
             mock.patch.object(Trainer, "evaluate", evaluate_unprofiled), \

@@ -48,6 +48,7 @@ from megatransformer.batch import IGNORE_INDEX  # noqa: E402
 from megatransformer.config import ModelConfig  # noqa: E402
 from megatransformer.hf import hf_family  # noqa: E402
 from megatransformer.model import build_model  # noqa: E402
+from megatransformer.training.cpu_bf16 import CHOICES, gemms_as_fp32, matmul_context  # noqa: E402
 
 MODES = ("fp32", "autocast", "bf16")
 
@@ -83,6 +84,8 @@ def parse_args(argv: list[str] | None = None,
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu: process CPU time, immune to other processes' load (use with --threads 1)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cpu-bf16-matmul", choices=CHOICES, default="auto",
+                   help="bf16 GEMMs of both implementations on a CPU, as train.cpu_bf16_matmul")
     args = p.parse_args(argv)
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
@@ -106,11 +109,14 @@ class Runner:
 
     ``adamw``: keyword arguments for ``torch.optim.AdamW`` over the defaults (lr 1e-4, weight decay 0.1,
     torch's default implementation), e.g. a run config's betas and ``fused=True`` as the trainer uses them.
+    ``cpu_bf16_matmul``: how bf16 GEMMs run on a CPU, as the trainer's ``train.cpu_bf16_matmul``.
     """
 
     def __init__(self, name: str, model: torch.nn.Module, mode: str, device: str, compile_: bool,
-                 adamw: dict | None = None) -> None:
+                 adamw: dict | None = None, cpu_bf16_matmul: str = "auto") -> None:
         self.name, self.mode, self.device = name, mode, device
+        dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+        self.matmuls = matmul_context(gemms_as_fp32(cpu_bf16_matmul, device, dtype, compile_))
         model = model.to(device)
         if mode == "bf16":
             model = model.to(torch.bfloat16)
@@ -134,12 +140,13 @@ class Runner:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, **inputs) -> float:
         """``inputs``: further model inputs (position_ids, masks= built once per batch, ...)."""
         autocast = torch.autocast(self.device, torch.bfloat16) if self.mode == "autocast" else contextlib.nullcontext()
-        with autocast:
-            if self.is_hf:
-                loss = F.cross_entropy(self.logits(input_ids, **inputs).float().flatten(0, 1), labels.flatten())
-            else:  # the loss fused into our head, as the trainer computes it (model.head.linear_cross_entropy)
-                loss = self.forward(input_ids=input_ids, labels=labels, **inputs) / (labels != IGNORE_INDEX).sum()
-        loss.backward()
+        with self.matmuls():
+            with autocast:
+                if self.is_hf:
+                    loss = F.cross_entropy(self.logits(input_ids, **inputs).float().flatten(0, 1), labels.flatten())
+                else:  # the loss fused into our head, as the trainer computes it (model.head.linear_cross_entropy)
+                    loss = self.forward(input_ids=input_ids, labels=labels, **inputs) / (labels != IGNORE_INDEX).sum()
+            loss.backward()
         if self.master is not None:  # DeepSpeed bf16: fp32 grads -> fp32 AdamW -> copy weights back to bf16
             for p, m in zip(self.params, self.master):
                 m.grad.copy_(p.grad)
@@ -172,12 +179,14 @@ def build_runners(cfg: ModelConfig, mode: str, args: argparse.Namespace) -> dict
     for backend in args.backends.split(","):
         ours = build_model(cfg.model_copy(update={"attention_backend": backend}))
         ours.load_state_dict(state)
-        runners[f"ours-{backend}"] = Runner("ours", ours, mode, args.device, args.compile)
-    runners["hf"] = hf_runner(cfg, state, mode, args.device, args.compile)
+        runners[f"ours-{backend}"] = Runner("ours", ours, mode, args.device, args.compile,
+                                            cpu_bf16_matmul=args.cpu_bf16_matmul)
+    runners["hf"] = hf_runner(cfg, state, mode, args.device, args.compile, args.cpu_bf16_matmul)
     return runners
 
 
-def hf_runner(cfg: ModelConfig, state: dict[str, torch.Tensor], mode: str, device: str, compile_: bool) -> Runner:
+def hf_runner(cfg: ModelConfig, state: dict[str, torch.Tensor], mode: str, device: str, compile_: bool,
+              cpu_bf16_matmul: str = "auto") -> Runner:
     """The transformers model ``cfg`` maps onto (LlamaForCausalLM or GPT2LMHeadModel, SDPA attention) holding
     our weights ``state``, with torch's default AdamW."""
     import transformers
@@ -187,7 +196,7 @@ def hf_runner(cfg: ModelConfig, state: dict[str, torch.Tensor], mode: str, devic
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     missing, unexpected = hf.load_state_dict(family.to_hf(state, cfg), strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set()), missing
-    return Runner("hf", hf, mode, device, compile_)
+    return Runner("hf", hf, mode, device, compile_, cpu_bf16_matmul=cpu_bf16_matmul)
 
 
 def make_batch(cfg: ModelConfig, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,6 +292,7 @@ def header(cfg: ModelConfig, args: argparse.Namespace) -> str:
         f"# model d{cfg.d_model} L{cfg.n_layers} H{cfg.n_heads} KV{cfg.kv_heads} FFN{cfg.d_ff} V{cfg.vocab_size}"
         f" tie={cfg.tie_embeddings} params={params / 1e6:.1f}M"
         f" compile={args.compile}; batch {args.batch} x {args.seq}; clock={args.clock};"
+        f" cpu_bf16_matmul={args.cpu_bf16_matmul};"
         f" {args.rounds} rounds x {args.steps} steps (+{args.warmup} warmup)\n"
         f"# command: python {' '.join(sys.argv)}"
     )

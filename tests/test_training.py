@@ -125,10 +125,16 @@ def test_tensor_parallel_times_data_parallel_equals_data_parallel(tiny_data, tmp
     assert losses(both) == pytest.approx(losses(dp), rel=1e-5)
 
 
-def test_bf16_trains(tiny_data, tmp_path):
-    run = tmp_path / "bf16"
-    train(base_overrides(tiny_data, run) + ["precision=bf16"])
-    assert losses(run)[-1] < losses(run)[0]
+def test_bf16_trains_with_fp32_gemms_as_with_pytorchs_bf16_kernels(tiny_data, tmp_path):
+    """train.cpu_bf16_matmul=fp32 (what auto picks on a CPU without bf16 GEMM kernels) trains as PyTorch's own
+    bf16 kernels do: the same products, summed in another order."""
+    fp32_gemms, native = tmp_path / "fp32-gemms", tmp_path / "native"
+    said = train(base_overrides(tiny_data, fp32_gemms) + ["precision=bf16", "train.cpu_bf16_matmul=fp32"]).stdout
+    assert "bf16 matmuls: fp32 GEMMs of the bf16 operands; train.cpu_bf16_matmul=fp32" in said
+    said = train(base_overrides(tiny_data, native) + ["precision=bf16", "train.cpu_bf16_matmul=native"]).stdout
+    assert "bf16 matmuls: PyTorch's bf16 kernels" in said
+    assert losses(fp32_gemms)[-1] < losses(fp32_gemms)[0]
+    assert losses(fp32_gemms) == pytest.approx(losses(native), rel=1e-3)  # (2e-5 apart here)
 
 
 def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:

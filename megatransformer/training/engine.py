@@ -27,7 +27,9 @@ from megatransformer.model import build_model, deepspeed_layer_specs
 from megatransformer.model.tp_plan import assign_head_offsets, partition_dim
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.training.batching import BatchSizes, resolve_batch_sizes
+from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
+from megatransformer.training.metrics import precision_dtype
 from megatransformer.training.optim import make_scheduler, param_groups
 
 
@@ -151,6 +153,9 @@ class TrainModule:
             # one data-parallel rank: DeepSpeed's all-reduce over it would only copy every gradient into a
             # flat buffer and back (tensor-parallel peers' replicated gradients are equal already)
             self.engine.enable_backward_allreduce = False
+        # forward and backward passes run in it: fp32 GEMMs for bf16 on CPUs without bf16 kernels (cpu_bf16.py)
+        self.matmuls = matmul_context(gemms_as_fp32(cfg.train.cpu_bf16_matmul, self.device,
+                                                    precision_dtype(cfg.precision), cfg.train.compile))
         # flash-attn's varlen metadata is built only where flash-attn may run
         self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
         self.grad_norm: torch.Tensor | None = None  # ZeRO-0: this step's, on the device
@@ -180,10 +185,11 @@ class TrainModule:
         lr = engine.get_lr()[0]  # (the schedule moves on in step())
         for i, batch in enumerate(host):
             inputs, labels, masks = self.to_device(batch)
-            loss = engine(**inputs, masks=masks, labels=labels, label_smoothing=self.cfg.train.label_smoothing)
-            loss_sum += loss.detach()
-            bad += (~torch.isfinite(loss.detach())).double()
-            engine.backward(loss * scale)
+            with self.matmuls():
+                loss = engine(**inputs, masks=masks, labels=labels, label_smoothing=self.cfg.train.label_smoothing)
+                loss_sum += loss.detach()
+                bad += (~torch.isfinite(loss.detach())).double()
+                engine.backward(loss * scale)
             if i < accum - 1:
                 engine.step()  # (not a boundary: DeepSpeed only counts the micro step)
         # the boundary: one reduction of the step's statistics, the one wait for the device in the step
@@ -236,7 +242,8 @@ class TrainModule:
         for index in eval_schedule(len(batches), self.dp_size, self.dp_rank):
             batch = batches[index or 0]
             inputs, labels, masks = self.to_device(batch)
-            loss = self.engine(**inputs, masks=masks, labels=labels)
+            with self.matmuls():
+                loss = self.engine(**inputs, masks=masks, labels=labels)
             if index is not None:
                 sums += torch.stack([loss.double(), (labels != IGNORE_INDEX).sum().double()])
         self.engine.train()

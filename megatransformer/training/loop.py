@@ -18,7 +18,7 @@ from megatransformer.config import RunConfig, dump_config
 from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
 from megatransformer.training import checkpoint as ckpt
-from megatransformer.training import elastic
+from megatransformer.training import cpu_bf16, elastic
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule, zero_stage_notes
 from megatransformer.training.metrics import Reporter, format_sample, peak_tflops, precision_dtype
@@ -97,6 +97,9 @@ class Trainer:
             dtype = precision_dtype(cfg.precision)
             print(describe_backend(cfg.model.attention_backend, torch.device(self.dist.device).type, dtype,
                                    cfg.model.attention_dropout, cfg.model.head_dim))
+            matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, cfg.train.compile)
+            if matmuls is not None:
+                print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
         report = Reporter(cfg, self.dist.is_main, self.state.step)

@@ -1,0 +1,94 @@
+"""bf16 matrix products on CPUs without bf16 GEMM kernels: computed as fp32 GEMMs of the bf16 operands.
+
+PyTorch runs bf16 GEMMs on a CPU with oneDNN where the CPU has AVX-512 (BW/VL/DQ; AVX512_BF16 and AMX
+natively) or Arm's BF16 extension. Elsewhere (AVX2-only x86: Zen 2/3, Intel client CPUs) ``mm`` and ``bmm``
+fall back to a generic loop. On a 2-core AVX2 EPYC with torch 2.13 a bf16 ``mm`` ran 7-9x and a ``bmm`` 35x
+slower than the fp32 one, and a bf16 training step of the benchmark model took 102 s against 2.9 s with this
+module (BENCHMARKS.md, section 5g).
+
+The product of two bf16 numbers is exact in fp32 (8-bit significands, a 16-bit product), so a bf16 GEMM
+with fp32 accumulation (what oneDNN and cuBLAS compute) is the fp32 GEMM of the upcast operands, up to the
+order of the sums, rounded once to bf16. :class:`Fp32Gemms` is a ``TorchDispatchMode`` that does exactly
+that for the GEMM operators on CPU bf16 tensors. It works below autograd, so the tensors autograd saves for
+the backward pass stay bf16 (memory is that of a bf16 run), the backward pass's GEMMs are covered too, and
+the model code knows nothing of it. Every other operator passes through untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import typing
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatransformer.config import TrainConfig
+
+CHOICES = typing.get_args(TrainConfig.model_fields["cpu_bf16_matmul"].annotation)  # ("auto", "fp32", "native")
+
+_aten = torch.ops.aten
+# the GEMM operators that linear, matmul, einsum and our attention cores and head lower to
+GEMMS = frozenset(getattr(packet, overload) for packet in (_aten.mm, _aten.bmm, _aten.addmm, _aten.baddbmm)
+                  for overload in ("default", "out"))
+GEMMS_IN_PLACE = {_aten.addmm_.default: _aten.addmm.default, _aten.baddbmm_.default: _aten.baddbmm.default}
+
+
+@functools.cache
+def native_bf16_gemm() -> bool:
+    """Whether PyTorch runs bf16 GEMMs on this CPU with oneDNN, rather than its generic fallback loop."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # (PyTorch's own test, 1.13+)
+    if check is not None:
+        return bool(check())
+    return torch.backends.cpu.get_cpu_capability() != "AVX2"  # unknown: keep PyTorch's kernels
+
+
+def _upcast(value):
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
+
+
+def _is_cpu_bf16(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 and value.device.type == "cpu"
+
+
+class Fp32Gemms(TorchDispatchMode):
+    """Runs the GEMMs of CPU bf16 tensors as fp32 GEMMs of the upcast operands, rounded once to bf16."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        in_place = GEMMS_IN_PLACE.get(func)
+        if (func in GEMMS or in_place is not None) and any(_is_cpu_bf16(a) for a in args):
+            out = args[0] if in_place is not None else kwargs.pop("out", None)
+            compute = in_place or func.overloadpacket.default
+            result = compute(*map(_upcast, args), **kwargs)
+            if out is None:
+                return result.to(torch.bfloat16)
+            return out.copy_(result)
+        return func(*args, **kwargs)
+
+
+def gemms_as_fp32(choice: str, device: torch.device | str, dtype: torch.dtype, compiled: bool = False) -> bool:
+    """Whether a run's bf16 GEMMs go through :class:`Fp32Gemms` (``train.cpu_bf16_matmul``)."""
+    if choice not in CHOICES:
+        raise ValueError(f"cpu_bf16_matmul {choice!r}: choose from {CHOICES}")
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or compiled or choice == "native":
+        return False  # (a compiled model's GEMMs are the compiler's choice)
+    return choice == "fp32" or not native_bf16_gemm()
+
+
+def matmul_context(enabled: bool) -> typing.Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context each forward and backward pass of a run runs in."""
+    return Fp32Gemms if enabled else contextlib.nullcontext
+
+
+def describe(choice: str, device: torch.device | str, dtype: torch.dtype, compiled: bool = False) -> str | None:
+    """The run log's line on how bf16 GEMMs run on a CPU (None on GPUs and in other precisions)."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return None
+    if gemms_as_fp32(choice, device, dtype, compiled):
+        why = "" if choice == "fp32" else " (this CPU has no bf16 GEMM kernels in PyTorch)"
+        return f"bf16 matmuls: fp32 GEMMs of the bf16 operands{why}; train.cpu_bf16_matmul={choice}"
+    if compiled and choice != "native":
+        return "bf16 matmuls: the compiled model's own (train.compile=true)"
+    slow = "" if native_bf16_gemm() else ", which on this CPU are a generic loop many times slower than fp32"
+    return f"bf16 matmuls: PyTorch's bf16 kernels{slow}; train.cpu_bf16_matmul={choice}"
