@@ -230,8 +230,9 @@ def test_fused_loss_on_cuda_equals_the_plain_head_in_less_memory():
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2**-7 * a.float().abs().max().item())
     assert fused_peak < plain_peak / 2, (fused_peak, plain_peak)
 
-def test_fused_loss_without_autograd_computes_no_gradients():
-    """Evaluation (no_grad) does one matmul per chunk, training three (logits, then both gradients)."""
+def test_fused_loss_computes_only_the_gradients_autograd_needs():
+    """Evaluation (no_grad) does one matmul per chunk, training three (logits, then both gradients), with a
+    frozen head two."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatransformer.model.head import linear_cross_entropy
@@ -251,6 +252,13 @@ def test_fused_loss_without_autograd_computes_no_gradients():
         with torch.set_grad_enabled(grad_enabled), CountMatmuls() as counter:
             loss = linear_cross_entropy(hidden, weight, labels, chunk_logits=40)
         assert counter.count == matmuls and loss.requires_grad == grad_enabled
+    # a frozen head: the hidden states' gradient only (two matmuls per chunk), the same as with both
+    expected = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, chunk_logits=40), hidden)[0]
+    with CountMatmuls() as counter:
+        loss = linear_cross_entropy(hidden, weight.detach(), labels, chunk_logits=40)
+    assert counter.count == 6
+    loss.backward()
+    assert torch.equal(hidden.grad, expected)
 
 
 def test_skipped_update_leaves_optimizer_and_schedule_untouched():

@@ -40,27 +40,28 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """``F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum", ...)``, chunk by chunk.
 
     ``hidden``: [N, d]; ``weight``: [V, d]; ``labels``: [N], ``IGNORE_INDEX`` where no loss is taken. Returns
-    the fp32 sum of the token losses; its gradient flows to ``hidden`` and ``weight``. Without autograd
-    (evaluation, ``torch.no_grad``) only the loss is computed.
+    the fp32 sum of the token losses; its gradient flows to ``hidden`` and ``weight``, whichever of them
+    requires one (a frozen head's weight gets none computed). Without autograd (evaluation,
+    ``torch.no_grad``) only the loss is computed.
     """
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, label_smoothing, chunk_logits)
-    return chunked_loss_and_grads(hidden, weight, labels, label_smoothing, chunk_logits, grads=False)[0]
+    return chunked_loss_and_grads(hidden, weight, labels, label_smoothing, chunk_logits)[0]
 
 
 def chunked_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
-                           chunk_logits: int, grads: bool
+                           chunk_logits: int, need_hidden_grad: bool = False, need_weight_grad: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The summed loss and, when ``grads``, its gradients with respect to ``hidden`` (in its dtype) and
-    ``weight`` (fp32), one chunk of ``chunk_logits`` logits at a time."""
+    """The summed loss and the gradients asked for, with respect to ``hidden`` (in its dtype) and ``weight``
+    (fp32), one chunk of ``chunk_logits`` logits at a time (None for a gradient not asked for)."""
     vocab = weight.shape[0]
     rows = max(1, chunk_logits // vocab)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if grads else None
+    grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
     # the weight's gradient is summed over chunks in fp32 (each chunk's product is rounded to the compute
     # dtype once: the plain head rounds the whole sum once, so bf16 weight gradients differ by about one
     # bf16 rounding per chunk, ~2^-9 relative; the hidden states' gradients are the plain head's)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
     for start in range(0, hidden.shape[0], rows):
         h, y = hidden[start:start + rows], labels[start:start + rows]
         logits = F.linear(h, weight).float()
@@ -71,7 +72,7 @@ def chunked_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         if label_smoothing:
             token_loss = (1 - label_smoothing) * token_loss + label_smoothing * (lse - logits.mean(dim=-1))
         loss += torch.where(keep, token_loss, 0.0).sum()
-        if not grads:
+        if grad_hidden is None and grad_weight is None:
             continue
         # d(loss)/d(logits) = softmax - (1 - eps) * onehot - eps / V, zero where no loss is taken
         grad_logits = logits.sub_(lse[:, None]).exp_()
@@ -79,7 +80,10 @@ def chunked_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         if label_smoothing:
             grad_logits.sub_(label_smoothing / vocab)
         grad_logits = grad_logits.mul_(keep[:, None]).to(h.dtype)
-        torch.mm(grad_logits, weight, out=grad_hidden[start:start + rows])
+        if grad_hidden is not None:
+            torch.mm(grad_logits, weight, out=grad_hidden[start:start + rows])
+        if grad_weight is None:
+            continue
         if h.dtype == grad_weight.dtype:
             grad_weight.addmm_(grad_logits.t(), h)  # (fp32: accumulated in place)
         else:
@@ -94,7 +98,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
                 chunk_logits: int) -> torch.Tensor:
         loss, grad_hidden, grad_weight = chunked_loss_and_grads(hidden, weight, labels, label_smoothing,
-                                                                chunk_logits, grads=True)
+                                                                chunk_logits, *ctx.needs_input_grad[:2])
         # (the weight's kept in fp32: scaled by the loss's gradient before its one rounding)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -104,4 +108,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         # (an fp32 0-dim factor: each product is rounded once, to the gradient's dtype)
-        return grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype), None, None, None
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_loss
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None
