@@ -246,7 +246,7 @@ class TrainConfig(Section):
     cpu_bf16_matmul: Literal["auto", "fp32", "native"] = "auto"
     """How a bf16 run's matrix products run on a CPU. auto: PyTorch's bf16 kernels where it has them for this
     CPU (oneDNN: AVX-512, AMX, Arm BF16), else fp32 GEMMs of the bf16 operands, which give the same products
-    and sums (a bf16 step on an AVX2-only CPU took 35x as long without them, BENCHMARKS.md 5g); fp32: always
+    and sums (a bf16 step on an AVX2-only CPU took 25x as long without them, BENCHMARKS.md 5g); fp32: always
     the latter; native: always PyTorch's bf16 kernels. Nothing changes on GPUs, in fp32 or with compile."""
     max_bad_steps: Annotated[int, Field(ge=1)] = 5
     """Consecutive non-finite losses after which the run checkpoints and stops."""

@@ -2,9 +2,9 @@
 
 PyTorch runs bf16 GEMMs on a CPU with oneDNN where the CPU has AVX-512 (BW/VL/DQ; AVX512_BF16 and AMX
 natively) or Arm's BF16 extension. Elsewhere (AVX2-only x86: Zen 2/3, Intel client CPUs) ``mm`` and ``bmm``
-fall back to a generic loop. On a 2-core AVX2 EPYC with torch 2.13 a bf16 ``mm`` ran 7-9x and a ``bmm`` 35x
-slower than the fp32 one, and a bf16 training step of the benchmark model took 102 s against 2.9 s with this
-module (BENCHMARKS.md, section 5g).
+fall back to a generic loop. On a 2-core AVX2 EPYC with torch 2.13 the bf16 GEMMs of a training step ran 6-134x
+slower (by the operands' layout) than fp32 GEMMs of the same operands (``bench/cpu_bf16.py``), and the trainer
+ran a bf16 step of the benchmark model 25x faster with this module (BENCHMARKS.md, section 5g).
 
 The product of two bf16 numbers is exact in fp32 (8-bit significands, a 16-bit product), so a bf16 GEMM
 with fp32 accumulation (what oneDNN and cuBLAS compute) is the fp32 GEMM of the upcast operands, up to the
