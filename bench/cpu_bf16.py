@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         ms = {}
         for way, operands, mode in zip(WAYS, (bf16, bf16, fp32), (contextlib.nullcontext, Fp32Gemms,
                                                                    contextlib.nullcontext)):
-            def run(operands=operands, mode=mode):
+            def run(operands=operands, mode=mode, product=product):
                 with mode():
                     product(*operands)
             ms[way] = timed(run, args.repeats) * 1e3

@@ -60,6 +60,7 @@ BAD_VALUES = [
     ("train.eval_batches=0", "train.eval_batches=0"),
     ("train.max_bad_steps=0", "train.max_bad_steps=0 must be >= 1"),  # used to stop after one good step
     ("train.host_memory=cache", "'train.host_memory': Input should be 'keep' or 'release' (got 'cache')"),
+    ("train.cpu_bf16_matmul=fast", "'train.cpu_bf16_matmul': Input should be 'auto', 'fp32' or 'native' (got 'fast')"),
     ("train.peak_tflops=-3", "train.peak_tflops=-3"),
     # optim
     ("optim.lr=-1", "optim.lr=-1 must be > 0"),
