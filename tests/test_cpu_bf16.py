@@ -34,8 +34,8 @@ class Ops(TorchDispatchMode):
                    if name in ("mm", "bmm", "addmm", "baddbmm", "addmm_", "baddbmm_") and dtype in dtypes)
 
 
-def rand(*shape: int, dtype=BF16) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))).to(dtype)
+def rand(*shape: int, dtype=BF16, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape) + seed)).to(dtype)
 
 
 GEMM_CASES = {
@@ -106,6 +106,34 @@ def test_autograd_keeps_bf16_tensors_and_its_backward_gemms_are_fp32():
     for got, want in ((x.grad, x64.grad), (layer.weight.grad, reference.weight.grad)):
         assert got.dtype == BF16
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_fused_cpu_attention_runs_in_fp32_and_is_at_least_as_close_to_float64():
+    """SDPA's CPU flash kernel (attention_backend=sdpa, transformers models): fp32 in, outputs rounded once;
+    its bf16 form rounds the probabilities to bf16 before their product with the values, this one does not."""
+    q, k, v = (rand(2, 4, 96, 32, seed=i).requires_grad_() for i in range(3))
+
+    def attend(*qkv):
+        return torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True)
+
+    results = []
+    for mode in (Fp32Gemms, contextlib.nullcontext):
+        below = Ops()
+        with below, mode():
+            out = attend(q, k, v)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        results.append((out, grads, below))
+    (out, grads, below), (native_out, native_grads, _) = results
+    fused = [(name, dtypes) for name, dtypes in below.calls if "attention" in name]
+    assert fused and all(BF16 not in dtypes for _, dtypes in fused)  # the bf16 kernel never ran
+    assert torch.equal(out, attend(*(x.detach().float() for x in (q, k, v))).to(BF16))
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out64 = attend(q64, k64, v64)
+    grads64 = torch.autograd.grad(out64.square().sum(), (q64, k64, v64))
+    for got, native, want in zip((out, *grads), (native_out, *native_grads), (out64, *grads64)):
+        assert got.dtype == BF16
+        error, native_error = ((x.double() - want).abs().max() / want.abs().max() for x in (got, native))
+        assert error <= native_error * 1.01 and error < 2e-2
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])

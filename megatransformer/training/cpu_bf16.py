@@ -11,7 +11,13 @@ with fp32 accumulation (what oneDNN and cuBLAS compute) is the fp32 GEMM of the 
 order of the sums, rounded once to bf16. :class:`Fp32Gemms` is a ``TorchDispatchMode`` that does exactly
 that for the GEMM operators on CPU bf16 tensors. It works below autograd, so the tensors autograd saves for
 the backward pass stay bf16 (memory is that of a bf16 run), the backward pass's GEMMs are covered too, and
-the model code knows nothing of it. Every other operator passes through untouched.
+the model code knows nothing of it.
+
+PyTorch's fused CPU attention (SDPA's flash kernel, ``attention_backend=sdpa`` without dropout, and what
+transformers models run) does its products with the same slow bf16 GEMMs (a forward and backward 6x its fp32
+form's time here); it runs in fp32 too, its outputs rounded once to bf16. That form keeps the softmax's
+probabilities in fp32 for their product with the values where the bf16 kernel rounds them to bf16 first: more
+precise, not bit-identical. Every other operator passes through untouched.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ _aten = torch.ops.aten
 GEMMS = frozenset(getattr(packet, overload) for packet in (_aten.mm, _aten.bmm, _aten.addmm, _aten.baddbmm)
                   for overload in ("default", "out"))
 GEMMS_IN_PLACE = {_aten.addmm_.default: _aten.addmm.default, _aten.baddbmm_.default: _aten.baddbmm.default}
+# fused attention -> which of its outputs are in the inputs' dtype (the forward's log-sum-exp is fp32 in any case)
+ATTENTION = {_aten._scaled_dot_product_flash_attention_for_cpu.default: (0,),
+             _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1, 2)}
 
 
 @functools.cache
@@ -52,10 +61,14 @@ def _is_cpu_bf16(value) -> bool:
 
 
 class Fp32Gemms(TorchDispatchMode):
-    """Runs the GEMMs of CPU bf16 tensors as fp32 GEMMs of the upcast operands, rounded once to bf16."""
+    """Runs the GEMMs (and fused CPU attention) of CPU bf16 tensors in fp32 on the upcast operands, rounded once
+    to bf16."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in ATTENTION and any(_is_cpu_bf16(a) for a in args):
+            outputs = func(*map(_upcast, args), **{k: _upcast(v) for k, v in kwargs.items()})
+            return tuple(o.to(torch.bfloat16) if i in ATTENTION[func] else o for i, o in enumerate(outputs))
         in_place = GEMMS_IN_PLACE.get(func)
         if (func in GEMMS or in_place is not None) and any(_is_cpu_bf16(a) for a in args):
             out = args[0] if in_place is not None else kwargs.pop("out", None)
