@@ -2,8 +2,8 @@
 
 The shapes are those of a training step of the issue-12 benchmark model (d512, FFN 1408, 8 heads of 64 over 4
 key/value heads, 4 x 512 tokens, the chunked attention core's 64-query chunks): a projection, its two backward
-GEMMs, and the attention core's score and value products. Each case alternates the three ways in one process;
-the figure is the median of ``--repeats`` timings.
+GEMMs, the attention core's score and value products, and SDPA's fused CPU attention (forward and backward). Each case
+alternates the three ways in one process; the figure is the median of ``--repeats`` timings.
 
     python bench/cpu_bf16.py
 """
@@ -33,8 +33,17 @@ CASES = {  # name -> (operand shapes, the product)
     "attention scores (bmm)": (((4 * 4, CHUNK * GROUPS, HEAD_DIM), (4 * 4, KEYS, HEAD_DIM)),
                                lambda q, k: torch.bmm(q, k.transpose(1, 2))),
     "attention values (bmm)": (((4 * 4, CHUNK * GROUPS, KEYS), (4 * 4, KEYS, HEAD_DIM)), torch.bmm),
+    "SDPA's fused CPU attention, forward + backward": (((4, 8, KEYS, HEAD_DIM),) * 3,
+                                                        lambda q, k, v: attention_step(q, k, v)),
 }
 WAYS = ("bf16 native", "bf16 as fp32 GEMMs", "fp32")
+
+
+def attention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Causal attention and its gradients, as in a training step."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
 
 def timed(fn, repeats: int) -> float:

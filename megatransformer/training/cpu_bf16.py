@@ -2,7 +2,7 @@
 
 PyTorch runs bf16 GEMMs on a CPU with oneDNN where the CPU has AVX-512 (BW/VL/DQ; AVX512_BF16 and AMX
 natively) or Arm's BF16 extension. Elsewhere (AVX2-only x86: Zen 2/3, Intel client CPUs) ``mm`` and ``bmm``
-fall back to a generic loop. On a 2-core AVX2 EPYC with torch 2.13 the bf16 GEMMs of a training step ran 6-134x
+fall back to a generic loop. On a 2-core AVX2 EPYC with torch 2.13 the bf16 GEMMs of a training step ran 7-186x
 slower (by the operands' layout) than fp32 GEMMs of the same operands (``bench/cpu_bf16.py``), and the trainer
 ran a bf16 step of the benchmark model 25x faster with this module (BENCHMARKS.md, section 5g).
 
@@ -14,7 +14,7 @@ the backward pass stay bf16 (memory is that of a bf16 run), the backward pass's 
 the model code knows nothing of it.
 
 PyTorch's fused CPU attention (SDPA's flash kernel, ``attention_backend=sdpa`` without dropout, and what
-transformers models run) does its products with the same slow bf16 GEMMs (a forward and backward 6x its fp32
+transformers models run) does its products with the same slow bf16 GEMMs (a forward and backward 5x its fp32
 form's time here); it runs in fp32 too, its outputs rounded once to bf16. That form keeps the softmax's
 probabilities in fp32 for their product with the values where the bf16 kernel rounds them to bf16 first: more
 precise, not bit-identical. Every other operator passes through untouched.
