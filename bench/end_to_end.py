@@ -33,9 +33,9 @@ the same shards, the same run config (``llama-style`` with the workload's overri
               ``run_clm``-style script that concatenates documents trains. Loss: fp32 cross-entropy over the
               logits (our labels are shifted already). The C library's malloc defaults and PyTorch's own bf16
               GEMMs, as a plain script has.
-  hf-keep     hf in a process set up as the trainer's is: freed host memory kept, bf16 GEMMs as
-              ``train.cpu_bf16_matmul=auto`` runs them: the same model-to-model comparison without the parts that
-              come from the process (the allocator, the CPU's GEMM kernels).
+  hf-keep     hf in a process set up as the trainer's is: freed host memory kept, bf16 GEMMs and fused
+              attention as ``train.cpu_bf16_matmul=auto`` runs them: the same model-to-model comparison without
+              the parts that come from the process (the allocator, the CPU's kernels).
 
 Every runner runs in its own fresh process for every round (the same threads, fresh memory); rounds alternate
 over all (precision, runner) pairs with the order reversed on odd rounds, after one untimed process, and a ratio
