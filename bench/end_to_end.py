@@ -411,8 +411,9 @@ def profile_trainer(args: argparse.Namespace, shards: Path, tokenizer: Path) -> 
         wall = time.perf_counter() - started
         return evaluate(self)
 
-    argv = ["train", "--config", CONFIG, *overrides(args, precision, TRAINERS[args.profile_runner][0], run_dir, shards,
-                                                    tokenizer, *TRAINERS[args.profile_runner][1:])]
+    zero_stage, host_memory, cpu_bf16_matmul = TRAINERS[args.profile_runner]
+    argv = ["train", "--config", CONFIG, *overrides(args, precision, zero_stage, run_dir, shards, tokenizer, host_memory,
+                                                    cpu_bf16_matmul)]
     log = run_dir.with_suffix(".log")
     with mock.patch.object(engine.TrainModule, "step", profiled_step), \
             mock.patch.object(Trainer, "evaluate", evaluate_unprofiled), \

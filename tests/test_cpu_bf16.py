@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,8 +191,18 @@ def test_the_run_log_says_how_bf16_gemms_run(monkeypatch):
     assert describe("auto", "cpu", BF16) == "bf16 matmuls: PyTorch's bf16 kernels; train.cpu_bf16_matmul=auto"
 
 
-def test_native_bf16_gemm_is_pytorchs_own_test():
-    assert cpu_bf16.native_bf16_gemm() is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+@pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").is_file(),
+                    reason="reads the x86 CPU flags from /proc/cpuinfo (Linux); other machines use PyTorch's test alone")
+def test_bf16_gemm_kernels_are_found_where_the_cpu_has_avx512_and_not_on_plain_avx2():
+    """oneDNN's bf16 GEMMs need AVX-512 BW, VL and DQ (AVX512_BF16 / AMX run them natively), or, on recent
+    AVX2-only Intel CPUs, AVX-NE-CONVERT."""
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    if all(f in flags for f in ("avx512bw", "avx512vl", "avx512dq")):
+        assert cpu_bf16.native_bf16_gemm()
+    elif not any(f.startswith(("avx512", "avx_ne_convert", "amx")) for f in flags):
+        assert not cpu_bf16.native_bf16_gemm()
+    else:
+        pytest.skip(f"a partial AVX-512 or AVX-NE-CONVERT CPU: oneDNN decides ({cpu_bf16.native_bf16_gemm()} here)")
 
 
 def test_an_unknown_choice_is_refused():  # (in a config: tests/test_config_values.py)

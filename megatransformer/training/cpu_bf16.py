@@ -1,7 +1,7 @@
 """bf16 matrix products on CPUs without bf16 GEMM kernels: computed as fp32 GEMMs of the bf16 operands.
 
 PyTorch runs bf16 GEMMs on a CPU with oneDNN where the CPU has AVX-512 (BW/VL/DQ; AVX512_BF16 and AMX
-natively) or Arm's BF16 extension. Elsewhere (AVX2-only x86: Zen 2/3, Intel client CPUs) ``mm`` and ``bmm``
+natively), AVX-NE-CONVERT (recent Intel client CPUs) or Arm's BF16 extension. Elsewhere (AVX2-only x86: Zen 2/3, Intel client CPUs) ``mm`` and ``bmm``
 fall back to a generic loop. On a 2-core AVX2 EPYC with torch 2.13 the bf16 GEMMs of a training step ran 7-186x
 slower (by the operands' layout) than fp32 GEMMs of the same operands (``bench/cpu_bf16.py``), and the trainer
 ran a bf16 step of the benchmark model 25x faster with this module (BENCHMARKS.md, section 5g).
