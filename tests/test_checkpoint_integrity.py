@@ -334,11 +334,17 @@ def test_a_torn_last_metrics_line_is_dropped_a_bad_middle_line_is_an_error(tmp_p
         truncate_metrics(path, after_step=2)
 
 
+def saved_run_config(run: Path, resume: str):
+    """The run's own config (its model shape), resuming from ``resume``."""
+    return ckpt.saved_config(run / "checkpoints" / NEW).model_copy(update={"run_dir": str(run), "resume": resume})
+
+
 def test_a_resume_is_decided_reading_each_file_once(run, monkeypatch):
+    cfg = saved_run_config(run, "auto")
     reads: list[str] = []
     read_text = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self.name) or read_text(self, *a, **k))
-    plan = plan_resume(resume_cfg(run, "auto"), world_size=1, device_type="cpu", tokenizer_sha256=None)
+    plan = plan_resume(cfg, world_size=1, device_type="cpu", tokenizer_sha256=None)
     assert plan.path == run / "checkpoints" / NEW and plan.state.step == 4 and plan.elastic is None
     assert reads.count("trainer.json") == 1 and reads.count("config.yaml") == 1, reads
 
@@ -353,7 +359,7 @@ def test_trainer_state_values_are_checked(run, field, value, error):
     state = run / "checkpoints" / NEW / "trainer.json"
     state.write_text(json.dumps({**json.loads(state.read_text()), field: value}))
     ckpt.write_manifest(state.parent)  # (a consistent manifest: what is refused is the value)
-    cfg = resume_cfg(run, str(state.parent))
+    cfg = saved_run_config(run, str(state.parent))
     assert resolve_resume(cfg) == state.parent  # (the files are intact)
     with pytest.raises(ConfigError, match=re.escape(error)):
         plan_resume(cfg, world_size=1, device_type="cpu", tokenizer_sha256=None)
