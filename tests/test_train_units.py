@@ -352,7 +352,7 @@ def test_rng_state_round_trip():
 
     import numpy as np
 
-    from megatransformer.training.checkpoint import rng_state, set_rng_state
+    from megatransformer.training.rng import rng_state, set_rng_state
 
     state = rng_state()
     first = (random.random(), float(np.random.rand()), float(torch.rand(1)))

@@ -66,7 +66,6 @@ import json
 import re
 import os
 import pickle
-import random
 import shutil
 import sys
 from collections.abc import Callable, Sequence
@@ -74,13 +73,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
 
 from megatransformer.config import ConfigError, ModelConfig, RunConfig, dump_config, validate
 from megatransformer.model.tp_plan import partition_dim
+from megatransformer.training.rng import rng_state, set_rng_state
 
 COMPLETE = "COMPLETE"
 WEIGHTS = "model.safetensors"
@@ -369,31 +368,6 @@ class TrainerState:
     world_size: int
     tensor_parallel: int
     zero_stage: int
-
-
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "python": repr(random.getstate()),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import ast
-
-    random.setstate(_tupleize(ast.literal_eval(state["python"])))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tupleize(value):
-    return tuple(_tupleize(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def full_state_dict(engine, cfg: RunConfig) -> dict[str, torch.Tensor] | None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.model.tp_plan import partition_dim
 from megatransformer.training import checkpoint as ckpt
+from megatransformer.training.rng import set_rng_state
 from megatransformer.training.batching import BatchSizes, resolve_batch_sizes
 from megatransformer.training.engine import engine_zero_stage
 
@@ -206,7 +207,7 @@ def load_elastic(engine, cfg: RunConfig, plan: ElasticResume, tokenizer_sha256: 
         engine.lr_scheduler.load_state_dict(scheduler)
         for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
             group["lr"] = lr  # (a scheduler's load sets its own fields, not the optimizer's)
-    ckpt.set_rng_state(old_ranks[0]["rng"])
+    set_rng_state(old_ranks[0]["rng"])
     state = ckpt.TrainerState(**{**saved.__dict__, "world_size": dist.get_world_size(), "tensor_parallel": tp,
                                  "zero_stage": engine.zero_optimization_stage()})
     return state, [r["loader"] for r in old_ranks]
