@@ -31,6 +31,7 @@ from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
 from megatransformer.training.metrics import precision_dtype
 from megatransformer.training.optim import make_scheduler, param_groups
+from megatransformer.training.tp_input_check import check_batch_without_masks
 
 
 def engine_zero_stage(cfg: RunConfig, dp_size: int, device_type: str) -> int:
@@ -142,6 +143,7 @@ class TrainModule:
                                                lr_scheduler=make_scheduler(cfg))
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
+            check_batch_without_masks(self.engine)
         if cfg.train.compile:
             self.engine.compile()
         self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank
