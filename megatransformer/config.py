@@ -11,11 +11,14 @@ from __future__ import annotations
 import difflib
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
                       ValidationError, model_validator)
+
+if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
+    import torch
 
 
 class ConfigError(ValueError):
@@ -533,3 +536,10 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 def dump_config(cfg: Section) -> str:
     """The resolved config as YAML, in field order (what run directories store)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The compute dtype of a run's ``precision`` (fp32 | bf16 | fp16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]

@@ -14,13 +14,13 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.attention.varlen
+from test_alibi import packed_batch, tiny
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from megatransformer.batch import IGNORE_INDEX
 from megatransformer.model import attention, build_model, masks
 from megatransformer.training import engine
-from test_alibi import packed_batch, tiny
 
 CUDA = torch.device("cuda")
 

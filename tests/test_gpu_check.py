@@ -92,6 +92,6 @@ def test_cuda_sync_counter_counts_cudas_sync_warnings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
     with CudaSyncCounter() as syncs:
         for _ in range(3):  # what CUDA's sync debug mode raises at each synchronising call
-            warnings.warn("called a synchronizing CUDA operation", UserWarning)
-        warnings.warn("something else", UserWarning)
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
     assert syncs.total == 3 and modes == ["warn", "default"]

@@ -7,10 +7,10 @@ import re
 from pathlib import Path
 
 import torch
+from test_flash_decomposition import SELF_MASKS, qkv, values_and_grads
 
 from megatransformer.model import attention
 from megatransformer.model.attention import eager_core, flash_core
-from test_flash_decomposition import SELF_MASKS, qkv, values_and_grads
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,17 +9,17 @@ on); the ``gpu``-marked test runs the real kernel.
 
 from __future__ import annotations
 
+import flash_reference
 import pytest
 import torch
 import torch.nn.attention.varlen
+from test_flash_decomposition import SELF_MASKS, assert_close_in_bf16, assert_same, qkv, rows, values_and_grads
 
-import flash_reference
 from megatransformer.model import attention
 from megatransformer.model.attention import eager_core
 from megatransformer.model.masks import AttentionMask, cross_attention_mask, self_attention_mask
 from megatransformer.model.positions import Alibi
 from megatransformer.model.varlen import torch_varlen_core
-from test_flash_decomposition import SELF_MASKS, assert_close_in_bf16, assert_same, qkv, rows, values_and_grads
 
 VARLEN_MASKS = {name: make for name, make in SELF_MASKS.items() if not make().is_simple}
 

@@ -42,9 +42,8 @@ FIRST_STEPS = textwrap.dedent('''
     module = TrainModule(cfg, info)
     data = batches(128, 2, 32, prefix=True)
     losses = [module.step(data).loss for _ in range(2)]
-    print(json.dumps({"rank": info.rank, "seen": seen, "losses": losses,
-                      "check_left": module.engine.first_dataloader_check.id in module.engine.module._forward_pre_hooks}),
-          flush=True)
+    check_left = module.engine.first_dataloader_check.id in module.engine.module._forward_pre_hooks
+    print(json.dumps({"rank": info.rank, "seen": seen, "losses": losses, "check_left": check_left}), flush=True)
 ''')
 
 

@@ -5,7 +5,7 @@ flash kernel over the flattened batch, and the core on PyTorch's own kernel
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

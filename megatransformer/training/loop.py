@@ -8,20 +8,22 @@ from __future__ import annotations
 
 import math
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from megatransformer.config import RunConfig, dump_config
+from megatransformer import checkpoint as ckpt
+from megatransformer.config import RunConfig, dump_config, precision_dtype
 from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
-from megatransformer.training import checkpoint as ckpt
-from megatransformer.training import cpu_bf16, elastic
+from megatransformer.training import cpu_bf16
+from megatransformer.training.data import build_run_loader
 from megatransformer.training.distributed import Dist
-from megatransformer.training.engine import TrainModule, zero_stage_notes
-from megatransformer.training.metrics import Reporter, format_sample, peak_tflops, precision_dtype
+from megatransformer.training.engine import TrainModule
+from megatransformer.training.layout import zero_stage_notes
+from megatransformer.training.metrics import Reporter, peak_tflops
+from megatransformer.training.resume import plan_resume
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
@@ -42,46 +44,34 @@ class Preemption:
 class Trainer:
     def __init__(self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None,
                  preemption: Preemption | None = None) -> None:
-        from megatransformer.training.data import build_loader
-
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
-        self.resume_path = ckpt.resolve_resume(cfg)
-        # on another layout the engine is built from the checkpoint's weights (a changed batch refused here)
-        self.elastic = elastic.plan_resume(cfg, self.resume_path, dist_info.world_size,
-                                           torch.device(dist_info.device).type)
-        if self.elastic is not None:
-            init_state = self.elastic.weights
+        # decided before the engine: on another layout it is built from the checkpoint's weights
+        self.resume = plan_resume(cfg, dist_info.world_size, torch.device(dist_info.device).type, tokenizer.sha256)
+        if self.resume is not None and self.resume.elastic is not None:
+            init_state = self.resume.elastic.weights
         self.module = TrainModule(cfg, dist_info, init_state)
-        self.engine = self.module.engine  # (checkpoints hold DeepSpeed's engine states)
         micro = self.module.sizes.micro
         pin = dist_info.device.startswith("cuda")  # batches in page-locked memory: copies that do not wait
-        self.train_loader = build_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer,
-                                         pin_memory=pin)
-        self.valid_loader = build_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
+        self.train_loader = build_run_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size,
+                                             tokenizer, pin_memory=pin)
+        self.valid_loader = build_run_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
         next(iter(self.valid_loader))  # a validation split smaller than one batch fails now, not after training
-        self.state = ckpt.TrainerState(0, 0, 0, tokenizer.sha256, dist_info.world_size,
-                                       cfg.parallel.tensor_parallel, self.module.zero_stage)
+        self.state = ckpt.TrainerState(step=0, tokens=0, bad_steps=0, tokenizer_sha256=tokenizer.sha256,
+                                       world_size=dist_info.world_size, tensor_parallel=cfg.parallel.tensor_parallel,
+                                       zero_stage=self.module.zero_stage)
         self.preemption = preemption or Preemption()
 
     # ------------------------------------------------------------------------------------ the run
 
     def resume_or_start(self) -> None:
         cfg = self.cfg
-        path = self.resume_path
-        if self.elastic is not None:
-            self.state, loader_states = elastic.load_elastic(self.engine, cfg, self.elastic, self.tokenizer.sha256,
-                                                             self.module.tp_rank)
-            self.train_loader.load_state_dict(loader_states)
-            if self.dist.is_main:
-                print(self.elastic.describe(cfg, self.dist.world_size))
-            self.elastic.weights = {}  # (no second copy of the model kept for the run)
-        elif path is not None:
-            self.state, loader_state = ckpt.load_checkpoint(self.engine, cfg, path, self.tokenizer.sha256)
+        if self.resume is not None:
+            self.state, loader_state = self.module.load(self.resume)
             self.train_loader.load_state_dict(loader_state)
             if self.dist.is_main:
-                print(f"resumed from {path} at step {self.state.step} ({self.state.tokens:,} tokens seen)")
+                print(self.resume.describe(cfg, self.dist.world_size))
         elif self.dist.is_main and cfg.resume == "auto":
-            print(f"resume=auto: no complete checkpoint in {ckpt.checkpoint_root(cfg)}, starting fresh")
+            print(f"resume=auto: no complete checkpoint in {ckpt.checkpoints_dir(cfg.run_dir)}, starting fresh")
         if self.dist.is_main:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.run_dir) / "config.yaml").write_text(dump_config(cfg))
@@ -151,8 +141,7 @@ class Trainer:
         return exit_code
 
     def save(self) -> Path:
-        return ckpt.save_checkpoint(self.engine, self.cfg, self.state, self.train_loader.state_dict(),
-                                    self.cfg.data.tokenizer)
+        return self.module.save(self.state, self.train_loader.state_dict())
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss over the first train.eval_batches batches of the validation split (every rank
@@ -167,16 +156,3 @@ def device_memory(device: str) -> dict[str, float]:
         return {}
     return {"max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
-
-def print_sample(cfg: RunConfig, weights_dir: Path, tokenizer, max_new_tokens: int = 40) -> None:
-    """Greedy continuation of train.sample_prompt with the final weights (decoder models)."""
-    from megatransformer.inference import load_for_inference
-    from megatransformer.model import generate
-
-    if not cfg.train.sample_prompt or cfg.model.arch != "decoder":
-        return
-    model = load_for_inference(weights_dir).model
-    prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)])
-    new = generate(model, prompt, max_new_tokens, temperature=0.0, eos_id=tokenizer.eos_id)
-    print(format_sample(cfg.train.sample_prompt, tokenizer.decode(new[0].tolist(), skip_special=True)))
-    sys.stdout.flush()

@@ -105,7 +105,7 @@ def _shard(args: argparse.Namespace) -> int:
 @_guard
 def _inspect(args: argparse.Namespace) -> int:
     from data_pipeline.inspect import inspect_batches
-    from megatransformer.config import load_config  # the run config is the command line's, not the pipeline's
+    from megatransformer.config import load_config
     from megatransformer.training.data import loader_settings
 
     cfg = load_config(args.config, args.overrides)
