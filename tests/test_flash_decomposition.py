@@ -212,13 +212,3 @@ def test_real_flash_attn_equals_eager_for_every_mask(name):
     flash = values_and_grads(flash_core, q, k, v, mask)
     eager = values_and_grads(eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask)
     assert_close_in_bf16(flash, eager)
-
-
-def test_masks_compare_by_their_rule_for_autotp_input_checks():
-    """DeepSpeed's AutoTP compares tensor-parallel peers' first inputs (the masks among them) with ``!=``."""
-    ids = torch.zeros(B, T, dtype=torch.long)
-    batch = {"input_ids": ids, "segment_ids": PACKED, "prefix_len": per_document_prefix(PACKED, [[2, 6, 1], [7, 0]])}
-    built, again = batch_masks("decoder", batch, varlen=True), batch_masks("decoder", batch)
-    assert built == again and not (built != again)
-    other = batch_masks("decoder", {**batch, "segment_ids": LEADING_PAD})
-    assert built != other
