@@ -107,8 +107,9 @@ class ModelConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
     attention_backend: Literal["auto", "sdpa", "flex", "flash", "eager", "chunked"] = "auto"
-    """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows, else sdpa;
-    CPU: chunked, or sdpa with attention dropout); sdpa: PyTorch scaled_dot_product_attention; flex:
+    """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows; without
+    it PyTorch's varlen_attn for packed documents, prefix-LM and packed cross-attention (no attention dropout,
+    no ALiBi); else sdpa; CPU: chunked, or sdpa with attention dropout); sdpa: PyTorch scaled_dot_product_attention; flex:
     FlexAttention block masks; flash: flash-attn (CUDA); eager: plain matmul-softmax reference; chunked: exact
     attention in query chunks with recomputation (fastest for CPU training, memory linear in sequence length
     for every mask; see BENCHMARKS.md)."""

@@ -35,6 +35,7 @@ from megatransformer.training.distributed import Dist
 from megatransformer.training.layout import BatchSizes, engine_zero_stage, resolve_batch_sizes
 from megatransformer.training.optim import make_scheduler, param_groups
 from megatransformer.training.resume import ResumePlan
+from megatransformer.training.tp_input_check import check_batch_without_masks
 
 
 def deepspeed_layer_specs(plan: dict[str, str] = TP_PLAN) -> list[dict]:
@@ -120,6 +121,7 @@ class TrainModule:
                                                lr_scheduler=make_scheduler(cfg))
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
+            check_batch_without_masks(self.engine)
         if cfg.train.compile:
             self.engine.compile()
         self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank

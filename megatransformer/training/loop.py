@@ -86,7 +86,7 @@ class Trainer:
         if self.dist.is_main:
             dtype = precision_dtype(cfg.precision)
             print(describe_backend(cfg.model.attention_backend, torch.device(self.dist.device).type, dtype,
-                                   cfg.model.attention_dropout, cfg.model.head_dim))
+                                   cfg.model.attention_dropout, cfg.model.head_dim, cfg.model.position == "alibi"))
             matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, cfg.train.compile)
             if matmuls is not None:
                 print(matmuls)
