@@ -51,7 +51,7 @@ need terabytes (the run would die allocating it, with a traceback)."""
 
 class RopeScaling(Section):
     """Rotary frequencies stretched for a context longer than the one trained, with transformers' formulas
-    (``modeling_rope_utils``) and key names."""
+    (``modeling_rope_utils``) and key names. A field of another type than ``type`` is refused."""
 
     type: Literal["linear", "dynamic", "yarn", "llama3"]
     """linear: positions divided by factor (position interpolation); dynamic: NTK-aware base growth for
@@ -62,33 +62,47 @@ class RopeScaling(Section):
     """How many times longer the context becomes (1 leaves the frequencies unchanged)."""
     original_max_seq_len: PositiveInt | None = None
     """yarn, llama3: the context length the model was trained with before extension (required)."""
-    beta_fast: PositiveFloat = 32.0
-    """yarn: rotations per original context above which a frequency is extrapolated (kept)."""
-    beta_slow: PositiveFloat = 1.0
-    """yarn: rotations per original context below which a frequency is interpolated (divided by factor)."""
+    beta_fast: PositiveFloat | None = None
+    """yarn (default 32): rotations per original context above which a frequency is extrapolated (kept)."""
+    beta_slow: PositiveFloat | None = None
+    """yarn (default 1): rotations per original context below which a frequency is interpolated (divided by
+    factor)."""
     attention_factor: PositiveFloat | None = None
     """yarn: scale of cos/sin (so of attention logits, squared); default 0.1 * ln(factor) + 1."""
-    truncate: bool = True
-    """yarn: round the blend's frequency band to whole dimensions."""
-    low_freq_factor: PositiveFloat = 1.0
-    """llama3: wavelengths above original_max_seq_len / low_freq_factor are divided by factor."""
-    high_freq_factor: PositiveFloat = 4.0
-    """llama3: wavelengths below original_max_seq_len / high_freq_factor are kept; those between blend."""
+    truncate: bool | None = None
+    """yarn (default true): round the blend's frequency band to whole dimensions."""
+    low_freq_factor: PositiveFloat | None = None
+    """llama3 (default 1): wavelengths above original_max_seq_len / low_freq_factor are divided by factor."""
+    high_freq_factor: PositiveFloat | None = None
+    """llama3 (default 4): wavelengths below original_max_seq_len / high_freq_factor are kept; those between
+    blend."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            defaults = _ROPE_SCALING_DEFAULTS.get(data.get("type"), {})
+            data = {**defaults, **{k: v for k, v in data.items() if v is not None or k not in defaults}}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> RopeScaling:
-        owners = {"original_max_seq_len": ("yarn", "llama3"), "beta_fast": ("yarn",), "beta_slow": ("yarn",),
-                  "attention_factor": ("yarn",), "truncate": ("yarn",), "low_freq_factor": ("llama3",),
-                  "high_freq_factor": ("llama3",)}
-        for name in sorted(self.model_fields_set & owners.keys()):
-            _require(self.type in owners[name],
-                     f"model.rope_scaling.{name} is for type {' or '.join(owners[name])}, not type={self.type}")
+        for name, types in _ROPE_SCALING_FIELDS.items():
+            _require(getattr(self, name) is None or self.type in types,
+                     f"model.rope_scaling.{name} is for type {' or '.join(types)}, not type={self.type}")
         _require(self.type not in ("yarn", "llama3") or self.original_max_seq_len is not None,
                  f"model.rope_scaling.type={self.type} needs original_max_seq_len (the trained context length)")
         _require(self.type != "llama3" or self.high_freq_factor > self.low_freq_factor,
                  f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
                  f"low_freq_factor={self.low_freq_factor}")
         return self
+
+
+_ROPE_SCALING_FIELDS = {"original_max_seq_len": ("yarn", "llama3"), "beta_fast": ("yarn",), "beta_slow": ("yarn",),
+                        "attention_factor": ("yarn",), "truncate": ("yarn",), "low_freq_factor": ("llama3",),
+                        "high_freq_factor": ("llama3",)}
+_ROPE_SCALING_DEFAULTS = {"yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True},
+                          "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0}}
 
 
 class ModelConfig(Section):

@@ -10,6 +10,7 @@ import torch
 import flash_reference
 from megatransformer.batch import PAD_SEGMENT
 from megatransformer.config import ConfigError, ModelConfig, load_config
+from megatransformer.flops import model_size
 from megatransformer.model import attention, build_model, chunked_attention
 from megatransformer.model.attention import BACKENDS, eager_core
 from megatransformer.model.generate import generate
@@ -202,3 +203,9 @@ def test_real_flash_attn_window_equals_eager(name):
     q, k, v = qkv(q_len, k_len, 2, "cuda", torch.bfloat16)
     assert_close(values_and_grads(attention.flash_core, q, k, v, mask),
                  values_and_grads(eager_core, q, k, v, mask), atol=2e-2)
+
+
+def test_flops_count_the_keys_inside_the_window():
+    for arch, keys in (("decoder", WINDOW), ("encoder", 2 * WINDOW - 1)):
+        full, local = (model_size(small(arch, "auto", window), 64).flops_per_token for window in (None, WINDOW))
+        assert full - local == pytest.approx(3 * 4 * (64 - keys) * 32 * 2)  # d_model 32, 2 layers

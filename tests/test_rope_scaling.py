@@ -8,8 +8,9 @@ import json
 
 import pytest
 import torch
+import yaml
 
-from megatransformer.config import ConfigError, ModelConfig, load_config
+from megatransformer.config import ConfigError, ModelConfig, dump_config, load_config, validate
 from megatransformer.hf import GPT2, LLAMA, MISTRAL, hf_incompatibility, llama_config, load_hf_dir, save_hf_dir
 from megatransformer.model import build_model
 from megatransformer.model.rope_scaling import rotary
@@ -63,6 +64,12 @@ def test_rope_scaling_config_is_checked_by_type():
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
+
+
+@pytest.mark.parametrize("name", SCALINGS)
+def test_rope_scaling_survives_the_run_directorys_config_yaml(name):
+    cfg = load_config(None, [f"model.rope_scaling={json.dumps(SCALINGS[name])}", "model.attention_window=64"])
+    assert validate(yaml.safe_load(dump_config(cfg))) == cfg
 
 
 @pytest.mark.parametrize("name", ["linear", "yarn", "llama3"])
