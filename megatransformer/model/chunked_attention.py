@@ -45,7 +45,7 @@ def _rows(x: torch.Tensor, start: int, end: int, scale: float | None = None) -> 
 
 
 def _scores(q_rows: torch.Tensor, keys: torch.Tensor, mask: AttentionMask, alibi: Alibi | None, q_len: int,
-            batch: int, start: int, end: int, key_start: int = 0) -> torch.Tensor:
+            batch: int, start: int, end: int, key_start: int) -> torch.Tensor:
     """Scores of one chunk against keys key_start:key_start + len(keys), [B * KV, C * G, K], ALiBi's bias
     added, disallowed entries at -inf."""
     scores = torch.bmm(q_rows, keys.transpose(1, 2))
