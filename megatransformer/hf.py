@@ -360,7 +360,7 @@ def save_hf_dir(
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Llama or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our names."""
+    """Read a Llama, Mistral or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our names."""
     from safetensors.torch import load_file
 
     config_path = Path(path) / "config.json"
