@@ -1,7 +1,8 @@
 """The one command that verifies a GPU machine: ``python bench/gpu_check.py [--out DIR]``.
 
 1. flash-attn against ``eager`` for every mask (causal, bidirectional, prefix-LM per row and per document,
-   packed documents, padding, packed cross-attention, KV cache): the ``gpu``-marked tests, real kernels.
+   packed documents, padding, packed cross-attention, KV cache; each with a sliding window): the
+   ``gpu``-marked tests, real kernels.
    The loss fused into the head against the plain head, bf16 at vocabulary 32000 (a ``gpu``-marked test).
 2. Host syncs and collective devices of one optimizer step on CUDA (``bench/step_probe.py``).
 3. A short packed bf16 training run through the real trainer (``megatransformer quickstart`` with a larger
@@ -89,9 +90,11 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "deepspeed": deepspeed.__version__, "flash_attn": flash_attn.__version__,
               "flash_vs_eager": gpu_tests("tests/test_flash_decomposition.py"),
+              "flash_window_vs_eager": gpu_tests("tests/test_attention_window.py"),
               "fused_loss": gpu_tests("tests/test_train_units.py"), "step_probe": step_probe(),
               "training": training(out)}
-    report["ok"] = all(report[k]["ok"] for k in ("flash_vs_eager", "fused_loss", "step_probe", "training"))
+    checks = ("flash_vs_eager", "flash_window_vs_eager", "fused_loss", "step_probe", "training")
+    report["ok"] = all(report[k]["ok"] for k in checks)
     text = json.dumps(report, indent=2)
     (out / "gpu_check.json").write_text(text + "\n")
     print(text)

@@ -50,7 +50,7 @@ def values_and_grads(core, q, k, v, mask: AttentionMask, alibi: Alibi | None = N
 
 
 def assert_close(got, want, atol=2e-6):
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+    for name, a, b in zip(("out", "dq", "dk", "dv")[-len(got):], got, want):
         assert torch.allclose(a.float(), b.float(), atol=atol), (name, (a.float() - b.float()).abs().max())
 
 
@@ -201,8 +201,10 @@ def test_real_flash_attn_window_equals_eager(name):
     mask, q_len, k_len = MASKS[name]()
     mask = mask.with_window(WINDOW).to("cuda")
     q, k, v = qkv(q_len, k_len, 2, "cuda", torch.bfloat16)
-    assert_close(values_and_grads(attention.flash_core, q, k, v, mask),
-                 values_and_grads(eager_core, q, k, v, mask), atol=2e-2)
+    flash = values_and_grads(attention.flash_core, q, k, v, mask)
+    eager = values_and_grads(eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask)
+    assert torch.allclose(flash[0].float(), eager[0], atol=2e-2)
+    assert_close(flash[1:], eager[1:], atol=5e-2)
 
 
 def test_flops_count_the_keys_inside_the_window():
