@@ -135,6 +135,28 @@ def test_a_sliding_window_exports_to_mistral_with_the_same_logits(tmp_path, scal
     assert_exported_logits_match(tmp_path, cfg, MISTRAL, 30)
 
 
+def test_dynamic_scaling_decodes_with_a_kv_cache_as_transformers_does(tmp_path):
+    """Past max_seq_len each decoding step rotates its query and key with the base of its own length while
+    the cached keys keep theirs: transformers' cached decoding, step by step, beyond 32 positions."""
+    cfg = llama_style(rope_scaling=SCALINGS["dynamic"])
+    torch.manual_seed(0)
+    ours = randomized(build_model(cfg)).eval()
+    save_hf_dir(tmp_path / "hf", cfg, ours.state_dict())
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    caches = ours.new_caches(2, 48)
+    with torch.no_grad():
+        want = theirs(ids[:, :24], use_cache=True)
+        got = [ours(ids[:, :24], caches=caches)[:, -1]]
+        past, expected = want.past_key_values, [want.logits[:, -1]]
+        for i in range(24, 48):
+            step = theirs(ids[:, i:i + 1], past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            expected.append(step.logits[:, -1])
+            got.append(ours(ids[:, i:i + 1], caches=caches)[:, -1])
+    assert (torch.stack(got) - torch.stack(expected)).abs().max().item() < 1e-5
+
+
 def test_a_window_without_a_family_is_refused_with_each_reason():
     gpt2 = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=160, vocab_size=211, max_seq_len=64, norm="layernorm",
                        position="learned", ffn="gelu", bias=True, attention_window=8)
