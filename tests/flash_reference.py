@@ -7,6 +7,10 @@ corner (flash-attn >= 2.1): query j of a sequence sees keys up to j + (len_k - l
 key (an empty key sequence, or above the diagonal when len_q > len_k) gets zeros. ``flash_attn_func`` is the
 same over equal-length rows ([B, T, H, D]).
 
+``window_size=(left, right)`` (-1: unbounded): query j of a sequence sees only keys within
+``[j + len_k - len_q - left, j + len_k - len_q + right]``, the same bottom-right alignment, on top of
+``causal``.
+
 ``alibi_slopes`` (fp32 [H], or [n, H] with one row per sequence): flash-attn's docstring adds
 ``-alibi_slope * |i + seqlen_k - seqlen_q - j|`` to the score of query i and key j of a sequence. Its kernel
 (``csrc/flash_attn/src/alibi.h`` and ``mask.h``) subtracts exactly that, absolute value included, when not
@@ -24,7 +28,8 @@ import torch
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, alibi_slopes=None, **unsupported):
+                           softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
+                           **unsupported):
     assert not unsupported and dropout_p == 0.0
     if alibi_slopes is not None:
         assert alibi_slopes.dtype == torch.float32 and alibi_slopes.shape[-1] == q.shape[1]
@@ -49,12 +54,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         scores = qi @ ki.transpose(-1, -2) * scale
         rows = torch.arange(qe - qs, device=q.device).view(-1, 1)
         cols = torch.arange(ke - ks, device=q.device).view(1, -1)
+        diagonal = rows + (ke - ks) - (qe - qs)  # bottom-right aligned: each query's own key
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
-            distance = (rows + (ke - ks) - (qe - qs) - cols).abs()
-            scores = scores - slopes.view(-1, 1, 1) * distance
+            scores = scores - slopes.view(-1, 1, 1) * (diagonal - cols).abs()
+        allowed = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=q.device)
         if causal:
-            allowed = cols <= rows + (ke - ks) - (qe - qs)
+            allowed &= cols <= diagonal
+        if window_size[0] >= 0:
+            allowed &= cols >= diagonal - window_size[0]
+        if window_size[1] >= 0:
+            allowed &= cols <= diagonal + window_size[1]
+        if not allowed.all():
             scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.nan_to_num(scores.softmax(-1), nan=0.0) * allowed.any(-1, keepdim=True)
         else:
@@ -63,13 +74,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return torch.cat(pieces) if pieces else q.new_zeros(q.shape)
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, alibi_slopes=None, **unsupported):
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    alibi_slopes=None, **unsupported):
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
     cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
     cu_k = torch.arange(0, (batch + 1) * k_len, k_len, dtype=torch.int32, device=q.device)
     out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, q_len, k_len,
-                                 dropout_p, softmax_scale, causal, alibi_slopes, **unsupported)
+                                 dropout_p, softmax_scale, causal, window_size, alibi_slopes, **unsupported)
     return out.view(batch, q_len, heads, dim)
 
 

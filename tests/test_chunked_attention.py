@@ -60,8 +60,8 @@ def test_rendered_chunks_are_shared_by_layers_up_to_the_limit(monkeypatch):
     first = values_and_grads(chunked_core, q, k, v, mask, chunk=5)
     kept = dict(mask._rendered)
     assert len(kept) == 4  # (19 queries in chunks of 5)
-    for (q_len, kv_len, start, end, _), blocked in kept.items():
-        assert torch.equal(blocked, ~mask.dense(q_len, kv_len, torch.device("cpu"), start, end))
+    for (q_len, kv_len, start, end, k_start, _), blocked in kept.items():
+        assert torch.equal(blocked, ~mask.dense(q_len, kv_len, torch.device("cpu"), start, end, k_start))
     second = values_and_grads(chunked_core, q, k, v, mask, chunk=5)  # another layer
     assert mask._rendered.keys() == kept.keys()
     assert all(mask._rendered[key] is blocked for key, blocked in kept.items())

@@ -37,12 +37,12 @@ def calls(monkeypatch):
                     enable_gqa=False):
         recorded.append(dict(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, max_q=max_q, max_k=max_k, scale=scale,
                              window_size=window_size, enable_gqa=enable_gqa, heads=(query.shape[1], key.shape[1])))
-        assert window_size in ((-1, -1), (-1, 0))  # full or causal
+        assert window_size[1] in (-1, 0, window_size[0])  # full, causal, or a window each side
         assert enable_gqa == (query.shape[1] != key.shape[1])
         assert type(max_q) is int and type(max_k) is int
         assert cu_seq_q.device == cu_seq_k.device == query.device
         return flash_reference.flash_attn_varlen_func(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                      causal=window_size == (-1, 0))
+                                                      causal=window_size[1] == 0, window_size=window_size)
 
     monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_attn)
     return recorded
@@ -54,6 +54,14 @@ def test_varlen_core_equals_eager_for_every_varlen_mask(calls, name):
     q, k, v = qkv(k_len=15) if name == "cross" else qkv()
     assert_same(values_and_grads(torch_varlen_core, q, k, v, mask), values_and_grads(eager_core, q, k, v, mask))
     assert calls and all(c["enable_gqa"] and c["scale"] is None for c in calls)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_core_keeps_a_sliding_window(calls, causal):
+    mask = self_attention_mask(causal, segment_ids=rows([5, 4, 7], [9, 7])).with_window(3)
+    q, k, v = qkv()
+    assert_same(values_and_grads(torch_varlen_core, q, k, v, mask), values_and_grads(eager_core, q, k, v, mask))
+    assert {c["window_size"] for c in calls} == {(2, 0) if causal else (2, 2)}
 
 
 def test_a_prefix_document_is_a_full_call_and_a_causal_call(calls):
