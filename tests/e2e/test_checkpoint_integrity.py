@@ -8,12 +8,9 @@ copies its run directory, damages the copy and checks what resuming does. Most c
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +18,7 @@ import torch
 
 from megatransformer.config import ConfigError, validate
 from megatransformer.training import checkpoint as ckpt
-
-pytestmark = pytest.mark.slow
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+from support.runs import ONE_THREAD, cli, losses_by_step, tiny_data_overrides, tiny_model, train
 OLD, NEW = "step_000002", "step_000004"
 # The files of a ZeRO-3 checkpoint of one rank: every kind there is. (ZeRO-3, because stages 1 and 2 on one
 # CPU rank run as stage 0, whose optimizer states live in the model states file: engine.engine_zero_stage.)
@@ -35,23 +29,17 @@ STATE_FILES = FILES[:3]  # the pickled ones
 
 
 def overrides(tiny_data, run_dir: Path, *extra: str) -> list[str]:
-    return ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=64",
-            "model.vocab_size=512", "model.max_seq_len=32", f"run_dir={run_dir}", f"data.train={tiny_data.shards}",
-            f"data.tokenizer={tiny_data.tokenizer}", "data.seq_len=32", "train.micro_batch_size=2",
+    return [*tiny_model(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32),
+            f"run_dir={run_dir}", *tiny_data_overrides(tiny_data), "data.seq_len=32", "train.micro_batch_size=2",
             "train.max_steps=4", "train.log_every=1", "train.eval_batches=1", "optim.lr=1e-2",
             "schedule.warmup_steps=1", "checkpoint.every=2", "parallel.zero_stage=3", "wandb.mode=disabled", *extra]
-
-
-def train(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatransformer.cli", "train", "--config", os.devnull, *args],
-                          capture_output=True, text=True, env=ENV, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_data, tmp_path_factory) -> Path:
     """A finished run directory with two checkpoints, step_000002 and step_000004 (`latest`)."""
     run = tmp_path_factory.mktemp("integrity") / "run"
-    result = train(overrides(tiny_data, run))
+    result = train(overrides(tiny_data, run), expect=None, env=ONE_THREAD)
     assert result.returncode == 0, result.stderr[-4000:]
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [OLD, NEW]
     assert sorted(ckpt.read_manifest(run / "checkpoints" / NEW)) == sorted(FILES)
@@ -133,7 +121,8 @@ def test_a_bad_latest_pointer_is_ignored_for_a_scan(run, capsys, pointer):
 
 
 def test_a_checkpoint_without_manifest_is_accepted_with_a_warning(run, capsys):
-    (run / "checkpoints" / NEW / ckpt.COMPLETE).write_bytes(b"")  # as earlier versions wrote it
+    # an empty COMPLETE marker: a checkpoint written before the format had manifests
+    (run / "checkpoints" / NEW / ckpt.COMPLETE).write_bytes(b"")
     assert ckpt.resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / NEW
     assert "has no manifest" in capsys.readouterr().err
 
@@ -148,8 +137,7 @@ def test_weights_readers_verify_what_they_read(run):
     flip(newest / "model.safetensors")
     with pytest.raises(ckpt.CheckpointDamaged, match="model.safetensors: changed since the save"):
         ckpt.load_weights(newest)
-    result = subprocess.run([sys.executable, "-m", "megatransformer.cli", "export", "--checkpoint", str(run),
-                             "--out", str(run / "exported")], capture_output=True, text=True, env=ENV, timeout=300)
+    result = cli("export", "--checkpoint", run, "--out", run / "exported", check=False, env=ONE_THREAD)
     assert result.returncode == 2, result.stderr
     assert "model.safetensors" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -157,8 +145,7 @@ def test_weights_readers_verify_what_they_read(run):
 
 def test_an_export_carries_a_manifest(trained, tmp_path):
     out = tmp_path / "exported"
-    result = subprocess.run([sys.executable, "-m", "megatransformer.cli", "export", "--checkpoint", str(trained),
-                             "--out", str(out)], capture_output=True, text=True, env=ENV, timeout=300)
+    result = cli("export", "--checkpoint", trained, "--out", out, check=False, env=ONE_THREAD)
     assert result.returncode == 0, result.stderr
     assert sorted(ckpt.read_manifest(out)) == ["config.yaml", "model.safetensors", "tokenizer.json"]
     ckpt.verify_checkpoint(out)
@@ -167,30 +154,25 @@ def test_an_export_carries_a_manifest(trained, tmp_path):
 # ------------------------------------------------------------------------------------- end to end
 
 
-def losses(run: Path) -> dict[int, float]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
-
-
 def test_resume_auto_skips_damaged_newest_and_continues_exactly(tiny_data, trained, run):
-    """Bytes flipped in the model states (the issue's silent wrong resume) and a torn last metrics line:
+    """Bytes flipped in the model states (what would otherwise resume silently wrong) and a torn last metrics line:
     one warning for each, a resume from step 2, and steps 3-4 as the uninterrupted run had them."""
     flip(run / "checkpoints" / NEW / MODEL_STATES)
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 6.2')  # a write cut short
-    result = train(overrides(tiny_data, run, "resume=auto"))
+    result = train(overrides(tiny_data, run, "resume=auto"), expect=None, env=ONE_THREAD)
     assert result.returncode == 0, result.stderr[-4000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2, warnings
     assert f"{MODEL_STATES}: changed since the save" in warnings[0]
     assert "metrics.jsonl: the last line" in warnings[1]
     assert f"resumed from {run / 'checkpoints' / OLD} at step 2" in result.stdout
-    assert losses(run) == losses(trained)
+    assert losses_by_step(run) == losses_by_step(trained)
 
 
 def test_resume_path_of_a_damaged_checkpoint_exits_2_naming_the_file(tiny_data, run):
     truncate(run / "checkpoints" / NEW / OPTIM_STATES)
-    result = train(overrides(tiny_data, run, f"resume={run / 'checkpoints' / NEW}"))
+    result = train(overrides(tiny_data, run, f"resume={run / 'checkpoints' / NEW}"), expect=None, env=ONE_THREAD)
     assert result.returncode == 2, result.stderr[-4000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("megatransformer train: error:")]
     assert len(errors) == 1 and OPTIM_STATES in errors[0], result.stderr[-2000:]
@@ -238,13 +220,13 @@ def test_a_pickle_payload_is_refused_naming_the_file(run, tmp_path, name, auto):
 
 
 def test_a_pickle_payload_in_deepspeeds_model_states_never_runs(tiny_data, run, tmp_path):
-    """The issue's case, end to end: `megatransformer train resume=auto` exits 2 with one line naming the
+    """A planted pickle, end to end: `megatransformer train resume=auto` exits 2 with one line naming the
     file, and the payload never runs. Written with pickle protocol 4, which the verification's static scan
     cannot read: what refuses it is DeepSpeed's own load, through the weights_only checkpoint engine."""
     marker = tmp_path / "payload-ran"
     plant(run / "checkpoints" / NEW / MODEL_STATES, marker, protocol=4)
     ckpt.verify_checkpoint(run / "checkpoints" / NEW)  # (passes: the scan does not see it)
-    result = train(overrides(tiny_data, run, "resume=auto"))
+    result = train(overrides(tiny_data, run, "resume=auto"), expect=None, env=ONE_THREAD)
     assert not marker.exists(), "the payload ran"
     assert result.returncode == 2, result.stderr[-4000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("megatransformer train: error:")]
@@ -269,21 +251,6 @@ def test_deepspeeds_loads_go_through_weights_only(run, tmp_path):
     assert not marker.exists()
 
 
-def test_deepspeeds_state_classes_are_allowed(tmp_path):
-    """The classes DeepSpeed's states hold load with weights_only, the fp16 loss scaler too (which only a
-    GPU run writes)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    scaler = DynamicLossScaler(init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2,
-                               consecutive_hysteresis=False)
-    torch.save({"dynamic": scaler, "static": LossScaler(4.0), "stage": ZeroStageEnum.weights}, tmp_path / "s.pt")
-    ckpt._refuse_unsafe_pickle(tmp_path / "s.pt")
-    loaded = ckpt.safe_load(tmp_path / "s.pt")
-    assert vars(loaded["dynamic"]) == vars(scaler) and loaded["static"].cur_scale == 4.0
-    assert loaded["stage"] is ZeroStageEnum.weights
-
-
 def test_safe_load_names_an_unreadable_file(run):
     file = run / "checkpoints" / NEW / "rank_00000.pt"
     truncate(file)
@@ -291,7 +258,7 @@ def test_safe_load_names_an_unreadable_file(run):
         ckpt.safe_load(file)
 
 
-# ------------------------------------------------------------------------------ metrics and file modes
+# ------------------------------------------------------------------------------------------ file modes
 
 
 def test_files_are_written_with_the_umask(trained, tmp_path):
@@ -307,16 +274,3 @@ def test_files_are_written_with_the_umask(trained, tmp_path):
         os.umask(old)
         ckpt._default_file_mode.cache_clear()
     assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o640
-
-
-def test_a_torn_last_metrics_line_is_dropped_a_bad_middle_line_is_an_error(tmp_path, capsys):
-    from megatransformer.training.metrics import truncate_metrics
-
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')
-    truncate_metrics(path, after_step=2)
-    assert path.read_text() == '{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0}\n'
-    assert "the last line" in capsys.readouterr().err
-    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
-    with pytest.raises(ConfigError, match="line 2 is not JSON"):
-        truncate_metrics(path, after_step=2)

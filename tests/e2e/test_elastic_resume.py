@@ -14,19 +14,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from test_training import MODEL, losses, train
-
-pytestmark = pytest.mark.slow
+from support.runs import losses, tiny_data_overrides, tiny_model, train
 
 STEPS, SAVED = 10, 6
 
 
 def overrides(tiny_data, run_dir: Path, *extra: str) -> list[str]:
     """Global batch 8 of micro batches of 4: the accumulation follows from the data-parallel size."""
-    return [*MODEL, f"run_dir={run_dir}", f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}",
-            "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", f"train.max_steps={STEPS}",
-            "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "optim.lr=3e-3",
-            "schedule.warmup_steps=2", f"checkpoint.every={SAVED}", "wandb.mode=disabled", *extra]
+    return [*tiny_model(), f"run_dir={run_dir}", *tiny_data_overrides(tiny_data), "data.seq_len=64",
+            "train.micro_batch_size=4", "train.global_batch_size=8", f"train.max_steps={STEPS}", "train.log_every=1",
+            "train.eval_every=0", "train.eval_batches=1", "optim.lr=3e-3", "schedule.warmup_steps=2",
+            f"checkpoint.every={SAVED}", "wandb.mode=disabled", *extra]
 
 
 def checkpoint(run_dir: Path) -> Path:

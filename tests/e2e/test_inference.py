@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,16 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatransformer.inference import load_for_inference  # noqa: E402
 from megatransformer.model import generate  # noqa: E402
-
-pytestmark = pytest.mark.slow
-
-
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "megatransformer.cli", *args], capture_output=True, text=True)
-    if check and result.returncode != 0:
-        raise AssertionError(f"megatransformer {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
-    return result
-
+from support.runs import cli  # noqa: E402
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> dict[str, Path]:

@@ -1,5 +1,5 @@
 """A regular (non-editable) install works on its own: the package holds every module and the shipped configs,
-and `megatransformer quickstart` runs from an empty directory (issue 16)."""
+and `megatransformer quickstart` runs from an empty directory."""
 
 from __future__ import annotations
 
@@ -7,11 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from support import REPO
 
 
 def test_pyproject_lists_every_package():
@@ -19,16 +16,15 @@ def test_pyproject_lists_every_package():
     from setuptools import find_packages
     from setuptools.config.pyprojecttoml import read_configuration
 
-    listed = set(read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["packages"])
-    found = set(find_packages(str(ROOT), include=["megatransformer*", "data_pipeline*", "launch*"]))
+    listed = set(read_configuration(REPO / "pyproject.toml")["tool"]["setuptools"]["packages"])
+    found = set(find_packages(str(REPO), include=["megatransformer*", "data_pipeline*", "launch*"]))
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
 
 
-@pytest.mark.slow
 def test_quickstart_from_a_regular_install_in_an_empty_directory(tmp_path):
     # a copy of the source (pip builds in the source directory; the checkout stays untouched)
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
         ".git", "runs", "data", "wandb", "build", "dist", "*.egg-info", ".venv", "__pycache__", ".pytest_cache",
         "tests", "bench", "slurm"))
     # system site packages: torch and the rest are not downloaded again; no pip of its own, so the system's

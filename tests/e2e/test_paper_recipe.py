@@ -4,14 +4,15 @@ encoder-decoder -> checkpoint averaging -> beam search -> sacrebleu BLEU; plus t
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from support.runs import ONE_THREAD
+from support.runs import cli as megatransformer
 
 # A deterministic toy language pair: every source word has its own target word. Copying the source scores a BLEU
 # of 0 (no word in common); the model must learn the vocabulary and align every target word with its source word.
@@ -31,37 +32,13 @@ def toy_pairs(n: int, seed: int) -> list[tuple[str, str]]:
     return pairs
 
 
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def cli(*args: object, check: bool = True) -> subprocess.CompletedProcess:
     """The CLI with one intra-op thread: a model this small gains nothing from more, and on a busy machine
     the threads of concurrent processes make every step many times slower."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "megatransformer.cli", *map(str, args)], capture_output=True,
-                            text=True, env=env)
-    if check and result.returncode != 0:
-        raise AssertionError(f"megatransformer {' '.join(map(str, args))} failed:\n{result.stdout}\n{result.stderr}")
-    return result
+    return megatransformer(*args, check=check, env=ONE_THREAD)
 
 
 # ------------------------------------------------------------------------------------------- parallel data
-
-
-def test_tsv_pairs_with_and_without_header(tmp_path):
-    from data_pipeline.sources import read_documents
-
-    (tmp_path / "plain.tsv").write_text("ka lo\tolive ember\n\nmi\tcoral\n")
-    (tmp_path / "header.tsv").write_text("id\ttgt\tsrc\n1\tolive ember\tka lo\n2\tcoral\tmi\n")
-    for name in ("plain.tsv", "header.tsv"):
-        pairs = [(d.prompt, d.text) for d in read_documents([tmp_path / name], "tgt", prompt_field="src")]
-        assert pairs == [("ka lo", "olive ember"), ("mi", "coral")], name
-
-
-def test_tsv_with_a_wrong_number_of_columns_is_refused_by_line(tmp_path):
-    from data_pipeline import DataError
-    from data_pipeline.sources import read_documents
-
-    (tmp_path / "bad.tsv").write_text("ka\tolive\nlo olive\n")
-    with pytest.raises(DataError, match=r"bad.tsv:2: 1 tab-separated columns, expected 2"):
-        list(read_documents([tmp_path / "bad.tsv"], "tgt", prompt_field="src"))
 
 
 def test_source_target_fields_are_the_prompt_completion_path(tmp_path, tiny_data):

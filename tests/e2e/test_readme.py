@@ -29,20 +29,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from support import REPO
 
-pytestmark = pytest.mark.slow
-
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = REPO / "README.md"
 SKIP_MARKER = re.compile(r"<!--\s*readme-test:\s*skip\b(?P<why>.*?)-->")
 
 NOT_RUN = {
     "python -m venv": "creates a virtual environment; the test runs in the one CI installed",
     ". .venv/bin/activate": "activates that virtual environment",
-    "pip install": "installs packages; CI has installed the project (tests/test_install.py installs it anew)",
+    "pip install": "installs packages; CI has installed the project (tests/e2e/test_install.py installs it anew)",
     "python -m pytest": "the test suite itself, which this test is part of",
-    "torchrun": "starts 8 processes; tests/test_launch.py and tests/test_training.py run torchrun on CPU",
-    "sbatch": "needs a Slurm cluster; tests/test_slurm.py submits slurm/train.sbatch to the local one",
+    "torchrun": "starts 8 processes; tests/e2e/test_launch_processes.py and tests/e2e/test_training.py run "
+                "torchrun on CPU",
+    "sbatch": "needs a Slurm cluster; tests/e2e/test_slurm.py submits slurm/train.sbatch to the local one",
 }
 
 TINY_TRAIN = ["model.d_model=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
@@ -52,7 +51,7 @@ TINY_TRAIN = ["model.d_model=64", "model.n_layers=1", "model.n_heads=4", "model.
 APPENDED = {  # by sub-command
     "quickstart": TINY_TRAIN,
     "train": TINY_TRAIN,
-    "eval": ["data.seq_len=64", "--max-batches", "2"],  # the override after --data's path (issue 16)
+    "eval": ["data.seq_len=64", "--max-batches", "2"],  # an override after --data's path, as users write it
     "generate": ["--max-new-tokens", "8"],
     "data inspect": ["data.seq_len=64"],
 }
@@ -126,7 +125,7 @@ def appended(text: str) -> list[str]:
     words = shlex.split(text, comments=True)
     assert words[0] == "megatransformer", (
         f"README command {text!r} is neither a megatransformer command nor covered by a NOT_RUN rule or a "
-        "readme-test: skip marker; decide which, in tests/test_readme.py or README.md")
+        "readme-test: skip marker; decide which, in tests/e2e/test_readme.py or README.md")
     sub = " ".join(words[1:3]) if words[1] == "data" else words[1]
     return APPENDED.get(sub, [])
 

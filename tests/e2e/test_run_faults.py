@@ -4,30 +4,24 @@ naming the collective that timed out). Real `megatransformer train` processes, t
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import psutil
-import pytest
 
-pytestmark = pytest.mark.slow
+from support.runs import metrics, tiny_data_overrides, tiny_model, train, train_command, wait_for_step
 
-TINY = ("model.d_model=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.d_ff=96 model.vocab_size=512 "
-        "model.max_seq_len=128 data.seq_len=64 train.micro_batch_size=4 train.grad_accum=1 train.log_every=1 "
-        "train.eval_batches=2").split()
+TINY = [*tiny_model(), "data.seq_len=64", "train.micro_batch_size=4", "train.grad_accum=1", "train.log_every=1",
+        "train.eval_batches=2"]
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 characters, like a real W&B API key
 
 
 def overrides(tiny_data, run_dir: Path, *extra: str) -> list[str]:
-    return [f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}", *TINY, f"run_dir={run_dir}",
-            *extra]
+    return [*tiny_data_overrides(tiny_data), *TINY, f"run_dir={run_dir}", *extra]
 
 
 def test_unreachable_wandb_server_falls_back_to_offline_logging(tiny_data, tmp_path):
@@ -36,17 +30,15 @@ def test_unreachable_wandb_server_falls_back_to_offline_logging(tiny_data, tmp_p
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
         # WANDB_INIT_TIMEOUT bounds W&B's retries (its default is 90 s); no wandb.mode: the key makes it online
-        env = {**os.environ, "WANDB_BASE_URL": f"http://127.0.0.1:{port}", "WANDB_API_KEY": FAKE_KEY,
-               "WANDB_INIT_TIMEOUT": "5", "DS_ACCELERATOR": "cpu"}
-        result = subprocess.run([sys.executable, "-m", "megatransformer.cli", "train", "--config", os.devnull,
-                                 *overrides(tiny_data, run, "train.max_steps=3")],
-                                capture_output=True, text=True, env=env, timeout=600)
+        env = {"WANDB_BASE_URL": f"http://127.0.0.1:{port}", "WANDB_API_KEY": FAKE_KEY, "WANDB_INIT_TIMEOUT": "5",
+               "DS_ACCELERATOR": "cpu"}
+        result = train(overrides(tiny_data, run, "train.max_steps=3"), expect=None, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if "W&B" in line or "wandb" in line.lower()]
     assert len(warnings) == 1 and "online start-up failed" in warnings[0] and "wandb sync" in warnings[0], \
         result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [record["step"] for record in metrics(run)]
     assert steps[-1] == 3
     (offline,) = (run / "wandb").glob("offline-run-*")
     (records,) = offline.glob("run-*.wandb")
@@ -68,32 +60,21 @@ def _rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
     return ranks
 
 
-def _wait_for_step(launcher: subprocess.Popen, metrics: Path, step: int, log: Path) -> None:
-    """Until rank 0 has logged ``step`` (training is under way on both ranks): a start-up on a loaded machine
-    may take long, and the test only judges what happens after a rank stalls mid-training."""
-    while launcher.poll() is None:
-        if metrics.is_file() and any(json.loads(line).get("step", 0) >= step
-                                     for line in metrics.read_text().splitlines() if line.endswith("}")):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"the run ended (exit {launcher.returncode}) before step {step}:\n"
-                         f"{log.read_text()[-3000:]}")
-
-
 def test_stalled_rank_makes_the_other_exit_naming_the_timed_out_collective(tiny_data, tmp_path):
     run = tmp_path / "run"
     # 0.25 min: long enough for any rank-0-only work between two collectives on a loaded machine (no
     # checkpoint or evaluation before max_steps, no W&B), short enough for a test
     log = (tmp_path / "stderr.log").open("w")  # (a pipe nobody reads while waiting would fill and block)
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-         "megatransformer.cli", "train", "--config", os.devnull,
+        [*train_command(nproc=2),
          *overrides(tiny_data, run, "train.max_steps=100000", "parallel.timeout_minutes=0.25", "wandb.mode=disabled")],
         stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "DS_ACCELERATOR": "cpu"},
         start_new_session=True)
     ranks: dict[int, psutil.Process] = {}
     try:
-        _wait_for_step(launcher, run / "metrics.jsonl", 2, tmp_path / "stderr.log")
+        # until rank 0 has logged step 2 (training under way on both ranks): a start-up on a loaded machine may
+        # take long, and the test only judges what happens after a rank stalls mid-training
+        wait_for_step(run, 2, [launcher], tmp_path / "stderr.log")
         ranks = _rank_processes(launcher)
         assert sorted(ranks) == [0, 1]
         ranks[1].send_signal(signal.SIGSTOP)

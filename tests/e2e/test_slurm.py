@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 
 from launch.env import slurm_port
-from test_launch import REPO, clean_env, metrics, write_tiny_config
+from support import REPO
+from support.runs import clean_env, losses_by_step, write_tiny_config
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = pytest.mark.slurm
 
 MAX_STEPS = 150
 SIGNAL_AFTER_STEP = 15  # the warning is sent once this many steps are logged
@@ -116,10 +117,6 @@ def submit(cluster, tmp_path_factory):
             subprocess.run(["scancel", str(job.id)], timeout=30)
 
 
-def train_losses(run_dir: Path) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in metrics(run_dir) if "loss" in m}
-
-
 def logged_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.is_file() else 0
@@ -151,7 +148,7 @@ def test_two_nodes_train_with_zero2_and_checkpoint(uninterrupted):
     log = job.text()
     assert f"launch: slurm: world 2 (1 per node), master 127.0.0.1:{slurm_port(job.id)}" in log, log
     assert "requeueing" not in log, log  # a normal end does not requeue
-    assert sorted(train_losses(run_dir)) == list(range(1, MAX_STEPS + 1))
+    assert sorted(losses_by_step(run_dir)) == list(range(1, MAX_STEPS + 1))
     checkpoints = run_dir / "checkpoints"
     final = checkpoints / (checkpoints / "latest").read_text().strip()
     assert final.name == f"step_{MAX_STEPS:06d}" and (final / "COMPLETE").is_file()
@@ -210,7 +207,7 @@ def test_warning_signal_checkpoints_requeues_and_resumes_to_the_same_losses(subm
     first_step = re.search(r"^step (\d+)/", second_part, re.M)
     assert first_step and int(first_step[1]) == stopped_at + 1, job.report("the requeued run did not resume")
 
-    resumed, reference = train_losses(run_dir), train_losses(reference_dir)
+    resumed, reference = losses_by_step(run_dir), losses_by_step(reference_dir)
     assert sorted(resumed) == list(range(1, MAX_STEPS + 1))  # every step once: none lost, none doubled
     assert resumed[MAX_STEPS] == pytest.approx(reference[MAX_STEPS], rel=1e-6, abs=1e-7)
     for step in range(stopped_at + 1, MAX_STEPS + 1):
@@ -256,7 +253,7 @@ def test_preempted_on_two_nodes_requeued_onto_one_continues_exactly(submit, slur
     stopped_at = int(re.search(r"preempted at step (\d+): checkpointing, exit 124", first_part)[1])
     assert (f"resuming step {stopped_at} written by 2 ranks (dp2, tp1, zero2) on 1 rank (dp1, tp1, zero0): "
             "micro 2 x accum 2 (was micro 2 x accum 1)") in second_part, job.report("no elastic resume line")
-    resumed, reference = train_losses(run_dir), train_losses(reference_dir)
+    resumed, reference = losses_by_step(run_dir), losses_by_step(reference_dir)
     assert sorted(resumed) == list(range(1, MAX_STEPS + 1))  # every step once: none lost, none doubled
     for step in range(stopped_at + 1, MAX_STEPS + 1):
         assert resumed[step] == pytest.approx(reference[step], rel=0, abs=1e-5), f"step {step}"

@@ -11,12 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-PROBE = Path(__file__).parents[1] / "bench" / "step_probe.py"
+from support import REPO
+
+PROBE = REPO / "bench" / "step_probe.py"
 SMALL = {"layers": 1, "accum": 1}
 LARGE = {"layers": 3, "accum": 3}
 CASES = [
@@ -36,7 +37,6 @@ def probes() -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.slow
 def test_host_syncs_per_step_do_not_grow_with_layers_or_micro_batches(probes):
     by_case = {(p["zero"], p["layers"], p["accum"], p.get("objective", "")): p for p in probes}
     assert len(by_case) == len(CASES)
@@ -49,14 +49,13 @@ def test_host_syncs_per_step_do_not_grow_with_layers_or_micro_batches(probes):
     assert packed_prefix["host_syncs"] == by_case[2, 3, 3, ""]["host_syncs"], packed_prefix
 
 
-@pytest.mark.slow
 def test_collectives_run_on_the_runs_device(probes):
     for probe in probes:
         assert probe["collectives"] >= 2 and probe["collective_devices"] == ["cpu"], probe
 
 
 def test_gpu_check_refuses_a_machine_without_cuda_in_one_line():
-    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "bench" / "gpu_check.py")],
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
     assert "no CUDA device" in done.stderr

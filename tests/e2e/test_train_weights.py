@@ -9,46 +9,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+from support.runs import ONE_THREAD, losses, tiny_data_overrides, tiny_model, train
 
-# Tiny decoder; the tensor-parallel degree 2 divides heads (4), kv-heads (2), d_ff (96) and vocab (512).
-MODEL = ("model.d_model=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.d_ff=96 "
-         "model.vocab_size=512 model.max_seq_len=64").split()
 # The checkpoints that cross tensor-parallel sizes are of an encoder-decoder with biases: cross-attention and
 # column-parallel biases are split (and gathered) too.
 SEQ2SEQ = ["model.arch=encoder_decoder", "objective=span_corruption", "model.bias=true", "model.norm=layernorm"]
-# One thread per rank: two ranks on two shared cores spin-wait badly with more.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def overrides(tiny_data, run_dir: Path, steps: int, *extra: str) -> list[str]:
-    return [*MODEL, f"run_dir={run_dir}", f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}",
-            "data.seq_len=32", "train.micro_batch_size=8", "train.grad_accum=1", f"train.max_steps={steps}",
-            "train.log_every=1", "train.eval_batches=1", "optim.lr=1e-2", "schedule.warmup_steps=1",
-            "checkpoint.every=1000", "wandb.mode=disabled", *extra]
-
-
-def train(args: list[str], nproc: int = 1, expect: int = 0) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = (launcher if nproc > 1 else [sys.executable]) + ["-m", "megatransformer.cli", "train", "--config",
-                                                           os.devnull, *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
-    assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    return result
-
-
-def losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+    return [*tiny_model(max_seq_len=64), f"run_dir={run_dir}", *tiny_data_overrides(tiny_data), "data.seq_len=32",
+            "train.micro_batch_size=8", "train.grad_accum=1", f"train.max_steps={steps}", "train.log_every=1",
+            "train.eval_batches=1", "optim.lr=1e-2", "schedule.warmup_steps=1", "checkpoint.every=1000",
+            "wandb.mode=disabled", *extra]
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -62,9 +40,9 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def sources(tiny_data, tmp_path_factory):
     """The same 12 steps trained on one rank (ZeRO-0) and with tensor parallelism 2 (ZeRO-1)."""
     root = tmp_path_factory.mktemp("sources")
-    train(overrides(tiny_data, root / "tp1", 12, *SEQ2SEQ, "parallel.zero_stage=0"))
+    train(overrides(tiny_data, root / "tp1", 12, *SEQ2SEQ, "parallel.zero_stage=0"), env=ONE_THREAD)
     train(overrides(tiny_data, root / "tp2", 12, *SEQ2SEQ, "parallel.zero_stage=1", "parallel.tensor_parallel=2"),
-          nproc=2)
+          nproc=2, env=ONE_THREAD)
     return root / "tp1", root / "tp2"
 
 
@@ -106,9 +84,9 @@ def test_init_from_across_tensor_parallel_sizes(sources, tiny_data, tmp_path):
     tp2 = sources[1]
     on_tp1, on_tp2 = tmp_path / "on_tp1", tmp_path / "on_tp2"
     source = f"init_from={tp2}/checkpoints"
-    train(overrides(tiny_data, on_tp1, 2, *SEQ2SEQ, source, "parallel.zero_stage=3", "seed=7"))
+    train(overrides(tiny_data, on_tp1, 2, *SEQ2SEQ, source, "parallel.zero_stage=3", "seed=7"), env=ONE_THREAD)
     train(overrides(tiny_data, on_tp2, 2, *SEQ2SEQ, source, "parallel.zero_stage=2", "parallel.tensor_parallel=2",
-                    "seed=7"), nproc=2)
+                    "seed=7"), nproc=2, env=ONE_THREAD)
     assert losses(on_tp2) == pytest.approx(losses(on_tp1), rel=1e-5)
     assert losses(on_tp1)[0] < math.log(512) - 0.5
     state = json.loads((on_tp1 / "checkpoints" / "step_000002" / "trainer.json").read_text())
@@ -130,7 +108,7 @@ def test_resume_with_another_tokenizer_is_an_error(sources, tiny_data, tmp_path)
     (shards / "manifest.json").write_text(json.dumps(manifest))
     args = overrides(tiny_data, run, 14, *SEQ2SEQ, "parallel.zero_stage=0", "resume=auto",
                      f"data.tokenizer={tokenizer}", f"data.train={shards}")
-    result = train(args, expect=2)
+    result = train(args, expect=2, env=ONE_THREAD)
     assert "trained with another tokenizer" in result.stderr
 
 
@@ -142,7 +120,7 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched(tiny_data, tmp_path
 
     run = tmp_path / "nan"
     args = overrides(tiny_data, run, 8, "parallel.zero_stage=0", "model.init_std=1e39", "train.max_bad_steps=2")
-    result = train(args, expect=3)
+    result = train(args, expect=3, env=ONE_THREAD)
     assert "update skipped (2 in a row)" in result.stdout
     cfg = load_config(None, args)
     torch.manual_seed(cfg.seed)  # the trainer's initialisation
@@ -170,7 +148,7 @@ def test_bf16_checkpoint_holds_the_fp32_master_weights(tiny_data, tmp_path, stag
     """bf16 training updates fp32 master weights; the consolidated checkpoint keeps them, not their bf16
     rounding (fine-tuning and export would otherwise lose the low mantissa bits of every step)."""
     run = tmp_path / "bf16"
-    train(overrides(tiny_data, run, 3, "precision=bf16", f"parallel.zero_stage={stage}"))
+    train(overrides(tiny_data, run, 3, "precision=bf16", f"parallel.zero_stage={stage}"), env=ONE_THREAD)
     matrices = [t for t in weights(run).values() if t.dim() == 2]
     assert matrices and all(t.dtype == torch.float32 for t in matrices)
     assert all(not torch.equal(t.bfloat16().float(), t) for t in matrices)
@@ -179,6 +157,6 @@ def test_bf16_checkpoint_holds_the_fp32_master_weights(tiny_data, tmp_path, stag
 def test_a_fresh_start_never_overwrites_a_run(sources, tiny_data):
     run = sources[0]
     before = (run / "metrics.jsonl").read_text()
-    result = train(overrides(tiny_data, run, 14, *SEQ2SEQ, "parallel.zero_stage=0"), expect=2)
+    result = train(overrides(tiny_data, run, 14, *SEQ2SEQ, "parallel.zero_stage=0"), expect=2, env=ONE_THREAD)
     assert "already holds checkpoints (latest: step_000012); pass resume=auto" in result.stderr
     assert (run / "metrics.jsonl").read_text() == before

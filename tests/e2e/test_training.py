@@ -5,57 +5,19 @@ Every run is a real `megatransformer train` process (torchrun for several ranks,
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
-MODEL = ("model.d_model=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.d_ff=96 "
-         "model.vocab_size=512 model.max_seq_len=128").split()
-
-
-def base_overrides(tiny_data, run_dir: Path, steps: int = 8) -> list[str]:
-    return [*MODEL, f"run_dir={run_dir}", f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}",
-            "data.seq_len=64", "train.micro_batch_size=4", "train.grad_accum=2", f"train.max_steps={steps}",
-            "train.log_every=1", "train.eval_batches=2", "optim.lr=3e-3", "schedule.warmup_steps=2",
-            "checkpoint.every=4", "wandb.mode=disabled"]
-
-
-def command(nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "megatransformer.cli", "train", "--config", os.devnull]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "megatransformer.cli", "train", "--config", os.devnull]
-
-
-def train(overrides: list[str], nproc: int = 1, expect: int = 0, env: dict | None = None):
-    result = subprocess.run(command(nproc) + overrides, capture_output=True, text=True,
-                            env={**os.environ, **(env or {})}, timeout=600)
-    if result.returncode != expect:
-        raise AssertionError(f"exit {result.returncode} (expected {expect})\n{result.stdout[-3000:]}\n"
-                             f"{result.stderr[-5000:]}")
-    return result
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in metrics(run_dir) if "loss" in r]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from support.runs import losses, metrics, tiny_run, train, train_command, wait_for_step
 
 
 def test_single_process_run_directory(tiny_data, tmp_path):
     run = tmp_path / "run"
-    result = train(base_overrides(tiny_data, run, steps=12) + ["wandb.mode=offline", "train.eval_every=6",
-                                                               "checkpoint.keep=2"],
+    result = train(tiny_run(tiny_data, run, steps=12) + ["wandb.mode=offline", "train.eval_every=6",
+                                                         "checkpoint.keep=2"],
                    env={"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"})
     assert "host memory: keep" in result.stdout  # (train.host_memory's default, said in the run log)
     records = metrics(run)
@@ -81,7 +43,7 @@ def test_zero_stages_train_and_agree_with_plain_data_parallel(tiny_data, tmp_pat
     runs = {}
     for stage in (0, 1, 2, 3):
         runs[stage] = tmp_path / f"zero{stage}"
-        train(base_overrides(tiny_data, runs[stage]) + [f"parallel.zero_stage={stage}"], nproc=2)
+        train(tiny_run(tiny_data, runs[stage]) + [f"parallel.zero_stage={stage}"], nproc=2)
     for stage in (1, 2, 3):
         assert losses(runs[stage]) == pytest.approx(losses(runs[0]), rel=1e-4), f"ZeRO-{stage}"
     assert sum(losses(runs[3])[-2:]) < sum(losses(runs[3])[:2])
@@ -91,8 +53,8 @@ def test_data_parallel_ranks_read_disjoint_data(tiny_data, tmp_path):
     """Two ranks with micro batch 4 consume 8 distinct sequences per step: tokens double, loss differs from a
     single rank reading the same first 4 sequences."""
     two, one = tmp_path / "two", tmp_path / "one"
-    train(base_overrides(tiny_data, two, steps=2) + ["train.grad_accum=1"], nproc=2)
-    train(base_overrides(tiny_data, one, steps=2) + ["train.grad_accum=1"])
+    train(tiny_run(tiny_data, two, steps=2) + ["train.grad_accum=1"], nproc=2)
+    train(tiny_run(tiny_data, one, steps=2) + ["train.grad_accum=1"])
     assert metrics(two)[0]["tokens"] == 2 * metrics(one)[0]["tokens"]
 
 
@@ -101,8 +63,8 @@ def test_validation_is_split_across_data_parallel_ranks_with_one_rank_numbers(ti
     the parameter gathers in step) give the loss and token count of one rank evaluating all three."""
     two, one = tmp_path / "two", tmp_path / "one"
     frozen = ["train.max_steps=1", "optim.lr=1e-12", "train.eval_batches=3"]  # the same weights in both runs
-    train(base_overrides(tiny_data, two) + frozen + ["parallel.zero_stage=3"], nproc=2)
-    train(base_overrides(tiny_data, one) + frozen)
+    train(tiny_run(tiny_data, two) + frozen + ["parallel.zero_stage=3"], nproc=2)
+    train(tiny_run(tiny_data, one) + frozen)
     (val_two,), (val_one,) = ([r for r in metrics(run) if "val_loss" in r] for run in (two, one))
     assert val_two["val_tokens"] == val_one["val_tokens"] > 2 * 4 * 64  # three batches of 4 x 64, less boundaries
     assert val_two["val_loss"] == pytest.approx(val_one["val_loss"], rel=1e-6)
@@ -110,8 +72,8 @@ def test_validation_is_split_across_data_parallel_ranks_with_one_rank_numbers(ti
 
 def test_tensor_parallel_equals_single_rank(tiny_data, tmp_path):
     tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
-    train(base_overrides(tiny_data, tp2) + ["parallel.tensor_parallel=2", "parallel.zero_stage=1"], nproc=2)
-    train(base_overrides(tiny_data, tp1) + ["parallel.zero_stage=1"])
+    train(tiny_run(tiny_data, tp2) + ["parallel.tensor_parallel=2", "parallel.zero_stage=1"], nproc=2)
+    train(tiny_run(tiny_data, tp1) + ["parallel.zero_stage=1"])
     assert losses(tp2) == pytest.approx(losses(tp1), rel=1e-5)
     grads = [[r["grad_norm"] for r in metrics(run) if "grad_norm" in r] for run in (tp2, tp1)]
     assert grads[0] == pytest.approx(grads[1], rel=1e-4)
@@ -119,9 +81,9 @@ def test_tensor_parallel_equals_single_rank(tiny_data, tmp_path):
 
 def test_tensor_parallel_times_data_parallel_equals_data_parallel(tiny_data, tmp_path):
     both, dp = tmp_path / "tp2dp2", tmp_path / "dp2"
-    steps = base_overrides(tiny_data, both, steps=4) + ["train.grad_accum=1", "parallel.zero_stage=2"]
+    steps = tiny_run(tiny_data, both, steps=4) + ["train.grad_accum=1", "parallel.zero_stage=2"]
     train(steps + ["parallel.tensor_parallel=2"], nproc=4)
-    train(base_overrides(tiny_data, dp, steps=4) + ["train.grad_accum=1", "parallel.zero_stage=2"], nproc=2)
+    train(tiny_run(tiny_data, dp, steps=4) + ["train.grad_accum=1", "parallel.zero_stage=2"], nproc=2)
     assert losses(both) == pytest.approx(losses(dp), rel=1e-5)
 
 
@@ -129,46 +91,34 @@ def test_bf16_trains_with_fp32_gemms_as_with_pytorchs_bf16_kernels(tiny_data, tm
     """train.cpu_bf16_matmul=fp32 (what auto picks on a CPU without bf16 GEMM kernels) trains as PyTorch's own
     bf16 kernels do: the same products, summed in another order."""
     fp32_gemms, native = tmp_path / "fp32-gemms", tmp_path / "native"
-    said = train(base_overrides(tiny_data, fp32_gemms) + ["precision=bf16", "train.cpu_bf16_matmul=fp32"]).stdout
+    said = train(tiny_run(tiny_data, fp32_gemms) + ["precision=bf16", "train.cpu_bf16_matmul=fp32"]).stdout
     assert "bf16 matmuls: fp32 GEMMs of the bf16 operands; train.cpu_bf16_matmul=fp32" in said
-    said = train(base_overrides(tiny_data, native) + ["precision=bf16", "train.cpu_bf16_matmul=native"]).stdout
+    said = train(tiny_run(tiny_data, native) + ["precision=bf16", "train.cpu_bf16_matmul=native"]).stdout
     assert "bf16 matmuls: PyTorch's bf16 kernels" in said
     assert losses(fp32_gemms)[-1] < losses(fp32_gemms)[0]
     assert losses(fp32_gemms) == pytest.approx(losses(native), rel=1e-3)  # (2e-5 apart here)
 
 
-def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    path = run_dir / "metrics.jsonl"
-    while time.time() < deadline:
-        if path.is_file() and any(json.loads(l).get("step", 0) >= step for l in path.read_text().splitlines() if l):
-            return
-        if process.poll() is not None:
-            raise AssertionError(f"run ended (exit {process.returncode}) before step {step}")
-        time.sleep(0.01)
-    raise AssertionError(f"step {step} not reached in {timeout} s")
-
-
 def test_kill_9_and_resume_equals_uninterrupted(tiny_data, tmp_path):
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
-    overrides = base_overrides(tiny_data, crashed, steps=30) + ["data.num_workers=2", "checkpoint.every=5"]
-    process = subprocess.Popen(command(1) + overrides, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    overrides = tiny_run(tiny_data, crashed, steps=30) + ["data.num_workers=2", "checkpoint.every=5"]
+    process = subprocess.Popen(train_command() + overrides, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
-    wait_for_step(crashed, 13, process)
+    wait_for_step(crashed, 13, [process])
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert (crashed / "checkpoints" / "latest").is_file()
     train(overrides + ["resume=auto"])
-    train(base_overrides(tiny_data, reference, steps=30) + ["data.num_workers=2", "checkpoint.every=5"])
+    train(tiny_run(tiny_data, reference, steps=30) + ["data.num_workers=2", "checkpoint.every=5"])
     assert [r["step"] for r in metrics(crashed)] == [r["step"] for r in metrics(reference)]
     assert losses(crashed) == losses(reference)
 
 
 def test_preemption_signal_checkpoints_and_exits_124(tiny_data, tmp_path):
     run = tmp_path / "preempted"
-    overrides = base_overrides(tiny_data, run, steps=60) + ["checkpoint.every=1000"]
-    process = subprocess.Popen(command(1) + overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for_step(run, 3, process)
+    overrides = tiny_run(tiny_data, run, steps=60) + ["checkpoint.every=1000"]
+    process = subprocess.Popen(train_command() + overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_step(run, 3, [process])
     process.send_signal(signal.SIGUSR1)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 124, output[-3000:]
@@ -184,14 +134,14 @@ def test_preemption_signal_checkpoints_and_exits_124(tiny_data, tmp_path):
 def test_every_objective_trains_its_architecture(tiny_data, tmp_path, arch, objective):
     run = tmp_path / objective
     options = ["model.norm=layernorm", "model.position=learned", "model.ffn=gelu"] if arch == "encoder" else []
-    train(base_overrides(tiny_data, run, steps=4) + [f"model.arch={arch}", f"objective={objective}", *options])
+    train(tiny_run(tiny_data, run, steps=4) + [f"model.arch={arch}", f"objective={objective}", *options])
     assert all(0 < loss < 10 for loss in losses(run))
 
 
 def test_non_finite_losses_skip_updates_then_stop_with_a_checkpoint(tiny_data, tmp_path):
     run = tmp_path / "nan"
     # init_std 1e39 overflows float32: infinite weights, a NaN loss from the first step
-    result = train(base_overrides(tiny_data, run) + ["model.init_std=1e39", "train.max_bad_steps=2"], expect=3)
+    result = train(tiny_run(tiny_data, run) + ["model.init_std=1e39", "train.max_bad_steps=2"], expect=3)
     assert "non-finite" in result.stdout
     assert (run / "checkpoints" / "latest").read_text() == "step_000002"
     assert [r["bad_steps"] for r in metrics(run) if "bad_steps" in r] == [1, 2]
@@ -206,7 +156,7 @@ def test_non_finite_losses_skip_updates_then_stop_with_a_checkpoint(tiny_data, t
     (["model.n_kv_heads=3"], "model.n_kv_heads=3"),
 ])
 def test_bad_configs_exit_2_with_one_line(tiny_data, tmp_path, extra, message):
-    result = train(base_overrides(tiny_data, tmp_path / "bad") + extra, expect=2)
+    result = train(tiny_run(tiny_data, tmp_path / "bad") + extra, expect=2)
     lines = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
@@ -214,8 +164,8 @@ def test_bad_configs_exit_2_with_one_line(tiny_data, tmp_path, extra, message):
 
 def test_resume_with_another_model_shape_lists_the_fields(tiny_data, tmp_path):
     run = tmp_path / "run"
-    train(base_overrides(tiny_data, run, steps=4))
-    result = train(base_overrides(tiny_data, run, steps=8) + ["resume=auto", "model.d_ff=128", "model.n_layers=3"],
+    train(tiny_run(tiny_data, run, steps=4))
+    result = train(tiny_run(tiny_data, run, steps=8) + ["resume=auto", "model.d_ff=128", "model.n_layers=3"],
                    expect=2)
     assert "model.n_layers: 2 in the checkpoint, 3 now" in result.stderr
     assert "model.d_ff: 96 in the checkpoint, 128 now" in result.stderr
@@ -223,6 +173,6 @@ def test_resume_with_another_model_shape_lists_the_fields(tiny_data, tmp_path):
 
 def test_init_from_across_data_parallel_size_and_zero_stage(tiny_data, tmp_path):
     source, tuned = tmp_path / "source", tmp_path / "tuned"
-    train(base_overrides(tiny_data, source, steps=8) + ["parallel.zero_stage=3", "train.grad_accum=1"], nproc=2)
-    train(base_overrides(tiny_data, tuned, steps=2) + [f"init_from={source}/checkpoints", "parallel.zero_stage=0"])
+    train(tiny_run(tiny_data, source, steps=8) + ["parallel.zero_stage=3", "train.grad_accum=1"], nproc=2)
+    train(tiny_run(tiny_data, tuned, steps=2) + [f"init_from={source}/checkpoints", "parallel.zero_stage=0"])
     assert losses(tuned)[0] < losses(source)[0] - 0.5

@@ -4,23 +4,20 @@ with and without the KV cache, and token for token transformers' beam search und
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from megatransformer.config import ModelConfig
 from megatransformer.model import build_model, generate
 from megatransformer.model.beam import beam_search, length_penalty
+from support.models import llama_model, tiny_config
 
 START = 0  # decoder start token of the encoder-decoder models here
 
 
 def tiny(arch: str, vocab: int = 64, seed: int = 0, **overrides) -> torch.nn.Module:
     """A random model with peaked next-token distributions (large init), so the search has real choices."""
-    cfg = ModelConfig(arch=arch, d_model=32, n_layers=2, n_heads=4, d_ff=64, vocab_size=vocab, max_seq_len=64,
-                      init_std=0.3, **overrides)
+    cfg = tiny_config(arch=arch, n_kv_heads=None, d_ff=64, vocab_size=vocab, init_std=0.3, **overrides)
     torch.manual_seed(seed)
     return build_model(cfg).eval()
 
@@ -104,22 +101,6 @@ def test_length_penalty_forms():
 transformers = pytest.importorskip("transformers")
 
 
-def llama_model(seed: int = 0):
-    from megatransformer.hf import to_llama_state_dict
-
-    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=512, max_seq_len=64,
-                      norm="rmsnorm", position="rope", ffn="swiglu", rope_theta=10000.0, norm_eps=1e-6,
-                      init_std=0.2)
-    torch.manual_seed(seed)
-    ours = build_model(cfg).eval()
-    from megatransformer.hf import llama_config
-
-    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(cfg))).eval()
-    theirs.load_state_dict(to_llama_state_dict(ours.state_dict(), cfg), strict=False)
-    theirs.tie_weights()
-    return cfg, ours, theirs
-
-
 def transformers_beam(theirs, ids: torch.Tensor, eos: int, max_new_tokens: int, alpha: float) -> list[list[int]]:
     out = theirs.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4, length_penalty=alpha,
                           early_stopping=True, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
@@ -141,33 +122,6 @@ def test_beam_search_equals_transformers(alpha):
         assert got == expected, seed
         finished_early += sum(eos in row for row in got)
     assert finished_early >= 1  # the finishing rules were exercised, not only the length limit
-
-
-def test_generate_cli_beam_search_equals_transformers(tmp_path, tiny_data):
-    """``megatransformer generate --num-beams 4 --length-penalty-form hf`` on a checkpoint, against
-    transformers on its ``export --format hf``."""
-    from data_pipeline.tokenizer import load_tokenizer
-    from megatransformer.config import DataConfig, RunConfig
-    from megatransformer.training.checkpoint import write_weights_checkpoint
-
-    cfg, ours, _ = llama_model(seed=1)
-    ckpt = tmp_path / "ckpt"
-    write_weights_checkpoint(ckpt, RunConfig(model=cfg, data=DataConfig(seq_len=64)), ours.state_dict(),
-                             tiny_data.tokenizer)
-    run = [sys.executable, "-m", "megatransformer.cli"]
-    subprocess.run([*run, "export", "--checkpoint", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")],
-                   check=True, capture_output=True)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    tok = load_tokenizer(tiny_data.tokenizer)
-    prompt = "def read_file(path):"
-    ids = torch.tensor([tok.encode(prompt)])
-    out = theirs.generate(ids, num_beams=4, length_penalty=1.0, early_stopping=True, do_sample=False,
-                          max_new_tokens=20)[0, ids.shape[1]:].tolist()
-    expected = prompt + tok.decode(out, skip_special=True)
-    got = subprocess.run([*run, "generate", "--checkpoint", str(ckpt), "--prompt", prompt, "--num-beams", "4",
-                          "--length-penalty-form", "hf", "--length-penalty", "1.0", "--max-new-tokens", "20"],
-                         check=True, capture_output=True, text=True).stdout
-    assert got == expected + "\n"
 
 
 def test_beam_decode_batches_sources_of_equal_length(tiny_data):

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatransformer.config import ModelConfig
 from megatransformer.model import build_model
 from megatransformer.model.attention import eager_core
 from megatransformer.model.chunked_attention import chunked_core
 from megatransformer.model.masks import AttentionMask, cross_attention_mask, self_attention_mask
+from support.models import tiny_config
 
 PACKED = torch.tensor([[1] * 7 + [2] * 5 + [3] * 4 + [0] * 3, [1] * 10 + [2] * 9])
 MASKS = {
@@ -129,7 +129,7 @@ def test_largest_allocation_grows_linearly_with_sequence_length(mask_name):
 
 
 def test_model_trains_identically_with_chunked_and_sdpa():
-    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97, max_seq_len=64)
+    cfg = tiny_config()
     ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
     segments = torch.tensor([[1] * 10 + [2] * 14] * 2)
     results = []

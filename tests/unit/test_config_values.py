@@ -1,21 +1,18 @@
 """Every bad config value is refused up front: exit 2, one line on stderr naming the key and the value, no
 traceback. Values the schema can judge on its own go through the in-process CLI (`megatransformer info`,
-which validates without training); what needs the machine or the files (attention backend and precision on
-this device, tokenizer vs shards and vocabulary) goes through real `megatransformer train` processes, which
-must fail before DeepSpeed starts and leave no run directory behind."""
+which validates without training); what needs the machine or the files goes through real `megatransformer
+train` processes in tests/e2e/test_config_cli.py."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from megatransformer.cli import main
 from megatransformer.config import MAX_VOCAB, UniqueKeyLoader
+from support import assert_one_line
 
 # (override, what the one line must contain: the key and the offending value)
 BAD_VALUES = [
@@ -23,15 +20,15 @@ BAD_VALUES = [
     ("model.d_model=0", "model.d_model=0 must be > 0"),
     ("model.n_layers=0", "model.n_layers=0"),
     ("model.n_heads=-2", "model.n_heads=-2"),
-    ("model.n_kv_heads=0", "model.n_kv_heads=0 must be > 0"),  # used to train MHA silently
+    ("model.n_kv_heads=0", "model.n_kv_heads=0 must be > 0"),  # accepted, it would train MHA silently
     ("model.n_decoder_layers=0", "model.n_decoder_layers=0"),
     ("model.d_ff=0", "model.d_ff=0"),
     ("model.vocab_size=0", "model.vocab_size=0"),
     ("model.vocab_size=1000000000", f"model.vocab_size=1000000000 must be <= {MAX_VOCAB}"),
     ("model.max_seq_len=-1", "model.max_seq_len=-1"),
-    ("model.norm_eps=-1", "model.norm_eps=-1 must be > 0"),  # used to train to NaN, exit 0
+    ("model.norm_eps=-1", "model.norm_eps=-1 must be > 0"),  # accepted, it would train to NaN and exit 0
     ("model.norm_eps=0", "model.norm_eps=0"),
-    ("model.rope_theta=0", "model.rope_theta=0 must be > 0"),  # used to train to NaN, exit 0
+    ("model.rope_theta=0", "model.rope_theta=0 must be > 0"),  # accepted, it would train to NaN and exit 0
     ("model.rope_theta=.nan", "model.rope_theta=nan must be a finite number"),
     ("model.dropout=1.0", "model.dropout=1.0 must be < 1"),
     ("model.attention_dropout=-0.1", "model.attention_dropout=-0.1 must be >= 0"),
@@ -56,9 +53,9 @@ BAD_VALUES = [
     ("train.label_smoothing=1.5", "train.label_smoothing=1.5 must be < 1"),
     ("train.label_smoothing=-0.1", "train.label_smoothing=-0.1 must be >= 0"),
     ("train.log_every=0", "train.log_every=0"),
-    ("train.eval_every=-1", "train.eval_every=-1 must be >= 0"),  # used to evaluate every step
+    ("train.eval_every=-1", "train.eval_every=-1 must be >= 0"),  # accepted, it would evaluate every step
     ("train.eval_batches=0", "train.eval_batches=0"),
-    ("train.max_bad_steps=0", "train.max_bad_steps=0 must be >= 1"),  # used to stop after one good step
+    ("train.max_bad_steps=0", "train.max_bad_steps=0 must be >= 1"),  # accepted, it would stop after one good step
     ("train.host_memory=cache", "'train.host_memory': Input should be 'keep' or 'release' (got 'cache')"),
     ("train.cpu_bf16_matmul=fast", "'train.cpu_bf16_matmul': Input should be 'auto', 'fp32' or 'native' (got 'fast')"),
     ("train.peak_tflops=-3", "train.peak_tflops=-3"),
@@ -79,8 +76,8 @@ BAD_VALUES = [
     ("schedule.min_lr_ratio=1.5", "schedule.min_lr_ratio=1.5 must be <= 1"),
     ("schedule.min_lr_ratio=-0.1", "schedule.min_lr_ratio=-0.1 must be >= 0"),
     # checkpoint
-    ("checkpoint.every=0", "checkpoint.every=0 must be > 0"),  # used to divide by zero after step 1
-    ("checkpoint.every=-5", "checkpoint.every=-5"),  # used to checkpoint every step
+    ("checkpoint.every=0", "checkpoint.every=0 must be > 0"),  # accepted, it would divide by zero after step 1
+    ("checkpoint.every=-5", "checkpoint.every=-5"),  # accepted, it would checkpoint every step
     ("checkpoint.keep=0", "checkpoint.keep=0"),
     # parallel
     ("parallel.tensor_parallel=0", "parallel.tensor_parallel=0"),
@@ -102,14 +99,6 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
     captured = capsys.readouterr()
     assert captured.out == "", "a refused config printed to stdout"
     return code, captured.err
-
-
-def assert_one_line(err: str, *fragments: str) -> None:
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def test_the_table_covers_at_least_40_values_and_every_section():
@@ -152,45 +141,3 @@ def test_unique_key_loader_keeps_safe_load_semantics():
         yaml.load(text, Loader=UniqueKeyLoader)  # no arbitrary objects, as with safe_load
     # a key merged in with << may be overridden, as YAML intends
     assert yaml.load(text.rsplit("x:", 1)[0], Loader=UniqueKeyLoader)["model"] == {"a": 3, "b": 2}
-
-
-# ------------------------------------------------------------------ availability: a real `megatransformer train`
-
-TINY = ("model.d_model=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.d_ff=96 model.vocab_size=512 "
-        "model.max_seq_len=128 data.seq_len=64 train.micro_batch_size=4 train.grad_accum=1 train.max_steps=2 "
-        "wandb.mode=disabled").split()
-
-
-@pytest.fixture(scope="module")
-def other_tokenizer(tiny_data, tmp_path_factory) -> Path:
-    """A tokenizer of the same corpus with another vocabulary: not the one the shards were made with."""
-    from data_pipeline.tokenizer import train_tokenizer
-
-    path = tmp_path_factory.mktemp("other_tokenizer") / "tokenizer.json"
-    train_tokenizer([str(tiny_data.corpus)], 400, path)
-    return path
-
-
-@pytest.mark.parametrize("case", ["flash", "flex", "fp16", "tokenizer_vs_shards", "tokenizer_vs_vocab"])
-def test_unusable_on_this_machine_fails_before_deepspeed_without_run_dir(case, tiny_data, other_tokenizer,
-                                                                         tmp_path):
-    import torch
-
-    if torch.cuda.is_available() and case in ("flash", "flex", "fp16"):
-        pytest.skip("these are refused on machines without CUDA only")
-    extra, key = {
-        "flash": (["model.attention_backend=flash"], "model.attention_backend=flash needs a CUDA GPU"),
-        "flex": (["model.attention_backend=flex"], "model.attention_backend=flex cannot train on CPU"),
-        "fp16": (["precision=fp16"], "precision=fp16 needs a GPU"),
-        "tokenizer_vs_shards": ([f"data.tokenizer={other_tokenizer}"], "another tokenizer than data.tokenizer="),
-        "tokenizer_vs_vocab": (["model.vocab_size=256"], "model.vocab_size=256"),
-    }[case]
-    run = tmp_path / "run"
-    overrides = [f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}", *TINY, f"run_dir={run}"]
-    result = subprocess.run([sys.executable, "-m", "megatransformer.cli", "train", "--config", os.devnull,
-                             *overrides, *extra], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert_one_line(result.stderr, "megatransformer train: error:", key)
-    assert result.stdout == ""  # nothing from DeepSpeed's start-up: it never started
-    assert not run.exists()

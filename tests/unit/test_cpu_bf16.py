@@ -205,6 +205,6 @@ def test_bf16_gemm_kernels_are_found_where_the_cpu_has_avx512_and_not_on_plain_a
         pytest.skip(f"a partial AVX-512 or AVX-NE-CONVERT CPU: oneDNN decides ({cpu_bf16.native_bf16_gemm()} here)")
 
 
-def test_an_unknown_choice_is_refused():  # (in a config: tests/test_config_values.py)
+def test_an_unknown_choice_is_refused():  # (in a config: tests/unit/test_config_values.py)
     with pytest.raises(ValueError, match="choose from"):
         gemms_as_fp32("fast", "cpu", BF16)

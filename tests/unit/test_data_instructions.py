@@ -10,19 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import INSTRUCTION_VALID_EVERY
 from data_pipeline import DataError
 from megatransformer.training.data import build_loader
 from data_pipeline.shard import INSTRUCTIONS, Manifest, write_shards
 from data_pipeline.sources import read_documents
-from data_pipeline.tokenizer import load_tokenizer
 from megatransformer.batch import IGNORE_INDEX
 from megatransformer.config import validate
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_data):
-    return load_tokenizer(tiny_data.tokenizer)
+from support.data import INSTRUCTION_VALID_EVERY
 
 
 def make_cfg(tiny_data, shards, objective="autoregressive", arch="decoder", seq_len=64, **data):

@@ -13,9 +13,9 @@ from data_pipeline import DataError
 from megatransformer.training.data import build_loader
 from data_pipeline.shard import Manifest, write_shards
 from data_pipeline.sources import read_documents
-from data_pipeline.tokenizer import load_tokenizer
 from megatransformer.batch import IGNORE_INDEX
 from megatransformer.config import validate
+from support.data import assert_same_batches, take
 
 
 def make_cfg(tiny_data, objective="autoregressive", arch="decoder", seq_len=64, **data):
@@ -23,28 +23,6 @@ def make_cfg(tiny_data, objective="autoregressive", arch="decoder", seq_len=64, 
     raw = {"model": {"arch": arch, "vocab_size": 512, "max_seq_len": 256, "d_model": 32, "n_heads": 2},
            "data": data, "objective": objective, "seed": 1234}
     return validate(raw)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_data):
-    return load_tokenizer(tiny_data.tokenizer)
-
-
-def take(loader, n):
-    out = []
-    for batch in loader:
-        out.append(batch)
-        if len(out) == n:
-            break
-    return out
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys()
-        for key in x:
-            assert torch.equal(x[key], y[key]), key
 
 
 def documents_of(stream: list[int], eos: int) -> tuple[list[list[int]], list[int]]:
@@ -118,7 +96,7 @@ def test_ranks_get_disjoint_data_and_tp_peers_the_same(tiny_data, tok):
     a = take(build_loader(cfg, "train", 4, 0, 2, tok), 3)
     a_again = take(build_loader(cfg, "train", 4, 0, 2, tok), 3)  # e.g. a tensor-parallel peer of rank 0
     b = take(build_loader(cfg, "train", 4, 1, 2, tok), 3)
-    assert_same(a, a_again)
+    assert_same_batches(a, a_again)
     rows_a = {tuple(r) for x in a for r in x["input_ids"].tolist()}
     rows_b = {tuple(r) for x in b for r in x["input_ids"].tolist()}
     assert not rows_a & rows_b
@@ -142,12 +120,12 @@ def test_exact_resume(tiny_data, tok, objective, arch, workers):
     for rank in range(2):
         reference = take(build_loader(cfg, "train", 3, rank, 2, tok), k + m)
         first = build_loader(cfg, "train", 3, rank, 2, tok)
-        assert_same(take(first, k), reference[:k])
+        assert_same_batches(take(first, k), reference[:k])
         state = json.loads(json.dumps(first.state_dict()))
         assert len(json.dumps(state)) < 4000
         resumed = build_loader(cfg, "train", 3, rank, 2, tok)
         resumed.load_state_dict(state)
-        assert_same(take(resumed, m), reference[k:])
+        assert_same_batches(take(resumed, m), reference[k:])
 
 
 def test_resume_across_epochs_and_reshuffle(tmp_path, tiny_data, tok):
@@ -164,7 +142,7 @@ def test_resume_across_epochs_and_reshuffle(tmp_path, tiny_data, tok):
     assert max(p["epoch"] for s in loader.state_dict()["stream_states"].values() for p in s["positions"]) >= 1
     resumed = build_loader(cfg, "train", 2, 0, 1, tok)
     resumed.load_state_dict(loader.state_dict())
-    assert_same(take(resumed, 23), reference[37:])
+    assert_same_batches(take(resumed, 23), reference[37:])
     # epoch 0 and epoch 1 of one reader differ in order
     one = build_loader(make_cfg(tiny_data, train=str(tmp_path / "small"), seq_len=32, streams=1), "train", 1, 0, 1,
                        tok, epochs=2)
@@ -191,7 +169,7 @@ def test_resume_refuses_what_cannot_continue(tiny_data, tok):
 def test_same_seed_same_batches_other_seed_other_batches(tiny_data, tok):
     cfg = make_cfg(tiny_data, "masked_lm", "encoder")
     a = take(build_loader(cfg, "train", 2, 0, 1, tok), 2)
-    assert_same(a, take(build_loader(cfg, "train", 2, 0, 1, tok), 2))
+    assert_same_batches(a, take(build_loader(cfg, "train", 2, 0, 1, tok), 2))
     other = cfg.model_copy(update={"seed": 99})
     b = take(build_loader(other, "train", 2, 0, 1, tok), 2)
     assert not torch.equal(a[0]["input_ids"], b[0]["input_ids"])
@@ -202,8 +180,8 @@ def test_validation_is_finite_and_identical_on_every_pass_and_rank(tiny_data, to
     loader = build_loader(cfg, "valid", 4, 0, 2, tok)
     first, second = list(loader), list(loader)
     assert 0 < len(first) < 1000
-    assert_same(first, second)
-    assert_same(first, list(build_loader(cfg, "valid", 4, 1, 2, tok)))
+    assert_same_batches(first, second)
+    assert_same_batches(first, list(build_loader(cfg, "valid", 4, 1, 2, tok)))
 
 
 def test_validation_smaller_than_a_batch_is_an_error(tiny_data, tok):

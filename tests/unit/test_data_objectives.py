@@ -17,14 +17,8 @@ from data_pipeline.objectives import (
     build_objective,
     span_lengths,
 )
-from data_pipeline.tokenizer import load_tokenizer
 from megatransformer.batch import IGNORE_INDEX, MODEL_INPUT_KEYS
 from megatransformer.config import ObjectiveArgs, validate
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_data):
-    return load_tokenizer(tiny_data.tokenizer)
 
 
 def normal_tokens(tok, n, rng):

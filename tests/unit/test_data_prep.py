@@ -18,11 +18,6 @@ from data_pipeline.tokenizer import file_sha256, load_tokenizer, train_tokenizer
 from megatransformer.cli import main
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_data):
-    return load_tokenizer(tiny_data.tokenizer)
-
-
 # ------------------------------------------------------------------------------------ corpus, tokenizer
 
 

@@ -4,19 +4,13 @@ that continue on another layout, and datasets with fewer shards than readers (te
 from __future__ import annotations
 
 import pytest
-import torch
 
 from data_pipeline import DataError
 from data_pipeline.loader import LoaderSettings, build_loader, merge_states
 from data_pipeline.shard import Manifest, write_shards
-from data_pipeline.tokenizer import load_tokenizer
+from support.data import assert_same_batches
 
 GLOBAL_BATCH = 8
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_data):
-    return load_tokenizer(tiny_data.tokenizer)
 
 
 def settings(train, objective="autoregressive", arch="decoder", **kw) -> LoaderSettings:
@@ -46,12 +40,6 @@ def global_rows(s: LoaderSettings, tok, dp: int, steps: int, micro: int, state: 
     return rows, loaders
 
 
-def assert_same_rows(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-
 @pytest.mark.parametrize("objective,arch", [("autoregressive", "decoder"), ("masked_lm", "encoder")])
 def test_global_rows_do_not_depend_on_ranks_or_workers(tiny_data, tok, objective, arch):
     """With data.streams fixed, global steps 0..3 hold the same rows, in the same order, for dp 1, 2, 4 x
@@ -64,7 +52,7 @@ def test_global_rows_do_not_depend_on_ranks_or_workers(tiny_data, tok, objective
             micro = {1: 2, 2: 4, 4: 1}[dp]
             rows, _ = global_rows(settings(tiny_data.shards, objective, arch, streams=8, num_workers=workers), tok,
                                   dp, steps, micro)
-            assert_same_rows(rows, reference)
+            assert_same_batches(rows, reference)
 
 
 @pytest.mark.parametrize("before,after", [((2, 2), (1, 0)), ((1, 0), (4, 2)), ((4, 0), (2, 2)), ((2, 0), (2, 2))])
@@ -74,24 +62,24 @@ def test_state_continues_on_another_layout(tiny_data, tok, before, after):
     reference, _ = global_rows(settings(tiny_data.shards, streams=16), tok, 1, 6, 8)
     (dp, workers), (new_dp, new_workers) = before, after
     first, loaders = global_rows(settings(tiny_data.shards, streams=16, num_workers=workers), tok, dp, 3, 2)
-    assert_same_rows(first, reference[:24])
+    assert_same_batches(first, reference[:24])
     saved = merge_states([loader.state_dict() for loader in loaders])
     assert saved["rows"] == 24
     rest, _ = global_rows(settings(tiny_data.shards, streams=16, num_workers=new_workers), tok, new_dp, 3, 2,
                           state=saved)
-    assert_same_rows(rest, reference[24:])
+    assert_same_batches(rest, reference[24:])
     if dp == new_dp:  # the same ranks with other workers continue from their own states as well
         for rank, loader in enumerate(loaders):
             again = build_loader(settings(tiny_data.shards, streams=16, num_workers=new_workers), "train", 2, rank,
                                  dp, tok)
             again.load_state_dict(loader.state_dict())
             batch = next(iter(again))
-            assert_same_rows([{k: v[j] for k, v in batch.items()} for j in range(2)],
+            assert_same_batches([{k: v[j] for k, v in batch.items()} for j in range(2)],
                              [reference[24 + rank + dp * j] for j in range(2)])
     # the ranks' own states are accepted as a list (merged on loading) too
     rest_from_list, _ = global_rows(settings(tiny_data.shards, streams=16), tok, 1, 1, 8,
                                     state=[loader.state_dict() for loader in loaders])
-    assert_same_rows(rest_from_list, reference[24:32])
+    assert_same_batches(rest_from_list, reference[24:32])
 
 
 def test_states_that_cannot_be_merged_or_split(tiny_data, tok):
@@ -110,7 +98,7 @@ def test_states_that_cannot_be_merged_or_split(tiny_data, tok):
 
 
 def test_one_shard_feeds_two_ranks_of_two_workers(tmp_path, tiny_data, tok):
-    """A one-shard dataset (refused before streams: one reader per shard) trains on 2 ranks x 2 workers, with
+    """A one-shard dataset (fewer shards than readers) trains on 2 ranks x 2 workers, with
     the rows of one rank without workers."""
     write_shards([str(tiny_data.corpus)], str(tiny_data.tokenizer), tmp_path / "one", shard_mb=64, valid_every=0,
                  workers=1, progress=False)
@@ -118,7 +106,7 @@ def test_one_shard_feeds_two_ranks_of_two_workers(tmp_path, tiny_data, tok):
     s = settings(tmp_path / "one")  # the default 64 streams: parts of the one shard
     reference, _ = global_rows(s, tok, 1, 3, 4)
     rows, _ = global_rows(settings(tmp_path / "one", num_workers=2), tok, 2, 3, 2)
-    assert_same_rows(rows, reference)
+    assert_same_batches(rows, reference)
     assert len({tuple(r["input_ids"].tolist()) for r in rows}) == len(rows)
 
 
@@ -132,14 +120,3 @@ def test_layouts_that_do_not_divide_the_streams_fail_early(tmp_path, tiny_data, 
                                         "data.streams=64.*to 10 or less"):
         build_loader(settings(tmp_path / "tiny"), "train", 2, 0, 1, tok)
     assert next(iter(build_loader(settings(tmp_path / "tiny", streams=8), "train", 2, 0, 1, tok)))
-
-
-def test_data_pipeline_imports_only_the_batch_format():
-    """data_pipeline takes plain arguments: of megatransformer it imports the batch format, nothing else."""
-    import subprocess
-    import sys
-
-    code = ("import sys, data_pipeline.loader, data_pipeline.shard, data_pipeline.objectives, data_pipeline.inspect, "
-            "data_pipeline.remote; print(sorted(m for m in sys.modules if m.startswith('megatransformer')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['megatransformer', 'megatransformer.batch']"

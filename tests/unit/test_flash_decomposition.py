@@ -1,6 +1,6 @@
 """flash-attn for every mask: the decomposition into varlen problems, checked on CPU against ``eager``.
 
-flash-attn needs CUDA, so ``flash_core`` runs here on ``tests/flash_reference.py``, an obvious implementation
+flash-attn needs CUDA, so ``flash_core`` runs here on ``tests/support/flash_reference.py``, an obvious implementation
 of the kernel's documented contract; the ``gpu``-marked tests at the end run the real kernel for every mask.
 Outputs of padding queries carry no loss and are not compared (each backend fills them its own way).
 """
@@ -10,9 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flash_reference
-from megatransformer.batch import PAD_SEGMENT
-from megatransformer.model import attention
 from megatransformer.model.attention import eager_core, flash_core
 from megatransformer.model.masks import (
     AttentionMask,
@@ -22,87 +19,9 @@ from megatransformer.model.masks import (
     self_attention_mask,
     varlen_problems,
 )
-
-B, H, KV, T, D = 2, 4, 2, 19, 8
-
-
-def rows(*segment_rows: list[int]) -> torch.Tensor:
-    """Segment ids from run lengths per row: rows([3, 2], [5]) -> [[1,1,1,2,2], [1,1,1,1,1]] (0 pads)."""
-    out = torch.zeros(len(segment_rows), T, dtype=torch.long)
-    for r, lengths in enumerate(segment_rows):
-        at = 0
-        for index, n in enumerate(lengths):
-            out[r, at:at + n] = index + 1 if n > 0 else 0
-            at += abs(n)
-    return out
-
-
-PACKED = rows([5, 6, 3, -5], [7, 12])  # row 0 ends in 5 padding positions
-LEADING_PAD = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2, 2, 0, 0, 3, 3, 3, 3, 3, 3, 0, 0]]).expand(B, -1).contiguous()
-
-
-def per_document_prefix(segments: torch.Tensor, prefix: list[list[int]]) -> torch.Tensor:
-    """[B, T] prefix ends: document k of row b has a prefix of prefix[b][k] tokens (0 for padding)."""
-    ends = torch.zeros_like(segments)
-    for b in range(segments.shape[0]):
-        for k, length in enumerate(prefix[b]):
-            where = (segments[b] == k + 1).nonzero().flatten()
-            if len(where):
-                ends[b, where] = int(where[0]) + length
-    return ends
-
-
-SELF_MASKS = {
-    "causal": lambda: self_attention_mask(True),
-    "bidirectional": lambda: self_attention_mask(False),
-    "prefix_per_row": lambda: self_attention_mask(True, prefix_len=torch.tensor([3, 11])),
-    "prefix_whole_row": lambda: self_attention_mask(True, prefix_len=torch.tensor([T, 0])),
-    "packed_causal": lambda: self_attention_mask(True, PACKED),
-    "packed_bidirectional": lambda: self_attention_mask(False, PACKED),
-    "padding_inside": lambda: self_attention_mask(True, LEADING_PAD),
-    "packed_prefix_per_row": lambda: self_attention_mask(True, PACKED, torch.tensor([4, 9])),
-    "packed_prefix_per_document": lambda: self_attention_mask(
-        True, PACKED, per_document_prefix(PACKED, [[2, 6, 1], [7, 0]])),  # a whole-prefix and a no-prefix doc
-}
-
-
-@pytest.fixture
-def reference_flash(monkeypatch):
-    monkeypatch.setattr(attention, "flash_attn_module", lambda: flash_reference.MODULE)
-
-
-def qkv(q_len: int = T, k_len: int = T, seed: int = 0, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, q_len, D, generator=gen, dtype=dtype).requires_grad_()
-    k = torch.randn(B, KV, k_len, D, generator=gen, dtype=dtype).requires_grad_()
-    v = torch.randn(B, KV, k_len, D, generator=gen, dtype=dtype).requires_grad_()
-    return q, k, v
-
-
-def real_queries(mask: AttentionMask, q_len: int) -> torch.Tensor:
-    """[B, 1, Tq, 1]: queries whose outputs carry loss (not padding)."""
-    if mask.q_segments is None:
-        return torch.ones(B, 1, q_len, 1, dtype=torch.bool)
-    return (mask.q_segments != PAD_SEGMENT).view(B, 1, q_len, 1)
-
-
-def values_and_grads(core, q, k, v, mask, *extra, **kwargs):
-    """The core's outputs at real queries and q/k/v gradients of a random weighting of them (``extra``,
-    ``kwargs``: more arguments of the core, e.g. an ALiBi bias)."""
-    out = core(q, k, v, mask, 0.0, *extra, **kwargs)
-    keep = real_queries(mask, q.shape[2])
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
-    (out * weights * keep).sum().backward()
-    grads = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    return out.detach() * keep, grads
-
-
-def assert_same(flash, eager, atol=1e-5):
-    assert torch.allclose(flash[0], eager[0], atol=atol), (flash[0] - eager[0]).abs().max()
-    for got, want in zip(flash[1], eager[1]):
-        assert torch.allclose(got, want, atol=atol), (got - want).abs().max()
+from support.attention import (LEADING_PAD, PACKED, SELF_MASKS, B, T, assert_bf16_close, assert_same, needs_flash,
+                               per_document_prefix, qkv, real_queries, rows, values_and_grads)
+from support.models import tiny_config
 
 
 @pytest.mark.parametrize("name", SELF_MASKS)
@@ -140,11 +59,9 @@ def test_prefix_document_is_two_problems():
 @pytest.mark.parametrize("arch", ["decoder", "encoder", "encoder_decoder"])
 def test_host_built_masks_equal_the_models_own(arch):
     """batch_masks (host, once per batch) gives the model exactly what it builds from its inputs."""
-    from megatransformer.config import ModelConfig
     from megatransformer.model import build_model
 
-    cfg = ModelConfig(arch=arch, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64,
-                      max_seq_len=32, attention_backend="chunked")
+    cfg = tiny_config(arch=arch, d_ff=64, vocab_size=64, max_seq_len=32, attention_backend="chunked")
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     ids = torch.randint(0, 64, (B, T))
@@ -178,15 +95,7 @@ def test_host_masks_carry_varlen_problems_and_chunk_bounds():
 
 # ------------------------------------------------------------------------------ the real kernel (GPU)
 
-gpu = pytest.mark.gpu
-needs_flash = pytest.mark.skipif(
-    not torch.cuda.is_available() or attention.flash_attn_module() is None,
-    reason="needs CUDA and the flash-attn package (pip install 'megatransformer[gpu]'); CPU machines check the "
-           "decomposition against tests/flash_reference.py above",
-)
-
-
-@gpu
+@pytest.mark.gpu
 @needs_flash
 @pytest.mark.parametrize("name", [*SELF_MASKS, "cross", "cached"])
 def test_real_flash_attn_equals_eager_for_every_mask(name):
@@ -202,10 +111,7 @@ def test_real_flash_attn_equals_eager_for_every_mask(name):
     mask = mask.to("cuda")
     flash = values_and_grads(flash_core, q, k, v, mask)
     eager = values_and_grads(eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask)
-    keep = real_queries(mask, q_len).cuda()
-    assert torch.allclose(flash[0].float() * keep, eager[0], atol=2e-2)
-    for got, want in zip(flash[1], eager[1]):
-        assert torch.allclose(got.float(), want, atol=5e-2)
+    assert_bf16_close(flash, eager, real_queries(mask, q_len).cuda())
 
 
 def test_masks_compare_by_their_rule_for_autotp_input_checks():

@@ -10,22 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatransformer.config import ModelConfig
 from megatransformer.model import TP_PLAN, build_model, generate
 from megatransformer.model.attention import BACKENDS, eager_core, flash_core
 from megatransformer.model.masks import AttentionMask, self_attention_mask
+from support.models import TINY, tiny_config
 
-VOCAB = 97
-
-
-def tiny(**overrides) -> ModelConfig:
-    base = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=VOCAB, max_seq_len=64)
-    return ModelConfig(**{**base, **overrides})
+VOCAB = TINY["vocab_size"]
 
 
 def model_for(seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    return build_model(tiny(**overrides)).eval()
+    return build_model(tiny_config(**overrides)).eval()
 
 
 def tokens(*shape: int, seed: int = 1) -> torch.Tensor:
@@ -90,7 +85,7 @@ def test_post_ln_has_no_final_norm_and_pre_ln_has_one():
 
 def test_depth_scaled_init():
     torch.manual_seed(0)
-    model = build_model(tiny(d_model=256, n_heads=4, d_ff=512, n_layers=8, init_std=0.02))
+    model = build_model(tiny_config(d_model=256, n_heads=4, d_ff=512, n_layers=8, init_std=0.02))
     layer = model.decoder.layers[0]
     assert layer.self_attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert layer.self_attn.o_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)
