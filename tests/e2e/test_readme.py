@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from support import REPO
+from support.runs import tiny_model
 
 README = REPO / "README.md"
 SKIP_MARKER = re.compile(r"<!--\s*readme-test:\s*skip\b(?P<why>.*?)-->")
@@ -44,10 +45,11 @@ NOT_RUN = {
     "sbatch": "needs a Slurm cluster; tests/e2e/test_slurm.py submits slurm/train.sbatch to the local one",
 }
 
-TINY_TRAIN = ["model.d_model=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-              "data.seq_len=64", "train.max_steps=2", "train.micro_batch_size=2", "train.global_batch_size=null",
-              "train.grad_accum=1", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-              "precision=fp32", "wandb.mode=disabled"]
+# the tiny decoder with one layer, at the vocabulary and length of the README's configs
+TINY_TRAIN = [*tiny_model(n_layers=1, d_ff=128, vocab_size=None, max_seq_len=None), "data.seq_len=64",
+              "train.max_steps=2", "train.micro_batch_size=2", "train.global_batch_size=null", "train.grad_accum=1",
+              "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "precision=fp32",
+              "wandb.mode=disabled"]
 APPENDED = {  # by sub-command
     "quickstart": TINY_TRAIN,
     "train": TINY_TRAIN,
