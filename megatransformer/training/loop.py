@@ -114,7 +114,7 @@ class Trainer:
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
-            result = self.module.step(batches, self.preemption.requested)
+            result = self.module.step(batches, lambda: self.preemption.requested)
             step_seconds = time.perf_counter() - started
             self.state.step += 1
             self.state.tokens += result.tokens
