@@ -12,7 +12,7 @@ COLLECTIVE = "deepspeed_shm_comm"  # DeepSpeed's shared-memory all-reduce of a n
 CPU_ADAM = "cpu_adam"  # DeepSpeedCPUAdam, the optimizer step of parallel.offload_optimizer
 WHAT = {COLLECTIVE: f"DeepSpeed's CPU collective ({COLLECTIVE})",
         CPU_ADAM: f"DeepSpeed's CPU Adam ({CPU_ADAM}, for parallel.offload_optimizer)"}
-BUILD_TIME = "~2 min on 2 cores"
+BUILD_TIME = "2-4 min on 2 cores"
 
 
 def ops_to_build(world_size: int, cuda: bool, offload_optimizer: bool) -> list[str]:

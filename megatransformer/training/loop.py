@@ -49,7 +49,8 @@ class Preemption:
                 os.write(2, b"\nmegatransformer train: interrupted again: exiting now, without a checkpoint\n")
                 os._exit(EXIT_INTERRUPTED)
             self.interrupted = True
-            os.write(2, b"\nCtrl-C: checkpointing after this step, then exiting (Ctrl-C again: exit now)\n")
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # (torchrun signals every rank)
+                os.write(2, b"\nCtrl-C: checkpointing after this step, then exiting (Ctrl-C again: exit now)\n")
         self.requested = True
 
     def reason(self) -> str:
