@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -61,6 +62,32 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_from_it(tiny_data, tmp
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / f'step_{saved:06d}'} at step {saved}" in resumed.stdout
     assert steps(run) == list(range(1, STEPS + 1))  # each step once: the interrupted run logged up to the saved one
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_every_rank_checkpoints_one_step(tiny_data, tmp_path):
+    """Two ranks started as torchrun starts them (each in its own session), each sent SIGINT once, as torchrun
+    passes on a Ctrl-C: both stop after the same step, which is saved, and exit 124."""
+    run = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        ranks.append(subprocess.Popen(train_command(tiny_data, run, "parallel.zero_stage=2"), env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    wait_for_first_step(run, ranks[0])
+    for process in ranks:
+        process.send_signal(signal.SIGINT)
+    outputs = [process.communicate(timeout=600)[0] for process in ranks]
+    assert [process.returncode for process in ranks] == [124, 124], outputs[0][-2000:] + outputs[1][-2000:]
+    saved = int((run / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert f"interrupted (Ctrl-C) at step {saved}: checkpointing, exit 124" in outputs[0]
+    assert sum(output.count("Ctrl-C: checkpointing after this step") for output in outputs) == 1  # one per node
+    assert not any("Traceback" in output for output in outputs)
 
 
 def test_a_second_ctrl_c_exits_at_once_with_one_line():
