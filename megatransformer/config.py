@@ -47,6 +47,9 @@ MAX_VOCAB = 1 << 22
 """Largest model.vocab_size accepted: the largest vocabularies in use hold about 256k tokens (Gemma's
 262,144); 2**22 leaves 16x headroom and still refuses a typo such as 1e9, whose embedding table alone would
 need terabytes (the run would die allocating it, with a traceback)."""
+MAX_STEPS = 10**9
+"""Largest train.max_steps accepted: the longest published pretraining runs take a few million optimizer steps;
+a billion is decades at ten steps a second, and still refuses a typo such as 1e30."""
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -288,8 +291,8 @@ class ObjectiveArgs(Section):
 
 
 class TrainConfig(Section):
-    max_steps: NonNegativeInt = 1000
-    """Optimizer steps to train."""
+    max_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 1000
+    """Optimizer steps to train, at least 1 (a run leaves a checkpoint), at most MAX_STEPS."""
     micro_batch_size: PositiveInt | None = None
     """Sequences per rank per forward pass."""
     global_batch_size: PositiveInt | None = None

@@ -7,6 +7,7 @@ What one optimizer step does on DeepSpeed (micro batches, loss normalisation, sk
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -25,20 +26,35 @@ from megatransformer.training.layout import zero_stage_notes
 from megatransformer.training.metrics import Reporter, peak_tflops
 from megatransformer.training.resume import plan_resume
 
-EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
+EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM/SIGINT: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: stopped at once, no checkpoint (as a shell reports it)
 
 
 class Preemption:
-    """Remembers SIGUSR1 / SIGTERM; the loop checks it between steps (all ranks agree before stopping)."""
+    """Remembers SIGUSR1 / SIGTERM and a first SIGINT (Ctrl-C); the loop checks it between steps (all ranks
+    agree before stopping). A second SIGINT ends the process at once."""
 
     def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        self.requested = self.interrupted = False
+        self.pid = os.getpid()  # (DataLoader workers inherit the handlers: Ctrl-C there is the main process's)
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self.pid:
+            return
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                os.write(2, b"\nmegatransformer train: interrupted again: exiting now, without a checkpoint\n")
+                os._exit(EXIT_INTERRUPTED)
+            self.interrupted = True
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # (torchrun signals every rank)
+                os.write(2, b"\nCtrl-C: checkpointing after this step, then exiting (Ctrl-C again: exit now)\n")
         self.requested = True
+
+    def reason(self) -> str:
+        return "interrupted (Ctrl-C)" if self.interrupted else "preempted"
 
 
 class Trainer:
@@ -99,7 +115,7 @@ class Trainer:
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
-            result = self.module.step(batches, self.preemption.requested)
+            result = self.module.step(batches, lambda: self.preemption.requested)
             step_seconds = time.perf_counter() - started
             self.state.step += 1
             self.state.tokens += result.tokens
@@ -128,7 +144,8 @@ class Trainer:
                 exit_code = EXIT_DIVERGED
                 break
             if result.stop:
-                report.message(f"preempted at step {self.state.step}: checkpointing, exit {EXIT_PREEMPTED}")
+                report.message(f"{self.preemption.reason()} at step {self.state.step}: checkpointing, "
+                               f"exit {EXIT_PREEMPTED}")
                 exit_code = EXIT_PREEMPTED
                 break
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:

@@ -69,5 +69,6 @@ def test_unusable_on_this_machine_fails_before_deepspeed_without_run_dir(case, t
     result = train(overrides + extra, expect=None, env={"DS_ACCELERATOR": "cpu"})
     assert result.returncode == 2, result.stderr[-3000:]
     assert_one_line(result.stderr, "megatransformer train: error:", key)
-    assert result.stdout == ""  # nothing from DeepSpeed's start-up: it never started
+    # nothing from DeepSpeed's start-up, it never started: only the run's first line
+    assert result.stdout == f"training {run} to step 2: starting PyTorch and DeepSpeed\n"
     assert not run.exists()

@@ -4,7 +4,6 @@ the DeepSpeed config, the loss, skipped updates, checkpoint bookkeeping and metr
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -437,28 +436,3 @@ def test_rope_frequencies_stay_fp32_when_the_engine_casts_the_model():
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
     expected = torch.cos(4000 * inv_freq).float()
     assert torch.allclose(cos[0, 0, 0, :32], expected, atol=1e-3)  # bf16 frequencies are off by up to ~1 here
-
-
-def test_an_old_extension_build_lock_is_reported_a_fresh_one_is_not(tmp_path, monkeypatch):
-    from megatransformer.training.preflight import STALE_LOCK_SECONDS, stale_build_locks
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    left = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"  # a build killed midway
-    building = tmp_path / "cpu_adam" / "lock"  # a build running now
-    for lock in (left, building):
-        lock.parent.mkdir(parents=True)
-        lock.touch()
-    now = left.stat().st_mtime + 2 * STALE_LOCK_SECONDS
-    os.utime(building, (now - 5, now - 5))
-    (line,) = stale_build_locks(now=now)
-    assert line.startswith(f"warning: {left} is 20 minutes old: a build of DeepSpeed's deepspeed_shm_comm op")
-    assert "delete it" in line
-    assert stale_build_locks(now=left.stat().st_mtime + 60) == []
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # torch's default place
-    assert stale_build_locks(now=now) == []
-    default = tmp_path / "cache" / "torch_extensions" / "py311_cpu" / "deepspeed_shm_comm" / "lock"
-    default.parent.mkdir(parents=True)
-    default.touch()
-    os.utime(default, (now - 3600, now - 3600))
-    assert [line.split()[1] for line in stale_build_locks(now=now)] == [str(default)]
