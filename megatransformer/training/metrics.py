@@ -37,27 +37,29 @@ def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-def peak_tflops(cfg: RunConfig, device: str) -> float:
-    """Per-device peak for the MFU estimate: train.peak_tflops, else a known GPU, else a measured matmul peak."""
+def peak_tflops(cfg: RunConfig, device: str) -> float | None:
+    """Per-device peak for the MFU estimate: train.peak_tflops, else a known GPU, else a measured matmul peak
+    on a GPU. None on a CPU without train.peak_tflops: a CPU's matmul speed moves with its load, clock and
+    kernel choice (a start-up measurement gave MFUs of 6-99% within one run), so no MFU is shown there."""
     import torch
 
     if cfg.train.peak_tflops:
         return cfg.train.peak_tflops
+    if not device.startswith("cuda"):
+        return None
     dtype = precision_dtype(cfg.precision)
-    if device.startswith("cuda"):
-        known = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
-        if known is not None:
-            return known
-    dtype = torch.float32 if dtype == torch.float16 and not device.startswith("cuda") else dtype
-    a = torch.randn(1024, 1024, device=device, dtype=dtype)
+    known = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
+    if known is not None:
+        return known
+    a = torch.randn(4096, 4096, device=device, dtype=dtype)
     a @ a
+    torch.cuda.synchronize()
     started, n = time.perf_counter(), 0
     while time.perf_counter() - started < 0.2:
         a @ a
         n += 1
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return 2 * 1024**3 * n / (time.perf_counter() - started) / 1e12
+    torch.cuda.synchronize()
+    return 2 * 4096**3 * n / (time.perf_counter() - started) / 1e12
 
 
 def truncate_metrics(path: Path, after_step: int) -> None:
@@ -132,8 +134,9 @@ class Reporter:
         step, total = record["step"], self.cfg.train.max_steps
         loss = "nan" if record["loss"] is None else f"{record['loss']:.4f}"
         pace = (time.perf_counter() - self._started) / max(step - self._start_step, 1)
+        mfu = "" if record.get("mfu") is None else f" | MFU {record['mfu']:.2%}"
         return (f"step {step}/{total} | loss {loss} | lr {record['lr']:.3g} | {record['tokens_per_s']:,.0f} tok/s"
-                f" | MFU {record['mfu']:.2%} | ETA {format_duration((total - step) * pace)}")
+                f"{mfu} | ETA {format_duration((total - step) * pace)}")
 
     def progress(self, step: int, loss: float, tokens_per_s: float, seconds_per_step: float) -> None:
         """Moves the progress bar (on a terminal); the numbers are shown per log interval by :meth:`log`."""
