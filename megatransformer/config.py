@@ -344,6 +344,9 @@ class RunConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Training precision; bf16 keeps fp32 master weights, fp16 adds loss scaling (GPU)."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files into run_dir/tensorboard (needs the tensorboard package:
+    pip install 'megatransformer[tensorboard]'; off by default, W&B and metrics.jsonl being always there)."""
     resume: str | None = None
     """auto: the latest complete checkpoint in run_dir/checkpoints (fresh start if none); or a checkpoint path."""
     resume_elastic: Literal["keep_batch", "allow_batch_change"] = "keep_batch"

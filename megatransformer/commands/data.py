@@ -85,7 +85,8 @@ def _tokenizer(args: argparse.Namespace) -> int:
     from data_pipeline.sources import input_files
     from data_pipeline.tokenizer import train_tokenizer
 
-    info = train_tokenizer(input_files(args.input), args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per)
+    info = train_tokenizer(input_files(args.input), args.vocab_size, args.out, args.sentinels, args.text_field,
+                           args.doc_per)
     asked = "" if info.vocab_size == args.vocab_size else f" of {args.vocab_size} asked"
     print(f"wrote {args.out}: {info.vocab_size} tokens{asked} (pad {info.pad_id}, bos {info.bos_id}, eos {info.eos_id}, "
           f"mask {info.mask_id}, {len(info.sentinel_ids)} sentinels)")
@@ -98,8 +99,8 @@ def _shard(args: argparse.Namespace) -> int:
     from data_pipeline.sources import input_files
 
     text_field = args.completion_field if args.prompt_field else args.text_field
-    manifest = write_shards(input_files(args.input), args.tokenizer, args.out, args.shard_mb, args.valid_every, args.workers,
-                            text_field, args.doc_per, args.on_decode_error, args.overwrite,
+    manifest = write_shards(input_files(args.input), args.tokenizer, args.out, args.shard_mb, args.valid_every,
+                            args.workers, text_field, args.doc_per, args.on_decode_error, args.overwrite,
                             progress=sys.stderr.isatty(), prompt_field=args.prompt_field)
     unit = "examples" if args.prompt_field else "documents"
     for split, shards in manifest.splits.items():

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 

@@ -24,6 +24,7 @@ from megatransformer.training.engine import TrainModule
 from megatransformer.training.layout import zero_stage_notes
 from megatransformer.training.metrics import Reporter, peak_tflops
 from megatransformer.training.optim import warmup_warning
+from megatransformer.training.trackers import resolved_config, run_facts
 from megatransformer.training.resume import plan_resume
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
@@ -98,8 +99,9 @@ class Trainer:
             warning = warmup_warning(cfg)
             if warning:
                 print(warning)
-        report = Reporter(cfg, self.dist.is_main, self.state.step)
-        flops = model_size(cfg.model, cfg.data.seq_len).flops_per_token  # per position that holds a token
+        size = model_size(cfg.model, cfg.data.seq_len)
+        report = Reporter(cfg, self.dist.is_main, self.state.step, self.tracker_config(size.params))
+        flops = size.flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device)
         peak = peak and peak * 1e12 * self.dist.world_size  # None: no MFU (a CPU without train.peak_tflops)
         batches = iter(self.train_loader)
@@ -120,7 +122,8 @@ class Trainer:
                 report.log({"step": self.state.step, "loss": result.loss if math.isfinite(result.loss) else None,
                             "lr": result.lr, "grad_norm": self.module.last_grad_norm(),
                             "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
-                            "mfu": window_real / seconds * flops / peak if peak else None, "bad_steps": self.state.bad_steps,
+                            "mfu": window_real / seconds * flops / peak if peak else None,
+                            "bad_steps": self.state.bad_steps,
                             "skipped_shards": len(self.train_loader.skipped_shards),
                             **device_memory(self.dist.device)})
                 window_start, window_tokens, window_real = time.perf_counter(), 0, 0
@@ -146,6 +149,13 @@ class Trainer:
         self.save()
         report.close()
         return exit_code
+
+    def tracker_config(self, parameters: int) -> dict:
+        """The config W&B records: the resolved config, and the run's facts under ``run``."""
+        sizes = self.module.sizes
+        facts = run_facts(sizes, self.dist.world_size, self.cfg.parallel.tensor_parallel, self.module.zero_stage,
+                          parameters)
+        return {**resolved_config(self.cfg, sizes), "run": facts}
 
     def save(self) -> Path:
         return self.module.save(self.state, self.train_loader.state_dict())

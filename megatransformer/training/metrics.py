@@ -1,4 +1,4 @@
-"""What a run reports: metrics.jsonl, W&B, and the console. Rank 0 only.
+"""What a run reports: metrics.jsonl, W&B, TensorBoard, and the console. Rank 0 only.
 
 The console prints a line per metrics.jsonl record, made from that record (so the two always agree), a
 progress bar on a terminal, and a closing summary; DeepSpeed's start-up chatter is held back unless asked for.
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
+from megatransformer.training.trackers import WANDB_DEFAULT_URL, unreachable
 
 if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
     import torch
@@ -99,13 +100,17 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class Reporter:
-    """Writes metrics.jsonl and W&B, and shows every record on the console as it is written."""
+    """Writes metrics.jsonl, W&B and TensorBoard, and shows every record on the console as it is written.
 
-    def __init__(self, cfg: RunConfig, is_main: bool, start_step: int) -> None:
+    ``tracker_config`` is what W&B records as the run's config (the resolved config and the run's facts)."""
+
+    def __init__(self, cfg: RunConfig, is_main: bool, start_step: int,
+                 tracker_config: dict[str, Any] | None = None) -> None:
         self.cfg, self.is_main = cfg, is_main
         self.path = Path(cfg.run_dir) / "metrics.jsonl"
         self.bar = None
         self.wandb = None
+        self.tensorboard = None
         self._started, self._start_step = time.perf_counter(), start_step
         if not is_main:
             return
@@ -114,15 +119,26 @@ class Reporter:
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
-        self.wandb = start_wandb(cfg)
+        self.wandb = start_wandb(cfg, tracker_config)
+        if cfg.tensorboard:
+            from megatransformer.training.trackers import TensorBoard
+
+            self.tensorboard = TensorBoard(cfg.run_dir, start_step)
 
     def log(self, record: dict[str, Any]) -> None:
+        """Write a training record (it has ``loss``) or a validation record (``val_loss``), stamped with its
+        ``kind`` (train / valid) and wall-clock ``time`` (Unix seconds)."""
         if not self.is_main:
             return
+        record = {"step": record["step"], "kind": "valid" if "val_loss" in record else "train",
+                  "time": round(time.time(), 3), **record}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind", "time")},
+                           step=record["step"])
+        if self.tensorboard is not None:
+            self.tensorboard.log(record)
         if "loss" in record:
             self.message(self.train_line(record))
         if "val_loss" in record:
@@ -154,6 +170,8 @@ class Reporter:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def format_duration(seconds: float) -> str:
@@ -171,13 +189,15 @@ def wandb_mode(cfg: RunConfig) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-def start_wandb(cfg: RunConfig):
-    """A W&B run (offline when there is no API key, so a run never fails for lack of network).
+def start_wandb(cfg: RunConfig, config: dict[str, Any] | None = None):
+    """A W&B run (offline when there is no API key, so a run never fails for lack of network), with
+    ``config`` (default: the config as written) as its config.
 
     W&B never stops a run: when online start-up fails (server unreachable, bad key, timeout) one warning
-    line says so and the run logs offline, into files that `wandb sync` uploads later. Start-up waits at
-    most WANDB_INIT_TIMEOUT seconds (W&B's default, 90), and less than half of parallel.timeout_minutes,
-    so the other ranks, waiting in a collective meanwhile, do not time out.
+    line says so and the run logs offline, into files that `wandb sync` uploads later. A server that does
+    not answer a TCP connection within seconds (WANDB_BASE_URL, default api.wandb.ai) is known offline at
+    once; otherwise start-up waits at most WANDB_INIT_TIMEOUT seconds (W&B's default, 90), and less than
+    half of parallel.timeout_minutes, so the other ranks, waiting in a collective meanwhile, do not time out.
     """
     mode = wandb_mode(cfg)
     if mode == "disabled":
@@ -191,18 +211,26 @@ def start_wandb(cfg: RunConfig):
     run_dir = Path(cfg.run_dir)
     timeout = min(float(os.environ.get("WANDB_INIT_TIMEOUT", 90)), cfg.parallel.timeout_minutes * 60 / 2)
     init = dict(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
-                tags=cfg.wandb.tags, config=cfg.model_dump(mode="json"), dir=str(run_dir), resume="allow",
-                id=_run_id(run_dir))
+                tags=cfg.wandb.tags, config=config or cfg.model_dump(mode="json"), dir=str(run_dir),
+                resume="allow", id=_run_id(run_dir))
     if mode != "online":
         return wandb.init(**init, mode=mode, settings=quiet)
+    down = unreachable(os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL)
+    if down is not None:
+        _warn_offline(f"cannot reach the W&B server, {down}", run_dir)
+        return wandb.init(**init, mode="offline", settings=quiet)
     try:
         return wandb.init(**init, mode="online", settings=quiet.model_copy(update={"init_timeout": timeout}))
     except Exception as err:  # noqa: BLE001 - whatever W&B raises, the run goes on offline
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"warning: W&B online start-up failed ({reason}); logging offline instead, upload later with "
-              f"`wandb sync {run_dir / 'wandb'}/offline-run-*`", file=sys.stderr, flush=True)
+        _warn_offline(f"W&B online start-up failed ({reason})", run_dir)
         wandb.teardown()  # the failed run still holds its id in W&B's service process
         return wandb.init(**init, mode="offline", settings=quiet)
+
+
+def _warn_offline(reason: str, run_dir: Path) -> None:
+    print(f"warning: {reason}; logging offline instead, upload later with "
+          f"`wandb sync {run_dir / 'wandb'}/offline-run-*`", file=sys.stderr, flush=True)
 
 
 def _run_id(run_dir: Path) -> str:
