@@ -106,7 +106,8 @@ def short_run(tiny_data, tmp_path_factory):
                  "model.max_seq_len=64", f"run_dir={run}", f"data.train={tiny_data.shards}",
                  f"data.tokenizer={tiny_data.tokenizer}", "data.seq_len=32", "train.micro_batch_size=2",
                  "train.grad_accum=1", "train.max_steps=4", "train.log_every=2", "train.eval_every=3",
-                 "train.eval_batches=1", "train.sample_prompt=The function", "wandb.mode=disabled"]
+                 "train.eval_batches=1", "train.sample_prompt=The function", "train.peak_tflops=0.5",
+                 "wandb.mode=disabled"]
     result = subprocess.run([sys.executable, "-m", "megatransformer.cli", "train", "--config", os.devnull,
                              *overrides], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
