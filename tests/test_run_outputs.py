@@ -101,8 +101,9 @@ def test_override_collections_are_yaml():
 
 
 def test_the_tokenizer_directory_loads_in_transformers_with_its_special_tokens(tmp_path, tiny_data):
-    from megatransformer.cli import main
     from transformers import PreTrainedTokenizerFast
+
+    from megatransformer.cli import main
 
     out = tmp_path / "tok" / "tokenizer.json"
     assert main(["data", "tokenizer", "--input", str(tiny_data.corpus), "--vocab-size", "400", "--sentinels", "2",

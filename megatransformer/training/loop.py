@@ -24,8 +24,8 @@ from megatransformer.training.engine import TrainModule
 from megatransformer.training.layout import zero_stage_notes
 from megatransformer.training.metrics import Reporter, peak_tflops
 from megatransformer.training.optim import warmup_warning
-from megatransformer.training.trackers import resolved_config, run_facts
 from megatransformer.training.resume import plan_resume
+from megatransformer.training.trackers import resolved_config, run_facts
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
@@ -102,8 +102,8 @@ class Trainer:
         size = model_size(cfg.model, cfg.data.seq_len)
         report = Reporter(cfg, self.dist.is_main, self.state.step, self.tracker_config(size.params))
         flops = size.flops_per_token  # per position that holds a token
-        peak = peak_tflops(cfg, self.dist.device)
-        peak = peak and peak * 1e12 * self.dist.world_size  # None: no MFU (a CPU without train.peak_tflops)
+        peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
+        peak_flops = peak * 1e12 * self.dist.world_size if peak else None
         batches = iter(self.train_loader)
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
@@ -122,7 +122,7 @@ class Trainer:
                 report.log({"step": self.state.step, "loss": result.loss if math.isfinite(result.loss) else None,
                             "lr": result.lr, "grad_norm": self.module.last_grad_norm(),
                             "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
-                            "mfu": window_real / seconds * flops / peak if peak else None,
+                            "mfu": window_real / seconds * flops / peak_flops if peak_flops else None,
                             "bad_steps": self.state.bad_steps,
                             "skipped_shards": len(self.train_loader.skipped_shards),
                             **device_memory(self.dist.device)})

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
-from megatransformer.training.trackers import WANDB_DEFAULT_URL, unreachable
+from megatransformer.training.trackers import WANDB_DEFAULT_URL, TensorBoard, unreachable
 
 if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
     import torch
@@ -121,8 +121,6 @@ class Reporter:
             self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
         self.wandb = start_wandb(cfg, tracker_config)
         if cfg.tensorboard:
-            from megatransformer.training.trackers import TensorBoard
-
             self.tensorboard = TensorBoard(cfg.run_dir, start_step)
 
     def log(self, record: dict[str, Any]) -> None:
