@@ -116,6 +116,19 @@ def test_the_tokenizer_directory_loads_in_transformers_with_its_special_tokens(t
     assert batch["input_ids"][0][-1] == tok.pad_token_id == tok.convert_tokens_to_ids("<pad>")
 
 
+@pytest.mark.slow
+def test_an_exported_model_directory_has_the_same_tokenizer_roles(tracked_run, tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatransformer.cli import main
+
+    run, _, _, _ = tracked_run
+    assert main(["export", "--checkpoint", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.mask_token) == ("<s>", "</s>", "<pad>", "<mask>")
+    assert tok.model_max_length == 64
+
+
 def test_wandb_goes_offline_at_once_when_its_server_does_not_answer(tmp_path, monkeypatch, capsys):
     with socket.socket() as probe:  # a loopback port that nothing listens on
         probe.bind(("127.0.0.1", 0))
