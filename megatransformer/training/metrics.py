@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
-from megatransformer.training.trackers import WANDB_DEFAULT_URL, TensorBoard, unreachable
+from megatransformer.training.trackers import TensorBoard, unreachable
 
 if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
     import torch
@@ -193,8 +193,8 @@ def start_wandb(cfg: RunConfig, config: dict[str, Any] | None = None):
 
     W&B never stops a run: when online start-up fails (server unreachable, bad key, timeout) one warning
     line says so and the run logs offline, into files that `wandb sync` uploads later. A server that does
-    not answer a TCP connection within seconds (WANDB_BASE_URL, default api.wandb.ai) is known offline at
-    once; otherwise start-up waits at most WANDB_INIT_TIMEOUT seconds (W&B's default, 90), and less than
+    not answer a TCP connection within seconds (WANDB_BASE_URL, or as W&B's settings say) is known
+    offline at once; otherwise start-up waits at most WANDB_INIT_TIMEOUT seconds (W&B's default, 90), and less than
     half of parallel.timeout_minutes, so the other ranks, waiting in a collective meanwhile, do not time out.
     """
     mode = wandb_mode(cfg)
@@ -205,7 +205,7 @@ def start_wandb(cfg: RunConfig, config: dict[str, Any] | None = None):
     # W&B's own messages (credentials found, retries, errors) stay in its debug logs; the run log is ours
     quiet = wandb.Settings(silent=True, quiet=True, console="off", show_info=False, show_warnings=False,
                            show_errors=False)
-    wandb.setup(quiet)
+    configured = wandb.setup(quiet).settings.base_url  # from W&B's settings files, or its default
     run_dir = Path(cfg.run_dir)
     timeout = min(float(os.environ.get("WANDB_INIT_TIMEOUT", 90)), cfg.parallel.timeout_minutes * 60 / 2)
     init = dict(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
@@ -213,7 +213,7 @@ def start_wandb(cfg: RunConfig, config: dict[str, Any] | None = None):
                 resume="allow", id=_run_id(run_dir))
     if mode != "online":
         return wandb.init(**init, mode=mode, settings=quiet)
-    down = unreachable(os.environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL)
+    down = unreachable(os.environ.get("WANDB_BASE_URL") or configured)
     if down is not None:
         _warn_offline(f"cannot reach the W&B server, {down}", run_dir)
         return wandb.init(**init, mode="offline", settings=quiet)

@@ -15,7 +15,6 @@ from typing import Any
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.training.layout import BatchSizes
 
-WANDB_DEFAULT_URL = "https://api.wandb.ai"
 TENSORBOARD_DIR = "tensorboard"
 
 
