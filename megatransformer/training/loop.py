@@ -100,7 +100,8 @@ class Trainer:
             if warning:
                 print(warning)
         size = model_size(cfg.model, cfg.data.seq_len)
-        report = Reporter(cfg, self.dist.is_main, self.state.step, self.tracker_config(size.params))
+        report = Reporter(cfg, self.dist.is_main, self.state.step,
+                          self.tracker_config(size.params) if self.dist.is_main else None)
         flops = size.flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
         peak_flops = peak * 1e12 * self.dist.world_size if peak else None
