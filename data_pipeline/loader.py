@@ -620,7 +620,7 @@ class StreamingLoader:
     """Iterate for batches (dicts of tensors); ``state_dict()`` after batch k resumes at batch k + 1.
 
     Train loaders are endless; a validation loader yields the same finite sequence of batches on every
-    iteration (and on every rank).
+    iteration (and on every rank), the last one smaller when the split's rows do not fill it.
     """
 
     def __init__(self, spec: LoaderSpec) -> None:
