@@ -7,6 +7,7 @@ works; an objective that needs a token the tokenizer lacks (e.g. a mask token) s
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -98,8 +99,6 @@ def write_transformers_files(info: TokenizerInfo, directory: str | Path, **setti
     """``tokenizer_config.json`` and ``special_tokens_map.json`` in ``directory`` (beside a ``tokenizer.json``):
     the special tokens' roles, so that ``PreTrainedTokenizerFast.from_pretrained(directory)`` has bos, eos, pad,
     unk and mask (and pads); ``settings`` (e.g. model_max_length) go into the config too."""
-    import json
-
     roles = {f"{role}_token": info.tokenizer.id_to_token(token_id)
              for role in ALIASES for token_id in [getattr(info, f"{role}_id")] if token_id is not None}
     if info.sentinel_ids:
