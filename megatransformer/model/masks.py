@@ -25,7 +25,6 @@ evaluation) computes the same metadata on first use, once per forward.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
@@ -75,6 +74,8 @@ class AttentionMask:
     key_bounds: np.ndarray | None = field(default=None, compare=False)
     """Host array [Tq] (or [1]): for causal masks with a prefix, where the prefix of any row ends at that query
     position, so the chunked core skips the keys past it without asking the device."""
+    _rendered: dict[tuple, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The chunks :meth:`blocked` rendered so far (a plain dict: ``torch.compile`` traces it without a break)."""
 
     def __eq__(self, other: object) -> bool:
         """The same rule (DeepSpeed's AutoTP compares the first inputs of tensor-parallel peers); the metadata
@@ -140,10 +141,6 @@ class AttentionMask:
             rendered[key] = blocked
         return blocked
 
-    @functools.cached_property
-    def _rendered(self) -> dict[tuple, torch.Tensor]:
-        return {}
-
     def prefix_ends(self, q_len: int, q_start: int = 0, q_end: int | None = None) -> torch.Tensor:
         """Where the bidirectional prefix ends for query rows q_start:q_end: [B, rows] or [B, 1]."""
         if self.prefix_len.dim() == 1:
@@ -151,19 +148,27 @@ class AttentionMask:
         return self.prefix_len[:, -q_len:][:, q_start:q_end]
 
     def key_end(self, q_len: int, q_start: int, q_end: int, kv_len: int) -> int:
-        """Keys 0..end are all that queries q_start:q_end of a causal mask may see (else all keys)."""
+        """Keys 0..end are all that queries q_start:q_end of a causal mask may see (else all keys).
+
+        Under ``torch.compile`` a prefix's bound, a value of the batch, would be a new shape (a recompilation)
+        per batch: a compiled chunk of a prefix mask takes every key (the mask still blocks those it may not see).
+        """
         if not self.causal:
             return kv_len
         end = self.q_offset + q_end
         if self.prefix_len is not None:
-            bounds = self._host_key_bounds  # [Tq], or [1] for one prefix per row
+            if torch.compiler.is_compiling():
+                return kv_len
+            bounds = self._host_key_bounds()  # [Tq], or [1] for one prefix per row
             end = max(end, int((bounds if len(bounds) == 1 else bounds[-q_len:][q_start:q_end]).max()))
         return min(end, kv_len)
 
-    @functools.cached_property
     def _host_key_bounds(self) -> np.ndarray:
-        """``key_bounds``, or computed from the prefix (reading it from the device once per mask)."""
-        return self.key_bounds if self.key_bounds is not None else _key_bounds(self.prefix_len)
+        """``key_bounds``, computed from the prefix the first time when the mask was built without them
+        (reading it from the device once per mask)."""
+        if self.key_bounds is None:
+            object.__setattr__(self, "key_bounds", _key_bounds(self.prefix_len))
+        return self.key_bounds
 
     def varlen_problems(self, batch: int, q_len: int, kv_len: int) -> tuple[VarlenProblem, ...]:
         """flash-attn's problems: those built with the batch, else computed now (reads the masks' values)."""
