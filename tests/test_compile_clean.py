@@ -102,3 +102,20 @@ def test_cuda_cores_compile_without_graph_breaks(backend, kind):
     if backend == "flash" and attention.flash_attn_module() is None:
         pytest.skip("needs the flash-attn package (pip install 'megatransformer[gpu]')")
     assert graph_breaks("decoder", backend, BATCHES[kind], "cuda", torch.bfloat16) == 0
+
+
+def test_compiled_prefix_chunks_equal_the_eager_ones():
+    """Compiled, a prefix chunk takes every key (its bound would be a new shape per batch): the same values."""
+    model = build_model(ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97,
+                                    max_seq_len=64, position="rope", attention_backend="chunked"))
+    ids = torch.randint(0, 97, (2, T))
+    batch = {"input_ids": ids, **BATCHES["prefix"]}
+
+    def loss_and_grads(forward):
+        loss = forward(input_ids=ids, masks=batch_masks("decoder", batch), labels=ids)
+        return [loss, *torch.autograd.grad(loss, list(model.parameters()))]
+
+    eager = loss_and_grads(model)
+    compiled = loss_and_grads(torch.compile(model, backend="eager"))
+    for got, want in zip(compiled, eager, strict=True):
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
