@@ -9,6 +9,7 @@ two; the speed-up is the median of the per-round ratios ``eager s / compiled s``
 
     python bench/compile_step.py
     python bench/compile_step.py --prefix --rounds 5
+    python bench/compile_step.py --threads 1 --clock cpu   # immune to other processes' load
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix", action="store_true", help="prefix-LM documents")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="timed steps per runner and round")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: process CPU time, immune to other processes' load (use with --threads 1)")
     return p.parse_args(argv)
 
 
@@ -60,6 +64,8 @@ def packed_batch(args: argparse.Namespace, vocab: int) -> dict[str, torch.Tensor
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4, d_ff=args.d_model * 3,
                       vocab_size=8192, max_seq_len=args.seq, norm="rmsnorm", position="rope", ffn="swiglu",
                       attention_backend=args.backend)
@@ -78,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in runners if rnd % 2 == 0 else reversed(runners):
             with_masks = SimpleNamespace(step=lambda *step, run=runners[name]: run.step(
                 *step, masks=batch_masks("decoder", batch)))
-            seconds[name].append(timed_steps(with_masks, step_inputs, args.steps, "wall"))
+            seconds[name].append(timed_steps(with_masks, step_inputs, args.steps, args.clock))
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     frames = sum(torch._dynamo.utils.counters["frames"].values())
     ratios = [e / c for e, c in zip(seconds["eager"], seconds["compiled"])]
     print(f"# torch={torch.__version__} threads={torch.get_num_threads()} d{args.d_model} L{args.layers} "
-          f"batch {args.batch} x {args.seq} backend={args.backend} prefix={args.prefix}; command: "
+          f"batch {args.batch} x {args.seq} backend={args.backend} prefix={args.prefix} clock={args.clock}; command: "
           f"python {' '.join(sys.argv)}")
     print(f"graph breaks while compiling: {breaks} (in all steps, {frames} frames traced)")
     print(f"eager {statistics.median(seconds['eager']):.3f} s/step, compiled "

@@ -12,7 +12,7 @@ weights). Run it under
 side in one process (alternating rounds; the ratio is the median of per-round ratios).
 
     python bench/grad_precision.py probe '[{"zero": 0, "precision": "fp32"}, {"zero": 1, "precision": "bf16"}]'
-    python bench/grad_precision.py speed --rounds 5
+    python bench/grad_precision.py speed --rounds 5 --threads 1 --clock cpu
 """
 
 from __future__ import annotations
@@ -132,6 +132,9 @@ def speed(args: argparse.Namespace) -> None:
     from megatransformer.training.distributed import setup
 
     dist_info = setup()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    now = time.perf_counter if args.clock == "wall" else time.process_time
     model = {"d_model": args.d_model, "n_layers": args.layers, "d_ff": args.d_model * 3, "vocab_size": 8192,
              "norm": "rmsnorm", "position": "rope", "ffn": "swiglu"}
     modules = {}
@@ -146,13 +149,14 @@ def speed(args: argparse.Namespace) -> None:
     seconds: dict[str, list[float]] = {name: [] for name in modules}
     for round_ in range(args.rounds):
         for name in modules if round_ % 2 == 0 else reversed(modules):
-            start = time.perf_counter()
+            start = now()
             for _ in range(args.steps):
                 modules[name].step(data)
-            seconds[name].append((time.perf_counter() - start) / args.steps)
+            seconds[name].append((now() - start) / args.steps)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads; d{args.d_model} L{args.layers}, {args.accum} micro batches of {args.micro} x {args.seq} per "
-          f"step, bf16, one rank; {args.rounds} rounds x {args.steps} steps; python {' '.join(sys.argv)}")
+          f"step, bf16, one rank; {args.rounds} rounds x {args.steps} steps, clock={args.clock}; "
+          f"python {' '.join(sys.argv)}")
     print("| engine | optimizer | s/step (median) | time vs zero1 bf16 accumulation (median of rounds) |")
     print("|---|---|---|---|")
     base = seconds["zero1 bf16 accumulation"]
@@ -174,6 +178,9 @@ def main() -> int:
     s.add_argument("--accum", type=int, default=8)
     s.add_argument("--rounds", type=int, default=5)
     s.add_argument("--steps", type=int, default=2)
+    s.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    s.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: process CPU time, immune to other processes' load (use with --threads 1)")
     args = p.parse_args()
     if args.command == "probe":
         probe(json.loads(args.cases))
