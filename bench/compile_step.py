@@ -3,9 +3,9 @@
 Both runners hold the same weights and see the same batch: rows packed with documents of varied lengths
 (``--prefix``: each document a prefix-LM example, its first third bidirectional), fp32, torch's AdamW. Each
 step builds its masks on the host with ``masks.batch_masks``, as the trainer does for every batch (a mask
-reused across steps would carry what its first step cached, which a trainer's fresh mask does not). Rounds alternate the order of the
-two; the speed-up is the median of the per-round ratios ``eager s / compiled s``. The graph breaks that
-``torch.compile`` met while tracing are printed with them.
+reused across steps would carry what its first step cached, which a trainer's fresh mask does not). Rounds
+alternate the order of the two; the speed-up is the median of the per-round ratios ``eager s / compiled s``,
+printed with the graph breaks ``torch.compile`` met and the frames it traced over all steps.
 
     python bench/compile_step.py
     python bench/compile_step.py --prefix --rounds 5

@@ -120,10 +120,10 @@ def probe(cases: list[dict]) -> None:
             fp32_moved = moved
         inputs, labels, masks = module.to_device(next(data))  # one more micro batch: not a boundary
         module.engine.backward(module.engine(**inputs, masks=masks, labels=labels))
+        drift = None if fp32_moved is None else float((moved - fp32_moved).norm() / (fp32_moved - start).norm())
         report = {**case, "world": dist_info.world_size, "optimizer": type(module.engine.optimizer).__name__,
                   "accumulates_in": accumulation_dtype(module),
-                  "reduces_in": str(module.engine.communication_data_type).removeprefix("torch."),
-                  "drift": None if fp32_moved is None else float((moved - fp32_moved).norm() / (fp32_moved - start).norm())}
+                  "reduces_in": str(module.engine.communication_data_type).removeprefix("torch."), "drift": drift}
         if dist_info.rank == 0:
             print(json.dumps(report), flush=True)
 

@@ -4,10 +4,10 @@
 causal=...)``: q [total_q, H, D], k/v [total_k, H_kv, D] (H_kv divides H); sequence i is rows
 cu_q[i]:cu_q[i+1] of q attending to rows cu_k[i]:cu_k[i+1] of k/v; ``causal`` is aligned to the bottom-right
 corner (flash-attn >= 2.1): query j of a sequence sees keys up to j + (len_k - len_q). A query that sees no
-key (an empty key sequence, or above the diagonal when len_q > len_k) gets zeros. With ``max_seqlen_q == 1``,
-grouped-query heads, no ALiBi and no dropout the kernel folds the query heads into the sequence axis
-(``flash_api.cpp``, ``seqlenq_ngroups_swapped``), which needs exactly one query in every sequence. ``flash_attn_func`` is the
-same over equal-length rows ([B, T, H, D]).
+key (an empty key sequence, or above the diagonal when len_q > len_k) gets zeros. ``flash_attn_func`` is the
+same over equal-length rows ([B, T, H, D]). With ``max_seqlen_q == 1``, grouped-query heads, no ALiBi and no
+dropout the kernel folds the query heads into the sequence axis (``flash_api.cpp``,
+``seqlenq_ngroups_swapped``), which needs exactly one query in every sequence: asserted here.
 
 ``alibi_slopes`` (fp32 [H], or [n, H] with one row per sequence): flash-attn's docstring adds
 ``-alibi_slope * |i + seqlen_k - seqlen_q - j|`` to the score of query i and key j of a sequence. Its kernel
