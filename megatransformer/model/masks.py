@@ -29,8 +29,7 @@ evaluation) computes the same metadata on first use, once per forward.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 import numpy as np
@@ -80,6 +79,8 @@ class AttentionMask:
     key_bounds: np.ndarray | None = None
     """Host array [Tq] (or [1]): for causal masks with a prefix, where the prefix of any row ends at that query
     position, so the chunked core skips the keys past it without asking the device."""
+    _rendered: dict[tuple, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The chunks :meth:`blocked` rendered so far (a plain dict: ``torch.compile`` traces it without a break)."""
 
     @property
     def is_simple(self) -> bool:
@@ -146,10 +147,6 @@ class AttentionMask:
             rendered[key] = blocked
         return blocked
 
-    @functools.cached_property
-    def _rendered(self) -> dict[tuple, torch.Tensor]:
-        return {}
-
     def prefix_ends(self, q_len: int, q_start: int = 0, q_end: int | None = None) -> torch.Tensor:
         """Where the bidirectional prefix ends for query rows q_start:q_end: [B, rows] or [B, 1]."""
         if self.prefix_len.dim() == 1:
@@ -161,19 +158,27 @@ class AttentionMask:
         return 0 if self.window is None else max(0, self.q_offset + q_start - self.window + 1)
 
     def key_end(self, q_len: int, q_start: int, q_end: int, kv_len: int) -> int:
-        """Keys 0..end are all that queries q_start:q_end of a causal or windowed mask may see (else all keys)."""
+        """Keys 0..end are all that queries q_start:q_end of a causal or windowed mask may see (else all keys).
+
+        Under ``torch.compile`` a prefix's bound, a value of the batch, would be a new shape (a recompilation)
+        per batch: a compiled chunk of a prefix mask takes every key (the mask still blocks those it may not see).
+        """
         if not self.causal:
             return kv_len if self.window is None else min(kv_len, self.q_offset + q_end - 1 + self.window)
         end = self.q_offset + q_end
         if self.prefix_len is not None:
-            bounds = self._host_key_bounds  # [Tq], or [1] for one prefix per row
+            if torch.compiler.is_compiling():
+                return kv_len
+            bounds = self._host_key_bounds()  # [Tq], or [1] for one prefix per row
             end = max(end, int((bounds if len(bounds) == 1 else bounds[-q_len:][q_start:q_end]).max()))
         return min(end, kv_len)
 
-    @functools.cached_property
     def _host_key_bounds(self) -> np.ndarray:
-        """``key_bounds``, or computed from the prefix (reading it from the device once per mask)."""
-        return self.key_bounds if self.key_bounds is not None else _key_bounds(self.prefix_len)
+        """``key_bounds``, computed from the prefix the first time when the mask was built without them
+        (reading it from the device once per mask)."""
+        if self.key_bounds is None:
+            object.__setattr__(self, "key_bounds", _key_bounds(self.prefix_len))
+        return self.key_bounds
 
     def varlen_problems(self, batch: int, q_len: int, kv_len: int) -> tuple[VarlenProblem, ...]:
         """flash-attn's problems: those built with the batch, else computed now (reads the masks' values)."""
@@ -305,7 +310,8 @@ def varlen_problems(causal: bool, segments: np.ndarray | None, prefix_len: np.nd
     (clamped into the run) is two problems: its prefix queries ``[s, p)`` attend bidirectionally to its
     prefix keys; its other queries ``[p, e)`` attend causally, bottom-right aligned, to all its keys
     ``[s, e)``, so query ``i`` sees keys up to ``i`` (flash-attn's alignment puts the last query on the last
-    key). A run that is all prefix or has no prefix takes part in one problem only.
+    key). A run that is all prefix or has no prefix takes part in one problem only: no problem holds a
+    sequence without queries (see :func:`_problem`).
     """
     batch, length = shape
     if segments is None:
@@ -322,29 +328,34 @@ def varlen_problems(causal: bool, segments: np.ndarray | None, prefix_len: np.nd
         lengths = (split - starts)[has_prefix]
         index = _ranges(starts[has_prefix], split[has_prefix])
         problems.append(_problem(lengths, lengths, False, index, index))
-    suffix = ends - split
-    if suffix.any():
-        problems.append(_problem(suffix, ends - starts, True, _ranges(split, ends), None))
+    has_suffix = ends > split
+    if has_suffix.any():
+        starts, split, ends = starts[has_suffix], split[has_suffix], ends[has_suffix]
+        problems.append(_problem(ends - split, ends - starts, True, _ranges(split, ends),
+                                 _unless_all(_ranges(starts, ends), batch * length)))
     return tuple(problems)
 
 
 def cross_varlen_problem(q_segments: np.ndarray, kv_segments: np.ndarray) -> VarlenProblem:
     """Packed cross-attention as one varlen problem: queries of segment ``s`` of row ``b`` attend to the keys
     of segment ``s`` of row ``b``, both gathered into (row, segment) order. Padding queries (segment 0) attend
-    to the padding keys, or to none (flash-attn writes zeros): their outputs carry no loss."""
+    to the padding keys, or to none (flash-attn writes zeros): their outputs carry no loss. Keys of a segment
+    without queries are left out (see :func:`_problem`)."""
     base = int(max(q_segments.max(initial=0), kv_segments.max(initial=0))) + 1
     q_keys = (np.arange(q_segments.shape[0])[:, None] * base + q_segments).reshape(-1)
     k_keys = (np.arange(kv_segments.shape[0])[:, None] * base + kv_segments).reshape(-1)
-    groups = np.union1d(q_keys, k_keys)
+    groups = np.unique(q_keys)
+    k_kept = np.flatnonzero(np.isin(k_keys, groups))
     q_count = np.bincount(np.searchsorted(groups, q_keys), minlength=len(groups))
-    k_count = np.bincount(np.searchsorted(groups, k_keys), minlength=len(groups))
-    return _problem(q_count, k_count, False, _order(q_keys), _order(k_keys))
+    k_count = np.bincount(np.searchsorted(groups, k_keys[k_kept]), minlength=len(groups))
+    q_order = np.argsort(q_keys, kind="stable")
+    k_order = k_kept[np.argsort(k_keys[k_kept], kind="stable")]
+    return _problem(q_count, k_count, False, _unless_all(q_order, len(q_keys)), _unless_all(k_order, len(k_keys)))
 
 
-def _order(keys: np.ndarray) -> np.ndarray | None:
-    """Positions in (row, segment) order, or None when they already are."""
-    order = np.argsort(keys, kind="stable")
-    return None if np.array_equal(order, np.arange(len(keys))) else order
+def _unless_all(positions: np.ndarray, total: int) -> np.ndarray | None:
+    """``positions``, or None when they are 0..total-1 in order (no gather needed)."""
+    return None if np.array_equal(positions, np.arange(total)) else positions
 
 
 def _runs(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -364,6 +375,10 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
 
 def _problem(q_lengths: np.ndarray, k_lengths: np.ndarray, causal: bool, q_index: np.ndarray | None = None,
              k_index: np.ndarray | None = None) -> VarlenProblem:
+    """The problem of sequences with these lengths; every sequence holds a query. flash-attn's kernel for
+    ``max_seqlen_q == 1`` with grouped-query heads (its "ngroups swapped" path) folds the query heads into
+    the sequence axis assuming exactly one query per sequence, and fails on a sequence without one.
+    """
     def cumulative(lengths: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
 

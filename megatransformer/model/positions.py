@@ -73,10 +73,14 @@ class Rotary(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [B, H, T, D] queries or keys by the angles of their positions."""
+    """Rotate [B, H, T, D] queries or keys by the angles of their positions, in x's dtype.
+
+    Under autocast the projections come out in the autocast dtype while cos/sin stay in the weights' fp32:
+    the rotation is computed in fp32 and rounded back, so queries and keys keep the values' dtype.
+    """
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------- ALiBi

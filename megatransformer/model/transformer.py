@@ -102,9 +102,11 @@ class LanguageModel(nn.Module):
             self.lm_head.weight = embedding.weight
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        """Caches in the dtype keys and values come out in: the weights', or autocast's when it is on."""
         cfg, weight = self.config, self.lm_head.weight
-        n = len(self.decoder.layers)
-        return [KVCache(batch, cfg.kv_heads, max_len, cfg.head_dim, weight.dtype, weight.device) for _ in range(n)]
+        n, device = len(self.decoder.layers), weight.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+        return [KVCache(batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, device) for _ in range(n)]
 
 
 class DecoderLM(LanguageModel):

@@ -47,7 +47,13 @@ def deepspeed_layer_specs(plan: dict[str, str] = TP_PLAN) -> list[dict]:
 
 
 def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage: int | None = None) -> dict[str, Any]:
-    """DeepSpeed's config for ``cfg``; ``zero_stage`` defaults to :func:`engine_zero_stage`."""
+    """DeepSpeed's config for ``cfg``; ``zero_stage`` defaults to :func:`engine_zero_stage`.
+
+    bf16 gradients accumulate over micro batches and reduce over data-parallel ranks in fp32 (DeepSpeed's
+    default is the model's dtype for both): ZeRO-1 then runs DeepSpeed's ``BF16_Optimizer``, ZeRO-2/3 keep
+    fp32 gradient partitions. ZeRO-0 cannot accumulate in fp32 in DeepSpeed, so its gradients accumulate in
+    bf16 (the run log says so) and only its reduction runs in fp32.
+    """
     t, o, p = cfg.train, cfg.optim, cfg.parallel
     cuda = device.startswith("cuda")
     adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
@@ -72,6 +78,10 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "optimizer": optimizer,
     }
+    if cfg.precision == "bf16":
+        ds["communication_data_type"] = "fp32"
+        if ds["zero_optimization"]["stage"] > 0:
+            ds["data_types"] = {"grad_accum_dtype": "fp32"}
     if p.offload_optimizer:
         if p.zero_stage == 0:
             raise ConfigError("parallel.offload_optimizer needs parallel.zero_stage >= 1")

@@ -5,7 +5,9 @@ causal=...)``: q [total_q, H, D], k/v [total_k, H_kv, D] (H_kv divides H); seque
 cu_q[i]:cu_q[i+1] of q attending to rows cu_k[i]:cu_k[i+1] of k/v; ``causal`` is aligned to the bottom-right
 corner (flash-attn >= 2.1): query j of a sequence sees keys up to j + (len_k - len_q). A query that sees no
 key (an empty key sequence, or above the diagonal when len_q > len_k) gets zeros. ``flash_attn_func`` is the
-same over equal-length rows ([B, T, H, D]).
+same over equal-length rows ([B, T, H, D]). With ``max_seqlen_q == 1``, grouped-query heads, no ALiBi and no
+dropout the kernel folds the query heads into the sequence axis (``flash_api.cpp``,
+``seqlenq_ngroups_swapped``), which needs exactly one query in every sequence: asserted here.
 
 ``window_size=(left, right)`` (-1: unbounded): query j of a sequence sees only keys within
 ``[j + len_k - len_q - left, j + len_k - len_q + right]``, the same bottom-right alignment, on top of
@@ -37,6 +39,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and len(cu_seqlens_q) == len(cu_seqlens_k)
     assert q.shape[1] % k.shape[1] == 0 and k.shape[0] == v.shape[0] == int(cu_seqlens_k[-1])
     assert q.shape[0] == int(cu_seqlens_q[-1])
+    if max_seqlen_q == 1 and q.shape[1] > k.shape[1] and alibi_slopes is None and dropout_p == 0.0:
+        # the kernel's "ngroups swapped" path reshapes q to [sequences, ...]: one query in every sequence
+        assert q.shape[0] == len(cu_seqlens_q) - 1, "flash-attn's one-query GQA path needs a query per sequence"
     scale = softmax_scale or 1.0 / math.sqrt(q.shape[-1])
     groups = q.shape[1] // k.shape[1]
     pieces = []

@@ -51,8 +51,8 @@ def test_prefix_document_is_two_problems():
     prefix_part, rest = varlen_problems(True, segments.numpy(), prefix.numpy(), (1, 8))
     assert not prefix_part.causal and prefix_part.q_index.tolist() == [0, 1, 4, 5, 6]
     assert prefix_part.cu_q.tolist() == prefix_part.cu_k.tolist() == [0, 2, 5]
-    assert rest.causal and rest.q_index.tolist() == [2, 3, 7] and rest.k_index is None
-    assert rest.cu_q.tolist() == [0, 2, 2, 3] and rest.cu_k.tolist() == [0, 4, 7, 8]
+    assert rest.causal and rest.q_index.tolist() == [2, 3, 7] and rest.k_index.tolist() == [0, 1, 2, 3, 7]
+    assert rest.cu_q.tolist() == [0, 2, 3] and rest.cu_k.tolist() == [0, 4, 5]  # (doc 2 has no query here)
     assert (rest.max_q, rest.max_k, rest.cu_q.dtype) == (2, 4, torch.int32)
 
 

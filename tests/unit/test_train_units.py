@@ -134,7 +134,8 @@ def test_deepspeed_config_from_run_config():
     (2, 8, "fp32", "cpu", False, 2), (3, 2, "fp32", "cpu", False, 3),
     (1, 1, "fp32", "cpu", True, 1), (2, 1, "fp32", "cuda", True, 2),  # offloading needs ZeRO, on one rank too
     (1, 1, "bf16", "cuda", False, 1), (2, 1, "fp16", "cuda", False, 2),  # (a GPU wait per parameter at ZeRO-0)
-    (1, 1, "bf16", "cpu", False, 0), (2, 1, "bf16", "cpu", False, 0),  # (the same reads cost a CPU nothing)
+    (1, 1, "fp16", "cpu", False, 0), (2, 1, "fp16", "cpu", False, 0),  # (the same reads cost a CPU nothing)
+    (1, 1, "bf16", "cpu", False, 1), (2, 1, "bf16", "cpu", False, 2),  # (bf16 accumulates in fp32 only in ZeRO)
 ])
 def test_zero_1_and_2_on_one_data_parallel_rank_run_as_stage_0(stage, dp, precision, device, offload, runs):
     from megatransformer.training.layout import BatchSizes
@@ -155,7 +156,7 @@ def test_the_run_log_says_which_zero_stage_runs_and_warns_of_per_parameter_waits
     assert zero_stage_notes(one_rank, 2, "cpu") == []
     [line] = zero_stage_notes(one_rank, 0, "cpu")
     assert line.startswith("parallel.zero_stage=2 on one data-parallel rank: nothing to partition")
-    bf16_zero0 = run_config(parallel=dict(zero_stage=0), precision="bf16")
+    bf16_zero0 = run_config(parallel=dict(zero_stage=0), precision="bf16", train=dict(grad_accum=1))
     assert zero_stage_notes(bf16_zero0, 0, "cpu") == []  # (a CPU does not wait)
     [warning] = zero_stage_notes(bf16_zero0, 0, "cuda")
     assert warning.startswith("warning: precision=bf16 with parallel.zero_stage=0") and "zero_stage=1" in warning
