@@ -32,3 +32,33 @@ def llama_model(seed: int = 0):
     theirs.load_state_dict(to_llama_state_dict(ours.state_dict(), cfg), strict=False)
     theirs.tie_weights()
     return cfg, ours, theirs
+
+
+def randomized(model: torch.nn.Module) -> torch.nn.Module:
+    """Non-trivial norm weights and biases (init sets them to 1 and 0, which would hide a swapped mapping)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    return model
+
+
+def assert_exported_logits_match(directory, cfg: ModelConfig, family, length: int = 40) -> None:
+    """A randomized model of ``cfg`` exported to ``directory`` loads in transformers as ``family`` with the same
+    logits, and imports back to the same config and weights."""
+    import transformers
+
+    from megatransformer.hf import load_hf_dir, save_hf_dir
+
+    torch.manual_seed(0)
+    ours = randomized(build_model(cfg)).eval()
+    assert save_hf_dir(directory, cfg, ours.state_dict()) is family
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert type(theirs).__name__ == family.architecture
+    ids = torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
+    back_cfg, back = load_hf_dir(directory)
+    assert back_cfg.model_dump() == cfg.model_dump()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(back[name], tensor), name

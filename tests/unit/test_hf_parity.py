@@ -18,6 +18,7 @@ from megatransformer.hf import (
     to_llama_state_dict,
 )
 from megatransformer.model import build_model
+from support.models import assert_exported_logits_match
 
 transformers = pytest.importorskip("transformers")  # a test dependency: `pip install -e .[test]`
 
@@ -67,29 +68,9 @@ def gpt2_style(**overrides) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
-def randomized(model: torch.nn.Module) -> torch.nn.Module:
-    """Non-trivial norm weights and biases (init sets them to 1 and 0, which would hide a swapped mapping)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.copy_(torch.randn_like(param) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
-    return model
-
-
 @pytest.mark.parametrize("family,cfg", [(LLAMA, llama_style(tie_embeddings=False)), (GPT2, gpt2_style())])
 def test_exported_directory_loads_in_transformers_with_the_same_logits(tmp_path, family, cfg):
-    torch.manual_seed(0)
-    ours = randomized(build_model(cfg)).eval()
-    assert save_hf_dir(tmp_path / "hf", cfg, ours.state_dict()) is family
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(theirs).__name__ == family.architecture
-    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
-    back_cfg, back = load_hf_dir(tmp_path / "hf")
-    assert back_cfg.model_dump() == cfg.model_dump()
-    for name, tensor in ours.state_dict().items():
-        assert torch.equal(back[name], tensor), name
+    assert_exported_logits_match(tmp_path / "hf", cfg, family)
 
 
 @pytest.mark.parametrize("option,value", [("norm", "rmsnorm"), ("position", "rope"), ("ffn", "relu"),

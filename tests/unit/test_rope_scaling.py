@@ -14,6 +14,7 @@ from megatransformer.config import ConfigError, ModelConfig, dump_config, load_c
 from megatransformer.hf import GPT2, LLAMA, MISTRAL, hf_incompatibility, llama_config, load_hf_dir, save_hf_dir
 from megatransformer.model import build_model
 from megatransformer.model.rope_scaling import rotary
+from support.models import assert_exported_logits_match, randomized
 
 transformers = pytest.importorskip("transformers")  # a test dependency: `pip install -e .[test]`
 
@@ -100,39 +101,16 @@ def test_dynamic_scaling_follows_the_longest_position_of_each_call():
 # ----------------------------------------------------------------------------------- export and import
 
 
-def randomized(model: torch.nn.Module) -> torch.nn.Module:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(torch.randn_like(param) * 0.1 + 1.0)
-    return model
-
-
-def assert_exported_logits_match(tmp_path, cfg: ModelConfig, family, length: int) -> None:
-    torch.manual_seed(0)
-    ours = randomized(build_model(cfg)).eval()
-    assert save_hf_dir(tmp_path / "hf", cfg, ours.state_dict()) is family
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(theirs).__name__ == family.architecture
-    ids = torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
-    back_cfg, back = load_hf_dir(tmp_path / "hf")
-    assert back_cfg.model_dump() == cfg.model_dump()
-    for name, tensor in ours.state_dict().items():
-        assert torch.equal(back[name], tensor), name
-
-
 @pytest.mark.parametrize("name", SCALINGS)
 def test_scaled_rope_exports_to_llama_with_the_same_logits(tmp_path, name):
     """48 positions: beyond yarn's and llama3's original 16 and dynamic's max_seq_len of 32."""
-    assert_exported_logits_match(tmp_path, llama_style(rope_scaling=SCALINGS[name]), LLAMA, 48)
+    assert_exported_logits_match(tmp_path / "hf", llama_style(rope_scaling=SCALINGS[name]), LLAMA, 48)
 
 
 @pytest.mark.parametrize("scaling", [None, "yarn"])
 def test_a_sliding_window_exports_to_mistral_with_the_same_logits(tmp_path, scaling):
     cfg = llama_style(attention_window=7, rope_scaling=SCALINGS.get(scaling))
-    assert_exported_logits_match(tmp_path, cfg, MISTRAL, 30)
+    assert_exported_logits_match(tmp_path / "hf", cfg, MISTRAL, 30)
 
 
 def test_dynamic_scaling_decodes_with_a_kv_cache_as_transformers_does(tmp_path):
