@@ -70,7 +70,7 @@ import random
 import shutil
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +369,7 @@ class TrainerState:
     world_size: int
     tensor_parallel: int
     zero_stage: int
+    spikes: dict[str, Any] = field(default_factory=dict)  # the loss-spike ladder's state (training/spikes.py)
 
 
 def rng_state() -> dict[str, Any]:
@@ -466,7 +467,9 @@ def _gather_shards(shard: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
 
 
 def save_checkpoint(engine, cfg: RunConfig, state: TrainerState, loader_state: dict,
-                    tokenizer_path: str | None) -> Path:
+                    tokenizer_path: str | None, protect_before: int | None = None) -> Path:
+    """``protect_before``: the newest checkpoint older than this step outlives ``checkpoint.keep`` (what a
+    loss-spike rollback in progress needs)."""
     root = checkpoint_root(cfg)
     tag = step_name(state.step)
     path = root / tag
@@ -494,7 +497,7 @@ def save_checkpoint(engine, cfg: RunConfig, state: TrainerState, loader_state: d
     if rank == 0:
         write_manifest(path, entries)
         _atomic_write(root / "latest", tag)
-        _prune(root, cfg.checkpoint.keep, keep=tag)
+        _prune(root, cfg.checkpoint.keep, keep=tag, protect_before=protect_before)
     dist.barrier()
     return path
 
@@ -523,10 +526,41 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _prune(root: Path, keep_last: int, keep: str) -> None:
-    for old in complete_checkpoints(root)[keep_last:] if keep_last > 0 else []:
-        if old.name != keep:
+def _prune(root: Path, keep_last: int, keep: str, protect_before: int | None = None) -> None:
+    complete = complete_checkpoints(root)
+    protected = next((p.name for p in complete if protect_before is not None and _step_of(p) < protect_before), None)
+    for old in complete[keep_last:] if keep_last > 0 else []:
+        if old.name not in (keep, protected):
             shutil.rmtree(old, ignore_errors=True)
+
+
+def rollback_target(cfg: RunConfig, before_step: int) -> Path | None:
+    """The newest intact checkpoint of the run older than ``before_step`` (damaged ones skipped with a
+    warning), or None; rank 0 verifies, every rank gets its answer."""
+
+    def find() -> Path | None:
+        for path in complete_checkpoints(checkpoint_root(cfg)):
+            if _step_of(path) >= before_step:
+                continue
+            try:
+                verify_checkpoint(path)
+            except CheckpointDamaged as err:
+                warn(f"{err}: skipped, looking for an older checkpoint to roll back to")
+                continue
+            return path
+        return None
+
+    return _on_first_rank(find)
+
+
+def rewind_to(path: Path) -> None:
+    """Make ``path`` the newest checkpoint of its run: newer ones (from a trajectory left by a rollback) are
+    deleted and `latest` names it. Rank 0 only."""
+    root = path.parent
+    for newer in complete_checkpoints(root):
+        if _step_of(newer) > _step_of(path):
+            shutil.rmtree(newer, ignore_errors=True)
+    _atomic_write(root / "latest", path.name)
 
 
 # ----------------------------------------------------------------------------------- loading

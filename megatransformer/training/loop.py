@@ -18,7 +18,7 @@ from megatransformer.config import RunConfig, dump_config
 from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
 from megatransformer.training import checkpoint as ckpt
-from megatransformer.training import cpu_bf16, elastic
+from megatransformer.training import cpu_bf16, elastic, spikes
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule, zero_stage_notes
 from megatransformer.training.metrics import Reporter, format_sample, peak_tflops, precision_dtype
@@ -62,6 +62,7 @@ class Trainer:
         self.state = ckpt.TrainerState(0, 0, 0, tokenizer.sha256, dist_info.world_size,
                                        cfg.parallel.tensor_parallel, self.module.zero_stage)
         self.preemption = preemption or Preemption()
+        self.spikes = spikes.SpikeLadder(cfg.train.spikes)
 
     # ------------------------------------------------------------------------------------ the run
 
@@ -82,6 +83,10 @@ class Trainer:
                 print(f"resumed from {path} at step {self.state.step} ({self.state.tokens:,} tokens seen)")
         elif self.dist.is_main and cfg.resume == "auto":
             print(f"resume=auto: no complete checkpoint in {ckpt.checkpoint_root(cfg)}, starting fresh")
+        if path is not None or self.elastic is not None:
+            self.spikes = spikes.SpikeLadder(cfg.train.spikes, spikes.resume_state(self.state.spikes, cfg.run_dir))
+            for rows in self.spikes.skip_rows:
+                self.train_loader.skip_rows(*rows)
         if self.dist.is_main:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.run_dir) / "config.yaml").write_text(dump_config(cfg))
@@ -102,14 +107,14 @@ class Trainer:
                 print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
-        report = Reporter(cfg, self.dist.is_main, self.state.step)
+        report = Reporter(cfg, self.dist.is_main, self.state.step, self.spikes.rollbacks)
         flops = model_size(cfg.model, cfg.data.seq_len).flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device) * 1e12 * self.dist.world_size
         batches = iter(self.train_loader)
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
-            result = self.module.step(batches, self.preemption.requested)
+            result = self.module.step(batches, self.preemption.requested, self.spikes.rejects)
             step_seconds = time.perf_counter() - started
             self.state.step += 1
             self.state.tokens += result.tokens
@@ -130,6 +135,15 @@ class Trainer:
             if not result.finite:
                 report.message(f"step {self.state.step}: non-finite loss or gradients, update skipped "
                                f"({self.state.bad_steps} in a row)")
+            if result.rejected or (not result.finite and cfg.train.spikes.enabled):
+                action = self.answer_spike(result.loss, report)
+                if action == spikes.STOP:
+                    exit_code = EXIT_DIVERGED
+                    break
+                if action == spikes.ROLLBACK:
+                    batches.close()
+                    batches = iter(self.train_loader)
+                    continue
             if cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0:
                 report.log({"step": self.state.step, **self.evaluate()})
             if self.state.bad_steps >= cfg.train.max_bad_steps:
@@ -151,8 +165,56 @@ class Trainer:
         return exit_code
 
     def save(self) -> Path:
+        self.state.spikes = self.spikes.state_dict()
         return ckpt.save_checkpoint(self.engine, self.cfg, self.state, self.train_loader.state_dict(),
-                                    self.cfg.data.tokenizer)
+                                    self.cfg.data.tokenizer, self.spikes.protect_before())
+
+    def restore(self, path: Path) -> None:
+        """Load checkpoint ``path`` (same layout) into the running engine, trainer state and loader."""
+        self.state, loader_state = ckpt.load_checkpoint(self.engine, self.cfg, path, self.tokenizer.sha256)
+        self.train_loader.load_state_dict(loader_state)
+
+    # ------------------------------------------------------------------------------- loss spikes
+
+    def answer_spike(self, loss: float, report: Reporter) -> str:
+        """Log a spike and take the ladder's answer: skip (done: the update was not applied), roll back
+        (done here), or stop."""
+        event = self.spikes.respond(self.state.step, loss)
+        record = event.record(self.spikes.rollbacks)
+        target = ckpt.rollback_target(self.cfg, event.began) if event.action == spikes.ROLLBACK else None
+        if event.action == spikes.ROLLBACK and target is None:
+            event.action = record["event"] = spikes.STOP
+            why = f"no intact checkpoint before step {event.began} to roll back to"
+        else:
+            why = f"{self.spikes.rollbacks} rollbacks (train.spikes.max_rollbacks={self.cfg.train.spikes.max_rollbacks})"
+        if target is None:
+            line = spikes.describe(event)
+        else:
+            rows = self.roll_back(target)
+            report.rewind(self.state.step, self.spikes.rollbacks)
+            record.update(checkpoint=target.name, skipped_rows=list(rows))
+            line = spikes.describe(event, rows, target.name, self.spikes.rollbacks, self.cfg.train.spikes.max_rollbacks)
+        report.event(record, line)
+        if event.action == spikes.STOP:
+            report.message(f"stopping: loss spikes since step {event.began} after {why}; lower optim.lr, raise "
+                           "train.spikes.max_rollbacks, or look at the data (megatransformer data inspect --rows)")
+        return event.action
+
+    def roll_back(self, path: Path) -> tuple[int, int]:
+        """Back to checkpoint ``path``; the global rows read since it, and a margin, are skipped from now on
+        (returned as [start, stop))."""
+        sizes = self.module.sizes
+        stop = (self.train_loader.rows + self.cfg.train.spikes.margin_steps * sizes.micro * sizes.accum) * sizes.dp
+        self.restore(path)
+        rows = (self.train_loader.rows * sizes.dp, stop)
+        self.spikes.rolled_back(rows, self.state.spikes)
+        for skipped in self.spikes.skip_rows:
+            self.train_loader.skip_rows(*skipped)
+        self.state.spikes = self.spikes.state_dict()
+        if self.dist.is_main:
+            ckpt.rewind_to(path)
+            spikes.write_log(self.cfg.run_dir, self.state.spikes)
+        return rows
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss over the first train.eval_batches batches of the validation split (every rank
