@@ -82,3 +82,22 @@ def test_skipped_ranges_resume_exactly_and_elastically(tiny_data, tok):
     assert merged["skip_rows"] == [[8, 24]]
     one_rank = global_rows(cfg, tok, 1, 4, 7, states=merged)  # elastic: one rank continues both
     assert same(one_rank, reference[12:12 + len(one_rank)])
+
+
+def test_inspect_shows_the_documents_behind_a_global_row_range(tmp_path, tiny_data, tok, capsys):
+    from megatransformer.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"model": {"vocab_size": 512, "max_seq_len": 64, "d_model": 32, "n_heads": 2},
+                                  "data": {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer),
+                                           "seq_len": 32, "num_workers": 2}, "seed": 7}))
+    assert main(["data", "inspect", "--config", str(config), "--rows", "5:8"]) == 0
+    shown = capsys.readouterr().out
+    assert [line for line in shown.splitlines() if line.startswith("row ")] == ["row 5:", "row 6:", "row 7:"]
+    expected = global_rows(make_cfg(tiny_data), tok, 2, 2, 2)[5:8]  # the rows two ranks train on
+    for row in expected:
+        assert repr(tok.decode(row.tolist())) in shown
+    with pytest.raises(SystemExit) as refused:
+        main(["data", "inspect", "--config", str(config), "--rows", "8:5"])
+    assert refused.value.code == 2
+    assert "START:STOP" in capsys.readouterr().err

@@ -27,7 +27,8 @@ def default_out(runs: list[str | Path]) -> Path:
 
 
 def draw(runs: list[str | Path], out: str | Path) -> Path:
-    """Write the four panels (loss with validation points, learning rate, tokens/s, MFU) to ``out``."""
+    """Write the four panels (loss with validation points and loss-spike events, learning rate, tokens/s,
+    MFU) to ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,6 +47,7 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
         loss_ax.plot(steps, [r["loss"] for r in train], label=f"{name} train")
         if valid:
             loss_ax.plot([r["step"] for r in valid], [r["val_loss"] for r in valid], "o--", label=f"{name} valid")
+        mark_spikes(loss_ax, name, [r for r in records if "event" in r])
         lr_ax.plot(steps, [r.get("lr") for r in train], label=name)
         speed_ax.plot(steps, [r.get("tokens_per_s") for r in train], label=name)
         mfu_ax.plot(steps, [100 * r["mfu"] if r.get("mfu") is not None else None for r in train], label=name)
@@ -60,6 +62,17 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def mark_spikes(ax, name: str, events: list[dict]) -> None:
+    """Loss spikes on the loss panel: a cross per spike at its loss, a dashed line per rollback."""
+    spiked = [e for e in events if e.get("spike_loss") is not None]
+    if spiked:
+        ax.plot([e["step"] for e in spiked], [e["spike_loss"] for e in spiked], "x", color="red",
+                label=f"{name} loss spikes")
+    for i, event in enumerate(e for e in events if e["event"] == "rollback"):
+        ax.axvline(event["step"], color="red", linestyle="--", alpha=0.5,
+                   label=f"{name} rollbacks" if i == 0 else None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from megatransformer.training.loop import Preemption, Trainer, print_sample
     from megatransformer.training.metrics import quiet_engine
     from megatransformer.training.preflight import check_before_start, stale_build_locks
+    from megatransformer.training.watchdog import hang_dir, stack_dumps, switch_on_flight_recorder
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
@@ -62,6 +63,10 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             print(line, file=sys.stderr, flush=True)
     host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
     init_state = ckpt.load_weights(cfg.init_from, cfg.model)[1] if cfg.init_from else None
+    import torch
+
+    if torch.cuda.is_available():
+        switch_on_flight_recorder(cfg.run_dir)  # (before the process group starts)
     try:
         with quiet_engine(verbose):
             dist_info = setup(cfg.parallel.timeout_minutes)
@@ -78,6 +83,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         if line is None:
             raise
         rank = os.environ.get("RANK", "0")
+        dumps = stack_dumps(cfg.run_dir)
+        if dumps:
+            line += f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({', '.join(p.name for p in dumps)})"
         print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:

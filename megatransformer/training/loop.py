@@ -22,6 +22,7 @@ from megatransformer.training import cpu_bf16, elastic, spikes
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule, zero_stage_notes
 from megatransformer.training.metrics import Reporter, format_sample, peak_tflops, precision_dtype
+from megatransformer.training.watchdog import Watchdog
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
@@ -108,14 +109,17 @@ class Trainer:
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
         report = Reporter(cfg, self.dist.is_main, self.state.step, self.spikes.rollbacks)
+        watchdog = Watchdog(cfg, self.dist.rank)  # (a hang ends the run with the stacks on file)
         flops = model_size(cfg.model, cfg.data.seq_len).flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device) * 1e12 * self.dist.world_size
         batches = iter(self.train_loader)
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
+            watchdog.arm()
             result = self.module.step(batches, self.preemption.requested, self.spikes.rejects)
             step_seconds = time.perf_counter() - started
+            watchdog.disarm(step_seconds)
             self.state.step += 1
             self.state.tokens += result.tokens
             window_tokens += result.tokens
@@ -157,6 +161,7 @@ class Trainer:
                 break
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
                 self.save()
+        watchdog.close()
         evaluated_last = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
         if exit_code == 0 and not evaluated_last:
             report.log({"step": self.state.step, **self.evaluate()})
