@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -79,10 +81,22 @@ def final_val_loss(run_dir: Path) -> float:
     return [r for r in records(run_dir) if "val_loss" in r][-1]["val_loss"]
 
 
-def test_the_default_ladder_rolls_back_over_the_poison_and_ends_like_the_clean_run(tiny_data, poisoned, tmp_path):
-    clean, guarded = tmp_path / "clean", tmp_path / "guarded"
+@pytest.fixture(scope="module")
+def guarded(tiny_data, poisoned, tmp_path_factory) -> tuple[Path, str]:
+    """A run on the poisoned data with the default ladder: its directory and its console output."""
+    run = tmp_path_factory.mktemp("guarded") / "run"
+    return run, train(tiny_data, poisoned.poisoned, run).stdout
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in records(run_dir) if "loss" in r]
+
+
+def test_the_default_ladder_rolls_back_over_the_poison_and_ends_like_the_clean_run(tiny_data, poisoned, guarded,
+                                                                                   tmp_path):
+    clean = tmp_path / "clean"
     train(tiny_data, poisoned.clean, clean)
-    said = train(tiny_data, poisoned.poisoned, guarded).stdout
+    guarded, said = guarded
     events = [r for r in records(guarded) if "event" in r]
     rollbacks = [e for e in events if e["event"] == "rollback"]
     assert len(rollbacks) == 1, events
@@ -91,12 +105,10 @@ def test_the_default_ladder_rolls_back_over_the_poison_and_ends_like_the_clean_r
     assert start == int(rollbacks[0]["checkpoint"].split("_")[1]) * MICRO  # from the checkpoint it went back to
     assert sum(e["event"] == "skip" for e in events) == 2  # the two spikes before the third rolled back
     assert "rolled back to step_" in said and "1 rollbacks" in said
-    state = json.loads((guarded / "checkpoints" / "latest").read_text() and
-                       (guarded / "checkpoints" / (guarded / "checkpoints" / "latest").read_text() /
-                        "trainer.json").read_text())
+    latest = guarded / "checkpoints" / (guarded / "checkpoints" / "latest").read_text()
+    state = json.loads((latest / "trainer.json").read_text())
     assert state["spikes"]["rollbacks"] == 1 and state["spikes"]["skip_rows"] == [[start, stop]]
-    steps = [r["step"] for r in records(guarded) if "loss" in r]
-    assert steps == list(range(1, 171))  # the steps after the checkpoint were run again, and logged once
+    assert [step for step, _ in losses(guarded)] == list(range(1, 171))  # steps run again are logged once
     assert abs(final_val_loss(guarded) - final_val_loss(clean)) < 0.05 * final_val_loss(clean)
 
 
@@ -108,3 +120,22 @@ def test_without_the_ladder_the_spike_shows_in_the_curve(tiny_data, poisoned, tm
     in_poison = max(losses[s] for s in range(poisoned.rows[0] // MICRO + 1, poisoned.rows[1] // MICRO + 1))
     assert in_poison > 1.3 * before[len(before) // 2]
     assert not any("event" in r for r in records(run))
+
+
+def test_kill_9_after_a_rollback_and_resume_give_the_same_curve(tiny_data, poisoned, guarded):
+    run = guarded[0].parent / "killed"
+    command = [sys.executable, "-m", "megatransformer.cli", "train", "--config", os.devnull,
+               f"data.train={poisoned.poisoned}", f"data.valid={tiny_data.shards}",
+               f"data.tokenizer={tiny_data.tokenizer}", *TINY, f"run_dir={run}"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                               env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    while not (run / "spikes.json").is_file():  # the rollback happened: killed before the next checkpoint
+        assert process.poll() is None, "the run ended before rolling back"
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    train(tiny_data, poisoned.poisoned, run, "resume=auto")
+    assert losses(run) == losses(guarded[0])
+    rollbacks = [r for r in records(run) if r.get("event") == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["skipped_rows"] == \
+        next(r for r in records(guarded[0]) if r.get("event") == "rollback")["skipped_rows"]

@@ -189,18 +189,21 @@ class Trainer:
         target = ckpt.rollback_target(self.cfg, event.began) if event.action == spikes.ROLLBACK else None
         if event.action == spikes.ROLLBACK and target is None:
             event.action = record["event"] = spikes.STOP
-            why = f"no intact checkpoint before step {event.began} to roll back to"
-        else:
-            why = f"{self.spikes.rollbacks} rollbacks (train.spikes.max_rollbacks={self.cfg.train.spikes.max_rollbacks})"
         if target is None:
-            line = spikes.describe(event)
+            report.event(record, spikes.describe(event))
         else:
             rows = self.roll_back(target)
             report.rewind(self.state.step, self.spikes.rollbacks)
             record.update(checkpoint=target.name, skipped_rows=list(rows))
-            line = spikes.describe(event, rows, target.name, self.spikes.rollbacks, self.cfg.train.spikes.max_rollbacks)
-        report.event(record, line)
+            report.event(record, spikes.describe(event, rows, target.name, self.spikes.rollbacks,
+                                                 self.cfg.train.spikes.max_rollbacks))
+            if self.dist.is_main:  # (last: a run killed before this resumes to the same answer)
+                ckpt.rewind_to(target)
+                spikes.write_log(self.cfg.run_dir, self.state.spikes)
         if event.action == spikes.STOP:
+            limit = self.cfg.train.spikes.max_rollbacks
+            why = f"{limit} rollbacks (train.spikes.max_rollbacks)" if self.spikes.rollbacks >= limit else \
+                f"finding no intact checkpoint before step {event.began} to roll back to"
             report.message(f"stopping: loss spikes since step {event.began} after {why}; lower optim.lr, raise "
                            "train.spikes.max_rollbacks, or look at the data (megatransformer data inspect --rows)")
         return event.action
@@ -216,9 +219,6 @@ class Trainer:
         for skipped in self.spikes.skip_rows:
             self.train_loader.skip_rows(*skipped)
         self.state.spikes = self.spikes.state_dict()
-        if self.dist.is_main:
-            ckpt.rewind_to(path)
-            spikes.write_log(self.cfg.run_dir, self.state.spikes)
         return rows
 
     def evaluate(self) -> dict[str, float]:
