@@ -35,7 +35,7 @@ def test_the_limit_follows_the_median_step_within_the_collective_timeout(tmp_pat
 
 
 def stalled_step() -> None:
-    time.sleep(1.0)
+    time.sleep(1.5)
 
 
 def test_an_overrunning_step_leaves_every_threads_stack_and_a_quiet_one_nothing(tmp_path):
@@ -44,17 +44,18 @@ def test_an_overrunning_step_leaves_every_threads_stack_and_a_quiet_one_nothing(
     dog.disarm(0.01)  # a step in time
     dog.arm()
     stalled_step()
-    dog.disarm(1.0)
+    dog.disarm(1.5)
     dog.close()
     (dump,) = stack_dumps(tmp_path)
     assert dump.name == "rank_00003.txt"
     text = dump.read_text()
-    assert "Timeout" in text and "stalled_step" in text
+    assert "watchdog limit 0.2 s" in text and "stalled_step" in text
+    assert text.count("a step has run for") == 1  # once per step
     quiet = watchdog(tmp_path / "quiet", limit_seconds=5)
     quiet.arm()
     quiet.disarm(0.01)
     quiet.close()
-    assert stack_dumps(tmp_path / "quiet") == [] and not (tmp_path / "quiet" / "hangs" / "rank_00003.txt").exists()
+    assert stack_dumps(tmp_path / "quiet") == [] and not (tmp_path / "quiet" / "hangs").exists()
 
 
 def test_the_flight_recorder_is_switched_on_without_overriding_the_users_choice(tmp_path):

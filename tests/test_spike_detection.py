@@ -97,3 +97,14 @@ def test_nonsensical_thresholds_are_refused_before_anything_starts(tmp_path, ove
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("n", [2, 7, 200])
+def test_the_threshold_is_median_plus_the_larger_of_the_robust_and_the_relative_rise(n):
+    from megatransformer.training.spikes import robust_threshold
+
+    values = np.random.default_rng(n).gamma(2.0, 1.5, n)
+    median = np.median(values)
+    spread = 1.4826 * np.median(np.abs(values - median))
+    cfg = SpikesConfig(threshold=4.0, min_rise=0.2)
+    assert robust_threshold(values, cfg) == pytest.approx(median + max(4.0 * spread, 0.2 * median), rel=1e-12)
