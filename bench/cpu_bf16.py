@@ -1,6 +1,6 @@
 """bf16 GEMMs on this CPU: PyTorch's own kernels against fp32 GEMMs of the bf16 operands (``Fp32Gemms``), and fp32.
 
-The shapes are those of a training step of the issue-12 benchmark model (d512, FFN 1408, 8 heads of 64 over 4
+The shapes are those of a training step of the end-to-end benchmark model (d512, FFN 1408, 8 heads of 64 over 4
 key/value heads, 4 x 512 tokens, the chunked attention core's 64-query chunks): a projection, its two backward
 GEMMs, the attention core's score and value products, and SDPA's fused CPU attention (forward and backward). Each case
 alternates the three ways in one process; the figure is the median of ``--repeats`` timings.

@@ -58,7 +58,7 @@ def bench_loading(shards: str, tokenizer: Path, seq_len: int, micro: int, batche
                   objectives: list[tuple[str, str]] = OBJECTIVES, where: str = "local") -> list[dict]:
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import validate
-    from megatransformer.training.data import build_loader
+    from megatransformer.training.data import build_run_loader
 
     tok = load_tokenizer(tokenizer)
     rows = []
@@ -68,7 +68,7 @@ def bench_loading(shards: str, tokenizer: Path, seq_len: int, micro: int, batche
                             "data": {"train": str(shards), "tokenizer": str(tokenizer), "seq_len": seq_len,
                                      "num_workers": workers},
                             "objective": objective})
-            loader = build_loader(cfg, "train", micro, 0, 1, tok)
+            loader = build_run_loader(cfg, "train", micro, 0, 1, tok)
             it = iter(loader)
             for _ in range(max(2, workers)):  # warm-up: worker start, first shards
                 next(it)

@@ -1,58 +1,11 @@
 """The trainer end to end, side by side with the bare model step and a plain transformers loop.
 
-Issue 12's measure: ``megatransformer train`` end to end against the bare model step of the same config (target
->= 0.95x, fp32 and bf16) and against a plain transformers bf16-autocast loop (target >= 1.25x). The runners, on
-the same shards, the same run config (``llama-style`` with the workload's overrides) and the same batches:
+What each runner measures and how rounds are timed: docs/benchmarks.md.
 
-  trainer-z0  the real ``megatransformer train`` command (a subprocess, ``DS_ACCELERATOR=cpu``) with
-              ``parallel.zero_stage=0``, ``train.log_every=1``, no evaluation during training (one batch at the
-              end), W&B off.
-              Tokens/s = tokens of the steps after the warm-up / the sum of their logged windows, from
-              ``RUN_DIR/metrics.jsonl`` (a window's time = its tokens / its tokens_per_s). A window is one step
-              as the loop runs it: the loader's ``next()``, the engine step, progress line and metrics record.
-              The start-up (DeepSpeed init, loader start), the final evaluation, checkpoint, sample and plot
-              lie outside the windows and are not counted.
-  trainer-z1  the same with ``parallel.zero_stage=1`` (what the shipped llama-style config runs; over one CPU
-              rank the trainer runs it as ZeRO-0).
-  trainer-release  trainer-z0 with ``train.host_memory=release``: glibc's malloc defaults, as before that
-              setting existed (``megatransformer.training.host_memory``).
-  trainer-native  trainer-z0 with ``train.cpu_bf16_matmul=native``: PyTorch's own bf16 GEMMs on a CPU that
-              has no bf16 kernels (an AVX2-only CPU: many times slower; run it with few --steps).
-  bare        our model alone in ``bench/train_step.py``'s Runner, in the run's precision (bf16: bf16 weights
-              with fp32 masters, as DeepSpeed), with the run's AdamW settings and torch's fused AdamW (as the
-              engine), fed by our loader (``training.data.build_loader`` with the trainer's RunConfig, one rank)
-              and attention masks built on the host once per batch (``masks.batch_masks``), as the engine does.
-              No engine, no grad clipping, no logging. The loader's ``next()`` is inside the timed step. Its
-              process keeps freed host memory as the trainer's does (``train.host_memory=keep``), and its bf16
-              GEMMs run as the trainer's do (``train.cpu_bf16_matmul=auto``: fp32 GEMMs of the bf16 operands on
-              a CPU without bf16 kernels, ``megatransformer.training.cpu_bf16``).
-  hf          transformers' ``LlamaForCausalLM`` (``GPT2LMHeadModel`` with ``--family gpt2``; SDPA) with the
-              same initial weights, in a plain loop: bf16 autocast and torch's default AdamW (fp32 with
-              ``--precision fp32``), fed by the same loader's ``input_ids`` and ``labels`` only: packed rows of
-              several documents with no document masks and positions running across the row, as a
-              ``run_clm``-style script that concatenates documents trains. Loss: fp32 cross-entropy over the
-              logits (our labels are shifted already). The C library's malloc defaults and PyTorch's own bf16
-              GEMMs, as a plain script has.
-  hf-keep     hf in a process set up as the trainer's is: freed host memory kept, bf16 GEMMs and fused
-              attention as ``train.cpu_bf16_matmul=auto`` runs them: the same model-to-model comparison without
-              the parts that come from the process (the allocator, the CPU's kernels).
-
-Every runner runs in its own fresh process for every round (the same threads, fresh memory); rounds alternate
-over all (precision, runner) pairs with the order reversed on odd rounds, after one untimed process, and a ratio
-is the median over rounds of the per-round ratio (BENCHMARKS.md section 1).
-
-``--profile`` also runs the trainer once in this process under cProfile (``megatransformer.cli.main``) and
-breaks the time of the steps after the warm-up down into the loader's ``next()``, host-to-device copies and
-masks, forward with the loss, DeepSpeed's ``backward``, the gradient norm, DeepSpeed's ``step`` and the rest: where
-the engine's overhead goes. (cProfile slows Python-heavy code: compare shares, not absolute times.)
-
-Data: shards are prepared once in ``--work`` with the project's CLI (``data demo-corpus``, ``data tokenizer``,
-``data shard``) and reused; or pass ``--shards DIR --tokenizer FILE``.
-
-    python bench/end_to_end.py                                  # bf16, the issue's llama-style workload
+    python bench/end_to_end.py                                  # bf16, the llama-style workload
     python bench/end_to_end.py --precision bf16,fp32 --rounds 5 --steps 6 --profile
     python bench/end_to_end.py --family gpt2 --d-model 256 --layers 4 --heads 8 --ffn 1024 --batch 8 \
-        --seq 256 --precision fp32                              # the issue's small GPT-2-style model
+        --seq 256 --precision fp32                              # the small GPT-2-style model
     python bench/end_to_end.py --d-model 64 --layers 2 --heads 2 --kv-heads 1 --ffn 128 --seq 64 --batch 2 \\
         --rounds 1 --steps 3                                    # a smoke run
 """
@@ -97,7 +50,7 @@ TRAINERS = {"trainer-z0": (0, "keep", "auto"), "trainer-z1": (1, "keep", "auto")
 WORKERS = {"bare": ("keep", "auto"), "hf": ("release", "native"), "hf-keep": ("keep", "auto")}
 RUNNERS = (*TRAINERS, *WORKERS)
 DEFAULT_RUNNERS = ("trainer-z0", "trainer-release", "bare", "hf", "hf-keep")
-# the model family's overrides of the llama-style config (gpt2: the issue's small GPT-2-style model, whose
+# the model family's overrides of the llama-style config (gpt2: the small GPT-2-style model, whose
 # plain loop is transformers' GPT2LMHeadModel)
 FAMILIES = {
     "llama": [],
@@ -251,8 +204,8 @@ def worker(args: argparse.Namespace) -> int:
     """One bare or hf runner: ``--warmup`` steps, then ``--steps`` timed ones; prints one JSON line."""
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.model import build_model
-    from megatransformer.training.batching import resolve_batch_sizes
-    from megatransformer.training.data import build_loader
+    from megatransformer.training.layout import resolve_batch_sizes
+    from megatransformer.training.data import build_run_loader
     from megatransformer.training.host_memory import apply_host_memory_policy
 
     host_memory, cpu_bf16_matmul = WORKERS[args.worker]
@@ -262,7 +215,7 @@ def worker(args: argparse.Namespace) -> int:
     torch.manual_seed(cfg.seed)  # the trainer's initial weights
     model = build_model(cfg.model)
     micro = resolve_batch_sizes(cfg.train, 1).micro
-    batches = iter(build_loader(cfg, "train", micro, 0, 1, load_tokenizer(cfg.data.tokenizer)))
+    batches = iter(build_run_loader(cfg, "train", micro, 0, 1, load_tokenizer(cfg.data.tokenizer)))
     if args.worker == "bare":
         o = cfg.optim
         adamw = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay, "fused": True}

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention import peak_bytes  # noqa: E402
 from megatransformer.model.head import linear_cross_entropy  # noqa: E402
-from megatransformer.training.metrics import precision_dtype  # noqa: E402
+from megatransformer.config import precision_dtype  # noqa: E402
 
 
 def plain(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

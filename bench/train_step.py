@@ -15,7 +15,7 @@ Precision modes (``--modes``):
               to bf16) so the bench needs no distributed init; DeepSpeed's BF16_Optimizer does the same work.
 
 All runners (implementation x mode) are timed in one rotation, so cross-mode ratios are side by side too;
-the table adds the issue's headline comparison: each of our modes vs HF with bf16 autocast.
+the table adds the headline comparison: each of our modes vs HF with bf16 autocast.
 
 Peak memory: on CPU there is no ``max_memory_allocated``; we profile one step with
 ``torch.profiler(profile_memory=True)`` and integrate the allocator's alloc/free events to get the peak of
@@ -303,7 +303,7 @@ def table(t: Timings, modes: list[str], backends: list[str], tokens: int) -> str
         return f"{t.peak[key] / 2**20:,.0f}" if key in t.peak else "-"
 
     pairs = [(m, m) for m in modes]
-    if "autocast" in modes:  # the headline: each of our modes vs what an HF user runs for bf16
+    if "autocast" in modes:  # the headline: each of our modes vs what an HF user runs for bf16
         pairs += [(m, "autocast") for m in modes if m != "autocast"]
     lines = [
         "| ours (backend, mode) | HF mode | ours tok/s | HF tok/s | speed-up ours/HF (median; per round)"

@@ -1,60 +1,8 @@
 """The streaming loader: shards -> documents -> windows -> objective samples -> rows -> batches; the order of
 the rows does not depend on how many ranks and workers read them, and it resumes exactly on any of them.
 
-Streams. A run fixes ``streams`` (S, ``data.streams``) when it starts; the loader state records it. Stream
-``k`` is a pure function of (seed, k, S, the datasets): in epoch ``e`` the shards are permuted with
-``(seed, e)``; with N >= S shards stream ``k`` reads shards ``k, k + S, ...`` of that permutation, with
-N < S shards it reads part ``k // N`` of shard ``k % N`` (a shard read by ``c`` streams is cut into ``c``
-contiguous runs of samples), so even a one-shard dataset feeds every stream. Inside its share a stream
-permutes blocks of ``shuffle_buffer // S`` documents with ``(seed, e, shard, first sample)``, cuts its
-documents into the objective's windows and builds sample ``j`` with a generator seeded by
-``(seed, split, k, j)``. Several sources are mixed per stream by weight, with the same per-sample generator.
-
-The global row sequence. Global row ``g`` (counting from the first row of the run) is the next sample of
-stream ``g % S``. Global step ``s`` with global batch ``B`` is rows ``s*B ... s*B + B - 1``. Data-parallel
-rank ``r`` of ``D`` takes rows ``g = r + D*i`` (``i`` = its local row counter) and cuts them into its micro
-batches in that order. When ``D`` divides ``S``, ``g % S % D == r``: rank ``r`` reads exactly the streams
-``k = r (mod D)``, and when ``D`` divides ``B`` its rows of step ``s`` are ``B/D`` of the ``B`` rows of that
-step, the ranks together all of them. So step ``s`` holds the same rows for every ``D`` dividing both ``B``
-and ``S``, whatever the micro batch size and accumulation (only which rank computes which row changes).
-Loader workers split a rank the same way: worker ``w`` of ``W`` produces local rows ``i = i0 + w + W*t``
-(``i0``: the rows the rank had consumed when the workers started); their streams are fixed when ``W``
-divides ``S / D``; the main process interleaves the workers' rows back into local order. Hence
-``S`` must be a multiple of ``D * max(1, W)`` (checked when the loader is built). The default 64 serves every
-power-of-two layout up to 64 readers (8 nodes x 8 GPUs with one worker each, 16 ranks x 4 workers, ...). More
-is not free: a rank serves ``S / D`` streams, each with its own open shard (a connection, for remote shards)
-and partly filled window, and a dataset with fewer than ``S`` shards is read ``ceil(S / N)`` times per epoch
-(each stream its part); larger jobs set ``data.streams`` when the run starts (e.g. 512 for 64 x 8 GPUs).
-
-Exact and elastic resume. ``state_dict()`` is the rank's local row count and the position of each stream it
-read (``{epoch, shard, doc, offset}`` per source plus the stream's sample count; objectives are seeded per
-sample). ``merge_states`` joins the states of all ranks into the state of the global sequence (``rows`` =
-global rows consumed), which ``load_state_dict`` accepts on any layout whose rank count divides it: every
-stream continues where it stopped and the global row sequence continues unchanged.
-
-Skipped rows. ``skip_rows(a, b)`` makes the loader read global rows ``[a, b)`` and hand none of them out (a
-loss-spike rollback steps over the data behind the spike); the ranges are part of the state, so every resume,
-exact or elastic, drops them too and the row sequence stays the same.
-
-Memory: a reader holds one block of documents and one open shard per stream it serves, about
-``shuffle_buffer / (D * W)`` documents and ``S / (D * W)`` open shards.
-
-Instruction data. Examples from a ``prompt_completion`` shard directory keep their prompt marked through the
-pipeline (``Window.prompt``): the objectives give its tokens no loss. A decoder packs them into rows like
-documents (a piece cut at a row boundary keeps what it holds of its prompt), or with ``pack=False``
-gives each its own row; an encoder-decoder reads each whole (prompt -> encoder, completion -> decoder),
-several per row when packed. An example longer than its row is truncated, one whose prompt leaves no room
-to learn anything is skipped; both are warned about.
-
-Remote shards. A shard directory may be a URL (``http(s)://``, ``s3://``, ``gs://``): the manifest and the
-shards are read through fsspec and streamed, never stored (see data_pipeline.remote). Local shards are
-checked against the manifest's sha256 before they are read, remote ones while they stream (a mismatch is found
-at the end of the shard).
-
-No hang. Training streams are endless (epochs roll over, reshuffled), so every rank can take as many steps
-as the trainer asks for; a rank never runs out first. Validation is one stream: one pass over the validation
-shards in order, identical on every rank and every time. A finite training loader (``epochs`` given) skips
-exhausted streams; its tail order then depends on the layout.
+Streams, the global row order, exact and elastic resume, skipped rows, memory, instruction data, remote
+shards: docs/data.md.
 """
 
 from __future__ import annotations

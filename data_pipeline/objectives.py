@@ -1,25 +1,6 @@
 """Objectives: turn a window of tokens into one training sample (numpy arrays, see megatransformer.batch).
 
-Each objective declares how it wants its tokens from the loader, its ``layout``:
-
-- ``packed``: fixed windows of ``window`` tokens cut across documents (EOS after every document); the
-  window's ``segments`` number the documents so the model keeps them apart;
-- ``rows``: one piece of one document per row (at most ``window`` tokens), padded to the row length;
-- ``examples`` (encoder-decoder): pieces of documents (at most ``window`` raw tokens each) become one
-  (source, target) example each; whole examples are packed into a row while both the encoder and the decoder
-  side fit (``cost`` / ``capacity``); example k of a row is segment k on both sides. With ``data.pack:
-  false`` a row holds one example.
-
-Instruction examples arrive with their prompt marked (``Window.prompt``): autoregressive gives prompt tokens no
-loss, prefix_lm makes the prompt the prefix (decoder) or the encoder input (encoder-decoder) instead of
-splitting at random.
-
-Randomness comes from a generator seeded per sample by the loader, so samples depend neither on the batch
-size nor on the worker count.
-
-Encoder-decoder objectives: ``decoder_input_ids`` is each example's target shifted right behind a start
-token: PAD for span_corruption (T5's convention), BOS for prefix_lm (the decoder continues a text); each
-falls back to the other when the tokenizer lacks it (``decoder_start_id``).
+How each objective lays out its tokens, instruction examples, seeding, decoder start tokens: docs/data.md.
 """
 
 from __future__ import annotations

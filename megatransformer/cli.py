@@ -1,4 +1,4 @@
-"""The ``megatransformer`` command: one sub-command per module, registered from a table.
+"""The ``megatransformer`` command: one sub-command per module of ``commands/``, registered from a table.
 
 Each module in ``COMMANDS`` defines ``register(subparsers)``, which adds its parser and sets ``func``
 (called with the parsed arguments, returning an exit code). Modules import heavy libraries (torch,
@@ -16,8 +16,8 @@ from megatransformer.config import ConfigError
 
 COMMANDS = (
     "megatransformer.commands.info",
-    "data_pipeline.cli",
-    "megatransformer.training.cli",
+    "megatransformer.commands.data",
+    "megatransformer.commands.train",
     "megatransformer.commands.quickstart",
     "megatransformer.commands.generate",
     "megatransformer.commands.export",

@@ -11,11 +11,14 @@ from __future__ import annotations
 import difflib
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
                       ValidationError, model_validator)
+
+if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
+    import torch
 
 
 class ConfigError(ValueError):
@@ -104,8 +107,9 @@ class ModelConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
     attention_backend: Literal["auto", "sdpa", "flex", "flash", "eager", "chunked"] = "auto"
-    """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows, else sdpa;
-    CPU: chunked, or sdpa with attention dropout); sdpa: PyTorch scaled_dot_product_attention; flex:
+    """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows; without
+    it PyTorch's varlen_attn for packed documents, prefix-LM and packed cross-attention (no attention dropout,
+    no ALiBi); else sdpa; CPU: chunked, or sdpa with attention dropout); sdpa: PyTorch scaled_dot_product_attention; flex:
     FlexAttention block masks; flash: flash-attn (CUDA); eager: plain matmul-softmax reference; chunked: exact
     attention in query chunks with recomputation (fastest for CPU training, memory linear in sequence length
     for every mask; see BENCHMARKS.md)."""
@@ -241,7 +245,7 @@ class SpikesConfig(Section):
     """Rollbacks in a run; a spike that would need one more stops the run (exit 3)."""
 
     @model_validator(mode="after")
-    def _consistent(self) -> "SpikesConfig":
+    def _consistent(self) -> SpikesConfig:
         _require(self.warmup <= self.window, f"train.spikes.warmup={self.warmup} exceeds train.spikes.window="
                                              f"{self.window}: the window never holds that many steps; lower warmup")
         _require(self.rollback_after <= self.within, f"train.spikes.rollback_after={self.rollback_after} spikes "
@@ -582,3 +586,10 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 def dump_config(cfg: Section) -> str:
     """The resolved config as YAML, in field order (what run directories store)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The compute dtype of a run's ``precision`` (fp32 | bf16 | fp16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]

@@ -258,7 +258,7 @@ def save_hf_dir(
 ) -> Family:
     """Write a ``transformers`` model directory (config.json, model.safetensors, tokenizer files) that loads with
     no custom code, for the family ``cfg`` maps onto. Written to a temporary directory, renamed when complete."""
-    from megatransformer.training.checkpoint import save_safetensors
+    from megatransformer.checkpoint import save_safetensors
 
     family = hf_family(cfg)
     special_ids = special_ids or {}

@@ -19,27 +19,11 @@ class Loaded:
     path: Path
 
 
-def checkpoint_dir(path: str | Path) -> Path:
-    """A step directory, or the latest complete one of a checkpoints directory or run directory."""
-    from megatransformer.training.checkpoint import COMPLETE, latest_checkpoint
-
-    path = Path(path)
-    for candidate in (path, path / "checkpoints"):
-        if (candidate / COMPLETE).is_file():
-            return candidate
-        if (candidate / "latest").is_file():
-            found = latest_checkpoint(candidate)
-            if found is not None:
-                return found
-    raise ConfigError(f"--checkpoint {path}: no complete checkpoint there (a step_XXXXXX directory, a run's "
-                      "checkpoints directory or a run directory)")
-
-
 def load_for_inference(path: str | Path, device: str = "cpu") -> Loaded:
     from data_pipeline.tokenizer import load_tokenizer
-    from megatransformer.training.checkpoint import load_weights
+    from megatransformer.checkpoint import find_checkpoint, load_weights
 
-    directory = checkpoint_dir(path)
+    directory = find_checkpoint(path, f"--checkpoint {path}")
     cfg, weights = load_weights(directory)
     model = build_model(cfg.model)
     model.load_state_dict(weights)

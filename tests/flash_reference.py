@@ -47,7 +47,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ki = k[ks:ke].repeat_interleave(groups, 1).transpose(0, 1).float()
         vi = v[ks:ke].repeat_interleave(groups, 1).transpose(0, 1).float()
         scores = qi @ ki.transpose(-1, -2) * scale
-        rows, cols = torch.arange(qe - qs).view(-1, 1), torch.arange(ke - ks).view(1, -1)
+        rows = torch.arange(qe - qs, device=q.device).view(-1, 1)
+        cols = torch.arange(ke - ks, device=q.device).view(1, -1)
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
             distance = (rows + (ke - ks) - (qe - qs) - cols).abs()
@@ -65,8 +66,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, alibi_slopes=None, **unsupported):
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
-    cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32)
-    cu_k = torch.arange(0, (batch + 1) * k_len, k_len, dtype=torch.int32)
+    cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (batch + 1) * k_len, k_len, dtype=torch.int32, device=q.device)
     out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, q_len, k_len,
                                  dropout_p, softmax_scale, causal, alibi_slopes, **unsupported)
     return out.view(batch, q_len, heads, dim)

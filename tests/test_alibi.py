@@ -22,8 +22,8 @@ from megatransformer.model.attention import BACKENDS, eager_core
 from megatransformer.model.masks import batch_masks, self_attention_mask
 from megatransformer.model.positions import Alibi, alibi_slopes
 from megatransformer.model.tp_plan import assign_head_offsets
-from test_flash_decomposition import (PACKED, SELF_MASKS, B, H, T, assert_same, per_document_prefix,
-                                      qkv, real_queries, rows, values_and_grads)
+from test_flash_decomposition import (PACKED, SELF_MASKS, B, H, T, assert_close_in_bf16, assert_same,
+                                      per_document_prefix, qkv, real_queries, rows, values_and_grads)
 
 
 def test_slopes_are_the_papers_for_8_and_12_heads():
@@ -295,7 +295,7 @@ def test_export_as_hf_refuses_alibi_by_name(alibi_runs, tmp_path, capsys):
 
 needs_flash = pytest.mark.skipif(
     not torch.cuda.is_available() or attention.flash_attn_module() is None,
-    reason="needs CUDA and the flash-attn package (pip install 'megatransformer[gpu]'); CPU machines check "
+    reason="needs CUDA and the flash-attn package (pip install flash-attn --no-build-isolation); CPU machines check "
            "flash_core's ALiBi against tests/flash_reference.py above",
 )
 
@@ -320,10 +320,7 @@ def test_real_flash_attn_alibi_equals_eager(name):
     q, k, v = (t.detach().cuda().bfloat16().requires_grad_() for t in qkv(q_len, k_len))
     flash = values_and_grads(BACKENDS["flash"], q, k, v, mask, alibi)
     eager = values_and_grads(eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask, alibi)
-    keep = real_queries(mask, q_len).cuda()
-    assert torch.allclose(flash[0].float() * keep, eager[0], atol=2e-2)
-    for got, want in zip(flash[1], eager[1]):
-        assert torch.allclose(got.float(), want, atol=5e-2)
+    assert_close_in_bf16(flash, eager)
 
 
 @pytest.mark.gpu

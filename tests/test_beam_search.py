@@ -148,7 +148,7 @@ def test_generate_cli_beam_search_equals_transformers(tmp_path, tiny_data):
     transformers on its ``export --format hf``."""
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import DataConfig, RunConfig
-    from megatransformer.training.checkpoint import write_weights_checkpoint
+    from megatransformer.checkpoint import write_weights_checkpoint
 
     cfg, ours, _ = llama_model(seed=1)
     ckpt = tmp_path / "ckpt"

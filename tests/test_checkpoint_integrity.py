@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,10 @@ import pytest
 import torch
 
 from megatransformer.config import ConfigError, validate
-from megatransformer.training import checkpoint as ckpt
+from megatransformer import checkpoint as ckpt
+from megatransformer.checkpoint import integrity
+from megatransformer.training import checkpointer
+from megatransformer.training.resume import plan_resume, resolve_resume
 
 pytestmark = pytest.mark.slow
 
@@ -91,24 +95,24 @@ DAMAGE = {"truncated": truncate, "deleted": Path.unlink, "flipped": flip}
 def test_a_damaged_file_falls_back_or_is_named(run, capsys, name, damage):
     DAMAGE[damage](run / "checkpoints" / NEW / name)
 
-    assert ckpt.resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and f"{NEW}: {name}: " in warnings[0], warnings
     assert "skipped, resuming from step_000002" in warnings[0]
 
     with pytest.raises(ConfigError, match=f"{NEW}: {name.replace('.', '[.]')}: ") as err:
-        ckpt.resolve_resume(resume_cfg(run, str(run / "checkpoints" / NEW)))
+        resolve_resume(resume_cfg(run, str(run / "checkpoints" / NEW)))
     assert "\n" not in str(err.value)
 
 
 def test_a_damaged_manifest_or_an_unlisted_file_falls_back(run, capsys):
     newest = run / "checkpoints" / NEW
     (newest / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"not from this save")
-    assert ckpt.resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: a file the manifest does not list" in capsys.readouterr().err
 
     (newest / ckpt.COMPLETE).write_bytes(b'{"format": 1, "files": {"config.yaml": {"si')  # cut short
-    assert ckpt.resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
     assert f"{NEW}: COMPLETE: not a readable manifest" in capsys.readouterr().err
 
 
@@ -116,26 +120,34 @@ def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(run):
     for step in (OLD, NEW):
         flip(run / "checkpoints" / step / "model.safetensors")
     with pytest.raises(ConfigError, match="every complete checkpoint .* is damaged"):
-        ckpt.resolve_resume(resume_cfg(run, "auto"))
+        resolve_resume(resume_cfg(run, "auto"))
 
 
 @pytest.mark.parametrize("pointer", [b"\xff\xfe\x00garbage", b"step_000099", b"../../etc", b"", b"step_000004\x00"])
 def test_a_bad_latest_pointer_is_ignored_for_a_scan(run, capsys, pointer):
     (run / "checkpoints" / "latest").write_bytes(pointer)
-    assert ckpt.resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / NEW
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / NEW
     warnings = capsys.readouterr().err.splitlines()
     assert len(warnings) == 1 and f"warning: {run / 'checkpoints' / 'latest'} " in warnings[0], warnings
     assert "ignored; taking the newest complete checkpoint" in warnings[0]
     flip(run / "checkpoints" / NEW / "trainer.json")  # and the scan falls back past damage too
-    assert ckpt.resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
     # (unverified, what refuses a fresh start over an existing run)
     assert ckpt.latest_checkpoint(run / "checkpoints") == run / "checkpoints" / NEW
 
 
 def test_a_checkpoint_without_manifest_is_accepted_with_a_warning(run, capsys):
-    (run / "checkpoints" / NEW / ckpt.COMPLETE).write_bytes(b"")  # as earlier versions wrote it
-    assert ckpt.resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / NEW
+    (run / "checkpoints" / NEW / ckpt.COMPLETE).write_bytes(b"")  # as versions before manifests wrote it,
+    (run / "checkpoints" / NEW / ckpt.OPTIMIZER).unlink()  # which wrote no optimizer.safetensors either
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / NEW
     assert "has no manifest" in capsys.readouterr().err
+
+
+def test_an_emptied_manifest_of_a_new_checkpoint_is_damage(run, capsys):
+    (run / "checkpoints" / NEW / ckpt.COMPLETE).write_bytes(b"")
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
+    assert f"{NEW}: COMPLETE: empty, but the checkpoint was written by a version that writes a manifest" in \
+        capsys.readouterr().err
 
 
 def test_weights_readers_verify_what_they_read(run):
@@ -232,7 +244,7 @@ def test_a_pickle_payload_is_refused_naming_the_file(run, tmp_path, name, auto):
     marker = tmp_path / "payload-ran"
     plant(run / "checkpoints" / NEW / name, marker)
     with pytest.raises(ConfigError, match=f"{name}: holds Python objects beyond tensors") as err:
-        ckpt.resolve_resume(resume_cfg(run, "auto" if auto else str(run / "checkpoints" / NEW)))
+        resolve_resume(resume_cfg(run, "auto" if auto else str(run / "checkpoints" / NEW)))
     assert "\n" not in str(err.value)
     assert not marker.exists(), "the payload ran"
 
@@ -257,7 +269,7 @@ def test_deepspeeds_loads_go_through_weights_only(run, tmp_path):
     payload is refused by the load itself (behind the pre-load scan the test above meets first)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    engine = ckpt._safe_checkpoint_engine(None)
+    engine = checkpointer.safe_checkpoint_engine(None)
     assert isinstance(engine, TorchCheckpointEngine)
     optim = run / "checkpoints" / NEW / OPTIM_STATES
     loaded = engine.load(str(optim), map_location="cpu")
@@ -278,8 +290,8 @@ def test_deepspeeds_state_classes_are_allowed(tmp_path):
     scaler = DynamicLossScaler(init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2,
                                consecutive_hysteresis=False)
     torch.save({"dynamic": scaler, "static": LossScaler(4.0), "stage": ZeroStageEnum.weights}, tmp_path / "s.pt")
-    ckpt._refuse_unsafe_pickle(tmp_path / "s.pt")
-    loaded = ckpt.safe_load(tmp_path / "s.pt")
+    integrity._refuse_unsafe_pickle(tmp_path / "s.pt")
+    loaded = ckpt.safe_load(tmp_path / "s.pt", allowed=checkpointer.deepspeed_safe_globals())
     assert vars(loaded["dynamic"]) == vars(scaler) and loaded["static"].cur_scale == 4.0
     assert loaded["stage"] is ZeroStageEnum.weights
 
@@ -288,7 +300,7 @@ def test_safe_load_names_an_unreadable_file(run):
     file = run / "checkpoints" / NEW / "rank_00000.pt"
     truncate(file)
     with pytest.raises(ckpt.CheckpointDamaged, match="rank_00000.pt: unreadable"):
-        ckpt.safe_load(file)
+        ckpt.safe_load(file, allowed=checkpointer.deepspeed_safe_globals())
 
 
 # ------------------------------------------------------------------------------ metrics and file modes
@@ -301,11 +313,11 @@ def test_files_are_written_with_the_umask(trained, tmp_path):
         assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file
     old = os.umask(0o027)
     try:
-        ckpt._default_file_mode.cache_clear()
+        ckpt.directory.default_file_mode.cache_clear()
         ckpt.save_safetensors({"w": torch.zeros(2)}, tmp_path / "w.safetensors")
     finally:
         os.umask(old)
-        ckpt._default_file_mode.cache_clear()
+        ckpt.directory.default_file_mode.cache_clear()
     assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o640
 
 
@@ -320,3 +332,34 @@ def test_a_torn_last_metrics_line_is_dropped_a_bad_middle_line_is_an_error(tmp_p
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
     with pytest.raises(ConfigError, match="line 2 is not JSON"):
         truncate_metrics(path, after_step=2)
+
+
+def saved_run_config(run: Path, resume: str):
+    """The run's own config (its model shape), resuming from ``resume``."""
+    return ckpt.saved_config(run / "checkpoints" / NEW).model_copy(update={"run_dir": str(run), "resume": resume})
+
+
+def test_a_resume_is_decided_reading_each_file_once(run, monkeypatch):
+    cfg = saved_run_config(run, "auto")
+    reads: list[str] = []
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self.name) or read_text(self, *a, **k))
+    plan = plan_resume(cfg, world_size=1, device_type="cpu", tokenizer_sha256=None)
+    assert plan.path == run / "checkpoints" / NEW and plan.state.step == 4 and plan.elastic is None
+    assert reads.count("trainer.json") == 1 and reads.count("config.yaml") == 1, reads
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("step", 3, "trainer.json: says step 3, its directory step 4"),
+    ("step", -4, "trainer.json: step: Input should be greater than or equal to 0"),
+    ("step", "4", "trainer.json: step: Input should be a valid integer"),
+    ("zero_stage", 7, "trainer.json: zero_stage: Input should be 0, 1, 2 or 3"),
+])
+def test_trainer_state_values_are_checked(run, field, value, error):
+    state = run / "checkpoints" / NEW / "trainer.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), field: value}))
+    ckpt.write_manifest(state.parent)  # (a consistent manifest: what is refused is the value)
+    cfg = saved_run_config(run, str(state.parent))
+    assert resolve_resume(cfg) == state.parent  # (the files are intact)
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        plan_resume(cfg, world_size=1, device_type="cpu", tokenizer_sha256=None)

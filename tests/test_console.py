@@ -77,7 +77,7 @@ def test_configs_are_addressable_by_name_from_any_directory(tmp_path, monkeypatc
 
 
 def test_quiet_engine_holds_back_start_up_chatter(capsys):
-    from megatransformer.training.metrics import quiet_engine
+    from megatransformer.commands.train import quiet_engine
 
     with quiet_engine(verbose=False):
         print("DeepSpeed deepspeed_shm_comm_op built successfully")
@@ -92,7 +92,7 @@ def test_quiet_engine_holds_back_start_up_chatter(capsys):
 
 
 def test_a_sample_is_cut_at_its_first_blank_line():
-    from megatransformer.training.metrics import format_sample
+    from megatransformer.commands.train import format_sample
 
     assert format_sample("The function", " returns\n\n\n\n\n\n") == "sample: The function returns"
     assert format_sample("The", " a\nb\n\nc") == "sample: The a\nb"

@@ -12,7 +12,7 @@ import torch
 
 from conftest import INSTRUCTION_VALID_EVERY
 from data_pipeline import DataError
-from megatransformer.training.data import build_loader
+from megatransformer.training.data import build_run_loader as build_loader
 from data_pipeline.shard import INSTRUCTIONS, Manifest, write_shards
 from data_pipeline.sources import read_documents
 from data_pipeline.tokenizer import load_tokenizer

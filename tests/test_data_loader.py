@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from data_pipeline import DataError
-from megatransformer.training.data import build_loader
+from megatransformer.training.data import build_run_loader as build_loader
 from data_pipeline.shard import Manifest, write_shards
 from data_pipeline.sources import read_documents
 from data_pipeline.tokenizer import load_tokenizer

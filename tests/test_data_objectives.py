@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from data_pipeline import DataError
-from megatransformer.training.data import build_loader
+from megatransformer.training.data import build_run_loader as build_loader
 from data_pipeline.objectives import (
     MaskedLM,
     PrefixLM,

@@ -79,19 +79,20 @@ def qkv(q_len: int = T, k_len: int = T, seed: int = 0, dtype=torch.float32):
     return q, k, v
 
 
-def real_queries(mask: AttentionMask, q_len: int) -> torch.Tensor:
-    """[B, 1, Tq, 1]: queries whose outputs carry loss (not padding)."""
+def real_queries(mask: AttentionMask, q_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, 1, Tq, 1] on ``device``: queries whose outputs carry loss (not padding)."""
     if mask.q_segments is None:
-        return torch.ones(B, 1, q_len, 1, dtype=torch.bool)
-    return (mask.q_segments != PAD_SEGMENT).view(B, 1, q_len, 1)
+        return torch.ones(B, 1, q_len, 1, dtype=torch.bool, device=device)
+    return (mask.q_segments != PAD_SEGMENT).view(B, 1, q_len, 1).to(device)
 
 
 def values_and_grads(core, q, k, v, mask, *extra, **kwargs):
     """The core's outputs at real queries and q/k/v gradients of a random weighting of them (``extra``,
-    ``kwargs``: more arguments of the core, e.g. an ALiBi bias)."""
+    ``kwargs``: more arguments of the core, e.g. an ALiBi bias); on the core's device, with the same
+    weighting on every device."""
     out = core(q, k, v, mask, 0.0, *extra, **kwargs)
-    keep = real_queries(mask, q.shape[2])
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    keep = real_queries(mask, q.shape[2], out.device)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
     (out * weights * keep).sum().backward()
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
@@ -103,6 +104,14 @@ def assert_same(flash, eager, atol=1e-5):
     assert torch.allclose(flash[0], eager[0], atol=atol), (flash[0] - eager[0]).abs().max()
     for got, want in zip(flash[1], eager[1]):
         assert torch.allclose(got, want, atol=atol), (got - want).abs().max()
+
+
+def assert_close_in_bf16(kernel, eager, tolerance=2e-2):
+    """A bf16 kernel's outputs and gradients against fp32 eager, by error relative to each tensor's norm (bf16
+    keeps 8 bits: ~4e-3 per element, and gradients summed over many keys scale with them)."""
+    for got, want in zip((kernel[0], *kernel[1]), (eager[0], *eager[1])):
+        error = (got.float() - want).norm() / want.norm()
+        assert error < tolerance, f"relative error {error:.3g}"
 
 
 @pytest.mark.parametrize("name", SELF_MASKS)
@@ -181,8 +190,8 @@ def test_host_masks_carry_varlen_problems_and_chunk_bounds():
 gpu = pytest.mark.gpu
 needs_flash = pytest.mark.skipif(
     not torch.cuda.is_available() or attention.flash_attn_module() is None,
-    reason="needs CUDA and the flash-attn package (pip install 'megatransformer[gpu]'); CPU machines check the "
-           "decomposition against tests/flash_reference.py above",
+    reason="needs CUDA and the flash-attn package (pip install flash-attn --no-build-isolation); CPU machines "
+           "check the decomposition against tests/flash_reference.py above",
 )
 
 
@@ -202,17 +211,4 @@ def test_real_flash_attn_equals_eager_for_every_mask(name):
     mask = mask.to("cuda")
     flash = values_and_grads(flash_core, q, k, v, mask)
     eager = values_and_grads(eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask)
-    keep = real_queries(mask, q_len).cuda()
-    assert torch.allclose(flash[0].float() * keep, eager[0], atol=2e-2)
-    for got, want in zip(flash[1], eager[1]):
-        assert torch.allclose(got.float(), want, atol=5e-2)
-
-
-def test_masks_compare_by_their_rule_for_autotp_input_checks():
-    """DeepSpeed's AutoTP compares tensor-parallel peers' first inputs (the masks among them) with ``!=``."""
-    ids = torch.zeros(B, T, dtype=torch.long)
-    batch = {"input_ids": ids, "segment_ids": PACKED, "prefix_len": per_document_prefix(PACKED, [[2, 6, 1], [7, 0]])}
-    built, again = batch_masks("decoder", batch, varlen=True), batch_masks("decoder", batch)
-    assert built == again and not (built != again)
-    other = batch_masks("decoder", {**batch, "segment_ids": LEADING_PAD})
-    assert built != other
+    assert_close_in_bf16(flash, eager)

@@ -73,7 +73,7 @@ def test_transformers_loads_the_export_and_computes_the_same_logits(pretrained, 
 
 def test_transformers_perplexity_equals_megatransformer_eval(pretrained, exported):
     """One document per row (data.pack=false), so transformers sees the same rows with a padding mask."""
-    from megatransformer.training.data import build_loader
+    from megatransformer.training.data import build_run_loader as build_loader
     from data_pipeline.shard import write_shards
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import load_config
@@ -134,7 +134,7 @@ def test_generate_refuses_too_many_tokens_with_exit_2(pretrained):
 
 
 def test_export_of_a_non_llama_model_is_refused_by_name(pretrained, tmp_path):
-    from megatransformer.training.checkpoint import write_manifest
+    from megatransformer.checkpoint import write_manifest
 
     ckpt = tmp_path / "ln"
     cli("export", "--checkpoint", str(pretrained["run"]), "--out", str(ckpt))  # consolidated safetensors
@@ -147,7 +147,9 @@ def test_export_of_a_non_llama_model_is_refused_by_name(pretrained, tmp_path):
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     result = cli("eval", "--checkpoint", str(tmp_path / "nope"), "--data", str(tmp_path), check=False)
-    assert result.returncode == 2 and "no complete checkpoint" in result.stderr
+    assert result.returncode == 2 and f"--checkpoint {tmp_path / 'nope'} does not exist" in result.stderr
+    result = cli("eval", "--checkpoint", str(tmp_path), "--data", str(tmp_path), check=False)
+    assert result.returncode == 2 and "no complete checkpoint there" in result.stderr
 
 
 def write_instructions(path: Path, documents: list[str]) -> list[tuple[str, str]]:

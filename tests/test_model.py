@@ -279,7 +279,7 @@ def test_auto_backend_choices(monkeypatch):
         "attention: auto -> flash for every mask on cuda in bfloat16"
     monkeypatch.setattr(attention, "flash_attn_installed", lambda: False)
     assert choose("cuda", bf16) == "sdpa"
-    assert "pip install 'megatransformer[gpu]'" in attention.describe_backend("auto", "cuda", bf16, 0.0)
+    assert "pip install flash-attn --no-build-isolation" in attention.describe_backend("auto", "cuda", bf16, 0.0)
     assert attention.describe_backend("sdpa", "cpu", fp32, 0.0) == "attention: sdpa"
     assert attention.describe_backend("auto", "cpu", bf16, 0.0) == \
         "attention: auto -> chunked for every mask on cpu in bfloat16"

@@ -179,7 +179,7 @@ def test_average_is_the_parameter_mean(toy_run, tmp_path):
                           "src", "--target-field", "tgt", "--json").stdout)
     assert loss["tokens"] > 0 and loss["loss"] < 2.0
     cli("export", "--checkpoint", tmp_path / "avg", "--out", tmp_path / "exported")
-    from megatransformer.training.checkpoint import load_weights, saved_config
+    from megatransformer.checkpoint import load_weights, saved_config
 
     cfg, loaded = load_weights(tmp_path / "avg", saved_config(sources[-1]).model)  # what init_from= does
     assert torch.equal(loaded["lm_head.weight"], averaged["lm_head.weight"])
@@ -196,7 +196,7 @@ def test_averaging_one_checkpoint_with_itself_changes_nothing(toy_run, tmp_path)
 
 def test_average_refuses_other_model_shapes(toy_run, tmp_path):
     from megatransformer.model import build_model
-    from megatransformer.training.checkpoint import saved_config, write_weights_checkpoint
+    from megatransformer.checkpoint import saved_config, write_weights_checkpoint
 
     source = checkpoints(toy_run["run"])[-1]
     cfg = saved_config(source)

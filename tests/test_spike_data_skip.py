@@ -11,7 +11,7 @@ import torch
 from data_pipeline.loader import merge_states
 from data_pipeline.tokenizer import load_tokenizer
 from megatransformer.config import validate
-from megatransformer.training.data import build_loader
+from megatransformer.training.data import build_run_loader
 
 
 def make_cfg(tiny_data, **data):
@@ -29,7 +29,7 @@ def global_rows(cfg, tok, dp_size: int, micro: int, steps: int, skip=None, state
     """The rows of ``steps`` global batches, in global row order (rank r's local row i is row r + dp*i)."""
     per_rank = []
     for rank in range(dp_size):
-        loader = build_loader(cfg, "train", micro, rank, dp_size, tok)
+        loader = build_run_loader(cfg, "train", micro, rank, dp_size, tok)
         if states is not None:
             loader.load_state_dict(states)
         if skip is not None:
@@ -57,7 +57,7 @@ def test_skipped_rows_are_left_out_of_the_global_sequence(tiny_data, tok, dp_siz
 
 def test_a_range_is_widened_to_whole_micro_batches_of_every_rank(tiny_data, tok):
     cfg = make_cfg(tiny_data)
-    loader = build_loader(cfg, "train", 2, 1, 2, tok)
+    loader = build_run_loader(cfg, "train", 2, 1, 2, tok)
     loader.skip_rows(5, 9)
     loader.skip_rows(12, 13)
     loader.skip_rows(0, 0)
@@ -67,14 +67,14 @@ def test_a_range_is_widened_to_whole_micro_batches_of_every_rank(tiny_data, tok)
 def test_skipped_ranges_resume_exactly_and_elastically(tiny_data, tok):
     cfg = make_cfg(tiny_data)
     reference = global_rows(cfg, tok, 2, 2, 10, skip=(8, 24))
-    loaders = [build_loader(cfg, "train", 2, rank, 2, tok) for rank in range(2)]
+    loaders = [build_run_loader(cfg, "train", 2, rank, 2, tok) for rank in range(2)]
     for loader in loaders:
         loader.skip_rows(8, 24)
         for _, _ in zip(range(3), loader):  # 3 batches of 2 rows each: rows 0-7 and 24-27 consumed
             pass
     states = [json.loads(json.dumps(loader.state_dict())) for loader in loaders]
     assert all(state["skip_rows"] == [[8, 24]] for state in states)
-    exact = build_loader(cfg, "train", 2, 0, 2, tok)  # rank 0 resumed from its own state
+    exact = build_run_loader(cfg, "train", 2, 0, 2, tok)  # rank 0 resumed from its own state
     exact.load_state_dict(states[0])
     rows = [row for _, batch in zip(range(3), exact) for row in batch["input_ids"]]
     assert same(rows, reference[12::2][:6])

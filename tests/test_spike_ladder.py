@@ -42,7 +42,7 @@ def poisoned(tiny_data, tmp_path_factory) -> Poisoned:
     from data_pipeline.shard import write_shards
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import validate
-    from megatransformer.training.data import build_loader
+    from megatransformer.training.data import build_run_loader
 
     root = tmp_path_factory.mktemp("poisoned")
     docs = tiny_data.corpus.read_text().split("\n\n")
@@ -56,7 +56,7 @@ def poisoned(tiny_data, tmp_path_factory) -> Poisoned:
                     "data": {"train": str(root / "poisoned"), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64,
                              "streams": 1, "shuffle_buffer": 1}})
     bad = []
-    for index, batch in zip(range(400), build_loader(cfg, "train", MICRO, 0, 1, tok)):
+    for index, batch in zip(range(400), build_run_loader(cfg, "train", MICRO, 0, 1, tok)):
         for r, row in enumerate(batch["input_ids"]):
             if any("\u4e00" <= ch <= "\u9fa5" for ch in tok.decode(row.tolist())):
                 bad.append(index * MICRO + r)

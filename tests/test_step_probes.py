@@ -68,7 +68,7 @@ def test_gpu_check_refuses_a_machine_without_cuda_in_one_line():
 def test_loader_batches_are_page_locked_for_a_cuda_run(tiny_data):
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import RunConfig
-    from megatransformer.training.data import build_loader
+    from megatransformer.training.data import build_run_loader as build_loader
 
     cfg = RunConfig.model_validate({"model": {"vocab_size": 512}, "data": {
         "train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64, "streams": 4}})

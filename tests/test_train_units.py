@@ -29,7 +29,7 @@ def run_config(**sections) -> RunConfig:
     (dict(micro_batch_size=4), 3, (4, 1, 3, 12)),
 ])
 def test_batch_sizes_derive_the_third(given, dp, expected):
-    from megatransformer.training.batching import resolve_batch_sizes
+    from megatransformer.training.layout import resolve_batch_sizes
 
     sizes = resolve_batch_sizes(TrainConfig(**given), dp)
     assert (sizes.micro, sizes.accum, sizes.dp, sizes.global_batch) == expected
@@ -43,7 +43,7 @@ def test_batch_sizes_derive_the_third(given, dp, expected):
     (dict(), 1, "set two of train.micro_batch_size"),
 ])
 def test_inconsistent_batch_sizes_are_config_errors(given, dp, message):
-    from megatransformer.training.batching import resolve_batch_sizes
+    from megatransformer.training.layout import resolve_batch_sizes
 
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         resolve_batch_sizes(TrainConfig(**given), dp)
@@ -107,7 +107,7 @@ def test_inverse_sqrt_is_the_papers_schedule():
 
 def test_deepspeed_config_from_run_config():
     from megatransformer.model import TP_PLAN
-    from megatransformer.training.batching import BatchSizes
+    from megatransformer.training.layout import BatchSizes
     from megatransformer.training.engine import deepspeed_config
 
     cfg = run_config(optim=dict(name="adam", betas=[0.9, 0.98], eps=1e-9, weight_decay=0.0),
@@ -138,8 +138,9 @@ def test_deepspeed_config_from_run_config():
     (1, 1, "bf16", "cpu", False, 0), (2, 1, "bf16", "cpu", False, 0),  # (the same reads cost a CPU nothing)
 ])
 def test_zero_1_and_2_on_one_data_parallel_rank_run_as_stage_0(stage, dp, precision, device, offload, runs):
-    from megatransformer.training.batching import BatchSizes
-    from megatransformer.training.engine import deepspeed_config, engine_zero_stage
+    from megatransformer.training.layout import BatchSizes
+    from megatransformer.training.engine import deepspeed_config
+    from megatransformer.training.layout import engine_zero_stage
 
     cfg = run_config(parallel=dict(zero_stage=stage, offload_optimizer=offload), precision=precision)
     assert engine_zero_stage(cfg, dp, device) == runs
@@ -149,7 +150,7 @@ def test_zero_1_and_2_on_one_data_parallel_rank_run_as_stage_0(stage, dp, precis
 
 
 def test_the_run_log_says_which_zero_stage_runs_and_warns_of_per_parameter_waits():
-    from megatransformer.training.engine import zero_stage_notes
+    from megatransformer.training.layout import zero_stage_notes
 
     one_rank = run_config(parallel=dict(zero_stage=2))
     assert zero_stage_notes(one_rank, 2, "cpu") == []
@@ -288,7 +289,7 @@ def test_skipped_update_leaves_optimizer_and_schedule_untouched():
 
 
 def test_shape_mismatch_lists_every_field():
-    from megatransformer.training.checkpoint import check_same_shapes
+    from megatransformer.checkpoint import check_same_shapes
 
     saved = run_config().model
     current = run_config(model=dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128,
@@ -304,7 +305,8 @@ def test_shape_mismatch_lists_every_field():
 
 
 def test_resume_resolution(tmp_path):
-    from megatransformer.training.checkpoint import COMPLETE, resolve_resume
+    from megatransformer.checkpoint import COMPLETE
+    from megatransformer.training.resume import resolve_resume
 
     root = tmp_path / "checkpoints"
     cfg = run_config(run_dir=str(tmp_path), resume="auto")
@@ -316,9 +318,10 @@ def test_resume_resolution(tmp_path):
     (root / "latest").write_text("step_000010")
     assert resolve_resume(cfg) == root / "step_000010"
     assert resolve_resume(cfg.model_copy(update={"resume": str(root)})) == root / "step_000010"
-    for missing in (tmp_path / "nowhere", root / "step_000020"):  # absent, or cut short while saving
-        with pytest.raises(ConfigError, match="is not a complete checkpoint directory"):
-            resolve_resume(cfg.model_copy(update={"resume": str(missing)}))
+    with pytest.raises(ConfigError, match="nowhere does not exist"):
+        resolve_resume(cfg.model_copy(update={"resume": str(tmp_path / "nowhere")}))
+    with pytest.raises(ConfigError, match="is not a complete checkpoint directory"):  # cut short while saving
+        resolve_resume(cfg.model_copy(update={"resume": str(root / "step_000020")}))
     (root / "latest").write_text("step_000020")  # never written before COMPLETE, and never trusted without it
     assert resolve_resume(cfg) == root / "step_000010"
     (root / "latest").unlink()
@@ -326,13 +329,13 @@ def test_resume_resolution(tmp_path):
 
 
 def test_only_the_last_k_complete_checkpoints_are_kept(tmp_path):
-    from megatransformer.training.checkpoint import COMPLETE, _prune
+    from megatransformer.checkpoint import COMPLETE, prune as _prune
 
     for step in (1, 2, 3, 4):
         (tmp_path / f"step_{step:06d}").mkdir()
         (tmp_path / f"step_{step:06d}" / COMPLETE).touch()
     (tmp_path / "step_000005").mkdir()  # incomplete: not counted, not deleted here
-    _prune(tmp_path, 2, keep="step_000004")
+    _prune(tmp_path, 2, keep={"step_000004"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003", "step_000004", "step_000005"]
 
 
@@ -352,7 +355,7 @@ def test_rng_state_round_trip():
 
     import numpy as np
 
-    from megatransformer.training.checkpoint import rng_state, set_rng_state
+    from megatransformer.training.rng import rng_state, set_rng_state
 
     state = rng_state()
     first = (random.random(), float(np.random.rand()), float(torch.rand(1)))

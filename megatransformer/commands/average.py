@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatransformer.training.checkpoint import write_weights_checkpoint
+    from megatransformer.checkpoint import write_weights_checkpoint
 
     sources = last_checkpoints(*args.last) if args.last else [Path(c) for c in args.checkpoints]
     cfg, weights, tokenizer = average_checkpoints(sources)
@@ -36,13 +36,13 @@ def run(args: argparse.Namespace) -> int:
 
 def last_checkpoints(n: str, run_dir: str) -> list[Path]:
     """The last ``n`` complete step directories of a run (or checkpoints) directory, oldest first."""
+    from megatransformer.checkpoint import checkpoints_dir, complete_checkpoints
     from megatransformer.config import ConfigError
-    from megatransformer.training.checkpoint import COMPLETE
 
     if not n.isdigit() or int(n) < 1:
         raise ConfigError(f"--last N RUN_DIR: N must be a positive integer, got {n!r}")
-    root = Path(run_dir) / "checkpoints" if (Path(run_dir) / "checkpoints").is_dir() else Path(run_dir)
-    complete = sorted(p for p in root.glob("step_*") if (p / COMPLETE).is_file())
+    root = checkpoints_dir(run_dir) if checkpoints_dir(run_dir).is_dir() else Path(run_dir)
+    complete = complete_checkpoints(root)[::-1]
     if len(complete) < int(n):
         raise ConfigError(f"--last {n} {run_dir}: only {len(complete)} complete checkpoints in {root} (raise "
                           "checkpoint.keep to keep more of them)")
@@ -54,11 +54,11 @@ def average_checkpoints(paths: list[Path]):
     last checkpoint's. Refuses checkpoints of another model shape or tokenizer than the first."""
     import torch
 
+    from megatransformer.checkpoint import SHAPE_FIELDS, find_checkpoint, load_weights
     from megatransformer.config import ConfigError
-    from megatransformer.inference import checkpoint_dir
-    from megatransformer.training.checkpoint import SHAPE_FIELDS, load_weights
 
-    paths = [checkpoint_dir(p) for p in paths]  # a run or checkpoints directory stands for its latest checkpoint
+    # a run or checkpoints directory stands for its latest checkpoint
+    paths = [find_checkpoint(p, f"--checkpoints {p}") for p in paths]
     sums: dict[str, torch.Tensor] = {}
     first_cfg, first_tokenizer = None, None
     for path in paths:

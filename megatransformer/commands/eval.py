@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from data_pipeline.cli import add_instruction_arguments
+    from megatransformer.commands.data import add_instruction_arguments
     from megatransformer.commands.generate import add_beam_arguments
 
     p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on held-out data",
@@ -143,10 +143,10 @@ def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str
 def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: int | None = None) -> dict:
     import torch
 
-    from megatransformer.training.data import build_loader
+    from megatransformer.training.data import build_run_loader
     from megatransformer.batch import IGNORE_INDEX
 
-    loader = build_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
+    loader = build_run_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
     loss_sum, tokens, sequences, pending = 0.0, 0, 0, []
 
     def flush() -> None:

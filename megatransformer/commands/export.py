@@ -31,12 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def export(args: argparse.Namespace) -> int:
     import torch
 
+    from megatransformer.checkpoint import find_checkpoint, load_weights, write_weights_checkpoint
     from megatransformer.config import ConfigError
     from megatransformer.hf import hf_incompatibility, save_hf_dir
-    from megatransformer.inference import checkpoint_dir
-    from megatransformer.training.checkpoint import load_weights, write_weights_checkpoint
 
-    source = checkpoint_dir(args.checkpoint)
+    source = find_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
     cfg, weights = load_weights(source)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     out = Path(args.out)
@@ -71,7 +70,7 @@ def _special_ids(tokenizer: Path) -> dict[str, int | None]:
 def import_hf(args: argparse.Namespace) -> int:
     from megatransformer.config import ConfigError, DataConfig, RunConfig
     from megatransformer.hf import load_hf_dir
-    from megatransformer.training.checkpoint import write_weights_checkpoint
+    from megatransformer.checkpoint import write_weights_checkpoint
 
     try:
         model_cfg, weights = load_hf_dir(Path(args.hf))

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from data_pipeline.shard import MANIFEST, write_shards
     from data_pipeline.tokenizer import train_tokenizer
     from megatransformer.config import load_config
-    from megatransformer.training.cli import train
+    from megatransformer.commands.train import train
 
     cfg = load_config(args.config, args.overrides)
     tokenizer, shards = Path(cfg.data.tokenizer), Path(cfg.data.train)

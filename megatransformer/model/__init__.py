@@ -2,7 +2,7 @@
 
 from megatransformer.model.attention import BACKENDS, KVCache
 from megatransformer.model.generate import generate, stream
-from megatransformer.model.tp_plan import TP_PLAN, deepspeed_layer_specs
+from megatransformer.model.tp_plan import TP_PLAN
 from megatransformer.model.transformer import (
     ARCHITECTURES,
     DecoderLM,
@@ -14,5 +14,5 @@ from megatransformer.model.transformer import (
 
 __all__ = [
     "ARCHITECTURES", "BACKENDS", "DecoderLM", "EncoderDecoderLM", "EncoderLM", "KVCache", "LanguageModel",
-    "TP_PLAN", "build_model", "deepspeed_layer_specs", "generate", "stream",
+    "TP_PLAN", "build_model", "generate", "stream",
 ]

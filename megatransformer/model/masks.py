@@ -26,7 +26,7 @@ evaluation) computes the same metadata on first use, once per forward.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
@@ -70,21 +70,11 @@ class AttentionMask:
     kv_segments: torch.Tensor | None = None  # [B, Tk]
     prefix_len: torch.Tensor | None = None  # [B] or [B, Tq], see the module docstring
     q_offset: int = 0  # absolute position of the first query (decoding with a KV cache)
-    varlen: tuple[VarlenProblem, ...] | None = field(default=None, compare=False)
+    varlen: tuple[VarlenProblem, ...] | None = None
     """flash-attn's problems for this mask, built on the host by :func:`batch_masks` (else on first use)."""
-    key_bounds: np.ndarray | None = field(default=None, compare=False)
+    key_bounds: np.ndarray | None = None
     """Host array [Tq] (or [1]): for causal masks with a prefix, where the prefix of any row ends at that query
     position, so the chunked core skips the keys past it without asking the device."""
-
-    def __eq__(self, other: object) -> bool:
-        """The same rule (DeepSpeed's AutoTP compares the first inputs of tensor-parallel peers); the metadata
-        derived from it is not compared."""
-        if not isinstance(other, AttentionMask):
-            return NotImplemented
-        return (self.causal, self.q_offset) == (other.causal, other.q_offset) and all(
-            _same(getattr(self, name), getattr(other, name)) for name in ("q_segments", "kv_segments", "prefix_len"))
-
-    __hash__ = object.__hash__  # (identity, as before: masks are not used as keys by value)
 
     @property
     def is_simple(self) -> bool:
@@ -360,12 +350,6 @@ def _problem(q_lengths: np.ndarray, k_lengths: np.ndarray, causal: bool, q_index
 
     return VarlenProblem(cumulative(q_lengths), cumulative(k_lengths), int(q_lengths.max(initial=0)),
                          int(k_lengths.max(initial=0)), causal, index(q_index), index(k_index))
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
 
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:

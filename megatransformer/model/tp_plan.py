@@ -21,14 +21,6 @@ TP_PLAN: dict[str, str] = {
 }
 
 
-def deepspeed_layer_specs(plan: dict[str, str] = TP_PLAN) -> list[dict]:
-    """The plan in DeepSpeed AutoTP's ``tensor_parallel.partition_config.layer_specs`` form."""
-    by_type: dict[str, list[str]] = {}
-    for pattern, partition in plan.items():
-        by_type.setdefault(partition, []).append(pattern)
-    return [{"patterns": patterns, "partition_type": kind} for kind, patterns in by_type.items()]
-
-
 def partition_dim(name: str, plan: dict[str, str] = TP_PLAN) -> int | None:
     """The dimension a parameter is split along under tensor parallelism, or None if it is replicated:
     column-parallel weights and biases by output (0), row-parallel weights by input (1); row biases whole."""

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from data_pipeline.loader import LoaderSettings, SourceSpec, StreamingLoader
-from data_pipeline.loader import build_loader as build_pipeline_loader
+from data_pipeline.loader import LoaderSettings, SourceSpec, StreamingLoader, build_loader
 from data_pipeline.objectives import ObjectiveArgs
 from data_pipeline.tokenizer import TokenizerInfo
 from megatransformer.config import DatasetSource, RunConfig
@@ -28,8 +27,8 @@ def loader_settings(cfg: RunConfig, pin_memory: bool = False) -> LoaderSettings:
                           retries=data.retries, pin_memory=pin_memory)
 
 
-def build_loader(cfg: RunConfig, split: str, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 tokenizer: TokenizerInfo, epochs: int | None = None, pin_memory: bool = False) -> StreamingLoader:
+def build_run_loader(cfg: RunConfig, split: str, micro_batch_size: int, dp_rank: int, dp_size: int,
+                     tokenizer: TokenizerInfo, epochs: int | None = None, pin_memory: bool = False) -> StreamingLoader:
     """data_pipeline.loader.build_loader for a run config (same arguments otherwise)."""
-    return build_pipeline_loader(loader_settings(cfg, pin_memory), split, micro_batch_size, dp_rank, dp_size,
-                                 tokenizer, epochs)
+    return build_loader(loader_settings(cfg, pin_memory), split, micro_batch_size, dp_rank, dp_size, tokenizer,
+                        epochs)

@@ -7,8 +7,10 @@ import os
 import re
 import socket
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 EXIT_COLLECTIVE_FAILED = 4  # a collective timed out or lost a peer: another rank is stalled or dead
 
@@ -98,3 +100,41 @@ def collective_failure(err: BaseException, timeout_minutes: float) -> str | None
     if _PEER_GONE.search(reason):
         return f"{comm[-1].name}{where} failed: another rank is gone ({reason})"
     return None
+
+
+def on_first_rank(compute: Callable[[], Any]) -> Any:
+    """``compute()`` on rank 0, its result on every rank; should it fail, rank 0 raises its error and the
+    others a ConfigError with the same message (none is left waiting)."""
+    import torch.distributed as dist
+
+    from megatransformer.config import ConfigError
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return compute()
+    box: list[Any] = [(None, None)]
+    failure: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = (compute(), None)
+        except Exception as err:
+            failure, box[0] = err, (None, str(err))
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    value, error = box[0]
+    if error is not None:
+        raise ConfigError(error)
+    return value
+
+
+def shared_work(names: Sequence[str], work: Callable[[str], Any]) -> dict[str, Any]:
+    """``work`` on every name, the names dealt round-robin to the ranks of the process group (all of them
+    here without one); every rank gets the whole result. A collective when there is a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {name: work(name) for name in names}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parts: list[dict[str, Any] | None] = [None] * world
+    dist.all_gather_object(parts, {name: work(name) for name in names[rank::world]})
+    return {name: value for part in parts for name, value in part.items()}

@@ -1,8 +1,9 @@
-"""The DeepSpeed side of training: the engine a RunConfig describes, and one optimizer step on it.
+"""The DeepSpeed side of training: the engine a RunConfig describes, one optimizer step on it, and its
+checkpoints (through ``checkpointer.py``).
 
-Everything that knows DeepSpeed lives here (its config, the loss normalisation it needs, skipped updates,
-gradient norms, tensor-parallel corrections); the loop in ``loop.py`` only sees :meth:`TrainModule.step`
-returning a :class:`StepResult`, :meth:`TrainModule.evaluate`, and the engine handed to checkpointing.
+Everything that knows DeepSpeed lives here and in ``checkpointer.py`` (its config, the tensor-parallel plan in
+its form, the loss normalisation it needs, skipped updates, gradient norms, tensor-parallel corrections); the
+loop in ``loop.py`` only sees :class:`TrainModule`: ``step``, ``evaluate``, ``save`` and ``load``.
 
 One step waits for the device once (:meth:`TrainModule.step` reads one small vector of step statistics
 before the optimizer step). The rest is decided on the host before the batches move: label and token
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -22,49 +24,26 @@ import torch
 import torch.distributed as dist
 
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
-from megatransformer.config import ConfigError, RunConfig
-from megatransformer.model import build_model, deepspeed_layer_specs
-from megatransformer.model.tp_plan import assign_head_offsets, partition_dim
+from megatransformer.config import ConfigError, RunConfig, precision_dtype
+from megatransformer.model import build_model
+from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, partition_dim
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
-from megatransformer.training.batching import BatchSizes, resolve_batch_sizes
+from megatransformer.checkpoint import TrainerState
+from megatransformer.training import checkpointer
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
-from megatransformer.training.metrics import precision_dtype
+from megatransformer.training.layout import BatchSizes, engine_zero_stage, resolve_batch_sizes
 from megatransformer.training.optim import make_scheduler, param_groups
+from megatransformer.training.resume import ResumePlan
+from megatransformer.training.tp_input_check import check_batch_without_masks
 
 
-def engine_zero_stage(cfg: RunConfig, dp_size: int, device_type: str) -> int:
-    """The ZeRO stage the engine runs: ``parallel.zero_stage``, except that stage 1 or 2 over a single
-    data-parallel rank runs as stage 0 in fp32, and in every precision on a CPU.
-
-    Partitioning optimizer states or gradients over one rank saves no memory (its one partition is all of
-    them), yet DeepSpeed's ZeRO-1/2 path still copies every gradient through its reduction buckets into flat
-    partitions: 6-17% of a step at dp=1 on CPU (BENCHMARKS.md section 5c). torchtitan likewise applies FSDP
-    only when there is more than one shard. ZeRO-0 steps the same AdamW on the same fp32 masters. Not in bf16
-    or fp16 on a GPU: there DeepSpeed's ZeRO-0 wrapper (FP16_UnfusedOptimizer) reads every parameter's
-    overflow flag and norm on the host, a wait for the GPU per parameter, where ZeRO's own step waits a
-    constant few times (bench/gpu_check.py); on a CPU such a read costs nothing. Offloading needs a ZeRO stage
-    and keeps it; ZeRO-3 is left as asked. Checkpoints record the stage that ran, so a resume on another
-    data-parallel size, stage or device goes through elastic resume.
-    """
-    p = cfg.parallel
-    free_reads = cfg.precision == "fp32" or device_type == "cpu"
-    if p.zero_stage in (1, 2) and dp_size == 1 and free_reads and not p.offload_optimizer:
-        return 0
-    return p.zero_stage
-
-
-def zero_stage_notes(cfg: RunConfig, engine_stage: int, device_type: str) -> list[str]:
-    """The run log's lines about the ZeRO stage the engine runs (``engine_stage``)."""
-    notes = []
-    if engine_stage != cfg.parallel.zero_stage:
-        notes.append(f"parallel.zero_stage={cfg.parallel.zero_stage} on one data-parallel rank: nothing to partition, "
-                     "so DeepSpeed runs without ZeRO (the same AdamW, without the bucket copies)")
-    if engine_stage == 0 and cfg.precision != "fp32" and device_type == "cuda":
-        notes.append(f"warning: precision={cfg.precision} with parallel.zero_stage=0 steps through DeepSpeed's unfused "
-                     f"{cfg.precision} optimizer, which waits for the GPU once per parameter in every step; "
-                     "parallel.zero_stage=1 waits a constant few times")
-    return notes
+def deepspeed_layer_specs(plan: dict[str, str] = TP_PLAN) -> list[dict]:
+    """The tensor-parallel plan in DeepSpeed AutoTP's ``tensor_parallel.partition_config.layer_specs`` form."""
+    by_type: dict[str, list[str]] = {}
+    for pattern, partition in plan.items():
+        by_type.setdefault(partition, []).append(pattern)
+    return [{"patterns": patterns, "partition_type": kind} for kind, patterns in by_type.items()]
 
 
 def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage: int | None = None) -> dict[str, Any]:
@@ -143,6 +122,7 @@ class TrainModule:
                                                lr_scheduler=make_scheduler(cfg))
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
+            check_batch_without_masks(self.engine)
         if cfg.train.compile:
             self.engine.compile()
         self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank
@@ -216,6 +196,23 @@ class TrainModule:
             finite = finite and engine.skipped_steps == skipped_before
         # (loss sums and counts are both counted once per tensor-parallel peer)
         return StepResult(loss, tokens, round(real_total / self.tp), finite, stop > 0, lr, rejected)
+
+    # ---------------------------------------------------------------------------------- checkpoints
+
+    def save(self, state: TrainerState, loader_state: dict, keep: tuple[str, ...] = ()) -> Path:
+        """Checkpoint step ``state.step`` (every rank calls it); ``keep``: checkpoints rotation must spare."""
+        return checkpointer.save_checkpoint(self.engine, self.cfg, state, loader_state, keep)
+
+    def load(self, plan: ResumePlan) -> tuple[TrainerState, dict | list[dict]]:
+        """Restore the engine, schedule and RNG from ``plan``'s checkpoint; returns the trainer state (of this
+        layout) and what the train loader continues from (this rank's state, or every old rank's)."""
+        if plan.elastic is None:
+            return plan.state, checkpointer.load_exact(self.engine, plan.path)
+        loader_states = checkpointer.load_elastic(self.engine, self.cfg, plan.path, plan.state.world_size,
+                                                  plan.elastic.weights, self.tp_rank)
+        plan.elastic.weights = {}  # (no second copy of the model kept for the run)
+        layout = {"world_size": dist.get_world_size(), "tensor_parallel": self.tp, "zero_stage": self.zero_stage}
+        return plan.state.model_copy(update=layout), loader_states
 
     def to_device(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
         """A loader batch as model inputs, labels and attention masks on the device (:func:`batch_to_device`;
@@ -295,16 +292,11 @@ def skipped_update(engine, skip: bool):
     """When ``skip``, the step inside this block changes nothing: weights, Adam moments, the optimizer's
     step count and the learning-rate schedule stay as they were (DeepSpeed still zeroes the gradients).
     This is what DeepSpeed's ZeRO optimizers do on their own for non-finite gradients.
-
-    DeepSpeed wraps the torch optimizer (ZeRO and bf16 wrappers keep it in ``.optimizer``); the innermost
-    one is the one whose ``step`` would change state.
     """
     if not skip:
         yield
         return
-    inner = engine.optimizer
-    while hasattr(inner, "optimizer"):
-        inner = inner.optimizer
+    inner = checkpointer.innermost_optimizer(engine)
     # (torch's LR scheduler may already have wrapped the optimizer's step on the instance: put it back)
     patched = [(obj, vars(obj).get("step")) for obj in (inner, engine.lr_scheduler) if obj is not None]
     for obj, _ in patched:

@@ -8,20 +8,22 @@ from __future__ import annotations
 
 import math
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from megatransformer.config import RunConfig, dump_config
+from megatransformer import checkpoint as ckpt
+from megatransformer.config import RunConfig, dump_config, precision_dtype
 from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
-from megatransformer.training import checkpoint as ckpt
-from megatransformer.training import cpu_bf16, elastic, spikes
+from megatransformer.training import cpu_bf16, spikes
+from megatransformer.training.data import build_run_loader
 from megatransformer.training.distributed import Dist
-from megatransformer.training.engine import TrainModule, zero_stage_notes
-from megatransformer.training.metrics import Reporter, format_sample, peak_tflops, precision_dtype
+from megatransformer.training.engine import TrainModule
+from megatransformer.training.layout import zero_stage_notes
+from megatransformer.training.metrics import Reporter, peak_tflops
+from megatransformer.training.resume import plan_resume, rollback_target
 from megatransformer.training.watchdog import Watchdog
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
@@ -43,25 +45,21 @@ class Preemption:
 class Trainer:
     def __init__(self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None,
                  preemption: Preemption | None = None) -> None:
-        from megatransformer.training.data import build_loader
-
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
-        self.resume_path = ckpt.resolve_resume(cfg)
-        # on another layout the engine is built from the checkpoint's weights (a changed batch refused here)
-        self.elastic = elastic.plan_resume(cfg, self.resume_path, dist_info.world_size,
-                                           torch.device(dist_info.device).type)
-        if self.elastic is not None:
-            init_state = self.elastic.weights
+        # decided before the engine: on another layout it is built from the checkpoint's weights
+        self.resume = plan_resume(cfg, dist_info.world_size, torch.device(dist_info.device).type, tokenizer.sha256)
+        if self.resume is not None and self.resume.elastic is not None:
+            init_state = self.resume.elastic.weights
         self.module = TrainModule(cfg, dist_info, init_state)
-        self.engine = self.module.engine  # (checkpoints hold DeepSpeed's engine states)
         micro = self.module.sizes.micro
         pin = dist_info.device.startswith("cuda")  # batches in page-locked memory: copies that do not wait
-        self.train_loader = build_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer,
-                                         pin_memory=pin)
-        self.valid_loader = build_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
+        self.train_loader = build_run_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size,
+                                             tokenizer, pin_memory=pin)
+        self.valid_loader = build_run_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
         next(iter(self.valid_loader))  # a validation split smaller than one batch fails now, not after training
-        self.state = ckpt.TrainerState(0, 0, 0, tokenizer.sha256, dist_info.world_size,
-                                       cfg.parallel.tensor_parallel, self.module.zero_stage)
+        self.state = ckpt.TrainerState(step=0, tokens=0, bad_steps=0, tokenizer_sha256=tokenizer.sha256,
+                                       world_size=dist_info.world_size, tensor_parallel=cfg.parallel.tensor_parallel,
+                                       zero_stage=self.module.zero_stage)
         self.preemption = preemption or Preemption()
         self.spikes = spikes.SpikeLadder(cfg.train.spikes)
 
@@ -69,22 +67,14 @@ class Trainer:
 
     def resume_or_start(self) -> None:
         cfg = self.cfg
-        path = self.resume_path
-        if self.elastic is not None:
-            self.state, loader_states = elastic.load_elastic(self.engine, cfg, self.elastic, self.tokenizer.sha256,
-                                                             self.module.tp_rank)
-            self.train_loader.load_state_dict(loader_states)
-            if self.dist.is_main:
-                print(self.elastic.describe(cfg, self.dist.world_size))
-            self.elastic.weights = {}  # (no second copy of the model kept for the run)
-        elif path is not None:
-            self.state, loader_state = ckpt.load_checkpoint(self.engine, cfg, path, self.tokenizer.sha256)
+        if self.resume is not None:
+            self.state, loader_state = self.module.load(self.resume)
             self.train_loader.load_state_dict(loader_state)
             if self.dist.is_main:
-                print(f"resumed from {path} at step {self.state.step} ({self.state.tokens:,} tokens seen)")
+                print(self.resume.describe(cfg, self.dist.world_size))
         elif self.dist.is_main and cfg.resume == "auto":
-            print(f"resume=auto: no complete checkpoint in {ckpt.checkpoint_root(cfg)}, starting fresh")
-        if path is not None or self.elastic is not None:
+            print(f"resume=auto: no complete checkpoint in {ckpt.checkpoints_dir(cfg.run_dir)}, starting fresh")
+        if self.resume is not None:
             self.spikes = spikes.SpikeLadder(cfg.train.spikes, spikes.resume_state(self.state.spikes, cfg.run_dir))
             for rows in self.spikes.skip_rows:
                 self.train_loader.skip_rows(*rows)
@@ -102,7 +92,7 @@ class Trainer:
         if self.dist.is_main:
             dtype = precision_dtype(cfg.precision)
             print(describe_backend(cfg.model.attention_backend, torch.device(self.dist.device).type, dtype,
-                                   cfg.model.attention_dropout, cfg.model.head_dim))
+                                   cfg.model.attention_dropout, cfg.model.head_dim, cfg.model.position == "alibi"))
             matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, cfg.train.compile)
             if matmuls is not None:
                 print(matmuls)
@@ -171,12 +161,16 @@ class Trainer:
 
     def save(self) -> Path:
         self.state.spikes = self.spikes.state_dict()
-        return ckpt.save_checkpoint(self.engine, self.cfg, self.state, self.train_loader.state_dict(),
-                                    self.cfg.data.tokenizer, self.spikes.protect_before())
+        began = self.spikes.protect_before()  # (a rollback in the making needs the checkpoint before it)
+        needed = ckpt.complete_before(ckpt.checkpoints_dir(self.cfg.run_dir), began) if began is not None else []
+        return self.module.save(self.state, self.train_loader.state_dict(), tuple(p.name for p in needed[:1]))
 
     def restore(self, path: Path) -> None:
-        """Load checkpoint ``path`` (same layout) into the running engine, trainer state and loader."""
-        self.state, loader_state = ckpt.load_checkpoint(self.engine, self.cfg, path, self.tokenizer.sha256)
+        """Load checkpoint ``path`` into the running engine, trainer state and loader (on another layout
+        than the one that wrote it too)."""
+        plan = plan_resume(self.cfg.model_copy(update={"resume": str(path)}), self.dist.world_size,
+                           torch.device(self.dist.device).type, self.tokenizer.sha256)
+        self.state, loader_state = self.module.load(plan)
         self.train_loader.load_state_dict(loader_state)
 
     # ------------------------------------------------------------------------------- loss spikes
@@ -186,7 +180,7 @@ class Trainer:
         (done here), or stop."""
         event = self.spikes.respond(self.state.step, loss)
         record = event.record(self.spikes.rollbacks)
-        target = ckpt.rollback_target(self.cfg, event.began) if event.action == spikes.ROLLBACK else None
+        target = rollback_target(self.cfg, event.began) if event.action == spikes.ROLLBACK else None
         if event.action == spikes.ROLLBACK and target is None:
             event.action = record["event"] = spikes.STOP
         if target is None:
@@ -234,16 +228,3 @@ def device_memory(device: str) -> dict[str, float]:
         return {}
     return {"max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
-
-def print_sample(cfg: RunConfig, weights_dir: Path, tokenizer, max_new_tokens: int = 40) -> None:
-    """Greedy continuation of train.sample_prompt with the final weights (decoder models)."""
-    from megatransformer.inference import load_for_inference
-    from megatransformer.model import generate
-
-    if not cfg.train.sample_prompt or cfg.model.arch != "decoder":
-        return
-    model = load_for_inference(weights_dir).model
-    prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)])
-    new = generate(model, prompt, max_new_tokens, temperature=0.0, eos_id=tokenizer.eos_id)
-    print(format_sample(cfg.train.sample_prompt, tokenizer.decode(new[0].tolist(), skip_special=True)))
-    sys.stdout.flush()

@@ -6,17 +6,14 @@ progress bar on a terminal, and a closing summary; DeepSpeed's start-up chatter 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
-from megatransformer.config import ConfigError, RunConfig
+from megatransformer.config import ConfigError, RunConfig, precision_dtype
 
 if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
     import torch
@@ -38,13 +35,6 @@ def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
         if name in device_name:
             return peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
     return None
-
-
-def precision_dtype(precision: str) -> torch.dtype:
-    """The compute dtype of a run's ``precision`` (fp32 | bf16 | fp16)."""
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 def peak_tflops(cfg: RunConfig, device: str) -> float:
@@ -191,83 +181,6 @@ def format_duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-def format_sample(prompt: str, continuation: str) -> str:
-    """The end-of-training sample, cut at its first blank line (an untrained model repeats newlines)."""
-    cut = continuation.split("\n\n", 1)[0].rstrip()
-    return f"sample: {prompt}{cut}"
-
-
-@contextlib.contextmanager
-def quiet_engine(verbose: bool) -> Iterator[None]:
-    """Hold back what DeepSpeed prints on stdout while it starts (``deepspeed_shm_comm_op built successfully``
-    and the like) unless ``verbose``; if start-up fails unexpectedly, what it printed goes to stderr with the
-    error (a bad config or input is its own one line: exit 2)."""
-    from data_pipeline import DataError
-
-    if verbose:
-        yield
-        return
-    held = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(held):
-            yield
-    except (ConfigError, DataError):
-        raise
-    except BaseException:
-        sys.stderr.write(held.getvalue())
-        raise
-
-
-def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Path | None,
-            plot: Path | None) -> str:
-    """The closing lines of a run: what was done (from metrics.jsonl), where the results are, what to run next."""
-    run_dir = Path(cfg.run_dir)
-    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-    train = [r for r in records if "loss" in r]
-    valid = [r for r in records if "val_loss" in r]
-    step = max((r["step"] for r in records), default=0)
-    tokens = train[-1]["tokens"] if train else 0
-    status = {0: "done", 124: "preempted (checkpointed; run again with resume=auto)",
-              3: "stopped: the loss diverged"}.get(exit_code, f"stopped (exit {exit_code})")
-    lines = [f"{status}: {step:,} of {cfg.train.max_steps:,} steps, {tokens:,} tokens, "
-             f"wall time {format_duration(wall_seconds)}"]
-    if train:
-        loss = train[-1]["loss"]
-        lines.append(f"  final train loss       {'nan' if loss is None else f'{loss:.4f}'}")
-    if valid:
-        lines.append(f"  final validation loss  {valid[-1]['val_loss']:.4f} "
-                     f"(perplexity {valid[-1]['val_ppl']:,.2f})")
-    events = [r.get("event") for r in records]
-    if any(events):
-        lines.append(f"  loss spikes            {events.count('skip') + events.count('rollback')} updates skipped, "
-                     f"{events.count('rollback')} rollbacks")
-    for name, path in (("checkpoint", checkpoint), ("metrics", run_dir / "metrics.jsonl"), ("plot", plot)):
-        if path is not None:
-            lines.append(f"  {name + ':':22s} {path}")
-    if exit_code == 0:
-        lines += ["next:", *(f"  {command}" for command in next_commands(cfg))]
-    return "\n".join(lines)
-
-
-def next_commands(cfg: RunConfig) -> list[str]:
-    """Evaluate, sample from and export the run just finished, as commands to copy."""
-    from megatransformer.hf import hf_incompatibility
-
-    run = shlex.quote(cfg.run_dir)
-    data = cfg.data.valid or cfg.data.train
-    data = data if isinstance(data, str) or data is None else data[0].path
-    commands = []
-    if data is not None:
-        commands.append(f"megatransformer eval --checkpoint {run} --data {shlex.quote(data)}")
-    if cfg.model.arch != "encoder":
-        prompt = cfg.train.sample_prompt or "The"
-        commands.append(f"megatransformer generate --checkpoint {run} --prompt {shlex.quote(prompt)}")
-    hf = hf_incompatibility(cfg.model) is None
-    commands.append(f"megatransformer export --checkpoint {run} --format {'hf' if hf else 'safetensors'} "
-                    f"--out {shlex.quote(cfg.run_dir + ('/hf' if hf else '/export'))}")
-    return commands
 
 
 def wandb_mode(cfg: RunConfig) -> str:

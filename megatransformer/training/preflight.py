@@ -17,7 +17,7 @@ import torch
 from data_pipeline.loader import check_data as check_shards
 from data_pipeline.tokenizer import TokenizerInfo
 from megatransformer.config import ConfigError, RunConfig
-from megatransformer.model.attention import flash_attn_module
+from megatransformer.model.attention import FLASH_ATTN_INSTALL, flash_attn_module
 from megatransformer.training.data import loader_settings
 
 
@@ -41,7 +41,7 @@ def check_device(cfg: RunConfig, device: str) -> None:
                               "use model.attention_backend=auto")
         if flash_attn_module() is None:  # installed is not enough: a build for another torch or CUDA fails on import
             raise ConfigError("model.attention_backend=flash needs the flash-attn package, which does not import "
-                              "here; pip install 'megatransformer[gpu]' or use model.attention_backend=auto")
+                              f"here; {FLASH_ATTN_INSTALL} or use model.attention_backend=auto")
 
 
 def check_data(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:

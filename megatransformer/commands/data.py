@@ -116,7 +116,7 @@ def row_range(text: str) -> tuple[int, int]:
 @_guard
 def _inspect(args: argparse.Namespace) -> int:
     from data_pipeline.inspect import inspect_batches, inspect_rows
-    from megatransformer.config import load_config  # the run config is the command line's, not the pipeline's
+    from megatransformer.config import load_config
     from megatransformer.training.data import loader_settings
 
     cfg = load_config(args.config, args.overrides)

@@ -1,0 +1,138 @@
+"""What a checkpoint holds besides DeepSpeed's states, read and written without DeepSpeed: the trainer state,
+the run config, and the consolidated weights (safetensors) that fine-tuning, evaluation and export read."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
+
+from megatransformer.checkpoint.directory import (COMPLETE, CONFIG, TOKENIZER, TRAINER_STATE, WEIGHTS,
+                                                  WEIGHTS_FILES, default_file_mode, find_checkpoint, step_of)
+from megatransformer.checkpoint.integrity import CheckpointDamaged, verify_checkpoint, write_manifest
+from megatransformer.config import ConfigError, ModelConfig, RunConfig, dump_config, validate
+
+# Fields that change parameter shapes or names: they must match to load weights.
+SHAPE_FIELDS = ("arch", "d_model", "n_layers", "n_decoder_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
+                "norm", "norm_position", "position", "ffn", "bias", "tie_embeddings", "share_embeddings",
+                "final_norm")
+
+
+class TrainerState(BaseModel):
+    """trainer.json: where a run stands and the layout that wrote it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    step: NonNegativeInt
+    tokens: NonNegativeInt
+    bad_steps: NonNegativeInt
+    tokenizer_sha256: str | None
+    world_size: PositiveInt
+    tensor_parallel: PositiveInt
+    zero_stage: Literal[0, 1, 2, 3]
+    spikes: dict[str, Any] = Field(default_factory=dict)  # the loss-spike ladder's (training/spikes.py)
+
+
+def read_file(path: Path, name: str, parse: Callable[[str], Any]) -> Any:
+    """``parse`` of a text file of a checkpoint; an error in it names the file (a checkpoint without a
+    manifest is read unverified)."""
+    try:
+        return parse((path / name).read_text())
+    except ConfigError as err:  # (a config.yaml this version does not accept)
+        raise CheckpointDamaged(path, name, str(err)) from None
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "the record"
+        raise CheckpointDamaged(path, name, f"{where}: {first['msg']}") from None
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, yaml.YAMLError) as err:
+        raise CheckpointDamaged(path, name, f"unreadable ({err.__class__.__name__})") from None
+
+
+def read_trainer_state(path: Path) -> TrainerState:
+    state = read_file(path, TRAINER_STATE, lambda text: TrainerState.model_validate(json.loads(text)))
+    if step_of(path) not in (None, state.step):
+        raise CheckpointDamaged(path, TRAINER_STATE, f"says step {state.step}, its directory step {step_of(path)}")
+    return state
+
+
+def write_trainer_state(path: Path, state: TrainerState) -> None:
+    (path / TRAINER_STATE).write_text(json.dumps(state.model_dump(), indent=2))
+
+
+def saved_config(path: Path) -> RunConfig:
+    return read_file(path, CONFIG, lambda text: validate(yaml.safe_load(text)))
+
+
+def check_same_shapes(saved: ModelConfig, current: ModelConfig, what: str) -> None:
+    diffs = [f"model.{f}: {getattr(saved, f)} in the checkpoint, {getattr(current, f)} now"
+             for f in SHAPE_FIELDS if getattr(saved, f) != getattr(current, f)]
+    if diffs:
+        raise ConfigError(f"{what} has another model shape: " + "; ".join(diffs))
+
+
+# ------------------------------------------------------------------------------------ weights
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' ``save_file``, but with the mode any other file gets (0644 under the usual umask):
+    safetensors writes a private temporary file (0600) and renames it."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
+    os.chmod(path, default_file_mode())
+
+
+def load_safetensors(path: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor and the metadata of a checkpoint's safetensors file; an unreadable one is damage."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path / name), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}, f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointDamaged(path, name, f"unreadable ({str(err)[:200]})") from None
+
+
+def load_weights(path: str | Path, model_cfg: ModelConfig | None = None,
+                 what: str = "checkpoint") -> tuple[RunConfig, dict[str, torch.Tensor]]:
+    """Config and consolidated weights of the checkpoint ``path`` means (:func:`find_checkpoint`),
+    its files verified against the manifest first (:data:`WEIGHTS_FILES`; a damaged one is an error)."""
+    path = find_checkpoint(path, what)
+    if not (path / WEIGHTS).is_file():
+        raise ConfigError(f"{what}: {path} is not a complete checkpoint (expected {COMPLETE} and {WEIGHTS})")
+    verify_checkpoint(path, only=WEIGHTS_FILES)
+    saved = saved_config(path)
+    if model_cfg is not None:
+        check_same_shapes(saved.model, model_cfg, f"{what} {path}")
+    return saved, load_safetensors(path, WEIGHTS)[0]
+
+
+def write_weights_checkpoint(out: str | Path, cfg: RunConfig, weights: dict[str, torch.Tensor],
+                             tokenizer: str | Path | None = None) -> Path:
+    """A weights-only checkpoint directory (model.safetensors, config.yaml, tokenizer.json, COMPLETE with the
+    manifest of its files) that eval, generate, export and init_from read like a training checkpoint's; written
+    under a temporary name and renamed when complete, replacing ``out``."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    stored, seen = {}, set()
+    for name, tensor in weights.items():  # safetensors stores no two tensors of one storage (tied weights, views)
+        storage = tensor.untyped_storage().data_ptr()
+        stored[name] = tensor.contiguous() if storage not in seen else tensor.clone()
+        seen.add(storage)
+    save_safetensors(stored, tmp / WEIGHTS)
+    (tmp / CONFIG).write_text(dump_config(cfg))
+    if tokenizer is not None and Path(tokenizer).is_file():
+        shutil.copyfile(tokenizer, tmp / TOKENIZER)
+    write_manifest(tmp)  # COMPLETE, listing every file
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,205 @@
+"""``megatransformer train --config FILE [key.path=value ...]``, and what a run prints at its end."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from megatransformer.config import ConfigError
+from megatransformer.training.metrics import format_duration, read_metrics
+
+if TYPE_CHECKING:
+    from megatransformer.config import RunConfig
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="train a model (one process, torchrun, or Slurm via launch)",
+                                   description="Train the model a config describes; key.path=value overrides "
+                                               "change any field (megatransformer/config.py documents them).")
+    parser.add_argument("--config", required=True, help="YAML run description, or a shipped config's name (llama-style)")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. train.max_steps=100")
+    parser.add_argument("--verbose", action="store_true", help="also show DeepSpeed's start-up messages")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return train(args.config, args.overrides, args.verbose)
+
+
+def train(config: str, overrides: list[str], verbose: bool = False) -> int:
+    """Train; returns the exit code (0 done, 124 preempted and checkpointed, 3 diverged, 4 a collective
+    timed out or lost a peer: another rank stalled or died)."""
+    from megatransformer.config import load_config
+
+    started = time.perf_counter()
+    cfg = load_config(config, overrides)  # config errors surface before any process group exists
+    from data_pipeline.tokenizer import load_tokenizer
+    from megatransformer import checkpoint as ckpt
+    from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, setup, teardown
+    from megatransformer.training.host_memory import apply_host_memory_policy
+    from megatransformer.training.loop import Preemption, Trainer
+    from megatransformer.training.preflight import check_before_start, stale_build_locks
+    from megatransformer.training.resume import check_run_dir
+    from megatransformer.training.watchdog import hang_dir, stack_dumps, switch_on_flight_recorder
+
+    preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
+
+    if cfg.data.tokenizer is None:
+        raise ConfigError("data.tokenizer is not set; point it at the tokenizer.json the shards were made with")
+    check_run_dir(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_before_start(cfg, tokenizer)  # device and files: seconds, not after DeepSpeed's start-up
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # (one line per node: the build directory is per node)
+        for line in stale_build_locks():
+            print(line, file=sys.stderr, flush=True)
+    host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
+    init_state = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}")[1] \
+        if cfg.init_from else None
+    import torch
+
+    if torch.cuda.is_available():
+        switch_on_flight_recorder(cfg.run_dir)  # (before the process group starts)
+    try:
+        with quiet_engine(verbose):
+            dist_info = setup(cfg.parallel.timeout_minutes)
+            trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
+        if dist_info.is_main:
+            print(host_memory)
+        if init_state is not None and dist_info.is_main:
+            print(f"init_from={cfg.init_from}: starting from its weights ({len(init_state)} tensors); optimizer, "
+                  "learning-rate schedule and data order start fresh")
+        code = trainer.run()
+        teardown()  # (every collective of the run is behind it)
+    except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
+        line = collective_failure(err, cfg.parallel.timeout_minutes)
+        if line is None:
+            raise
+        rank = os.environ.get("RANK", "0")
+        dumps = stack_dumps(cfg.run_dir)
+        if dumps:
+            line += f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({', '.join(p.name for p in dumps)})"
+        print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        return EXIT_COLLECTIVE_FAILED
+    if dist_info.is_main:
+        if code == 0:
+            print_sample(cfg, ckpt.checkpoints_dir(cfg.run_dir), tokenizer)
+        print_summary(cfg, code, time.perf_counter() - started)
+    sys.stdout.flush()
+    if dist_info.world_size > 1:
+        # A finished multi-rank run skips the interpreter's shutdown. There, now and then, a rank aborted
+        # ("terminate called without an active exception": a C++ thread of the communication stack still
+        # joinable, SIGABRT; twice in ~40 two-rank gloo runs here, once after destroying the process group),
+        # which turned a finished, checkpointed run into a failed job. Everything the run writes is closed.
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def print_summary(cfg: RunConfig, code: int, wall_seconds: float) -> None:
+    """The run's closing summary, after drawing its curves next to metrics.jsonl."""
+    from megatransformer import checkpoint as ckpt
+    from megatransformer.commands.plot import default_out, draw
+
+    has_metrics = (Path(cfg.run_dir) / "metrics.jsonl").is_file()
+    plot = draw([cfg.run_dir], default_out([cfg.run_dir])) if has_metrics else None
+    checkpoint = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
+    print(summary(cfg, code, wall_seconds, checkpoint, plot))
+
+def print_sample(cfg: RunConfig, checkpoints: Path, tokenizer, max_new_tokens: int = 40) -> None:
+    """Greedy continuation of train.sample_prompt with the final weights (decoder models)."""
+    import torch
+
+    from megatransformer.inference import load_for_inference
+    from megatransformer.model import generate
+
+    if not cfg.train.sample_prompt or cfg.model.arch != "decoder":
+        return
+    model = load_for_inference(checkpoints).model
+    prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)])
+    new = generate(model, prompt, max_new_tokens, temperature=0.0, eos_id=tokenizer.eos_id)
+    print(format_sample(cfg.train.sample_prompt, tokenizer.decode(new[0].tolist(), skip_special=True)))
+    sys.stdout.flush()
+
+
+def format_sample(prompt: str, continuation: str) -> str:
+    """The end-of-training sample, cut at its first blank line (an untrained model repeats newlines)."""
+    cut = continuation.split("\n\n", 1)[0].rstrip()
+    return f"sample: {prompt}{cut}"
+
+
+@contextlib.contextmanager
+def quiet_engine(verbose: bool) -> Iterator[None]:
+    """Hold back what DeepSpeed prints on stdout while it starts (``deepspeed_shm_comm_op built successfully``
+    and the like) unless ``verbose``; if start-up fails unexpectedly, what it printed goes to stderr with the
+    error (a bad config or input is its own one line: exit 2)."""
+    from data_pipeline import DataError
+
+    if verbose:
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held):
+            yield
+    except (ConfigError, DataError):
+        raise
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+
+
+def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Path | None,
+            plot: Path | None) -> str:
+    """The closing lines of a run: what was done (from metrics.jsonl), where the results are, what to run next."""
+    run_dir = Path(cfg.run_dir)
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    train = [r for r in records if "loss" in r]
+    valid = [r for r in records if "val_loss" in r]
+    step = max((r["step"] for r in records), default=0)
+    tokens = train[-1]["tokens"] if train else 0
+    status = {0: "done", 124: "preempted (checkpointed; run again with resume=auto)",
+              3: "stopped: the loss diverged"}.get(exit_code, f"stopped (exit {exit_code})")
+    lines = [f"{status}: {step:,} of {cfg.train.max_steps:,} steps, {tokens:,} tokens, "
+             f"wall time {format_duration(wall_seconds)}"]
+    if train:
+        loss = train[-1]["loss"]
+        lines.append(f"  final train loss       {'nan' if loss is None else f'{loss:.4f}'}")
+    if valid:
+        lines.append(f"  final validation loss  {valid[-1]['val_loss']:.4f} "
+                     f"(perplexity {valid[-1]['val_ppl']:,.2f})")
+    events = [r.get("event") for r in records]
+    if any(events):
+        lines.append(f"  loss spikes            {events.count('skip') + events.count('rollback')} updates skipped, "
+                     f"{events.count('rollback')} rollbacks")
+    for name, path in (("checkpoint", checkpoint), ("metrics", run_dir / "metrics.jsonl"), ("plot", plot)):
+        if path is not None:
+            lines.append(f"  {name + ':':22s} {path}")
+    if exit_code == 0:
+        lines += ["next:", *(f"  {command}" for command in next_commands(cfg))]
+    return "\n".join(lines)
+
+
+def next_commands(cfg: RunConfig) -> list[str]:
+    """Evaluate, sample from and export the run just finished, as commands to copy."""
+    from megatransformer.hf import hf_incompatibility
+
+    run = shlex.quote(cfg.run_dir)
+    data = cfg.data.valid or cfg.data.train
+    data = data if isinstance(data, str) or data is None else data[0].path
+    commands = []
+    if data is not None:
+        commands.append(f"megatransformer eval --checkpoint {run} --data {shlex.quote(data)}")
+    if cfg.model.arch != "encoder":
+        prompt = cfg.train.sample_prompt or "The"
+        commands.append(f"megatransformer generate --checkpoint {run} --prompt {shlex.quote(prompt)}")
+    hf = hf_incompatibility(cfg.model) is None
+    commands.append(f"megatransformer export --checkpoint {run} --format {'hf' if hf else 'safetensors'} "
+                    f"--out {shlex.quote(cfg.run_dir + ('/hf' if hf else '/export'))}")
+    return commands

@@ -1,0 +1,81 @@
+"""A run's layout from one place: batch arithmetic (global batch = micro batch x grad-accum x data-parallel
+size) and the ZeRO stage the engine runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatransformer.config import ConfigError, RunConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    micro: int
+    accum: int
+    dp: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.dp
+
+
+def resolve_batch_sizes(train: TrainConfig, dp: int) -> BatchSizes:
+    """Any two of micro_batch_size, grad_accum, global_batch_size given, the third is derived."""
+    micro, accum, total = train.micro_batch_size, train.grad_accum, train.global_batch_size
+    given = sum(v is not None for v in (micro, accum, total))
+    if given < 2 and micro is None:
+        raise ConfigError("set two of train.micro_batch_size, train.grad_accum, train.global_batch_size")
+    if given < 2:
+        accum = 1 if total is None else None
+    if micro is None:
+        micro, rest = divmod(total, accum * dp)
+        _check(rest == 0 and micro > 0, f"train.global_batch_size={total} is not divisible by "
+                                        f"train.grad_accum={accum} x data-parallel size {dp}")
+    elif accum is None:
+        accum, rest = divmod(total, micro * dp)
+        _check(rest == 0 and accum > 0, f"train.global_batch_size={total} is not divisible by "
+                                        f"train.micro_batch_size={micro} x data-parallel size {dp}")
+    sizes = BatchSizes(micro, accum, dp)
+    _check(total is None or sizes.global_batch == total,
+           f"train.global_batch_size={total} != micro_batch_size={micro} x grad_accum={accum} x "
+           f"data-parallel size {dp} = {sizes.global_batch}")
+    return sizes
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def engine_zero_stage(cfg: RunConfig, dp_size: int, device_type: str) -> int:
+    """The ZeRO stage the engine runs: ``parallel.zero_stage``, except that stage 1 or 2 over a single
+    data-parallel rank runs as stage 0 in fp32, and in every precision on a CPU.
+
+    Partitioning optimizer states or gradients over one rank saves no memory (its one partition is all of
+    them), yet DeepSpeed's ZeRO-1/2 path still copies every gradient through its reduction buckets into flat
+    partitions: 6-17% of a step at dp=1 on CPU (BENCHMARKS.md section 5c). torchtitan likewise applies FSDP
+    only when there is more than one shard. ZeRO-0 steps the same AdamW on the same fp32 masters. Not in bf16
+    or fp16 on a GPU: there DeepSpeed's ZeRO-0 wrapper (FP16_UnfusedOptimizer) reads every parameter's
+    overflow flag and norm on the host, a wait for the GPU per parameter, where ZeRO's own step waits a
+    constant few times (bench/gpu_check.py); on a CPU such a read costs nothing. Offloading needs a ZeRO stage
+    and keeps it; ZeRO-3 is left as asked. Checkpoints record the stage that ran, so a resume on another
+    data-parallel size, stage or device goes through elastic resume.
+    """
+    p = cfg.parallel
+    free_reads = cfg.precision == "fp32" or device_type == "cpu"
+    if p.zero_stage in (1, 2) and dp_size == 1 and free_reads and not p.offload_optimizer:
+        return 0
+    return p.zero_stage
+
+
+def zero_stage_notes(cfg: RunConfig, engine_stage: int, device_type: str) -> list[str]:
+    """The run log's lines about the ZeRO stage the engine runs (``engine_stage``)."""
+    notes = []
+    if engine_stage != cfg.parallel.zero_stage:
+        notes.append(f"parallel.zero_stage={cfg.parallel.zero_stage} on one data-parallel rank: nothing to partition, "
+                     "so DeepSpeed runs without ZeRO (the same AdamW, without the bucket copies)")
+    if engine_stage == 0 and cfg.precision != "fp32" and device_type == "cuda":
+        notes.append(f"warning: precision={cfg.precision} with parallel.zero_stage=0 steps through DeepSpeed's unfused "
+                     f"{cfg.precision} optimizer, which waits for the GPU once per parameter in every step; "
+                     "parallel.zero_stage=1 waits a constant few times")
+    return notes

@@ -1,0 +1,148 @@
+"""What a run resumes from and how, decided once before the engine is built: the checkpoint (verified), its
+trainer state and config (each read once), and whether DeepSpeed's exact resume or an elastic one applies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatransformer import checkpoint as ckpt
+from megatransformer.config import ConfigError, RunConfig
+from megatransformer.training.distributed import on_first_rank
+from megatransformer.training.layout import BatchSizes, engine_zero_stage, resolve_batch_sizes
+
+
+@dataclass
+class ElasticResume:
+    """A resume on another layout: the engine is built for the new one from the saved weights."""
+
+    saved_sizes: BatchSizes
+    sizes: BatchSizes
+    zero_stage: int  # the stage the new engine runs (layout.engine_zero_stage)
+    weights: dict[str, torch.Tensor] = field(repr=False)  # the whole model's fp32 masters
+
+
+@dataclass
+class ResumePlan:
+    path: Path
+    state: ckpt.TrainerState  # its trainer.json
+    saved: RunConfig  # its config.yaml
+    elastic: ElasticResume | None  # None: the same layout, DeepSpeed's exact resume
+
+    def describe(self, cfg: RunConfig, world_size: int) -> str:
+        s = self.state
+        if self.elastic is None:
+            return f"resumed from {self.path} at step {s.step} ({s.tokens:,} tokens seen)"
+        old, new = self.elastic.saved_sizes, self.elastic.sizes
+        was = _layout(old.dp, s.tensor_parallel, s.zero_stage)
+        now = _layout(new.dp, cfg.parallel.tensor_parallel, self.elastic.zero_stage)
+        line = (f"resuming step {s.step} written by {_ranks(s.world_size)} ({was}) on {_ranks(world_size)} ({now}): "
+                f"micro {new.micro} x accum {new.accum} (was micro {old.micro} x accum {old.accum})")
+        if new.global_batch != old.global_batch:
+            line += (f"; global batch {old.global_batch} -> {new.global_batch} (resume_elastic=allow_batch_change): "
+                     "not an exact continuation")
+        return line
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """Cheap checks every rank makes before any process group: a ``resume=PATH`` that names no complete
+    checkpoint fails now (its files are verified later), and a fresh run never overwrites an old one."""
+    if cfg.resume not in (None, "auto"):
+        ckpt.find_checkpoint(cfg.resume, f"resume={cfg.resume}")
+    existing = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
+    if cfg.resume is None and existing is not None:
+        raise ConfigError(f"run_dir={cfg.run_dir} already holds checkpoints (latest: {existing.name}); pass "
+                          "resume=auto to continue that run, or choose a new run_dir")
+
+
+def resolve_resume(cfg: RunConfig) -> Path | None:
+    """The checkpoint to resume from, verified: ``auto`` -> the newest intact one or None (fresh start);
+    a path (a step directory, a checkpoints or run directory's latest) must exist and be intact.
+
+    With a process group, rank 0 alone reads and verifies and tells the others its answer (or its error),
+    so every rank takes the same checkpoint, or fails with the same message, before any engine load."""
+    return on_first_rank(lambda: _resolve_resume(cfg))
+
+
+def _resolve_resume(cfg: RunConfig) -> Path | None:
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        return ckpt.newest_intact(ckpt.checkpoints_dir(cfg.run_dir))
+    path = ckpt.find_checkpoint(cfg.resume, f"resume={cfg.resume}")
+    try:
+        ckpt.verify_checkpoint(path)
+    except ckpt.CheckpointDamaged as err:
+        hint = "" if isinstance(err, ckpt.CheckpointUnsafe) else ("; resume from another checkpoint (resume=auto "
+                                                                  "skips damaged ones)")
+        raise ConfigError(f"resume={cfg.resume}: {err}{hint}") from None
+    return path
+
+
+def plan_resume(cfg: RunConfig, world_size: int, device_type: str,
+                tokenizer_sha256: str | None) -> ResumePlan | None:
+    """The resume of this run, or None for a fresh start. Refuses another model shape, another tokenizer and
+    (unless ``resume_elastic=allow_batch_change``) another global batch; an elastic resume loads the saved
+    weights here, since the engine is built from them."""
+    path = resolve_resume(cfg)
+    if path is None:
+        return None
+    state, saved = ckpt.read_trainer_state(path), ckpt.saved_config(path)
+    ckpt.check_same_shapes(saved.model, cfg.model, f"checkpoint {path}")
+    check_tokenizer(path, state, cfg, tokenizer_sha256)
+    tp = cfg.parallel.tensor_parallel
+    saved_sizes = resolve_batch_sizes(saved.train, state.world_size // state.tensor_parallel)
+    sizes = resolve_batch_sizes(cfg.train, world_size // tp)
+    if sizes.global_batch != saved_sizes.global_batch and cfg.resume_elastic != "allow_batch_change":
+        raise ConfigError(
+            f"checkpoint {path} was trained with global batch {saved_sizes.global_batch} (micro "
+            f"{saved_sizes.micro} x accum {saved_sizes.accum} x dp {saved_sizes.dp}), this run's is "
+            f"{sizes.global_batch} (micro {sizes.micro} x accum {sizes.accum} x dp {sizes.dp}); set "
+            f"train.global_batch_size={saved_sizes.global_batch} to continue exactly, or "
+            "resume_elastic=allow_batch_change to continue with the new batch")
+    zero_stage = engine_zero_stage(cfg, sizes.dp, device_type)
+    if (state.world_size, state.tensor_parallel, state.zero_stage) == (world_size, tp, zero_stage):
+        return ResumePlan(path, state, saved, None)
+    if not (path / ckpt.OPTIMIZER).is_file():
+        raise ConfigError(
+            f"checkpoint {path} has no {ckpt.OPTIMIZER} (written before elastic resume existed), so it resumes "
+            f"only on its own layout: world size {state.world_size}, parallel.tensor_parallel="
+            f"{state.tensor_parallel}, parallel.zero_stage={state.zero_stage} (or start a new run from its "
+            "weights with init_from=)")
+    weights = ckpt.load_safetensors(path, ckpt.WEIGHTS)[0]
+    return ResumePlan(path, state, saved, ElasticResume(saved_sizes, sizes, zero_stage, weights))
+
+
+def rollback_target(cfg: RunConfig, before_step: int) -> Path | None:
+    """The newest intact checkpoint of the run older than ``before_step`` (damaged ones skipped with a
+    warning), or None; rank 0 verifies, every rank gets its answer."""
+
+    def find() -> Path | None:
+        for path in ckpt.complete_before(ckpt.checkpoints_dir(cfg.run_dir), before_step):
+            try:
+                ckpt.verify_checkpoint(path)
+            except ckpt.CheckpointDamaged as err:
+                ckpt.warn(f"{err}: skipped, looking for an older checkpoint to roll back to")
+                continue
+            return path
+        return None
+
+    return on_first_rank(find)
+
+
+def check_tokenizer(path: Path, state: ckpt.TrainerState, cfg: RunConfig, tokenizer_sha256: str | None) -> None:
+    if tokenizer_sha256 and state.tokenizer_sha256 and tokenizer_sha256 != state.tokenizer_sha256:
+        raise ConfigError(f"checkpoint {path} was trained with another tokenizer (sha256 "
+                          f"{state.tokenizer_sha256[:12]}, data.tokenizer={cfg.data.tokenizer} has "
+                          f"{tokenizer_sha256[:12]}); resume with the same tokenizer, or start a new run "
+                          "with init_from=")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("s" if n != 1 else "")
+
+
+def _layout(dp: int, tp: int, zero: int) -> str:
+    return f"dp{dp}, tp{tp}, zero{zero}"
