@@ -303,7 +303,9 @@ class TrainConfig(Section):
     max_bad_steps: Annotated[int, Field(ge=1)] = 5
     """Consecutive non-finite losses after which the run checkpoints and stops."""
     spikes: SpikesConfig = Field(default_factory=SpikesConfig)
+    """Loss spikes: skip the update, roll back and skip the data, stop (SpikesConfig)."""
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    """Hang diagnosis: every rank's stacks on file when a step overruns (WatchdogConfig)."""
     peak_tflops: PositiveFloat | None = None
     """Per-device peak TFLOP/s for the MFU estimate (default: the GPU's dense peak from
     training.metrics.GPU_PEAK_TFLOPS, e.g. 989 for H100 SXM bf16; else a measured matmul peak)."""
