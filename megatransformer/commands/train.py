@@ -82,9 +82,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         if line is None:
             raise
         rank = os.environ.get("RANK", "0")
-        dumps = stack_dumps(cfg.run_dir)
+        dumps = ", ".join(path.name for path in stack_dumps(cfg.run_dir))
         if dumps:
-            line += f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({', '.join(p.name for p in dumps)})"
+            line += f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({dumps})"
         print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:
