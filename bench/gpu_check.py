@@ -2,7 +2,8 @@
 
 1. Every ``gpu``-marked test of the repository, real kernels: flash-attn and PyTorch's ``varlen_attn``
    against ``eager`` for every mask (causal, bidirectional, prefix-LM per row and per document, packed
-   documents, padding, packed cross-attention, KV cache), with and without ALiBi; the loss fused into the head
+   documents, padding, packed cross-attention, KV cache; each with a sliding window too), with and without
+   ALiBi; the loss fused into the head
    against the plain head; the loader's page-locked batches. Each must run (none skipped: install flash-attn
    as the README says first) and pass.
 2. Host syncs and collective devices of one optimizer step on CUDA (``bench/step_probe.py``): the waits our

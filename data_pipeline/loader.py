@@ -585,7 +585,15 @@ class _Rows(IterableDataset):
     def __init__(self, spec: LoaderSpec, start: int, states: dict[int, dict], skipped: list[str]) -> None:
         self.spec, self.start, self.states, self.skipped = spec, start, states, skipped
 
-    def __iter__(self) -> Iterator[_Chunk]:
+    def __iter__(self) -> Iterator[_Chunk | DataError]:
+        try:
+            yield from self._chunks()
+        except DataError as err:
+            if get_worker_info() is None:
+                raise
+            yield err  # from a worker process: as it is, not wrapped in a message with the worker's traceback
+
+    def _chunks(self) -> Iterator[_Chunk]:
         spec = self.spec
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
@@ -642,6 +650,8 @@ class StreamingLoader:
         chunks: list[_Chunk] = []  # of the current round, one per worker
         produced = 0
         for chunk in loader:
+            if isinstance(chunk, DataError):
+                raise chunk
             if chunks and chunk.round != chunks[0].round:  # a finite loader lost a worker
                 pending.extend(_interleave(chunks))
                 chunks = []

@@ -70,16 +70,19 @@ class Manifest:
         if is_remote(str(directory)):
             path = join(str(directory), MANIFEST)
             try:
-                text = read_bytes(path, retry or Retry()).decode()
+                data = read_bytes(path, retry or Retry())
             except FileNotFoundError:
                 raise missing from None
         else:
             path = Path(directory) / MANIFEST
+            if not Path(directory).exists():
+                raise DataError(f"{directory} does not exist; give a shard directory written by "
+                                "`megatransformer data shard`")
             if not path.is_file():
                 raise missing
-            text = path.read_text()
+            data = path.read_bytes()
         try:
-            raw = json.loads(text)
+            raw = json.loads(data)  # (bytes that are not UTF-8 raise UnicodeDecodeError, a ValueError)
             if raw.get("version") != FORMAT_VERSION:
                 raise DataError(f"{path} has format version {raw.get('version')}, this code reads {FORMAT_VERSION}")
             splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}

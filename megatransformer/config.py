@@ -47,9 +47,68 @@ MAX_VOCAB = 1 << 22
 """Largest model.vocab_size accepted: the largest vocabularies in use hold about 256k tokens (Gemma's
 262,144); 2**22 leaves 16x headroom and still refuses a typo such as 1e9, whose embedding table alone would
 need terabytes (the run would die allocating it, with a traceback)."""
+MAX_STEPS = 10**9
+"""Largest train.max_steps accepted: the longest published pretraining runs take a few million optimizer steps;
+a billion is decades at ten steps a second, and still refuses a typo such as 1e30."""
 
 
 # --------------------------------------------------------------------------------------------- model
+
+
+class RopeScaling(Section):
+    """Rotary frequencies stretched for a context longer than the one trained, with transformers' formulas
+    (``modeling_rope_utils``) and key names. A field of another type than ``type`` is refused."""
+
+    type: Literal["linear", "dynamic", "yarn", "llama3"]
+    """linear: positions divided by factor (position interpolation); dynamic: NTK-aware base growth for
+    sequences beyond model.max_seq_len, computed per forward from the longest position (the trained length is
+    max_seq_len); yarn: YaRN's per-frequency blend of interpolation and extrapolation plus its attention
+    factor; llama3: Llama 3.1's wavelength bands (high frequencies kept, low ones divided by factor)."""
+    factor: Annotated[float, Field(ge=1.0)]
+    """How many times longer the context becomes (1 leaves the frequencies unchanged)."""
+    original_max_seq_len: PositiveInt | None = None
+    """yarn, llama3: the context length the model was trained with before extension (required)."""
+    beta_fast: PositiveFloat | None = None
+    """yarn (default 32): rotations per original context above which a frequency is extrapolated (kept)."""
+    beta_slow: PositiveFloat | None = None
+    """yarn (default 1): rotations per original context below which a frequency is interpolated (divided by
+    factor)."""
+    attention_factor: PositiveFloat | None = None
+    """yarn: scale of cos/sin (so of attention logits, squared); default 0.1 * ln(factor) + 1."""
+    truncate: bool | None = None
+    """yarn (default true): round the blend's frequency band to whole dimensions."""
+    low_freq_factor: PositiveFloat | None = None
+    """llama3 (default 1): wavelengths above original_max_seq_len / low_freq_factor are divided by factor."""
+    high_freq_factor: PositiveFloat | None = None
+    """llama3 (default 4): wavelengths below original_max_seq_len / high_freq_factor are kept; those between
+    blend."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            defaults = _ROPE_SCALING_DEFAULTS.get(data.get("type"), {})
+            data = {**defaults, **{k: v for k, v in data.items() if v is not None or k not in defaults}}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RopeScaling:
+        for name, types in _ROPE_SCALING_FIELDS.items():
+            _require(getattr(self, name) is None or self.type in types,
+                     f"model.rope_scaling.{name} is for type {' or '.join(types)}, not type={self.type}")
+        _require(self.type not in ("yarn", "llama3") or self.original_max_seq_len is not None,
+                 f"model.rope_scaling.type={self.type} needs original_max_seq_len (the trained context length)")
+        _require(self.type != "llama3" or self.high_freq_factor > self.low_freq_factor,
+                 f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                 f"low_freq_factor={self.low_freq_factor}")
+        return self
+
+
+_ROPE_SCALING_FIELDS = {"original_max_seq_len": ("yarn", "llama3"), "beta_fast": ("yarn",), "beta_slow": ("yarn",),
+                        "attention_factor": ("yarn",), "truncate": ("yarn",), "low_freq_factor": ("llama3",),
+                        "high_freq_factor": ("llama3",)}
+_ROPE_SCALING_DEFAULTS = {"yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True},
+                          "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0}}
 
 
 class ModelConfig(Section):
@@ -82,6 +141,13 @@ class ModelConfig(Section):
     per-head linear distance bias on the attention scores (Press et al. 2022; evaluates beyond max_seq_len)."""
     rope_theta: PositiveFloat = 10000.0
     """Base of the rotary frequencies."""
+    rope_scaling: RopeScaling | None = None
+    """position=rope: stretch the rotary frequencies for a longer context (see RopeScaling); None: plain RoPE."""
+    attention_window: PositiveInt | None = None
+    """Local (sliding-window) self-attention, as in Mistral: causal query i sees keys j with
+    i - window < j <= i; bidirectional (encoder) query i sees keys with |i - j| < window. Measured in
+    positions of the row, within each packed document; cross-attention is never windowed; not with
+    prefix-LM attention. None: every allowed key."""
     ffn: Literal["relu", "gelu", "swiglu"] = "swiglu"
     """Feed-forward activation; swiglu uses gate_proj * up_proj."""
     bias: bool = False
@@ -139,6 +205,10 @@ class ModelConfig(Section):
         _require(
             self.position != "rope" or self.head_dim % 2 == 0,
             f"model.position=rope needs an even head dim, got d_model/n_heads={self.head_dim}",
+        )
+        _require(
+            self.rope_scaling is None or self.position == "rope",
+            f"model.rope_scaling needs model.position=rope, got model.position={self.position}",
         )
         _require(
             self.n_decoder_layers is None or self.arch == "encoder_decoder",
@@ -269,8 +339,8 @@ class WatchdogConfig(Section):
 
 
 class TrainConfig(Section):
-    max_steps: NonNegativeInt = 1000
-    """Optimizer steps to train."""
+    max_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 1000
+    """Optimizer steps to train, at least 1 (a run leaves a checkpoint), at most MAX_STEPS."""
     micro_batch_size: PositiveInt | None = None
     """Sequences per rank per forward pass."""
     global_batch_size: PositiveInt | None = None
@@ -425,6 +495,9 @@ class RunConfig(Section):
                  f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         _require(self.resume is None or self.init_from is None,
                  "resume and init_from are exclusive: resume continues a run, init_from starts a new one")
+        _require(m.attention_window is None or (self.objective, m.arch) != ("prefix_lm", "decoder"),
+                 "model.attention_window does not combine with objective=prefix_lm on a decoder (its "
+                 "bidirectional prefix has no sliding window); drop one of them")
         _require(self.precision != "fp16" or m.attention_backend != "flex",
                  "precision=fp16 is not supported with model.attention_backend=flex; use bf16")
         return self

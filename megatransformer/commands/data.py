@@ -6,13 +6,18 @@ import argparse
 import sys
 
 from data_pipeline import DataError
+from megatransformer.commands.arguments import add_config_argument
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    data = subparsers.add_parser("data", help="prepare and inspect training data")
+    data = subparsers.add_parser("data", help="prepare and inspect training data",
+                                 description="Turn text into what training reads: a tokenizer, then WebDataset "
+                                             "shards; inspect the batches a config makes of them.")
     commands = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
 
-    p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer with the special tokens")
+    p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer with the special tokens",
+                            description="Train a byte-level BPE tokenizer on text files and write it as a "
+                                        "Hugging Face tokenizer.json, with pad, bos, eos, mask and sentinel tokens.")
     p.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files (.gz/.zst too)")
     p.add_argument("--vocab-size", type=int, required=True,
                    help="tokens to learn (the result has fewer when the corpus runs out of merges)")
@@ -23,7 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="tokenizer.json to write")
     p.set_defaults(func=_tokenizer)
 
-    p = commands.add_parser("shard", help="tokenize documents into WebDataset shards + manifest.json")
+    p = commands.add_parser("shard", help="tokenize documents into WebDataset shards + manifest.json",
+                            description="Tokenize documents (or instruction and translation pairs) into "
+                                        "WebDataset shards of a train and a valid split, listed with their "
+                                        "checksums in manifest.json; data.train= takes the directory.")
     p.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files (.gz/.zst too)")
     p.add_argument("--tokenizer", required=True, help="tokenizer.json")
     p.add_argument("--out", required=True, help="output directory")
@@ -40,8 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_instruction_arguments(p)
     p.set_defaults(func=_shard)
 
-    p = commands.add_parser("inspect", help="decode a few batches of a run config and print statistics")
-    p.add_argument("--config", required=True, help="YAML run description, or a shipped config's name (llama-style)")
+    p = commands.add_parser("inspect", help="decode a few batches of a run config and print statistics",
+                            description="Build a config's data loader, decode its first batches back to text and "
+                                        "print how full they are (padding, documents per row, loss tokens).")
+    add_config_argument(p)
     p.add_argument("--batches", type=int, default=2, help="micro batches to decode")
     p.add_argument("--split", choices=["train", "valid"], default="train", help="which split to read")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
@@ -51,7 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. data.seq_len=256")
     p.set_defaults(func=_inspect)
 
-    p = commands.add_parser("demo-corpus", help="write a text corpus from the Python standard library's docstrings")
+    p = commands.add_parser("demo-corpus", help="write a text corpus from the Python standard library's docstrings",
+                            description="Write the docstrings of the Python standard library as a text corpus "
+                                        "(blank-line-separated documents): data to try every step on, offline.")
     p.add_argument("--out", required=True, help="text file to write")
     p.add_argument("--max-mb", type=float, default=2.0, help="corpus size in MB")
     p.set_defaults(func=_demo_corpus)

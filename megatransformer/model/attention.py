@@ -20,7 +20,7 @@ from torch import nn
 from megatransformer.model.chunked_attention import chunked_core
 from megatransformer.model.masks import AttentionMask, VarlenProblem
 from megatransformer.model.positions import Alibi, apply_rope
-from megatransformer.model.varlen import torch_varlen_available, torch_varlen_core, varlen_attention
+from megatransformer.model.varlen import torch_varlen_available, torch_varlen_core, varlen_attention, window_size
 
 FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation"  # as flash-attn's README prescribes
 
@@ -34,7 +34,7 @@ def sdpa_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None 
         allowed = mask.dense(q.shape[2], k.shape[2], q.device)
         attn_mask = alibi.bias(kv_len=k.shape[2]).masked_fill(~allowed, float("-inf")).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout, enable_gqa=gqa)
-    if mask.is_simple:
+    if mask.is_simple and mask.window is None:
         causal = mask.causal and not (mask.q_offset and q.shape[2] == 1)
         if causal and q.shape[2] != k.shape[2]:  # chunked prefill onto a cache: bottom-right aligned
             attn_mask = mask.dense(q.shape[2], k.shape[2], q.device)
@@ -93,6 +93,9 @@ def flash_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None
     [s, e)) or a KV cache they are the positions within the document, so this equals :class:`Alibi` on
     ``position_ids`` wherever positions advance by one within a document, as the loader and generation make
     them.
+
+    A sliding window goes in as ``window_size=(window - 1, 0)`` (causal) or ``(window - 1, window - 1)``,
+    bottom-right aligned as the causal mask is, per document in varlen calls.
     """
     flash = flash_attn_module()
     if flash is None:
@@ -101,6 +104,8 @@ def flash_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None
             f"({FLASH_ATTN_INSTALL}); use auto, sdpa or flex otherwise"
         )
     extra = {} if alibi is None else {"alibi_slopes": alibi.slopes.contiguous()}
+    if mask.window is not None:
+        extra["window_size"] = window_size(mask.window, mask.causal)
     if mask.is_simple:
         causal = mask.causal and not (mask.q_offset and q.shape[2] == 1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # flash layout: [B, T, H, D]

@@ -13,6 +13,10 @@ position ``q`` and key position ``k`` of row ``b``::
 Per-query prefix ends let packed rows hold several prefix-LM documents: ``prefix_len[b, q]`` is where the
 prefix of q's document ends (an index into the row), and the segment check keeps the documents apart.
 
+A sliding ``window`` (local attention) further requires ``q - window < k`` for causal masks and
+``|q - k| < window`` for bidirectional ones (positions of the row, so never across a document); it does not
+combine with a prefix.
+
 Padding queries may attend anywhere, so no row is ever fully masked (which would produce NaN); their
 outputs carry no loss. Real queries never see padding keys or other documents.
 
@@ -70,6 +74,7 @@ class AttentionMask:
     kv_segments: torch.Tensor | None = None  # [B, Tk]
     prefix_len: torch.Tensor | None = None  # [B] or [B, Tq], see the module docstring
     q_offset: int = 0  # absolute position of the first query (decoding with a KV cache)
+    window: int | None = None  # local attention: keys less than `window` positions away, see the module docstring
     varlen: tuple[VarlenProblem, ...] | None = None
     """flash-attn's problems for this mask, built on the host by :func:`batch_masks` (else on first use)."""
     key_bounds: np.ndarray | None = None
@@ -80,6 +85,14 @@ class AttentionMask:
     def is_simple(self) -> bool:
         """Plain causal or full attention: backends need no explicit mask."""
         return self.q_segments is None and self.prefix_len is None
+
+    def with_window(self, window: int | None) -> AttentionMask:
+        """This mask restricted to a sliding window (a new mask: chunks rendered without it are not reused)."""
+        if window is None:
+            return self
+        if self.prefix_len is not None:
+            raise ValueError("model.attention_window does not combine with a bidirectional prefix (prefix-LM)")
+        return replace(self, window=window)
 
     def to(self, device: torch.device | str, moved: Mapping[int, torch.Tensor] | None = None) -> AttentionMask:
         """The mask with its tensors on ``device`` (``key_bounds`` stays on the host, where it is read);
@@ -94,17 +107,19 @@ class AttentionMask:
                        varlen=varlen)
 
     def dense(self, q_len: int, kv_len: int, device: torch.device, q_start: int = 0,
-              q_end: int | None = None) -> torch.Tensor:
+              q_end: int | None = None, k_start: int = 0) -> torch.Tensor:
         """Boolean mask [B or 1, 1, Tq, Tk], True where attention is allowed.
 
-        ``q_start:q_end`` renders only those query rows (of ``q_len``) and ``kv_len`` only the first keys:
+        ``q_start:q_end`` renders only those query rows (of ``q_len``) and ``k_start:kv_len`` only those keys:
         the chunked backend builds one chunk's rows at a time, never the whole L x L mask.
         """
         q_end = q_len if q_end is None else q_end
-        rows = q_end - q_start
+        rows, keys = q_end - q_start, kv_len - k_start
         q = torch.arange(q_start, q_end, device=device).view(1, rows, 1) + self.q_offset
-        k = torch.arange(kv_len, device=device).view(1, 1, kv_len)
-        allowed = torch.ones(1, rows, kv_len, dtype=torch.bool, device=device)
+        k = torch.arange(k_start, kv_len, device=device).view(1, 1, keys)
+        allowed = torch.ones(1, rows, keys, dtype=torch.bool, device=device)
+        if self.window is not None:
+            allowed = allowed & ((q - k).abs() < self.window)
         if self.causal:
             order = k <= q
             if self.prefix_len is not None:
@@ -112,20 +127,21 @@ class AttentionMask:
             allowed = allowed & order
         if self.q_segments is not None:
             q_seg = self.q_segments[:, -q_len:][:, q_start:q_end].unsqueeze(2)
-            k_seg = self.kv_segments[:, :kv_len].unsqueeze(1)
+            k_seg = self.kv_segments[:, k_start:kv_len].unsqueeze(1)
             allowed = allowed & ((q_seg == k_seg) | (q_seg == PAD_SEGMENT))
         return allowed.unsqueeze(1)
 
-    def blocked(self, q_len: int, kv_len: int, device: torch.device, q_start: int, q_end: int) -> torch.Tensor:
-        """``~dense(...)`` of query rows q_start:q_end, [B or 1, 1, rows, kv_len]: True where attention is not
+    def blocked(self, q_len: int, kv_len: int, device: torch.device, q_start: int, q_end: int,
+                k_start: int = 0) -> torch.Tensor:
+        """``~dense(...)`` of query rows q_start:q_end and keys k_start:kv_len: True where attention is not
         allowed. Rendered once per mask and kept (up to RENDERED_LIMIT elements in all): the mask is built once
         per batch and handed to every layer, whose chunked core asks for the same chunks in forward and
         backward (16 renders of each with 8 layers)."""
-        key = (q_len, kv_len, q_start, q_end, str(device))
+        key = (q_len, kv_len, q_start, q_end, k_start, str(device))
         rendered = self._rendered
         if key in rendered:
             return rendered[key]
-        blocked = ~self.dense(q_len, kv_len, device, q_start, q_end)
+        blocked = ~self.dense(q_len, kv_len, device, q_start, q_end, k_start)
         if sum(t.numel() for t in rendered.values()) + blocked.numel() <= RENDERED_LIMIT:
             rendered[key] = blocked
         return blocked
@@ -140,10 +156,14 @@ class AttentionMask:
             return self.prefix_len.view(-1, 1)
         return self.prefix_len[:, -q_len:][:, q_start:q_end]
 
+    def key_start(self, q_start: int) -> int:
+        """Queries from q_start on see no key before this one (0 without a window)."""
+        return 0 if self.window is None else max(0, self.q_offset + q_start - self.window + 1)
+
     def key_end(self, q_len: int, q_start: int, q_end: int, kv_len: int) -> int:
-        """Keys 0..end are all that queries q_start:q_end of a causal mask may see (else all keys)."""
+        """Keys 0..end are all that queries q_start:q_end of a causal or windowed mask may see (else all keys)."""
         if not self.causal:
-            return kv_len
+            return kv_len if self.window is None else min(kv_len, self.q_offset + q_end - 1 + self.window)
         end = self.q_offset + q_end
         if self.prefix_len is not None:
             bounds = self._host_key_bounds  # [Tq], or [1] for one prefix per row
@@ -170,12 +190,14 @@ class AttentionMask:
 
     def mask_mod(self):
         """The same rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``."""
-        causal, offset = self.causal, self.q_offset
+        causal, offset, window = self.causal, self.q_offset, self.window
         q_segments, kv_segments, prefix_len = self.q_segments, self.kv_segments, self.prefix_len
 
         def mod(b, h, q_idx, kv_idx):
             q_pos = q_idx + offset
             allowed = (kv_idx <= q_pos) if causal else (kv_idx >= 0)
+            if window is not None:
+                allowed = allowed & ((q_pos - kv_idx).abs() < window)
             if causal and prefix_len is not None:
                 allowed = allowed | (kv_idx < (prefix_len[b] if prefix_len.dim() == 1 else prefix_len[b, q_idx]))
             if q_segments is not None:

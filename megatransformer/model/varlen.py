@@ -31,6 +31,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
     return out.view(batch, q_len, heads, dim).transpose(1, 2)
 
 
+def window_size(window: int | None, causal: bool) -> tuple[int, int]:
+    """flash-attn's (and varlen_attn's) ``window_size=(left, right)``: query i sees keys i - left ... i + right
+    (bottom-right aligned; -1: unbounded), for a mask's sliding ``window`` and causality."""
+    left = -1 if window is None else window - 1
+    return left, 0 if causal else left
+
+
 def _gather(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return x if index is None else x.index_select(0, index)
 
@@ -46,7 +53,7 @@ def torch_varlen_core(q, k, v, mask: AttentionMask, dropout: float, alibi=None) 
 
     def kernel(q, k, v, problem: VarlenProblem) -> torch.Tensor:
         return varlen_attn(q, k, v, problem.cu_q, problem.cu_k, problem.max_q, problem.max_k,
-                           window_size=(-1, 0) if problem.causal else (-1, -1), enable_gqa=q.shape[1] != k.shape[1])
+                           window_size=window_size(mask.window, problem.causal), enable_gqa=q.shape[1] != k.shape[1])
 
     return varlen_attention(q, k, v, mask, kernel)
 

@@ -143,7 +143,8 @@ class TrainModule:
 
     # ------------------------------------------------------------------------------------ one step
 
-    def step(self, batches: Iterator[Mapping[str, torch.Tensor]], stop_requested: bool = False,
+    def step(self, batches: Iterator[Mapping[str, torch.Tensor]],
+             stop_requested: Callable[[], bool] = lambda: False,
              reject: Callable[[float], bool] | None = None) -> StepResult:
         """Forward/backward every micro batch of one optimizer step, then step (or skip a bad step).
         ``reject(loss)`` (the global batch's loss, the same on every rank) may refuse a finite step's update
@@ -153,6 +154,7 @@ class TrainModule:
         ranks), not a mean of per-batch means, so padding and variable loss counts (masked-LM) weigh right.
         A non-finite loss or gradient on any rank skips the update on every rank (weights, Adam moments and
         the schedule unchanged); with fp16, DeepSpeed's loss scaler skips overflowing steps on its own.
+        ``stop_requested()`` is asked at the step's end: a stop asked for during the step ends the run after it.
         """
         accum, engine = self.sizes.accum, self.engine
         host = [next(batches) for _ in range(accum)]
@@ -181,7 +183,7 @@ class TrainModule:
             self.grad_norm = unclipped_grad_norm(engine.module, self.tp)
             if self.cfg.precision != "fp16":
                 bad += (~torch.isfinite(self.grad_norm)).double()
-        stats = torch.cat([torch.stack([loss_sum, bad]), self._on_device([float(stop_requested), real])])
+        stats = torch.cat([torch.stack([loss_sum, bad]), self._on_device([float(stop_requested()), real])])
         dist.all_reduce(stats)
         loss_total, n_bad, stop, real_total, targets_total = torch.cat([stats, global_targets]).tolist()
         finite = n_bad == 0

@@ -7,6 +7,7 @@ What one optimizer step does on DeepSpeed (micro batches, loss normalisation, sk
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -26,20 +27,35 @@ from megatransformer.training.metrics import Reporter, peak_tflops
 from megatransformer.training.resume import plan_resume, rollback_target
 from megatransformer.training.watchdog import Watchdog
 
-EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
+EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM/SIGINT: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: stopped at once, no checkpoint (as a shell reports it)
 
 
 class Preemption:
-    """Remembers SIGUSR1 / SIGTERM; the loop checks it between steps (all ranks agree before stopping)."""
+    """Remembers SIGUSR1 / SIGTERM and a first SIGINT (Ctrl-C); the loop checks it between steps (all ranks
+    agree before stopping). A second SIGINT ends the process at once."""
 
     def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        self.requested = self.interrupted = False
+        self.pid = os.getpid()  # (DataLoader workers inherit the handlers: Ctrl-C there is the main process's)
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self.pid:
+            return
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                os.write(2, b"\nmegatransformer train: interrupted again: exiting now, without a checkpoint\n")
+                os._exit(EXIT_INTERRUPTED)
+            self.interrupted = True
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # (torchrun signals every rank)
+                os.write(2, b"\nCtrl-C: checkpointing after this step, then exiting (Ctrl-C again: exit now)\n")
         self.requested = True
+
+    def reason(self) -> str:
+        return "interrupted (Ctrl-C)" if self.interrupted else "preempted"
 
 
 class Trainer:
@@ -107,7 +123,7 @@ class Trainer:
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
             watchdog.arm()
-            result = self.module.step(batches, self.preemption.requested, self.spikes.rejects)
+            result = self.module.step(batches, lambda: self.preemption.requested, self.spikes.rejects)
             step_seconds = time.perf_counter() - started
             watchdog.disarm(step_seconds)
             self.state.step += 1
@@ -146,7 +162,8 @@ class Trainer:
                 exit_code = EXIT_DIVERGED
                 break
             if result.stop:
-                report.message(f"preempted at step {self.state.step}: checkpointing, exit {EXIT_PREEMPTED}")
+                report.message(f"{self.preemption.reason()} at step {self.state.step}: checkpointing, "
+                               f"exit {EXIT_PREEMPTED}")
                 exit_code = EXIT_PREEMPTED
                 break
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
