@@ -629,7 +629,7 @@ class StreamingLoader:
     """Iterate for batches (dicts of tensors); ``state_dict()`` after batch k resumes at batch k + 1.
 
     Train loaders are endless; a validation loader yields the same finite sequence of batches on every
-    iteration (and on every rank).
+    iteration (and on every rank), the last one smaller when the split's rows do not fill it.
     """
 
     def __init__(self, spec: LoaderSpec) -> None:
@@ -664,16 +664,18 @@ class StreamingLoader:
                 produced += 1
                 yield self._take(pending)
         pending.extend(_interleave(chunks))
-        while self._drop_skipped(pending) >= spec.micro_batch_size:  # (a finite loader drops its last partial batch)
+        while self._drop_skipped(pending) >= spec.micro_batch_size:
             produced += 1
             yield self._take(pending)
+        if pending and not spec.shuffle:  # validation counts every row: a last, smaller batch
+            produced += 1
+            yield self._take(pending, len(pending))
         if produced == 0 and not spec.shuffle:
-            raise DataError(f"the {spec.sources[0].split} split of {spec.sources[0].directory} holds less than one "
-                            f"batch of {spec.micro_batch_size} sequences; shard more validation documents "
-                            "(--valid-every) or lower the batch size")
+            raise DataError(f"the {spec.sources[0].split} split of {spec.sources[0].directory} holds no sequences; "
+                            "shard with validation documents (--valid-every) or set data.valid to a dataset")
 
-    def _take(self, pending: deque) -> dict[str, torch.Tensor]:
-        rows = [pending.popleft() for _ in range(self.spec.micro_batch_size)]
+    def _take(self, pending: deque, size: int | None = None) -> dict[str, torch.Tensor]:
+        rows = [pending.popleft() for _ in range(size or self.spec.micro_batch_size)]
         for _, (stream, state) in rows:
             self.stream_states[stream] = state
         self.rows += len(rows)

@@ -378,7 +378,8 @@ class TrainConfig(Section):
     """Hang diagnosis: every rank's stacks on file when a step overruns (WatchdogConfig)."""
     peak_tflops: PositiveFloat | None = None
     """Per-device peak TFLOP/s for the MFU estimate (default: the GPU's dense peak from
-    training.metrics.GPU_PEAK_TFLOPS, e.g. 989 for H100 SXM bf16; else a measured matmul peak)."""
+    training.metrics.GPU_PEAK_TFLOPS, e.g. 989 for H100 SXM bf16; another GPU's measured matmul peak; on a CPU
+    none: MFU is logged only when this is set, a CPU's measured speed being too unsteady to divide by)."""
     sample_prompt: str | None = None
     """Text to continue with a short generated sample at the end of training (decoder models)."""
 
@@ -466,6 +467,9 @@ class RunConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Training precision; bf16 keeps fp32 master weights, fp16 adds loss scaling (GPU)."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files into run_dir/tensorboard (needs the tensorboard package:
+    pip install 'megatransformer[tensorboard]'; off by default, W&B and metrics.jsonl being always there)."""
     resume: str | None = None
     """auto: the latest complete checkpoint in run_dir/checkpoints (fresh start if none); or a checkpoint path."""
     resume_elastic: Literal["keep_batch", "allow_batch_change"] = "keep_batch"
@@ -507,12 +511,12 @@ class RunConfig(Section):
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` strings to a nested dict; values are parsed as YAML scalars/lists."""
+    """Apply ``a.b.c=value`` strings to a nested dict; values are read by :func:`override_value`."""
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
-        value = yaml.safe_load(text) if text else None
+        value = override_value(text)
         node = raw
         parts = key.split(".")
         for part in parts[:-1]:
@@ -522,6 +526,22 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = child
         node[parts[-1]] = value
     return raw
+
+
+def override_value(text: str) -> Any:
+    """An override's value: a YAML scalar, or a ``[...]`` / ``{...}`` collection; any other text is the string as
+    written (``ROMEO:``, ``- a``, ``# x`` and text YAML cannot parse), as a shell user means it."""
+    if not text:
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, (dict, list)) and not text.lstrip().startswith(("[", "{")):
+        return text
+    if value is None and text.strip() not in ("null", "Null", "NULL", "~"):
+        return text
+    return value
 
 
 def shipped_configs() -> dict[str, Path]:

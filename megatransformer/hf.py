@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from data_pipeline.tokenizer import load_tokenizer, write_transformers_files
 from megatransformer.config import ModelConfig, RopeScaling
 
 # (our name, Llama name) templates; {i} is the layer index
@@ -347,12 +348,7 @@ def save_hf_dir(
          "pad_token_id": special_ids.get("pad")}, indent=2))
     if tokenizer_json is not None:
         shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
-        names = {"bos": "bos_token", "eos": "eos_token", "pad": "pad_token", "unk": "unk_token"}
-        tokens = json.loads(Path(tokenizer_json).read_text()).get("added_tokens", [])
-        by_id = {t["id"]: t["content"] for t in tokens}
-        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len}
-        tok_config.update({names[k]: by_id[i] for k, i in special_ids.items() if k in names and i in by_id})
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+        write_transformers_files(load_tokenizer(tmp / "tokenizer.json"), tmp, model_max_length=cfg.max_seq_len)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -8,6 +8,8 @@ import sys
 from data_pipeline import DataError
 from megatransformer.commands.arguments import add_config_argument
 
+INPUT_HELP = ".txt / .jsonl / .tsv files (.gz/.zst too), or directories of them"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     data = subparsers.add_parser("data", help="prepare and inspect training data",
@@ -18,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer with the special tokens",
                             description="Train a byte-level BPE tokenizer on text files and write it as a "
                                         "Hugging Face tokenizer.json, with pad, bos, eos, mask and sentinel tokens.")
-    p.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files (.gz/.zst too)")
+    p.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
     p.add_argument("--vocab-size", type=int, required=True,
                    help="tokens to learn (the result has fewer when the corpus runs out of merges)")
     p.add_argument("--sentinels", type=int, default=100, help="span-corruption sentinel tokens")
@@ -32,11 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             description="Tokenize documents (or instruction and translation pairs) into "
                                         "WebDataset shards of a train and a valid split, listed with their "
                                         "checksums in manifest.json; data.train= takes the directory.")
-    p.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files (.gz/.zst too)")
+    p.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
     p.add_argument("--tokenizer", required=True, help="tokenizer.json")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--shard-mb", type=float, default=256.0, help="approximate shard size in MiB")
-    p.add_argument("--valid-every", type=int, default=100, help="every N-th document is held out (0: none)")
+    p.add_argument("--valid-every", type=int, default=None, metavar="N",
+                   help="hold out every N-th document for validation (0: none; default: every 10th of the first "
+                        "1,000 documents, every 100th after)")
     p.add_argument("--workers", type=int, default=None,
                    help="tokenizer processes (default: cores - 1; 1: in this process, multi-threaded)")
     p.add_argument("--text-field", default="text", help="field of .jsonl records holding the text")
@@ -93,9 +97,11 @@ def _guard(fn):
 
 @_guard
 def _tokenizer(args: argparse.Namespace) -> int:
+    from data_pipeline.sources import input_files
     from data_pipeline.tokenizer import train_tokenizer
 
-    info = train_tokenizer(args.input, args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per)
+    info = train_tokenizer(input_files(args.input), args.vocab_size, args.out, args.sentinels, args.text_field,
+                           args.doc_per)
     asked = "" if info.vocab_size == args.vocab_size else f" of {args.vocab_size} asked"
     print(f"wrote {args.out}: {info.vocab_size} tokens{asked} (pad {info.pad_id}, bos {info.bos_id}, eos {info.eos_id}, "
           f"mask {info.mask_id}, {len(info.sentinel_ids)} sentinels)")
@@ -105,10 +111,11 @@ def _tokenizer(args: argparse.Namespace) -> int:
 @_guard
 def _shard(args: argparse.Namespace) -> int:
     from data_pipeline.shard import write_shards
+    from data_pipeline.sources import input_files
 
     text_field = args.completion_field if args.prompt_field else args.text_field
-    manifest = write_shards(args.input, args.tokenizer, args.out, args.shard_mb, args.valid_every, args.workers,
-                            text_field, args.doc_per, args.on_decode_error, args.overwrite,
+    manifest = write_shards(input_files(args.input), args.tokenizer, args.out, args.shard_mb, args.valid_every,
+                            args.workers, text_field, args.doc_per, args.on_decode_error, args.overwrite,
                             progress=sys.stderr.isatty(), prompt_field=args.prompt_field)
     unit = "examples" if args.prompt_field else "documents"
     for split, shards in manifest.splits.items():

@@ -32,3 +32,14 @@ def build_run_loader(cfg: RunConfig, split: str, micro_batch_size: int, dp_rank:
     """data_pipeline.loader.build_loader for a run config (same arguments otherwise)."""
     return build_loader(loader_settings(cfg, pin_memory), split, micro_batch_size, dp_rank, dp_size, tokenizer,
                         epochs)
+
+
+def small_validation_warning(loader: StreamingLoader, micro_batch_size: int) -> str | None:
+    """Reads the validation split's first batch (an empty split fails here, before training); a warning when
+    the whole split is smaller than one batch."""
+    rows = len(next(iter(loader))["input_ids"])
+    if rows >= micro_batch_size:
+        return None
+    return (f"warning: the validation split holds {rows} sequence{'s' * (rows != 1)}, less than one batch of "
+            f"{micro_batch_size}: validation loss is measured on {'them' if rows > 1 else 'it'} alone (noisy); "
+            "shard more validation documents (data shard --valid-every) for a steadier number")

@@ -19,12 +19,14 @@ from megatransformer.config import RunConfig, dump_config, precision_dtype
 from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
 from megatransformer.training import cpu_bf16, spikes
-from megatransformer.training.data import build_run_loader
+from megatransformer.training.data import build_run_loader, small_validation_warning
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
 from megatransformer.training.layout import zero_stage_notes
 from megatransformer.training.metrics import Reporter, peak_tflops
+from megatransformer.training.optim import warmup_warning
 from megatransformer.training.resume import plan_resume, rollback_target
+from megatransformer.training.trackers import resolved_config, run_facts
 from megatransformer.training.watchdog import Watchdog
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM/SIGINT: requeue and resume=auto
@@ -72,7 +74,9 @@ class Trainer:
         self.train_loader = build_run_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size,
                                              tokenizer, pin_memory=pin)
         self.valid_loader = build_run_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
-        next(iter(self.valid_loader))  # a validation split smaller than one batch fails now, not after training
+        warning = small_validation_warning(self.valid_loader, micro)
+        if warning and dist_info.is_main:
+            print(warning)
         self.state = ckpt.TrainerState(step=0, tokens=0, bad_steps=0, tokenizer_sha256=tokenizer.sha256,
                                        world_size=dist_info.world_size, tensor_parallel=cfg.parallel.tensor_parallel,
                                        zero_stage=self.module.zero_stage)
@@ -114,10 +118,16 @@ class Trainer:
                 print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
-        report = Reporter(cfg, self.dist.is_main, self.state.step, self.spikes.rollbacks)
+            warning = warmup_warning(cfg)
+            if warning:
+                print(warning)
+        size = model_size(cfg.model, cfg.data.seq_len)
+        report = Reporter(cfg, self.dist.is_main, self.state.step,
+                          self.tracker_config(size.params) if self.dist.is_main else None, self.spikes.rollbacks)
         watchdog = Watchdog(cfg, self.dist.rank)  # (a hang ends the run with the stacks on file)
-        flops = model_size(cfg.model, cfg.data.seq_len).flops_per_token  # per position that holds a token
-        peak = peak_tflops(cfg, self.dist.device) * 1e12 * self.dist.world_size
+        flops = size.flops_per_token  # per position that holds a token
+        peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
+        peak_flops = peak * 1e12 * self.dist.world_size if peak else None
         batches = iter(self.train_loader)
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
@@ -138,7 +148,8 @@ class Trainer:
                 report.log({"step": self.state.step, "loss": result.loss if math.isfinite(result.loss) else None,
                             "lr": result.lr, "grad_norm": self.module.last_grad_norm(),
                             "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
-                            "mfu": window_real / seconds * flops / peak, "bad_steps": self.state.bad_steps,
+                            "mfu": window_real / seconds * flops / peak_flops if peak_flops else None,
+                            "bad_steps": self.state.bad_steps,
                             "skipped_shards": len(self.train_loader.skipped_shards),
                             **device_memory(self.dist.device)})
                 window_start, window_tokens, window_real = time.perf_counter(), 0, 0
@@ -175,6 +186,13 @@ class Trainer:
         self.save()
         report.close()
         return exit_code
+
+    def tracker_config(self, parameters: int) -> dict:
+        """The config W&B records: the resolved config, and the run's facts under ``run``."""
+        sizes = self.module.sizes
+        facts = run_facts(sizes, self.dist.world_size, self.cfg.parallel.tensor_parallel, self.module.zero_stage,
+                          parameters)
+        return {**resolved_config(self.cfg, sizes), "run": facts}
 
     def save(self) -> Path:
         self.state.spikes = self.spikes.state_dict()

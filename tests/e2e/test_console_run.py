@@ -18,7 +18,8 @@ def short_run(tiny_data, tmp_path_factory):
     overrides = [*tiny_model(n_layers=1, n_kv_heads=None, max_seq_len=64), f"run_dir={run}",
                  *tiny_data_overrides(tiny_data), "data.seq_len=32", "train.micro_batch_size=2", "train.grad_accum=1",
                  "train.max_steps=4", "train.log_every=2", "train.eval_every=3", "train.eval_batches=1",
-                 "train.sample_prompt=The function", "wandb.mode=disabled"]
+                 "train.sample_prompt=The function", "train.peak_tflops=0.5",
+                 "wandb.mode=disabled"]
     result = train(overrides, expect=None)
     assert result.returncode == 0, result.stdout + result.stderr
     return run, result.stdout, metrics(run)

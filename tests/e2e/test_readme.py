@@ -10,7 +10,8 @@ Rules (README.md points here):
   ``held_out.txt``, ``sft.jsonl``, ``sft-held-out.jsonl``; see ``inputs``), through bash, so globs and quotes
   work as they would for a reader. ``megatransformer`` is this interpreter's ``python -m megatransformer.cli``.
 - Small options are appended to keep the run cheap (``APPENDED``: tiny model, two steps, a few generated
-  tokens); nothing is replaced.
+  tokens); nothing is replaced. The configs' batch sizes stay, so the small inputs (a 400-example
+  instruction file) meet the batches a reader's run has.
 - A command that CI cannot run is skipped by an explicit rule of ``NOT_RUN`` (how it starts, and why), and a
   whole block is skipped when the line before it is ``<!-- readme-test: skip WHY -->``. Any other command must
   be a ``megatransformer`` command, so a new README section makes this choice explicitly; a ``NOT_RUN`` rule
@@ -47,7 +48,7 @@ NOT_RUN = {
 
 # the tiny decoder with one layer, at the vocabulary and length of the README's configs
 TINY_TRAIN = [*tiny_model(n_layers=1, d_ff=128, vocab_size=None, max_seq_len=None), "data.seq_len=64",
-              "train.max_steps=2", "train.micro_batch_size=2", "train.global_batch_size=null", "train.grad_accum=1",
+              "train.max_steps=2", "train.global_batch_size=null", "train.grad_accum=1",
               "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "precision=fp32",
               "wandb.mode=disabled"]
 APPENDED = {  # by sub-command
@@ -153,7 +154,7 @@ def inputs(root: Path) -> None:
                          "completion": " " + " ".join(words[4:16])})
         return "".join(json.dumps(r) + "\n" for r in rows)
 
-    (root / "sft.jsonl").write_text(examples(docs[:-30]))
+    (root / "sft.jsonl").write_text(examples(docs[:400]))  # a small fine-tuning set
     (root / "sft-held-out.jsonl").write_text(examples(docs[-30:]))
 
 

@@ -184,12 +184,6 @@ def test_validation_is_finite_and_identical_on_every_pass_and_rank(tiny_data, to
     assert_same_batches(first, list(build_loader(cfg, "valid", 4, 1, 2, tok)))
 
 
-def test_validation_smaller_than_a_batch_is_an_error(tiny_data, tok):
-    loader = build_loader(make_cfg(tiny_data, seq_len=256), "valid", 10_000, 0, 1, tok)
-    with pytest.raises(DataError, match="less than one batch"):
-        list(loader)
-
-
 # ------------------------------------------------------------------------------------ mixing
 
 
