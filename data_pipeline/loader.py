@@ -1,7 +1,8 @@
 """The streaming loader: shards -> documents -> windows -> objective samples -> rows -> batches; the order of
 the rows does not depend on how many ranks and workers read them, and it resumes exactly on any of them.
 
-Streams, the global row order, exact and elastic resume, memory, instruction data, remote shards: docs/data.md.
+Streams, the global row order, exact and elastic resume, skipped rows, memory, instruction data, remote
+shards: docs/data.md.
 """
 
 from __future__ import annotations
@@ -636,6 +637,7 @@ class StreamingLoader:
         self.rows = 0  # local rows consumed (handed out in batches)
         self.stream_states: dict[int, dict] = {}
         self.skipped: list[str] = []
+        self.skip: list[tuple[int, int]] = []  # global row ranges [start, stop) read but not handed out
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         spec = self.spec
@@ -658,11 +660,11 @@ class StreamingLoader:
                 pending.extend(_interleave(chunks))
                 chunks = []
             self._note_skipped(chunk.skipped)
-            while len(pending) >= spec.micro_batch_size:
+            while self._drop_skipped(pending) >= spec.micro_batch_size:
                 produced += 1
                 yield self._take(pending)
         pending.extend(_interleave(chunks))
-        while len(pending) >= spec.micro_batch_size:
+        while self._drop_skipped(pending) >= spec.micro_batch_size:
             produced += 1
             yield self._take(pending)
         if pending and not spec.shuffle:  # validation counts every row: a last, smaller batch
@@ -679,6 +681,24 @@ class StreamingLoader:
         self.rows += len(rows)
         return {key: _stack([tensors[key] for tensors, _ in rows], self.spec.pin_memory) for key in rows[0][0]}
 
+    def skip_rows(self, start: int, stop: int) -> None:
+        """Read global rows [start, stop) but hand none of them out (data a rollback steps over). The range
+        is widened to whole micro batches of every rank, so all ranks drop as many rows; the next iteration
+        (and every resume from this state) drops them."""
+        unit = self.spec.dp_size * self.spec.micro_batch_size
+        self.skip = _merged([*self.skip, (start // unit * unit, -(-stop // unit) * unit)])
+
+    def _drop_skipped(self, pending: deque) -> int:
+        """Consume the rows at the front of ``pending`` that fall in a skipped range; the rows left."""
+        while pending and self._skipped(self.spec.dp_rank + self.spec.dp_size * self.rows):
+            _, (stream, state) = pending.popleft()
+            self.stream_states[stream] = state
+            self.rows += 1
+        return len(pending)
+
+    def _skipped(self, row: int) -> bool:
+        return any(start <= row < stop for start, stop in self.skip)
+
     def _note_skipped(self, skipped: list[str]) -> None:
         self.skipped += [s for s in skipped if s not in self.skipped]
 
@@ -686,7 +706,8 @@ class StreamingLoader:
         spec = self.spec
         return {"format": STATE_FORMAT, "streams": spec.streams, "dp_rank": spec.dp_rank, "dp_size": spec.dp_size,
                 "rows": self.rows, "stream_states": {str(k): v for k, v in sorted(self.stream_states.items())},
-                "skipped": list(self.skipped), "sources": [s.fingerprint for s in spec.sources]}
+                "skipped": list(self.skipped), "sources": [s.fingerprint for s in spec.sources],
+                "skip_rows": [list(r) for r in self.skip]}
 
     def load_state_dict(self, state: dict | list[dict]) -> None:
         """Continue from a state of this rank (same layout), of a one-rank run, or ``merge_states`` of all
@@ -721,6 +742,7 @@ class StreamingLoader:
                             f"{state['dp_size']}, not to rank {spec.dp_rank} of {spec.dp_size}; load the states "
                             "of all ranks (merge_states) to resume on another layout")
         self.rows, self.stream_states, self.skipped = rows, streams, list(state["skipped"])
+        self.skip = _merged(tuple(r) for r in state.get("skip_rows", []))
 
     @property
     def skipped_shards(self) -> list[str]:
@@ -744,6 +766,17 @@ def _interleave(chunks: list[_Chunk]) -> Iterator[tuple[dict[str, torch.Tensor],
         for c in chunks:
             if u < len(c.states):
                 yield {key: value[u] for key, value in c.batch.items()}, c.states[u]
+
+
+def _merged(ranges) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) sorted, the overlapping and touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        elif stop > start:
+            out.append((start, stop))
+    return out
 
 
 def _check_format(state: dict) -> None:
@@ -786,9 +819,10 @@ def merge_states(states: list[dict]) -> dict:
                             "datasets or rows consumed)")
     streams = {k: v for s in by_rank.values() for k, v in s["stream_states"].items()}
     skipped = sorted({p for s in states for p in s["skipped"]})
+    skip_rows = _merged(tuple(r) for s in states for r in s.get("skip_rows", []))
     return {"format": STATE_FORMAT, "streams": first["streams"], "dp_rank": 0, "dp_size": 1,
             "rows": first["rows"] * first["dp_size"], "stream_states": streams, "skipped": skipped,
-            "sources": first["sources"]}
+            "sources": first["sources"], "skip_rows": [list(r) for r in skip_rows]}
 
 
 def check_data(settings: LoaderSettings, tokenizer: TokenizerInfo) -> None:

@@ -290,6 +290,54 @@ class ObjectiveArgs(Section):
 # ------------------------------------------------------------------------------------------ training
 
 
+class SpikesConfig(Section):
+    """Loss spikes (training/spikes.py): a step whose loss is non-finite or far above the running median of
+    recent losses does not update the model; several within a short span roll the run back to the newest
+    intact checkpoint before them and skip the data read since, plus a margin; too many rollbacks stop it."""
+
+    enabled: bool = True
+    """Detect spikes and respond (off: only non-finite steps are skipped, train.max_bad_steps stops)."""
+    window: Annotated[int, Field(ge=2)] = 200
+    """Recent accepted steps whose losses make the running statistic (median and MAD)."""
+    warmup: Annotated[int, Field(ge=2)] = 50
+    """Accepted steps of history before a finite loss can be a spike (at most window)."""
+    threshold: Annotated[float, Field(gt=0)] = 6.0
+    """A spike lies this many robust standard deviations (1.4826 x MAD) above the median..."""
+    min_rise: Annotated[float, Field(gt=0)] = 0.1
+    """...and at least this fraction of the median above it (a flat curve has a MAD near zero)."""
+    rollback_after: PositiveInt = 3
+    """Spikes within ``within`` steps that roll the run back."""
+    within: PositiveInt = 50
+    """Steps in which ``rollback_after`` spikes roll the run back."""
+    margin_steps: NonNegativeInt = 20
+    """Global batches skipped beyond the step that triggered a rollback."""
+    max_rollbacks: NonNegativeInt = 3
+    """Rollbacks in a run; a spike that would need one more stops the run (exit 3)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpikesConfig:
+        _require(self.warmup <= self.window, f"train.spikes.warmup={self.warmup} exceeds train.spikes.window="
+                                             f"{self.window}: the window never holds that many steps; lower warmup")
+        _require(self.rollback_after <= self.within, f"train.spikes.rollback_after={self.rollback_after} spikes "
+                 f"cannot fall within train.spikes.within={self.within} steps; raise within or lower rollback_after")
+        return self
+
+
+class WatchdogConfig(Section):
+    """Hang diagnosis (training/watchdog.py): a step that takes far longer than usual makes every rank write
+    the Python stacks of all its threads to RUN_DIR/hangs/rank_NNNNN.txt, before parallel.timeout_minutes
+    ends the run."""
+
+    enabled: bool = True
+    """Arm the watchdog around every step."""
+    factor: Annotated[float, Field(gt=1)] = 20.0
+    """A step longer than this many times the median of recent steps is taken for a hang..."""
+    min_seconds: PositiveFloat = 60.0
+    """...and longer than this (first steps, a loaded machine); at most 0.8 x parallel.timeout_minutes."""
+    limit_seconds: PositiveFloat | None = None
+    """A fixed limit per step instead of factor and min_seconds (also capped by the collective timeout)."""
+
+
 class TrainConfig(Section):
     max_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 1000
     """Optimizer steps to train, at least 1 (a run leaves a checkpoint), at most MAX_STEPS."""
@@ -324,6 +372,10 @@ class TrainConfig(Section):
     the latter; native: always PyTorch's bf16 kernels. Nothing changes on GPUs, in fp32 or with compile."""
     max_bad_steps: Annotated[int, Field(ge=1)] = 5
     """Consecutive non-finite losses after which the run checkpoints and stops."""
+    spikes: SpikesConfig = Field(default_factory=SpikesConfig)
+    """Loss spikes: skip the update, roll back and skip the data, stop (SpikesConfig)."""
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    """Hang diagnosis: every rank's stacks on file when a step overruns (WatchdogConfig)."""
     peak_tflops: PositiveFloat | None = None
     """Per-device peak TFLOP/s for the MFU estimate (default: the GPU's dense peak from
     training.metrics.GPU_PEAK_TFLOPS, e.g. 989 for H100 SXM bf16; another GPU's measured matmul peak; on a CPU

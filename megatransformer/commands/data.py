@@ -59,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batches", type=int, default=2, help="micro batches to decode")
     p.add_argument("--split", choices=["train", "valid"], default="train", help="which split to read")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    p.add_argument("--rows", type=row_range, default=None, metavar="START:STOP",
+                   help="instead, print global training rows [START, STOP) as text (e.g. a range a loss-spike "
+                        "rollback skipped: metrics.jsonl's skipped_rows)")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. data.seq_len=256")
     p.set_defaults(func=_inspect)
 
@@ -121,13 +124,23 @@ def _shard(args: argparse.Namespace) -> int:
     return 0
 
 
+def row_range(text: str) -> tuple[int, int]:
+    """``START:STOP``, two global row numbers with START < STOP."""
+    start, sep, stop = text.partition(":")
+    if not (sep and start.isdigit() and stop.isdigit() and int(start) < int(stop)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:STOP with 0 <= START < STOP, e.g. 1200:1600")
+    return int(start), int(stop)
+
+
 @_guard
 def _inspect(args: argparse.Namespace) -> int:
-    from data_pipeline.inspect import inspect_batches
+    from data_pipeline.inspect import inspect_batches, inspect_rows
     from megatransformer.config import load_config
     from megatransformer.training.data import loader_settings
 
     cfg = load_config(args.config, args.overrides)
+    if args.rows is not None:
+        return inspect_rows(loader_settings(cfg), cfg.data.tokenizer, *args.rows)
     return inspect_batches(loader_settings(cfg), cfg.data.tokenizer, cfg.train.micro_batch_size or 4, args.batches,
                            args.split, args.json)
 

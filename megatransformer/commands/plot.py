@@ -38,7 +38,8 @@ def panels(metrics: list[list[dict]]) -> list[tuple[str, str, str]]:
 
 
 def draw(runs: list[str | Path], out: str | Path) -> Path:
-    """Write the panels (loss with validation points, learning rate, tokens/s, MFU if known) to ``out``."""
+    """Write the panels (loss with validation points and loss-spike events, learning rate, tokens/s, MFU if
+    known) to ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,6 +62,7 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
         if valid:
             axes.flat[0].plot([r["step"] for r in valid], [r["val_loss"] for r in valid], "o--",
                               label=f"{name} valid")
+        mark_spikes(axes.flat[0], name, [r for r in records if "event" in r])
     for ax, (_, ylabel, title) in zip(axes.flat, shown):
         ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
@@ -71,6 +73,17 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def mark_spikes(ax, name: str, events: list[dict]) -> None:
+    """Loss spikes on the loss panel: a cross per spike at its loss, a dashed line per rollback."""
+    spiked = [e for e in events if e.get("spike_loss") is not None]
+    if spiked:
+        ax.plot([e["step"] for e in spiked], [e["spike_loss"] for e in spiked], "x", color="red",
+                label=f"{name} loss spikes")
+    for i, event in enumerate(e for e in events if e["event"] == "rollback"):
+        ax.axvline(event["step"], color="red", linestyle="--", alpha=0.5,
+                   label=f"{name} rollbacks" if i == 0 else None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,6 +51,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from megatransformer.training.loop import Preemption, Trainer
     from megatransformer.training.preflight import check_before_start
     from megatransformer.training.resume import check_run_dir
+    from megatransformer.training.watchdog import hang_dir, stack_dumps, switch_on_flight_recorder
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
@@ -69,6 +70,10 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
     init_state = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}")[1] \
         if cfg.init_from else None
+    import torch
+
+    if torch.cuda.is_available():
+        switch_on_flight_recorder(cfg.run_dir)  # (before the process group starts)
     try:
         with quiet_engine(verbose):
             dist_info = setup(cfg.parallel.timeout_minutes)
@@ -85,6 +90,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         if line is None:
             raise
         rank = os.environ.get("RANK", "0")
+        dumps = ", ".join(path.name for path in stack_dumps(cfg.run_dir))
+        if dumps:
+            line += f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({dumps})"
         print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:
@@ -180,6 +188,10 @@ def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Pat
     if valid:
         lines.append(f"  final validation loss  {valid[-1]['val_loss']:.4f} "
                      f"(perplexity {valid[-1]['val_ppl']:,.2f})")
+    events = [r.get("event") for r in records]
+    if any(events):
+        lines.append(f"  loss spikes            {events.count('skip') + events.count('rollback')} updates skipped, "
+                     f"{events.count('rollback')} rollbacks")
     for name, path in (("checkpoint", checkpoint), ("metrics", run_dir / "metrics.jsonl"), ("plot", plot)):
         if path is not None:
             lines.append(f"  {name + ':':22s} {path}")

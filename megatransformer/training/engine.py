@@ -97,9 +97,10 @@ class StepResult:
     loss: float  # mean token loss of the global batch (NaN when non-finite)
     tokens: int  # input positions processed, all ranks, padding included
     real_tokens: int  # of those, positions holding a token (the MFU numerator)
-    finite: bool  # the update was applied
+    finite: bool  # the loss and gradients were finite (else the update was skipped)
     stop: bool  # a rank was asked to stop (preemption)
     lr: float  # the learning rate this step's update used
+    rejected: bool = False  # the loss was finite, but ``reject`` refused it: the update was skipped
 
 
 class TrainModule:
@@ -153,8 +154,11 @@ class TrainModule:
     # ------------------------------------------------------------------------------------ one step
 
     def step(self, batches: Iterator[Mapping[str, torch.Tensor]],
-             stop_requested: Callable[[], bool] = lambda: False) -> StepResult:
+             stop_requested: Callable[[], bool] = lambda: False,
+             reject: Callable[[float], bool] | None = None) -> StepResult:
         """Forward/backward every micro batch of one optimizer step, then step (or skip a bad step).
+        ``reject(loss)`` (the global batch's loss, the same on every rank) may refuse a finite step's update
+        (a loss spike).
 
         The loss is the mean over every loss token of the global batch (all micro batches, all data-parallel
         ranks), not a mean of per-batch means, so padding and variable loss counts (masked-LM) weigh right.
@@ -193,16 +197,17 @@ class TrainModule:
         dist.all_reduce(stats)
         loss_total, n_bad, stop, real_total, targets_total = torch.cat([stats, global_targets]).tolist()
         finite = n_bad == 0
+        loss = loss_total / max(targets_total, 1.0)
+        rejected = finite and reject is not None and reject(loss)
         skipped_before = engine.skipped_steps
-        with skipped_update(engine, skip=not finite):
+        with skipped_update(engine, skip=not finite or rejected):
             engine.step()
         # ZeRO skips a step with non-finite gradients on its own (and counts it); with fp16 that is the loss
         # scaler finding its scale, which is routine, not divergence
         if self.cfg.precision != "fp16":
             finite = finite and engine.skipped_steps == skipped_before
         # (loss sums and counts are both counted once per tensor-parallel peer)
-        return StepResult(loss_total / max(targets_total, 1.0), tokens, round(real_total / self.tp), finite,
-                          stop > 0, lr)
+        return StepResult(loss, tokens, round(real_total / self.tp), finite, stop > 0, lr, rejected)
 
     # ---------------------------------------------------------------------------------- checkpoints
 

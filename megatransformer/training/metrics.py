@@ -63,8 +63,10 @@ def peak_tflops(cfg: RunConfig, device: str) -> float | None:
     return 2 * 4096**3 * n / (time.perf_counter() - started) / 1e12
 
 
-def truncate_metrics(path: Path, after_step: int) -> None:
-    """On resume, drop lines of steps after the checkpoint: they are re-run and logged again.
+def truncate_metrics(path: Path, after_step: int, rollbacks: int = 0) -> None:
+    """On resume, drop lines of steps after the checkpoint: they are re-run and logged again. Loss-spike
+    events of a trajectory an earlier rollback left (fewer than ``rollbacks`` before them) stay: their steps
+    are not run again.
 
     A last line that is not JSON is a write the previous run did not finish (killed mid-line): dropped with
     a warning. A bad line anywhere else is not from an interrupted write: an error naming the line."""
@@ -84,7 +86,7 @@ def truncate_metrics(path: Path, after_step: int) -> None:
                 continue
             raise ConfigError(f"{path} line {number} is not JSON ({line[:40]!r}); remove or fix that line "
                               "to resume") from None
-        if record.get("step", 0) <= after_step:
+        if record.get("step", 0) <= after_step or record.get("rollbacks", rollbacks) < rollbacks:
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
@@ -105,7 +107,7 @@ class Reporter:
     ``tracker_config`` is what W&B records as the run's config (the resolved config and the run's facts)."""
 
     def __init__(self, cfg: RunConfig, is_main: bool, start_step: int,
-                 tracker_config: dict[str, Any] | None = None) -> None:
+                 tracker_config: dict[str, Any] | None = None, rollbacks: int = 0) -> None:
         self.cfg, self.is_main = cfg, is_main
         self.path = Path(cfg.run_dir) / "metrics.jsonl"
         self.bar = None
@@ -114,7 +116,7 @@ class Reporter:
         self._started, self._start_step = time.perf_counter(), start_step
         if not is_main:
             return
-        truncate_metrics(self.path, start_step)
+        truncate_metrics(self.path, start_step, rollbacks)
         if sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -142,6 +144,26 @@ class Reporter:
         if "val_loss" in record:
             self.message(f"step {record['step']}: validation loss {record['val_loss']:.4f}, perplexity "
                          f"{record['val_ppl']:,.2f} ({record['val_tokens']:,} tokens)")
+
+    def event(self, record: dict[str, Any], line: str) -> None:
+        """A loss-spike event: metrics.jsonl (``kind`` spike), its console ``line``, W&B (an alert for a
+        rollback or a stop where W&B is online)."""
+        if not self.is_main:
+            return
+        record = {"step": record["step"], "kind": "spike", "time": round(time.time(), 3), **record}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.message(line)
+        if self.wandb is not None:
+            self.wandb.log({"spikes/loss": record["spike_loss"], "spikes/threshold": record["threshold"]},
+                           step=record["step"])
+            if record["event"] != "skip" and wandb_mode(self.cfg) == "online":
+                self.wandb.alert(title=f"loss spike: {record['event']}", text=line)
+
+    def rewind(self, step: int, rollbacks: int) -> None:
+        """After a rollback to ``step``: the steps after it are run again (and logged again)."""
+        if self.is_main:
+            truncate_metrics(self.path, step, rollbacks)
 
     def train_line(self, record: dict[str, Any]) -> str:
         """A training record as one line: its own numbers, plus the ETA at the run's average pace so far."""
