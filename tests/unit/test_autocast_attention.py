@@ -75,7 +75,7 @@ def test_rope_keeps_the_input_dtype_and_rotates_in_fp32():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or attention.flash_attn_module() is None,
-                    reason="needs CUDA and the flash-attn package (pip install 'megatransformer[gpu]')")
+                    reason="needs CUDA and the flash-attn package (pip install flash-attn --no-build-isolation)")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_flash_attn_under_cuda_autocast_with_fp32_weights_equals_sdpa(arch):
     flash, sdpa = tiny_model("cuda", arch=arch, attention_backend="flash"), tiny_model("cuda", arch=arch,

@@ -64,7 +64,7 @@ def test_one_query_problems_equal_eager(reference_flash, name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or attention.flash_attn_module() is None,
-                    reason="needs CUDA and the flash-attn package (pip install 'megatransformer[gpu]')")
+                    reason="needs CUDA and the flash-attn package (pip install flash-attn --no-build-isolation)")
 @pytest.mark.parametrize("name", MASKS)
 def test_real_flash_attn_one_query_problems_equal_eager(name):
     build, q_len, k_len = MASKS[name]
