@@ -22,7 +22,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline import DataError
-from data_pipeline.objectives import ObjectiveArgs, Objective, Window, build_objective
+from data_pipeline.objectives import Objective, Window, build_objective
+from data_pipeline.settings import ObjectiveArgs
 from data_pipeline.remote import Retry, ShardStream, check_location, is_remote, join
 from data_pipeline.shard import INSTRUCTIONS, Manifest, ShardInfo, decode_ids
 from data_pipeline.tokenizer import TokenizerInfo

@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
                       ValidationError, model_validator)
+from pydantic.dataclasses import is_pydantic_dataclass
+
+from data_pipeline import DataError
+from data_pipeline.settings import ObjectiveArgs
 
 if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
     import torch
@@ -253,38 +257,6 @@ class DataConfig(Section):
     retries: NonNegativeInt = 5
     """Remote shards (http(s)://, s3://, gs://): retries of a failed read (waiting 1, 2, 4, ... s) before
     the shard is named in the error (or skipped under on_corrupt=skip)."""
-
-
-class ObjectiveArgs(Section):
-    """Options of the objectives; each objective reads its own fields."""
-
-    mask_prob: UnitInterval = 0.15
-    """masked_lm: fraction of non-special tokens selected for prediction."""
-    mask_token_prob: UnitInterval = 0.8
-    """masked_lm: of the selected tokens, fraction replaced by the mask token."""
-    random_token_prob: UnitInterval = 0.1
-    """masked_lm: of the selected tokens, fraction replaced by a random token (the rest stay unchanged)."""
-    prefix_min: UnitInterval = 0.1
-    """prefix_lm: smallest prefix as a fraction of the sequence."""
-    prefix_max: UnitInterval = 0.9
-    """prefix_lm: largest prefix as a fraction of the sequence."""
-    noise_density: UnitInterval = 0.15
-    """span_corruption: fraction of tokens corrupted."""
-    mean_noise_span_length: Annotated[float, Field(ge=1.0)] = 3.0
-    """span_corruption: mean length of a corrupted span."""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> ObjectiveArgs:
-        _require(
-            self.mask_token_prob + self.random_token_prob <= 1.0,
-            "objective_args.mask_token_prob + random_token_prob must be <= 1, "
-            f"got {self.mask_token_prob} + {self.random_token_prob}",
-        )
-        _require(
-            self.prefix_min <= self.prefix_max,
-            f"objective_args needs prefix_min <= prefix_max, got {self.prefix_min}, {self.prefix_max}",
-        )
-        return self
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -622,20 +594,22 @@ def _describe(err: ValidationError, schema: type[Section]) -> str:
     """Turn pydantic's most useful error into one line; for unknown keys suggest the closest valid key."""
     errors = err.errors()
     # an unknown key first; then a value out of range (in a union, rather than "not a string" for the other member)
-    first = next((e for e in errors if e["type"] == "extra_forbidden"), None) or \
+    first = next((e for e in errors if e["type"] in _UNKNOWN_KEY), None) or \
         next((e for e in errors if e["type"] in _BOUNDS or e["type"] == "finite_number"), errors[0])
     parts = [p for p in first["loc"] if not _is_union_tag(p)]
     loc = [str(p) for p in parts]
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
-    if first["type"] == "extra_forbidden":
+    if first["type"] in _UNKNOWN_KEY:
         section = _section_at(schema, [p for p in loc[:-1] if not p.isdigit()])
-        valid = list(section.model_fields) if section else []
+        valid = list(_fields(section)) if section else []
         close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
         hint = f"did you mean {'.'.join(loc[:-1] + close)!r}?" if close else f"valid keys: {', '.join(valid)}"
         return f"unknown config key {where!r}; {hint}"
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, ConfigError):
         return str(cause)
+    if isinstance(cause, DataError):  # (a data_pipeline settings check, its message led by its own field)
+        return f"{where}.{cause}" if where else str(cause)
     if first["type"] in _BOUNDS:
         (bound,) = first["ctx"].values()
         return f"{where}={first['input']} must be {_BOUNDS[first['type']]} {_number(bound)}"
@@ -646,6 +620,8 @@ def _describe(err: ValidationError, schema: type[Section]) -> str:
     return f"config key {where!r}: {first['msg']} (got {first.get('input')!r})"
 
 
+_UNKNOWN_KEY = ("extra_forbidden", "unexpected_keyword_argument")
+"""pydantic's errors for a key a section does not have (a model's, a dataclass's)."""
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 """pydantic's range errors, as the comparison the value failed."""
 
@@ -659,17 +635,22 @@ def _is_union_tag(part: Any) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
 
 
-def _section_at(schema: type[Section], loc: list[str]) -> type[BaseModel] | None:
-    node: type[BaseModel] | None = schema
+def _section_at(schema: type[Section], loc: list[str]) -> type | None:
+    node: type | None = schema
     for part in loc:
-        field = node.model_fields.get(part) if node else None
+        field = _fields(node).get(part) if node else None
         node = _model_in(field.annotation) if field else None
     return node
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The BaseModel class inside an annotation such as ``X``, ``list[X]`` or ``str | list[X] | None``."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+def _fields(section: type) -> dict[str, Any]:
+    """The fields of a config section: a pydantic model, or a pydantic dataclass of data_pipeline's."""
+    return section.model_fields if issubclass(section, BaseModel) else section.__pydantic_fields__
+
+
+def _model_in(annotation: Any) -> type | None:
+    """The section class inside an annotation such as ``X``, ``list[X]`` or ``str | list[X] | None``."""
+    if isinstance(annotation, type) and (issubclass(annotation, BaseModel) or is_pydantic_dataclass(annotation)):
         return annotation
     for arg in typing.get_args(annotation):
         found = _model_in(arg)

@@ -42,6 +42,10 @@ BAD_VALUES = [
     # objective_args
     ("objective_args.mask_prob=1.5", "objective_args.mask_prob=1.5 must be <= 1"),
     ("objective_args.noise_density=-0.1", "objective_args.noise_density=-0.1"),
+    ("objective_args.mask_token_prob=0.95",
+     "objective_args.mask_token_prob + random_token_prob must be <= 1, got 0.95 + 0.1"),
+    ("objective_args.prefix_min=0.95", "objective_args.prefix_min must be <= prefix_max, got 0.95, 0.9"),
+    ("objective_args.mask_pro=0.1", "did you mean 'objective_args.mask_prob'?"),
     ("objective_args.prefix_max=1.5", "objective_args.prefix_max=1.5"),
     ("objective_args.mean_noise_span_length=0.5", "objective_args.mean_noise_span_length=0.5 must be >= 1"),
     # train

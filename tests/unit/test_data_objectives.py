@@ -18,7 +18,8 @@ from data_pipeline.objectives import (
     span_lengths,
 )
 from megatransformer.batch import IGNORE_INDEX, MODEL_INPUT_KEYS
-from megatransformer.config import ObjectiveArgs, validate
+from data_pipeline.settings import ObjectiveArgs
+from megatransformer.config import validate
 
 
 def normal_tokens(tok, n, rng):

@@ -64,7 +64,7 @@ def test_foreign_tokenizer_ids_are_read_not_assumed(tmp_path):
     assert info.encode("hello world") == [0, 1]
     with pytest.raises(DataError, match="needs 1 sentinel tokens|sentinel"):
         from data_pipeline.objectives import SpanCorruption
-        from megatransformer.config import ObjectiveArgs
+        from data_pipeline.settings import ObjectiveArgs
 
         SpanCorruption(16, info, True, ObjectiveArgs())
 
