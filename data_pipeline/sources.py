@@ -24,7 +24,7 @@ from data_pipeline import DataError
 @dataclass
 class Document:
     text: str  # the whole document, or the completion of an instruction example
-    source: str
+    file: str  # the input file it was read from
     line: int
     prompt: str | None = None  # the prompt of an instruction example (loss on `text` only)
 

@@ -113,7 +113,7 @@ def bleu_of(loaded, files: list[str], source_field: str, target_field: str, num_
     for pair in read_documents(files, target_field, prompt_field=source_field):
         sources.append(tok.encode(pair.prompt))
         if not sources[-1]:
-            raise ConfigError(f"{pair.source}:{pair.line}: the source encodes to no tokens")
+            raise ConfigError(f"{pair.file}:{pair.line}: the source encodes to no tokens")
         references.append(pair.text)
     if not sources:
         raise ConfigError(f"no translation pairs in {', '.join(files)}")

@@ -41,11 +41,11 @@ def export(args: argparse.Namespace) -> int:
     from megatransformer.config import ConfigError
     from megatransformer.hf import hf_incompatibility, save_hf_dir
 
-    source = find_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
-    cfg, weights = load_weights(source)
+    checkpoint = find_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+    cfg, weights = load_weights(checkpoint)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     out = Path(args.out)
-    tokenizer = source / "tokenizer.json"
+    tokenizer = checkpoint / "tokenizer.json"
     if args.format == "hf":
         reason = hf_incompatibility(cfg.model)
         if reason:
@@ -60,7 +60,7 @@ def export(args: argparse.Namespace) -> int:
         print(f"wrote a {family.architecture} directory")
     else:
         write_weights_checkpoint(out, cfg, {k: v.to(dtype) for k, v in weights.items()}, tokenizer)
-    print(f"exported {source} -> {out} ({args.format}, {args.dtype})")
+    print(f"exported {checkpoint} -> {out} ({args.format}, {args.dtype})")
     return 0
 
 

@@ -41,11 +41,11 @@ def run_facts(sizes: BatchSizes, world_size: int, tensor_parallel: int, zero_sta
 
 def git_commit() -> str | None:
     """The commit of the megatransformer source checkout this runs from, or None (an installed copy)."""
-    source = Path(__file__).resolve().parents[2]
-    if not (source / ".git").exists():
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / ".git").exists():
         return None
     try:
-        out = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+        out = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -69,7 +69,7 @@ def test_srun_tasks_agree_on_master_and_get_their_ranks():
     dists = [detect(env, scontrol) for env in tasks]
     assert [(d.rank, d.local_rank, d.world_size, d.local_world_size) for d in dists] == \
         [(0, 0, 4, 2), (1, 1, 4, 2), (2, 0, 4, 2), (3, 1, 4, 2)]
-    assert {(d.source, d.master_addr, d.master_port) for d in dists} == {("slurm", "10.1.2.3", slurm_port(4242))}
+    assert {(d.launcher, d.master_addr, d.master_port) for d in dists} == {("slurm", "10.1.2.3", slurm_port(4242))}
     assert calls[0] == ("show", "hostnames", "no-such-node[1-2]")  # the step's nodes, not the job's
     assert calls[1] == ("show", "node", "no-such-node1", "-o")  # the first node's NodeAddr (name unresolvable)
 
@@ -116,7 +116,7 @@ def test_bad_slurm_values_are_errors():
 def test_batch_script_without_srun_is_one_process_and_says_so():
     env = {"SLURM_JOB_ID": "9", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
     dist = detect(env, scontrol=fake_scontrol(""))
-    assert dist.source == "single" and dist.variables() == {}
+    assert dist.launcher == "single" and dist.variables() == {}
     assert "srun" in dist.note
 
 
