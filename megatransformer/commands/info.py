@@ -10,12 +10,17 @@ from megatransformer.config import dump_config, load_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("info", help="show a config's resolved values, parameters and FLOPs/token",
-                                   description="Print a config with every default filled in and the overrides "
-                                               "applied, and its model's parameter count and FLOPs per token.")
+    parser = subparsers.add_parser(
+        "info",
+        help="show a config's resolved values, parameters and FLOPs/token",
+        description="Print a config with every default filled in and the overrides "
+        "applied, and its model's parameter count and FLOPs per token.",
+    )
     add_config_argument(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. model.n_layers=4")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. model.n_layers=4"
+    )
     parser.set_defaults(func=run)
 
 

@@ -1,9 +1,9 @@
 """Fixtures of the unit tests."""
 
 import pytest
+from support import flash_reference
 
 from megatransformer.model import attention
-from support import flash_reference
 
 
 @pytest.fixture

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support.models import tiny_config
 
 from megatransformer.model import build_model
 from megatransformer.model.attention import eager_core
 from megatransformer.model.chunked_attention import chunked_core
 from megatransformer.model.masks import AttentionMask, cross_attention_mask, self_attention_mask
-from support.models import tiny_config
 
 PACKED = torch.tensor([[1] * 7 + [2] * 5 + [3] * 4 + [0] * 3, [1] * 10 + [2] * 9])
 MASKS = {
@@ -21,7 +21,8 @@ MASKS = {
     "packed_bidirectional": lambda: self_attention_mask(False, PACKED),
     "packed_prefix": lambda: self_attention_mask(True, PACKED, torch.tensor([4, 2])),
     "per_document_prefixes": lambda: self_attention_mask(
-        True, PACKED, torch.tensor([[3] * 7 + [10] * 5 + [13] * 4 + [0] * 3, [6] * 10 + [15] * 9])),
+        True, PACKED, torch.tensor([[3] * 7 + [10] * 5 + [13] * 4 + [0] * 3, [6] * 10 + [15] * 9])
+    ),
 }
 
 

@@ -9,6 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.attention import (
+    PACKED,
+    SELF_MASKS,
+    B,
+    T,
+    assert_close_in_bf16,
+    assert_same,
+    needs_flash,
+    per_document_prefix,
+    qkv,
+    rows,
+    values_and_grads,
+)
+from support.models import tiny_config
 
 from megatransformer.model.attention import eager_core, flash_core
 from megatransformer.model.masks import (
@@ -19,9 +33,6 @@ from megatransformer.model.masks import (
     self_attention_mask,
     varlen_problems,
 )
-from support.attention import (PACKED, SELF_MASKS, B, T, assert_close_in_bf16, assert_same, needs_flash,
-                               per_document_prefix, qkv, rows, values_and_grads)
-from support.models import tiny_config
 
 
 @pytest.mark.parametrize("name", SELF_MASKS)
@@ -95,6 +106,7 @@ def test_host_masks_carry_varlen_problems_and_chunk_bounds():
 
 # ------------------------------------------------------------------------------ the real kernel (GPU)
 
+
 @pytest.mark.gpu
 @needs_flash
 @pytest.mark.parametrize("name", [*SELF_MASKS, "cross", "cached"])
@@ -112,4 +124,3 @@ def test_real_flash_attn_equals_eager_for_every_mask(name):
     flash = values_and_grads(flash_core, q, k, v, mask)
     eager = values_and_grads(eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask)
     assert_close_in_bf16(flash, eager)
-

@@ -6,12 +6,11 @@ from __future__ import annotations
 import re
 
 import torch
+from support import REPO
+from support.attention import SELF_MASKS, qkv, values_and_grads
 
 from megatransformer.model import attention
 from megatransformer.model.attention import eager_core, flash_core
-from support.attention import SELF_MASKS, qkv, values_and_grads
-from support import REPO
-
 
 
 def test_the_gpu_extra_holds_only_what_pip_installs_and_the_readme_adds_flash_attn_as_its_authors_say():
@@ -36,10 +35,14 @@ def test_flash_attn_gets_dropout_by_name(monkeypatch):
         def kernel(*args, **kwargs):
             seen.append((name, len(args), kwargs["dropout_p"]))
             return torch.zeros_like(args[0])
+
         return kernel
 
-    flash = type("FlashAttn", (), {"flash_attn_func": staticmethod(record("dense")),
-                                   "flash_attn_varlen_func": staticmethod(record("varlen"))})
+    flash = type(
+        "FlashAttn",
+        (),
+        {"flash_attn_func": staticmethod(record("dense")), "flash_attn_varlen_func": staticmethod(record("varlen"))},
+    )
     monkeypatch.setattr(attention, "flash_attn_module", lambda: flash)
     q, k, v = qkv()
     flash_core(q, k, v, SELF_MASKS["causal"](), 0.25)
