@@ -36,6 +36,7 @@ class TrainerState(BaseModel):
     tokenizer_sha256: str | None
     world_size: PositiveInt
     tensor_parallel: PositiveInt
+    sequence_parallel: PositiveInt = 1
     zero_stage: Literal[0, 1, 2, 3]
 
 

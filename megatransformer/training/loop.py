@@ -21,7 +21,7 @@ from megatransformer.training import cpu_bf16
 from megatransformer.training.data import build_run_loader
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
-from megatransformer.training.layout import zero_stage_notes
+from megatransformer.training.layout import describe_layout, zero_stage_notes
 from megatransformer.training.metrics import Reporter, peak_tflops
 from megatransformer.training.resume import plan_resume
 
@@ -58,6 +58,7 @@ class Trainer:
         next(iter(self.valid_loader))  # a validation split smaller than one batch fails now, not after training
         self.state = ckpt.TrainerState(step=0, tokens=0, bad_steps=0, tokenizer_sha256=tokenizer.sha256,
                                        world_size=dist_info.world_size, tensor_parallel=cfg.parallel.tensor_parallel,
+                                       sequence_parallel=cfg.parallel.sequence_parallel,
                                        zero_stage=self.module.zero_stage)
         self.preemption = preemption or Preemption()
 
@@ -84,6 +85,9 @@ class Trainer:
                 print(f"nothing to do: the run is at step {self.state.step} of train.max_steps={cfg.train.max_steps}")
             return 0
         if self.dist.is_main:
+            p = cfg.parallel
+            print(f"layout: {describe_layout(self.module.dp_size, p.tensor_parallel, p.sequence_parallel)} "
+                  f"on {self.dist.world_size} rank{'s' if self.dist.world_size > 1 else ''}")
             dtype = precision_dtype(cfg.precision)
             print(describe_backend(cfg.model.attention_backend, torch.device(self.dist.device).type, dtype,
                                    cfg.model.attention_dropout, cfg.model.head_dim))
