@@ -1,0 +1,145 @@
+"""Sequence parallelism's pieces: each rank's slice of a batch (padding, positions, labels), key/value head
+replication, and :class:`UlyssesCore` on 2 gloo ranks against the plain core on one (outputs and gradients) for
+every mask: packed documents, prefix-LM, bidirectional, cross-attention of another length, ALiBi, MQA."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
+from megatransformer.model.attention import BACKENDS
+from megatransformer.model.masks import batch_masks
+from megatransformer.model.positions import Alibi, alibi_slopes
+from megatransformer.training.sequence_parallel import (SequenceShard, local_part, pad_sequences,
+                                                        replicate_kv_heads)
+
+
+def decoder_batch() -> dict[str, torch.Tensor]:
+    segments = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 2, 2, 2]])
+    return {"input_ids": torch.arange(16).view(2, 8), "segment_ids": segments,
+            "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 0, 1, 2]]),
+            "prefix_len": torch.tensor([[2, 2, 2, 5, 5, 5, 5, 0], [3, 3, 3, 3, 3, 6, 6, 6]]),
+            "labels": torch.arange(100, 116).view(2, 8)}
+
+
+def encoder_decoder_batch() -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.arange(8).view(1, 8), "segment_ids": torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2]]),
+            "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]),
+            "decoder_input_ids": torch.tensor([[7, 8, 9, 7, 8]]),
+            "decoder_segment_ids": torch.tensor([[1, 1, 2, 2, 2]]),
+            "decoder_position_ids": torch.tensor([[0, 1, 0, 1, 2]]), "labels": torch.tensor([[8, 9, 8, 9, 3]])}
+
+
+def test_slices_of_a_decoder_batch_put_back_together_make_it():
+    batch = decoder_batch()
+    parts = [local_part(batch, rank, 4) for rank in range(4)]
+    for key, whole in batch.items():
+        assert torch.equal(torch.cat([p[key] for p in parts], dim=1), whole), key
+    assert parts[1]["position_ids"].tolist() == [[2, 0], [2, 3]]  # whole-sequence positions, not restarted
+    assert parts[3]["prefix_len"].tolist() == [[5, 0], [6, 6]]  # prefix ends index the whole row
+
+
+def test_an_encoder_decoder_target_is_padded_to_the_sequence_parallel_size():
+    whole, local = SequenceShard(rank=1, size=2).split(encoder_decoder_batch())
+    assert whole["decoder_input_ids"].shape == (1, 6) and whole["input_ids"].shape == (1, 8)
+    assert whole["decoder_segment_ids"][0, -1] == PAD_SEGMENT and whole["labels"][0, -1] == IGNORE_INDEX
+    assert local["input_ids"].tolist() == [[4, 5, 6, 7]]
+    assert local["decoder_input_ids"].tolist() == [[7, 8, 0]] and local["labels"].tolist() == [[9, 3, IGNORE_INDEX]]
+
+
+def test_one_prefix_per_row_stays_whole_and_a_sequence_without_segments_is_not_padded():
+    batch = {"input_ids": torch.zeros(2, 6, dtype=torch.long), "prefix_len": torch.tensor([2, 3]),
+             "labels": torch.zeros(2, 6, dtype=torch.long)}
+    assert torch.equal(local_part(batch, 1, 2)["prefix_len"], batch["prefix_len"])
+    with pytest.raises(ValueError, match="without segment_ids cannot be padded"):
+        pad_sequences(batch, 4)
+
+
+def test_key_value_heads_fewer_than_ranks_are_repeated_in_order():
+    kv = torch.arange(2.0).view(1, 2, 1, 1)
+    assert replicate_kv_heads(kv, 4).flatten().tolist() == [0, 0, 1, 1]
+    assert replicate_kv_heads(kv, 2) is kv
+
+
+# ------------------------------------------------------------------------ UlyssesCore on 2 gloo ranks
+
+H, D = 4, 8
+SP = 2
+
+
+def attention_cases() -> dict[str, dict]:
+    """name -> the arch, the batch the masks come from, which mask, kv heads, key length, ALiBi."""
+    dec, encdec = decoder_batch(), encoder_decoder_batch()
+    packed = {k: v for k, v in dec.items() if k != "prefix_len"}
+    return {
+        "packed causal": dict(arch="decoder", batch=packed, mask="decoder", kv=2),
+        "prefix-LM, MQA replicated": dict(arch="decoder", batch=dec, mask="decoder", kv=1),
+        "bidirectional packed, ALiBi": dict(arch="encoder", batch=packed, mask="encoder", kv=4, alibi=True),
+        "prefix-LM, ALiBi": dict(arch="decoder", batch=dec, mask="decoder", kv=2, alibi=True),
+        "cross-attention, other length": dict(arch="encoder_decoder", batch=pad_sequences(encdec, SP), mask="cross",
+                                              kv=2),
+    }
+
+
+def _run_rank(rank: int, port: int, backend: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(SP), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    from megatransformer.training.sequence_parallel import UlyssesCore
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    core = BACKENDS[backend]
+    ulysses = UlyssesCore(core, dist.group.WORLD, rank, SP)
+    for name, case in attention_cases().items():
+        batch = case["batch"]
+        mask = getattr(batch_masks(case["arch"], batch), case["mask"])
+        (rows, k_len), q_len = batch["input_ids"].shape, batch["labels"].shape[1]  # (queries: the labels' axis)
+        generator = torch.Generator().manual_seed(0)
+        q = torch.randn(rows, H, q_len, D, generator=generator)
+        k, v = (torch.randn(rows, case["kv"], k_len, D, generator=generator) for _ in range(2))
+        weight = torch.randn(q.shape, generator=generator)
+        alibi = None
+        if case.get("alibi"):
+            positions = batch["position_ids"]
+            alibi = Alibi(alibi_slopes(H), positions, positions)
+        expected, expected_grads = _values_and_grads(core, q, k, v, mask, alibi, weight)
+        q_part, k_part, v_part, w_part = (_slice(t, rank) for t in (q, k, v, weight))
+        local_alibi = None if alibi is None else Alibi(alibi.slopes, _slice(positions, rank, dim=1),
+                                                       _slice(positions, rank, dim=1))
+        out, grads = _values_and_grads(ulysses, q_part, k_part, v_part, mask, local_alibi, w_part)
+        torch.testing.assert_close(out, _slice(expected, rank), atol=1e-5, rtol=1e-5, msg=name)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, _slice(want, rank), atol=1e-5, rtol=1e-5, msg=name)
+    dist.destroy_process_group()
+
+
+def _slice(x: torch.Tensor, rank: int, dim: int = 2) -> torch.Tensor:
+    length = x.shape[dim] // SP
+    return x.narrow(dim, rank * length, length)
+
+
+def _values_and_grads(core, q, k, v, mask, alibi, weight):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = core(q, k, v, mask, 0.0, alibi)
+    (out * weight).sum().backward()
+    return out.detach(), (q.grad, k.grad, v.grad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "chunked"])
+def test_ulysses_core_on_two_ranks_equals_the_core_on_one(backend):
+    """Each rank's output slice and its gradients with respect to its q, k, v slices are those of the whole
+    sequence's attention on one rank (DeepSpeed's all-to-all over gloo, the whole batch's masks)."""
+    mp.spawn(_run_rank, args=(_free_port(), backend), nprocs=SP, join=True)
