@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_training import MODEL, losses, train
+from test_training import MODEL, losses, metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +50,10 @@ def one_rank(tiny_data, tmp_path_factory):
     return run
 
 
+def grad_norms(run_dir: Path) -> list[float]:
+    return [r["grad_norm"] for r in metrics(run_dir) if "grad_norm" in r]
+
+
 def checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / f"step_{SAVED:06d}"
 
@@ -63,6 +67,7 @@ def test_two_sequence_ranks_train_like_one_rank(one_rank, tiny_data, tmp_path, c
     assert "layout: dp1 x sp2 on 2 ranks" in result.stdout
     assert len(losses(run)) == STEPS
     assert losses(run) == pytest.approx(losses(one_rank(case)), abs=1e-5, rel=0)
+    assert grad_norms(run) == pytest.approx(grad_norms(one_rank(case)), rel=1e-4)
 
 
 def test_data_and_sequence_parallel_on_four_ranks(one_rank, tiny_data, tmp_path):

@@ -132,6 +132,9 @@ class TrainModule:
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
         if tp > 1:
             assign_head_offsets(self.engine.module, self.tp_rank, tp)
+        # the ranks DeepSpeed divides the summed gradients by: the data-parallel ones, except in ZeRO-3's
+        # reduce-scatter, which divides by all ranks it partitions over, sequence-parallel peers included
+        self.averaged_ranks = self.dp_size * (sp if self.zero_stage == 3 else 1)
         if self.dp_size == 1 and sp == 1 and self.zero_stage == 0:
             # one data-parallel rank: DeepSpeed's all-reduce over it would only copy every gradient into a
             # flat buffer and back (tensor-parallel peers' replicated gradients are equal already)
@@ -164,7 +167,7 @@ class TrainModule:
         # is that of (sum of token losses) / (loss tokens in the global batch). Summed on the device: no wait.
         global_targets = self._on_device([float(targets)])
         dist.all_reduce(global_targets)  # tensor-parallel peers count the same batches: tp copies
-        scale = (accum * self.dp_size * self.tp) / global_targets.clamp(min=1.0)
+        scale = (accum * self.averaged_ranks * self.tp) / global_targets.clamp(min=1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         bad = torch.zeros((), dtype=torch.float64, device=self.device)
         lr = engine.get_lr()[0]  # (the schedule moves on in step())
