@@ -143,3 +143,26 @@ def test_ulysses_core_on_two_ranks_equals_the_core_on_one(backend):
     """Each rank's output slice and its gradients with respect to its q, k, v slices are those of the whole
     sequence's attention on one rank (DeepSpeed's all-to-all over gloo, the whole batch's masks)."""
     mp.spawn(_run_rank, args=(_free_port(), backend), nprocs=SP, join=True)
+
+
+# ------------------------------------------------------------------------------- megatransformer info
+
+def info(capsys, *overrides: str) -> dict:
+    import json
+
+    from megatransformer.cli import main
+
+    assert main(["info", "--config", "quickstart", "--json", *overrides]) == 0
+    return json.loads(capsys.readouterr().out)["layout"]
+
+
+def test_info_reports_each_sequence_rank_and_activations_shrinking_with_the_degree(capsys):
+    one = info(capsys, "data.seq_len=128")
+    two = info(capsys, "data.seq_len=128", "parallel.sequence_parallel=2", "--world-size", "4")
+    assert two["layout"] == "dp2 x sp2" and one["layout"] == "dp1"
+    assert two["sequence_ranks"] == [{"rank": 0, "positions": [0, 63], "attention_heads": [0, 1]},
+                                     {"rank": 1, "positions": [64, 127], "attention_heads": [2, 3]}]
+    assert two["micro_batch"] == one["micro_batch"]  # (the same rows, half of each sequence: half the bytes)
+    assert two["activation_bytes"] * 2 == one["activation_bytes"]
+    checkpointed = info(capsys, "data.seq_len=128", "model.activation_checkpointing=true")
+    assert checkpointed["activation_bytes"] < one["activation_bytes"] / 2
