@@ -99,7 +99,8 @@ def test_resume_across_sequence_parallel_sizes(one_rank, tiny_data, tmp_path):
     (["parallel.sequence_parallel=3"], "parallel.sequence_parallel=3 does not divide model.n_heads=4"),
     (["parallel.sequence_parallel=2", "parallel.tensor_parallel=2"],
      "parallel.sequence_parallel=2 with parallel.tensor_parallel=2"),
-    (["parallel.sequence_parallel=4", "data.seq_len=66"], "parallel.sequence_parallel=4 does not divide data.seq_len=66"),
+    (["parallel.sequence_parallel=4", "data.seq_len=66"],
+     "parallel.sequence_parallel=4 does not divide data.seq_len=66"),
     (["parallel.sequence_parallel=2", "model.d_model=96", "model.n_heads=12", "model.n_kv_heads=3"],
      "parallel.sequence_parallel=2 and model.n_kv_heads=3: one must divide the other"),
     (["parallel.sequence_parallel=2"], "parallel.tensor_parallel=1 x parallel.sequence_parallel=2 does not divide "
