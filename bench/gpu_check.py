@@ -3,6 +3,8 @@
 1. flash-attn against ``eager`` for every mask (causal, bidirectional, prefix-LM per row and per document,
    packed documents, padding, packed cross-attention, KV cache): the ``gpu``-marked tests, real kernels.
    The loss fused into the head against the plain head, bf16 at vocabulary 32000 (a ``gpu``-marked test).
+   Ulysses sequence parallelism with flash-attn on 2 GPUs against flash-attn on one (a ``gpu``-marked test;
+   reported as skipped on a machine with one GPU, where NCCL cannot run two ranks).
 2. Host syncs and collective devices of one optimizer step on CUDA (``bench/step_probe.py``).
 3. A short packed bf16 training run through the real trainer (``megatransformer quickstart`` with a larger
    model), reporting tokens/s, MFU and peak memory from its metrics.jsonl.
@@ -39,6 +41,14 @@ def gpu_tests(path: str) -> dict:
     done = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", path])
     return {"ok": done.returncode == 0 and " skipped" not in done.stdout.splitlines()[-1],
             "summary": done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]}
+
+
+def ulysses() -> dict:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return {"ok": True, "skipped": "one GPU: Ulysses needs 2 ranks, NCCL one GPU per rank"}
+    return gpu_tests("tests/test_sequence_parallel_units.py")
 
 
 def step_probe() -> dict:
@@ -89,9 +99,9 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
               "deepspeed": deepspeed.__version__, "flash_attn": flash_attn.__version__,
               "flash_vs_eager": gpu_tests("tests/test_flash_decomposition.py"),
-              "fused_loss": gpu_tests("tests/test_train_units.py"), "step_probe": step_probe(),
+              "fused_loss": gpu_tests("tests/test_train_units.py"), "ulysses": ulysses(), "step_probe": step_probe(),
               "training": training(out)}
-    report["ok"] = all(report[k]["ok"] for k in ("flash_vs_eager", "fused_loss", "step_probe", "training"))
+    report["ok"] = all(report[k]["ok"] for k in ("flash_vs_eager", "fused_loss", "ulysses", "step_probe", "training"))
     text = json.dumps(report, indent=2)
     (out / "gpu_check.json").write_text(text + "\n")
     print(text)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from test_training import MODEL, losses, metrics, train
 
 pytestmark = pytest.mark.slow

@@ -12,11 +12,10 @@ import torch
 import torch.multiprocessing as mp
 
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
-from megatransformer.model.attention import BACKENDS
+from megatransformer.model.attention import BACKENDS, flash_attn_module
 from megatransformer.model.masks import batch_masks
 from megatransformer.model.positions import Alibi, alibi_slopes
-from megatransformer.training.sequence_parallel import (SequenceShard, local_part, pad_sequences,
-                                                        replicate_kv_heads)
+from megatransformer.training.sequence_parallel import SequenceShard, local_part, pad_sequences, replicate_kv_heads
 
 
 def decoder_batch() -> dict[str, torch.Tensor]:
@@ -86,37 +85,45 @@ def attention_cases() -> dict[str, dict]:
     }
 
 
-def _run_rank(rank: int, port: int, backend: str) -> None:
+def _run_rank(rank: int, port: int, backend: str, device: str) -> None:
+    """On ``device`` (cpu: gloo, fp32; cuda: NCCL, bf16, one GPU per rank) every case's UlyssesCore against
+    the core on the whole sequence."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(SP), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+                      MASTER_PORT=str(port))
+    if device == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    else:
+        torch.cuda.set_device(rank)
     import deepspeed
     import torch.distributed as dist
 
     from megatransformer.training.sequence_parallel import UlyssesCore
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+    dtype, tolerance = (torch.float32, 1e-5) if device == "cpu" else (torch.bfloat16, 2e-2)
     core = BACKENDS[backend]
     ulysses = UlyssesCore(core, dist.group.WORLD, rank, SP)
     for name, case in attention_cases().items():
         batch = case["batch"]
-        mask = getattr(batch_masks(case["arch"], batch), case["mask"])
+        mask = getattr(batch_masks(case["arch"], batch, varlen=device == "cuda"), case["mask"]).to(device)
         (rows, k_len), q_len = batch["input_ids"].shape, batch["labels"].shape[1]  # (queries: the labels' axis)
         generator = torch.Generator().manual_seed(0)
         q = torch.randn(rows, H, q_len, D, generator=generator)
         k, v = (torch.randn(rows, case["kv"], k_len, D, generator=generator) for _ in range(2))
         weight = torch.randn(q.shape, generator=generator)
+        q, k, v, weight = (t.to(device, dtype) for t in (q, k, v, weight))
         alibi = None
         if case.get("alibi"):
-            positions = batch["position_ids"]
-            alibi = Alibi(alibi_slopes(H), positions, positions)
+            positions = batch["position_ids"].to(device)
+            alibi = Alibi(alibi_slopes(H, device), positions, positions)
         expected, expected_grads = _values_and_grads(core, q, k, v, mask, alibi, weight)
         q_part, k_part, v_part, w_part = (_slice(t, rank) for t in (q, k, v, weight))
         local_alibi = None if alibi is None else Alibi(alibi.slopes, _slice(positions, rank, dim=1),
                                                        _slice(positions, rank, dim=1))
         out, grads = _values_and_grads(ulysses, q_part, k_part, v_part, mask, local_alibi, w_part)
-        torch.testing.assert_close(out, _slice(expected, rank), atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(out, _slice(expected, rank), atol=tolerance, rtol=tolerance, msg=name)
         for got, want in zip(grads, expected_grads):
-            torch.testing.assert_close(got, _slice(want, rank), atol=1e-5, rtol=1e-5, msg=name)
+            torch.testing.assert_close(got, _slice(want, rank), atol=tolerance, rtol=tolerance, msg=name)
     dist.destroy_process_group()
 
 
@@ -142,7 +149,16 @@ def _free_port() -> int:
 def test_ulysses_core_on_two_ranks_equals_the_core_on_one(backend):
     """Each rank's output slice and its gradients with respect to its q, k, v slices are those of the whole
     sequence's attention on one rank (DeepSpeed's all-to-all over gloo, the whole batch's masks)."""
-    mp.spawn(_run_rank, args=(_free_port(), backend), nprocs=SP, join=True)
+    mp.spawn(_run_rank, args=(_free_port(), backend, "cpu"), nprocs=SP, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < SP or flash_attn_module() is None,
+                    reason=f"needs {SP} CUDA GPUs (NCCL gives each rank its own) and the flash-attn package; CPU "
+                           "machines check the same exchange with gloo above")
+def test_ulysses_with_flash_attn_on_two_gpus_equals_flash_attn_on_one():
+    """flash-attn's varlen problems of the whole batch under Ulysses' all-to-all over NCCL, bf16."""
+    mp.spawn(_run_rank, args=(_free_port(), "flash", "cuda"), nprocs=SP, join=True)
 
 
 # ------------------------------------------------------------------------------- megatransformer info
