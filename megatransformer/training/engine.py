@@ -113,9 +113,10 @@ class TrainModule:
         if init_state is not None:
             model.load_state_dict(init_state)
         # ranks of a sequence group read the same rows, each keeps its slice of them
-        self.sequence = SequenceShard(dist_info.rank % sp, sp) if sp > 1 else None
-        mpu = sequence_groups(sp) if sp > 1 else None
-        if mpu is not None:
+        self.sequence, mpu = None, None
+        if sp > 1:
+            mpu = sequence_groups(sp)  # (DeepSpeed's groups, for ZeRO's partitions and reductions)
+            self.sequence = SequenceShard(mpu.get_sequence_parallel_rank(), sp)
             apply_ulysses(model, mpu.get_sequence_parallel_group(), self.sequence.rank, sp)
         full_shapes = {name: p.shape for name, p in model.named_parameters()}
         groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
