@@ -1,6 +1,7 @@
 """Sequence parallelism (DeepSpeed-Ulysses) end to end: ``parallel.sequence_parallel=2`` on 2 ranks trains every
-architecture and objective loss for loss like one rank (fp32, no dropout), with ZeRO-1 and ZeRO-3; dp2 x sp2 on
-4 ranks too; a checkpoint continues across sp 2 <-> 1; bad layouts exit 2 with one line.
+architecture and objective loss for loss like one rank (fp32, no dropout), with ZeRO-1 and ZeRO-3 (the decoder
+with ZeRO-0 and ZeRO-2 too); dp2 x sp2 on 4 ranks too; a checkpoint continues across sp 2 <-> 1; bad layouts
+exit 2 with one line.
 
 Every run is a real ``megatransformer train`` process (torchrun, gloo) with the same global batch of 4 rows.
 """
@@ -57,8 +58,8 @@ def checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / f"step_{SAVED:06d}"
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case, zero", [(case, zero) for case in CASES for zero in (1, 3)]
+                         + [("decoder_packed", 0), ("decoder_packed", 2)])
 def test_two_sequence_ranks_train_like_one_rank(one_rank, tiny_data, tmp_path, case, zero):
     run = tmp_path / "sp2"
     result = train(overrides(tiny_data, run, case, "parallel.sequence_parallel=2", f"parallel.zero_stage={zero}"),
