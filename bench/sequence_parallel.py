@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention import peak_bytes  # noqa: E402
+
 from megatransformer.config import ModelConfig  # noqa: E402
 from megatransformer.model import build_model  # noqa: E402
 from megatransformer.model.masks import batch_masks  # noqa: E402
