@@ -21,12 +21,12 @@ class ActivationEstimate:
     bytes: int  # activations kept for the backward pass
 
 
-def block_values(cfg: ModelConfig, cross_attention: bool = False) -> int:
+def block_values(cfg: ModelConfig, cross_attention: bool = False, exchanged: bool = False) -> int:
     """Values one block keeps per position: the attention sub-layer's norm input and output, q, k, v, the
-    core's output, and (Ulysses) the whole-sequence q, k, v and output of this rank's heads, the same count
-    again; the MLP's norm input and output and its hidden activations."""
+    core's output and, ``exchanged`` (Ulysses), the whole-sequence q, k, v and output of this rank's heads,
+    the same count again; the MLP's norm input and output and its hidden activations."""
     d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    attention = 2 * d + (2 * d + 2 * kv) * 2  # norm in/out; (q + out + k + v) locally and exchanged
+    attention = 2 * d + (2 * d + 2 * kv) * (2 if exchanged else 1)  # norm in/out; q, out, k, v
     hidden = 3 * cfg.d_ff if cfg.ffn == "swiglu" else 2 * cfg.d_ff
     return attention * (2 if cross_attention else 1) + 2 * d + hidden
 
@@ -36,7 +36,7 @@ def activation_estimate(cfg: RunConfig, micro_batch: int) -> ActivationEstimate:
     m, sp = cfg.model, cfg.parallel.sequence_parallel
     local = micro_batch * cfg.data.seq_len // sp
     stacks = [(m.n_layers, False)] + ([(m.decoder_layers, True)] if m.arch == "encoder_decoder" else [])
-    per_layer = [block_values(m, cross) for _, cross in stacks]
+    per_layer = [block_values(m, cross, exchanged=sp > 1) for _, cross in stacks]
     if m.activation_checkpointing:  # each block's input, and one block at a time recomputed
         values = sum(layers for layers, _ in stacks) * m.d_model + max(per_layer)
     else:

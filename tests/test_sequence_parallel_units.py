@@ -178,7 +178,8 @@ def test_info_reports_each_sequence_rank_and_activations_shrinking_with_the_degr
     assert two["layout"] == "dp2 x sp2" and one["layout"] == "dp1"
     assert two["sequence_ranks"] == [{"rank": 0, "positions": [0, 63], "attention_heads": [0, 1]},
                                      {"rank": 1, "positions": [64, 127], "attention_heads": [2, 3]}]
-    assert two["micro_batch"] == one["micro_batch"]  # (the same rows, half of each sequence: half the bytes)
-    assert two["activation_bytes"] * 2 == one["activation_bytes"]
+    # the same rows, half of each sequence; the exchange hands attention whole-sequence copies of its inputs
+    assert two["micro_batch"] == one["micro_batch"]
+    assert one["activation_bytes"] / 2 < two["activation_bytes"] < 0.6 * one["activation_bytes"]
     checkpointed = info(capsys, "data.seq_len=128", "model.activation_checkpointing=true")
     assert checkpointed["activation_bytes"] < one["activation_bytes"] / 2
