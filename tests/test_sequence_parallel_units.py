@@ -183,3 +183,16 @@ def test_info_reports_each_sequence_rank_and_activations_shrinking_with_the_degr
     assert one["activation_bytes"] / 2 < two["activation_bytes"] < 0.6 * one["activation_bytes"]
     checkpointed = info(capsys, "data.seq_len=128", "model.activation_checkpointing=true")
     assert checkpointed["activation_bytes"] < one["activation_bytes"] / 2
+
+
+# ------------------------------------------------------------------------------------------ the layout
+
+def test_zero_partitions_over_a_sequence_group_even_with_one_data_parallel_rank():
+    from megatransformer.config import validate
+    from megatransformer.training.layout import data_parallel_size, describe_layout, engine_zero_stage
+
+    cfg = validate({"parallel": {"zero_stage": 1, "sequence_parallel": 2}, "data": {"seq_len": 64},
+                    "model": {"n_heads": 4, "max_seq_len": 64}})
+    assert data_parallel_size(cfg, 4) == 2 and describe_layout(2, 1, 2) == "dp2 x sp2"
+    assert engine_zero_stage(cfg, 1, "cpu") == 1  # two ranks hold the partitions, not one
+    assert engine_zero_stage(validate({"parallel": {"zero_stage": 1}}), 1, "cpu") == 0
