@@ -5,7 +5,6 @@ every mask: packed documents, prefix-LM, bidirectional, cross-attention of anoth
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -85,11 +84,10 @@ def attention_cases() -> dict[str, dict]:
     }
 
 
-def _run_rank(rank: int, port: int, backend: str, device: str) -> None:
+def _run_rank(rank: int, store: str, backend: str, device: str) -> None:
     """On ``device`` (cpu: gloo, fp32; cuda: NCCL, bf16, one GPU per rank) every case's UlyssesCore against
-    the core on the whole sequence."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(SP), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    the core on the whole sequence; the ranks meet through the file ``store`` (no port to race for)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(SP), LOCAL_RANK=str(rank))
     if device == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"
     else:
@@ -99,7 +97,8 @@ def _run_rank(rank: int, port: int, backend: str, device: str) -> None:
 
     from megatransformer.training.sequence_parallel import UlyssesCore
 
-    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False,
+                               init_method=f"file://{store}", rank=rank, world_size=SP)
     dtype, tolerance = (torch.float32, 1e-5) if device == "cpu" else (torch.bfloat16, 2e-2)
     core = BACKENDS[backend]
     ulysses = UlyssesCore(core, dist.group.WORLD, rank, SP)
@@ -139,26 +138,20 @@ def _values_and_grads(core, q, k, v, mask, alibi, weight):
     return out.detach(), (q.grad, k.grad, v.grad)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("backend", ["sdpa", "chunked"])
-def test_ulysses_core_on_two_ranks_equals_the_core_on_one(backend):
+def test_ulysses_core_on_two_ranks_equals_the_core_on_one(backend, tmp_path):
     """Each rank's output slice and its gradients with respect to its q, k, v slices are those of the whole
     sequence's attention on one rank (DeepSpeed's all-to-all over gloo, the whole batch's masks)."""
-    mp.spawn(_run_rank, args=(_free_port(), backend, "cpu"), nprocs=SP, join=True)
+    mp.spawn(_run_rank, args=(str(tmp_path / "store"), backend, "cpu"), nprocs=SP, join=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < SP or flash_attn_module() is None,
                     reason=f"needs {SP} CUDA GPUs (NCCL gives each rank its own) and the flash-attn package; CPU "
                            "machines check the same exchange with gloo above")
-def test_ulysses_with_flash_attn_on_two_gpus_equals_flash_attn_on_one():
+def test_ulysses_with_flash_attn_on_two_gpus_equals_flash_attn_on_one(tmp_path):
     """flash-attn's varlen problems of the whole batch under Ulysses' all-to-all over NCCL, bf16."""
-    mp.spawn(_run_rank, args=(_free_port(), "flash", "cuda"), nprocs=SP, join=True)
+    mp.spawn(_run_rank, args=(str(tmp_path / "store"), "flash", "cuda"), nprocs=SP, join=True)
 
 
 # ------------------------------------------------------------------------------- megatransformer info
