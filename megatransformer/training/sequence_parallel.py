@@ -31,7 +31,7 @@ PAD_VALUES = {"segment_ids": PAD_SEGMENT, "decoder_segment_ids": PAD_SEGMENT, "l
 def sequence_groups(size: int):
     """DeepSpeed's sequence-parallel groups (ranks r * size ... r * size + size - 1 share sequences), made once;
     the module is the ``mpu`` ``deepspeed.initialize`` takes so that ZeRO partitions and reduces over the
-    sequence-data-parallel group (all ranks) and averages over the data-parallel size."""
+    sequence-data-parallel group (all ranks; the divisor: ``TrainModule.averaged_ranks``)."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     parallel_state_sp.initialize_sequence_parallel(size)
