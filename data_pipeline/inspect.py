@@ -105,3 +105,17 @@ def inspect_batches(settings: LoaderSettings, tokenizer: str, micro: int, n_batc
     for key, value in stats.items():
         print(f"  {key:26s} {value:,.4f}")
     return 0
+
+
+def inspect_rows(settings: LoaderSettings, tokenizer: str, start: int, stop: int) -> int:
+    """Print global training rows [start, stop) as text: the rows of the layout-independent order (the same
+    on any number of ranks and workers), e.g. the range a loss-spike rollback skipped."""
+    from data_pipeline.loader import build_loader
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    loader = build_loader(settings, "train", 1, 0, 1, tok)
+    loader.skip_rows(0, start)  # (read, not shown)
+    for row, batch in zip(range(start, stop), loader):
+        print(f"row {row}:\n{show_row(batch, 0, tok, settings.objective)}")
+    return 0

@@ -1,7 +1,8 @@
 """The streaming loader: shards -> documents -> windows -> objective samples -> rows -> batches; the order of
 the rows does not depend on how many ranks and workers read them, and it resumes exactly on any of them.
 
-Streams, the global row order, exact and elastic resume, memory, instruction data, remote shards: docs/data.md.
+Streams, the global row order, exact and elastic resume, skipped rows, memory, instruction data, remote
+shards: docs/data.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline import DataError
-from data_pipeline.objectives import ObjectiveArgs, Objective, Window, build_objective
+from data_pipeline.objectives import Objective, Window, build_objective
+from data_pipeline.settings import ObjectiveArgs
 from data_pipeline.remote import Retry, ShardStream, check_location, is_remote, join
 from data_pipeline.shard import INSTRUCTIONS, Manifest, ShardInfo, decode_ids
 from data_pipeline.tokenizer import TokenizerInfo
@@ -584,7 +586,15 @@ class _Rows(IterableDataset):
     def __init__(self, spec: LoaderSpec, start: int, states: dict[int, dict], skipped: list[str]) -> None:
         self.spec, self.start, self.states, self.skipped = spec, start, states, skipped
 
-    def __iter__(self) -> Iterator[_Chunk]:
+    def __iter__(self) -> Iterator[_Chunk | DataError]:
+        try:
+            yield from self._chunks()
+        except DataError as err:
+            if get_worker_info() is None:
+                raise
+            yield err  # from a worker process: as it is, not wrapped in a message with the worker's traceback
+
+    def _chunks(self) -> Iterator[_Chunk]:
         spec = self.spec
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
@@ -620,7 +630,7 @@ class StreamingLoader:
     """Iterate for batches (dicts of tensors); ``state_dict()`` after batch k resumes at batch k + 1.
 
     Train loaders are endless; a validation loader yields the same finite sequence of batches on every
-    iteration (and on every rank).
+    iteration (and on every rank), the last one smaller when the split's rows do not fill it.
     """
 
     def __init__(self, spec: LoaderSpec) -> None:
@@ -628,6 +638,7 @@ class StreamingLoader:
         self.rows = 0  # local rows consumed (handed out in batches)
         self.stream_states: dict[int, dict] = {}
         self.skipped: list[str] = []
+        self.skip: list[tuple[int, int]] = []  # global row ranges [start, stop) read but not handed out
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         spec = self.spec
@@ -640,6 +651,8 @@ class StreamingLoader:
         chunks: list[_Chunk] = []  # of the current round, one per worker
         produced = 0
         for chunk in loader:
+            if isinstance(chunk, DataError):
+                raise chunk
             if chunks and chunk.round != chunks[0].round:  # a finite loader lost a worker
                 pending.extend(_interleave(chunks))
                 chunks = []
@@ -648,24 +661,44 @@ class StreamingLoader:
                 pending.extend(_interleave(chunks))
                 chunks = []
             self._note_skipped(chunk.skipped)
-            while len(pending) >= spec.micro_batch_size:
+            while self._drop_skipped(pending) >= spec.micro_batch_size:
                 produced += 1
                 yield self._take(pending)
         pending.extend(_interleave(chunks))
-        while len(pending) >= spec.micro_batch_size:  # (a finite loader drops its last partial batch)
+        while self._drop_skipped(pending) >= spec.micro_batch_size:
             produced += 1
             yield self._take(pending)
+        if pending and not spec.shuffle:  # validation counts every row: a last, smaller batch
+            produced += 1
+            yield self._take(pending, len(pending))
         if produced == 0 and not spec.shuffle:
-            raise DataError(f"the {spec.sources[0].split} split of {spec.sources[0].directory} holds less than one "
-                            f"batch of {spec.micro_batch_size} sequences; shard more validation documents "
-                            "(--valid-every) or lower the batch size")
+            raise DataError(f"the {spec.sources[0].split} split of {spec.sources[0].directory} holds no sequences; "
+                            "shard with validation documents (--valid-every) or set data.valid to a dataset")
 
-    def _take(self, pending: deque) -> dict[str, torch.Tensor]:
-        rows = [pending.popleft() for _ in range(self.spec.micro_batch_size)]
+    def _take(self, pending: deque, size: int | None = None) -> dict[str, torch.Tensor]:
+        rows = [pending.popleft() for _ in range(size or self.spec.micro_batch_size)]
         for _, (stream, state) in rows:
             self.stream_states[stream] = state
         self.rows += len(rows)
         return {key: _stack([tensors[key] for tensors, _ in rows], self.spec.pin_memory) for key in rows[0][0]}
+
+    def skip_rows(self, start: int, stop: int) -> None:
+        """Read global rows [start, stop) but hand none of them out (data a rollback steps over). The range
+        is widened to whole micro batches of every rank, so all ranks drop as many rows; the next iteration
+        (and every resume from this state) drops them."""
+        unit = self.spec.dp_size * self.spec.micro_batch_size
+        self.skip = _merged([*self.skip, (start // unit * unit, -(-stop // unit) * unit)])
+
+    def _drop_skipped(self, pending: deque) -> int:
+        """Consume the rows at the front of ``pending`` that fall in a skipped range; the rows left."""
+        while pending and self._skipped(self.spec.dp_rank + self.spec.dp_size * self.rows):
+            _, (stream, state) = pending.popleft()
+            self.stream_states[stream] = state
+            self.rows += 1
+        return len(pending)
+
+    def _skipped(self, row: int) -> bool:
+        return any(start <= row < stop for start, stop in self.skip)
 
     def _note_skipped(self, skipped: list[str]) -> None:
         self.skipped += [s for s in skipped if s not in self.skipped]
@@ -674,7 +707,8 @@ class StreamingLoader:
         spec = self.spec
         return {"format": STATE_FORMAT, "streams": spec.streams, "dp_rank": spec.dp_rank, "dp_size": spec.dp_size,
                 "rows": self.rows, "stream_states": {str(k): v for k, v in sorted(self.stream_states.items())},
-                "skipped": list(self.skipped), "sources": [s.fingerprint for s in spec.sources]}
+                "skipped": list(self.skipped), "sources": [s.fingerprint for s in spec.sources],
+                "skip_rows": [list(r) for r in self.skip]}
 
     def load_state_dict(self, state: dict | list[dict]) -> None:
         """Continue from a state of this rank (same layout), of a one-rank run, or ``merge_states`` of all
@@ -709,6 +743,7 @@ class StreamingLoader:
                             f"{state['dp_size']}, not to rank {spec.dp_rank} of {spec.dp_size}; load the states "
                             "of all ranks (merge_states) to resume on another layout")
         self.rows, self.stream_states, self.skipped = rows, streams, list(state["skipped"])
+        self.skip = _merged(tuple(r) for r in state.get("skip_rows", []))
 
     @property
     def skipped_shards(self) -> list[str]:
@@ -732,6 +767,17 @@ def _interleave(chunks: list[_Chunk]) -> Iterator[tuple[dict[str, torch.Tensor],
         for c in chunks:
             if u < len(c.states):
                 yield {key: value[u] for key, value in c.batch.items()}, c.states[u]
+
+
+def _merged(ranges) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) sorted, the overlapping and touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        elif stop > start:
+            out.append((start, stop))
+    return out
 
 
 def _check_format(state: dict) -> None:
@@ -774,9 +820,10 @@ def merge_states(states: list[dict]) -> dict:
                             "datasets or rows consumed)")
     streams = {k: v for s in by_rank.values() for k, v in s["stream_states"].items()}
     skipped = sorted({p for s in states for p in s["skipped"]})
+    skip_rows = _merged(tuple(r) for s in states for r in s.get("skip_rows", []))
     return {"format": STATE_FORMAT, "streams": first["streams"], "dp_rank": 0, "dp_size": 1,
             "rows": first["rows"] * first["dp_size"], "stream_states": streams, "skipped": skipped,
-            "sources": first["sources"]}
+            "sources": first["sources"], "skip_rows": [list(r) for r in skip_rows]}
 
 
 def check_data(settings: LoaderSettings, tokenizer: TokenizerInfo) -> None:

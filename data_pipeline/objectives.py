@@ -10,24 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from data_pipeline import DataError
+from data_pipeline.settings import ObjectiveArgs
 from data_pipeline.tokenizer import TokenizerInfo
 from megatransformer.batch import IGNORE_INDEX
 
 Sample = dict[str, np.ndarray]
-
-
-@dataclass(frozen=True)
-class ObjectiveArgs:
-    """Options of the objectives, each objective reading its own (the run config's ``objective_args`` holds
-    the same fields, checked there)."""
-
-    mask_prob: float = 0.15  # masked_lm: fraction of non-special tokens selected for prediction
-    mask_token_prob: float = 0.8  # masked_lm: of those, replaced by the mask token
-    random_token_prob: float = 0.1  # masked_lm: of those, replaced by a random token (the rest unchanged)
-    prefix_min: float = 0.1  # prefix_lm: smallest prefix as a fraction of the sequence
-    prefix_max: float = 0.9  # prefix_lm: largest prefix as a fraction of the sequence
-    noise_density: float = 0.15  # span_corruption: fraction of tokens corrupted
-    mean_noise_span_length: float = 3.0  # span_corruption: mean length of a corrupted span
 
 
 @dataclass

@@ -4,7 +4,7 @@ Layout of a shard directory::
 
     train-000000.tar ...   samples {"__key__": "<doc id>", "ids.npy": uint16|uint32 token ids}; instruction
                            examples also carry "prompt_len": the first prompt_len ids are the prompt
-    valid-000000.tar ...   the held-out split (a deterministic 1/N of the documents)
+    valid-000000.tar ...   the held-out split (deterministic: every N-th document, see ``held_out``)
     manifest.json          per-shard samples, tokens and sha256; tokenizer hash, dtype, vocab size
 
 Each shard is written under a temporary name and renamed when complete; the manifest is written last,
@@ -70,16 +70,19 @@ class Manifest:
         if is_remote(str(directory)):
             path = join(str(directory), MANIFEST)
             try:
-                text = read_bytes(path, retry or Retry()).decode()
+                data = read_bytes(path, retry or Retry())
             except FileNotFoundError:
                 raise missing from None
         else:
             path = Path(directory) / MANIFEST
+            if not Path(directory).exists():
+                raise DataError(f"{directory} does not exist; give a shard directory written by "
+                                "`megatransformer data shard`")
             if not path.is_file():
                 raise missing
-            text = path.read_text()
+            data = path.read_bytes()
         try:
-            raw = json.loads(text)
+            raw = json.loads(data)  # (bytes that are not UTF-8 raise UnicodeDecodeError, a ValueError)
             if raw.get("version") != FORMAT_VERSION:
                 raise DataError(f"{path} has format version {raw.get('version')}, this code reads {FORMAT_VERSION}")
             splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}
@@ -219,12 +222,24 @@ def prepare_output(out: Path, overwrite: bool) -> None:
         path.unlink(missing_ok=True)
 
 
+SMALL_INPUT = 1000  # documents: of the first ones, the default holds out a tenth
+
+
+def held_out(n: int, valid_every: int | None) -> bool:
+    """Whether document ``n`` (from 0) goes to the validation split: every ``valid_every``-th (0: none); by
+    default (None) every 10th of the first 1,000 documents and every 100th after, so that small inputs (a few
+    hundred examples) still get a validation split of some batches."""
+    if valid_every is None:
+        valid_every = 10 if n < SMALL_INPUT else 100
+    return valid_every > 0 and n % valid_every == valid_every - 1
+
+
 def write_shards(
     files: list[str],
     tokenizer_path: str,
     out: str | Path,
     shard_mb: float = 256.0,
-    valid_every: int = 100,
+    valid_every: int | None = None,
     workers: int | None = None,
     text_field: str = "text",
     doc_per: str = "block",
@@ -233,12 +248,12 @@ def write_shards(
     progress: bool = True,
     prompt_field: str | None = None,
 ) -> Manifest:
-    """Tokenize ``files`` into ``out``; every ``valid_every``-th document goes to the validation split
-    (0: none). ``workers`` tokenizer processes (default: all cores; 1: in this process). With
+    """Tokenize ``files`` into ``out``; documents chosen by :func:`held_out` go to the validation split.
+    ``workers`` tokenizer processes (default: all cores; 1: in this process). With
     ``prompt_field``, the .jsonl records are (prompt, completion) examples, the completion in ``text_field``."""
     if shard_mb <= 0:
         raise DataError(f"--shard-mb must be positive, got {shard_mb}")
-    if valid_every < 0 or valid_every == 1:
+    if valid_every is not None and (valid_every < 0 or valid_every == 1):
         raise DataError(f"--valid-every must be 0 (no validation split) or >= 2, got {valid_every}")
     out = Path(out)
     tokenizer = load_tokenizer(tokenizer_path)
@@ -273,7 +288,7 @@ def write_shards(
 
 
 def _write_documents(docs: Iterator[Document], paired: bool, tokenizer: TokenizerInfo, tokenizer_path: str,
-                     writers: dict[str, ShardWriter], dtype: np.dtype, valid_every: int, workers: int | None,
+                     writers: dict[str, ShardWriter], dtype: np.dtype, valid_every: int | None, workers: int | None,
                      progress: bool) -> int:
     from tqdm import tqdm
 
@@ -286,7 +301,7 @@ def _write_documents(docs: Iterator[Document], paired: bool, tokenizer: Tokenize
             examples = zip(batch[::2], batch[1::2]) if paired else ((None, ids) for ids in batch)
             before = n_docs
             for prompt, ids in examples:
-                split = "valid" if valid_every and n_docs % valid_every == valid_every - 1 else "train"
+                split = "valid" if held_out(n_docs, valid_every) else "train"
                 ids = np.asarray(ids, dtype=dtype)
                 if prompt is not None:
                     ids = np.concatenate([np.asarray(prompt, dtype=dtype), ids])

@@ -24,7 +24,7 @@ from data_pipeline import DataError
 @dataclass
 class Document:
     text: str  # the whole document, or the completion of an instruction example
-    source: str
+    file: str  # the input file it was read from
     line: int
     prompt: str | None = None  # the prompt of an instruction example (loss on `text` only)
 
@@ -66,6 +66,26 @@ def _kind(path: Path) -> str:
     if name.endswith(".tsv"):
         return "tsv"
     return "txt"
+
+
+INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".tsv")
+
+
+def input_files(names: list[str]) -> list[str]:
+    """``--input`` as files: a directory stands for its files of the kinds read here (.txt, .jsonl, .json,
+    .tsv, plain or .gz / .zst), in name order; a file is kept as given."""
+    files: list[str] = []
+    for name in names:
+        path = Path(name)
+        if not path.is_dir():
+            files.append(name)
+            continue
+        found = sorted(str(p) for p in path.iterdir()
+                       if p.is_file() and p.name.removesuffix(".gz").removesuffix(".zst").endswith(INPUT_SUFFIXES))
+        if not found:
+            raise DataError(f"input directory {path} holds no .txt, .jsonl, .json or .tsv files (plain, .gz or .zst)")
+        files += found
+    return files
 
 
 def read_documents(

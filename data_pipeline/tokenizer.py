@@ -7,6 +7,7 @@ works; an objective that needs a token the tokenizer lacks (e.g. a mask token) s
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -94,9 +95,24 @@ def load_tokenizer(path: str | Path) -> TokenizerInfo:
     )
 
 
+def write_transformers_files(info: TokenizerInfo, directory: str | Path, **settings) -> None:
+    """``tokenizer_config.json`` and ``special_tokens_map.json`` in ``directory`` (beside a ``tokenizer.json``):
+    the special tokens' roles, so that ``PreTrainedTokenizerFast.from_pretrained(directory)`` has bos, eos, pad,
+    unk and mask (and pads); ``settings`` (e.g. model_max_length) go into the config too."""
+    roles = {f"{role}_token": info.tokenizer.id_to_token(token_id)
+             for role in ALIASES for token_id in [getattr(info, f"{role}_id")] if token_id is not None}
+    if info.sentinel_ids:
+        roles["additional_special_tokens"] = [info.tokenizer.id_to_token(i) for i in info.sentinel_ids]
+    directory = Path(directory)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **roles, **settings}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "special_tokens_map.json").write_text(json.dumps(roles, indent=2) + "\n")
+
+
 def train_tokenizer(files: list[str], vocab_size: int, out: str | Path, n_sentinels: int = 100,
                     text_field: str = "text", doc_per: str = "block") -> TokenizerInfo:
-    """Train a byte-level BPE on text files (read with ``read_documents``), write it atomically."""
+    """Train a byte-level BPE on text files (read with ``read_documents``), write it atomically, with the files
+    that tell ``transformers`` the special tokens beside it."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     from data_pipeline.sources import read_documents
@@ -126,6 +142,7 @@ def train_tokenizer(files: list[str], vocab_size: int, out: str | Path, n_sentin
     tok.save(str(tmp))
     tmp.replace(out)
     info = load_tokenizer(out)
+    write_transformers_files(info, out.parent)
     if info.vocab_size < vocab_size:  # BPE ran out of pairs to merge: say so, the number matters for model.vocab_size
         print(f"note: {out} has {info.vocab_size:,} tokens, fewer than the {vocab_size:,} asked: the corpus has "
               f"no more pairs to merge (model.vocab_size >= {info.vocab_size} covers it)", file=sys.stderr)

@@ -47,9 +47,9 @@ class EarlySignals:
 
 
 def describe(dist: DistEnv) -> str:
-    if dist.source == "single":
+    if dist.launcher == "single":
         return "launch: single process"
-    return (f"launch: {dist.source}: world {dist.world_size} ({dist.local_world_size} per node), "
+    return (f"launch: {dist.launcher}: world {dist.world_size} ({dist.local_world_size} per node), "
             f"master {dist.master_addr}:{dist.master_port}")
 
 

@@ -32,7 +32,7 @@ class LaunchError(RuntimeError):
 
 @dataclass(frozen=True)
 class DistEnv:
-    source: str  # "torchrun", "slurm" or "single"
+    launcher: str  # "torchrun", "slurm" or "single"
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -43,7 +43,7 @@ class DistEnv:
 
     def variables(self) -> dict[str, str]:
         """The environment torch.distributed / DeepSpeed read (nothing for a single process)."""
-        if self.source == "single":
+        if self.launcher == "single":
             return {}
         return {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_WORLD_SIZE": str(self.local_world_size), "MASTER_ADDR": self.master_addr,

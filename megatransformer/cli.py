@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from data_pipeline import DataError
@@ -106,8 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ConfigError, DataError) as err:
-        print(f"megatransformer {args.command}: error: {err}", file=sys.stderr)
+        if reports_errors():
+            print(f"megatransformer {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (train checkpoints on Ctrl-C once it has started: training/loop.py)
+        print(f"\nmegatransformer {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT  # as a shell reports a process ended by Ctrl-C
+
+
+def reports_errors() -> bool:
+    """Whether this process prints a config or data error. The ranks of a node read the same config and
+    files, so an error found before the process group starts is the same on each: local rank 0 prints it.
+    Once the group has started, an error may be one rank's own, and every rank prints its own."""
+    dist = sys.modules.get("torch.distributed")
+    started = dist is not None and dist.is_available() and dist.is_initialized()
+    return started or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
                       ValidationError, model_validator)
+from pydantic.dataclasses import is_pydantic_dataclass
+
+from data_pipeline import DataError
+from data_pipeline.settings import ObjectiveArgs
 
 if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
     import torch
@@ -47,9 +51,68 @@ MAX_VOCAB = 1 << 22
 """Largest model.vocab_size accepted: the largest vocabularies in use hold about 256k tokens (Gemma's
 262,144); 2**22 leaves 16x headroom and still refuses a typo such as 1e9, whose embedding table alone would
 need terabytes (the run would die allocating it, with a traceback)."""
+MAX_STEPS = 10**9
+"""Largest train.max_steps accepted: the longest published pretraining runs take a few million optimizer steps;
+a billion is decades at ten steps a second, and still refuses a typo such as 1e30."""
 
 
 # --------------------------------------------------------------------------------------------- model
+
+
+class RopeScaling(Section):
+    """Rotary frequencies stretched for a context longer than the one trained, with transformers' formulas
+    (``modeling_rope_utils``) and key names. A field of another type than ``type`` is refused."""
+
+    type: Literal["linear", "dynamic", "yarn", "llama3"]
+    """linear: positions divided by factor (position interpolation); dynamic: NTK-aware base growth for
+    sequences beyond model.max_seq_len, computed per forward from the longest position (the trained length is
+    max_seq_len); yarn: YaRN's per-frequency blend of interpolation and extrapolation plus its attention
+    factor; llama3: Llama 3.1's wavelength bands (high frequencies kept, low ones divided by factor)."""
+    factor: Annotated[float, Field(ge=1.0)]
+    """How many times longer the context becomes (1 leaves the frequencies unchanged)."""
+    original_max_seq_len: PositiveInt | None = None
+    """yarn, llama3: the context length the model was trained with before extension (required)."""
+    beta_fast: PositiveFloat | None = None
+    """yarn (default 32): rotations per original context above which a frequency is extrapolated (kept)."""
+    beta_slow: PositiveFloat | None = None
+    """yarn (default 1): rotations per original context below which a frequency is interpolated (divided by
+    factor)."""
+    attention_factor: PositiveFloat | None = None
+    """yarn: scale of cos/sin (so of attention logits, squared); default 0.1 * ln(factor) + 1."""
+    truncate: bool | None = None
+    """yarn (default true): round the blend's frequency band to whole dimensions."""
+    low_freq_factor: PositiveFloat | None = None
+    """llama3 (default 1): wavelengths above original_max_seq_len / low_freq_factor are divided by factor."""
+    high_freq_factor: PositiveFloat | None = None
+    """llama3 (default 4): wavelengths below original_max_seq_len / high_freq_factor are kept; those between
+    blend."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            defaults = _ROPE_SCALING_DEFAULTS.get(data.get("type"), {})
+            data = {**defaults, **{k: v for k, v in data.items() if v is not None or k not in defaults}}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RopeScaling:
+        for name, types in _ROPE_SCALING_FIELDS.items():
+            _require(getattr(self, name) is None or self.type in types,
+                     f"model.rope_scaling.{name} is for type {' or '.join(types)}, not type={self.type}")
+        _require(self.type not in ("yarn", "llama3") or self.original_max_seq_len is not None,
+                 f"model.rope_scaling.type={self.type} needs original_max_seq_len (the trained context length)")
+        _require(self.type != "llama3" or self.high_freq_factor > self.low_freq_factor,
+                 f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                 f"low_freq_factor={self.low_freq_factor}")
+        return self
+
+
+_ROPE_SCALING_FIELDS = {"original_max_seq_len": ("yarn", "llama3"), "beta_fast": ("yarn",), "beta_slow": ("yarn",),
+                        "attention_factor": ("yarn",), "truncate": ("yarn",), "low_freq_factor": ("llama3",),
+                        "high_freq_factor": ("llama3",)}
+_ROPE_SCALING_DEFAULTS = {"yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True},
+                          "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0}}
 
 
 class ModelConfig(Section):
@@ -82,6 +145,13 @@ class ModelConfig(Section):
     per-head linear distance bias on the attention scores (Press et al. 2022; evaluates beyond max_seq_len)."""
     rope_theta: PositiveFloat = 10000.0
     """Base of the rotary frequencies."""
+    rope_scaling: RopeScaling | None = None
+    """position=rope: stretch the rotary frequencies for a longer context (see RopeScaling); None: plain RoPE."""
+    attention_window: PositiveInt | None = None
+    """Local (sliding-window) self-attention, as in Mistral: causal query i sees keys j with
+    i - window < j <= i; bidirectional (encoder) query i sees keys with |i - j| < window. Measured in
+    positions of the row, within each packed document; cross-attention is never windowed; not with
+    prefix-LM attention. None: every allowed key."""
     ffn: Literal["relu", "gelu", "swiglu"] = "swiglu"
     """Feed-forward activation; swiglu uses gate_proj * up_proj."""
     bias: bool = False
@@ -107,8 +177,9 @@ class ModelConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
     attention_backend: Literal["auto", "sdpa", "flex", "flash", "eager", "chunked"] = "auto"
-    """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows, else sdpa;
-    CPU: chunked, or sdpa with attention dropout); sdpa: PyTorch scaled_dot_product_attention; flex:
+    """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows; without
+    it PyTorch's varlen_attn for packed documents, prefix-LM and packed cross-attention (no attention dropout,
+    no ALiBi); else sdpa; CPU: chunked, or sdpa with attention dropout); sdpa: PyTorch scaled_dot_product_attention; flex:
     FlexAttention block masks; flash: flash-attn (CUDA); eager: plain matmul-softmax reference; chunked: exact
     attention in query chunks with recomputation (fastest for CPU training, memory linear in sequence length
     for every mask; see BENCHMARKS.md)."""
@@ -138,6 +209,10 @@ class ModelConfig(Section):
         _require(
             self.position != "rope" or self.head_dim % 2 == 0,
             f"model.position=rope needs an even head dim, got d_model/n_heads={self.head_dim}",
+        )
+        _require(
+            self.rope_scaling is None or self.position == "rope",
+            f"model.rope_scaling needs model.position=rope, got model.position={self.position}",
         )
         _require(
             self.n_decoder_layers is None or self.arch == "encoder_decoder",
@@ -184,44 +259,60 @@ class DataConfig(Section):
     the shard is named in the error (or skipped under on_corrupt=skip)."""
 
 
-class ObjectiveArgs(Section):
-    """Options of the objectives; each objective reads its own fields."""
-
-    mask_prob: UnitInterval = 0.15
-    """masked_lm: fraction of non-special tokens selected for prediction."""
-    mask_token_prob: UnitInterval = 0.8
-    """masked_lm: of the selected tokens, fraction replaced by the mask token."""
-    random_token_prob: UnitInterval = 0.1
-    """masked_lm: of the selected tokens, fraction replaced by a random token (the rest stay unchanged)."""
-    prefix_min: UnitInterval = 0.1
-    """prefix_lm: smallest prefix as a fraction of the sequence."""
-    prefix_max: UnitInterval = 0.9
-    """prefix_lm: largest prefix as a fraction of the sequence."""
-    noise_density: UnitInterval = 0.15
-    """span_corruption: fraction of tokens corrupted."""
-    mean_noise_span_length: Annotated[float, Field(ge=1.0)] = 3.0
-    """span_corruption: mean length of a corrupted span."""
-
-    @model_validator(mode="after")
-    def _consistent(self) -> ObjectiveArgs:
-        _require(
-            self.mask_token_prob + self.random_token_prob <= 1.0,
-            "objective_args.mask_token_prob + random_token_prob must be <= 1, "
-            f"got {self.mask_token_prob} + {self.random_token_prob}",
-        )
-        _require(
-            self.prefix_min <= self.prefix_max,
-            f"objective_args needs prefix_min <= prefix_max, got {self.prefix_min}, {self.prefix_max}",
-        )
-        return self
-
-
 # ------------------------------------------------------------------------------------------ training
 
 
+class SpikesConfig(Section):
+    """Loss spikes (training/spikes.py): a step whose loss is non-finite or far above the running median of
+    recent losses does not update the model; several within a short span roll the run back to the newest
+    intact checkpoint before them and skip the data read since, plus a margin; too many rollbacks stop it."""
+
+    enabled: bool = True
+    """Detect spikes and respond (off: only non-finite steps are skipped, train.max_bad_steps stops)."""
+    window: Annotated[int, Field(ge=2)] = 200
+    """Recent accepted steps whose losses make the running statistic (median and MAD)."""
+    warmup: Annotated[int, Field(ge=2)] = 50
+    """Accepted steps of history before a finite loss can be a spike (at most window)."""
+    threshold: Annotated[float, Field(gt=0)] = 6.0
+    """A spike lies this many robust standard deviations (1.4826 x MAD) above the median..."""
+    min_rise: Annotated[float, Field(gt=0)] = 0.1
+    """...and at least this fraction of the median above it (a flat curve has a MAD near zero)."""
+    rollback_after: PositiveInt = 3
+    """Spikes within ``within`` steps that roll the run back."""
+    within: PositiveInt = 50
+    """Steps in which ``rollback_after`` spikes roll the run back."""
+    margin_steps: NonNegativeInt = 20
+    """Global batches skipped beyond the step that triggered a rollback."""
+    max_rollbacks: NonNegativeInt = 3
+    """Rollbacks in a run; a spike that would need one more stops the run (exit 3)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpikesConfig:
+        _require(self.warmup <= self.window, f"train.spikes.warmup={self.warmup} exceeds train.spikes.window="
+                                             f"{self.window}: the window never holds that many steps; lower warmup")
+        _require(self.rollback_after <= self.within, f"train.spikes.rollback_after={self.rollback_after} spikes "
+                 f"cannot fall within train.spikes.within={self.within} steps; raise within or lower rollback_after")
+        return self
+
+
+class WatchdogConfig(Section):
+    """Hang diagnosis (training/watchdog.py): a step that takes far longer than usual makes every rank write
+    the Python stacks of all its threads to RUN_DIR/hangs/rank_NNNNN.txt, before parallel.timeout_minutes
+    ends the run."""
+
+    enabled: bool = True
+    """Arm the watchdog around every step."""
+    factor: Annotated[float, Field(gt=1)] = 20.0
+    """A step longer than this many times the median of recent steps is taken for a hang..."""
+    min_seconds: PositiveFloat = 60.0
+    """...and longer than this (first steps, a loaded machine); at most 0.8 x parallel.timeout_minutes."""
+    limit_seconds: PositiveFloat | None = None
+    """A fixed limit per step instead of factor and min_seconds (also capped by the collective timeout)."""
+
+
 class TrainConfig(Section):
-    max_steps: NonNegativeInt = 1000
-    """Optimizer steps to train."""
+    max_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 1000
+    """Optimizer steps to train, at least 1 (a run leaves a checkpoint), at most MAX_STEPS."""
     micro_batch_size: PositiveInt | None = None
     """Sequences per rank per forward pass."""
     global_batch_size: PositiveInt | None = None
@@ -253,9 +344,14 @@ class TrainConfig(Section):
     the latter; native: always PyTorch's bf16 kernels. Nothing changes on GPUs, in fp32 or with compile."""
     max_bad_steps: Annotated[int, Field(ge=1)] = 5
     """Consecutive non-finite losses after which the run checkpoints and stops."""
+    spikes: SpikesConfig = Field(default_factory=SpikesConfig)
+    """Loss spikes: skip the update, roll back and skip the data, stop (SpikesConfig)."""
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    """Hang diagnosis: every rank's stacks on file when a step overruns (WatchdogConfig)."""
     peak_tflops: PositiveFloat | None = None
     """Per-device peak TFLOP/s for the MFU estimate (default: the GPU's dense peak from
-    training.metrics.GPU_PEAK_TFLOPS, e.g. 989 for H100 SXM bf16; else a measured matmul peak)."""
+    training.metrics.GPU_PEAK_TFLOPS, e.g. 989 for H100 SXM bf16; another GPU's measured matmul peak; on a CPU
+    none: MFU is logged only when this is set, a CPU's measured speed being too unsteady to divide by)."""
     sample_prompt: str | None = None
     """Text to continue with a short generated sample at the end of training (decoder models)."""
 
@@ -349,6 +445,9 @@ class RunConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Training precision; bf16 keeps fp32 master weights, fp16 adds loss scaling (GPU)."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files into run_dir/tensorboard (needs the tensorboard package:
+    pip install 'megatransformer[tensorboard]'; off by default, W&B and metrics.jsonl being always there)."""
     resume: str | None = None
     """auto: the latest complete checkpoint in run_dir/checkpoints (fresh start if none); or a checkpoint path."""
     resume_elastic: Literal["keep_batch", "allow_batch_change"] = "keep_batch"
@@ -379,6 +478,9 @@ class RunConfig(Section):
                  f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         _require(self.resume is None or self.init_from is None,
                  "resume and init_from are exclusive: resume continues a run, init_from starts a new one")
+        _require(m.attention_window is None or (self.objective, m.arch) != ("prefix_lm", "decoder"),
+                 "model.attention_window does not combine with objective=prefix_lm on a decoder (its "
+                 "bidirectional prefix has no sliding window); drop one of them")
         _require(self.precision != "fp16" or m.attention_backend != "flex",
                  "precision=fp16 is not supported with model.attention_backend=flex; use bf16")
         return self
@@ -401,12 +503,12 @@ class RunConfig(Section):
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` strings to a nested dict; values are parsed as YAML scalars/lists."""
+    """Apply ``a.b.c=value`` strings to a nested dict; values are read by :func:`override_value`."""
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
-        value = yaml.safe_load(text) if text else None
+        value = override_value(text)
         node = raw
         parts = key.split(".")
         for part in parts[:-1]:
@@ -416,6 +518,22 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = child
         node[parts[-1]] = value
     return raw
+
+
+def override_value(text: str) -> Any:
+    """An override's value: a YAML scalar, or a ``[...]`` / ``{...}`` collection; any other text is the string as
+    written (``ROMEO:``, ``- a``, ``# x`` and text YAML cannot parse), as a shell user means it."""
+    if not text:
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, (dict, list)) and not text.lstrip().startswith(("[", "{")):
+        return text
+    if value is None and text.strip() not in ("null", "Null", "NULL", "~"):
+        return text
+    return value
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -496,20 +614,22 @@ def _describe(err: ValidationError, schema: type[Section]) -> str:
     """Turn pydantic's most useful error into one line; for unknown keys suggest the closest valid key."""
     errors = err.errors()
     # an unknown key first; then a value out of range (in a union, rather than "not a string" for the other member)
-    first = next((e for e in errors if e["type"] == "extra_forbidden"), None) or \
+    first = next((e for e in errors if e["type"] in _UNKNOWN_KEY), None) or \
         next((e for e in errors if e["type"] in _BOUNDS or e["type"] == "finite_number"), errors[0])
     parts = [p for p in first["loc"] if not _is_union_tag(p)]
     loc = [str(p) for p in parts]
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
-    if first["type"] == "extra_forbidden":
+    if first["type"] in _UNKNOWN_KEY:
         section = _section_at(schema, [p for p in loc[:-1] if not p.isdigit()])
-        valid = list(section.model_fields) if section else []
+        valid = list(_fields(section)) if section else []
         close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
         hint = f"did you mean {'.'.join(loc[:-1] + close)!r}?" if close else f"valid keys: {', '.join(valid)}"
         return f"unknown config key {where!r}; {hint}"
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, ConfigError):
         return str(cause)
+    if isinstance(cause, DataError):  # (a data_pipeline settings check, its message led by its own field)
+        return f"{where}.{cause}" if where else str(cause)
     if first["type"] in _BOUNDS:
         (bound,) = first["ctx"].values()
         return f"{where}={first['input']} must be {_BOUNDS[first['type']]} {_number(bound)}"
@@ -520,6 +640,8 @@ def _describe(err: ValidationError, schema: type[Section]) -> str:
     return f"config key {where!r}: {first['msg']} (got {first.get('input')!r})"
 
 
+_UNKNOWN_KEY = ("extra_forbidden", "unexpected_keyword_argument")
+"""pydantic's errors for a key a section does not have (a model's, a dataclass's)."""
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 """pydantic's range errors, as the comparison the value failed."""
 
@@ -533,17 +655,22 @@ def _is_union_tag(part: Any) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
 
 
-def _section_at(schema: type[Section], loc: list[str]) -> type[BaseModel] | None:
-    node: type[BaseModel] | None = schema
+def _section_at(schema: type[Section], loc: list[str]) -> type | None:
+    node: type | None = schema
     for part in loc:
-        field = node.model_fields.get(part) if node else None
+        field = _fields(node).get(part) if node else None
         node = _model_in(field.annotation) if field else None
     return node
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The BaseModel class inside an annotation such as ``X``, ``list[X]`` or ``str | list[X] | None``."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+def _fields(section: type) -> dict[str, Any]:
+    """The fields of a config section: a pydantic model, or a pydantic dataclass of data_pipeline's."""
+    return section.model_fields if issubclass(section, BaseModel) else section.__pydantic_fields__
+
+
+def _model_in(annotation: Any) -> type | None:
+    """The section class inside an annotation such as ``X``, ``list[X]`` or ``str | list[X] | None``."""
+    if isinstance(annotation, type) and (issubclass(annotation, BaseModel) or is_pydantic_dataclass(annotation)):
         return annotation
     for arg in typing.get_args(annotation):
         found = _model_in(arg)

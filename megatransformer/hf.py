@@ -1,8 +1,10 @@
 """Mapping between our decoders and Hugging Face ``transformers`` classes (config and weight names).
 
-Two families map exactly, so ``transformers`` computes the same function with no custom code:
+Three families map exactly, so ``transformers`` computes the same function with no custom code:
 
-- ``LlamaForCausalLM``: pre-LN, rmsnorm, rope, swiglu, no biases (MHA, GQA or MQA);
+- ``LlamaForCausalLM``: pre-LN, rmsnorm, rope (scaled or not: ``rope_parameters``), swiglu, no biases (MHA, GQA
+  or MQA);
+- ``MistralForCausalLM``: the same with a sliding window (``sliding_window``, Llama's weight names);
 - ``GPT2LMHeadModel``: pre-LN, layernorm, learned positions, (exact) gelu, biases, MHA, tied embeddings.
 
 Anything else is refused with the option that prevents each mapping.
@@ -19,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from megatransformer.config import ModelConfig
+from data_pipeline.tokenizer import load_tokenizer, write_transformers_files
+from megatransformer.config import ModelConfig, RopeScaling
 
 # (our name, Llama name) templates; {i} is the layer index
 _LAYER_NAMES = [
@@ -40,16 +43,65 @@ _GLOBAL_NAMES = [
 ]
 
 
-def llama_incompatibility(cfg: ModelConfig) -> str | None:
-    """Why ``cfg`` cannot be a LlamaForCausalLM, or None when it can."""
+def _llama_like_incompatibility(cfg: ModelConfig, family: str) -> str | None:
     required = {
         "arch": "decoder", "norm_position": "pre", "norm": "rmsnorm", "position": "rope", "ffn": "swiglu",
         "bias": False, "scale_embeddings": False, "final_norm": True,
     }
     for field, value in required.items():
         if getattr(cfg, field) != value:
-            return f"model.{field}={getattr(cfg, field)} (Llama needs {value})"
+            return f"model.{field}={getattr(cfg, field)} ({family} needs {value})"
     return None
+
+
+def llama_incompatibility(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be a LlamaForCausalLM, or None when it can."""
+    if cfg.attention_window is not None:
+        return f"model.attention_window={cfg.attention_window} (Llama has no sliding window; Mistral has)"
+    return _llama_like_incompatibility(cfg, "Llama")
+
+
+def mistral_incompatibility(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be a MistralForCausalLM, or None when it can."""
+    return _llama_like_incompatibility(cfg, "Mistral")
+
+
+# transformers' rope_parameters keys of each scaled rope type: (their key, our RopeScaling field)
+_ROPE_KEYS = {
+    "linear": [("factor", "factor")],
+    "dynamic": [("factor", "factor")],
+    "yarn": [("factor", "factor"), ("original_max_position_embeddings", "original_max_seq_len"),
+             ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"), ("attention_factor", "attention_factor"),
+             ("truncate", "truncate")],
+    "llama3": [("factor", "factor"), ("original_max_position_embeddings", "original_max_seq_len"),
+               ("low_freq_factor", "low_freq_factor"), ("high_freq_factor", "high_freq_factor")],
+}
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers' ``rope_parameters`` of a rope model (dynamic scaling extends beyond
+    max_position_embeddings, which is model.max_seq_len)."""
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    keys = {theirs: getattr(scaling, ours) for theirs, ours in _ROPE_KEYS[scaling.type]}
+    return {"rope_type": scaling.type, "rope_theta": cfg.rope_theta,
+            **{key: value for key, value in keys.items() if value is not None}}
+
+
+def rope_scaling_from(rope: dict) -> RopeScaling | None:
+    """Our rope scaling for transformers' ``rope_parameters`` (or a legacy ``rope_scaling``) dict."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in _ROPE_KEYS:
+        raise ValueError(f"rope_type={rope_type} is not supported (default, {', '.join(_ROPE_KEYS)} are)")
+    known = {theirs for theirs, _ in _ROPE_KEYS[rope_type]} | {"rope_type", "type", "rope_theta"}
+    unknown = sorted(key for key, value in rope.items() if key not in known and value is not None)
+    if unknown:
+        raise ValueError(f"rope_type={rope_type} with {', '.join(unknown)} is not supported")
+    return RopeScaling(type=rope_type, **{ours: rope[theirs] for theirs, ours in _ROPE_KEYS[rope_type]
+                                          if rope.get(theirs) is not None})
 
 
 def llama_config(cfg: ModelConfig) -> dict:
@@ -57,33 +109,48 @@ def llama_config(cfg: ModelConfig) -> dict:
     reason = llama_incompatibility(cfg)
     if reason:
         raise ValueError(f"this model cannot be expressed as LlamaForCausalLM: {reason}")
+    return {**_llama_like_config(cfg), "attention_bias": False, "mlp_bias": False}
+
+
+def _llama_like_config(cfg: ModelConfig) -> dict:
     return dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False, hidden_act="silu",
+        rope_parameters=rope_parameters(cfg),
+        tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu",
         attention_dropout=cfg.attention_dropout,
     )
 
 
+def mistral_config(cfg: ModelConfig) -> dict:
+    """``MistralConfig`` keyword arguments equivalent to ``cfg``."""
+    reason = mistral_incompatibility(cfg)
+    if reason:
+        raise ValueError(f"this model cannot be expressed as MistralForCausalLM: {reason}")
+    return {**_llama_like_config(cfg), "sliding_window": cfg.attention_window}
+
+
 def model_config_from_llama(hf: dict) -> ModelConfig:
     """Our ModelConfig for a Llama ``config.json`` dict."""
-    rope = hf.get("rope_parameters") or {}
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if head_dim * heads != hf["hidden_size"]:
         raise ValueError(f"Llama head_dim={head_dim} x heads={heads} != hidden_size={hf['hidden_size']}")
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"Llama rope_type={rope['rope_type']} is not supported (only default rope)")
     return ModelConfig(
         arch="decoder", d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
         vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
         norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), position="rope",
-        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), ffn="swiglu", bias=False,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), rope_scaling=rope_scaling_from(rope),
+        ffn="swiglu", bias=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
+
+
+def model_config_from_mistral(hf: dict) -> ModelConfig:
+    """Our ModelConfig for a Mistral ``config.json`` dict (transformers' default window: 4096)."""
+    return model_config_from_llama(hf).model_copy(update={"attention_window": hf.get("sliding_window", 4096)})
 
 
 def _pairs(global_names: list, layer_names: list, n_layers: int) -> list[tuple[str, str]]:
@@ -141,7 +208,7 @@ def gpt2_incompatibility(cfg: ModelConfig) -> str | None:
     required = {
         "arch": "decoder", "norm_position": "pre", "norm": "layernorm", "position": "learned", "ffn": "gelu",
         "bias": True, "scale_embeddings": False, "final_norm": True, "tie_embeddings": True,
-        "kv_heads": cfg.n_heads,
+        "kv_heads": cfg.n_heads, "attention_window": None,
     }
     for field, value in required.items():
         if getattr(cfg, field) != value:
@@ -230,9 +297,11 @@ class Family:
 
 LLAMA = Family("Llama", "llama", "LlamaForCausalLM", llama_incompatibility, llama_config, to_llama_state_dict,
                from_llama_state_dict, model_config_from_llama)
+MISTRAL = Family("Mistral", "mistral", "MistralForCausalLM", mistral_incompatibility, mistral_config,
+                 to_llama_state_dict, from_llama_state_dict, model_config_from_mistral)
 GPT2 = Family("GPT-2", "gpt2", "GPT2LMHeadModel", gpt2_incompatibility, gpt2_config, to_gpt2_state_dict,
               from_gpt2_state_dict, model_config_from_gpt2)
-FAMILIES = (LLAMA, GPT2)
+FAMILIES = (LLAMA, MISTRAL, GPT2)
 
 
 def hf_incompatibility(cfg: ModelConfig) -> str | None:
@@ -264,7 +333,7 @@ def save_hf_dir(
     special_ids = special_ids or {}
     config = {
         "architectures": [family.architecture], "model_type": family.model_type, **family.config(cfg),
-        **({"rope_theta": cfg.rope_theta} if family is LLAMA else {}),  # where older transformers read it
+        **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL) else {}),  # where older transformers read it
         "bos_token_id": special_ids.get("bos"), "eos_token_id": special_ids.get("eos"),
         "pad_token_id": special_ids.get("pad"), "torch_dtype": str(dtype).removeprefix("torch."),
     }
@@ -279,12 +348,7 @@ def save_hf_dir(
          "pad_token_id": special_ids.get("pad")}, indent=2))
     if tokenizer_json is not None:
         shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
-        names = {"bos": "bos_token", "eos": "eos_token", "pad": "pad_token", "unk": "unk_token"}
-        tokens = json.loads(Path(tokenizer_json).read_text()).get("added_tokens", [])
-        by_id = {t["id"]: t["content"] for t in tokens}
-        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len}
-        tok_config.update({names[k]: by_id[i] for k, i in special_ids.items() if k in names and i in by_id})
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+        write_transformers_files(load_tokenizer(tmp / "tokenizer.json"), tmp, model_max_length=cfg.max_seq_len)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
@@ -292,7 +356,7 @@ def save_hf_dir(
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Llama or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our names."""
+    """Read a Llama, Mistral or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our names."""
     from safetensors.torch import load_file
 
     config_path = Path(path) / "config.json"

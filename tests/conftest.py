@@ -1,4 +1,4 @@
-"""Shared pytest fixtures. Each area keeps its fixtures in its own clearly marked block."""
+"""Session fixtures (tiny data every tier reads) and the tiers: everything under ``e2e/`` is ``slow``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,19 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from support.data import INSTRUCTION_VALID_EVERY
 
-# ============================================================================ data_pipeline fixtures (issue #3)
+E2E = Path(__file__).parent / "e2e"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tier is the folder: tests under e2e/ (subprocesses, ranks, DeepSpeed) are marked slow."""
+    for item in items:
+        if E2E in item.path.parents:
+            item.add_marker(pytest.mark.slow)
+
+
+# ============================================================================ data_pipeline fixtures
 # tiny_data: demo corpus (stdlib docstrings, ~0.3 MB) -> byte-level BPE (vocab 512) -> WebDataset shards
 # (train + valid, many small shards so several ranks x workers can split them), built once per session.
 
@@ -43,6 +54,13 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
     return TinyData(tokenizer, shards)
 
 
+@pytest.fixture(scope="session")
+def tok(tiny_data: TinyData):
+    """tiny_data's tokenizer, loaded."""
+    from data_pipeline.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_data.tokenizer)
+
 
 class TinyInstructions(NamedTuple):
     jsonl: Path  # {"prompt", "completion"} records
@@ -53,8 +71,6 @@ class TinyInstructions(NamedTuple):
 
         return [(r["prompt"], r["completion"]) for r in map(json.loads, self.jsonl.read_text().splitlines())]
 
-
-INSTRUCTION_VALID_EVERY = 5
 
 
 @pytest.fixture(scope="session")

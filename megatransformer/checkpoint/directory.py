@@ -109,6 +109,20 @@ def prune(root: Path, keep_last: int, keep: Collection[str]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def complete_before(root: Path, step: int) -> list[Path]:
+    """Complete checkpoints older than ``step``, newest first (unverified)."""
+    return [p for p in complete_checkpoints(root) if step_of(p) < step]
+
+
+def rewind_to(path: Path) -> None:
+    """Make checkpoint ``path`` the newest of its run: newer ones (a trajectory a loss-spike rollback left)
+    are deleted and `latest` names it. Rank 0 only."""
+    for newer in complete_checkpoints(path.parent):
+        if step_of(newer) > step_of(path):
+            shutil.rmtree(newer, ignore_errors=True)
+    atomic_write(path.parent / LATEST, path.name)
+
+
 def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)

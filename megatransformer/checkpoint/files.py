@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
 
 from megatransformer.checkpoint.directory import (COMPLETE, CONFIG, TOKENIZER, TRAINER_STATE, WEIGHTS,
                                                   WEIGHTS_FILES, default_file_mode, find_checkpoint, step_of)
@@ -38,6 +38,7 @@ class TrainerState(BaseModel):
     tensor_parallel: PositiveInt
     sequence_parallel: PositiveInt = 1
     zero_stage: Literal[0, 1, 2, 3]
+    spikes: dict[str, Any] = Field(default_factory=dict)  # the loss-spike ladder's (training/spikes.py)
 
 
 def read_file(path: Path, name: str, parse: Callable[[str], Any]) -> Any:

@@ -14,7 +14,9 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("average", help="average the weights of checkpoints (e.g. the last 5 of a run)")
+    p = subparsers.add_parser("average", help="average the weights of checkpoints (e.g. the last 5 of a run)",
+                              description="Write the parameter mean of several checkpoints of one model as a "
+                                          "weights-only checkpoint (the 2017 paper evaluated the last 5 or 20).")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoints", nargs="+", metavar="C",
                        help="checkpoint (step) directories to average (a run directory: its latest checkpoint)")

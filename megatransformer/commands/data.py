@@ -6,14 +6,21 @@ import argparse
 import sys
 
 from data_pipeline import DataError
+from megatransformer.commands.arguments import add_config_argument
+
+INPUT_HELP = ".txt / .jsonl / .tsv files (.gz/.zst too), or directories of them"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    data = subparsers.add_parser("data", help="prepare and inspect training data")
+    data = subparsers.add_parser("data", help="prepare and inspect training data",
+                                 description="Turn text into what training reads: a tokenizer, then WebDataset "
+                                             "shards; inspect the batches a config makes of them.")
     commands = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
 
-    p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer with the special tokens")
-    p.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files (.gz/.zst too)")
+    p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer with the special tokens",
+                            description="Train a byte-level BPE tokenizer on text files and write it as a "
+                                        "Hugging Face tokenizer.json, with pad, bos, eos, mask and sentinel tokens.")
+    p.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
     p.add_argument("--vocab-size", type=int, required=True,
                    help="tokens to learn (the result has fewer when the corpus runs out of merges)")
     p.add_argument("--sentinels", type=int, default=100, help="span-corruption sentinel tokens")
@@ -23,12 +30,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="tokenizer.json to write")
     p.set_defaults(func=_tokenizer)
 
-    p = commands.add_parser("shard", help="tokenize documents into WebDataset shards + manifest.json")
-    p.add_argument("--input", nargs="+", required=True, help=".txt / .jsonl files (.gz/.zst too)")
+    p = commands.add_parser("shard", help="tokenize documents into WebDataset shards + manifest.json",
+                            description="Tokenize documents (or instruction and translation pairs) into "
+                                        "WebDataset shards of a train and a valid split, listed with their "
+                                        "checksums in manifest.json; data.train= takes the directory.")
+    p.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
     p.add_argument("--tokenizer", required=True, help="tokenizer.json")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--shard-mb", type=float, default=256.0, help="approximate shard size in MiB")
-    p.add_argument("--valid-every", type=int, default=100, help="every N-th document is held out (0: none)")
+    p.add_argument("--valid-every", type=int, default=None, metavar="N",
+                   help="hold out every N-th document for validation (0: none; default: every 10th of the first "
+                        "1,000 documents, every 100th after)")
     p.add_argument("--workers", type=int, default=None,
                    help="tokenizer processes (default: cores - 1; 1: in this process, multi-threaded)")
     p.add_argument("--text-field", default="text", help="field of .jsonl records holding the text")
@@ -40,15 +52,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_instruction_arguments(p)
     p.set_defaults(func=_shard)
 
-    p = commands.add_parser("inspect", help="decode a few batches of a run config and print statistics")
-    p.add_argument("--config", required=True, help="YAML run description, or a shipped config's name (llama-style)")
+    p = commands.add_parser("inspect", help="decode a few batches of a run config and print statistics",
+                            description="Build a config's data loader, decode its first batches back to text and "
+                                        "print how full they are (padding, documents per row, loss tokens).")
+    add_config_argument(p)
     p.add_argument("--batches", type=int, default=2, help="micro batches to decode")
     p.add_argument("--split", choices=["train", "valid"], default="train", help="which split to read")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    p.add_argument("--rows", type=row_range, default=None, metavar="START:STOP",
+                   help="instead, print global training rows [START, STOP) as text (e.g. a range a loss-spike "
+                        "rollback skipped: metrics.jsonl's skipped_rows)")
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. data.seq_len=256")
     p.set_defaults(func=_inspect)
 
-    p = commands.add_parser("demo-corpus", help="write a text corpus from the Python standard library's docstrings")
+    p = commands.add_parser("demo-corpus", help="write a text corpus from the Python standard library's docstrings",
+                            description="Write the docstrings of the Python standard library as a text corpus "
+                                        "(blank-line-separated documents): data to try every step on, offline.")
     p.add_argument("--out", required=True, help="text file to write")
     p.add_argument("--max-mb", type=float, default=2.0, help="corpus size in MB")
     p.set_defaults(func=_demo_corpus)
@@ -78,9 +97,11 @@ def _guard(fn):
 
 @_guard
 def _tokenizer(args: argparse.Namespace) -> int:
+    from data_pipeline.sources import input_files
     from data_pipeline.tokenizer import train_tokenizer
 
-    info = train_tokenizer(args.input, args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per)
+    info = train_tokenizer(input_files(args.input), args.vocab_size, args.out, args.sentinels, args.text_field,
+                           args.doc_per)
     asked = "" if info.vocab_size == args.vocab_size else f" of {args.vocab_size} asked"
     print(f"wrote {args.out}: {info.vocab_size} tokens{asked} (pad {info.pad_id}, bos {info.bos_id}, eos {info.eos_id}, "
           f"mask {info.mask_id}, {len(info.sentinel_ids)} sentinels)")
@@ -90,10 +111,11 @@ def _tokenizer(args: argparse.Namespace) -> int:
 @_guard
 def _shard(args: argparse.Namespace) -> int:
     from data_pipeline.shard import write_shards
+    from data_pipeline.sources import input_files
 
     text_field = args.completion_field if args.prompt_field else args.text_field
-    manifest = write_shards(args.input, args.tokenizer, args.out, args.shard_mb, args.valid_every, args.workers,
-                            text_field, args.doc_per, args.on_decode_error, args.overwrite,
+    manifest = write_shards(input_files(args.input), args.tokenizer, args.out, args.shard_mb, args.valid_every,
+                            args.workers, text_field, args.doc_per, args.on_decode_error, args.overwrite,
                             progress=sys.stderr.isatty(), prompt_field=args.prompt_field)
     unit = "examples" if args.prompt_field else "documents"
     for split, shards in manifest.splits.items():
@@ -102,13 +124,23 @@ def _shard(args: argparse.Namespace) -> int:
     return 0
 
 
+def row_range(text: str) -> tuple[int, int]:
+    """``START:STOP``, two global row numbers with START < STOP."""
+    start, sep, stop = text.partition(":")
+    if not (sep and start.isdigit() and stop.isdigit() and int(start) < int(stop)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:STOP with 0 <= START < STOP, e.g. 1200:1600")
+    return int(start), int(stop)
+
+
 @_guard
 def _inspect(args: argparse.Namespace) -> int:
-    from data_pipeline.inspect import inspect_batches
+    from data_pipeline.inspect import inspect_batches, inspect_rows
     from megatransformer.config import load_config
     from megatransformer.training.data import loader_settings
 
     cfg = load_config(args.config, args.overrides)
+    if args.rows is not None:
+        return inspect_rows(loader_settings(cfg), cfg.data.tokenizer, *args.rows)
     return inspect_batches(loader_settings(cfg), cfg.data.tokenizer, cfg.train.micro_batch_size or 4, args.batches,
                            args.split, args.json)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def bleu_of(loaded, files: list[str], source_field: str, target_field: str, num_
     for pair in read_documents(files, target_field, prompt_field=source_field):
         sources.append(tok.encode(pair.prompt))
         if not sources[-1]:
-            raise ConfigError(f"{pair.source}:{pair.line}: the source encodes to no tokens")
+            raise ConfigError(f"{pair.file}:{pair.line}: the source encodes to no tokens")
         references.append(pair.text)
     if not sources:
         raise ConfigError(f"no translation pairs in {', '.join(files)}")
@@ -120,11 +121,23 @@ def bleu_of(loaded, files: list[str], source_field: str, target_field: str, num_
                for tokens in beam_decode(loaded, sources, num_beams, alpha, form, batch_size=batch_size)]
     if hypotheses:
         Path(hypotheses).write_text("".join(line.replace("\n", " ") + "\n" for line in outputs))
+    warning = empty_hypotheses_warning(outputs)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     bleu, chrf = BLEU(), CHRF()
     bleu_score, chrf_score = bleu.corpus_score(outputs, [references]), chrf.corpus_score(outputs, [references])
     return {"bleu": bleu_score.score, "chrf": chrf_score.score, "bleu_text": str(bleu_score),
             "chrf_text": str(chrf_score), "bleu_signature": str(bleu.get_signature()),
             "chrf_signature": str(chrf.get_signature()), "sentences": len(outputs)}
+
+
+def empty_hypotheses_warning(outputs: list[str]) -> str | None:
+    """A warning when a tenth or more of the translations are empty: BLEU then scores mostly silence."""
+    empty = sum(not text for text in outputs)
+    if not outputs or empty * 10 < len(outputs):
+        return None
+    return (f"warning: {empty:,} of {len(outputs):,} hypotheses are empty (the model ends them at once: trained "
+            "too little, or not a translation model?); the scores count them as empty translations")
 
 
 def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str, str]:

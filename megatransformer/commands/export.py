@@ -1,8 +1,8 @@
 """``megatransformer export`` and ``megatransformer import``: hand models to and from the ecosystem.
 
 Formats: ``safetensors`` (our consolidated weights + config + tokenizer, readable without DeepSpeed) and
-``hf`` (a ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` directory that ``transformers`` loads with no custom
-code; see megatransformer.hf).
+``hf`` (a ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``GPT2LMHeadModel`` directory that ``transformers``
+loads with no custom code; see megatransformer.hf).
 """
 
 from __future__ import annotations
@@ -13,16 +13,22 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("export", help="write a checkpoint as consolidated safetensors or a HF model")
+    p = subparsers.add_parser("export", help="write a checkpoint as consolidated safetensors or a HF model",
+                              description="Write a checkpoint's weights in one piece, whatever layout trained "
+                                          "them: our safetensors format, or a directory that transformers loads "
+                                          "with from_pretrained (Llama or GPT-2 architecture).")
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
-                   help="safetensors: our weights + config + tokenizer; hf: a transformers Llama or GPT-2 directory")
+                   help="safetensors: our weights + config + tokenizer; hf: a transformers Llama, Mistral or "
+                        "GPT-2 directory")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written weights")
     p.set_defaults(func=export)
 
-    p = subparsers.add_parser("import", help="turn a Hugging Face Llama or GPT-2 directory into a checkpoint "
-                                             "for init_from=")
+    p = subparsers.add_parser("import", help="turn a Hugging Face Llama, Mistral or GPT-2 directory into a checkpoint "
+                                             "for init_from=",
+                              description="Convert a Hugging Face Llama, Mistral or GPT-2 model directory into a "
+                                          "weights-only checkpoint that init_from=, eval and generate accept.")
     p.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.set_defaults(func=import_hf)
@@ -35,11 +41,11 @@ def export(args: argparse.Namespace) -> int:
     from megatransformer.config import ConfigError
     from megatransformer.hf import hf_incompatibility, save_hf_dir
 
-    source = find_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
-    cfg, weights = load_weights(source)
+    checkpoint = find_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
+    cfg, weights = load_weights(checkpoint)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     out = Path(args.out)
-    tokenizer = source / "tokenizer.json"
+    tokenizer = checkpoint / "tokenizer.json"
     if args.format == "hf":
         reason = hf_incompatibility(cfg.model)
         if reason:
@@ -54,7 +60,7 @@ def export(args: argparse.Namespace) -> int:
         print(f"wrote a {family.architecture} directory")
     else:
         write_weights_checkpoint(out, cfg, {k: v.to(dtype) for k, v in weights.items()}, tokenizer)
-    print(f"exported {source} -> {out} ({args.format}, {args.dtype})")
+    print(f"exported {checkpoint} -> {out} ({args.format}, {args.dtype})")
     return 0
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError, RunConfig, dump_config, load_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("info", help="show a config's resolved values, parameters and FLOPs/token")
-    parser.add_argument("--config", required=True, help="YAML run description, or a shipped config's name (llama-style)")
+    parser = subparsers.add_parser("info", help="show a config's resolved values, parameters and FLOPs/token",
+                                   description="Print a config with every default filled in and the overrides "
+                                               "applied, and its model's parameter count and FLOPs per token.")
+    add_config_argument(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--world-size", type=int, default=None, metavar="N",
                         help="ranks of the run (default: parallel.tensor_parallel x sequence_parallel)")

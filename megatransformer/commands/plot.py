@@ -26,8 +26,20 @@ def default_out(runs: list[str | Path]) -> Path:
     return Path(os.path.commonpath([os.path.abspath(r) for r in runs])) / "compare.png"
 
 
+PANELS = (("loss", "loss", "loss"), ("lr", "learning rate", "learning rate"),
+          ("tokens_per_s", "tokens / s", "throughput"), ("mfu", "MFU (%)", "model FLOPs utilisation"))
+
+
+def panels(metrics: list[list[dict]]) -> list[tuple[str, str, str]]:
+    """(record key, y label, title) of each panel: MFU only when some run has it (a CPU run has none unless
+    train.peak_tflops is set)."""
+    has_mfu = any(r.get("mfu") is not None for records in metrics for r in records)
+    return [panel for panel in PANELS if panel[0] != "mfu" or has_mfu]
+
+
 def draw(runs: list[str | Path], out: str | Path) -> Path:
-    """Write the four panels (loss with validation points, learning rate, tokens/s, MFU) to ``out``."""
+    """Write the panels (loss with validation points and loss-spike events, learning rate, tokens/s, MFU if
+    known) to ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,21 +48,22 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
     from megatransformer.training.metrics import read_metrics
 
     metrics = [(run_dir, read_metrics(run_dir)) for run_dir in runs]  # a directory that is no run fails first
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    loss_ax, lr_ax, speed_ax, mfu_ax = axes.flat
+    shown = panels([records for _, records in metrics])
+    fig, axes = plt.subplots(1, len(shown), figsize=(6 * len(shown), 4.5), squeeze=False)
     for run_dir, records in metrics:
         name = Path(run_dir).resolve().name
         train = [r for r in records if "loss" in r]
         valid = [r for r in records if "val_loss" in r]
         steps = [r["step"] for r in train]
-        loss_ax.plot(steps, [r["loss"] for r in train], label=f"{name} train")
+        for ax, (key, _, _) in zip(axes.flat, shown):
+            scale = 100 if key == "mfu" else 1
+            ax.plot(steps, [None if r.get(key) is None else scale * r[key] for r in train],
+                    label=f"{name} train" if key == "loss" else name)
         if valid:
-            loss_ax.plot([r["step"] for r in valid], [r["val_loss"] for r in valid], "o--", label=f"{name} valid")
-        lr_ax.plot(steps, [r.get("lr") for r in train], label=name)
-        speed_ax.plot(steps, [r.get("tokens_per_s") for r in train], label=name)
-        mfu_ax.plot(steps, [100 * r["mfu"] if r.get("mfu") is not None else None for r in train], label=name)
-    for ax, ylabel, title in ((loss_ax, "loss", "loss"), (lr_ax, "learning rate", "learning rate"),
-                              (speed_ax, "tokens / s", "throughput"), (mfu_ax, "MFU (%)", "model FLOPs utilisation")):
+            axes.flat[0].plot([r["step"] for r in valid], [r["val_loss"] for r in valid], "o--",
+                              label=f"{name} valid")
+        mark_spikes(axes.flat[0], name, [r for r in records if "event" in r])
+    for ax, (_, ylabel, title) in zip(axes.flat, shown):
         ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -60,6 +73,17 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def mark_spikes(ax, name: str, events: list[dict]) -> None:
+    """Loss spikes on the loss panel: a cross per spike at its loss, a dashed line per rollback."""
+    spiked = [e for e in events if e.get("spike_loss") is not None]
+    if spiked:
+        ax.plot([e["step"] for e in spiked], [e["spike_loss"] for e in spiked], "x", color="red",
+                label=f"{name} loss spikes")
+    for i, event in enumerate(e for e in events if e["event"] == "rollback"):
+        ax.axvline(event["step"], color="red", linestyle="--", alpha=0.5,
+                   label=f"{name} rollbacks" if i == 0 else None)
 
 
 def run(args: argparse.Namespace) -> int:

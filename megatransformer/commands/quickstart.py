@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megatransformer.commands.arguments import add_config_argument
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "quickstart", help="prepare a demo corpus and train the quickstart config",
         description="Write a corpus of Python docstrings, train a tokenizer, shard, and train a small model; all "
                     "files land under the config's run_dir, relative to the current directory.")
-    parser.add_argument("--config", default="quickstart", help="YAML run description or a shipped config's name")
+    add_config_argument(parser, default="quickstart")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. train.max_steps=50")
     parser.add_argument("--verbose", action="store_true", help="also show DeepSpeed's start-up messages")
     parser.set_defaults(func=run)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError
 from megatransformer.training.metrics import format_duration, read_metrics
 
@@ -23,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train a model (one process, torchrun, or Slurm via launch)",
                                    description="Train the model a config describes; key.path=value overrides "
                                                "change any field (megatransformer/config.py documents them).")
-    parser.add_argument("--config", required=True, help="YAML run description, or a shipped config's name (llama-style)")
+    add_config_argument(parser)
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. train.max_steps=100")
     parser.add_argument("--verbose", action="store_true", help="also show DeepSpeed's start-up messages")
     parser.set_defaults(func=run)
@@ -40,13 +41,17 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
 
     started = time.perf_counter()
     cfg = load_config(config, overrides)  # config errors surface before any process group exists
+    if os.environ.get("RANK", "0") == "0":  # a first line within seconds: importing PyTorch alone takes some
+        print(f"training {cfg.run_dir} to step {cfg.train.max_steps:,}: starting PyTorch and DeepSpeed", flush=True)
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer import checkpoint as ckpt
+    from megatransformer.training.builds import build_notes, ops_to_build
     from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, setup, teardown
     from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer
-    from megatransformer.training.preflight import check_before_start, stale_build_locks
+    from megatransformer.training.preflight import check_before_start
     from megatransformer.training.resume import check_run_dir
+    from megatransformer.training.watchdog import hang_dir, stack_dumps, switch_on_flight_recorder
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
@@ -56,11 +61,19 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_before_start(cfg, tokenizer)  # device and files: seconds, not after DeepSpeed's start-up
     if os.environ.get("LOCAL_RANK", "0") == "0":  # (one line per node: the build directory is per node)
-        for line in stale_build_locks():
-            print(line, file=sys.stderr, flush=True)
+        import torch
+
+        ops = ops_to_build(int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available(),
+                           cfg.parallel.offload_optimizer)
+        for line in build_notes(ops):
+            print(line, flush=True)
     host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
     init_state = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}")[1] \
         if cfg.init_from else None
+    import torch
+
+    if torch.cuda.is_available():
+        switch_on_flight_recorder(cfg.run_dir)  # (before the process group starts)
     try:
         with quiet_engine(verbose):
             dist_info = setup(cfg.parallel.timeout_minutes)
@@ -77,6 +90,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         if line is None:
             raise
         rank = os.environ.get("RANK", "0")
+        dumps = ", ".join(path.name for path in stack_dumps(cfg.run_dir))
+        if dumps:
+            line += f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({dumps})"
         print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:
@@ -149,14 +165,20 @@ def quiet_engine(verbose: bool) -> Iterator[None]:
 
 def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Path | None,
             plot: Path | None) -> str:
-    """The closing lines of a run: what was done (from metrics.jsonl), where the results are, what to run next."""
+    """The closing lines of a run: how far it got (its last checkpoint's step), how it did (metrics.jsonl), where
+    the results are, what to run next."""
+    from megatransformer import checkpoint as ckpt
+
     run_dir = Path(cfg.run_dir)
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "val_loss" in r]
-    step = max((r["step"] for r in records), default=0)
-    tokens = train[-1]["tokens"] if train else 0
-    status = {0: "done", 124: "preempted (checkpointed; run again with resume=auto)",
+    if checkpoint is not None:  # a stop between two logged steps is saved at its own step
+        state = ckpt.read_trainer_state(checkpoint)
+        step, tokens = state.step, state.tokens
+    else:
+        step, tokens = max((r["step"] for r in records), default=0), train[-1]["tokens"] if train else 0
+    status = {0: "done", 124: "stopped early (checkpointed; run again with resume=auto to continue)",
               3: "stopped: the loss diverged"}.get(exit_code, f"stopped (exit {exit_code})")
     lines = [f"{status}: {step:,} of {cfg.train.max_steps:,} steps, {tokens:,} tokens, "
              f"wall time {format_duration(wall_seconds)}"]
@@ -166,6 +188,10 @@ def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Pat
     if valid:
         lines.append(f"  final validation loss  {valid[-1]['val_loss']:.4f} "
                      f"(perplexity {valid[-1]['val_ppl']:,.2f})")
+    events = [r.get("event") for r in records]
+    if any(events):
+        lines.append(f"  loss spikes            {events.count('skip') + events.count('rollback')} updates skipped, "
+                     f"{events.count('rollback')} rollbacks")
     for name, path in (("checkpoint", checkpoint), ("metrics", run_dir / "metrics.jsonl"), ("plot", plot)):
         if path is not None:
             lines.append(f"  {name + ':':22s} {path}")

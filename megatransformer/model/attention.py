@@ -18,8 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatransformer.model.chunked_attention import chunked_core
-from megatransformer.model.masks import AttentionMask
+from megatransformer.model.masks import AttentionMask, VarlenProblem
 from megatransformer.model.positions import Alibi, apply_rope
+from megatransformer.model.varlen import torch_varlen_available, torch_varlen_core, varlen_attention, window_size
+
+FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation"  # as flash-attn's README prescribes
 
 # core(q, k, v, mask, dropout, alibi=None); q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D] -> [B, H, Tq, D]
 Core = Callable[..., torch.Tensor]
@@ -31,7 +34,7 @@ def sdpa_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None 
         allowed = mask.dense(q.shape[2], k.shape[2], q.device)
         attn_mask = alibi.bias(kv_len=k.shape[2]).masked_fill(~allowed, float("-inf")).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout, enable_gqa=gqa)
-    if mask.is_simple:
+    if mask.is_simple and mask.window is None:
         causal = mask.causal and not (mask.q_offset and q.shape[2] == 1)
         if causal and q.shape[2] != k.shape[2]:  # chunked prefill onto a cache: bottom-right aligned
             attn_mask = mask.dense(q.shape[2], k.shape[2], q.device)
@@ -90,35 +93,29 @@ def flash_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None
     [s, e)) or a KV cache they are the positions within the document, so this equals :class:`Alibi` on
     ``position_ids`` wherever positions advance by one within a document, as the loader and generation make
     them.
+
+    A sliding window goes in as ``window_size=(window - 1, 0)`` (causal) or ``(window - 1, window - 1)``,
+    bottom-right aligned as the causal mask is, per document in varlen calls.
     """
     flash = flash_attn_module()
     if flash is None:
         raise RuntimeError(
             "model.attention_backend=flash needs a working flash-attn package on a CUDA machine "
-            "(pip install 'megatransformer[gpu]'); use auto, sdpa or flex otherwise"
+            f"({FLASH_ATTN_INSTALL}); use auto, sdpa or flex otherwise"
         )
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # flash layout: [B, T, H, D]
     extra = {} if alibi is None else {"alibi_slopes": alibi.slopes.contiguous()}
+    if mask.window is not None:
+        extra["window_size"] = window_size(mask.window, mask.causal)
     if mask.is_simple:
-        causal = mask.causal and not (mask.q_offset and q.shape[1] == 1)
-        return flash.flash_attn_func(q, k, v, dropout, causal=causal, **extra).transpose(1, 2)
-    batch, q_len, heads, dim = q.shape
-    q, k, v = q.reshape(batch * q_len, heads, dim), k.flatten(0, 1), v.flatten(0, 1)
-    out = None
-    for problem in mask.varlen_problems(batch, q_len, k.shape[0] // batch):
-        part = flash.flash_attn_varlen_func(
-            _gather(q, problem.q_index), _gather(k, problem.k_index), _gather(v, problem.k_index),
-            problem.cu_q, problem.cu_k, problem.max_q, problem.max_k, dropout, causal=problem.causal, **extra,
-        )
-        if problem.q_index is None:  # the problem holds every query in order
-            out = part
-        else:
-            out = (q.new_zeros(q.shape) if out is None else out).index_copy(0, problem.q_index, part)
-    return out.view(batch, q_len, heads, dim).transpose(1, 2)
+        causal = mask.causal and not (mask.q_offset and q.shape[2] == 1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # flash layout: [B, T, H, D]
+        return flash.flash_attn_func(q, k, v, dropout_p=dropout, causal=causal, **extra).transpose(1, 2)
 
+    def kernel(q, k, v, problem: VarlenProblem) -> torch.Tensor:
+        return flash.flash_attn_varlen_func(q, k, v, problem.cu_q, problem.cu_k, problem.max_q, problem.max_k,
+                                            dropout_p=dropout, causal=problem.causal, **extra)
 
-def _gather(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    return x if index is None else x.index_select(0, index)
+    return varlen_attention(q, k, v, mask, kernel)
 
 
 @functools.cache
@@ -142,49 +139,58 @@ def flash_attn_installed() -> bool:
 
 
 def auto_backend(device: str, dtype: torch.dtype, mask: AttentionMask | None = None, dropout: float = 0.0,
-                 head_dim: int = 64) -> str:
+                 head_dim: int = 64, alibi: bool = False) -> str:
     """The core ``attention_backend=auto`` runs for one call, by the measurements in BENCHMARKS.md.
 
-    CUDA: flash-attn in bf16/fp16 when it is installed, for every mask (plain, packed documents, prefix-LM,
-    packed cross-attention; a KV cache with plain masks), else PyTorch SDPA (whose own dispatcher picks its
-    flash / memory-efficient kernels). CPU: the chunked core (1.7-1.9x SDPA in bf16, linear memory for
-    every mask), or SDPA when attention dropout is on (chunked has none).
+    CUDA, in bf16/fp16: flash-attn when it is installed, for every mask (plain, packed documents, prefix-LM,
+    packed cross-attention; a KV cache with plain masks); without it PyTorch's own flash kernels: ``varlen``
+    (``varlen_attn``) for packed documents, prefix-LM and packed cross-attention when there is neither
+    attention dropout nor ALiBi, else SDPA (whose own dispatcher picks its flash / memory-efficient kernels).
+    CPU: the chunked core (1.7-1.9x SDPA in bf16, linear memory for every mask), or SDPA when attention
+    dropout is on (chunked has none).
     """
-    if device == "cuda":
-        flash_mask = mask is None or mask.is_simple or not mask.q_offset
-        flash_shape = head_dim <= 256 and head_dim % 8 == 0
-        if dtype in (torch.bfloat16, torch.float16) and flash_mask and flash_shape and flash_attn_installed():
-            return "flash"
+    if device != "cuda":
+        return "sdpa" if dropout else "chunked"
+    flash_mask = mask is None or mask.is_simple or not mask.q_offset
+    flash_shape = head_dim <= 256 and head_dim % 8 == 0
+    if dtype not in (torch.bfloat16, torch.float16) or not (flash_mask and flash_shape):
         return "sdpa"
-    return "sdpa" if dropout else "chunked"
+    if flash_attn_installed():
+        return "flash"
+    varlen_mask = mask is not None and not mask.is_simple
+    if varlen_mask and not dropout and not alibi and torch_varlen_available():
+        return "varlen"
+    return "sdpa"
 
 
-def describe_backend(backend: str, device: str, dtype: torch.dtype, dropout: float, head_dim: int = 64) -> str:
+def describe_backend(backend: str, device: str, dtype: torch.dtype, dropout: float, head_dim: int = 64,
+                     alibi: bool = False) -> str:
     """One line for the run log: the core a run's attention uses for each kind of mask, and why."""
     if backend != "auto":
         return f"attention: {backend}"
     kinds = {"causal/bidirectional": AttentionMask(True),
              "packed documents, prefix-LM, cross-attention": AttentionMask(True, prefix_len=torch.zeros(1))}
-    chosen = {name: auto_backend(device, dtype, mask, dropout, head_dim) for name, mask in kinds.items()}
+    chosen = {name: auto_backend(device, dtype, mask, dropout, head_dim, alibi) for name, mask in kinds.items()}
     where = f"on {device} in {str(dtype).removeprefix('torch.')}"
     if len(set(chosen.values())) == 1:
         line = f"attention: auto -> {next(iter(chosen.values()))} for every mask {where}"
     else:
         line = "attention: auto -> " + ", ".join(f"{core} for {name}" for name, core in chosen.items()) + f" {where}"
-    if device == "cuda" and "sdpa" in chosen.values() and dtype != torch.float32 and not flash_attn_installed():
-        line += " (pip install 'megatransformer[gpu]' for flash-attn)"
+    if device == "cuda" and dtype != torch.float32 and not flash_attn_installed():
+        line += f" (flash-attn is not installed: {FLASH_ATTN_INSTALL})"
     return line
 
 
 def auto_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None) -> torch.Tensor:
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
-    return BACKENDS[auto_backend(device, dtype, mask, dropout, q.shape[-1])](q, k, v, mask, dropout, alibi)
+    name = auto_backend(device, dtype, mask, dropout, q.shape[-1], alibi is not None)
+    return BACKENDS[name](q, k, v, mask, dropout, alibi)
 
 
 BACKENDS: dict[str, Core] = {
     "auto": auto_core, "sdpa": sdpa_core, "eager": eager_core, "flex": flex_core, "flash": flash_core,
-    "chunked": chunked_core,
+    "chunked": chunked_core, "varlen": torch_varlen_core,
 }
 
 

@@ -5,7 +5,8 @@ machine's batched matmul reaches ~200; attention was a quarter of a bf16 trainin
 model. This core computes ``softmax(QK^T)V`` as a handful of large ``bmm`` calls per chunk of query rows:
 
 * scores for one chunk of queries against only the keys the chunk may see (causal chunks skip the keys
-  after them), masked per chunk, softmax with PyTorch's fused kernel (fp32 math inside);
+  after them, windowed chunks the keys outside their window, so a sliding window costs time and memory
+  linear in window x length), masked per chunk, softmax with PyTorch's fused kernel (fp32 math inside);
 * no scores or probabilities of size L x L are kept: the backward pass recomputes each chunk's
   probabilities (as flash-attention does) and uses the fused softmax backward, so activation memory is
   linear in sequence length for every mask (causal, bidirectional, prefix-LM, packed documents);
@@ -44,21 +45,23 @@ def _rows(x: torch.Tensor, start: int, end: int, scale: float | None = None) -> 
 
 
 def _scores(q_rows: torch.Tensor, keys: torch.Tensor, mask: AttentionMask, alibi: Alibi | None, q_len: int,
-            batch: int, start: int, end: int) -> torch.Tensor:
-    """Scores of one chunk, [B * KV, C * G, K], ALiBi's bias added, disallowed entries at -inf."""
+            batch: int, start: int, end: int, key_start: int) -> torch.Tensor:
+    """Scores of one chunk against keys key_start:key_start + len(keys), [B * KV, C * G, K], ALiBi's bias
+    added, disallowed entries at -inf."""
     scores = torch.bmm(q_rows, keys.transpose(1, 2))
-    key_end, rows = keys.shape[1], end - start
-    view = scores.view(batch, -1, rows, scores.shape[1] // rows, key_end)  # [B, KV, C, G, K]
+    key_count, rows = keys.shape[1], end - start
+    key_end = key_start + key_count
+    view = scores.view(batch, -1, rows, scores.shape[1] // rows, key_count)  # [B, KV, C, G, K]
     if alibi is not None:
-        bias = alibi.bias(start, end, key_end)  # [B, H, C, K], heads ordered (KV, G)
-        view += bias.view(batch, view.shape[1], -1, rows, key_end).transpose(2, 3).to(view.dtype)
-    if mask.is_simple:
+        bias = alibi.with_keys(alibi.k_positions[:, key_start:]).bias(start, end, key_count)  # [B, H, C, K]
+        view += bias.view(batch, view.shape[1], -1, rows, key_count).transpose(2, 3).to(view.dtype)  # (KV, G)
+    if mask.is_simple and mask.window is None:
         if mask.causal:  # only keys from the chunk's first query on can lie in the future of a row
             first = start + mask.q_offset
             future = torch.ones(rows, key_end - first, dtype=torch.bool, device=scores.device).triu(1)
             view[..., first:].masked_fill_(future.unsqueeze(1), float("-inf"))
     else:
-        blocked = mask.blocked(q_len, key_end, scores.device, start, end)  # [B or 1, 1, C, K]
+        blocked = mask.blocked(q_len, key_end, scores.device, start, end, key_start)  # [B or 1, 1, C, K]
         view.masked_fill_(blocked.unsqueeze(3), float("-inf"))
     return scores
 
@@ -77,9 +80,10 @@ class ChunkedAttention(torch.autograd.Function):
         out = q.new_empty(batch, q_len, kv_heads, groups, dim)  # o_proj's layout: [B, T, H, D]
         for start in range(0, q_len, chunk):
             end = min(q_len, start + chunk)
-            key_end = mask.key_end(q_len, start, end, kv_len)
-            scores = _scores(_rows(q5, start, end, scale), keys[:, :key_end], mask, alibi, q_len, batch, start, end)
-            chunk_out = torch.bmm(torch.softmax(scores, dim=-1), values[:, :key_end])
+            key_start, key_end = mask.key_start(start), mask.key_end(q_len, start, end, kv_len)
+            scores = _scores(_rows(q5, start, end, scale), keys[:, key_start:key_end], mask, alibi, q_len, batch,
+                             start, end, key_start)
+            chunk_out = torch.bmm(torch.softmax(scores, dim=-1), values[:, key_start:key_end])
             out[:, start:end] = chunk_out.view(batch, kv_heads, end - start, groups, dim).transpose(1, 2)
         ctx.save_for_backward(q, k, v)
         ctx.mask, ctx.alibi, ctx.chunk = mask, alibi, chunk
@@ -99,14 +103,15 @@ class ChunkedAttention(torch.autograd.Function):
         grad_v = torch.zeros(values.shape, dtype=torch.float32, device=v.device)
         for start in range(0, q_len, chunk):
             end = min(q_len, start + chunk)
-            key_end = mask.key_end(q_len, start, end, kv_len)
-            chunk_keys, chunk_values = keys[:, :key_end].contiguous(), values[:, :key_end].contiguous()
+            key_start, key_end = mask.key_start(start), mask.key_end(q_len, start, end, kv_len)
+            visible = slice(key_start, key_end)
+            chunk_keys, chunk_values = keys[:, visible].contiguous(), values[:, visible].contiguous()
             q_rows, grad_rows = _rows(q5, start, end, scale), _rows(grad5, start, end)
-            probs = torch.softmax(_scores(q_rows, chunk_keys, mask, alibi, q_len, batch, start, end), dim=-1)
-            grad_v[:, :key_end] += torch.bmm(probs.transpose(1, 2), grad_rows)
+            probs = torch.softmax(_scores(q_rows, chunk_keys, mask, alibi, q_len, batch, start, end, key_start), -1)
+            grad_v[:, visible] += torch.bmm(probs.transpose(1, 2), grad_rows)
             grad_probs = torch.bmm(grad_rows, chunk_values.transpose(1, 2))
             grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-            grad_k[:, :key_end] += torch.bmm(grad_scores.transpose(1, 2), q_rows)
+            grad_k[:, visible] += torch.bmm(grad_scores.transpose(1, 2), q_rows)
             grad_rows = torch.bmm(grad_scores, chunk_keys).mul_(scale)
             grad_q[:, start:end] = grad_rows.view(batch, kv_heads, end - start, groups, dim).transpose(1, 2)
         grad_q = grad_q.view(batch, q_len, heads, dim).transpose(1, 2)

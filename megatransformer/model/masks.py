@@ -13,6 +13,10 @@ position ``q`` and key position ``k`` of row ``b``::
 Per-query prefix ends let packed rows hold several prefix-LM documents: ``prefix_len[b, q]`` is where the
 prefix of q's document ends (an index into the row), and the segment check keeps the documents apart.
 
+A sliding ``window`` (local attention) further requires ``q - window < k`` for causal masks and
+``|q - k| < window`` for bidirectional ones (positions of the row, so never across a document); it does not
+combine with a prefix.
+
 Padding queries may attend anywhere, so no row is ever fully masked (which would produce NaN); their
 outputs carry no loss. Real queries never see padding keys or other documents.
 
@@ -25,7 +29,6 @@ evaluation) computes the same metadata on first use, once per forward.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
@@ -70,26 +73,27 @@ class AttentionMask:
     kv_segments: torch.Tensor | None = None  # [B, Tk]
     prefix_len: torch.Tensor | None = None  # [B] or [B, Tq], see the module docstring
     q_offset: int = 0  # absolute position of the first query (decoding with a KV cache)
-    varlen: tuple[VarlenProblem, ...] | None = field(default=None, compare=False)
+    window: int | None = None  # local attention: keys less than `window` positions away, see the module docstring
+    varlen: tuple[VarlenProblem, ...] | None = None
     """flash-attn's problems for this mask, built on the host by :func:`batch_masks` (else on first use)."""
-    key_bounds: np.ndarray | None = field(default=None, compare=False)
+    key_bounds: np.ndarray | None = None
     """Host array [Tq] (or [1]): for causal masks with a prefix, where the prefix of any row ends at that query
     position, so the chunked core skips the keys past it without asking the device."""
-
-    def __eq__(self, other: object) -> bool:
-        """The same rule (DeepSpeed's AutoTP compares the first inputs of tensor-parallel peers); the metadata
-        derived from it is not compared."""
-        if not isinstance(other, AttentionMask):
-            return NotImplemented
-        return (self.causal, self.q_offset) == (other.causal, other.q_offset) and all(
-            _same(getattr(self, name), getattr(other, name)) for name in ("q_segments", "kv_segments", "prefix_len"))
-
-    __hash__ = object.__hash__  # (identity, as before: masks are not used as keys by value)
+    _rendered: dict[tuple, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The chunks :meth:`blocked` rendered so far (a plain dict: ``torch.compile`` traces it without a break)."""
 
     @property
     def is_simple(self) -> bool:
         """Plain causal or full attention: backends need no explicit mask."""
         return self.q_segments is None and self.prefix_len is None
+
+    def with_window(self, window: int | None) -> AttentionMask:
+        """This mask restricted to a sliding window (a new mask: chunks rendered without it are not reused)."""
+        if window is None:
+            return self
+        if self.prefix_len is not None:
+            raise ValueError("model.attention_window does not combine with a bidirectional prefix (prefix-LM)")
+        return replace(self, window=window)
 
     def to(self, device: torch.device | str, moved: Mapping[int, torch.Tensor] | None = None) -> AttentionMask:
         """The mask with its tensors on ``device`` (``key_bounds`` stays on the host, where it is read);
@@ -104,17 +108,19 @@ class AttentionMask:
                        varlen=varlen)
 
     def dense(self, q_len: int, kv_len: int, device: torch.device, q_start: int = 0,
-              q_end: int | None = None) -> torch.Tensor:
+              q_end: int | None = None, k_start: int = 0) -> torch.Tensor:
         """Boolean mask [B or 1, 1, Tq, Tk], True where attention is allowed.
 
-        ``q_start:q_end`` renders only those query rows (of ``q_len``) and ``kv_len`` only the first keys:
+        ``q_start:q_end`` renders only those query rows (of ``q_len``) and ``k_start:kv_len`` only those keys:
         the chunked backend builds one chunk's rows at a time, never the whole L x L mask.
         """
         q_end = q_len if q_end is None else q_end
-        rows = q_end - q_start
+        rows, keys = q_end - q_start, kv_len - k_start
         q = torch.arange(q_start, q_end, device=device).view(1, rows, 1) + self.q_offset
-        k = torch.arange(kv_len, device=device).view(1, 1, kv_len)
-        allowed = torch.ones(1, rows, kv_len, dtype=torch.bool, device=device)
+        k = torch.arange(k_start, kv_len, device=device).view(1, 1, keys)
+        allowed = torch.ones(1, rows, keys, dtype=torch.bool, device=device)
+        if self.window is not None:
+            allowed = allowed & ((q - k).abs() < self.window)
         if self.causal:
             order = k <= q
             if self.prefix_len is not None:
@@ -122,27 +128,24 @@ class AttentionMask:
             allowed = allowed & order
         if self.q_segments is not None:
             q_seg = self.q_segments[:, -q_len:][:, q_start:q_end].unsqueeze(2)
-            k_seg = self.kv_segments[:, :kv_len].unsqueeze(1)
+            k_seg = self.kv_segments[:, k_start:kv_len].unsqueeze(1)
             allowed = allowed & ((q_seg == k_seg) | (q_seg == PAD_SEGMENT))
         return allowed.unsqueeze(1)
 
-    def blocked(self, q_len: int, kv_len: int, device: torch.device, q_start: int, q_end: int) -> torch.Tensor:
-        """``~dense(...)`` of query rows q_start:q_end, [B or 1, 1, rows, kv_len]: True where attention is not
+    def blocked(self, q_len: int, kv_len: int, device: torch.device, q_start: int, q_end: int,
+                k_start: int = 0) -> torch.Tensor:
+        """``~dense(...)`` of query rows q_start:q_end and keys k_start:kv_len: True where attention is not
         allowed. Rendered once per mask and kept (up to RENDERED_LIMIT elements in all): the mask is built once
         per batch and handed to every layer, whose chunked core asks for the same chunks in forward and
         backward (16 renders of each with 8 layers)."""
-        key = (q_len, kv_len, q_start, q_end, str(device))
+        key = (q_len, kv_len, q_start, q_end, k_start, str(device))
         rendered = self._rendered
         if key in rendered:
             return rendered[key]
-        blocked = ~self.dense(q_len, kv_len, device, q_start, q_end)
+        blocked = ~self.dense(q_len, kv_len, device, q_start, q_end, k_start)
         if sum(t.numel() for t in rendered.values()) + blocked.numel() <= RENDERED_LIMIT:
             rendered[key] = blocked
         return blocked
-
-    @functools.cached_property
-    def _rendered(self) -> dict[tuple, torch.Tensor]:
-        return {}
 
     def prefix_ends(self, q_len: int, q_start: int = 0, q_end: int | None = None) -> torch.Tensor:
         """Where the bidirectional prefix ends for query rows q_start:q_end: [B, rows] or [B, 1]."""
@@ -150,20 +153,32 @@ class AttentionMask:
             return self.prefix_len.view(-1, 1)
         return self.prefix_len[:, -q_len:][:, q_start:q_end]
 
+    def key_start(self, q_start: int) -> int:
+        """Queries from q_start on see no key before this one (0 without a window)."""
+        return 0 if self.window is None else max(0, self.q_offset + q_start - self.window + 1)
+
     def key_end(self, q_len: int, q_start: int, q_end: int, kv_len: int) -> int:
-        """Keys 0..end are all that queries q_start:q_end of a causal mask may see (else all keys)."""
+        """Keys 0..end are all that queries q_start:q_end of a causal or windowed mask may see (else all keys).
+
+        Under ``torch.compile`` a prefix's bound, a value of the batch, would be a new shape (a recompilation)
+        per batch: a compiled chunk of a prefix mask takes every key (the mask still blocks those it may not see).
+        """
         if not self.causal:
-            return kv_len
+            return kv_len if self.window is None else min(kv_len, self.q_offset + q_end - 1 + self.window)
         end = self.q_offset + q_end
         if self.prefix_len is not None:
-            bounds = self._host_key_bounds  # [Tq], or [1] for one prefix per row
+            if torch.compiler.is_compiling():
+                return kv_len
+            bounds = self._host_key_bounds()  # [Tq], or [1] for one prefix per row
             end = max(end, int((bounds if len(bounds) == 1 else bounds[-q_len:][q_start:q_end]).max()))
         return min(end, kv_len)
 
-    @functools.cached_property
     def _host_key_bounds(self) -> np.ndarray:
-        """``key_bounds``, or computed from the prefix (reading it from the device once per mask)."""
-        return self.key_bounds if self.key_bounds is not None else _key_bounds(self.prefix_len)
+        """``key_bounds``, computed from the prefix the first time when the mask was built without them
+        (reading it from the device once per mask)."""
+        if self.key_bounds is None:
+            object.__setattr__(self, "key_bounds", _key_bounds(self.prefix_len))
+        return self.key_bounds
 
     def varlen_problems(self, batch: int, q_len: int, kv_len: int) -> tuple[VarlenProblem, ...]:
         """flash-attn's problems: those built with the batch, else computed now (reads the masks' values)."""
@@ -180,12 +195,14 @@ class AttentionMask:
 
     def mask_mod(self):
         """The same rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``."""
-        causal, offset = self.causal, self.q_offset
+        causal, offset, window = self.causal, self.q_offset, self.window
         q_segments, kv_segments, prefix_len = self.q_segments, self.kv_segments, self.prefix_len
 
         def mod(b, h, q_idx, kv_idx):
             q_pos = q_idx + offset
             allowed = (kv_idx <= q_pos) if causal else (kv_idx >= 0)
+            if window is not None:
+                allowed = allowed & ((q_pos - kv_idx).abs() < window)
             if causal and prefix_len is not None:
                 allowed = allowed | (kv_idx < (prefix_len[b] if prefix_len.dim() == 1 else prefix_len[b, q_idx]))
             if q_segments is not None:
@@ -293,7 +310,8 @@ def varlen_problems(causal: bool, segments: np.ndarray | None, prefix_len: np.nd
     (clamped into the run) is two problems: its prefix queries ``[s, p)`` attend bidirectionally to its
     prefix keys; its other queries ``[p, e)`` attend causally, bottom-right aligned, to all its keys
     ``[s, e)``, so query ``i`` sees keys up to ``i`` (flash-attn's alignment puts the last query on the last
-    key). A run that is all prefix or has no prefix takes part in one problem only.
+    key). A run that is all prefix or has no prefix takes part in one problem only: no problem holds a
+    sequence without queries (see :func:`_problem`).
     """
     batch, length = shape
     if segments is None:
@@ -310,29 +328,34 @@ def varlen_problems(causal: bool, segments: np.ndarray | None, prefix_len: np.nd
         lengths = (split - starts)[has_prefix]
         index = _ranges(starts[has_prefix], split[has_prefix])
         problems.append(_problem(lengths, lengths, False, index, index))
-    suffix = ends - split
-    if suffix.any():
-        problems.append(_problem(suffix, ends - starts, True, _ranges(split, ends), None))
+    has_suffix = ends > split
+    if has_suffix.any():
+        starts, split, ends = starts[has_suffix], split[has_suffix], ends[has_suffix]
+        problems.append(_problem(ends - split, ends - starts, True, _ranges(split, ends),
+                                 _unless_all(_ranges(starts, ends), batch * length)))
     return tuple(problems)
 
 
 def cross_varlen_problem(q_segments: np.ndarray, kv_segments: np.ndarray) -> VarlenProblem:
     """Packed cross-attention as one varlen problem: queries of segment ``s`` of row ``b`` attend to the keys
     of segment ``s`` of row ``b``, both gathered into (row, segment) order. Padding queries (segment 0) attend
-    to the padding keys, or to none (flash-attn writes zeros): their outputs carry no loss."""
+    to the padding keys, or to none (flash-attn writes zeros): their outputs carry no loss. Keys of a segment
+    without queries are left out (see :func:`_problem`)."""
     base = int(max(q_segments.max(initial=0), kv_segments.max(initial=0))) + 1
     q_keys = (np.arange(q_segments.shape[0])[:, None] * base + q_segments).reshape(-1)
     k_keys = (np.arange(kv_segments.shape[0])[:, None] * base + kv_segments).reshape(-1)
-    groups = np.union1d(q_keys, k_keys)
+    groups = np.unique(q_keys)
+    k_kept = np.flatnonzero(np.isin(k_keys, groups))
     q_count = np.bincount(np.searchsorted(groups, q_keys), minlength=len(groups))
-    k_count = np.bincount(np.searchsorted(groups, k_keys), minlength=len(groups))
-    return _problem(q_count, k_count, False, _order(q_keys), _order(k_keys))
+    k_count = np.bincount(np.searchsorted(groups, k_keys[k_kept]), minlength=len(groups))
+    q_order = np.argsort(q_keys, kind="stable")
+    k_order = k_kept[np.argsort(k_keys[k_kept], kind="stable")]
+    return _problem(q_count, k_count, False, _unless_all(q_order, len(q_keys)), _unless_all(k_order, len(k_keys)))
 
 
-def _order(keys: np.ndarray) -> np.ndarray | None:
-    """Positions in (row, segment) order, or None when they already are."""
-    order = np.argsort(keys, kind="stable")
-    return None if np.array_equal(order, np.arange(len(keys))) else order
+def _unless_all(positions: np.ndarray, total: int) -> np.ndarray | None:
+    """``positions``, or None when they are 0..total-1 in order (no gather needed)."""
+    return None if np.array_equal(positions, np.arange(total)) else positions
 
 
 def _runs(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -352,6 +375,10 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
 
 def _problem(q_lengths: np.ndarray, k_lengths: np.ndarray, causal: bool, q_index: np.ndarray | None = None,
              k_index: np.ndarray | None = None) -> VarlenProblem:
+    """The problem of sequences with these lengths; every sequence holds a query. flash-attn's kernel for
+    ``max_seqlen_q == 1`` with grouped-query heads (its "ngroups swapped" path) folds the query heads into
+    the sequence axis assuming exactly one query per sequence, and fails on a sequence without one.
+    """
     def cumulative(lengths: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
 
@@ -360,12 +387,6 @@ def _problem(q_lengths: np.ndarray, k_lengths: np.ndarray, causal: bool, q_index
 
     return VarlenProblem(cumulative(q_lengths), cumulative(k_lengths), int(q_lengths.max(initial=0)),
                          int(k_lengths.max(initial=0)), causal, index(q_index), index(k_index))
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
 
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:

@@ -57,17 +57,30 @@ class Rotary(nn.Module):
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
         return 1.0 / (self.theta ** exponents)
 
+    def frequencies(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The inverse frequencies for these positions and the scale of cos/sin (plain RoPE: 1; see
+        :mod:`rope_scaling` for the scaled kinds)."""
+        return self.inv_freq(position_ids.device), 1.0
+
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids.unsqueeze(-1).float() * self.inv_freq(position_ids.device)  # [B, T, D/2]
+        inv_freq, scale = self.frequencies(position_ids)
+        angles = position_ids.unsqueeze(-1).float() * inv_freq  # [B, T, D/2]
         angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [B, 1, T, D]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [B, H, T, D] queries or keys by the angles of their positions."""
+    """Rotate [B, H, T, D] queries or keys by the angles of their positions, in x's dtype.
+
+    Under autocast the projections come out in the autocast dtype while cos/sin stay in the weights' fp32:
+    the rotation is computed in fp32 and rounded back, so queries and keys keep the values' dtype.
+    """
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------- ALiBi

@@ -18,11 +18,13 @@ from megatransformer.model.attention import KVCache
 from megatransformer.model.head import LMHead
 from megatransformer.model.layers import Block, make_norm
 from megatransformer.model.masks import AttentionMask, ModelMasks, cross_attention_mask, self_attention_mask
-from megatransformer.model.positions import Alibi, LearnedPositions, Rotary, SinusoidalPositions, alibi_slopes
+from megatransformer.model.positions import Alibi, LearnedPositions, SinusoidalPositions, alibi_slopes
+from megatransformer.model.rope_scaling import rotary
 
 
 class Stack(nn.Module):
-    """Positions, embedding dropout, the blocks and (pre-LN) the final norm."""
+    """Positions, embedding dropout, the blocks and (pre-LN) the final norm; the self-attention mask gets the
+    model's sliding window here, once per forward, for every layer."""
 
     def __init__(self, cfg: ModelConfig, n_layers: int, cross_attention: bool = False) -> None:
         super().__init__()
@@ -32,7 +34,8 @@ class Stack(nn.Module):
             "rope": lambda: None,
             "alibi": lambda: None,
         }[cfg.position]()
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta) if cfg.position == "rope" else None
+        self.rotary = rotary(cfg) if cfg.position == "rope" else None
+        self.attention_window = cfg.attention_window
         self.alibi_heads = cfg.n_heads if cfg.position == "alibi" else None
         dropout = cfg.dropout if cfg.embedding_dropout is None else cfg.embedding_dropout
         self.embed_dropout = nn.Dropout(dropout)
@@ -54,6 +57,7 @@ class Stack(nn.Module):
         if self.positions is not None:
             x = x + self.positions(position_ids).to(x.dtype)
         x = self.embed_dropout(x)
+        mask = mask.with_window(self.attention_window)
         rope = self.rotary(position_ids, x.dtype) if self.rotary is not None else None
         alibi = None
         if self.alibi_heads is not None:  # slopes of all heads; each attention module takes its own
@@ -98,9 +102,11 @@ class LanguageModel(nn.Module):
             self.lm_head.weight = embedding.weight
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        """Caches in the dtype keys and values come out in: the weights', or autocast's when it is on."""
         cfg, weight = self.config, self.lm_head.weight
-        n = len(self.decoder.layers)
-        return [KVCache(batch, cfg.kv_heads, max_len, cfg.head_dim, weight.dtype, weight.device) for _ in range(n)]
+        n, device = len(self.decoder.layers), weight.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+        return [KVCache(batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, device) for _ in range(n)]
 
 
 class DecoderLM(LanguageModel):

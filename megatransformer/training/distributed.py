@@ -51,6 +51,10 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
     import deepspeed
     import torch.distributed as dist
 
+    from megatransformer.training.builds import skip_collective_build
+
+    if os.environ["WORLD_SIZE"] == "1":
+        skip_collective_build()
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:

@@ -17,7 +17,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from megatransformer.training.layout import BatchSizes, data_parallel_size, engi
 from megatransformer.training.optim import make_scheduler, param_groups
 from megatransformer.training.resume import ResumePlan
 from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
+from megatransformer.training.tp_input_check import check_batch_without_masks
 
 
 def deepspeed_layer_specs(plan: dict[str, str] = TP_PLAN) -> list[dict]:
@@ -47,7 +48,13 @@ def deepspeed_layer_specs(plan: dict[str, str] = TP_PLAN) -> list[dict]:
 
 
 def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage: int | None = None) -> dict[str, Any]:
-    """DeepSpeed's config for ``cfg``; ``zero_stage`` defaults to :func:`engine_zero_stage`."""
+    """DeepSpeed's config for ``cfg``; ``zero_stage`` defaults to :func:`engine_zero_stage`.
+
+    bf16 gradients accumulate over micro batches and reduce over data-parallel ranks in fp32 (DeepSpeed's
+    default is the model's dtype for both): ZeRO-1 then runs DeepSpeed's ``BF16_Optimizer``, ZeRO-2/3 keep
+    fp32 gradient partitions. ZeRO-0 cannot accumulate in fp32 in DeepSpeed, so its gradients accumulate in
+    bf16 (the run log says so) and only its reduction runs in fp32.
+    """
     t, o, p = cfg.train, cfg.optim, cfg.parallel
     cuda = device.startswith("cuda")
     adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
@@ -72,6 +79,10 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "optimizer": optimizer,
     }
+    if cfg.precision == "bf16":
+        ds["communication_data_type"] = "fp32"
+        if ds["zero_optimization"]["stage"] > 0:
+            ds["data_types"] = {"grad_accum_dtype": "fp32"}
     if p.offload_optimizer:
         if p.zero_stage == 0:
             raise ConfigError("parallel.offload_optimizer needs parallel.zero_stage >= 1")
@@ -87,9 +98,10 @@ class StepResult:
     loss: float  # mean token loss of the global batch (NaN when non-finite)
     tokens: int  # input positions processed, all ranks, padding included
     real_tokens: int  # of those, positions holding a token (the MFU numerator)
-    finite: bool  # the update was applied
+    finite: bool  # the loss and gradients were finite (else the update was skipped)
     stop: bool  # a rank was asked to stop (preemption)
     lr: float  # the learning rate this step's update used
+    rejected: bool = False  # the loss was finite, but ``reject`` refused it: the update was skipped
 
 
 class TrainModule:
@@ -126,6 +138,7 @@ class TrainModule:
                                                lr_scheduler=make_scheduler(cfg), mpu=mpu)
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
+            check_batch_without_masks(self.engine)
         if cfg.train.compile:
             self.engine.compile()
         self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank // sp
@@ -149,13 +162,18 @@ class TrainModule:
 
     # ------------------------------------------------------------------------------------ one step
 
-    def step(self, batches: Iterator[Mapping[str, torch.Tensor]], stop_requested: bool = False) -> StepResult:
+    def step(self, batches: Iterator[Mapping[str, torch.Tensor]],
+             stop_requested: Callable[[], bool] = lambda: False,
+             reject: Callable[[float], bool] | None = None) -> StepResult:
         """Forward/backward every micro batch of one optimizer step, then step (or skip a bad step).
+        ``reject(loss)`` (the global batch's loss, the same on every rank) may refuse a finite step's update
+        (a loss spike).
 
         The loss is the mean over every loss token of the global batch (all micro batches, all data-parallel
         ranks), not a mean of per-batch means, so padding and variable loss counts (masked-LM) weigh right.
         A non-finite loss or gradient on any rank skips the update on every rank (weights, Adam moments and
         the schedule unchanged); with fp16, DeepSpeed's loss scaler skips overflowing steps on its own.
+        ``stop_requested()`` is asked at the step's end: a stop asked for during the step ends the run after it.
         """
         accum, engine = self.sizes.accum, self.engine
         host = [next(batches) for _ in range(accum)]
@@ -186,20 +204,21 @@ class TrainModule:
             self.grad_norm = unclipped_grad_norm(engine.module, self.tp)
             if self.cfg.precision != "fp16":
                 bad += (~torch.isfinite(self.grad_norm)).double()
-        stats = torch.cat([torch.stack([loss_sum, bad]), self._on_device([float(stop_requested), real])])
+        stats = torch.cat([torch.stack([loss_sum, bad]), self._on_device([float(stop_requested()), real])])
         dist.all_reduce(stats)
         loss_total, n_bad, stop, real_total, targets_total = torch.cat([stats, global_targets]).tolist()
         finite = n_bad == 0
+        loss = loss_total / max(targets_total, 1.0)
+        rejected = finite and reject is not None and reject(loss)
         skipped_before = engine.skipped_steps
-        with skipped_update(engine, skip=not finite):
+        with skipped_update(engine, skip=not finite or rejected):
             engine.step()
         # ZeRO skips a step with non-finite gradients on its own (and counts it); with fp16 that is the loss
         # scaler finding its scale, which is routine, not divergence
         if self.cfg.precision != "fp16":
             finite = finite and engine.skipped_steps == skipped_before
         # (loss sums and counts are both counted once per tensor-parallel peer)
-        return StepResult(loss_total / max(targets_total, 1.0), tokens, round(real_total / self.tp), finite,
-                          stop > 0, lr)
+        return StepResult(loss, tokens, round(real_total / self.tp), finite, stop > 0, lr, rejected)
 
     # ---------------------------------------------------------------------------------- checkpoints
 

@@ -64,7 +64,7 @@ def describe_layout(dp: int, tp: int, sp: int) -> str:
 def engine_zero_stage(cfg: RunConfig, dp_size: int, device_type: str) -> int:
     """The ZeRO stage the engine runs: ``parallel.zero_stage``, except that stage 1 or 2 over a single
     data-parallel rank (and no sequence parallelism: ZeRO partitions over the ranks of a sequence group too)
-    runs as stage 0 in fp32, and in every precision on a CPU.
+    runs as stage 0 in fp32, and in fp16 on a CPU.
 
     Partitioning optimizer states or gradients over one rank saves no memory (its one partition is all of
     them), yet DeepSpeed's ZeRO-1/2 path still copies every gradient through its reduction buckets into flat
@@ -74,10 +74,11 @@ def engine_zero_stage(cfg: RunConfig, dp_size: int, device_type: str) -> int:
     overflow flag and norm on the host, a wait for the GPU per parameter, where ZeRO's own step waits a
     constant few times (bench/gpu_check.py); on a CPU such a read costs nothing. Offloading needs a ZeRO stage
     and keeps it; ZeRO-3 is left as asked. Checkpoints record the stage that ran, so a resume on another
-    data-parallel size, stage or device goes through elastic resume.
+    data-parallel size, stage or device goes through elastic resume. Never in bf16: only DeepSpeed's ZeRO
+    optimizers accumulate bf16 gradients in fp32 (:func:`deepspeed_config`).
     """
     p = cfg.parallel
-    free_reads = cfg.precision == "fp32" or device_type == "cpu"
+    free_reads = cfg.precision == "fp32" or (device_type == "cpu" and cfg.precision == "fp16")
     if p.zero_stage in (1, 2) and dp_size * p.sequence_parallel == 1 and free_reads and not p.offload_optimizer:
         return 0
     return p.zero_stage
@@ -89,6 +90,9 @@ def zero_stage_notes(cfg: RunConfig, engine_stage: int, device_type: str) -> lis
     if engine_stage != cfg.parallel.zero_stage:
         notes.append(f"parallel.zero_stage={cfg.parallel.zero_stage} on one data-parallel rank: nothing to partition, "
                      "so DeepSpeed runs without ZeRO (the same AdamW, without the bucket copies)")
+    if engine_stage == 0 and cfg.precision == "bf16" and cfg.train.grad_accum != 1:
+        notes.append("precision=bf16 with parallel.zero_stage=0 accumulates gradients over micro batches in bf16 "
+                     "(DeepSpeed accumulates in fp32 from ZeRO-1 on)")
     if engine_stage == 0 and cfg.precision != "fp32" and device_type == "cuda":
         notes.append(f"warning: precision={cfg.precision} with parallel.zero_stage=0 steps through DeepSpeed's unfused "
                      f"{cfg.precision} optimizer, which waits for the GPU once per parameter in every step; "

@@ -7,6 +7,7 @@ What one optimizer step does on DeepSpeed (micro batches, loss normalisation, sk
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -17,28 +18,46 @@ from megatransformer import checkpoint as ckpt
 from megatransformer.config import RunConfig, dump_config, precision_dtype
 from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
-from megatransformer.training import cpu_bf16
-from megatransformer.training.data import build_run_loader
+from megatransformer.training import cpu_bf16, spikes
+from megatransformer.training.data import build_run_loader, small_validation_warning
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
 from megatransformer.training.layout import describe_layout, zero_stage_notes
 from megatransformer.training.metrics import Reporter, peak_tflops
-from megatransformer.training.resume import plan_resume
+from megatransformer.training.optim import warmup_warning
+from megatransformer.training.resume import plan_resume, rollback_target
+from megatransformer.training.trackers import resolved_config, run_facts
+from megatransformer.training.watchdog import Watchdog
 
-EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM: requeue and resume=auto
+EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM/SIGINT: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: stopped at once, no checkpoint (as a shell reports it)
 
 
 class Preemption:
-    """Remembers SIGUSR1 / SIGTERM; the loop checks it between steps (all ranks agree before stopping)."""
+    """Remembers SIGUSR1 / SIGTERM and a first SIGINT (Ctrl-C); the loop checks it between steps (all ranks
+    agree before stopping). A second SIGINT ends the process at once."""
 
     def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        self.requested = self.interrupted = False
+        self.pid = os.getpid()  # (DataLoader workers inherit the handlers: Ctrl-C there is the main process's)
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self.pid:
+            return
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                os.write(2, b"\nmegatransformer train: interrupted again: exiting now, without a checkpoint\n")
+                os._exit(EXIT_INTERRUPTED)
+            self.interrupted = True
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # (torchrun signals every rank)
+                os.write(2, b"\nCtrl-C: checkpointing after this step, then exiting (Ctrl-C again: exit now)\n")
         self.requested = True
+
+    def reason(self) -> str:
+        return "interrupted (Ctrl-C)" if self.interrupted else "preempted"
 
 
 class Trainer:
@@ -55,12 +74,15 @@ class Trainer:
         self.train_loader = build_run_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size,
                                              tokenizer, pin_memory=pin)
         self.valid_loader = build_run_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
-        next(iter(self.valid_loader))  # a validation split smaller than one batch fails now, not after training
+        warning = small_validation_warning(self.valid_loader, micro)
+        if warning and dist_info.is_main:
+            print(warning)
         self.state = ckpt.TrainerState(step=0, tokens=0, bad_steps=0, tokenizer_sha256=tokenizer.sha256,
                                        world_size=dist_info.world_size, tensor_parallel=cfg.parallel.tensor_parallel,
                                        sequence_parallel=cfg.parallel.sequence_parallel,
                                        zero_stage=self.module.zero_stage)
         self.preemption = preemption or Preemption()
+        self.spikes = spikes.SpikeLadder(cfg.train.spikes)
 
     # ------------------------------------------------------------------------------------ the run
 
@@ -73,6 +95,10 @@ class Trainer:
                 print(self.resume.describe(cfg, self.dist.world_size))
         elif self.dist.is_main and cfg.resume == "auto":
             print(f"resume=auto: no complete checkpoint in {ckpt.checkpoints_dir(cfg.run_dir)}, starting fresh")
+        if self.resume is not None:
+            self.spikes = spikes.SpikeLadder(cfg.train.spikes, spikes.resume_state(self.state.spikes, cfg.run_dir))
+            for rows in self.spikes.skip_rows:
+                self.train_loader.skip_rows(*rows)
         if self.dist.is_main:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.run_dir) / "config.yaml").write_text(dump_config(cfg))
@@ -90,21 +116,30 @@ class Trainer:
                   f"on {self.dist.world_size} rank{'s' if self.dist.world_size > 1 else ''}")
             dtype = precision_dtype(cfg.precision)
             print(describe_backend(cfg.model.attention_backend, torch.device(self.dist.device).type, dtype,
-                                   cfg.model.attention_dropout, cfg.model.head_dim))
+                                   cfg.model.attention_dropout, cfg.model.head_dim, cfg.model.position == "alibi"))
             matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, cfg.train.compile)
             if matmuls is not None:
                 print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
-        report = Reporter(cfg, self.dist.is_main, self.state.step)
-        flops = model_size(cfg.model, cfg.data.seq_len).flops_per_token  # per position that holds a token
-        peak = peak_tflops(cfg, self.dist.device) * 1e12 * self.dist.world_size
+            warning = warmup_warning(cfg)
+            if warning:
+                print(warning)
+        size = model_size(cfg.model, cfg.data.seq_len)
+        report = Reporter(cfg, self.dist.is_main, self.state.step,
+                          self.tracker_config(size.params) if self.dist.is_main else None, self.spikes.rollbacks)
+        watchdog = Watchdog(cfg, self.dist.rank)  # (a hang ends the run with the stacks on file)
+        flops = size.flops_per_token  # per position that holds a token
+        peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
+        peak_flops = peak * 1e12 * self.dist.world_size if peak else None
         batches = iter(self.train_loader)
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
-            result = self.module.step(batches, self.preemption.requested)
+            watchdog.arm()
+            result = self.module.step(batches, lambda: self.preemption.requested, self.spikes.rejects)
             step_seconds = time.perf_counter() - started
+            watchdog.disarm(step_seconds)
             self.state.step += 1
             self.state.tokens += result.tokens
             window_tokens += result.tokens
@@ -117,13 +152,23 @@ class Trainer:
                 report.log({"step": self.state.step, "loss": result.loss if math.isfinite(result.loss) else None,
                             "lr": result.lr, "grad_norm": self.module.last_grad_norm(),
                             "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
-                            "mfu": window_real / seconds * flops / peak, "bad_steps": self.state.bad_steps,
+                            "mfu": window_real / seconds * flops / peak_flops if peak_flops else None,
+                            "bad_steps": self.state.bad_steps,
                             "skipped_shards": len(self.train_loader.skipped_shards),
                             **device_memory(self.dist.device)})
                 window_start, window_tokens, window_real = time.perf_counter(), 0, 0
             if not result.finite:
                 report.message(f"step {self.state.step}: non-finite loss or gradients, update skipped "
                                f"({self.state.bad_steps} in a row)")
+            if result.rejected or (not result.finite and cfg.train.spikes.enabled):
+                action = self.answer_spike(result.loss, report)
+                if action == spikes.STOP:
+                    exit_code = EXIT_DIVERGED
+                    break
+                if action == spikes.ROLLBACK:
+                    batches.close()
+                    batches = iter(self.train_loader)
+                    continue
             if cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0:
                 report.log({"step": self.state.step, **self.evaluate()})
             if self.state.bad_steps >= cfg.train.max_bad_steps:
@@ -132,11 +177,13 @@ class Trainer:
                 exit_code = EXIT_DIVERGED
                 break
             if result.stop:
-                report.message(f"preempted at step {self.state.step}: checkpointing, exit {EXIT_PREEMPTED}")
+                report.message(f"{self.preemption.reason()} at step {self.state.step}: checkpointing, "
+                               f"exit {EXIT_PREEMPTED}")
                 exit_code = EXIT_PREEMPTED
                 break
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
                 self.save()
+        watchdog.close()
         evaluated_last = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
         if exit_code == 0 and not evaluated_last:
             report.log({"step": self.state.step, **self.evaluate()})
@@ -144,8 +191,68 @@ class Trainer:
         report.close()
         return exit_code
 
+    def tracker_config(self, parameters: int) -> dict:
+        """The config W&B records: the resolved config, and the run's facts under ``run``."""
+        sizes = self.module.sizes
+        facts = run_facts(sizes, self.dist.world_size, self.cfg.parallel.tensor_parallel, self.module.zero_stage,
+                          parameters)
+        return {**resolved_config(self.cfg, sizes), "run": facts}
+
     def save(self) -> Path:
-        return self.module.save(self.state, self.train_loader.state_dict())
+        self.state.spikes = self.spikes.state_dict()
+        began = self.spikes.protect_before()  # (a rollback in the making needs the checkpoint before it)
+        needed = ckpt.complete_before(ckpt.checkpoints_dir(self.cfg.run_dir), began) if began is not None else []
+        return self.module.save(self.state, self.train_loader.state_dict(), tuple(p.name for p in needed[:1]))
+
+    def restore(self, path: Path) -> None:
+        """Load checkpoint ``path`` into the running engine, trainer state and loader (on another layout
+        than the one that wrote it too)."""
+        plan = plan_resume(self.cfg.model_copy(update={"resume": str(path)}), self.dist.world_size,
+                           torch.device(self.dist.device).type, self.tokenizer.sha256)
+        self.state, loader_state = self.module.load(plan)
+        self.train_loader.load_state_dict(loader_state)
+
+    # ------------------------------------------------------------------------------- loss spikes
+
+    def answer_spike(self, loss: float, report: Reporter) -> str:
+        """Log a spike and take the ladder's answer: skip (done: the update was not applied), roll back
+        (done here), or stop."""
+        event = self.spikes.respond(self.state.step, loss)
+        record = event.record(self.spikes.rollbacks)
+        target = rollback_target(self.cfg, event.began) if event.action == spikes.ROLLBACK else None
+        if event.action == spikes.ROLLBACK and target is None:
+            event.action = record["event"] = spikes.STOP
+        if target is None:
+            report.event(record, spikes.describe(event))
+        else:
+            rows = self.roll_back(target)
+            report.rewind(self.state.step, self.spikes.rollbacks)
+            record.update(checkpoint=target.name, skipped_rows=list(rows))
+            report.event(record, spikes.describe(event, rows, target.name, self.spikes.rollbacks,
+                                                 self.cfg.train.spikes.max_rollbacks))
+            if self.dist.is_main:  # (last: a run killed before this resumes to the same answer)
+                ckpt.rewind_to(target)
+                spikes.write_log(self.cfg.run_dir, self.state.spikes)
+        if event.action == spikes.STOP:
+            limit = self.cfg.train.spikes.max_rollbacks
+            why = f"{limit} rollbacks (train.spikes.max_rollbacks)" if self.spikes.rollbacks >= limit else \
+                f"finding no intact checkpoint before step {event.began} to roll back to"
+            report.message(f"stopping: loss spikes since step {event.began} after {why}; lower optim.lr, raise "
+                           "train.spikes.max_rollbacks, or look at the data (megatransformer data inspect --rows)")
+        return event.action
+
+    def roll_back(self, path: Path) -> tuple[int, int]:
+        """Back to checkpoint ``path``; the global rows read since it, and a margin, are skipped from now on
+        (returned as [start, stop))."""
+        sizes = self.module.sizes
+        stop = (self.train_loader.rows + self.cfg.train.spikes.margin_steps * sizes.micro * sizes.accum) * sizes.dp
+        self.restore(path)
+        rows = (self.train_loader.rows * sizes.dp, stop)
+        self.spikes.rolled_back(rows, self.state.spikes)
+        for skipped in self.spikes.skip_rows:
+            self.train_loader.skip_rows(*skipped)
+        self.state.spikes = self.spikes.state_dict()
+        return rows
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss over the first train.eval_batches batches of the validation split (every rank

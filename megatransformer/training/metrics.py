@@ -1,4 +1,4 @@
-"""What a run reports: metrics.jsonl, W&B, and the console. Rank 0 only.
+"""What a run reports: metrics.jsonl, W&B, TensorBoard, and the console. Rank 0 only.
 
 The console prints a line per metrics.jsonl record, made from that record (so the two always agree), a
 progress bar on a terminal, and a closing summary; DeepSpeed's start-up chatter is held back unless asked for.
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
+from megatransformer.training.trackers import TensorBoard, unreachable
 
 if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
     import torch
@@ -37,31 +38,35 @@ def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-def peak_tflops(cfg: RunConfig, device: str) -> float:
-    """Per-device peak for the MFU estimate: train.peak_tflops, else a known GPU, else a measured matmul peak."""
+def peak_tflops(cfg: RunConfig, device: str) -> float | None:
+    """Per-device peak for the MFU estimate: train.peak_tflops, else a known GPU, else a measured matmul peak
+    on a GPU. None on a CPU without train.peak_tflops: a CPU's matmul speed moves with its load, clock and
+    kernel choice (a start-up measurement gave MFUs of 6-99% within one run), so no MFU is shown there."""
     import torch
 
     if cfg.train.peak_tflops:
         return cfg.train.peak_tflops
+    if not device.startswith("cuda"):
+        return None
     dtype = precision_dtype(cfg.precision)
-    if device.startswith("cuda"):
-        known = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
-        if known is not None:
-            return known
-    dtype = torch.float32 if dtype == torch.float16 and not device.startswith("cuda") else dtype
-    a = torch.randn(1024, 1024, device=device, dtype=dtype)
+    known = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
+    if known is not None:
+        return known
+    a = torch.randn(4096, 4096, device=device, dtype=dtype)
     a @ a
+    torch.cuda.synchronize()
     started, n = time.perf_counter(), 0
     while time.perf_counter() - started < 0.2:
         a @ a
         n += 1
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return 2 * 1024**3 * n / (time.perf_counter() - started) / 1e12
+    torch.cuda.synchronize()
+    return 2 * 4096**3 * n / (time.perf_counter() - started) / 1e12
 
 
-def truncate_metrics(path: Path, after_step: int) -> None:
-    """On resume, drop lines of steps after the checkpoint: they are re-run and logged again.
+def truncate_metrics(path: Path, after_step: int, rollbacks: int = 0) -> None:
+    """On resume, drop lines of steps after the checkpoint: they are re-run and logged again. Loss-spike
+    events of a trajectory an earlier rollback left (fewer than ``rollbacks`` before them) stay: their steps
+    are not run again.
 
     A last line that is not JSON is a write the previous run did not finish (killed mid-line): dropped with
     a warning. A bad line anywhere else is not from an interrupted write: an error naming the line."""
@@ -81,7 +86,7 @@ def truncate_metrics(path: Path, after_step: int) -> None:
                 continue
             raise ConfigError(f"{path} line {number} is not JSON ({line[:40]!r}); remove or fix that line "
                               "to resume") from None
-        if record.get("step", 0) <= after_step:
+        if record.get("step", 0) <= after_step or record.get("rollbacks", rollbacks) < rollbacks:
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
@@ -97,43 +102,77 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class Reporter:
-    """Writes metrics.jsonl and W&B, and shows every record on the console as it is written."""
+    """Writes metrics.jsonl, W&B and TensorBoard, and shows every record on the console as it is written.
 
-    def __init__(self, cfg: RunConfig, is_main: bool, start_step: int) -> None:
+    ``tracker_config`` is what W&B records as the run's config (the resolved config and the run's facts)."""
+
+    def __init__(self, cfg: RunConfig, is_main: bool, start_step: int,
+                 tracker_config: dict[str, Any] | None = None, rollbacks: int = 0) -> None:
         self.cfg, self.is_main = cfg, is_main
         self.path = Path(cfg.run_dir) / "metrics.jsonl"
         self.bar = None
         self.wandb = None
+        self.tensorboard = None
         self._started, self._start_step = time.perf_counter(), start_step
         if not is_main:
             return
-        truncate_metrics(self.path, start_step)
+        truncate_metrics(self.path, start_step, rollbacks)
         if sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
-        self.wandb = start_wandb(cfg)
+        self.wandb = start_wandb(cfg, tracker_config)
+        if cfg.tensorboard:
+            self.tensorboard = TensorBoard(cfg.run_dir, start_step)
 
     def log(self, record: dict[str, Any]) -> None:
+        """Write a training record (it has ``loss``) or a validation record (``val_loss``), stamped with its
+        ``kind`` (train / valid) and wall-clock ``time`` (Unix seconds)."""
         if not self.is_main:
             return
+        record = {"step": record["step"], "kind": "valid" if "val_loss" in record else "train",
+                  "time": round(time.time(), 3), **record}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind", "time")},
+                           step=record["step"])
+        if self.tensorboard is not None:
+            self.tensorboard.log(record)
         if "loss" in record:
             self.message(self.train_line(record))
         if "val_loss" in record:
             self.message(f"step {record['step']}: validation loss {record['val_loss']:.4f}, perplexity "
                          f"{record['val_ppl']:,.2f} ({record['val_tokens']:,} tokens)")
 
+    def event(self, record: dict[str, Any], line: str) -> None:
+        """A loss-spike event: metrics.jsonl (``kind`` spike), its console ``line``, W&B (an alert for a
+        rollback or a stop where W&B is online)."""
+        if not self.is_main:
+            return
+        record = {"step": record["step"], "kind": "spike", "time": round(time.time(), 3), **record}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.message(line)
+        if self.wandb is not None:
+            self.wandb.log({"spikes/loss": record["spike_loss"], "spikes/threshold": record["threshold"]},
+                           step=record["step"])
+            if record["event"] != "skip" and wandb_mode(self.cfg) == "online":
+                self.wandb.alert(title=f"loss spike: {record['event']}", text=line)
+
+    def rewind(self, step: int, rollbacks: int) -> None:
+        """After a rollback to ``step``: the steps after it are run again (and logged again)."""
+        if self.is_main:
+            truncate_metrics(self.path, step, rollbacks)
+
     def train_line(self, record: dict[str, Any]) -> str:
         """A training record as one line: its own numbers, plus the ETA at the run's average pace so far."""
         step, total = record["step"], self.cfg.train.max_steps
         loss = "nan" if record["loss"] is None else f"{record['loss']:.4f}"
         pace = (time.perf_counter() - self._started) / max(step - self._start_step, 1)
+        mfu = "" if record.get("mfu") is None else f" | MFU {record['mfu']:.2%}"
         return (f"step {step}/{total} | loss {loss} | lr {record['lr']:.3g} | {record['tokens_per_s']:,.0f} tok/s"
-                f" | MFU {record['mfu']:.2%} | ETA {format_duration((total - step) * pace)}")
+                f"{mfu} | ETA {format_duration((total - step) * pace)}")
 
     def progress(self, step: int, loss: float, tokens_per_s: float, seconds_per_step: float) -> None:
         """Moves the progress bar (on a terminal); the numbers are shown per log interval by :meth:`log`."""
@@ -151,6 +190,8 @@ class Reporter:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def format_duration(seconds: float) -> str:
@@ -168,13 +209,15 @@ def wandb_mode(cfg: RunConfig) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-def start_wandb(cfg: RunConfig):
-    """A W&B run (offline when there is no API key, so a run never fails for lack of network).
+def start_wandb(cfg: RunConfig, config: dict[str, Any] | None = None):
+    """A W&B run (offline when there is no API key, so a run never fails for lack of network), with
+    ``config`` (default: the config as written) as its config.
 
     W&B never stops a run: when online start-up fails (server unreachable, bad key, timeout) one warning
-    line says so and the run logs offline, into files that `wandb sync` uploads later. Start-up waits at
-    most WANDB_INIT_TIMEOUT seconds (W&B's default, 90), and less than half of parallel.timeout_minutes,
-    so the other ranks, waiting in a collective meanwhile, do not time out.
+    line says so and the run logs offline, into files that `wandb sync` uploads later. A server that does
+    not answer a TCP connection within seconds (WANDB_BASE_URL, or as W&B's settings say) is known
+    offline at once; otherwise start-up waits at most WANDB_INIT_TIMEOUT seconds (W&B's default, 90), and less than
+    half of parallel.timeout_minutes, so the other ranks, waiting in a collective meanwhile, do not time out.
     """
     mode = wandb_mode(cfg)
     if mode == "disabled":
@@ -184,22 +227,30 @@ def start_wandb(cfg: RunConfig):
     # W&B's own messages (credentials found, retries, errors) stay in its debug logs; the run log is ours
     quiet = wandb.Settings(silent=True, quiet=True, console="off", show_info=False, show_warnings=False,
                            show_errors=False)
-    wandb.setup(quiet)
+    configured = wandb.setup(quiet).settings.base_url  # from W&B's settings files, or its default
     run_dir = Path(cfg.run_dir)
     timeout = min(float(os.environ.get("WANDB_INIT_TIMEOUT", 90)), cfg.parallel.timeout_minutes * 60 / 2)
     init = dict(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
-                tags=cfg.wandb.tags, config=cfg.model_dump(mode="json"), dir=str(run_dir), resume="allow",
-                id=_run_id(run_dir))
+                tags=cfg.wandb.tags, config=config or cfg.model_dump(mode="json"), dir=str(run_dir),
+                resume="allow", id=_run_id(run_dir))
     if mode != "online":
         return wandb.init(**init, mode=mode, settings=quiet)
+    down = unreachable(os.environ.get("WANDB_BASE_URL") or configured)
+    if down is not None:
+        _warn_offline(f"cannot reach the W&B server, {down}", run_dir)
+        return wandb.init(**init, mode="offline", settings=quiet)
     try:
         return wandb.init(**init, mode="online", settings=quiet.model_copy(update={"init_timeout": timeout}))
     except Exception as err:  # noqa: BLE001 - whatever W&B raises, the run goes on offline
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"warning: W&B online start-up failed ({reason}); logging offline instead, upload later with "
-              f"`wandb sync {run_dir / 'wandb'}/offline-run-*`", file=sys.stderr, flush=True)
+        _warn_offline(f"W&B online start-up failed ({reason})", run_dir)
         wandb.teardown()  # the failed run still holds its id in W&B's service process
         return wandb.init(**init, mode="offline", settings=quiet)
+
+
+def _warn_offline(reason: str, run_dir: Path) -> None:
+    print(f"warning: {reason}; logging offline instead, upload later with "
+          f"`wandb sync {run_dir / 'wandb'}/offline-run-*`", file=sys.stderr, flush=True)
 
 
 def _run_id(run_dir: Path) -> str:

@@ -48,5 +48,14 @@ def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
     return factor
 
 
+def warmup_warning(cfg: RunConfig) -> str | None:
+    """One line when the warm-up is longer than the run: the learning rate would never reach optim.lr."""
+    warmup, total = cfg.schedule.warmup_steps, cfg.train.max_steps
+    if warmup <= total:
+        return None
+    return (f"warning: schedule.warmup_steps={warmup} is longer than the run (train.max_steps={total}): the "
+            f"learning rate reaches only {total / warmup:.0%} of its peak; lower schedule.warmup_steps")
+
+
 def make_scheduler(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg))

@@ -9,17 +9,16 @@ start-up takes seconds to minutes, and a first forward pass that fails prints a 
 from __future__ import annotations
 
 import os
-import time
-from pathlib import Path
 
 import torch
 
 from data_pipeline.loader import check_data as check_shards
 from data_pipeline.tokenizer import TokenizerInfo
 from megatransformer.config import ConfigError, RunConfig
-from megatransformer.model.attention import flash_attn_module
+from megatransformer.model.attention import FLASH_ATTN_INSTALL, flash_attn_module
 from megatransformer.training.data import loader_settings
 from megatransformer.training.layout import data_parallel_size
+from megatransformer.training.trackers import check_tensorboard
 
 
 def check_before_start(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
@@ -27,6 +26,7 @@ def check_before_start(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
     check_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     data_parallel_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the launcher's world fits the layout
     check_data(cfg, tokenizer)
+    check_tensorboard(cfg)
 
 
 def check_device(cfg: RunConfig, device: str) -> None:
@@ -43,7 +43,7 @@ def check_device(cfg: RunConfig, device: str) -> None:
                               "use model.attention_backend=auto")
         if flash_attn_module() is None:  # installed is not enough: a build for another torch or CUDA fails on import
             raise ConfigError("model.attention_backend=flash needs the flash-attn package, which does not import "
-                              "here; pip install 'megatransformer[gpu]' or use model.attention_backend=auto")
+                              f"here; {FLASH_ATTN_INSTALL} or use model.attention_backend=auto")
 
 
 def check_data(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
@@ -51,30 +51,3 @@ def check_data(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
     and the objective can use the shards; the loaders check the shard files themselves when built."""
     check_shards(loader_settings(cfg), tokenizer)
 
-
-STALE_LOCK_SECONDS = 600  # DeepSpeed's JIT-built ops take about a minute to build here
-
-
-def stale_build_locks(max_age_s: float = STALE_LOCK_SECONDS, now: float | None = None) -> list[str]:
-    """Warning lines for the lock files of torch C++ extension builds older than ``max_age_s``.
-
-    DeepSpeed JIT-builds some ops on first use (on CPU its shared-memory collective, with an offloaded
-    optimizer DeepSpeedCPUAdam) through ``torch.utils.cpp_extension``, which holds a ``lock`` file in the op's
-    build directory while it builds. A build killed midway (a cancelled job, a killed session) leaves the lock
-    behind, and every later run that needs the op waits for it for ever, printing nothing. The lock names no
-    owner, so an old one is reported, not removed: another job sharing the directory may still be building.
-    """
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
-    now = time.time() if now is None else now
-    lines = []
-    for lock in sorted([*base.glob("*/lock"), *base.glob("*/*/lock")]):  # DIR/op/lock or DIR/py311_cpu/op/lock
-        try:
-            age = now - lock.stat().st_mtime
-        except FileNotFoundError:  # the build finished meanwhile
-            continue
-        if age > max_age_s:
-            lines.append(f"warning: {lock} is {age / 60:.0f} minutes old: a build of DeepSpeed's {lock.parent.name} op "
-                         "killed midway leaves it, and this run would wait for it for ever; delete it unless that "
-                         "build is still running")
-    return lines

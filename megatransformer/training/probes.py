@@ -3,14 +3,16 @@
 On a GPU every value the host reads from the device (``.item()``, ``bool(t)``, ``nonzero``, ``tolist`` ...)
 waits for all queued work; a step that does so per layer or per micro batch leaves the GPU idle. A collective
 on a tensor that is not on the run's device fails on NCCL (or silently goes through the host on gloo).
-:class:`HostSyncCounter` counts the first while code runs; :class:`CollectiveDevices` records the second.
-The tests and ``bench/gpu_check.py`` wrap :meth:`engine.TrainModule.step` in both.
+:class:`HostSyncCounter` counts the first while code runs (the reads our code asks for, on any device);
+:class:`CudaSyncCounter` counts every wait CUDA sees; :class:`CollectiveDevices` records the second.
+The tests and ``bench/gpu_check.py`` wrap :meth:`engine.TrainModule.step` in them.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -72,6 +74,28 @@ class HostSyncCounter:
         self._stack.close()
 
 
+class CudaSyncCounter:
+    """Counts the waits for the GPU inside the block as CUDA itself sees them (``torch.cuda`` sync debug mode:
+    device-to-host copies and explicit synchronisations too, DeepSpeed's included); ``syncs.total``."""
+
+    MESSAGE = "called a synchronizing CUDA operation"  # the warning each synchronising call raises
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._warnings = warnings.catch_warnings(record=True)
+
+    def __enter__(self) -> CudaSyncCounter:
+        self._seen = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._warnings.__exit__(*exc)
+        self.total = sum(self.MESSAGE in str(w.message) for w in self._seen)
+
+
 class CollectiveDevices:
     """Records the device of every tensor handed to a ``torch.distributed`` collective inside the block
     (DeepSpeed's communication goes through the same functions)."""
@@ -107,11 +131,13 @@ class CollectiveDevices:
 
 def probe_step(module, batches, warmup: int = 2) -> dict[str, Any]:
     """Run ``warmup`` steps of a :class:`engine.TrainModule` (ZeRO-3 traces its parameter fetches in its first
-    steps), then one under both probes: its host syncs (by
-    operator) and the devices its collectives used."""
+    steps), then one under the probes: its host syncs (by
+    operator), the devices its collectives used and, on CUDA, the waits CUDA itself counts."""
     for _ in range(warmup):
         module.step(batches)
-    with HostSyncCounter() as syncs, CollectiveDevices() as collectives:
+    cuda_syncs = CudaSyncCounter() if module.device.type == "cuda" else None
+    with HostSyncCounter() as syncs, CollectiveDevices() as collectives, cuda_syncs or nullcontext():
         result = module.step(batches)
     return {"host_syncs": syncs.total, "by_op": dict(syncs.counts), "collectives": len(collectives.calls),
-            "collective_devices": sorted(collectives.devices()), "loss": result.loss}
+            "collective_devices": sorted(collectives.devices()), "loss": result.loss,
+            "cuda_syncs": None if cuda_syncs is None else cuda_syncs.total}

@@ -117,6 +117,23 @@ def plan_resume(cfg: RunConfig, world_size: int, device_type: str,
     return ResumePlan(path, state, saved, ElasticResume(saved_sizes, sizes, zero_stage, weights))
 
 
+def rollback_target(cfg: RunConfig, before_step: int) -> Path | None:
+    """The newest intact checkpoint of the run older than ``before_step`` (damaged ones skipped with a
+    warning), or None; rank 0 verifies, every rank gets its answer."""
+
+    def find() -> Path | None:
+        for path in ckpt.complete_before(ckpt.checkpoints_dir(cfg.run_dir), before_step):
+            try:
+                ckpt.verify_checkpoint(path)
+            except ckpt.CheckpointDamaged as err:
+                ckpt.warn(f"{err}: skipped, looking for an older checkpoint to roll back to")
+                continue
+            return path
+        return None
+
+    return on_first_rank(find)
+
+
 def check_tokenizer(path: Path, state: ckpt.TrainerState, cfg: RunConfig, tokenizer_sha256: str | None) -> None:
     if tokenizer_sha256 and state.tokenizer_sha256 and tokenizer_sha256 != state.tokenizer_sha256:
         raise ConfigError(f"checkpoint {path} was trained with another tokenizer (sha256 "

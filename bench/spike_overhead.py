@@ -1,0 +1,83 @@
+"""What loss-spike detection and the hang watchdog cost per step: one ``TrainModule`` stepped side by side
+plain (``reject`` unset, no watchdog) and guarded (the default ladder's ``rejects``, the watchdog armed and
+disarmed around the step), in alternating rounds; plus the host time of the two alone per step.
+
+    python bench/spike_overhead.py --modes fp32 --rounds 7 --steps 5 --threads 1 --clock cpu
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import train_step  # noqa: E402
+from engine_overhead import host_batches, run_config  # noqa: E402
+
+
+def main() -> int:
+    args = train_step.parse_args(sys.argv[1:])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    from megatransformer.training.distributed import setup
+    from megatransformer.training.engine import TrainModule
+    from megatransformer.training.spikes import SpikeLadder
+    from megatransformer.training.watchdog import Watchdog
+
+    dist_info = setup()
+    print(f"# spike + watchdog overhead: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"d{args.d_model} L{args.layers} V{args.vocab}, batch {args.batch} x {args.seq}, {args.clock} clock")
+    print("| mode | plain s/step | guarded s/step | guarded / plain time | detection + watchdog alone, us/step |")
+    print("|---|---|---|---|---|")
+    for mode in args.modes.split(","):
+        cfg = run_config(args, mode).model_copy(update={"run_dir": tempfile.mkdtemp()})
+        module = TrainModule(cfg, dist_info)
+        batches = host_batches(*train_step.make_batch(cfg.model, args))
+        ladder, watchdog = SpikeLadder(cfg.train.spikes), Watchdog(cfg, 0)
+        for _ in range(cfg.train.spikes.window):  # a full window: the statistic is recomputed every step
+            ladder.rejects(5.0)
+
+        def guarded():
+            watchdog.arm()
+            result = module.step(batches, reject=ladder.rejects)
+            watchdog.disarm(0.1)
+            return result
+
+        runners = {"plain": lambda: module.step(batches), "guarded": guarded}
+        for run in runners.values():
+            for _ in range(args.warmup):
+                run()
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        ratios = []
+        for round_ in range(args.rounds):
+            order = list(runners) if round_ % 2 == 0 else list(reversed(runners))
+            per_round = {}
+            for name in order:
+                start = clock()
+                for _ in range(args.steps):
+                    runners[name]()
+                per_round[name] = (clock() - start) / args.steps
+                times[name].append(per_round[name])
+            ratios.append(per_round["guarded"] / per_round["plain"])
+        start, n = clock(), 20_000
+        for i in range(n):
+            watchdog.arm()
+            ladder.rejects(5.0 + 1e-4 * (i % 7))
+            watchdog.disarm(0.1)
+        alone = (clock() - start) / n * 1e6
+        watchdog.close()
+        print(f"| {mode} | {statistics.median(times['plain']):.4f} | {statistics.median(times['guarded']):.4f} | "
+              f"{statistics.median(ratios):.3f}x | {alone:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Varlen attention: a mask's varlen problems (:meth:`masks.AttentionMask.varlen_problems`) run through a
+flash kernel over the flattened batch, and the core on PyTorch's own kernel
+(``torch.nn.attention.varlen.varlen_attn``) for GPUs without the flash-attn package."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from megatransformer.model.masks import AttentionMask, VarlenProblem
+
+# kernel(q, k, v, problem) -> out; q: [total_q, H, D], k, v: [total_k, Hkv, D] -> [total_q, H, D]
+VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenProblem], torch.Tensor]
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+                     kernel: VarlenKernel) -> torch.Tensor:
+    """Attention under ``mask`` as one kernel call per varlen problem; q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D]
+    -> [B, H, Tq, D]."""
+    batch, heads, q_len, dim = q.shape
+    q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))  # [B * T, H, D]
+    out = None
+    for problem in mask.varlen_problems(batch, q_len, k.shape[0] // batch):
+        part = kernel(_gather(q, problem.q_index), _gather(k, problem.k_index), _gather(v, problem.k_index), problem)
+        if problem.q_index is None:  # the problem holds every query in order
+            out = part
+        else:
+            out = (q.new_zeros(q.shape) if out is None else out).index_copy(0, problem.q_index, part)
+    return out.view(batch, q_len, heads, dim).transpose(1, 2)
+
+
+def window_size(window: int | None, causal: bool) -> tuple[int, int]:
+    """flash-attn's (and varlen_attn's) ``window_size=(left, right)``: query i sees keys i - left ... i + right
+    (bottom-right aligned; -1: unbounded), for a mask's sliding ``window`` and causality."""
+    left = -1 if window is None else window - 1
+    return left, 0 if causal else left
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return x if index is None else x.index_select(0, index)
+
+
+def torch_varlen_core(q, k, v, mask: AttentionMask, dropout: float, alibi=None) -> torch.Tensor:
+    """PyTorch's flash kernel for packed documents, prefix-LM and packed cross-attention (CUDA, fp16/bf16,
+    head dim <= 256); causal problems are bottom-right aligned, as flash-attn's. The kernel has neither
+    attention dropout nor ALiBi."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout or alibi is not None:
+        raise ValueError("PyTorch's varlen_attn has no attention dropout or ALiBi; use attention_backend=sdpa")
+
+    def kernel(q, k, v, problem: VarlenProblem) -> torch.Tensor:
+        return varlen_attn(q, k, v, problem.cu_q, problem.cu_k, problem.max_q, problem.max_k,
+                           window_size=window_size(mask.window, problem.causal), enable_gqa=q.shape[1] != k.shape[1])
+
+    return varlen_attention(q, k, v, mask, kernel)
+
+
+@functools.cache
+def torch_varlen_available() -> bool:
+    """This PyTorch has ``varlen_attn`` and its flash kernel runs on this GPU (compute capability 8.0+)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability() >= (8, 0)

@@ -1,0 +1,319 @@
+"""Checkpoints you can trust: a damaged checkpoint is never resumed, a pickle in one never runs.
+
+One tiny run (one process, ZeRO-3, 4 steps, a checkpoint every 2) is trained once for the module; each case
+copies its run directory, damages the copy and checks what resuming does. Most cases check the resolution
+(``resolve_resume``, what the trainer calls before any engine load) directly; a few run the real
+``megatransformer train`` end to end, where DeepSpeed's own loads take part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from support.runs import ONE_THREAD, cli, losses_by_step, tiny_data_overrides, tiny_model, train
+
+from megatransformer import checkpoint as ckpt
+from megatransformer.config import ConfigError, validate
+from megatransformer.training import checkpointer
+from megatransformer.training.resume import plan_resume, resolve_resume
+
+OLD, NEW = "step_000002", "step_000004"
+# The files of a ZeRO-3 checkpoint of one rank: every kind there is. (ZeRO-3, because stages 1 and 2 on one
+# CPU rank run as stage 0, whose optimizer states live in the model states file: engine.engine_zero_stage.)
+MODEL_STATES, OPTIM_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+FILES = (MODEL_STATES, OPTIM_STATES, "rank_00000.pt",
+         "model.safetensors", "trainer.json", "config.yaml", "tokenizer.json", "optimizer.safetensors")
+STATE_FILES = FILES[:3]  # the pickled ones
+
+
+def overrides(tiny_data, run_dir: Path, *extra: str) -> list[str]:
+    return [*tiny_model(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32),
+            f"run_dir={run_dir}", *tiny_data_overrides(tiny_data), "data.seq_len=32", "train.micro_batch_size=2",
+            "train.max_steps=4", "train.log_every=1", "train.eval_batches=1", "optim.lr=1e-2",
+            "schedule.warmup_steps=1", "checkpoint.every=2", "parallel.zero_stage=3", "wandb.mode=disabled", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory) -> Path:
+    """A finished run directory with two checkpoints, step_000002 and step_000004 (`latest`)."""
+    run = tmp_path_factory.mktemp("integrity") / "run"
+    result = train(overrides(tiny_data, run), expect=None, env=ONE_THREAD)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [OLD, NEW]
+    assert sorted(ckpt.read_manifest(run / "checkpoints" / NEW)) == sorted(FILES)
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    """A copy of the trained run directory, to damage."""
+    return Path(shutil.copytree(trained, tmp_path / "run"))
+
+
+def resume_cfg(run: Path, resume: str):
+    return validate({"run_dir": str(run), "resume": resume})
+
+
+def truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def flip(file: Path) -> None:
+    """64 bytes XORed in the middle: the file keeps its size (and may well still load)."""
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0x5A for b in data[middle:middle + 64])
+    file.write_bytes(bytes(data))
+
+
+DAMAGE = {"truncated": truncate, "deleted": Path.unlink, "flipped": flip}
+
+
+# ------------------------------------------------------------------ damaged files: fallback or exit 2
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("name", FILES)
+def test_a_damaged_file_falls_back_or_is_named(run, capsys, name, damage):
+    DAMAGE[damage](run / "checkpoints" / NEW / name)
+
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"{NEW}: {name}: " in warnings[0], warnings
+    assert "skipped, resuming from step_000002" in warnings[0]
+
+    with pytest.raises(ConfigError, match=f"{NEW}: {name.replace('.', '[.]')}: ") as err:
+        resolve_resume(resume_cfg(run, str(run / "checkpoints" / NEW)))
+    assert "\n" not in str(err.value)
+
+
+def test_a_damaged_manifest_or_an_unlisted_file_falls_back(run, capsys):
+    newest = run / "checkpoints" / NEW
+    (newest / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"not from this save")
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: a file the manifest does not list" in capsys.readouterr().err
+
+    (newest / ckpt.COMPLETE).write_bytes(b'{"format": 1, "files": {"config.yaml": {"si')  # cut short
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
+    assert f"{NEW}: COMPLETE: not a readable manifest" in capsys.readouterr().err
+
+
+def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(run):
+    for step in (OLD, NEW):
+        flip(run / "checkpoints" / step / "model.safetensors")
+    with pytest.raises(ConfigError, match="every complete checkpoint .* is damaged"):
+        resolve_resume(resume_cfg(run, "auto"))
+
+
+@pytest.mark.parametrize("pointer", [b"\xff\xfe\x00garbage", b"step_000099", b"../../etc", b"", b"step_000004\x00"])
+def test_a_bad_latest_pointer_is_ignored_for_a_scan(run, capsys, pointer):
+    (run / "checkpoints" / "latest").write_bytes(pointer)
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / NEW
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 1 and f"warning: {run / 'checkpoints' / 'latest'} " in warnings[0], warnings
+    assert "ignored; taking the newest complete checkpoint" in warnings[0]
+    flip(run / "checkpoints" / NEW / "trainer.json")  # and the scan falls back past damage too
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
+    # (unverified, what refuses a fresh start over an existing run)
+    assert ckpt.latest_checkpoint(run / "checkpoints") == run / "checkpoints" / NEW
+
+
+def test_a_checkpoint_without_manifest_is_accepted_with_a_warning(run, capsys):
+    (run / "checkpoints" / NEW / ckpt.COMPLETE).write_bytes(b"")  # as versions before manifests wrote it,
+    (run / "checkpoints" / NEW / ckpt.OPTIMIZER).unlink()  # which wrote no optimizer.safetensors either
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / NEW
+    assert "has no manifest" in capsys.readouterr().err
+
+
+def test_an_emptied_manifest_of_a_new_checkpoint_is_damage(run, capsys):
+    (run / "checkpoints" / NEW / ckpt.COMPLETE).write_bytes(b"")
+    assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
+    assert f"{NEW}: COMPLETE: empty, but the checkpoint was written by a version that writes a manifest" in \
+        capsys.readouterr().err
+
+
+def test_weights_readers_verify_what_they_read(run):
+    """init_from, eval, generate and export read model.safetensors, config.yaml and tokenizer.json: damage
+    there is an error naming the file; damage in the optimizer states does not concern them."""
+    newest = run / "checkpoints" / NEW
+    truncate(newest / OPTIM_STATES)
+    cfg, weights = ckpt.load_weights(run / "checkpoints")
+    assert cfg.model.d_model == 32 and "embed_tokens.weight" in weights
+    flip(newest / "model.safetensors")
+    with pytest.raises(ckpt.CheckpointDamaged, match="model.safetensors: changed since the save"):
+        ckpt.load_weights(newest)
+    result = cli("export", "--checkpoint", run, "--out", run / "exported", check=False, env=ONE_THREAD)
+    assert result.returncode == 2, result.stderr
+    assert "model.safetensors" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_export_carries_a_manifest(trained, tmp_path):
+    out = tmp_path / "exported"
+    result = cli("export", "--checkpoint", trained, "--out", out, check=False, env=ONE_THREAD)
+    assert result.returncode == 0, result.stderr
+    assert sorted(ckpt.read_manifest(out)) == ["config.yaml", "model.safetensors", "tokenizer.json"]
+    ckpt.verify_checkpoint(out)
+
+
+# ------------------------------------------------------------------------------------- end to end
+
+
+def test_resume_auto_skips_damaged_newest_and_continues_exactly(tiny_data, trained, run):
+    """Bytes flipped in the model states (what would otherwise resume silently wrong) and a torn last metrics line:
+    one warning for each, a resume from step 2, and steps 3-4 as the uninterrupted run had them."""
+    flip(run / "checkpoints" / NEW / MODEL_STATES)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 6.2')  # a write cut short
+    result = train(overrides(tiny_data, run, "resume=auto"), expect=None, env=ONE_THREAD)
+    assert result.returncode == 0, result.stderr[-4000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2, warnings
+    assert f"{MODEL_STATES}: changed since the save" in warnings[0]
+    assert "metrics.jsonl: the last line" in warnings[1]
+    assert f"resumed from {run / 'checkpoints' / OLD} at step 2" in result.stdout
+    assert losses_by_step(run) == losses_by_step(trained)
+
+
+def test_resume_path_of_a_damaged_checkpoint_exits_2_naming_the_file(tiny_data, run):
+    truncate(run / "checkpoints" / NEW / OPTIM_STATES)
+    result = train(overrides(tiny_data, run, f"resume={run / 'checkpoints' / NEW}"), expect=None, env=ONE_THREAD)
+    assert result.returncode == 2, result.stderr[-4000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("megatransformer train: error:")]
+    assert len(errors) == 1 and OPTIM_STATES in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------- no code from checkpoints
+
+
+class Payload:
+    """Unpickled without weights_only, this touches ``marker``: code run by loading a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def plant(file: Path, marker: Path, protocol: int = 2) -> None:
+    """The payload inside a state file's dictionary, the manifest rewritten to match (integrity passes);
+    first proven live on a copy. (Pickle protocol 4 hides it from the static scan of the verification.)"""
+    state = torch.load(file, weights_only=False)  # (our own file, from the fixture's run)
+    state["extra"] = Payload(marker)
+    torch.save(state, file, pickle_protocol=protocol)
+    probe = file.with_name("probe.tmp")
+    shutil.copyfile(file, probe)
+    torch.load(probe, weights_only=False)
+    assert marker.is_file(), "the payload does not run: the test would prove nothing"
+    marker.unlink()
+    probe.unlink()
+    ckpt.write_manifest(file.parent)
+
+
+@pytest.mark.parametrize("auto", [True, False], ids=["auto", "path"])
+@pytest.mark.parametrize("name", STATE_FILES)
+def test_a_pickle_payload_is_refused_naming_the_file(run, tmp_path, name, auto):
+    """Never skipped as damage (resume=auto refuses too): the manifest matches, the file is planted."""
+    marker = tmp_path / "payload-ran"
+    plant(run / "checkpoints" / NEW / name, marker)
+    with pytest.raises(ConfigError, match=f"{name}: holds Python objects beyond tensors") as err:
+        resolve_resume(resume_cfg(run, "auto" if auto else str(run / "checkpoints" / NEW)))
+    assert "\n" not in str(err.value)
+    assert not marker.exists(), "the payload ran"
+
+
+def test_a_pickle_payload_in_deepspeeds_model_states_never_runs(tiny_data, run, tmp_path):
+    """A planted pickle, end to end: `megatransformer train resume=auto` exits 2 with one line naming the
+    file, and the payload never runs. Written with pickle protocol 4, which the verification's static scan
+    cannot read: what refuses it is DeepSpeed's own load, through the weights_only checkpoint engine."""
+    marker = tmp_path / "payload-ran"
+    plant(run / "checkpoints" / NEW / MODEL_STATES, marker, protocol=4)
+    ckpt.verify_checkpoint(run / "checkpoints" / NEW)  # (passes: the scan does not see it)
+    result = train(overrides(tiny_data, run, "resume=auto"), expect=None, env=ONE_THREAD)
+    assert not marker.exists(), "the payload ran"
+    assert result.returncode == 2, result.stderr[-4000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("megatransformer train: error:")]
+    assert len(errors) == 1 and f"{MODEL_STATES}: holds Python objects beyond tensors" in errors[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_deepspeeds_loads_go_through_weights_only(run, tmp_path):
+    """The checkpoint engine the trainer gives DeepSpeed before a resume: the states load as before, a
+    payload is refused by the load itself (behind the pre-load scan the test above meets first)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    engine = checkpointer.safe_checkpoint_engine(None)
+    assert isinstance(engine, TorchCheckpointEngine)
+    optim = run / "checkpoints" / NEW / OPTIM_STATES
+    loaded = engine.load(str(optim), map_location="cpu")
+    assert loaded["ds_version"] == torch.load(optim, weights_only=False)["ds_version"]
+    marker = tmp_path / "payload-ran"
+    plant(optim, marker)
+    with pytest.raises(ckpt.CheckpointUnsafe, match="zero_pp_rank_0_mp_rank_00_optim_states.pt: holds Python"):
+        engine.load(str(optim), map_location="cpu")
+    assert not marker.exists()
+
+
+def test_safe_load_names_an_unreadable_file(run):
+    file = run / "checkpoints" / NEW / "rank_00000.pt"
+    truncate(file)
+    with pytest.raises(ckpt.CheckpointDamaged, match="rank_00000.pt: unreadable"):
+        ckpt.safe_load(file, allowed=checkpointer.deepspeed_safe_globals())
+
+
+# ------------------------------------------------------------------------------------------ file modes
+
+
+def test_files_are_written_with_the_umask(trained, tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for file in (trained / "checkpoints" / NEW).iterdir():
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file
+    old = os.umask(0o027)
+    try:
+        ckpt.directory.default_file_mode.cache_clear()
+        ckpt.save_safetensors({"w": torch.zeros(2)}, tmp_path / "w.safetensors")
+    finally:
+        os.umask(old)
+        ckpt.directory.default_file_mode.cache_clear()
+    assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o640
+
+
+def saved_run_config(run: Path, resume: str):
+    """The run's own config (its model shape), resuming from ``resume``."""
+    return ckpt.saved_config(run / "checkpoints" / NEW).model_copy(update={"run_dir": str(run), "resume": resume})
+
+
+def test_a_resume_is_decided_reading_each_file_once(run, monkeypatch):
+    cfg = saved_run_config(run, "auto")
+    reads: list[str] = []
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self.name) or read_text(self, *a, **k))
+    plan = plan_resume(cfg, world_size=1, device_type="cpu", tokenizer_sha256=None)
+    assert plan.path == run / "checkpoints" / NEW and plan.state.step == 4 and plan.elastic is None
+    assert reads.count("trainer.json") == 1 and reads.count("config.yaml") == 1, reads
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("step", 3, "trainer.json: says step 3, its directory step 4"),
+    ("step", -4, "trainer.json: step: Input should be greater than or equal to 0"),
+    ("step", "4", "trainer.json: step: Input should be a valid integer"),
+    ("zero_stage", 7, "trainer.json: zero_stage: Input should be 0, 1, 2 or 3"),
+])
+def test_trainer_state_values_are_checked(run, field, value, error):
+    state = run / "checkpoints" / NEW / "trainer.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), field: value}))
+    ckpt.write_manifest(state.parent)  # (a consistent manifest: what is refused is the value)
+    cfg = saved_run_config(run, str(state.parent))
+    assert resolve_resume(cfg) == state.parent  # (the files are intact)
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        plan_resume(cfg, world_size=1, device_type="cpu", tokenizer_sha256=None)

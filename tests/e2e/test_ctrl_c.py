@@ -1,0 +1,133 @@
+"""Ctrl-C: the first one checkpoints at the end of the step and exits 124 (as preemption does), resume=auto
+continues from that step, a second one exits at once; one line each, never a traceback. The summary counts the
+steps the checkpoint holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatransformer.cli import main
+
+TINY = ("model.d_model=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.d_ff=96 model.vocab_size=512 "
+        "model.max_seq_len=128 data.seq_len=64 train.micro_batch_size=4 train.grad_accum=1 train.log_every=1 "
+        "train.eval_batches=2 checkpoint.every=1000 wandb.mode=disabled").split()
+STEPS = 30
+
+
+def train_command(tiny_data, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "megatransformer.cli", "train", "--config", os.devnull, *TINY,
+            f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}", f"run_dir={run_dir}",
+            f"train.max_steps={STEPS}", *extra]
+
+
+def steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+def wait_for_first_step(run_dir: Path, process: subprocess.Popen) -> None:
+    while not ((run_dir / "metrics.jsonl").is_file() and steps(run_dir)):
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_the_step_and_resume_continues_from_it(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    # a terminal's Ctrl-C reaches the whole process group: the trainer and its DataLoader worker
+    process = subprocess.Popen(train_command(tiny_data, run, "data.num_workers=1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for_first_step(run, process)
+    os.killpg(process.pid, signal.SIGINT)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 124, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert output.count("Ctrl-C: checkpointing after this step, then exiting (Ctrl-C again: exit now)") == 1
+    saved = int((run / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert f"interrupted (Ctrl-C) at step {saved}: checkpointing, exit 124" in output
+    assert f"stopped early (checkpointed; run again with resume=auto to continue): {saved} of {STEPS} steps" in output
+    assert 1 <= saved < STEPS
+
+    resumed = subprocess.run(train_command(tiny_data, run, "resume=auto"), capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints' / f'step_{saved:06d}'} at step {saved}" in resumed.stdout
+    assert steps(run) == list(range(1, STEPS + 1))  # each step once: the interrupted run logged up to the saved one
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_every_rank_checkpoints_one_step(tiny_data, tmp_path):
+    """Two ranks started as torchrun starts them (each in its own session), each sent SIGINT once, as torchrun
+    passes on a Ctrl-C: both stop after the same step, which is saved, and exit 124."""
+    run = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        ranks.append(subprocess.Popen(train_command(tiny_data, run, "parallel.zero_stage=2"), env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    wait_for_first_step(run, ranks[0])
+    for process in ranks:
+        process.send_signal(signal.SIGINT)
+    outputs = [process.communicate(timeout=600)[0] for process in ranks]
+    assert [process.returncode for process in ranks] == [124, 124], outputs[0][-2000:] + outputs[1][-2000:]
+    saved = int((run / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert f"interrupted (Ctrl-C) at step {saved}: checkpointing, exit 124" in outputs[0]
+    assert sum(output.count("Ctrl-C: checkpointing after this step") for output in outputs) == 1  # one per node
+    assert not any("Traceback" in output for output in outputs)
+
+
+def test_a_second_ctrl_c_exits_at_once_with_one_line():
+    script = ("import os, signal, time\n"
+              "from megatransformer.training.loop import Preemption\n"
+              "preemption = Preemption()\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "assert preemption.requested\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "time.sleep(600)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 130
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == "megatransformer train: interrupted again: exiting now, without a checkpoint"
+    assert "Traceback" not in result.stderr
+
+
+def test_ctrl_c_before_training_starts_is_one_line(monkeypatch, capsys):
+    from megatransformer.commands import info
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(info, "run", interrupted)
+    assert main(["info", "--config", "quickstart"]) == 130
+    assert capsys.readouterr().err.strip() == "megatransformer info: interrupted"
+
+
+def test_the_summary_counts_the_steps_of_the_checkpoint_saved(tmp_path):
+    from megatransformer import checkpoint as ckpt
+    from megatransformer.commands.train import summary
+    from megatransformer.config import load_config
+
+    cfg = load_config("quickstart", [f"run_dir={tmp_path}", "train.max_steps=400", "train.log_every=10"])
+    records = [{"step": s, "loss": 3.0, "tokens": 1000 * s} for s in range(10, 51, 10)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    saved = ckpt.checkpoints_dir(tmp_path) / ckpt.step_name(51)  # stopped between two logged steps
+    saved.mkdir(parents=True)
+    ckpt.write_trainer_state(saved, ckpt.TrainerState(step=51, tokens=51_000, bad_steps=0, tokenizer_sha256=None,
+                                                      world_size=1, tensor_parallel=1, zero_stage=0))
+    text = summary(cfg, 124, 60.0, saved, None)
+    assert text.startswith("stopped early (checkpointed; run again with resume=auto to continue): "
+                           "51 of 400 steps, 51,000 tokens")

@@ -1,0 +1,95 @@
+"""``bench/gpu_check.py``'s own bookkeeping, on CPU: the commands it builds, how it reads pytest's output and
+judges the step probe, and the CUDA sync counter it gates on (torch.cuda's sync debug mode, faked here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from support import REPO
+
+from megatransformer.training.probes import CudaSyncCounter
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pytest_run(monkeypatch, gpu_check, returncode: int, stdout: str, stderr: str = "") -> list[list[str]]:
+    commands = []
+
+    def run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, returncode, stdout, stderr)
+
+    monkeypatch.setattr(gpu_check, "run", run)
+    return commands
+
+
+def test_every_gpu_test_of_the_repository_runs(monkeypatch, gpu_check):
+    commands = pytest_run(monkeypatch, gpu_check, 0, "....\n12 passed, 850 deselected in 40.0s\n")
+    assert gpu_check.gpu_tests() == {"ok": True, "summary": "12 passed, 850 deselected in 40.0s"}
+    command = commands[0]
+    assert command[:3] == [sys.executable, "-m", "pytest"] and command[command.index("-m", 3) + 1] == "gpu"
+    assert command[-1] == "tests" and (REPO / "tests").is_dir()  # the whole test tree, not chosen files
+
+
+@pytest.mark.parametrize("returncode, stdout, stderr", [
+    (1, "", "ImportError: something\n"),  # pytest printed nothing
+    (5, "no tests ran in 0.5s\n", ""),  # nothing collected
+    (1, "1 failed, 3 passed in 9s\n", ""),
+])
+def test_a_run_that_did_not_pass_fails_without_crashing(monkeypatch, gpu_check, returncode, stdout, stderr):
+    pytest_run(monkeypatch, gpu_check, returncode, stdout, stderr)
+    report = gpu_check.gpu_tests()
+    assert not report["ok"] and report["summary"] == (stdout or stderr).strip().splitlines()[-1]
+
+
+def test_skipped_gpu_tests_fail_the_check_with_their_reasons(monkeypatch, gpu_check):
+    skipped = "SKIPPED [11] tests/unit/test_flash_decomposition.py:198: needs CUDA and the flash-attn package"
+    pytest_run(monkeypatch, gpu_check, 0, f"..s\n{skipped}\n3 passed, 11 skipped in 5s\n")
+    assert gpu_check.gpu_tests() == {"ok": False, "summary": "3 passed, 11 skipped in 5s", "skipped": [skipped]}
+
+
+def test_training_runs_this_interpreters_megatransformer(gpu_check, tmp_path):
+    command = gpu_check.training_command(tmp_path)
+    assert command[:4] == [sys.executable, "-m", "megatransformer", "quickstart"]
+    done = subprocess.run([*command[:3], "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "quickstart" in done.stdout
+
+
+def test_the_packed_runs_attention_core_is_read_from_the_run_log(gpu_check):
+    core = gpu_check.packed_attention_core
+    assert core(["attention: auto -> flash for every mask on cuda in bfloat16"]) == "flash"
+    assert core(["attention: auto -> sdpa for causal/bidirectional, varlen for packed documents, prefix-LM, "
+                 "cross-attention on cuda in bfloat16 (flash-attn is not installed: pip install flash-attn "
+                 "--no-build-isolation)"]) == "varlen"
+    assert core(["attention: auto -> sdpa for every mask on cuda in bfloat16 (flash-attn is not installed: "
+                 "pip install flash-attn --no-build-isolation)"]) == "sdpa"
+    assert core([]) is None
+
+
+def test_the_step_probe_is_judged_by_cudas_own_sync_count(gpu_check):
+    probe = {"collective_devices": ["cuda:0"], "host_syncs": 1, "cuda_syncs": 3}
+    assert gpu_check.probe_ok(probe)
+    assert not gpu_check.probe_ok({**probe, "cuda_syncs": gpu_check.SYNC_BUDGET + 1})  # copies, synchronize()
+    assert not gpu_check.probe_ok({**probe, "cuda_syncs": None})  # not counted: not judged as passing
+    assert not gpu_check.probe_ok({**probe, "collective_devices": ["cpu", "cuda:0"]})
+
+
+def test_cuda_sync_counter_counts_cudas_sync_warnings(monkeypatch):
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with CudaSyncCounter() as syncs:
+        for _ in range(3):  # what CUDA's sync debug mode raises at each synchronising call
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+    assert syncs.total == 3 and modes == ["warn", "default"]

@@ -1,0 +1,36 @@
+"""A stalled rank of two (SIGSTOP) leaves a Python stack dump per rank, each naming where its rank waited,
+and every rank exits non-zero, the exit lines naming the dumps. Real `megatransformer train` ranks."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from support.runs import spawn_ranks, tiny_data_overrides, tiny_model, wait_for_step, wait_ranks
+
+from megatransformer.training.watchdog import stack_dumps
+
+
+def test_a_stalled_rank_leaves_a_stack_dump_per_rank_and_every_rank_exits_non_zero(tiny_data, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "train"
+    overrides = [*tiny_model(), *tiny_data_overrides(tiny_data), f"run_dir={run}", "data.seq_len=64",
+                 "train.micro_batch_size=4", "train.grad_accum=1", "train.log_every=1", "train.max_steps=100000",
+                 "parallel.timeout_minutes=0.5", "train.watchdog.min_seconds=3", "wandb.mode=disabled"]
+    ranks = spawn_ranks(overrides, log)
+    try:
+        wait_for_step(run, 5, ranks, Path(f"{log}.rank0.log"))
+        ranks[1].send_signal(signal.SIGSTOP)
+        codes = wait_ranks(ranks[:1], log)  # rank 0's watchdog writes, then its collective times out
+        ranks[1].send_signal(signal.SIGCONT)  # rank 1's watchdog is overdue: it writes at once; its peer is gone
+        codes += wait_ranks(ranks[1:], log)
+    finally:
+        for rank in ranks:
+            rank.kill()
+    said = [Path(f"{log}.rank{r}.log").read_text() for r in range(2)]
+    assert all(code != 0 for code in codes), (codes, said[0][-3000:])
+    dumps = stack_dumps(run)
+    assert [d.name for d in dumps] == ["rank_00000.txt", "rank_00001.txt"], said[0][-3000:]
+    for dump in dumps:  # each names where its rank waited: a step of the training loop
+        assert "in step" in dump.read_text() and "loop.py" in dump.read_text(), dump.read_text()
+    line = next(line for line in said[0].splitlines() if "error: rank 0:" in line)
+    assert "timed out" in line and f"{run / 'hangs'}/ (rank_00000.txt" in line

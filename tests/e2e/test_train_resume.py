@@ -1,0 +1,55 @@
+"""Exact resume on two data-parallel ranks (ZeRO-2, gradient accumulation, periodic validation).
+
+The ranks are spawned directly with RANK / WORLD_SIZE / MASTER_* in their environment (as srun does), so
+each rank's exit code and pid are ours: the run is killed with SIGKILL on every rank at an arbitrary step,
+resumed, preempted with SIGUSR1 sent to one rank only (both ranks must checkpoint and exit 124), resumed
+again, and its metrics.jsonl must equal an uninterrupted run's line by line.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from support.runs import metrics, spawn_ranks, tiny_data_overrides, tiny_model, wait_for_step, wait_ranks
+
+STEPS = 14
+EXACT = ("step", "loss", "lr", "grad_norm", "tokens", "val_loss", "val_tokens", "bad_steps")
+
+
+def overrides(tiny_data, run_dir: Path) -> list[str]:
+    return [*tiny_model(d_model=32, d_ff=64, max_seq_len=32), f"run_dir={run_dir}", *tiny_data_overrides(tiny_data),
+            "data.seq_len=32", "train.micro_batch_size=2", "train.grad_accum=2", f"train.max_steps={STEPS}",
+            "train.log_every=1", "train.eval_every=5", "train.eval_batches=1", "optim.lr=1e-2",
+            "schedule.warmup_steps=2", "checkpoint.every=3", "checkpoint.keep=2", "parallel.zero_stage=2",
+            "wandb.mode=disabled", "resume=auto"]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in record.items() if k in EXACT} for record in metrics(run_dir)]
+
+
+def test_kill_9_then_preemption_then_resume_equals_uninterrupted(tiny_data, tmp_path):
+    reference, run = tmp_path / "reference", tmp_path / "interrupted"
+    assert wait_ranks(spawn_ranks(overrides(tiny_data, reference), reference), reference) == [0, 0]
+
+    procs = spawn_ranks(overrides(tiny_data, run), run)  # 1. killed -9 on every rank, between checkpoints
+    wait_for_step(run, 5, procs)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    wait_ranks(procs, run)
+    killed_at = max(r["step"] for r in records(run))
+    latest = int((run / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert latest % 3 == 0 and 3 <= latest <= killed_at  # a save cut short by the kill is not `latest`
+
+    procs = spawn_ranks(overrides(tiny_data, run), run)  # 2. resumed, then preempted through one rank only
+    wait_for_step(run, killed_at + 2, procs)
+    procs[1].send_signal(signal.SIGUSR1)
+    assert wait_ranks(procs, run) == [124, 124]
+    preempted_at = (run / "checkpoints" / "latest").read_text()
+    assert killed_at < int(preempted_at.removeprefix("step_")) < STEPS
+
+    assert wait_ranks(spawn_ranks(overrides(tiny_data, run), run), run) == [0, 0]  # 3. resumed to the end
+    assert records(run) == records(reference)
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{STEPS:06d}"
+    assert len(list((run / "checkpoints").glob("step_*"))) == 2  # checkpoint.keep

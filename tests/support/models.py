@@ -1,0 +1,64 @@
+"""Tiny in-process models."""
+
+from __future__ import annotations
+
+import torch
+
+from megatransformer.config import ModelConfig
+from megatransformer.model import build_model
+
+# A decoder that builds and runs in milliseconds; the tensor-parallel degree 2 divides its heads and d_ff.
+TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 48, "vocab_size": 97, "max_seq_len": 64}
+
+
+def tiny_config(**fields) -> ModelConfig:
+    """The tiny model's config with ``fields`` changed."""
+    return ModelConfig(**(TINY | fields))
+
+
+def llama_model(seed: int = 0):
+    """A random Llama-style model (large init: peaked next-token distributions) and transformers' Llama with the
+    same weights: (config, ours, theirs)."""
+    import transformers
+
+    from megatransformer.hf import llama_config, to_llama_state_dict
+
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=512, max_seq_len=64,
+                      norm="rmsnorm", position="rope", ffn="swiglu", rope_theta=10000.0, norm_eps=1e-6,
+                      init_std=0.2)
+    torch.manual_seed(seed)
+    ours = build_model(cfg).eval()
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(cfg))).eval()
+    theirs.load_state_dict(to_llama_state_dict(ours.state_dict(), cfg), strict=False)
+    theirs.tie_weights()
+    return cfg, ours, theirs
+
+
+def randomized(model: torch.nn.Module) -> torch.nn.Module:
+    """Non-trivial norm weights and biases (init sets them to 1 and 0, which would hide a swapped mapping)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    return model
+
+
+def assert_exported_logits_match(directory, cfg: ModelConfig, family, length: int = 40) -> None:
+    """A randomized model of ``cfg`` exported to ``directory`` loads in transformers as ``family`` with the same
+    logits, and imports back to the same config and weights."""
+    import transformers
+
+    from megatransformer.hf import load_hf_dir, save_hf_dir
+
+    torch.manual_seed(0)
+    ours = randomized(build_model(cfg)).eval()
+    assert save_hf_dir(directory, cfg, ours.state_dict()) is family
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert type(theirs).__name__ == family.architecture
+    ids = torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
+    back_cfg, back = load_hf_dir(directory)
+    assert back_cfg.model_dump() == cfg.model_dump()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(back[name], tensor), name

@@ -1,0 +1,159 @@
+"""Real ``megatransformer`` processes: the CLI, training runs on one or more ranks, and the files a run writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from support import REPO
+
+# The tiny decoder most end-to-end runs train; the tensor-parallel degree 2 divides heads, kv heads, d_ff and the
+# vocabulary (512: tiny_data's tokenizer).
+TINY_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 96, "vocab_size": 512,
+              "max_seq_len": 128}
+# One intra-op thread a process: ranks (or concurrent processes) on two shared cores spin-wait badly with more.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+CLI = [sys.executable, "-m", "megatransformer.cli"]
+
+
+def tiny_model(**fields: object) -> list[str]:
+    """The tiny decoder as ``model.*`` overrides, with ``fields`` changed (None: left to the config's default)."""
+    return [f"model.{key}={value}" for key, value in (TINY_MODEL | fields).items() if value is not None]
+
+
+def tiny_data_overrides(tiny_data) -> list[str]:
+    """The overrides that read the tiny_data fixture's shards with its tokenizer."""
+    return [f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}"]
+
+
+def tiny_run(tiny_data, run_dir: Path, steps: int = 8) -> list[str]:
+    """The overrides of a short run of the tiny decoder on tiny_data: micro batch 4 x accumulation 2 of 64
+    tokens, a log line every step, a checkpoint every 4."""
+    return [*tiny_model(), f"run_dir={run_dir}", *tiny_data_overrides(tiny_data), "data.seq_len=64",
+            "train.micro_batch_size=4", "train.grad_accum=2", f"train.max_steps={steps}", "train.log_every=1",
+            "train.eval_batches=2", "optim.lr=3e-3", "schedule.warmup_steps=2", "checkpoint.every=4",
+            "wandb.mode=disabled"]
+
+
+def cli(*args: object, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``megatransformer ARGS`` in a new process; with ``check``, an error unless it exits 0."""
+    result = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if check and result.returncode != 0:
+        raise AssertionError(f"megatransformer {' '.join(map(str, args))} failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def train_command(nproc: int = 1) -> list[str]:
+    """``megatransformer train`` with no config file (overrides follow): one process, or torchrun's ``nproc``."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, "-m", "megatransformer.cli", "train", "--config", os.devnull]
+
+
+def train(overrides: list[str], nproc: int = 1, expect: int | None = 0,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """A training run to its end; an error unless it exits ``expect`` (None: the caller checks)."""
+    result = subprocess.run(train_command(nproc) + overrides, capture_output=True, text=True,
+                            env={**os.environ, **(env or {})}, timeout=600)
+    if expect is not None and result.returncode != expect:
+        raise AssertionError(f"exit {result.returncode} (expected {expect})\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-5000:]}")
+    return result
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def spawn_ranks(overrides: list[str], log: Path, world: int = 2) -> list[subprocess.Popen]:
+    """``world`` training ranks started directly with RANK / WORLD_SIZE / MASTER_* in their environment (as srun
+    does), so that each rank's pid and exit code are the caller's; rank r writes to ``{log}.rank{r}.log``."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, **ONE_THREAD, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        with open(f"{log}.rank{rank}.log", "a") as out:
+            procs.append(subprocess.Popen(train_command() + overrides, env=env, stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait_ranks(procs: list[subprocess.Popen], log: Path, timeout: float = 300) -> list[int]:
+    """The exit codes of ranks started by spawn_ranks; ranks still running after ``timeout`` s are killed."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"ranks did not finish in {timeout} s; see {log}.rank*.log") from None
+
+
+def wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], log: Path | None = None) -> None:
+    """Until ``run_dir/metrics.jsonl`` has a record of ``step`` or later; an error (with the end of ``log``)
+    as soon as one of ``procs`` ends before."""
+    path = run_dir / "metrics.jsonl"
+    while not (path.is_file() and any(json.loads(line).get("step", 0) >= step
+                                      for line in path.read_text().splitlines() if line.endswith("}"))):
+        ended = [p.returncode for p in procs if p.poll() is not None]
+        if ended:
+            tail = log.read_text()[-3000:] if log else ""
+            raise AssertionError(f"a process ended (exit {ended[0]}) before step {step}\n{tail}")
+        time.sleep(0.02)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The records of ``run_dir/metrics.jsonl``."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    """The training losses of ``run_dir``, step by step."""
+    return [r["loss"] for r in metrics(run_dir) if "loss" in r]
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher's (torchrun, Slurm) variables, plus ``extra``."""
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
+    return env | extra
+
+
+def write_tiny_config(path: Path, tiny_data, run_dir: Path, **train: int) -> Path:
+    """A ~20k-parameter decoder, ZeRO-2, that trains a step in milliseconds on CPU."""
+    cfg = {
+        "run_dir": str(run_dir), "seed": 0,
+        "model": {"arch": "decoder", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
+                  "vocab_size": 512, "max_seq_len": 32, "norm": "rmsnorm", "position": "rope", "ffn": "swiglu",
+                  "tie_embeddings": True},
+        "data": {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 32,
+                 "shuffle_buffer": 50},
+        "objective": "autoregressive",
+        "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum": 1, "log_every": 1, "eval_batches": 1,
+                  "peak_tflops": 1.0} | train,
+        "optim": {"lr": 1.0e-3},
+        "schedule": {"name": "constant", "warmup_steps": 0},
+        "checkpoint": {"every": 3},
+        "parallel": {"zero_stage": 2},
+        "wandb": {"mode": "disabled"},
+    }
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
+
+
+def run_launch(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m launch ARGS`` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "launch", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)

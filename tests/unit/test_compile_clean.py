@@ -1,0 +1,121 @@
+"""``train.compile`` traces the model's forward as one graph: no graph break in any attention core.
+
+Each case is a training forward (loss head included) with the masks the trainer builds once per batch
+(:func:`masks.batch_masks`): plain, packed documents, prefix-LM per document, and packed encoder-decoder
+batches. flash-attn registers its kernels as PyTorch custom ops, opaque to the compiler; on CPU a custom
+op over ``tests/support/flash_reference.py`` stands in for them, so that everything ``flash_core`` does around the
+kernel (varlen problems, gathers, scatters) is traced here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import flash_reference
+
+from megatransformer.config import ModelConfig
+from megatransformer.model import attention, build_model
+from megatransformer.model.masks import batch_masks
+
+T = 16
+SEGMENTS = torch.tensor([[1] * 6 + [2] * 7 + [0] * 3, [1] * T])
+BATCHES = {
+    "plain": {},
+    "packed": {"segment_ids": SEGMENTS},
+    "prefix": {"segment_ids": SEGMENTS, "prefix_len": torch.tensor([[3] * 6 + [13] * 7 + [0] * 3, [5] * T])},
+}
+
+
+@torch.library.custom_op("megatransformer_tests::varlen_reference", mutates_args=())
+def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     max_q: int, max_k: int, causal: bool) -> torch.Tensor:
+    return flash_reference.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
+
+
+@varlen_reference.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+    return q.new_empty(q.shape)
+
+
+def flash_varlen_op(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, causal=False):
+    return varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, causal)
+
+
+def flash_dense_op(q, k, v, dropout_p=0.0, causal=False):
+    batch, q_len, k_len = q.shape[0], q.shape[1], k.shape[1]
+    cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32)
+    cu_k = torch.arange(0, (batch + 1) * k_len, k_len, dtype=torch.int32)
+    out = varlen_reference(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, q_len, k_len, causal)
+    return out.view(q.shape)
+
+
+FLASH_OPS = type(flash_reference.MODULE)(flash_attn_func=flash_dense_op, flash_attn_varlen_func=flash_varlen_op)
+
+
+def graph_breaks(arch: str, backend: str, batch: dict[str, torch.Tensor], device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> int:
+    cfg = ModelConfig(arch=arch, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97,
+                      max_seq_len=64, position="rope", attention_backend=backend)
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device, dtype)
+    ids = torch.randint(0, 97, (2, T))
+    batch = {"input_ids": ids, **batch}
+    if arch == "encoder_decoder":
+        batch |= {"decoder_input_ids": ids, "decoder_segment_ids": batch.get("segment_ids")}
+    masks = batch_masks(arch, batch, varlen=backend == "flash").to(device)
+    inputs = {name: batch[name].to(device) for name in ("input_ids", "decoder_input_ids") if name in batch}
+    labels = ids.to(device)
+
+    def loss(inputs):
+        return model(**inputs, masks=masks, labels=labels)
+
+    torch._dynamo.reset()
+    return torch._dynamo.explain(loss)(inputs).graph_break_count
+
+
+@pytest.fixture
+def flash_ops(monkeypatch):
+    monkeypatch.setattr(attention, "flash_attn_module", lambda: FLASH_OPS)
+
+
+@pytest.mark.parametrize("backend", ["auto", "chunked", "sdpa"])
+@pytest.mark.parametrize("kind", BATCHES)
+def test_decoder_forward_compiles_without_graph_breaks(backend, kind):
+    assert graph_breaks("decoder", backend, BATCHES[kind]) == 0
+
+
+@pytest.mark.parametrize("kind", BATCHES)
+def test_flash_core_around_the_kernel_compiles_without_graph_breaks(flash_ops, kind):
+    assert graph_breaks("decoder", "flash", BATCHES[kind]) == 0
+
+
+@pytest.mark.parametrize("backend", ["chunked", "sdpa", "flash"])
+def test_packed_encoder_decoder_compiles_without_graph_breaks(flash_ops, backend):
+    assert graph_breaks("encoder_decoder", backend, BATCHES["packed"]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the flash case also the flash-attn package)")
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+@pytest.mark.parametrize("kind", BATCHES)
+def test_cuda_cores_compile_without_graph_breaks(backend, kind):
+    if backend == "flash" and attention.flash_attn_module() is None:
+        pytest.skip("needs the flash-attn package (pip install flash-attn --no-build-isolation)")
+    assert graph_breaks("decoder", backend, BATCHES[kind], "cuda", torch.bfloat16) == 0
+
+
+def test_compiled_prefix_chunks_equal_the_eager_ones():
+    """Compiled, a prefix chunk takes every key (its bound would be a new shape per batch): the same values."""
+    model = build_model(ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97,
+                                    max_seq_len=64, position="rope", attention_backend="chunked"))
+    ids = torch.randint(0, 97, (2, T))
+    batch = {"input_ids": ids, **BATCHES["prefix"]}
+
+    def loss_and_grads(forward):
+        loss = forward(input_ids=ids, masks=batch_masks("decoder", batch), labels=ids)
+        return [loss, *torch.autograd.grad(loss, list(model.parameters()))]
+
+    eager = loss_and_grads(model)
+    compiled = loss_and_grads(torch.compile(model, backend="eager"))
+    for got, want in zip(compiled, eager, strict=True):
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,107 @@
+"""What a user reads and types: command-line parsing, help texts, configs by name, the console's quiet start-up
+and samples, tokenizer size notes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megatransformer.cli import build_parser, main, parse_args
+from megatransformer.config import ConfigError, load_config, shipped_configs
+
+# ---------------------------------------------------------------------------------------- parsing, help
+
+
+def test_an_override_after_a_list_option_is_an_override_not_a_path():
+    args = parse_args(build_parser(), ["eval", "--checkpoint", "runs/q", "--data", "a.txt", "b.txt",
+                                       "data.seq_len=64", "--batch-size", "2", "data.pack=false"])
+    assert args.data == ["a.txt", "b.txt"]
+    assert args.overrides == ["data.seq_len=64", "data.pack=false"]
+    assert args.batch_size == 2
+
+
+def test_overrides_keep_their_order_wherever_they_come():
+    args = parse_args(build_parser(), ["info", "seed=1", "--config", "quickstart", "--json", "seed=2"])
+    assert args.overrides == ["seed=1", "seed=2"] and args.json  # the last one wins, as written
+
+
+def test_a_word_that_is_not_an_override_is_still_an_error(capsys):
+    assert main(["info", "--config", "quickstart", "--json", "stray"]) == 2
+    assert "override 'stray' is not of the form key.path=value" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(build_parser(), ["info", "--config", "quickstart", "seed=1", "--json", "stray"])
+    assert exit_.value.code == 2 and "unrecognized arguments: stray" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # --data needs a path, not only an override
+        parse_args(build_parser(), ["eval", "--checkpoint", "x", "--data", "data.seq_len=64"])
+    assert exit_.value.code == 2 and "--data needs a value" in capsys.readouterr().err
+
+
+def test_commands_without_overrides_keep_argparse_rules():
+    args = parse_args(build_parser(), ["data", "shard", "--input", "seed=1.txt", "--tokenizer", "t", "--out", "o"])
+    assert args.input == ["seed=1.txt"]  # shard takes no overrides: a file name with '=' stays a file
+
+
+def test_help_shows_defaults_and_a_description(capsys):
+    for argv in (["--help"], ["generate", "--help"], ["data", "shard", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    out = " ".join(capsys.readouterr().out.split())  # (help is wrapped to the terminal's width)
+    assert "Pretrain Transformer language models" in out and "registered from a table" not in out
+    assert "(default: 1)" in out and "(default: 0.8)" in out  # generate's --num-beams, --temperature
+    assert "(default: 256.0)" in out  # shard's --shard-mb
+    assert "(default: None)" not in out  # unset defaults say nothing
+
+
+# ------------------------------------------------------------------------------------------- configs
+
+
+def test_configs_are_addressable_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert {"quickstart", "llama-style", "transformer-base"} <= set(shipped_configs())
+    assert load_config("llama-style").model.d_model == 768
+    assert load_config("quickstart.yaml", ["seed=3"]).seed == 3
+    with pytest.raises(ConfigError, match="does not exist; give a YAML path or the name of a shipped config "
+                                          r"\(bert-style, llama-style"):
+        load_config("lama-style")
+    local = tmp_path / "llama-style"  # an existing file wins over a shipped name
+    local.write_text("seed: 7\n")
+    assert load_config("llama-style").seed == 7
+
+
+# ------------------------------------------------------------------------------------------- console
+
+
+def test_quiet_engine_holds_back_start_up_chatter(capsys):
+    from megatransformer.commands.train import quiet_engine
+
+    with quiet_engine(verbose=False):
+        print("DeepSpeed deepspeed_shm_comm_op built successfully")
+    with quiet_engine(verbose=True):
+        print("shown with --verbose")
+    with pytest.raises(RuntimeError), quiet_engine(verbose=False):
+        print("context of a failure")
+        raise RuntimeError("start-up failed")
+    out, err = capsys.readouterr()
+    assert "built successfully" not in out + err
+    assert "shown with --verbose" in out and "context of a failure" in err
+
+
+def test_a_sample_is_cut_at_its_first_blank_line():
+    from megatransformer.commands.train import format_sample
+
+    assert format_sample("The function", " returns\n\n\n\n\n\n") == "sample: The function returns"
+    assert format_sample("The", " a\nb\n\nc") == "sample: The a\nb"
+
+
+# ----------------------------------------------------------------------------------------- tokenizer
+
+
+def test_the_tokenizer_says_when_it_is_smaller_than_asked(tmp_path, capsys):
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("a small corpus\n\nwith few words\n")
+    assert main(["data", "tokenizer", "--input", str(corpus), "--vocab-size", "2000", "--out",
+                 str(tmp_path / "tok.json")]) == 0
+    out, err = capsys.readouterr()
+    size = int(re.search(r"has ([\d,]+) tokens, fewer than the 2,000 asked", err)[1].replace(",", ""))
+    assert size < 2000 and f"{size} tokens of 2000 asked" in out

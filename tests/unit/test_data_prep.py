@@ -1,0 +1,217 @@
+"""Preparing data: demo corpus, tokenizer (ours and foreign tokenizer.json files), document sources,
+shard writing with its manifest and its refusals, and the `megatransformer data` CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import tarfile
+
+import numpy as np
+import pytest
+
+from data_pipeline import DataError
+from data_pipeline.corpus import write_demo_corpus
+from data_pipeline.shard import Manifest, decode_ids, write_shards
+from data_pipeline.sources import DecodeStats, read_documents
+from data_pipeline.tokenizer import file_sha256, load_tokenizer, train_tokenizer
+from megatransformer.cli import main
+
+# ------------------------------------------------------------------------------------ corpus, tokenizer
+
+
+def test_demo_corpus_is_deterministic_and_bounded(tmp_path, tiny_data):
+    a = write_demo_corpus(tmp_path / "a.txt", max_bytes=50_000)
+    b = write_demo_corpus(tmp_path / "b.txt", max_bytes=50_000)
+    assert a.read_bytes() == b.read_bytes()
+    assert 50_000 <= a.stat().st_size < 70_000
+    docs = list(read_documents([str(a)]))
+    assert len(docs) > 20 and all(len(d.text) >= 100 for d in docs)
+    assert tiny_data.corpus.read_text().startswith(a.read_text()[:1000])
+
+
+def test_trained_tokenizer_has_every_special_token(tok, tiny_data):
+    assert tok.vocab_size == 512
+    ids = [tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id, tok.mask_id]
+    assert None not in ids and len(set(ids)) == 5
+    assert len(tok.sentinel_ids) == 100 and len(set(tok.sentinel_ids)) == 100
+    assert set(ids) | set(tok.sentinel_ids) <= tok.special_ids
+    assert tok.sha256 == file_sha256(tiny_data.tokenizer)
+    assert tok.tokenizer.token_to_id("<extra_id_7>") == tok.sentinel_ids[7]
+
+
+def test_tokenizer_round_trips_text(tok):
+    text = "def f(x):\n    return x ** 2  # naïve — ünïcødé, tabs\tand emoji 🙂"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert not set(ids) & tok.special_ids  # special tokens never come out of plain text
+    assert tok.decode([tok.eos_id]) == "</s>"
+
+
+def test_foreign_tokenizer_ids_are_read_not_assumed(tmp_path):
+    """A BERT-style tokenizer.json with other names and ids for the special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"hello": 0, "world": 1, "[UNK]": 2, "[SEP]": 3, "[CLS]": 4, "[MASK]": 5, "[PAD]": 6}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.add_special_tokens(["[PAD]", "[CLS]", "[SEP]", "[MASK]", "[UNK]"])
+    t.save(str(tmp_path / "bert.json"))
+    info = load_tokenizer(tmp_path / "bert.json")
+    assert (info.pad_id, info.bos_id, info.eos_id, info.unk_id, info.mask_id) == (6, 4, 3, 2, 5)
+    assert info.sentinel_ids == [] and info.special_ids == {2, 3, 4, 5, 6}
+    assert info.encode("hello world") == [0, 1]
+    with pytest.raises(DataError, match="needs 1 sentinel tokens|sentinel"):
+        from data_pipeline.objectives import SpanCorruption
+        from data_pipeline.settings import ObjectiveArgs
+
+        SpanCorruption(16, info, True, ObjectiveArgs())
+
+
+def test_tokenizer_errors(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(DataError, match="not a Hugging Face tokenizer.json"):
+        load_tokenizer(tmp_path / "bad.json")
+    (tmp_path / "c.txt").write_text("some text\n")
+    with pytest.raises(DataError, match="too small"):
+        train_tokenizer([str(tmp_path / "c.txt")], 300, tmp_path / "t.json")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(DataError, match="no documents"):
+        train_tokenizer([str(tmp_path / "empty.txt")], 400, tmp_path / "t.json")
+    assert not (tmp_path / "t.json").exists()
+
+
+# ------------------------------------------------------------------------------------ sources
+
+
+def test_sources_txt_blocks_files_jsonl_and_compression(tmp_path):
+    import zstandard
+
+    (tmp_path / "a.txt").write_text("first doc\nline two\n\n\n second doc \n\n")
+    with gzip.open(tmp_path / "b.txt.gz", "wt") as f:
+        f.write("gz doc\n\ngz doc 2\n")
+    records = [{"text": "json one"}, {"text": ""}, {"body": "x", "text": "json two"}]
+    raw = "\n".join(json.dumps(r) for r in records).encode()
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    (tmp_path / "d.jsonl").write_text(json.dumps({"body": "other field"}) + "\n")
+    files = [str(tmp_path / n) for n in ("a.txt", "b.txt.gz", "c.jsonl.zst")]
+    assert [d.text for d in read_documents(files)] == [
+        "first doc\nline two", " second doc ", "gz doc", "gz doc 2", "json one", "json two"]
+    assert [d.text for d in read_documents([files[0]], doc_per="file")] == ["first doc\nline two\n\n\n second doc"]
+    assert [d.text for d in read_documents([str(tmp_path / "d.jsonl")], text_field="body")] == ["other field"]
+    with pytest.raises(DataError, match=r"d.jsonl:1: no 'text' field"):
+        list(read_documents([str(tmp_path / "d.jsonl")]))
+    (tmp_path / "e.jsonl").write_text('{"text": "ok"}\n{broken\n')
+    with pytest.raises(DataError, match=r"e.jsonl:2: invalid JSON"):
+        list(read_documents([str(tmp_path / "e.jsonl")]))
+
+
+def test_undecodable_bytes_replace_and_count_or_fail_with_file_and_line(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"good line\n\nbad \xff\xfe line\nmore\n")
+    stats = DecodeStats()
+    docs = list(read_documents([str(tmp_path / "bad.txt")], stats=stats))
+    assert docs[1].text == "bad \ufffd\ufffd line\nmore" and stats.replaced_lines == 1
+    with pytest.raises(DataError, match=r"bad.txt:3: not UTF-8"):
+        list(read_documents([str(tmp_path / "bad.txt")], on_decode_error="fail"))
+
+
+# ------------------------------------------------------------------------------------ shards
+
+
+def test_manifest_describes_the_shards(tiny_data, tok):
+    m = Manifest.load(tiny_data.shards)
+    assert m.tokenizer_sha256 == tok.sha256 and m.vocab_size == 512 and m.dtype == "uint16"
+    assert m.eos_id == tok.eos_id
+    docs = list(read_documents([str(tiny_data.corpus)]))
+    assert m.documents == len(docs)
+    assert sum(s.samples for s in m.splits["valid"]) == len(docs) // 10
+    assert len(m.splits["train"]) >= 8
+    for shard in m.splits["train"][:3] + m.splits["valid"][:1]:
+        path = tiny_data.shards / shard.file
+        assert file_sha256(path) == shard.sha256
+        with tarfile.open(path) as tar:
+            names = tar.getnames()
+            arrays = [decode_ids(tar.extractfile(n).read()) for n in names]
+        assert len(names) == shard.samples and all(n.endswith(".ids.npy") for n in names)
+        assert sum(len(a) for a in arrays) == shard.tokens and arrays[0].dtype == np.uint16
+    # the first training document, exactly
+    with tarfile.open(tiny_data.shards / m.splits["train"][0].file) as tar:
+        first = tar.extractfile(tar.getnames()[0])
+        assert tok.decode(decode_ids(first.read()).tolist()) == docs[0].text
+    assert not list(tiny_data.shards.glob(".*"))  # no temporary files left
+
+
+def test_large_vocab_shards_are_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(70_000)} | {"</s>": 70_000, "<unk>": 70_001}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(tmp_path / "big.json"))
+    (tmp_path / "c.txt").write_text("w1 w69999 w5\n\nw2\n")
+    m = write_shards([str(tmp_path / "c.txt")], str(tmp_path / "big.json"), tmp_path / "s", valid_every=0,
+                     workers=1, progress=False)
+    assert m.dtype == "uint32"
+    with tarfile.open(tmp_path / "s" / m.splits["train"][0].file) as tar:
+        ids = decode_ids(tar.extractfile(tar.getnames()[0]).read())
+    assert ids.dtype == np.uint32 and ids.tolist() == [1, 69999, 5]
+
+
+def test_parallel_workers_write_the_same_shards(tmp_path, tiny_data):
+    text = tiny_data.corpus.read_text()[:40_000]
+    (tmp_path / "c.txt").write_text(text)
+    one = write_shards([str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "one", shard_mb=0.01,
+                       workers=1, progress=False)
+    two = write_shards([str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "two", shard_mb=0.01,
+                       workers=2, progress=False)
+    assert one.splits == two.splits  # same files, counts and checksums
+
+
+def test_refuses_an_existing_dataset_unless_overwrite(tmp_path, tiny_data):
+    (tmp_path / "c.txt").write_text("one document\n\nanother one\n")
+    args = ([str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "out")
+    write_shards(*args, valid_every=0, workers=1, progress=False)
+    with pytest.raises(DataError, match="already holds a dataset.*--overwrite"):
+        write_shards(*args, valid_every=0, workers=1, progress=False)
+    m = write_shards(*args, valid_every=0, workers=1, progress=False, overwrite=True)
+    assert m.documents == 2
+
+
+def test_empty_or_failing_input_leaves_nothing_that_looks_complete(tmp_path, tiny_data):
+    (tmp_path / "empty.txt").write_text("\n\n  \n")
+    with pytest.raises(DataError, match="no documents"):
+        write_shards([str(tmp_path / "empty.txt")], str(tiny_data.tokenizer), tmp_path / "e", workers=1,
+                     progress=False)
+    assert not list((tmp_path / "e").iterdir())
+    # a decode failure half way: the shards written so far are removed, no manifest appears
+    good = tiny_data.corpus.read_text()[:30_000]
+    (tmp_path / "late.txt").write_bytes(good.encode() + b"\n\nbroken \xff\n")
+    with pytest.raises(DataError, match=r"late.txt:\d+: not UTF-8"):
+        write_shards([str(tmp_path / "late.txt")], str(tiny_data.tokenizer), tmp_path / "f", shard_mb=0.005,
+                     on_decode_error="fail", workers=1, progress=False)
+    assert not list((tmp_path / "f").iterdir())
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_prepares_a_dataset_end_to_end(tmp_path, capsys):
+    corpus, tok_path, out = tmp_path / "c.txt", tmp_path / "tok.json", tmp_path / "shards"
+    assert main(["data", "demo-corpus", "--out", str(corpus), "--max-mb", "0.05"]) == 0
+    assert main(["data", "tokenizer", "--input", str(corpus), "--vocab-size", "400", "--sentinels", "10",
+                 "--out", str(tok_path)]) == 0
+    assert "10 sentinels" in capsys.readouterr().out
+    assert main(["data", "shard", "--input", str(corpus), "--tokenizer", str(tok_path), "--out", str(out),
+                 "--shard-mb", "0.01", "--valid-every", "5", "--workers", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "train:" in printed and "valid:" in printed
+    assert Manifest.load(out).tokenizer_sha256 == file_sha256(tok_path)
+    # refusing to overwrite: exit code 2 and one line naming the fix
+    assert main(["data", "shard", "--input", str(corpus), "--tokenizer", str(tok_path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--overwrite" in err
+    assert main(["data", "shard", "--input", str(tmp_path / "nope.txt"), "--tokenizer", str(tok_path),
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "nope.txt does not exist" in capsys.readouterr().err

@@ -1,0 +1,59 @@
+"""Hang diagnosis in process: the per-rank watchdog's limit, its stack file when a step overruns, the NCCL
+flight recorder's variables."""
+
+from __future__ import annotations
+
+import time
+
+from megatransformer.config import validate
+from megatransformer.training.watchdog import Watchdog, stack_dumps, switch_on_flight_recorder
+
+
+def watchdog(tmp_path, **settings) -> Watchdog:
+    cfg = validate({"run_dir": str(tmp_path), "parallel": {"timeout_minutes": 1.0},
+                    "train": {"watchdog": settings}})
+    return Watchdog(cfg, rank=3)
+
+
+def test_the_limit_follows_the_median_step_within_the_collective_timeout(tmp_path):
+    dog = watchdog(tmp_path, factor=10, min_seconds=2)
+    assert dog.limit() == 48  # no settled steps yet: 0.8 x the 60 s collective timeout
+    for seconds in (0.1, 0.3, 0.5):
+        dog.disarm(seconds)
+    assert dog.limit() == 3.0  # 10 x the median 0.3 s
+    for seconds in (10, 10, 10):
+        dog.disarm(seconds)
+    assert dog.limit() == 48  # 10 x 10 s would outlast the timeout: capped
+    assert watchdog(tmp_path, limit_seconds=5).limit() == 5
+
+
+def stalled_step() -> None:
+    time.sleep(1.5)
+
+
+def test_an_overrunning_step_leaves_every_threads_stack_and_a_quiet_one_nothing(tmp_path):
+    dog = watchdog(tmp_path, limit_seconds=0.2)
+    dog.arm()
+    dog.disarm(0.01)  # a step in time
+    dog.arm()
+    stalled_step()
+    dog.disarm(1.5)
+    dog.close()
+    (dump,) = stack_dumps(tmp_path)
+    assert dump.name == "rank_00003.txt"
+    text = dump.read_text()
+    assert "watchdog limit 0.2 s" in text and "stalled_step" in text
+    assert text.count("a step has run for") == 1  # once per step
+    quiet = watchdog(tmp_path / "quiet", limit_seconds=5)
+    quiet.arm()
+    quiet.disarm(0.01)
+    quiet.close()
+    assert stack_dumps(tmp_path / "quiet") == [] and not (tmp_path / "quiet" / "hangs").exists()
+
+
+def test_the_flight_recorder_is_switched_on_without_overriding_the_users_choice(tmp_path):
+    environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
+    switch_on_flight_recorder(tmp_path, environ)
+    assert environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path.resolve() / "hangs" / "nccl_trace_rank_")
+    assert (tmp_path / "hangs").is_dir()
