@@ -51,8 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed calls per cell (median)")
     p.add_argument("--eager-max", type=int, default=4096, help="skip eager above this length (L x L scores)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: process CPU time, immune to other processes' load (use with --threads 1)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: process CPU time, immune to other processes' load (use with --threads 1)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
 
@@ -105,8 +109,9 @@ def peak_bytes(fn, device: str) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     live = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]"):
+    for _, nbytes in sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    ):
         live += nbytes
         peak = max(peak, live)
     return peak
@@ -152,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
-    print(f"# {datetime.date.today()} {platform.machine()} device={args.device} threads={torch.get_num_threads()}"
-          f" torch={torch.__version__}; batch {args.batch}, heads {args.heads}/{args.kv_heads} kv,"
-          f" head_dim {args.head_dim}, {args.dtype}, clock={args.clock}, median of {args.reps}")
+    print(
+        f"# {datetime.date.today()} {platform.machine()} device={args.device} threads={torch.get_num_threads()}"
+        f" torch={torch.__version__}; batch {args.batch}, heads {args.heads}/{args.kv_heads} kv,"
+        f" head_dim {args.head_dim}, {args.dtype}, clock={args.clock}, median of {args.reps}"
+    )
     print(f"# command: python {' '.join(sys.argv)}")
-    print("| mask | backend | pass | " + " | ".join(f"L={n} ms / MiB" for n in lengths)
-          + " | x per 2x L (memory) |")
+    print("| mask | backend | pass | " + " | ".join(f"L={n} ms / MiB" for n in lengths) + " | x per 2x L (memory) |")
     print("|---|---|---|" + "---|" * len(lengths) + "---|")
     for mask_name in args.masks.split(","):
         for backend in args.backends.split(","):

@@ -24,10 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from train_step import Runner, timed_steps  # noqa: E402
+
 from megatransformer.config import ModelConfig  # noqa: E402
 from megatransformer.model import build_model  # noqa: E402
 from megatransformer.model.masks import batch_masks  # noqa: E402
-from train_step import Runner, timed_steps  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,8 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="timed steps per runner and round")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: process CPU time, immune to other processes' load (use with --threads 1)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: process CPU time, immune to other processes' load (use with --threads 1)",
+    )
     return p.parse_args(argv)
 
 
@@ -66,9 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers, n_heads=8, n_kv_heads=4, d_ff=args.d_model * 3,
-                      vocab_size=8192, max_seq_len=args.seq, norm="rmsnorm", position="rope", ffn="swiglu",
-                      attention_backend=args.backend)
+    cfg = ModelConfig(
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=8,
+        n_kv_heads=4,
+        d_ff=args.d_model * 3,
+        vocab_size=8192,
+        max_seq_len=args.seq,
+        norm="rmsnorm",
+        position="rope",
+        ffn="swiglu",
+        attention_backend=args.backend,
+    )
     batch = packed_batch(args, cfg.vocab_size)
     step_inputs = (batch["input_ids"], batch["labels"])
     torch.manual_seed(0)
@@ -82,19 +97,24 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, list[float]] = {name: [] for name in runners}
     for rnd in range(args.rounds):
         for name in runners if rnd % 2 == 0 else reversed(runners):
-            with_masks = SimpleNamespace(step=lambda *step, run=runners[name]: run.step(
-                *step, masks=batch_masks("decoder", batch)))
+            with_masks = SimpleNamespace(
+                step=lambda *step, run=runners[name]: run.step(*step, masks=batch_masks("decoder", batch))
+            )
             seconds[name].append(timed_steps(with_masks, step_inputs, args.steps, args.clock))
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     frames = sum(torch._dynamo.utils.counters["frames"].values())
     ratios = [e / c for e, c in zip(seconds["eager"], seconds["compiled"])]
-    print(f"# torch={torch.__version__} threads={torch.get_num_threads()} d{args.d_model} L{args.layers} "
-          f"batch {args.batch} x {args.seq} backend={args.backend} prefix={args.prefix} clock={args.clock}; command: "
-          f"python {' '.join(sys.argv)}")
+    print(
+        f"# torch={torch.__version__} threads={torch.get_num_threads()} d{args.d_model} L{args.layers} "
+        f"batch {args.batch} x {args.seq} backend={args.backend} prefix={args.prefix} clock={args.clock}; command: "
+        f"python {' '.join(sys.argv)}"
+    )
     print(f"graph breaks while compiling: {breaks} (in all steps, {frames} frames traced)")
-    print(f"eager {statistics.median(seconds['eager']):.3f} s/step, compiled "
-          f"{statistics.median(seconds['compiled']):.3f} s/step; speed-up (median) {statistics.median(ratios):.2f}x;"
-          f" per round {', '.join(f'{r:.2f}' for r in ratios)}")
+    print(
+        f"eager {statistics.median(seconds['eager']):.3f} s/step, compiled "
+        f"{statistics.median(seconds['compiled']):.3f} s/step; speed-up (median) {statistics.median(ratios):.2f}x;"
+        f" per round {', '.join(f'{r:.2f}' for r in ratios)}"
+    )
     return 0
 
 

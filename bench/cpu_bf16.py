@@ -27,14 +27,21 @@ from megatransformer.training.cpu_bf16 import Fp32Gemms, native_bf16_gemm  # noq
 
 TOKENS, D_MODEL, FFN, CHUNK, KEYS, HEAD_DIM, GROUPS = 2048, 512, 1408, 64, 512, 64, 2
 CASES = {  # name -> (operand shapes, the product)
-    "linear d512 -> 1408 (forward)": (((TOKENS, D_MODEL), (FFN, D_MODEL)), lambda x, w: torch.nn.functional.linear(x, w)),
+    "linear d512 -> 1408 (forward)": (
+        ((TOKENS, D_MODEL), (FFN, D_MODEL)),
+        lambda x, w: torch.nn.functional.linear(x, w),
+    ),
     "grad input 1408 -> d512": (((TOKENS, FFN), (FFN, D_MODEL)), lambda g, w: g @ w),
     "grad weight [1408, 512]": (((TOKENS, FFN), (TOKENS, D_MODEL)), lambda g, x: g.t() @ x),
-    "attention scores (bmm)": (((4 * 4, CHUNK * GROUPS, HEAD_DIM), (4 * 4, KEYS, HEAD_DIM)),
-                               lambda q, k: torch.bmm(q, k.transpose(1, 2))),
+    "attention scores (bmm)": (
+        ((4 * 4, CHUNK * GROUPS, HEAD_DIM), (4 * 4, KEYS, HEAD_DIM)),
+        lambda q, k: torch.bmm(q, k.transpose(1, 2)),
+    ),
     "attention values (bmm)": (((4 * 4, CHUNK * GROUPS, KEYS), (4 * 4, KEYS, HEAD_DIM)), torch.bmm),
-    "SDPA's fused CPU attention, forward + backward": (((4, 8, KEYS, HEAD_DIM),) * 3,
-                                                        lambda q, k, v: attention_step(q, k, v)),
+    "SDPA's fused CPU attention, forward + backward": (
+        ((4, 8, KEYS, HEAD_DIM),) * 3,
+        lambda q, k, v: attention_step(q, k, v),
+    ),
 }
 WAYS = ("bf16 native", "bf16 as fp32 GEMMs", "fp32")
 
@@ -63,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"# {datetime.date.today()} {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}, PyTorch bf16 GEMM kernels: {native_bf16_gemm()}")
+    print(
+        f"# {datetime.date.today()} {platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, PyTorch bf16 GEMM kernels: {native_bf16_gemm()}"
+    )
     print("| GEMM | " + " | ".join(f"{w}, ms" for w in WAYS) + " | native / as fp32 GEMMs |")
     print("|---|" + "---|" * (len(WAYS) + 1))
     g = torch.Generator().manual_seed(0)
@@ -72,11 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         fp32 = [torch.randn(*s, generator=g) for s in shapes]
         bf16 = [t.bfloat16() for t in fp32]
         ms = {}
-        for way, operands, mode in zip(WAYS, (bf16, bf16, fp32), (contextlib.nullcontext, Fp32Gemms,
-                                                                   contextlib.nullcontext)):
+        for way, operands, mode in zip(
+            WAYS, (bf16, bf16, fp32), (contextlib.nullcontext, Fp32Gemms, contextlib.nullcontext)
+        ):
+
             def run(operands=operands, mode=mode, product=product):
                 with mode():
                     product(*operands)
+
             ms[way] = timed(run, args.repeats) * 1e3
         cells = " | ".join(f"{ms[w]:.1f}" for w in WAYS)
         print(f"| {name} | {cells} | {ms['bf16 native'] / ms['bf16 as fp32 GEMMs']:.1f}x |")

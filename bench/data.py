@@ -25,8 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-OBJECTIVES = [("autoregressive", "decoder"), ("masked_lm", "encoder"), ("prefix_lm", "decoder"),
-              ("prefix_lm", "encoder_decoder"), ("span_corruption", "encoder_decoder")]
+OBJECTIVES = [
+    ("autoregressive", "decoder"),
+    ("masked_lm", "encoder"),
+    ("prefix_lm", "decoder"),
+    ("prefix_lm", "encoder_decoder"),
+    ("span_corruption", "encoder_decoder"),
+]
 
 
 def prepare_corpus(args: argparse.Namespace, work: Path) -> list[str]:
@@ -45,17 +50,40 @@ def bench_sharding(files: list[str], tokenizer: Path, work: Path, cores: int) ->
     rows = []
     for workers in sorted({1, cores}):
         started = time.perf_counter()
-        manifest = write_shards(files, str(tokenizer), work / f"shards-{workers}", shard_mb=0.25, valid_every=100,
-                                workers=workers, progress=False, overwrite=True)
+        manifest = write_shards(
+            files,
+            str(tokenizer),
+            work / f"shards-{workers}",
+            shard_mb=0.25,
+            valid_every=100,
+            workers=workers,
+            progress=False,
+            overwrite=True,
+        )
         elapsed = time.perf_counter() - started
         tokens = sum(manifest.tokens(split) for split in manifest.splits)
-        rows.append({"stage": "shard", "workers": workers, "tokens": tokens, "seconds": elapsed,
-                     "tokens_per_s": tokens / elapsed})
+        rows.append(
+            {
+                "stage": "shard",
+                "workers": workers,
+                "tokens": tokens,
+                "seconds": elapsed,
+                "tokens_per_s": tokens / elapsed,
+            }
+        )
     return rows
 
 
-def bench_loading(shards: str, tokenizer: Path, seq_len: int, micro: int, batches: int, cores: int,
-                  objectives: list[tuple[str, str]] = OBJECTIVES, where: str = "local") -> list[dict]:
+def bench_loading(
+    shards: str,
+    tokenizer: Path,
+    seq_len: int,
+    micro: int,
+    batches: int,
+    cores: int,
+    objectives: list[tuple[str, str]] = OBJECTIVES,
+    where: str = "local",
+) -> list[dict]:
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import validate
     from megatransformer.training.data import build_run_loader
@@ -64,10 +92,18 @@ def bench_loading(shards: str, tokenizer: Path, seq_len: int, micro: int, batche
     rows = []
     for objective, arch in objectives:
         for workers in sorted({0, cores}):
-            cfg = validate({"model": {"arch": arch, "vocab_size": tok.vocab_size, "max_seq_len": seq_len},
-                            "data": {"train": str(shards), "tokenizer": str(tokenizer), "seq_len": seq_len,
-                                     "num_workers": workers},
-                            "objective": objective})
+            cfg = validate(
+                {
+                    "model": {"arch": arch, "vocab_size": tok.vocab_size, "max_seq_len": seq_len},
+                    "data": {
+                        "train": str(shards),
+                        "tokenizer": str(tokenizer),
+                        "seq_len": seq_len,
+                        "num_workers": workers,
+                    },
+                    "objective": objective,
+                }
+            )
             loader = build_run_loader(cfg, "train", micro, 0, 1, tok)
             it = iter(loader)
             for _ in range(max(2, workers)):  # warm-up: worker start, first shards
@@ -78,9 +114,18 @@ def bench_loading(shards: str, tokenizer: Path, seq_len: int, micro: int, batche
                 tokens += batch["input_ids"].numel()  # positions (encoder / decoder-only side), padding included
                 real += int((batch["segment_ids"] > 0).sum())
             elapsed = time.perf_counter() - started
-            rows.append({"stage": "load", "objective": f"{objective} ({arch})", "workers": workers, "from": where,
-                         "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
-                         "real_tokens_per_s": real / elapsed})
+            rows.append(
+                {
+                    "stage": "load",
+                    "objective": f"{objective} ({arch})",
+                    "workers": workers,
+                    "from": where,
+                    "tokens": tokens,
+                    "seconds": elapsed,
+                    "tokens_per_s": tokens / elapsed,
+                    "real_tokens_per_s": real / elapsed,
+                }
+            )
     return rows
 
 
@@ -94,8 +139,11 @@ def http_server(directory: Path):
     with socket.socket() as probe:  # a free port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory",
-                               str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(directory)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(100):  # until it accepts connections
             try:
@@ -117,8 +165,16 @@ def bench_train_step(seq_len: int, micro: int, steps: int, vocab: int) -> list[d
     from megatransformer.model import build_model
 
     rows = []
-    cfg = ModelConfig(arch="decoder", d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1408, vocab_size=vocab,
-                      max_seq_len=seq_len)
+    cfg = ModelConfig(
+        arch="decoder",
+        d_model=512,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=4,
+        d_ff=1408,
+        vocab_size=vocab,
+        max_seq_len=seq_len,
+    )
     model = build_model(cfg)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -136,8 +192,16 @@ def bench_train_step(seq_len: int, micro: int, steps: int, vocab: int) -> list[d
             if step:  # the first step warms up
                 times.append(time.perf_counter() - started)
         tokens = micro * seq_len * len(times)
-        rows.append({"stage": "train step", "model": f"decoder {params / 1e6:.0f}M params", "precision": precision,
-                     "tokens": tokens, "seconds": sum(times), "tokens_per_s": tokens / sum(times)})
+        rows.append(
+            {
+                "stage": "train step",
+                "model": f"decoder {params / 1e6:.0f}M params",
+                "precision": precision,
+                "tokens": tokens,
+                "seconds": sum(times),
+                "tokens_per_s": tokens / sum(times),
+            }
+        )
     return rows
 
 
@@ -167,19 +231,31 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_loading(str(shards), tokenizer, args.seq_len, args.micro_batch, args.batches, args.workers)
         if args.http:  # the same shards streamed from an HTTP server on this machine
             with http_server(shards) as url:
-                rows += bench_loading(url, tokenizer, args.seq_len, args.micro_batch, args.batches, args.workers,
-                                      OBJECTIVES[:1], where="http")
+                rows += bench_loading(
+                    url,
+                    tokenizer,
+                    args.seq_len,
+                    args.micro_batch,
+                    args.batches,
+                    args.workers,
+                    OBJECTIVES[:1],
+                    where="http",
+                )
         if args.train_steps:
             rows += bench_train_step(args.seq_len, args.micro_batch, args.train_steps, args.vocab_size)
-    print(f"cores: {os.cpu_count()}, seq_len {args.seq_len}, micro batch {args.micro_batch}, "
-          f"vocab {args.vocab_size}, {sys.version.split()[0]}")
+    print(
+        f"cores: {os.cpu_count()}, seq_len {args.seq_len}, micro batch {args.micro_batch}, "
+        f"vocab {args.vocab_size}, {sys.version.split()[0]}"
+    )
     for row in rows:
         what = row.get("objective") or row.get("model") or ""
         detail = f"workers={row['workers']}" if "workers" in row else row["precision"]
         detail += f" {row['from']}" if "from" in row else ""
         real = f", {row['real_tokens_per_s']:,.0f} without padding" if "real_tokens_per_s" in row else ""
-        print(f"{row['stage']:10s} {what:36s} {detail:10s} {row['tokens_per_s']:>12,.0f} tokens/s "
-              f"({row['tokens']:,} tokens in {row['seconds']:.2f} s{real})")
+        print(
+            f"{row['stage']:10s} {what:36s} {detail:10s} {row['tokens_per_s']:>12,.0f} tokens/s "
+            f"({row['tokens']:,} tokens in {row['seconds']:.2f} s{real})"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

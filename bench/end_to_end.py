@@ -27,8 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 from unittest import mock
 
 import torch
@@ -38,14 +38,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 import train_step  # noqa: E402
+
 from megatransformer.config import RunConfig, load_config  # noqa: E402
 from megatransformer.training.cpu_bf16 import native_bf16_gemm  # noqa: E402
 
 CONFIG = "llama-style"
 PRECISIONS = ("bf16", "fp32")
 # runner -> (ZeRO stage, host memory policy, train.cpu_bf16_matmul)
-TRAINERS = {"trainer-z0": (0, "keep", "auto"), "trainer-z1": (1, "keep", "auto"),
-            "trainer-release": (0, "release", "auto"), "trainer-native": (0, "keep", "native")}
+TRAINERS = {
+    "trainer-z0": (0, "keep", "auto"),
+    "trainer-z1": (1, "keep", "auto"),
+    "trainer-release": (0, "release", "auto"),
+    "trainer-native": (0, "keep", "native"),
+}
 # runner -> (host memory policy of its process, how its bf16 GEMMs run on a CPU)
 WORKERS = {"bare": ("keep", "auto"), "hf": ("release", "native"), "hf-keep": ("keep", "auto")}
 RUNNERS = (*TRAINERS, *WORKERS)
@@ -64,9 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     train_step.add_model_args(p)
     p.set_defaults(vocab=2048)
-    p.add_argument("--family", choices=tuple(FAMILIES), default="llama",
-                   help="llama: RMSNorm, RoPE, GQA, SwiGLU; gpt2: LayerNorm, learned positions, GELU, biases, "
-                        "tied embeddings, no GQA (the plain loop is GPT2LMHeadModel)")
+    p.add_argument(
+        "--family",
+        choices=tuple(FAMILIES),
+        default="llama",
+        help="llama: RMSNorm, RoPE, GQA, SwiGLU; gpt2: LayerNorm, learned positions, GELU, biases, "
+        "tied embeddings, no GQA (the plain loop is GPT2LMHeadModel)",
+    )
     p.add_argument("--precision", default="bf16", help=f"comma list of {PRECISIONS}")
     p.add_argument("--runners", default=",".join(DEFAULT_RUNNERS), help=f"comma list of {RUNNERS}")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (0: only --profile)")
@@ -77,8 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path, help="the tokenizer.json of --shards")
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every runner (default: torch's own)")
     p.add_argument("--profile", action="store_true", help="then cProfile one trainer run: where its time goes")
-    p.add_argument("--profile-runner", choices=tuple(TRAINERS), default="trainer-z1",
-                   help="the trainer --profile runs (in the first --precision)")
+    p.add_argument(
+        "--profile-runner",
+        choices=tuple(TRAINERS),
+        default="trainer-z1",
+        help="the trainer --profile runs (in the first --precision)",
+    )
     p.add_argument("--worker", choices=tuple(WORKERS), help=argparse.SUPPRESS)  # one runner, one JSON line
     args = p.parse_args(argv)
     for name, allowed in (("precision", PRECISIONS), ("runners", RUNNERS)):
@@ -99,8 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def subprocess_env(args: argparse.Namespace) -> dict[str, str]:
     """This checkout's code, DeepSpeed on the CPU, and the same thread count in every runner."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     return env
@@ -120,31 +136,55 @@ def prepare_data(args: argparse.Namespace) -> tuple[Path, Path]:
         return shards, tokenizer
     work.mkdir(parents=True, exist_ok=True)
     print(f"# preparing shards in {work} (once)", flush=True)
-    for words in (("data", "demo-corpus", "--out", str(corpus)),
-                  ("data", "tokenizer", "--input", str(corpus), "--vocab-size", str(args.vocab), "--out",
-                   str(tokenizer)),
-                  ("data", "shard", "--input", str(corpus), "--tokenizer", str(tokenizer), "--out", str(shards),
-                   "--overwrite")):
-        subprocess.run(megatransformer_command(*words), env=subprocess_env(args), check=True,
-                       stdout=subprocess.DEVNULL)
+    for words in (
+        ("data", "demo-corpus", "--out", str(corpus)),
+        ("data", "tokenizer", "--input", str(corpus), "--vocab-size", str(args.vocab), "--out", str(tokenizer)),
+        ("data", "shard", "--input", str(corpus), "--tokenizer", str(tokenizer), "--out", str(shards), "--overwrite"),
+    ):
+        subprocess.run(megatransformer_command(*words), env=subprocess_env(args), check=True, stdout=subprocess.DEVNULL)
     return shards, tokenizer
 
 
-def overrides(args: argparse.Namespace, precision: str, zero_stage: int, run_dir: Path, shards: Path,
-              tokenizer: Path, host_memory: str = "keep", cpu_bf16_matmul: str = "auto") -> list[str]:
+def overrides(
+    args: argparse.Namespace,
+    precision: str,
+    zero_stage: int,
+    run_dir: Path,
+    shards: Path,
+    tokenizer: Path,
+    host_memory: str = "keep",
+    cpu_bf16_matmul: str = "auto",
+) -> list[str]:
     """The trainer's command-line overrides of the llama-style config: the workload, one log line per step."""
     steps = args.warmup + args.steps
     return [
-        f"run_dir={run_dir}", f"precision={precision}", f"parallel.zero_stage={zero_stage}",
-        f"train.host_memory={host_memory}", f"train.cpu_bf16_matmul={cpu_bf16_matmul}",
-        f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", f"model.n_heads={args.heads}",
-        f"model.n_kv_heads={args.kv_heads}", f"model.d_ff={args.ffn}", f"model.vocab_size={args.vocab}",
-        f"model.max_seq_len={args.seq}", f"model.tie_embeddings={str(args.tie).lower()}",
-        f"data.train={shards}", f"data.tokenizer={tokenizer}", f"data.seq_len={args.seq}", "data.streams=4",
-        f"train.max_steps={steps}", f"train.micro_batch_size={args.batch}", "train.global_batch_size=null",
-        "train.grad_accum=1", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
+        f"run_dir={run_dir}",
+        f"precision={precision}",
+        f"parallel.zero_stage={zero_stage}",
+        f"train.host_memory={host_memory}",
+        f"train.cpu_bf16_matmul={cpu_bf16_matmul}",
+        f"model.d_model={args.d_model}",
+        f"model.n_layers={args.layers}",
+        f"model.n_heads={args.heads}",
+        f"model.n_kv_heads={args.kv_heads}",
+        f"model.d_ff={args.ffn}",
+        f"model.vocab_size={args.vocab}",
+        f"model.max_seq_len={args.seq}",
+        f"model.tie_embeddings={str(args.tie).lower()}",
+        f"data.train={shards}",
+        f"data.tokenizer={tokenizer}",
+        f"data.seq_len={args.seq}",
+        "data.streams=4",
+        f"train.max_steps={steps}",
+        f"train.micro_batch_size={args.batch}",
+        "train.global_batch_size=null",
+        "train.grad_accum=1",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
         f"checkpoint.every={steps}",
-        "wandb.mode=disabled", *FAMILIES[args.family],
+        "wandb.mode=disabled",
+        *FAMILIES[args.family],
     ]
 
 
@@ -157,35 +197,76 @@ def trainer_rate(args: argparse.Namespace, runner: str, precision: str, shards: 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     zero_stage, host_memory, cpu_bf16_matmul = TRAINERS[runner]
-    command = megatransformer_command("train", "--config", CONFIG, *overrides(
-        args, precision, zero_stage, run_dir, shards, tokenizer, host_memory, cpu_bf16_matmul))
+    command = megatransformer_command(
+        "train",
+        "--config",
+        CONFIG,
+        *overrides(args, precision, zero_stage, run_dir, shards, tokenizer, host_memory, cpu_bf16_matmul),
+    )
     log = run_dir.with_suffix(".log")
     with log.open("w") as out:
         code = subprocess.run(command, env=subprocess_env(args), stdout=out, stderr=subprocess.STDOUT).returncode
     if code != 0:
-        raise SystemExit(f"{runner} {precision}: megatransformer train exited {code}; its output: {log}\n"
-                         + "".join(log.read_text().splitlines(keepends=True)[-15:]))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if '"tokens_per_s"' in line]
+        raise SystemExit(
+            f"{runner} {precision}: megatransformer train exited {code}; its output: {log}\n"
+            + "".join(log.read_text().splitlines(keepends=True)[-15:])
+        )
+    rows = [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in line
+    ]
     shutil.rmtree(run_dir / "checkpoints")  # (hundreds of MB per round at the full size)
     if len(rows) != args.warmup + args.steps:
-        raise SystemExit(f"{runner} {precision}: {len(rows)} logged steps in {run_dir}/metrics.jsonl, expected "
-                         f"{args.warmup + args.steps}")
+        raise SystemExit(
+            f"{runner} {precision}: {len(rows)} logged steps in {run_dir}/metrics.jsonl, expected "
+            f"{args.warmup + args.steps}"
+        )
     before = rows[args.warmup - 1]["tokens"] if args.warmup else 0
     tokens = rows[-1]["tokens"] - before
-    seconds = sum((row["tokens"] - prev) / row["tokens_per_s"]
-                  for row, prev in zip(rows[args.warmup:], [before] + [r["tokens"] for r in rows[args.warmup:-1]]))
+    seconds = sum(
+        (row["tokens"] - prev) / row["tokens_per_s"]
+        for row, prev in zip(rows[args.warmup :], [before] + [r["tokens"] for r in rows[args.warmup : -1]])
+    )
     return tokens / seconds
 
 
 def worker_rate(args: argparse.Namespace, runner: str, precision: str, shards: Path, tokenizer: Path) -> float:
     """Tokens/s of the bare or an hf runner, run in a fresh process (``--worker``)."""
-    command = [sys.executable, __file__, "--worker", runner, "--precision", precision, "--shards", str(shards),
-               "--tokenizer", str(tokenizer), "--work", str(args.work), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--family", args.family,
-               "--d-model", str(args.d_model), "--layers", str(args.layers),
-               "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--ffn", str(args.ffn),
-               "--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq)]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        runner,
+        "--precision",
+        precision,
+        "--shards",
+        str(shards),
+        "--tokenizer",
+        str(tokenizer),
+        "--work",
+        str(args.work),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--family",
+        args.family,
+        "--d-model",
+        str(args.d_model),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+        "--ffn",
+        str(args.ffn),
+        "--vocab",
+        str(args.vocab),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+    ]
     if args.tie:
         command.append("--tie")
     done = subprocess.run(command, env=subprocess_env(args), capture_output=True, text=True)
@@ -196,17 +277,18 @@ def worker_rate(args: argparse.Namespace, runner: str, precision: str, shards: P
 
 def run_config(args: argparse.Namespace, precision: str) -> RunConfig:
     """The trainer's RunConfig (its zero stage and run dir do not matter to the bare and hf runners)."""
-    return load_config(CONFIG, overrides(args, precision, 0, args.work / "runs" / "unused", args.shards,
-                                         args.tokenizer))
+    return load_config(
+        CONFIG, overrides(args, precision, 0, args.work / "runs" / "unused", args.shards, args.tokenizer)
+    )
 
 
 def worker(args: argparse.Namespace) -> int:
     """One bare or hf runner: ``--warmup`` steps, then ``--steps`` timed ones; prints one JSON line."""
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.model import build_model
-    from megatransformer.training.layout import resolve_batch_sizes
     from megatransformer.training.data import build_run_loader
     from megatransformer.training.host_memory import apply_host_memory_policy
+    from megatransformer.training.layout import resolve_batch_sizes
 
     host_memory, cpu_bf16_matmul = WORKERS[args.worker]
     apply_host_memory_policy(host_memory)
@@ -232,8 +314,18 @@ def worker(args: argparse.Namespace) -> int:
     for _ in range(args.steps):
         tokens += step()
     seconds = time.perf_counter() - start
-    print(json.dumps({"runner": args.worker, "precision": precision, "tokens": tokens, "seconds": seconds,
-                      "tokens_per_s": tokens / seconds, "threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "runner": args.worker,
+                "precision": precision,
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
     return 0
 
 
@@ -255,6 +347,7 @@ def bare_step(runner: train_step.Runner, batches: Iterator[dict], cfg: RunConfig
 
 def hf_step(runner: train_step.Runner, batches: Iterator[dict]) -> Callable[[], int]:
     """A plain transformers loop's step: token ids and labels only (no document masks, positions 0..T-1)."""
+
     def step() -> int:
         batch = next(batches)
         runner.step(batch["input_ids"], batch["labels"])
@@ -279,26 +372,30 @@ def run_rounds(args: argparse.Namespace, shards: Path, tokenizer: Path) -> dict[
         for precision, runner in keys if round_ % 2 == 0 else reversed(keys):
             rate = trainer_rate if runner in TRAINERS else worker_rate
             rates[(precision, runner)].append(rate(args, runner, precision, shards, tokenizer))
-        print(f"# round {round_ + 1}: " + ", ".join(f"{r} {p} {v[-1]:,.0f}" for (p, r), v in rates.items()),
-              flush=True)
+        print(f"# round {round_ + 1}: " + ", ".join(f"{r} {p} {v[-1]:,.0f}" for (p, r), v in rates.items()), flush=True)
     return rates
 
 
 def table(rates: dict[tuple[str, str], list[float]]) -> str:
     """One row per (precision, runner): tokens/s and its ratio to bare (trainers), hf and hf-keep."""
+
     def ratio(key: tuple[str, str], other: tuple[str, str]) -> str:
         if key == other or other not in rates or key[1] in WORKERS and key[1] != "bare":
             return "-"
         per_round = [a / b for a, b in zip(rates[key], rates[other])]
         return f"**{statistics.median(per_round):.3f}x**; {', '.join(f'{x:.2f}' for x in per_round)}"
 
-    lines = ["| precision | runner | tokens/s median (min-max) | vs bare (median; per round) "
-             "| vs hf | vs hf-keep |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| precision | runner | tokens/s median (min-max) | vs bare (median; per round) | vs hf | vs hf-keep |",
+        "|---|---|---|---|---|---|",
+    ]
     for (precision, runner), values in rates.items():
         vs_bare = ratio((precision, runner), (precision, "bare")) if runner in TRAINERS else "-"
-        lines.append(f"| {precision} | {runner} | {statistics.median(values):,.0f} ({min(values):,.0f}-"
-                     f"{max(values):,.0f}) | {vs_bare} | {ratio((precision, runner), (precision, 'hf'))} "
-                     f"| {ratio((precision, runner), (precision, 'hf-keep'))} |")
+        lines.append(
+            f"| {precision} | {runner} | {statistics.median(values):,.0f} ({min(values):,.0f}-"
+            f"{max(values):,.0f}) | {vs_bare} | {ratio((precision, runner), (precision, 'hf'))} "
+            f"| {ratio((precision, runner), (precision, 'hf-keep'))} |"
+        )
     return "\n".join(lines)
 
 
@@ -365,12 +462,19 @@ def profile_trainer(args: argparse.Namespace, shards: Path, tokenizer: Path) -> 
         return evaluate(self)
 
     zero_stage, host_memory, cpu_bf16_matmul = TRAINERS[args.profile_runner]
-    argv = ["train", "--config", CONFIG, *overrides(args, precision, zero_stage, run_dir, shards, tokenizer, host_memory,
-                                                    cpu_bf16_matmul)]
+    argv = [
+        "train",
+        "--config",
+        CONFIG,
+        *overrides(args, precision, zero_stage, run_dir, shards, tokenizer, host_memory, cpu_bf16_matmul),
+    ]
     log = run_dir.with_suffix(".log")
-    with mock.patch.object(engine.TrainModule, "step", profiled_step), \
-            mock.patch.object(Trainer, "evaluate", evaluate_unprofiled), \
-            log.open("w") as out, contextlib.redirect_stdout(out):
+    with (
+        mock.patch.object(engine.TrainModule, "step", profiled_step),
+        mock.patch.object(Trainer, "evaluate", evaluate_unprofiled),
+        log.open("w") as out,
+        contextlib.redirect_stdout(out),
+    ):
         code = cli.main(argv)
     if code != 0:
         raise SystemExit(f"profile: megatransformer train exited {code}; its output: {log}")
@@ -396,25 +500,41 @@ def profile_trainer(args: argparse.Namespace, shards: Path, tokenizer: Path) -> 
     parts: list[tuple[str, float, float | None]] = [
         ("loader next()", seconds(StreamingLoader.__iter__), None),
         ("to_device + masks (TrainModule.to_device)", seconds(engine.TrainModule.to_device), None),
-        ("forward and loss (DeepSpeedEngine.forward; the loss's gradients too, head.linear_cross_entropy)",
-         seconds(file=ds_file, name="forward"), seconds(DecoderLM.forward)),
-        ("backward (DeepSpeedEngine.backward)", seconds(file=ds_file, name="backward"),
-         seconds(torch.autograd.backward)),
+        (
+            "forward and loss (DeepSpeedEngine.forward; the loss's gradients too, head.linear_cross_entropy)",
+            seconds(file=ds_file, name="forward"),
+            seconds(DecoderLM.forward),
+        ),
+        (
+            "backward (DeepSpeedEngine.backward)",
+            seconds(file=ds_file, name="backward"),
+            seconds(torch.autograd.backward),
+        ),
         ("grad norm (unclipped_grad_norm; ZeRO-0 only)", seconds(engine.unclipped_grad_norm), None),
-        ("optimizer (DeepSpeedEngine.step)", seconds(file=ds_file, name="step"),
-         seconds(inspect.unwrap(torch.optim.AdamW.step))),
+        (
+            "optimizer (DeepSpeedEngine.step)",
+            seconds(file=ds_file, name="step"),
+            seconds(inspect.unwrap(torch.optim.AdamW.step)),
+        ),
     ]
-    parts.append(("rest of TrainModule.step (counts, statistics all-reduce, skip check)",
-                  step_total - sum(s for _, s, _ in parts), None))
+    parts.append(
+        (
+            "rest of TrainModule.step (counts, statistics all-reduce, skip check)",
+            step_total - sum(s for _, s, _ in parts),
+            None,
+        )
+    )
     # (the wall clock, not the profile's own total: Python called back from C++ (a TorchDispatchMode, as
     # cpu_bf16's) is left out of that total while it stays in the cumulative times of the parts)
-    parts.append(("loop outside TrainModule.step (progress, grad-norm read, metrics record)",
-                  wall - step_total, None))
-    lines = [f"## where the trainer's time goes: cProfile of {args.profile_runner} {precision}, steps "
-             f"{args.warmup + 1}-{args.warmup + args.steps}, seconds per step",
-             "(of which torch: the model's forward, torch's autograd backward, torch's AdamW step: the work a bare "
-             "step does too; the rest of a part is the engine's)",
-             "| part | s/step | share | of which torch, s/step |", "|---|---|---|---|"]
+    parts.append(("loop outside TrainModule.step (progress, grad-norm read, metrics record)", wall - step_total, None))
+    lines = [
+        f"## where the trainer's time goes: cProfile of {args.profile_runner} {precision}, steps "
+        f"{args.warmup + 1}-{args.warmup + args.steps}, seconds per step",
+        "(of which torch: the model's forward, torch's autograd backward, torch's AdamW step: the work a bare "
+        "step does too; the rest of a part is the engine's)",
+        "| part | s/step | share | of which torch, s/step |",
+        "|---|---|---|---|",
+    ]
     for label, total, inner in parts:
         torch_part = "-" if inner is None else f"{inner / args.steps:.4f}"
         lines.append(f"| {label} | {total / args.steps:.4f} | {total / wall:.1%} | {torch_part} |")

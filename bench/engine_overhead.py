@@ -28,23 +28,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train_step  # noqa: E402
+
 from megatransformer.config import RunConfig  # noqa: E402
 
 
 def run_config(args: argparse.Namespace, mode: str) -> RunConfig:
     model = train_step.model_config(args).model_dump()
     model["attention_backend"] = "auto"
-    return RunConfig.model_validate({
-        "model": model, "data": {"seq_len": args.seq}, "train": {"micro_batch_size": args.batch, "grad_accum": 1},
-        "optim": {"lr": 1e-4, "weight_decay": 0.1}, "parallel": {"zero_stage": 0}, "precision": mode,
-    })
+    return RunConfig.model_validate(
+        {
+            "model": model,
+            "data": {"seq_len": args.seq},
+            "train": {"micro_batch_size": args.batch, "grad_accum": 1},
+            "optim": {"lr": 1e-4, "weight_decay": 0.1},
+            "parallel": {"zero_stage": 0},
+            "precision": mode,
+        }
+    )
 
 
 def host_batches(input_ids: torch.Tensor, labels: torch.Tensor):
     """The loader's batch format (one document per row: segments and positions as packing writes them)."""
     for _ in itertools.count():
-        yield {"input_ids": input_ids, "labels": labels, "segment_ids": torch.ones_like(input_ids),
-               "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous()}
+        yield {
+            "input_ids": input_ids,
+            "labels": labels,
+            "segment_ids": torch.ones_like(input_ids),
+            "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous(),
+        }
 
 
 def main() -> int:
@@ -56,9 +67,11 @@ def main() -> int:
 
     dist_info = setup()
     modes, stages = args.modes.split(","), [int(z) for z in args.zero.split(",")]
-    print(f"# engine overhead: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, d{args.d_model} L{args.layers} H{args.heads} KV{args.kv_heads} "
-          f"FFN{args.ffn} V{args.vocab}, batch {args.batch} x {args.seq}")
+    print(
+        f"# engine overhead: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, d{args.d_model} L{args.layers} H{args.heads} KV{args.kv_heads} "
+        f"FFN{args.ffn} V{args.vocab}, batch {args.batch} x {args.seq}"
+    )
     print("| mode | runner | s/step (median) | speed vs bare | speed vs hf autocast |")
     print("|---|---|---|---|---|")
     for mode in modes:
@@ -71,8 +84,9 @@ def main() -> int:
         bare_model.load_state_dict({k: v.float() for k, v in first.engine.module.state_dict().items()})
         bare = train_step.Runner("ours", bare_model, mode, args.device, False)
         hf_args = argparse.Namespace(**{**vars(args), "backends": "chunked"})
-        hf = train_step.build_runners(cfg.model.model_copy(update={"attention_backend": "chunked"}), "autocast",
-                                      hf_args)["hf"]
+        hf = train_step.build_runners(
+            cfg.model.model_copy(update={"attention_backend": "chunked"}), "autocast", hf_args
+        )["hf"]
         batches = host_batches(input_ids, labels)
         runners = {name: (lambda m=module: m.step(batches)) for name, module in modules.items()}
         runners |= {"bare": lambda: bare.step(input_ids, labels), "hf": lambda: hf.step(input_ids, labels)}
@@ -89,8 +103,11 @@ def main() -> int:
                     times[name].append(time.perf_counter() - start)
         med = {name: statistics.median(t) for name, t in times.items()}
         for name in runners:
-            print(f"| {mode} | {name} | {med[name]:.3f} | {med['bare'] / med[name]:.3f}x | "
-                  f"{med['hf'] / med[name]:.3f}x |", flush=True)
+            print(
+                f"| {mode} | {name} | {med[name]:.3f} | {med['bare'] / med[name]:.3f}x | "
+                f"{med['hf'] / med[name]:.3f}x |",
+                flush=True,
+            )
     return 0
 
 

@@ -29,10 +29,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_OVERRIDES = [  # ~120M-parameter Llama-style decoder, 8 x 1024 tokens, packed documents, bf16
-    "model.d_model=768", "model.n_layers=12", "model.n_heads=12", "model.n_kv_heads=4", "model.d_ff=2048",
-    "model.max_seq_len=1024", "data.seq_len=1024", "train.micro_batch_size=8", "train.max_steps=60",
-    "train.log_every=10", "train.eval_every=0", "train.sample_prompt=", "precision=bf16",
-    "model.attention_backend=auto", "checkpoint.every=1000", "wandb.mode=disabled",
+    "model.d_model=768",
+    "model.n_layers=12",
+    "model.n_heads=12",
+    "model.n_kv_heads=4",
+    "model.d_ff=2048",
+    "model.max_seq_len=1024",
+    "data.seq_len=1024",
+    "train.micro_batch_size=8",
+    "train.max_steps=60",
+    "train.log_every=10",
+    "train.eval_every=0",
+    "train.sample_prompt=",
+    "precision=bf16",
+    "model.attention_backend=auto",
+    "checkpoint.every=1000",
+    "wandb.mode=disabled",
 ]
 SYNC_BUDGET = 5  # waits for the GPU in one optimizer step (ZeRO-0 fp32, ZeRO-1/2 bf16)
 GPU_TESTS = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", "-p", "no:cacheprovider", "tests"]
@@ -74,8 +86,12 @@ def fewer_gpus(skip_line: str) -> bool:
 
 def probe_ok(probe: dict) -> bool:
     cuda_syncs = probe.get("cuda_syncs")
-    return probe["collective_devices"] == ["cuda:0"] and probe["host_syncs"] <= SYNC_BUDGET \
-        and cuda_syncs is not None and cuda_syncs <= SYNC_BUDGET
+    return (
+        probe["collective_devices"] == ["cuda:0"]
+        and probe["host_syncs"] <= SYNC_BUDGET
+        and cuda_syncs is not None
+        and cuda_syncs <= SYNC_BUDGET
+    )
 
 
 def step_probe() -> dict:
@@ -83,15 +99,22 @@ def step_probe() -> dict:
     must wait at most ``SYNC_BUDGET`` times. bf16 with ZeRO-0 is reported, not judged: DeepSpeed's unfused bf16
     optimizer reads every parameter's overflow flag and norm (17 waits at 1 layer, 35 at 3 on CPU; the run log
     warns)."""
-    cases = [{"layers": 2, "accum": 2, "zero": z, "precision": "fp32" if z == 0 else "bf16", "objective": o}
-             for z in (0, 1, 2) for o in ("autoregressive", "prefix_lm")]
+    cases = [
+        {"layers": 2, "accum": 2, "zero": z, "precision": "fp32" if z == 0 else "bf16", "objective": o}
+        for z in (0, 1, 2)
+        for o in ("autoregressive", "prefix_lm")
+    ]
     reported = [{"layers": 2, "accum": 2, "zero": 0, "precision": "bf16"}]
     done = run([sys.executable, "bench/step_probe.py", json.dumps(cases + reported)])
     probes = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    judged = probes[:len(cases)]
+    judged = probes[: len(cases)]
     ok = done.returncode == 0 and len(probes) == len(cases) + len(reported) and all(map(probe_ok, judged))
-    return {"ok": ok, "probes": judged, "reported": probes[len(cases):],
-            **({} if ok else {"stderr": done.stderr[-2000:]})}
+    return {
+        "ok": ok,
+        "probes": judged,
+        "reported": probes[len(cases) :],
+        **({} if ok else {"stderr": done.stderr[-2000:]}),
+    }
 
 
 def training_command(out: Path) -> list[str]:
@@ -118,9 +141,15 @@ def training(out: Path) -> dict:
         return {"ok": False, "stderr": done.stderr[-3000:]}
     last = steps[-1]
     attention = [line for line in done.stdout.splitlines() if line.startswith("attention:")]
-    return {"ok": packed_attention_core(attention) in ("flash", "varlen"), "attention": attention,
-            "tokens_per_s": last["tokens_per_s"], "mfu": last["mfu"], "max_memory_gib": last.get("max_memory_gib"),
-            "loss": last["loss"], "steps": last["step"]}
+    return {
+        "ok": packed_attention_core(attention) in ("flash", "varlen"),
+        "attention": attention,
+        "tokens_per_s": last["tokens_per_s"],
+        "mfu": last["mfu"],
+        "max_memory_gib": last.get("max_memory_gib"),
+        "loss": last["loss"],
+        "steps": last["step"],
+    }
 
 
 def main() -> int:
@@ -139,9 +168,16 @@ def main() -> int:
     from megatransformer.model.attention import flash_attn_module
 
     flash = flash_attn_module()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "deepspeed": deepspeed.__version__, "flash_attn": None if flash is None else flash.__version__,
-              "gpu_tests": gpu_tests(), "step_probe": step_probe(), "training": training(out)}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "deepspeed": deepspeed.__version__,
+        "flash_attn": None if flash is None else flash.__version__,
+        "gpu_tests": gpu_tests(),
+        "step_probe": step_probe(),
+        "training": training(out),
+    }
     report["ok"] = all(report[k]["ok"] for k in ("gpu_tests", "step_probe", "training"))
     text = json.dumps(report, indent=2)
     (out / "gpu_check.json").write_text(text + "\n")

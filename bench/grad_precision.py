@@ -36,11 +36,16 @@ from megatransformer.training import engine  # noqa: E402
 
 
 def run_config(zero: int, precision: str, accum: int, model: dict, micro: int, seq: int) -> RunConfig:
-    return RunConfig.model_validate({
-        "model": {"n_heads": 4, "n_kv_heads": 2, "max_seq_len": seq, **model}, "data": {"seq_len": seq},
-        "train": {"micro_batch_size": micro, "grad_accum": accum, "grad_clip": 0.0},
-        "optim": {"lr": 1e-2, "weight_decay": 0.0}, "parallel": {"zero_stage": zero}, "precision": precision,
-    })
+    return RunConfig.model_validate(
+        {
+            "model": {"n_heads": 4, "n_kv_heads": 2, "max_seq_len": seq, **model},
+            "data": {"seq_len": seq},
+            "train": {"micro_batch_size": micro, "grad_accum": accum, "grad_clip": 0.0},
+            "optim": {"lr": 1e-2, "weight_decay": 0.0},
+            "parallel": {"zero_stage": zero},
+            "precision": precision,
+        }
+    )
 
 
 def batches(vocab: int, micro: int, seq: int, rank: int):
@@ -108,8 +113,14 @@ def probe(cases: list[dict]) -> None:
     start = fp32_moved = None
     for case in cases:
         case = {"accum": 8, "steps": 4, "deepspeed_default": False, **case}
-        cfg = run_config(case["zero"], case["precision"], case["accum"],
-                         {"d_model": 32, "n_layers": 1, "d_ff": 64, "vocab_size": 128}, micro=2, seq=32)
+        cfg = run_config(
+            case["zero"],
+            case["precision"],
+            case["accum"],
+            {"d_model": 32, "n_layers": 1, "d_ff": 64, "vocab_size": 128},
+            micro=2,
+            seq=32,
+        )
         with deepspeed_defaults(case["deepspeed_default"]):
             module = engine.TrainModule(cfg, dist_info, zero_stage=case["zero"])
         start, data = masters(module), batches(128, 2, 32, dist_info.rank)
@@ -121,9 +132,14 @@ def probe(cases: list[dict]) -> None:
         inputs, labels, masks = module.to_device(next(data))  # one more micro batch: not a boundary
         module.engine.backward(module.engine(**inputs, masks=masks, labels=labels))
         drift = None if fp32_moved is None else float((moved - fp32_moved).norm() / (fp32_moved - start).norm())
-        report = {**case, "world": dist_info.world_size, "optimizer": type(module.engine.optimizer).__name__,
-                  "accumulates_in": accumulation_dtype(module),
-                  "reduces_in": str(module.engine.communication_data_type).removeprefix("torch."), "drift": drift}
+        report = {
+            **case,
+            "world": dist_info.world_size,
+            "optimizer": type(module.engine.optimizer).__name__,
+            "accumulates_in": accumulation_dtype(module),
+            "reduces_in": str(module.engine.communication_data_type).removeprefix("torch."),
+            "drift": drift,
+        }
         if dist_info.rank == 0:
             print(json.dumps(report), flush=True)
 
@@ -135,8 +151,15 @@ def speed(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     now = time.perf_counter if args.clock == "wall" else time.process_time
-    model = {"d_model": args.d_model, "n_layers": args.layers, "d_ff": args.d_model * 3, "vocab_size": 8192,
-             "norm": "rmsnorm", "position": "rope", "ffn": "swiglu"}
+    model = {
+        "d_model": args.d_model,
+        "n_layers": args.layers,
+        "d_ff": args.d_model * 3,
+        "vocab_size": 8192,
+        "norm": "rmsnorm",
+        "position": "rope",
+        "ffn": "swiglu",
+    }
     modules = {}
     for zero, default in ((0, False), (1, True), (1, False), (2, True), (2, False)):
         cfg = run_config(zero, "bf16", args.accum, model, args.micro, args.seq)
@@ -153,17 +176,21 @@ def speed(args: argparse.Namespace) -> None:
             for _ in range(args.steps):
                 modules[name].step(data)
             seconds[name].append((now() - start) / args.steps)
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; d{args.d_model} L{args.layers}, {args.accum} micro batches of {args.micro} x {args.seq} per "
-          f"step, bf16, one rank; {args.rounds} rounds x {args.steps} steps, clock={args.clock}; "
-          f"python {' '.join(sys.argv)}")
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads; d{args.d_model} L{args.layers}, {args.accum} micro batches of {args.micro} x {args.seq} per "
+        f"step, bf16, one rank; {args.rounds} rounds x {args.steps} steps, clock={args.clock}; "
+        f"python {' '.join(sys.argv)}"
+    )
     print("| engine | optimizer | s/step (median) | time vs zero1 bf16 accumulation (median of rounds) |")
     print("|---|---|---|---|")
     base = seconds["zero1 bf16 accumulation"]
     for name, times in seconds.items():
         ratio = statistics.median(t / b for t, b in zip(times, base))
-        print(f"| {name} | {type(modules[name].engine.optimizer).__name__} | {statistics.median(times):.3f} | "
-              f"{ratio:.3f}x |")
+        print(
+            f"| {name} | {type(modules[name].engine.optimizer).__name__} | {statistics.median(times):.3f} | "
+            f"{ratio:.3f}x |"
+        )
 
 
 def main() -> int:
@@ -179,8 +206,12 @@ def main() -> int:
     s.add_argument("--rounds", type=int, default=5)
     s.add_argument("--steps", type=int, default=2)
     s.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    s.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: process CPU time, immune to other processes' load (use with --threads 1)")
+    s.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: process CPU time, immune to other processes' load (use with --threads 1)",
+    )
     args = p.parse_args()
     if args.command == "probe":
         probe(json.loads(args.cases))

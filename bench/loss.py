@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention import peak_bytes  # noqa: E402
-from megatransformer.model.head import linear_cross_entropy  # noqa: E402
+
 from megatransformer.config import precision_dtype  # noqa: E402
+from megatransformer.model.head import linear_cross_entropy  # noqa: E402
 
 
 def plain(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -58,9 +59,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
     dtype, device = precision_dtype(args.precision), args.device
-    print(f"# bench/loss.py {datetime.date.today()}: {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, device {device}, {args.precision}, "
-          f"{args.tokens} tokens, d_model {args.d_model}")
+    print(
+        f"# bench/loss.py {datetime.date.today()}: {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, device {device}, {args.precision}, "
+        f"{args.tokens} tokens, d_model {args.d_model}"
+    )
     print("| vocab | head | s/step median (min-max) | peak memory above inputs | vs plain |")
     print("|---|---|---|---|---|")
     for vocab in map(int, args.vocab.split(",")):
@@ -69,10 +72,10 @@ def main() -> None:
         weight = (torch.randn(vocab, args.d_model, generator=gen) * 0.02).to(device, dtype)
         labels = torch.randint(0, vocab, (args.tokens,), generator=gen).to(device)
         times: dict[str, list[float]] = {name: [] for name in HEADS}
-        for name, head in HEADS.items():  # (warm-up)
+        for head in HEADS.values():  # (warm-up)
             step(head, hidden, weight, labels)
         for i in range(args.repeats):
-            for name in (HEADS if i % 2 == 0 else reversed(HEADS)):
+            for name in HEADS if i % 2 == 0 else reversed(HEADS):
                 sync(device)
                 start = time.perf_counter()
                 step(HEADS[name], hidden, weight, labels)
@@ -82,9 +85,11 @@ def main() -> None:
         for name in HEADS:
             t = times[name]
             ratio = statistics.median(times["plain"]) / statistics.median(t)
-            print(f"| {vocab} | {name} | {statistics.median(t):.4f} ({min(t):.4f}-{max(t):.4f}) | "
-                  f"{peaks[name] / 2**20:,.0f} MiB | {ratio:.2f}x speed, "
-                  f"{peaks[name] / peaks['plain']:.2f}x memory |")
+            print(
+                f"| {vocab} | {name} | {statistics.median(t):.4f} ({min(t):.4f}-{max(t):.4f}) | "
+                f"{peaks[name] / 2**20:,.0f} MiB | {ratio:.2f}x speed, "
+                f"{peaks[name] / peaks['plain']:.2f}x memory |"
+            )
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from train_step import Runner, make_batch  # noqa: E402
+
 from megatransformer.config import ModelConfig  # noqa: E402
 from megatransformer.flops import model_size  # noqa: E402
 from megatransformer.hf import llama_config  # noqa: E402
 from megatransformer.model import build_model  # noqa: E402
-from train_step import Runner, make_batch  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16
 PRESETS = {
@@ -122,8 +123,10 @@ def run_config(cfg, impl, backend, compile_, ac, args, batch) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench/mfu.py needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False); "
-              "GPU MFU is not measured here. Run it on a GPU machine, or --cpu-smoke to check the script.")
+        print(
+            "bench/mfu.py needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False); "
+            "GPU MFU is not measured here. Run it on a GPU machine, or --cpu-smoke to check the script."
+        )
         return 2
     cfg = ModelConfig(**PRESETS[args.preset], max_seq_len=args.seq, tie_embeddings=False, norm_eps=1e-5)
     size = model_size(cfg, args.seq)
@@ -132,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch * args.seq
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke test)"
     print(f"# {datetime.date.today()} {device_name} torch={torch.__version__} flash_attn={flash_available()}")
-    print(f"# model {args.preset}: {size.params / 1e9:.2f}B params, {size.flops_per_token / 1e9:.2f} GFLOP/token"
-          f" at seq {args.seq}; batch {args.batch} x {args.seq}; bf16 weights + fp32 master AdamW;"
-          f" peak {peak} TFLOP/s; median of {args.steps} steps after {args.warmup}")
+    print(
+        f"# model {args.preset}: {size.params / 1e9:.2f}B params, {size.flops_per_token / 1e9:.2f} GFLOP/token"
+        f" at seq {args.seq}; batch {args.batch} x {args.seq}; bf16 weights + fp32 master AdamW;"
+        f" peak {peak} TFLOP/s; median of {args.steps} steps after {args.warmup}"
+    )
     print(f"# command: python {' '.join(sys.argv)}")
     print("| impl | attention | compile | act. ckpt | tokens/s | MFU | peak GiB |")
     print("|---|---|---|---|---|---|---|")
@@ -154,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 tps = tokens / r["step_s"]
                 mfu = tps * size.flops_per_token / (peak * 1e12)
-                print(f"| {impl} | {backend} | {compile_} | {ac} | {tps:,.0f} | {100 * mfu:.1f}% |"
-                      f" {r['peak_gib']:.1f} |", flush=True)
+                print(
+                    f"| {impl} | {backend} | {compile_} | {ac} | {tps:,.0f} | {100 * mfu:.1f}% | {r['peak_gib']:.1f} |",
+                    flush=True,
+                )
     return 0
 
 

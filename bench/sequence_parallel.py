@@ -37,8 +37,16 @@ from megatransformer.model import build_model  # noqa: E402
 from megatransformer.model.masks import batch_masks  # noqa: E402
 from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses  # noqa: E402
 
-MODEL = dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=704, vocab_size=4096,
-             position="rope", attention_backend="chunked")
+MODEL = dict(
+    d_model=256,
+    n_layers=4,
+    n_heads=8,
+    n_kv_heads=4,
+    d_ff=704,
+    vocab_size=4096,
+    position="rope",
+    attention_backend="chunked",
+)
 
 
 def packed_row(length: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -51,13 +59,23 @@ def packed_row(length: int, vocab: int) -> dict[str, torch.Tensor]:
     segments = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)])
     positions = torch.cat([torch.arange(n) for n in lengths])
     ids = torch.randint(0, vocab, (1, length + 1), generator=gen)
-    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "segment_ids": segments[None],
-            "position_ids": positions[None]}
+    return {
+        "input_ids": ids[:, :-1],
+        "labels": ids[:, 1:],
+        "segment_ids": segments[None],
+        "position_ids": positions[None],
+    }
 
 
 def run_rank(rank: int, size: int, port: int, length: int, repeats: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     import deepspeed
     import torch.distributed as dist
@@ -87,8 +105,12 @@ def run_rank(rank: int, size: int, port: int, length: int, repeats: int, out: st
     peaks = [None] * size
     dist.all_gather_object(peaks, peak)
     if rank == 0:
-        record = {"sp": size, "seq_len": length, "peak_mib_per_rank": max(peaks) / 2**20,
-                  "tokens_per_s": length / statistics.median(seconds)}
+        record = {
+            "sp": size,
+            "seq_len": length,
+            "peak_mib_per_rank": max(peaks) / 2**20,
+            "tokens_per_s": length / statistics.median(seconds),
+        }
         Path(out).write_text(json.dumps(record))
     dist.destroy_process_group()
 
@@ -118,9 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for r in records:
         base = next(b for b in records if b["seq_len"] == r["seq_len"] and b["sp"] == records[0]["sp"])
-        print(f"| {r['seq_len']} | {r['sp']} | {r['peak_mib_per_rank']:.1f} | "
-              f"{r['peak_mib_per_rank'] / base['peak_mib_per_rank']:.2f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} |")
+        print(
+            f"| {r['seq_len']} | {r['sp']} | {r['peak_mib_per_rank']:.1f} | "
+            f"{r['peak_mib_per_rank'] / base['peak_mib_per_rank']:.2f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} |"
+        )
     return 0
 
 

@@ -33,8 +33,10 @@ def main() -> int:
     from megatransformer.training.watchdog import Watchdog
 
     dist_info = setup()
-    print(f"# spike + watchdog overhead: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"d{args.d_model} L{args.layers} V{args.vocab}, batch {args.batch} x {args.seq}, {args.clock} clock")
+    print(
+        f"# spike + watchdog overhead: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"d{args.d_model} L{args.layers} V{args.vocab}, batch {args.batch} x {args.seq}, {args.clock} clock"
+    )
     print("| mode | plain s/step | guarded s/step | guarded / plain time | detection + watchdog alone, us/step |")
     print("|---|---|---|---|---|")
     for mode in args.modes.split(","):
@@ -74,8 +76,11 @@ def main() -> int:
             watchdog.disarm(0.1)
         alone = (clock() - start) / n * 1e6
         watchdog.close()
-        print(f"| {mode} | {statistics.median(times['plain']):.4f} | {statistics.median(times['guarded']):.4f} | "
-              f"{statistics.median(ratios):.3f}x | {alone:.1f} |", flush=True)
+        print(
+            f"| {mode} | {statistics.median(times['plain']):.4f} | {statistics.median(times['guarded']):.4f} | "
+            f"{statistics.median(ratios):.3f}x | {alone:.1f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -22,8 +22,12 @@ def batches(vocab: int, micro: int, seq: int, prefix: bool):
     for _ in itertools.count():
         ids = torch.randint(0, vocab, (micro, seq), generator=gen)
         labels = ids.roll(-1, 1).masked_fill(segments.expand(micro, -1) == 0, -100)
-        batch = {"input_ids": ids, "labels": labels, "segment_ids": segments.expand(micro, -1).clone(),
-                 "position_ids": torch.arange(seq).expand(micro, -1).clone()}
+        batch = {
+            "input_ids": ids,
+            "labels": labels,
+            "segment_ids": segments.expand(micro, -1).clone(),
+            "position_ids": torch.arange(seq).expand(micro, -1).clone(),
+        }
         if prefix:
             batch["prefix_len"] = ends.expand(micro, -1).clone()
         yield batch
@@ -37,13 +41,24 @@ def main(cases: list[dict]) -> None:
 
     dist_info = setup()
     for case in cases:
-        cfg = RunConfig.model_validate({
-            "model": dict(d_model=32, n_layers=case["layers"], n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128,
-                          max_seq_len=64),
-            "data": {"seq_len": 32}, "objective": case.get("objective", "autoregressive"),
-            "train": {"micro_batch_size": 2, "grad_accum": case["accum"]},
-            "parallel": {"zero_stage": case["zero"]}, "precision": case.get("precision", "fp32"),
-        })
+        cfg = RunConfig.model_validate(
+            {
+                "model": dict(
+                    d_model=32,
+                    n_layers=case["layers"],
+                    n_heads=4,
+                    n_kv_heads=2,
+                    d_ff=64,
+                    vocab_size=128,
+                    max_seq_len=64,
+                ),
+                "data": {"seq_len": 32},
+                "objective": case.get("objective", "autoregressive"),
+                "train": {"micro_batch_size": 2, "grad_accum": case["accum"]},
+                "parallel": {"zero_stage": case["zero"]},
+                "precision": case.get("precision", "fp32"),
+            }
+        )
         module = TrainModule(cfg, dist_info, zero_stage=case["zero"])  # (ZeRO's own step, even on one rank)
         report = probe_step(module, batches(128, 2, 32, cfg.objective == "prefix_lm"))
         print(json.dumps({**case, **report}), flush=True)

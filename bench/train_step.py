@@ -66,13 +66,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tie", action="store_true", help="tie embeddings (Llama default: untied)")
 
 
-def parse_args(argv: list[str] | None = None,
-               parents: tuple[argparse.ArgumentParser, ...] = ()) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, parents: tuple[argparse.ArgumentParser, ...] = ()) -> argparse.Namespace:
     """This bench's options, plus those of ``parents`` (a bench built on this one adds its own)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=list(parents))
     add_model_args(p)
-    p.add_argument("--backends", default="sdpa,chunked",
-                   help="our model.attention_backend(s), each timed side by side against HF")
+    p.add_argument(
+        "--backends", default="sdpa,chunked", help="our model.attention_backend(s), each timed side by side against HF"
+    )
     p.add_argument("--modes", default="fp32,autocast,bf16", help=f"comma list of {MODES}")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per mode (ratio = median)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per implementation and round")
@@ -81,11 +81,19 @@ def parse_args(argv: list[str] | None = None,
     p.add_argument("--no-memory", action="store_true", help="skip the profiled peak-memory step")
     p.add_argument("--profile", help="ours-<backend> or hf: print a torch.profiler table of one step and exit")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: process CPU time, immune to other processes' load (use with --threads 1)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: process CPU time, immune to other processes' load (use with --threads 1)",
+    )
     p.add_argument("--device", default="cpu")
-    p.add_argument("--cpu-bf16-matmul", choices=CHOICES, default="auto",
-                   help="bf16 GEMMs of both implementations on a CPU, as train.cpu_bf16_matmul")
+    p.add_argument(
+        "--cpu-bf16-matmul",
+        choices=CHOICES,
+        default="auto",
+        help="bf16 GEMMs of both implementations on a CPU, as train.cpu_bf16_matmul",
+    )
     args = p.parse_args(argv)
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
@@ -95,9 +103,18 @@ def parse_args(argv: list[str] | None = None,
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(
-        d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
-        d_ff=args.ffn, vocab_size=args.vocab, max_seq_len=max(args.seq, 2048), norm="rmsnorm", position="rope",
-        ffn="swiglu", tie_embeddings=args.tie, norm_eps=1e-6,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        d_ff=args.ffn,
+        vocab_size=args.vocab,
+        max_seq_len=max(args.seq, 2048),
+        norm="rmsnorm",
+        position="rope",
+        ffn="swiglu",
+        tie_embeddings=args.tie,
+        norm_eps=1e-6,
     )
 
 
@@ -112,8 +129,16 @@ class Runner:
     ``cpu_bf16_matmul``: how bf16 GEMMs run on a CPU, as the trainer's ``train.cpu_bf16_matmul``.
     """
 
-    def __init__(self, name: str, model: torch.nn.Module, mode: str, device: str, compile_: bool,
-                 adamw: dict | None = None, cpu_bf16_matmul: str = "auto") -> None:
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        mode: str,
+        device: str,
+        compile_: bool,
+        adamw: dict | None = None,
+        cpu_bf16_matmul: str = "auto",
+    ) -> None:
         self.name, self.mode, self.device = name, mode, device
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
         self.matmuls = matmul_context(gemms_as_fp32(cpu_bf16_matmul, device, dtype, compile_))
@@ -179,14 +204,21 @@ def build_runners(cfg: ModelConfig, mode: str, args: argparse.Namespace) -> dict
     for backend in args.backends.split(","):
         ours = build_model(cfg.model_copy(update={"attention_backend": backend}))
         ours.load_state_dict(state)
-        runners[f"ours-{backend}"] = Runner("ours", ours, mode, args.device, args.compile,
-                                            cpu_bf16_matmul=args.cpu_bf16_matmul)
+        runners[f"ours-{backend}"] = Runner(
+            "ours", ours, mode, args.device, args.compile, cpu_bf16_matmul=args.cpu_bf16_matmul
+        )
     runners["hf"] = hf_runner(cfg, state, mode, args.device, args.compile, args.cpu_bf16_matmul)
     return runners
 
 
-def hf_runner(cfg: ModelConfig, state: dict[str, torch.Tensor], mode: str, device: str, compile_: bool,
-              cpu_bf16_matmul: str = "auto") -> Runner:
+def hf_runner(
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    mode: str,
+    device: str,
+    compile_: bool,
+    cpu_bf16_matmul: str = "auto",
+) -> Runner:
     """The transformers model ``cfg`` maps onto (LlamaForCausalLM or GPT2LMHeadModel, SDPA attention) holding
     our weights ``state``, with torch's default AdamW."""
     import transformers
@@ -227,8 +259,7 @@ def peak_step_bytes(runner: Runner, batch) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         runner.step(*batch)
     # every allocator alloc (+bytes) / free (-bytes) of the step, with its own timestamp
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -266,8 +297,7 @@ def run_all(cfg: ModelConfig, modes: list[str], args: argparse.Namespace, batch)
     for rnd in range(args.rounds):
         for key in keys if rnd % 2 == 0 else reversed(keys):
             seconds[key].append(timed_steps(runners[key], batch, args.steps, args.clock))
-        print(f"# round {rnd + 1}: " + ", ".join(f"{k[0]}-{k[1]} {v[-1]:.3f}s" for k, v in seconds.items()),
-              flush=True)
+        print(f"# round {rnd + 1}: " + ", ".join(f"{k[0]}-{k[1]} {v[-1]:.3f}s" for k, v in seconds.items()), flush=True)
     peak = {} if args.no_memory else {k: peak_step_bytes(r, batch) for k, r in runners.items()}
     return Timings(seconds, peak)
 

@@ -10,8 +10,8 @@ import ast
 import inspect
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 MIN_CHARS = 200
 

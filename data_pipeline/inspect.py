@@ -11,8 +11,9 @@ from data_pipeline.loader import LoaderSettings
 from megatransformer.batch import IGNORE_INDEX
 
 
-def batch_stats(batch: dict[str, torch.Tensor], objective: str, mask_id: int | None, eos_id: int | None,
-                sentinels: set[int]) -> dict[str, float]:
+def batch_stats(
+    batch: dict[str, torch.Tensor], objective: str, mask_id: int | None, eos_id: int | None, sentinels: set[int]
+) -> dict[str, float]:
     """Averages over one batch; fractions are of all positions unless named otherwise."""
     labels = batch["labels"]
     has_loss = labels != IGNORE_INDEX
@@ -51,8 +52,10 @@ def show_row(batch: dict[str, torch.Tensor], row: int, tok, objective: str) -> s
     real = segments > 0
     if "decoder_input_ids" in batch:
         dec = batch["decoder_segment_ids"][row]
-        return "\n".join(f"  example {k}: input  {text(ids[segments == k])!r}\n"
-                         f"             target {text(labels[dec == k])!r}" for k in range(1, int(segments.max()) + 1))
+        return "\n".join(
+            f"  example {k}: input  {text(ids[segments == k])!r}\n             target {text(labels[dec == k])!r}"
+            for k in range(1, int(segments.max()) + 1)
+        )
     if "prefix_len" in batch:  # per position: where the prefix of its document ends
         ends = batch["prefix_len"][row]
         lines = []
@@ -62,7 +65,7 @@ def show_row(batch: dict[str, torch.Tensor], row: int, tok, objective: str) -> s
             end = min(int(ends[start]), stop)
             if end > start:
                 lines.append(f"  prefix: {text(ids[start:end])!r}")
-            lines.append(f"  suffix: {text(ids[max(start, end):stop])!r}")
+            lines.append(f"  suffix: {text(ids[max(start, end) : stop])!r}")
         return "\n".join(lines)
     if objective == "masked_lm":
         pieces = []
@@ -76,8 +79,9 @@ def show_row(batch: dict[str, torch.Tensor], row: int, tok, objective: str) -> s
     return "  " + repr(text(ids[real]))
 
 
-def inspect_batches(settings: LoaderSettings, tokenizer: str, micro: int, n_batches: int, split: str,
-                    as_json: bool) -> int:
+def inspect_batches(
+    settings: LoaderSettings, tokenizer: str, micro: int, n_batches: int, split: str, as_json: bool
+) -> int:
     from data_pipeline.loader import build_loader
     from data_pipeline.tokenizer import load_tokenizer
 

@@ -13,9 +13,10 @@ import math
 import tarfile
 import warnings
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -23,8 +24,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_pipeline import DataError
 from data_pipeline.objectives import Objective, Window, build_objective
-from data_pipeline.settings import ObjectiveArgs
 from data_pipeline.remote import Retry, ShardStream, check_location, is_remote, join
+from data_pipeline.settings import ObjectiveArgs
 from data_pipeline.shard import INSTRUCTIONS, Manifest, ShardInfo, decode_ids
 from data_pipeline.tokenizer import TokenizerInfo
 
@@ -86,8 +87,9 @@ class Source:
         return join(self.directory, info.file)
 
 
-def resolve_sources(spec: str | list[SourceSpec] | None, split: str, retry: Retry,
-                    fallback: str | list[SourceSpec] | None = None) -> list[Source]:
+def resolve_sources(
+    spec: str | list[SourceSpec] | None, split: str, retry: Retry, fallback: str | list[SourceSpec] | None = None
+) -> list[Source]:
     """``train`` / ``valid`` (a directory or URL, or a list of SourceSpec) as Sources of one split."""
     spec = spec if spec is not None else fallback
     if spec is None:
@@ -112,17 +114,25 @@ def check_compatible(sources: list[Source], tok: TokenizerInfo, vocab_size: int)
     for source in sources:
         m = source.manifest
         if m.tokenizer_sha256 != tok.sha256:
-            raise DataError(f"{source.directory} was tokenized with another tokenizer than data.tokenizer="
-                            f"{tok.path} (sha256 {m.tokenizer_sha256[:12]} vs {tok.sha256[:12]}); re-shard it")
+            raise DataError(
+                f"{source.directory} was tokenized with another tokenizer than data.tokenizer="
+                f"{tok.path} (sha256 {m.tokenizer_sha256[:12]} vs {tok.sha256[:12]}); re-shard it"
+            )
         if m.vocab_size != tok.vocab_size or np.iinfo(m.dtype).max < m.vocab_size - 1:
-            raise DataError(f"{source.directory}: manifest says vocab {m.vocab_size} in {m.dtype}, the tokenizer "
-                            f"has {tok.vocab_size} tokens; re-shard it")
+            raise DataError(
+                f"{source.directory}: manifest says vocab {m.vocab_size} in {m.dtype}, the tokenizer "
+                f"has {tok.vocab_size} tokens; re-shard it"
+            )
         if m.vocab_size > vocab_size:
-            raise DataError(f"{source.directory} holds token ids up to {m.vocab_size - 1} but "
-                            f"model.vocab_size={vocab_size}; set model.vocab_size >= {m.vocab_size}")
+            raise DataError(
+                f"{source.directory} holds token ids up to {m.vocab_size - 1} but "
+                f"model.vocab_size={vocab_size}; set model.vocab_size >= {m.vocab_size}"
+            )
     if tok.vocab_size > vocab_size:
-        raise DataError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but model.vocab_size={vocab_size}; "
-                        f"set model.vocab_size >= {tok.vocab_size}")
+        raise DataError(
+            f"tokenizer {tok.path} has {tok.vocab_size} tokens but model.vocab_size={vocab_size}; "
+            f"set model.vocab_size >= {tok.vocab_size}"
+        )
 
 
 def check_instructions(sources: list[Source], objective: str) -> None:
@@ -132,8 +142,10 @@ def check_instructions(sources: list[Source], objective: str) -> None:
         return
     where = instructions[0].directory
     if objective not in ("autoregressive", "prefix_lm"):
-        raise DataError(f"{where} holds prompt/completion examples, which objective={objective} cannot use; "
-                        "train them with objective=autoregressive or objective=prefix_lm")
+        raise DataError(
+            f"{where} holds prompt/completion examples, which objective={objective} cannot use; "
+            "train them with objective=autoregressive or objective=prefix_lm"
+        )
 
 
 def check_streams(sources: list[Source], streams: int, dp_size: int, workers: int) -> None:
@@ -142,16 +154,20 @@ def check_streams(sources: list[Source], streams: int, dp_size: int, workers: in
     if streams % readers:
         fits = [w for w in range(max(1, workers), 0, -1) if streams % (dp_size * w) == 0]
         hint = f"data.num_workers={fits[0]}" if fits else "a data-parallel size that divides it"
-        raise DataError(f"data.streams={streams} cannot be dealt to {dp_size} ranks x {max(1, workers)} workers = "
-                        f"{readers} readers (each reader serves a whole number of streams); set data.streams to a "
-                        f"multiple of {readers} when the run starts, or use {hint}")
+        raise DataError(
+            f"data.streams={streams} cannot be dealt to {dp_size} ranks x {max(1, workers)} workers = "
+            f"{readers} readers (each reader serves a whole number of streams); set data.streams to a "
+            f"multiple of {readers} when the run starts, or use {hint}"
+        )
     for source in sources:
         n = len(source.shards)
         fewest = min(s.samples for s in source.shards)
         if n < streams and fewest < math.ceil(streams / n):
-            raise DataError(f"{source.directory}: {n} {source.split} shard(s) with as few as {fewest} documents "
-                            f"cannot feed data.streams={streams} (each stream needs a document per epoch); lower "
-                            f"data.streams to {n * fewest} or less when the run starts")
+            raise DataError(
+                f"{source.directory}: {n} {source.split} shard(s) with as few as {fewest} documents "
+                f"cannot feed data.streams={streams} (each stream needs a document per epoch); lower "
+                f"data.streams to {n * fewest} or less when the run starts"
+            )
 
 
 # ------------------------------------------------------------------------------------------- shards
@@ -209,8 +225,11 @@ class ShardOpener:
                 with open(where, "rb") as f:
                     yield from _tar_samples(f, info, share, where)
         except (OSError, DataError, tarfile.TarError) as err:
-            message = f"missing shard {where} (listed in the manifest)" if isinstance(err, FileNotFoundError) \
+            message = (
+                f"missing shard {where} (listed in the manifest)"
+                if isinstance(err, FileNotFoundError)
                 else f"corrupt shard {where}: {err}"
+            )
             if self.on_corrupt == "error":
                 raise DataError(message + " (set data.on_corrupt=skip to skip it)") from None
             warnings.warn(message + "; skipping it (data.on_corrupt=skip)", stacklevel=2)
@@ -261,8 +280,17 @@ def _rng(*key: int) -> np.random.Generator:
 class DocumentReader:
     """The documents of one stream and one source, in the deterministic order described above."""
 
-    def __init__(self, source: Source, seed: int, stream: int, streams: int, shuffle: bool, block: int,
-                 opener: ShardOpener, epochs: int | None) -> None:
+    def __init__(
+        self,
+        source: Source,
+        seed: int,
+        stream: int,
+        streams: int,
+        shuffle: bool,
+        block: int,
+        opener: ShardOpener,
+        epochs: int | None,
+    ) -> None:
         self.source, self.seed, self.stream, self.streams = source, seed, stream, streams
         self.shuffle, self.block, self.opener, self.epochs = shuffle, block, opener, epochs
 
@@ -275,7 +303,7 @@ class DocumentReader:
             order = _rng(self.seed, epoch).permutation(order)
         n, k = len(shards), self.stream
         if n >= self.streams:
-            return [Share(int(i), 0, shards[i].samples) for i in order[k::self.streams]]
+            return [Share(int(i), 0, shards[i].samples) for i in order[k :: self.streams]]
         shard = int(order[k % n])
         parts, part, samples = len(range(k % n, self.streams, n)), k // n, shards[shard].samples
         return [Share(shard, part * samples // parts, (part + 1) * samples // parts)]
@@ -289,8 +317,9 @@ class DocumentReader:
             shares, found, whole_epoch = self.shares(epoch), False, shard_pos == 0 and doc_pos == 0
             while shard_pos < len(shares):
                 share = shares[shard_pos]
-                for d, (data, prompt_len) in self._ordered(self.opener.samples(self.source, share), epoch, share,
-                                                           doc_pos):
+                for d, (data, prompt_len) in self._ordered(
+                    self.opener.samples(self.source, share), epoch, share, doc_pos
+                ):
                     found = True
                     prompt_len = None if prompt_len is None else int(prompt_len)
                     yield decode_ids(data), prompt_len, Position(epoch, shard_pos, d, 0)
@@ -300,8 +329,10 @@ class DocumentReader:
             empty_epochs = empty_epochs + 1 if whole_epoch and not found else 0
             skipped = {self.source.location(info) for info in self.source.shards} <= set(self.opener.skipped)
             if empty_epochs and (skipped or empty_epochs > MAX_EMPTY_EPOCHS):
-                raise DataError(f"stream {self.stream} found no readable document in its shards of "
-                                f"{self.source.directory} in epoch {epoch} (all corrupt?)")
+                raise DataError(
+                    f"stream {self.stream} found no readable document in its shards of "
+                    f"{self.source.directory} in epoch {epoch} (all corrupt?)"
+                )
             epoch, shard_pos = epoch + 1, 0
 
     def _ordered(self, samples: Iterator, epoch: int, share: Share, first: int) -> Iterator[tuple[int, Any]]:
@@ -318,8 +349,11 @@ class DocumentReader:
     def _emit(self, block: list, base: int, epoch: int, share: Share, first: int):
         if base + len(block) <= first:  # before the resume point: skipped without decoding
             return
-        order = _rng(self.seed, epoch, share.shard, share.first + base).permutation(len(block)) if self.shuffle \
+        order = (
+            _rng(self.seed, epoch, share.shard, share.first + base).permutation(len(block))
+            if self.shuffle
             else range(len(block))
+        )
         for j in range(max(first - base, 0), len(block)):
             yield base + j, block[order[j]]
 
@@ -365,7 +399,7 @@ class WindowStream:
                 chunks, segments, prompts, need = [], [], [], size
                 for k, (t, _, s, p) in enumerate(pending):
                     take = min(need, len(t) - s)
-                    chunks.append(t[s:s + take])
+                    chunks.append(t[s : s + take])
                     segments.append(np.full(take, k + 1, dtype=np.int64))
                     if marks_prompts:
                         prompts.append(np.arange(s, s + take) < p)
@@ -374,8 +408,9 @@ class WindowStream:
                         break
                 self._advance(pending, stride, pos)
                 available -= stride
-                yield Window(np.concatenate(chunks), np.concatenate(segments),
-                             np.concatenate(prompts) if marks_prompts else None)
+                yield Window(
+                    np.concatenate(chunks), np.concatenate(segments), np.concatenate(prompts) if marks_prompts else None
+                )
 
     def _advance(self, pending: deque, count: int, last: Position) -> None:
         while count:
@@ -396,7 +431,7 @@ class WindowStream:
         for tokens, _, pos in self._pieces():
             offset = pos.offset
             while len(tokens) - offset >= shortest:
-                chunk = tokens[offset:offset + size]
+                chunk = tokens[offset : offset + size]
                 end = offset + len(chunk)
                 offset = end - overlap if end < len(tokens) else len(tokens)
                 self.position = Position(pos.epoch, pos.shard, pos.doc, offset)
@@ -421,7 +456,7 @@ class WindowStream:
                         yield _example_window(row)
                         row, used = [], np.zeros(2, dtype=np.int64)
                         continue
-                row.append(tokens[offset:offset + n])
+                row.append(tokens[offset : offset + n])
                 used += obj.cost(n)
                 offset += n
         if row:  # a finite (validation) stream ends with its last row
@@ -453,8 +488,11 @@ class WindowStream:
                 continue
             source, target = tokens[:prompt_len], tokens[prompt_len:]
             if len(source) > src_room or len(target) > tgt_room:
-                _warn_once(self.docs.source, "truncated", f"{len(source)} prompt + {len(target)} completion "
-                           f"tokens, data.seq_len={src_room} per side")
+                _warn_once(
+                    self.docs.source,
+                    "truncated",
+                    f"{len(source)} prompt + {len(target)} completion tokens, data.seq_len={src_room} per side",
+                )
                 source, target = source[:src_room], target[:tgt_room]
             cost = np.array([len(source), len(target)])
             if row and (not obj.packed or (used + cost > obj.capacity).any()):
@@ -477,8 +515,11 @@ def _warn_once(source: Source, what: str, example: str) -> None:
         return
     _WARNED.add((str(source.directory), what))
     consequence = "their end is cut off" if what == "truncated" else "they are skipped"
-    warnings.warn(f"some instruction examples of {source.directory} do not fit a row (e.g. {example}): "
-                  f"{consequence}; raise data.seq_len to keep them whole", stacklevel=3)
+    warnings.warn(
+        f"some instruction examples of {source.directory} do not fit a row (e.g. {example}): "
+        f"{consequence}; raise data.seq_len to keep them whole",
+        stacklevel=3,
+    )
 
 
 def _longest_fit(obj: Objective, used: np.ndarray, n: int) -> int:
@@ -498,7 +539,6 @@ def _example_window(pieces: list[np.ndarray], prompts: list[np.ndarray] | None =
     return Window(np.concatenate(pieces), segments, None if prompts is None else np.concatenate(prompts))
 
 
-
 class StreamSamples:
     """The samples of one stream: its sources mixed by weight, the objective applied with a per-sample seed."""
 
@@ -509,8 +549,12 @@ class StreamSamples:
         self.objective = spec.objective
         self.weights = np.array([s.weight for s in sources]) / sum(s.weight for s in sources)
         self.windows = [
-            WindowStream(DocumentReader(s, spec.seed, stream, spec.streams, spec.shuffle, spec.block, opener,
-                                        spec.epochs), spec.objective, spec.eos, Position(**p))
+            WindowStream(
+                DocumentReader(s, spec.seed, stream, spec.streams, spec.shuffle, spec.block, opener, spec.epochs),
+                spec.objective,
+                spec.eos,
+                Position(**p),
+            )
             for s, p in zip(sources, state["positions"])
         ]
 
@@ -599,8 +643,9 @@ class _Rows(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         # the streams this worker's rows visit, in order; the cycle repeats (workers * dp_size divides streams)
-        cycle = [spec.stream_of(self.start + worker + workers * t)
-                 for t in range(spec.streams // (spec.dp_size * workers))]
+        cycle = [
+            spec.stream_of(self.start + worker + workers * t) for t in range(spec.streams // (spec.dp_size * workers))
+        ]
         opener = ShardOpener(spec.on_corrupt, spec.retry, list(self.skipped))
         streams = {k: StreamSamples(spec, k, self.states.get(k), opener) for k in cycle}
         size = spec.micro_batch_size
@@ -645,8 +690,9 @@ class StreamingLoader:
         if not spec.shuffle:  # validation: the same batches, from the beginning, every time
             self.rows, self.stream_states = 0, {}
         dataset = _Rows(spec, self.rows, dict(self.stream_states), list(self.skipped))
-        loader = DataLoader(dataset, batch_size=None, num_workers=spec.num_workers, collate_fn=_same,
-                            persistent_workers=False)
+        loader = DataLoader(
+            dataset, batch_size=None, num_workers=spec.num_workers, collate_fn=_same, persistent_workers=False
+        )
         pending: deque = deque()  # rows in local order: (tensors of one row, (stream, state))
         chunks: list[_Chunk] = []  # of the current round, one per worker
         produced = 0
@@ -672,8 +718,10 @@ class StreamingLoader:
             produced += 1
             yield self._take(pending, len(pending))
         if produced == 0 and not spec.shuffle:
-            raise DataError(f"the {spec.sources[0].split} split of {spec.sources[0].directory} holds no sequences; "
-                            "shard with validation documents (--valid-every) or set data.valid to a dataset")
+            raise DataError(
+                f"the {spec.sources[0].split} split of {spec.sources[0].directory} holds no sequences; "
+                "shard with validation documents (--valid-every) or set data.valid to a dataset"
+            )
 
     def _take(self, pending: deque, size: int | None = None) -> dict[str, torch.Tensor]:
         rows = [pending.popleft() for _ in range(size or self.spec.micro_batch_size)]
@@ -705,10 +753,17 @@ class StreamingLoader:
 
     def state_dict(self) -> dict:
         spec = self.spec
-        return {"format": STATE_FORMAT, "streams": spec.streams, "dp_rank": spec.dp_rank, "dp_size": spec.dp_size,
-                "rows": self.rows, "stream_states": {str(k): v for k, v in sorted(self.stream_states.items())},
-                "skipped": list(self.skipped), "sources": [s.fingerprint for s in spec.sources],
-                "skip_rows": [list(r) for r in self.skip]}
+        return {
+            "format": STATE_FORMAT,
+            "streams": spec.streams,
+            "dp_rank": spec.dp_rank,
+            "dp_size": spec.dp_size,
+            "rows": self.rows,
+            "stream_states": {str(k): v for k, v in sorted(self.stream_states.items())},
+            "skipped": list(self.skipped),
+            "sources": [s.fingerprint for s in spec.sources],
+            "skip_rows": [list(r) for r in self.skip],
+        }
 
     def load_state_dict(self, state: dict | list[dict]) -> None:
         """Continue from a state of this rank (same layout), of a one-rank run, or ``merge_states`` of all
@@ -718,13 +773,17 @@ class StreamingLoader:
             state = merge_states(state)
         _check_format(state)
         if state["streams"] != spec.streams:
-            raise DataError(f"the data-loader state was saved with data.streams={state['streams']}, this run has "
-                            f"data.streams={spec.streams}; set data.streams={state['streams']} to resume it")
+            raise DataError(
+                f"the data-loader state was saved with data.streams={state['streams']}, this run has "
+                f"data.streams={spec.streams}; set data.streams={state['streams']} to resume it"
+            )
         fingerprints = [s.fingerprint for s in spec.sources]
         if state["sources"] != fingerprints:
-            raise DataError(f"data.{spec.sources[0].split} holds other shards than when the checkpoint was saved; "
-                            "exact resume needs the same datasets (use init_from= to start a new run from the "
-                            "weights)")
+            raise DataError(
+                f"data.{spec.sources[0].split} holds other shards than when the checkpoint was saved; "
+                "exact resume needs the same datasets (use init_from= to start a new run from the "
+                "weights)"
+            )
         streams = {int(k): v for k, v in state["stream_states"].items()}
         if (state["dp_size"], state["dp_rank"]) == (spec.dp_size, spec.dp_rank):
             rows = state["rows"]
@@ -732,16 +791,20 @@ class StreamingLoader:
         elif state["dp_size"] == 1:  # the whole sequence: take this rank's share of it
             total = state["rows"]
             if total % spec.dp_size:
-                raise DataError(f"the data-loader state is at global row {total}, which {spec.dp_size} "
-                                "data-parallel ranks cannot split evenly; keep the global batch size a multiple "
-                                "of the data-parallel size")
+                raise DataError(
+                    f"the data-loader state is at global row {total}, which {spec.dp_size} "
+                    "data-parallel ranks cannot split evenly; keep the global batch size a multiple "
+                    "of the data-parallel size"
+                )
             _check_counts(streams, 0, 1, total, spec.streams)
             rows = total // spec.dp_size
             streams = {k: v for k, v in streams.items() if k % spec.dp_size == spec.dp_rank}
         else:
-            raise DataError(f"the data-loader state belongs to data-parallel rank {state['dp_rank']} of "
-                            f"{state['dp_size']}, not to rank {spec.dp_rank} of {spec.dp_size}; load the states "
-                            "of all ranks (merge_states) to resume on another layout")
+            raise DataError(
+                f"the data-loader state belongs to data-parallel rank {state['dp_rank']} of "
+                f"{state['dp_size']}, not to rank {spec.dp_rank} of {spec.dp_size}; load the states "
+                "of all ranks (merge_states) to resume on another layout"
+            )
         self.rows, self.stream_states, self.skipped = rows, streams, list(state["skipped"])
         self.skip = _merged(tuple(r) for r in state.get("skip_rows", []))
 
@@ -751,9 +814,12 @@ class StreamingLoader:
         return sorted(self.skipped)
 
     def metrics(self) -> dict[str, float]:
-        return {"data/skipped_shards": float(len(self.skipped_shards)),
-                "data/epoch": float(max((p["epoch"] for st in self.stream_states.values() for p in st["positions"]),
-                                        default=0))}
+        return {
+            "data/skipped_shards": float(len(self.skipped_shards)),
+            "data/epoch": float(
+                max((p["epoch"] for st in self.stream_states.values() for p in st["positions"]), default=0)
+            ),
+        }
 
     def tokens_per_epoch(self) -> int:
         """Tokens of one pass over the split (all sources), from the manifests."""
@@ -782,9 +848,11 @@ def _merged(ranges) -> list[tuple[int, int]]:
 
 def _check_format(state: dict) -> None:
     if state.get("format") != STATE_FORMAT:
-        raise DataError("the data-loader state was written by an older version (per-reader positions, before "
-                        "data.streams); it cannot be resumed exactly: start a new run from its weights with "
-                        "init_from=")
+        raise DataError(
+            "the data-loader state was written by an older version (per-reader positions, before "
+            "data.streams); it cannot be resumed exactly: start a new run from its weights with "
+            "init_from="
+        )
 
 
 def _check_counts(streams: dict[int, dict], rank: int, dp_size: int, rows: int, n_streams: int) -> None:
@@ -796,9 +864,11 @@ def _check_counts(streams: dict[int, dict], rank: int, dp_size: int, rows: int, 
         expected = max(0, -(-(rows - first) // period))
         made = streams.get(k, {"samples": 0})["samples"]
         if made != expected:
-            raise DataError(f"the data-loader state is inconsistent: stream {k} made {made} samples, {expected} "
-                            f"expected after {rows} rows of rank {rank} of {dp_size} (states of ranks from "
-                            "different steps?)")
+            raise DataError(
+                f"the data-loader state is inconsistent: stream {k} made {made} samples, {expected} "
+                f"expected after {rows} rows of rank {rank} of {dp_size} (states of ranks from "
+                "different steps?)"
+            )
 
 
 def merge_states(states: list[dict]) -> dict:
@@ -811,33 +881,53 @@ def merge_states(states: list[dict]) -> dict:
     first = states[0]
     by_rank = {s["dp_rank"]: s for s in states}
     if sorted(by_rank) != list(range(first["dp_size"])):
-        raise DataError(f"merge_states needs the states of data-parallel ranks 0..{first['dp_size'] - 1}, got "
-                        f"ranks {sorted(by_rank)}")
+        raise DataError(
+            f"merge_states needs the states of data-parallel ranks 0..{first['dp_size'] - 1}, got "
+            f"ranks {sorted(by_rank)}"
+        )
     for s in states:
         same = (s["streams"], s["dp_size"], s["sources"]) == (first["streams"], first["dp_size"], first["sources"])
         if not same or s["rows"] != first["rows"]:
-            raise DataError("the data-loader states of the ranks do not belong together (other streams, layout, "
-                            "datasets or rows consumed)")
+            raise DataError(
+                "the data-loader states of the ranks do not belong together (other streams, layout, "
+                "datasets or rows consumed)"
+            )
     streams = {k: v for s in by_rank.values() for k, v in s["stream_states"].items()}
     skipped = sorted({p for s in states for p in s["skipped"]})
     skip_rows = _merged(tuple(r) for s in states for r in s.get("skip_rows", []))
-    return {"format": STATE_FORMAT, "streams": first["streams"], "dp_rank": 0, "dp_size": 1,
-            "rows": first["rows"] * first["dp_size"], "stream_states": streams, "skipped": skipped,
-            "sources": first["sources"], "skip_rows": [list(r) for r in skip_rows]}
+    return {
+        "format": STATE_FORMAT,
+        "streams": first["streams"],
+        "dp_rank": 0,
+        "dp_size": 1,
+        "rows": first["rows"] * first["dp_size"],
+        "stream_states": streams,
+        "skipped": skipped,
+        "sources": first["sources"],
+        "skip_rows": [list(r) for r in skip_rows],
+    }
 
 
 def check_data(settings: LoaderSettings, tokenizer: TokenizerInfo) -> None:
     """The checks a loader makes when built, of both splits, from the manifests alone: a run can make them
     before its engines start."""
     retry = Retry(settings.retries, settings.retry_wait)
-    sources = resolve_sources(settings.train, "train", retry) + \
-        resolve_sources(settings.valid, "valid", retry, fallback=settings.train)
+    sources = resolve_sources(settings.train, "train", retry) + resolve_sources(
+        settings.valid, "valid", retry, fallback=settings.train
+    )
     check_compatible(sources, tokenizer, settings.vocab_size)
     check_instructions(sources, settings.objective)
 
 
-def build_loader(settings: LoaderSettings, split: str, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 tokenizer: TokenizerInfo, epochs: int | None = None) -> StreamingLoader:
+def build_loader(
+    settings: LoaderSettings,
+    split: str,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    tokenizer: TokenizerInfo,
+    epochs: int | None = None,
+) -> StreamingLoader:
     """The loader of ``split``: "train" is endless and shuffled, split over ``dp_size`` ranks x
     ``num_workers`` workers; "valid" is ``epochs`` (default 1) in-order passes, the same on every rank."""
     s = settings
@@ -846,23 +936,48 @@ def build_loader(settings: LoaderSettings, split: str, micro_batch_size: int, dp
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
     retry = Retry(s.retries, s.retry_wait)
-    sources = resolve_sources(s.valid, "valid", retry, fallback=s.train) if split == "valid" else \
-        resolve_sources(s.train, "train", retry)
+    sources = (
+        resolve_sources(s.valid, "valid", retry, fallback=s.train)
+        if split == "valid"
+        else resolve_sources(s.train, "train", retry)
+    )
     check_compatible(sources, tokenizer, s.vocab_size)
     check_instructions(sources, s.objective)
     if s.on_corrupt == "error":  # a missing local shard fails now, not hours into the run (checksums: when read)
-        missing = [src.location(i) for src in sources if not src.remote for i in src.shards
-                   if not Path(src.location(i)).is_file()]
+        missing = [
+            src.location(i)
+            for src in sources
+            if not src.remote
+            for i in src.shards
+            if not Path(src.location(i)).is_file()
+        ]
         if missing:
-            raise DataError(f"{len(missing)} shard(s) listed in the manifest are missing, e.g. {missing[0]} "
-                            "(restore them, re-shard, or set data.on_corrupt=skip)")
+            raise DataError(
+                f"{len(missing)} shard(s) listed in the manifest are missing, e.g. {missing[0]} "
+                "(restore them, re-shard, or set data.on_corrupt=skip)"
+            )
     workers, streams = (s.num_workers, s.streams) if split == "train" else (0, 1)
     if split == "valid":  # validation shards are few: every rank reads all of them, in order, as one stream
         dp_rank, dp_size, epochs = 0, 1, epochs or 1
     check_streams(sources, streams, dp_size, workers)
     objective = build_objective(s.objective, s.arch, s.seq_len, s.pack, tokenizer, s.objective_args)
     eos = tokenizer.require("eos", "document separation")
-    spec = LoaderSpec(sources, objective, eos, s.seed, SPLIT_SALT[split], micro_batch_size, dp_rank, dp_size,
-                      workers, split == "train", max(1, s.shuffle_buffer // streams), s.on_corrupt, epochs, streams,
-                      retry, s.pin_memory)
+    spec = LoaderSpec(
+        sources,
+        objective,
+        eos,
+        s.seed,
+        SPLIT_SALT[split],
+        micro_batch_size,
+        dp_rank,
+        dp_size,
+        workers,
+        split == "train",
+        max(1, s.shuffle_buffer // streams),
+        s.on_corrupt,
+        epochs,
+        streams,
+        retry,
+        s.pin_memory,
+    )
     return StreamingLoader(spec)

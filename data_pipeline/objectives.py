@@ -217,6 +217,7 @@ class EncoderDecoderObjective(Objective):
 
     def largest_window(self) -> int:
         """The most raw tokens one example may hold so that it fits a row."""
+
         def fits(n: int) -> bool:
             return all(c <= cap for c, cap in zip(self.cost(n), self.capacity))
 
@@ -228,8 +229,9 @@ class EncoderDecoderObjective(Objective):
         return n
 
 
-def encoder_decoder_sample(pairs: list[tuple[np.ndarray, np.ndarray]], start: int, pad: int, src_len: int,
-                           tgt_len: int) -> Sample:
+def encoder_decoder_sample(
+    pairs: list[tuple[np.ndarray, np.ndarray]], start: int, pad: int, src_len: int, tgt_len: int
+) -> Sample:
     """Examples side by side: example k is segment k of the encoder and of the decoder."""
 
     def side(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -304,8 +306,10 @@ class SpanCorruption(EncoderDecoderObjective):
         self.capacity = (seq_len, self.target_len)
         spans = span_lengths(self.window, args.noise_density, args.mean_noise_span_length)[1]
         if len(tok.sentinel_ids) < spans:
-            raise DataError(f"span_corruption at seq_len={seq_len} needs {spans} sentinel tokens, tokenizer "
-                            f"{tok.path} has {len(tok.sentinel_ids)}; train one with more (--sentinels)")
+            raise DataError(
+                f"span_corruption at seq_len={seq_len} needs {spans} sentinel tokens, tokenizer "
+                f"{tok.path} has {len(tok.sentinel_ids)}; train one with more (--sentinels)"
+            )
         self.sentinels = np.array(tok.sentinel_ids, dtype=np.int64)
 
     def cost(self, n: int) -> tuple[int, int]:
@@ -332,8 +336,9 @@ class SpanCorruption(EncoderDecoderObjective):
         return np.append(source, self.eos), np.append(target[in_target], self.eos)
 
 
-def build_objective(name: str, arch: str, seq_len: int, pack: bool, tok: TokenizerInfo,
-                    args: ObjectiveArgs) -> Objective:
+def build_objective(
+    name: str, arch: str, seq_len: int, pack: bool, tok: TokenizerInfo, args: ObjectiveArgs
+) -> Objective:
     if name == "autoregressive":
         return Autoregressive(seq_len, tok, pack)
     if name == "masked_lm":

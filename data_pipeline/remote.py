@@ -33,10 +33,12 @@ def check_location(location: str) -> None:
     if is_remote(location):
         parts = urlsplit(str(location))
         if "@" in parts.netloc or parts.query:
-            raise DataError(f"{parts.scheme}://{parts.hostname}/...: a shard URL must not carry credentials (user:"
-                            "password@ or ?query): they would be written to config.yaml, logs and checkpoints; "
-                            "give them to fsspec through the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, "
-                            "~/.netrc for http)")
+            raise DataError(
+                f"{parts.scheme}://{parts.hostname}/...: a shard URL must not carry credentials (user:"
+                "password@ or ?query): they would be written to config.yaml, logs and checkpoints; "
+                "give them to fsspec through the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, "
+                "~/.netrc for http)"
+            )
 
 
 def join(directory: str, name: str) -> str:
@@ -69,7 +71,7 @@ class Retry:
     wait: float = 1.0  # seconds before the first retry; doubled each time
 
     def pause(self, attempt: int) -> None:
-        time.sleep(self.wait * 2 ** attempt)
+        time.sleep(self.wait * 2**attempt)
 
 
 def _transient(err: BaseException) -> bool:
@@ -99,8 +101,7 @@ def read_bytes(url: str, retry: Retry) -> bytes:
             if not _transient(err) or attempt == retry.retries:
                 if not _transient(err):
                     raise
-                raise DataError(f"could not read {url} after {retry.retries + 1} attempts ({_describe(err)})") \
-                    from None
+                raise DataError(f"could not read {url} after {retry.retries + 1} attempts ({_describe(err)})") from None
             retry.pause(attempt)
     raise AssertionError("unreachable")
 
@@ -155,9 +156,9 @@ class ShardStream:
             chunk = self._fetch(FETCH)
             if not chunk:
                 self._finish()
-            self.buffer, self.position = self.buffer[self.position:] + chunk, 0
+            self.buffer, self.position = self.buffer[self.position :] + chunk, 0
         end = len(self.buffer) if size < 0 else self.position + size
-        data, self.position = self.buffer[self.position:end], min(end, len(self.buffer))
+        data, self.position = self.buffer[self.position : end], min(end, len(self.buffer))
         return data
 
     def _fetch(self, size: int) -> bytes:
@@ -173,8 +174,9 @@ class ShardStream:
                 if not _transient(err):
                     raise
                 if attempt == self.retry.retries:
-                    raise DataError(f"shard {self.url} failed after {self.retry.retries + 1} attempts "
-                                    f"({_describe(err)})") from None
+                    raise DataError(
+                        f"shard {self.url} failed after {self.retry.retries + 1} attempts ({_describe(err)})"
+                    ) from None
                 self.retry.pause(attempt)
         self.digest.update(data)
         self.offset += len(data)
@@ -184,8 +186,9 @@ class ShardStream:
         self._close_file()
         self.done = True
         if self.digest.hexdigest() != self.expected:
-            raise DataError(f"shard {self.url}: its sha256 differs from the manifest's (modified or truncated "
-                            "after writing)")
+            raise DataError(
+                f"shard {self.url}: its sha256 differs from the manifest's (modified or truncated after writing)"
+            )
 
     def verify_rest(self) -> None:
         """Read to the end (the tar parser stops at the end-of-archive marker) and check the sha256."""

@@ -34,7 +34,9 @@ class ObjectiveArgs:
 
     def __post_init__(self) -> None:
         if self.mask_token_prob + self.random_token_prob > 1.0:
-            raise DataError(f"mask_token_prob + random_token_prob must be <= 1, got {self.mask_token_prob} + "
-                            f"{self.random_token_prob}")
+            raise DataError(
+                f"mask_token_prob + random_token_prob must be <= 1, got {self.mask_token_prob} + "
+                f"{self.random_token_prob}"
+            )
         if self.prefix_min > self.prefix_max:
             raise DataError(f"prefix_min must be <= prefix_max, got {self.prefix_min}, {self.prefix_max}")

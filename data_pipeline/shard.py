@@ -21,9 +21,9 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -65,8 +65,10 @@ class Manifest:
     @classmethod
     def load(cls, directory: str | Path, retry: Retry | None = None) -> Manifest:
         """The manifest of a shard directory: a local path or a URL (see data_pipeline.remote)."""
-        missing = DataError(f"{directory} has no {MANIFEST}: not a complete shard directory "
-                            "(write one with `megatransformer data shard`)")
+        missing = DataError(
+            f"{directory} has no {MANIFEST}: not a complete shard directory "
+            "(write one with `megatransformer data shard`)"
+        )
         if is_remote(str(directory)):
             path = join(str(directory), MANIFEST)
             try:
@@ -76,8 +78,9 @@ class Manifest:
         else:
             path = Path(directory) / MANIFEST
             if not Path(directory).exists():
-                raise DataError(f"{directory} does not exist; give a shard directory written by "
-                                "`megatransformer data shard`")
+                raise DataError(
+                    f"{directory} does not exist; give a shard directory written by `megatransformer data shard`"
+                )
             if not path.is_file():
                 raise missing
             data = path.read_bytes()
@@ -90,8 +93,10 @@ class Manifest:
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             if isinstance(err, DataError):
                 raise
-            raise DataError(f"{path} is not a valid shard manifest ({type(err).__name__}: {err}); "
-                            "re-create the directory with `megatransformer data shard`") from None
+            raise DataError(
+                f"{path} is not a valid shard manifest ({type(err).__name__}: {err}); "
+                "re-create the directory with `megatransformer data shard`"
+            ) from None
 
     def tokens(self, split: str) -> int:
         return sum(s.tokens for s in self.splits.get(split, []))
@@ -115,7 +120,7 @@ def decode_ids(data: bytes) -> np.ndarray:
     numpy's header parser, which dominates the cost for short documents."""
     if data[:8] == b"\x93NUMPY\x01\x00":
         header_len = int.from_bytes(data[8:10], "little")
-        header = data[10:10 + header_len]
+        header = data[10 : 10 + header_len]
         for descr in (b"<u2", b"<u4"):
             if header.startswith(b"{'descr': '" + descr + b"', 'fortran_order': False, 'shape': ("):
                 return np.frombuffer(data, dtype=descr.decode(), offset=10 + header_len)
@@ -211,11 +216,19 @@ def prepare_output(out: Path, overwrite: bool) -> None:
         raise DataError(f"--out {out} is a file, not a directory")
     for stale in out.glob(".*.tmp") if out.exists() else []:  # left by a crashed run
         stale.unlink()
-    existing = sorted((p for p in out.glob("*") if p.name == MANIFEST or p.suffix == ".tar"),
-                      key=lambda p: (p.name != MANIFEST, p.name)) if out.exists() else []
+    existing = (
+        sorted(
+            (p for p in out.glob("*") if p.name == MANIFEST or p.suffix == ".tar"),
+            key=lambda p: (p.name != MANIFEST, p.name),
+        )
+        if out.exists()
+        else []
+    )
     if existing and not overwrite:
-        raise DataError(f"{out} already holds a dataset ({existing[0].name}); choose another --out or pass "
-                        "--overwrite to replace it")
+        raise DataError(
+            f"{out} already holds a dataset ({existing[0].name}); choose another --out or pass "
+            "--overwrite to replace it"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # first, so a half-replaced directory never looks complete
     for path in existing:
@@ -267,8 +280,9 @@ def write_shards(
     docs = read_documents(files, text_field, doc_per, on_decode_error, stats, prompt_field)
     paired = prompt_field is not None
     try:
-        n_docs = _write_documents(docs, paired, tokenizer, tokenizer_path, writers, dtype, valid_every, workers,
-                                  progress)
+        n_docs = _write_documents(
+            docs, paired, tokenizer, tokenizer_path, writers, dtype, valid_every, workers, progress
+        )
         if n_docs == 0:
             raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
         for writer in writers.values():
@@ -278,18 +292,36 @@ def write_shards(
             writer.abort()
         raise
     if stats.replaced_lines:
-        print(f"warning: {stats.replaced_lines} input lines were not valid UTF-8; their bad bytes were replaced "
-              "(--on-decode-error fail stops at the first one instead)", file=sys.stderr)
-    manifest = Manifest(tokenizer.sha256, tokenizer.vocab_size, dtype.name, tokenizer.eos_id,
-                        {split: w.shards for split, w in writers.items() if w.shards}, documents=n_docs,
-                        replaced_lines=stats.replaced_lines, kind=INSTRUCTIONS if paired else TEXT)
+        print(
+            f"warning: {stats.replaced_lines} input lines were not valid UTF-8; their bad bytes were replaced "
+            "(--on-decode-error fail stops at the first one instead)",
+            file=sys.stderr,
+        )
+    manifest = Manifest(
+        tokenizer.sha256,
+        tokenizer.vocab_size,
+        dtype.name,
+        tokenizer.eos_id,
+        {split: w.shards for split, w in writers.items() if w.shards},
+        documents=n_docs,
+        replaced_lines=stats.replaced_lines,
+        kind=INSTRUCTIONS if paired else TEXT,
+    )
     manifest.save(out)  # last: the directory is a dataset from this moment on
     return manifest
 
 
-def _write_documents(docs: Iterator[Document], paired: bool, tokenizer: TokenizerInfo, tokenizer_path: str,
-                     writers: dict[str, ShardWriter], dtype: np.dtype, valid_every: int | None, workers: int | None,
-                     progress: bool) -> int:
+def _write_documents(
+    docs: Iterator[Document],
+    paired: bool,
+    tokenizer: TokenizerInfo,
+    tokenizer_path: str,
+    writers: dict[str, ShardWriter],
+    dtype: np.dtype,
+    valid_every: int | None,
+    workers: int | None,
+    progress: bool,
+) -> int:
     from tqdm import tqdm
 
     workers = workers or max(1, (os.cpu_count() or 1) - 1)  # the main process reads and writes

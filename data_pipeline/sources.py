@@ -14,9 +14,10 @@ import codecs
 import gzip
 import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 from data_pipeline import DataError
 
@@ -52,8 +53,10 @@ def _lines(path: Path, on_decode_error: str, stats: DecodeStats) -> Iterator[tup
                 yield number, decoder.decode(line)
             except UnicodeDecodeError as err:
                 if on_decode_error == "fail":
-                    raise DataError(f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start}); "
-                                    "fix the file or pass --on-decode-error replace") from None
+                    raise DataError(
+                        f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start}); "
+                        "fix the file or pass --on-decode-error replace"
+                    ) from None
                 decoder.reset()
                 stats.replaced_lines += 1
                 yield number, line.decode("utf-8", errors="replace")
@@ -80,8 +83,11 @@ def input_files(names: list[str]) -> list[str]:
         if not path.is_dir():
             files.append(name)
             continue
-        found = sorted(str(p) for p in path.iterdir()
-                       if p.is_file() and p.name.removesuffix(".gz").removesuffix(".zst").endswith(INPUT_SUFFIXES))
+        found = sorted(
+            str(p)
+            for p in path.iterdir()
+            if p.is_file() and p.name.removesuffix(".gz").removesuffix(".zst").endswith(INPUT_SUFFIXES)
+        )
         if not found:
             raise DataError(f"input directory {path} holds no .txt, .jsonl, .json or .tsv files (plain, .gz or .zst)")
         files += found
@@ -109,8 +115,9 @@ def read_documents(
                 yield from _tsv_examples(path, lines, prompt_field, text_field)
                 continue
             if _kind(path) != "jsonl":
-                raise DataError(f"{path}: prompt/completion (source/target) examples are read from .jsonl and "
-                                ".tsv files only")
+                raise DataError(
+                    f"{path}: prompt/completion (source/target) examples are read from .jsonl and .tsv files only"
+                )
             yield from _instruction_examples(path, lines, prompt_field, text_field)
         elif _kind(path) == "jsonl":
             yield from _jsonl_documents(path, lines, text_field)
@@ -179,8 +186,10 @@ def _tsv_examples(path: Path, lines, source_field: str, target_field: str) -> It
         if not line.strip():
             continue
         if len(cells) != width:
-            raise DataError(f"{path}:{number}: {len(cells)} tab-separated columns, expected {width} (source, "
-                            f"target; or a first line naming the columns {source_field!r} and {target_field!r})")
+            raise DataError(
+                f"{path}:{number}: {len(cells)} tab-separated columns, expected {width} (source, "
+                f"target; or a first line naming the columns {source_field!r} and {target_field!r})"
+            )
         source, target = cells[columns[0]], cells[columns[1]]
         if source or target:
             yield Document(target, str(path), number, prompt=source)

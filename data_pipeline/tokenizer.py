@@ -10,9 +10,9 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer
 
@@ -60,8 +60,10 @@ class TokenizerInfo:
         """The id of a special token an objective cannot work without."""
         value = getattr(self, f"{role}_id")
         if value is None:
-            raise DataError(f"tokenizer {self.path} has no {role} token, which {why} needs; "
-                            f"train one with `megatransformer data tokenizer`")
+            raise DataError(
+                f"tokenizer {self.path} has no {role} token, which {why} needs; "
+                f"train one with `megatransformer data tokenizer`"
+            )
         return value
 
 
@@ -81,16 +83,25 @@ def load_tokenizer(path: str | Path) -> TokenizerInfo:
         tok = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on malformed files
         raise DataError(f"{path} is not a Hugging Face tokenizer.json: {err}") from None
-    ids = {role: next((tok.token_to_id(n) for n in names if tok.token_to_id(n) is not None), None)
-           for role, names in ALIASES.items()}
+    ids = {
+        role: next((tok.token_to_id(n) for n in names if tok.token_to_id(n) is not None), None)
+        for role, names in ALIASES.items()
+    }
     sentinels = []
     while tok.token_to_id(sentinel(len(sentinels))) is not None:
         sentinels.append(tok.token_to_id(sentinel(len(sentinels))))
     specials = {t.id if hasattr(t, "id") else i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     return TokenizerInfo(
-        tokenizer=tok, vocab_size=tok.get_vocab_size(with_added_tokens=True),
-        pad_id=ids["pad"], bos_id=ids["bos"], eos_id=ids["eos"], unk_id=ids["unk"], mask_id=ids["mask"],
-        sentinel_ids=sentinels, sha256=file_sha256(path), path=str(path),
+        tokenizer=tok,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        pad_id=ids["pad"],
+        bos_id=ids["bos"],
+        eos_id=ids["eos"],
+        unk_id=ids["unk"],
+        mask_id=ids["mask"],
+        sentinel_ids=sentinels,
+        sha256=file_sha256(path),
+        path=str(path),
         special_ids=specials | {i for i in ids.values() if i is not None} | set(sentinels),
     )
 
@@ -99,8 +110,12 @@ def write_transformers_files(info: TokenizerInfo, directory: str | Path, **setti
     """``tokenizer_config.json`` and ``special_tokens_map.json`` in ``directory`` (beside a ``tokenizer.json``):
     the special tokens' roles, so that ``PreTrainedTokenizerFast.from_pretrained(directory)`` has bos, eos, pad,
     unk and mask (and pads); ``settings`` (e.g. model_max_length) go into the config too."""
-    roles = {f"{role}_token": info.tokenizer.id_to_token(token_id)
-             for role in ALIASES for token_id in [getattr(info, f"{role}_id")] if token_id is not None}
+    roles = {
+        f"{role}_token": info.tokenizer.id_to_token(token_id)
+        for role in ALIASES
+        for token_id in [getattr(info, f"{role}_id")]
+        if token_id is not None
+    }
     if info.sentinel_ids:
         roles["additional_special_tokens"] = [info.tokenizer.id_to_token(i) for i in info.sentinel_ids]
     directory = Path(directory)
@@ -109,8 +124,14 @@ def write_transformers_files(info: TokenizerInfo, directory: str | Path, **setti
     (directory / "special_tokens_map.json").write_text(json.dumps(roles, indent=2) + "\n")
 
 
-def train_tokenizer(files: list[str], vocab_size: int, out: str | Path, n_sentinels: int = 100,
-                    text_field: str = "text", doc_per: str = "block") -> TokenizerInfo:
+def train_tokenizer(
+    files: list[str],
+    vocab_size: int,
+    out: str | Path,
+    n_sentinels: int = 100,
+    text_field: str = "text",
+    doc_per: str = "block",
+) -> TokenizerInfo:
     """Train a byte-level BPE on text files (read with ``read_documents``), write it atomically, with the files
     that tell ``transformers`` the special tokens beside it."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -119,13 +140,19 @@ def train_tokenizer(files: list[str], vocab_size: int, out: str | Path, n_sentin
 
     specials = [PAD, BOS, EOS, UNK, MASK] + [sentinel(i) for i in range(n_sentinels)]
     if vocab_size < len(specials) + 256:
-        raise DataError(f"--vocab-size {vocab_size} is too small: the 256 bytes and {len(specials)} special "
-                        f"tokens need at least {len(specials) + 256}")
+        raise DataError(
+            f"--vocab-size {vocab_size} is too small: the 256 bytes and {len(specials)} special "
+            f"tokens need at least {len(specials) + 256}"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     seen = [0]
 
     def texts():
@@ -144,6 +171,9 @@ def train_tokenizer(files: list[str], vocab_size: int, out: str | Path, n_sentin
     info = load_tokenizer(out)
     write_transformers_files(info, out.parent)
     if info.vocab_size < vocab_size:  # BPE ran out of pairs to merge: say so, the number matters for model.vocab_size
-        print(f"note: {out} has {info.vocab_size:,} tokens, fewer than the {vocab_size:,} asked: the corpus has "
-              f"no more pairs to merge (model.vocab_size >= {info.vocab_size} covers it)", file=sys.stderr)
+        print(
+            f"note: {out} has {info.vocab_size:,} tokens, fewer than the {vocab_size:,} asked: the corpus has "
+            f"no more pairs to merge (model.vocab_size >= {info.vocab_size} covers it)",
+            file=sys.stderr,
+        )
     return info

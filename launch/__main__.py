@@ -49,16 +49,20 @@ class EarlySignals:
 def describe(dist: DistEnv) -> str:
     if dist.launcher == "single":
         return "launch: single process"
-    return (f"launch: {dist.launcher}: world {dist.world_size} ({dist.local_world_size} per node), "
-            f"master {dist.master_addr}:{dist.master_port}")
+    return (
+        f"launch: {dist.launcher}: world {dist.world_size} ({dist.local_world_size} per node), "
+        f"master {dist.master_addr}:{dist.master_port}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m launch --config FILE [key.path=value ...]\n"
-              "Runs `megatransformer train` under torchrun, srun, or as one process.",
-              file=sys.stdout if argv else sys.stderr)
+        print(
+            "usage: python -m launch --config FILE [key.path=value ...]\n"
+            "Runs `megatransformer train` under torchrun, srun, or as one process.",
+            file=sys.stdout if argv else sys.stderr,
+        )
         return 0 if argv else 2
     EarlySignals()
     try:

@@ -19,8 +19,8 @@ import os
 import re
 import socket
 import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 PORT_BASE, PORT_SPAN = 20000, 12000  # 20000-31999: below Linux's ephemeral range (32768+)
@@ -45,9 +45,14 @@ class DistEnv:
         """The environment torch.distributed / DeepSpeed read (nothing for a single process)."""
         if self.launcher == "single":
             return {}
-        return {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_WORLD_SIZE": str(self.local_world_size), "MASTER_ADDR": self.master_addr,
-                "MASTER_PORT": str(self.master_port)}
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
 
 
 def slurm_port(job_id: int) -> int:
@@ -70,8 +75,10 @@ def _run_scontrol(*args: str) -> str:
     try:
         return subprocess.run(["scontrol", *args], check=True, capture_output=True, text=True, timeout=60).stdout
     except FileNotFoundError:
-        raise LaunchError("scontrol not found on PATH: the Slurm client tools are needed to find the master "
-                          "node (or export MASTER_ADDR yourself)") from None
+        raise LaunchError(
+            "scontrol not found on PATH: the Slurm client tools are needed to find the master "
+            "node (or export MASTER_ADDR yourself)"
+        ) from None
     except subprocess.CalledProcessError as err:
         raise LaunchError(f"scontrol {' '.join(args)} failed: {err.stderr.strip()}") from None
 
@@ -90,8 +97,7 @@ def master_address(nodelist: str, scontrol: Callable[..., str] = _run_scontrol) 
         pass
     match = re.search(r"\bNodeAddr=(\S+)", scontrol("show", "node", first, "-o"))
     if match is None:
-        raise LaunchError(f"node {first} does not resolve and scontrol shows no NodeAddr for it; "
-                          "export MASTER_ADDR")
+        raise LaunchError(f"node {first} does not resolve and scontrol shows no NodeAddr for it; export MASTER_ADDR")
     return match[1]
 
 
@@ -108,14 +114,17 @@ def _int(env: Mapping[str, str], name: str) -> int:
 def from_torchrun(env: Mapping[str, str]) -> DistEnv:
     missing = [name for name in TORCHRUN_VARS if name not in env]
     if missing:
-        raise LaunchError(f"RANK/WORLD_SIZE are set but {', '.join(missing)} not: start with torchrun, "
-                          "or set all of " + ", ".join(TORCHRUN_VARS))
+        raise LaunchError(
+            f"RANK/WORLD_SIZE are set but {', '.join(missing)} not: start with torchrun, "
+            "or set all of " + ", ".join(TORCHRUN_VARS)
+        )
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
     if not 0 <= rank < world:
         raise LaunchError(f"RANK={rank} is outside WORLD_SIZE={world}")
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    return DistEnv("torchrun", rank, _int(env, "LOCAL_RANK"), world, local_world, env["MASTER_ADDR"],
-                   _int(env, "MASTER_PORT"))
+    return DistEnv(
+        "torchrun", rank, _int(env, "LOCAL_RANK"), world, local_world, env["MASTER_ADDR"], _int(env, "MASTER_PORT")
+    )
 
 
 def from_slurm(env: Mapping[str, str], scontrol: Callable[..., str] = _run_scontrol) -> DistEnv:
@@ -126,8 +135,9 @@ def from_slurm(env: Mapping[str, str], scontrol: Callable[..., str] = _run_scont
     per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world)))
     local_world = per_node[node_id] if node_id < len(per_node) else 1
     # an address/port exported by the user (sbatch --export) wins over the derived ones
-    addr = env.get("MASTER_ADDR") or master_address(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"],
-                                                    scontrol)
+    addr = env.get("MASTER_ADDR") or master_address(
+        env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"], scontrol
+    )
     port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else slurm_port(_int(env, "SLURM_JOB_ID"))
     return DistEnv("slurm", rank, local_rank, world, local_world, addr, port)
 
@@ -140,7 +150,10 @@ def detect(env: Mapping[str, str] | None = None, scontrol: Callable[..., str] = 
     if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
         return from_slurm(env, scontrol)
     if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return DistEnv("single", note=f"Slurm job {env['SLURM_JOB_ID']} has {env['SLURM_NTASKS']} tasks but this "
-                                      "process was not started by srun: running one process (use "
-                                      "`srun python -m launch ...` to start one per task)")
+        return DistEnv(
+            "single",
+            note=f"Slurm job {env['SLURM_JOB_ID']} has {env['SLURM_NTASKS']} tasks but this "
+            "process was not started by srun: running one process (use "
+            "`srun python -m launch ...` to start one per task)",
+        )
     return DistEnv("single")

@@ -95,8 +95,11 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
             moved += [v for v in value if is_override(v)]
             kept = [v for v in value if not is_override(v)]
             if not kept:
-                parser.exit(2, f"megatransformer {args.command}: error: --{name.replace('_', '-')} needs a value "
-                               f"that is not a key.path=value override\n")
+                parser.exit(
+                    2,
+                    f"megatransformer {args.command}: error: --{name.replace('_', '-')} needs a value "
+                    f"that is not a key.path=value override\n",
+                )
             setattr(args, name, kept)
     given = set(moved) | set(args.overrides or [])
     args.overrides = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg in given]  # in their order

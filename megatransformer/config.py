@@ -14,8 +14,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
-                      ValidationError, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 from pydantic.dataclasses import is_pydantic_dataclass
 
 from data_pipeline import DataError
@@ -38,8 +47,9 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, docstrings document fields, and no float
     may be NaN or infinite (a NaN passes every ``<``/``>`` range check, then trains to NaN)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
 
 
 # Ranges of the schema's values: one out of range is refused with a line naming the key and the value.
@@ -98,21 +108,35 @@ class RopeScaling(Section):
     @model_validator(mode="after")
     def _consistent(self) -> RopeScaling:
         for name, types in _ROPE_SCALING_FIELDS.items():
-            _require(getattr(self, name) is None or self.type in types,
-                     f"model.rope_scaling.{name} is for type {' or '.join(types)}, not type={self.type}")
-        _require(self.type not in ("yarn", "llama3") or self.original_max_seq_len is not None,
-                 f"model.rope_scaling.type={self.type} needs original_max_seq_len (the trained context length)")
-        _require(self.type != "llama3" or self.high_freq_factor > self.low_freq_factor,
-                 f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
-                 f"low_freq_factor={self.low_freq_factor}")
+            _require(
+                getattr(self, name) is None or self.type in types,
+                f"model.rope_scaling.{name} is for type {' or '.join(types)}, not type={self.type}",
+            )
+        _require(
+            self.type not in ("yarn", "llama3") or self.original_max_seq_len is not None,
+            f"model.rope_scaling.type={self.type} needs original_max_seq_len (the trained context length)",
+        )
+        _require(
+            self.type != "llama3" or self.high_freq_factor > self.low_freq_factor,
+            f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+            f"low_freq_factor={self.low_freq_factor}",
+        )
         return self
 
 
-_ROPE_SCALING_FIELDS = {"original_max_seq_len": ("yarn", "llama3"), "beta_fast": ("yarn",), "beta_slow": ("yarn",),
-                        "attention_factor": ("yarn",), "truncate": ("yarn",), "low_freq_factor": ("llama3",),
-                        "high_freq_factor": ("llama3",)}
-_ROPE_SCALING_DEFAULTS = {"yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True},
-                          "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0}}
+_ROPE_SCALING_FIELDS = {
+    "original_max_seq_len": ("yarn", "llama3"),
+    "beta_fast": ("yarn",),
+    "beta_slow": ("yarn",),
+    "attention_factor": ("yarn",),
+    "truncate": ("yarn",),
+    "low_freq_factor": ("llama3",),
+    "high_freq_factor": ("llama3",),
+}
+_ROPE_SCALING_DEFAULTS = {
+    "yarn": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True},
+    "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0},
+}
 
 
 class ModelConfig(Section):
@@ -177,12 +201,12 @@ class ModelConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
     attention_backend: Literal["auto", "sdpa", "flex", "flash", "eager", "chunked"] = "auto"
-    """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows; without
-    it PyTorch's varlen_attn for packed documents, prefix-LM and packed cross-attention (no attention dropout,
-    no ALiBi); else sdpa; CPU: chunked, or sdpa with attention dropout); sdpa: PyTorch scaled_dot_product_attention; flex:
+    """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows; without it PyTorch's
+    varlen_attn for packed documents, prefix-LM and packed cross-attention (no attention dropout, no ALiBi); else
+    sdpa; CPU: chunked, or sdpa with attention dropout); sdpa: PyTorch scaled_dot_product_attention; flex:
     FlexAttention block masks; flash: flash-attn (CUDA); eager: plain matmul-softmax reference; chunked: exact
-    attention in query chunks with recomputation (fastest for CPU training, memory linear in sequence length
-    for every mask; see BENCHMARKS.md)."""
+    attention in query chunks with recomputation (fastest for CPU training, memory linear in sequence length for
+    every mask; see BENCHMARKS.md)."""
 
     @property
     def kv_heads(self) -> int:
@@ -288,10 +312,16 @@ class SpikesConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> SpikesConfig:
-        _require(self.warmup <= self.window, f"train.spikes.warmup={self.warmup} exceeds train.spikes.window="
-                                             f"{self.window}: the window never holds that many steps; lower warmup")
-        _require(self.rollback_after <= self.within, f"train.spikes.rollback_after={self.rollback_after} spikes "
-                 f"cannot fall within train.spikes.within={self.within} steps; raise within or lower rollback_after")
+        _require(
+            self.warmup <= self.window,
+            f"train.spikes.warmup={self.warmup} exceeds train.spikes.window="
+            f"{self.window}: the window never holds that many steps; lower warmup",
+        )
+        _require(
+            self.rollback_after <= self.within,
+            f"train.spikes.rollback_after={self.rollback_after} spikes "
+            f"cannot fall within train.spikes.within={self.within} steps; raise within or lower rollback_after",
+        )
         return self
 
 
@@ -461,10 +491,13 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         m, tp = self.model, self.parallel.tensor_parallel
-        for name, value in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("d_ff", m.d_ff),
-                            ("vocab_size", m.vocab_size)):
-            _require(value % tp == 0,
-                     f"parallel.tensor_parallel={tp} does not divide model.{name}={value}")
+        for name, value in (
+            ("n_heads", m.n_heads),
+            ("n_kv_heads", m.kv_heads),
+            ("d_ff", m.d_ff),
+            ("vocab_size", m.vocab_size),
+        ):
+            _require(value % tp == 0, f"parallel.tensor_parallel={tp} does not divide model.{name}={value}")
         self._sequence_parallel_fits()
         allowed = {
             "autoregressive": ("decoder",),
@@ -472,31 +505,47 @@ class RunConfig(Section):
             "masked_lm": ("encoder",),
             "span_corruption": ("encoder_decoder",),
         }[self.objective]
-        _require(m.arch in allowed,
-                 f"objective={self.objective} needs model.arch in {list(allowed)}, got model.arch={m.arch}")
-        _require(self.data.seq_len <= m.max_seq_len or m.position == "alibi",
-                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-        _require(self.resume is None or self.init_from is None,
-                 "resume and init_from are exclusive: resume continues a run, init_from starts a new one")
-        _require(m.attention_window is None or (self.objective, m.arch) != ("prefix_lm", "decoder"),
-                 "model.attention_window does not combine with objective=prefix_lm on a decoder (its "
-                 "bidirectional prefix has no sliding window); drop one of them")
-        _require(self.precision != "fp16" or m.attention_backend != "flex",
-                 "precision=fp16 is not supported with model.attention_backend=flex; use bf16")
+        _require(
+            m.arch in allowed,
+            f"objective={self.objective} needs model.arch in {list(allowed)}, got model.arch={m.arch}",
+        )
+        _require(
+            self.data.seq_len <= m.max_seq_len or m.position == "alibi",
+            f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
+        )
+        _require(
+            self.resume is None or self.init_from is None,
+            "resume and init_from are exclusive: resume continues a run, init_from starts a new one",
+        )
+        _require(
+            m.attention_window is None or (self.objective, m.arch) != ("prefix_lm", "decoder"),
+            "model.attention_window does not combine with objective=prefix_lm on a decoder (its "
+            "bidirectional prefix has no sliding window); drop one of them",
+        )
+        _require(
+            self.precision != "fp16" or m.attention_backend != "flex",
+            "precision=fp16 is not supported with model.attention_backend=flex; use bf16",
+        )
         return self
 
     def _sequence_parallel_fits(self) -> None:
         m, sp = self.model, self.parallel.sequence_parallel
         if sp == 1:
             return
-        _require(self.parallel.tensor_parallel == 1,
-                 f"parallel.sequence_parallel={sp} with parallel.tensor_parallel={self.parallel.tensor_parallel}: "
-                 "sequence and tensor parallelism are not combined; set one of them to 1")
+        _require(
+            self.parallel.tensor_parallel == 1,
+            f"parallel.sequence_parallel={sp} with parallel.tensor_parallel={self.parallel.tensor_parallel}: "
+            "sequence and tensor parallelism are not combined; set one of them to 1",
+        )
         _require(m.n_heads % sp == 0, f"parallel.sequence_parallel={sp} does not divide model.n_heads={m.n_heads}")
-        _require(m.kv_heads % sp == 0 or sp % m.kv_heads == 0,
-                 f"parallel.sequence_parallel={sp} and model.n_kv_heads={m.kv_heads}: one must divide the other")
-        _require(self.data.seq_len % sp == 0,
-                 f"parallel.sequence_parallel={sp} does not divide data.seq_len={self.data.seq_len}")
+        _require(
+            m.kv_heads % sp == 0 or sp % m.kv_heads == 0,
+            f"parallel.sequence_parallel={sp} and model.n_kv_heads={m.kv_heads}: one must divide the other",
+        )
+        _require(
+            self.data.seq_len % sp == 0,
+            f"parallel.sequence_parallel={sp} does not divide data.seq_len={self.data.seq_len}",
+        )
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -559,11 +608,12 @@ def resolve_config(path: str | Path) -> Path:
     if given.exists() and not given.is_dir():
         return given
     shipped = shipped_configs()
-    name = given.name[:-len(".yaml")] if given.name.endswith(".yaml") else given.name
+    name = given.name[: -len(".yaml")] if given.name.endswith(".yaml") else given.name
     if given.parent == Path(".") and name in shipped:
         return shipped[name]
-    raise ConfigError(f"config file {path} does not exist; give a YAML path or the name of a shipped config "
-                      f"({', '.join(shipped)})")
+    raise ConfigError(
+        f"config file {path} does not exist; give a YAML path or the name of a shipped config ({', '.join(shipped)})"
+    )
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), schema: type[Section] = RunConfig):
@@ -596,7 +646,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
             line = key_node.start_mark.line + 1
             if key in first_line:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} on line {line} (first on line {first_line[key]})")
+                    None, None, f"duplicate key {key!r} on line {line} (first on line {first_line[key]})"
+                )
             first_line[key] = line
         return super().construct_mapping(node, deep)
 
@@ -614,8 +665,9 @@ def _describe(err: ValidationError, schema: type[Section]) -> str:
     """Turn pydantic's most useful error into one line; for unknown keys suggest the closest valid key."""
     errors = err.errors()
     # an unknown key first; then a value out of range (in a union, rather than "not a string" for the other member)
-    first = next((e for e in errors if e["type"] in _UNKNOWN_KEY), None) or \
-        next((e for e in errors if e["type"] in _BOUNDS or e["type"] == "finite_number"), errors[0])
+    first = next((e for e in errors if e["type"] in _UNKNOWN_KEY), None) or next(
+        (e for e in errors if e["type"] in _BOUNDS or e["type"] == "finite_number"), errors[0]
+    )
     parts = [p for p in first["loc"] if not _is_union_tag(p)]
     loc = [str(p) for p in parts]
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")

@@ -39,8 +39,11 @@ def model_size(cfg: ModelConfig, seq_len: int | None = None) -> ModelSize:
     with torch.device("meta"):
         model = build_model(cfg)
     params = {id(p): p.numel() for p in model.parameters()}
-    embeddings = {id(m.weight): m.weight.numel() for m in model.modules()
-                  if isinstance(m, nn.Embedding) or type(m).__name__ == "LearnedPositions"}
+    embeddings = {
+        id(m.weight): m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) or type(m).__name__ == "LearnedPositions"
+    }
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     window = cfg.attention_window or seq_len
     causal_keys, bidirectional_keys = min(seq_len, window), min(seq_len, 2 * window - 1)

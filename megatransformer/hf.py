@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -45,8 +45,14 @@ _GLOBAL_NAMES = [
 
 def _llama_like_incompatibility(cfg: ModelConfig, family: str) -> str | None:
     required = {
-        "arch": "decoder", "norm_position": "pre", "norm": "rmsnorm", "position": "rope", "ffn": "swiglu",
-        "bias": False, "scale_embeddings": False, "final_norm": True,
+        "arch": "decoder",
+        "norm_position": "pre",
+        "norm": "rmsnorm",
+        "position": "rope",
+        "ffn": "swiglu",
+        "bias": False,
+        "scale_embeddings": False,
+        "final_norm": True,
     }
     for field, value in required.items():
         if getattr(cfg, field) != value:
@@ -70,11 +76,20 @@ def mistral_incompatibility(cfg: ModelConfig) -> str | None:
 _ROPE_KEYS = {
     "linear": [("factor", "factor")],
     "dynamic": [("factor", "factor")],
-    "yarn": [("factor", "factor"), ("original_max_position_embeddings", "original_max_seq_len"),
-             ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"), ("attention_factor", "attention_factor"),
-             ("truncate", "truncate")],
-    "llama3": [("factor", "factor"), ("original_max_position_embeddings", "original_max_seq_len"),
-               ("low_freq_factor", "low_freq_factor"), ("high_freq_factor", "high_freq_factor")],
+    "yarn": [
+        ("factor", "factor"),
+        ("original_max_position_embeddings", "original_max_seq_len"),
+        ("beta_fast", "beta_fast"),
+        ("beta_slow", "beta_slow"),
+        ("attention_factor", "attention_factor"),
+        ("truncate", "truncate"),
+    ],
+    "llama3": [
+        ("factor", "factor"),
+        ("original_max_position_embeddings", "original_max_seq_len"),
+        ("low_freq_factor", "low_freq_factor"),
+        ("high_freq_factor", "high_freq_factor"),
+    ],
 }
 
 
@@ -85,8 +100,11 @@ def rope_parameters(cfg: ModelConfig) -> dict:
     if scaling is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     keys = {theirs: getattr(scaling, ours) for theirs, ours in _ROPE_KEYS[scaling.type]}
-    return {"rope_type": scaling.type, "rope_theta": cfg.rope_theta,
-            **{key: value for key, value in keys.items() if value is not None}}
+    return {
+        "rope_type": scaling.type,
+        "rope_theta": cfg.rope_theta,
+        **{key: value for key, value in keys.items() if value is not None},
+    }
 
 
 def rope_scaling_from(rope: dict) -> RopeScaling | None:
@@ -100,8 +118,9 @@ def rope_scaling_from(rope: dict) -> RopeScaling | None:
     unknown = sorted(key for key, value in rope.items() if key not in known and value is not None)
     if unknown:
         raise ValueError(f"rope_type={rope_type} with {', '.join(unknown)} is not supported")
-    return RopeScaling(type=rope_type, **{ours: rope[theirs] for theirs, ours in _ROPE_KEYS[rope_type]
-                                          if rope.get(theirs) is not None})
+    return RopeScaling(
+        type=rope_type, **{ours: rope[theirs] for theirs, ours in _ROPE_KEYS[rope_type] if rope.get(theirs) is not None}
+    )
 
 
 def llama_config(cfg: ModelConfig) -> dict:
@@ -114,11 +133,18 @@ def llama_config(cfg: ModelConfig) -> dict:
 
 def _llama_like_config(cfg: ModelConfig) -> dict:
     return dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
         rope_parameters=rope_parameters(cfg),
-        tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu",
+        tie_word_embeddings=cfg.tie_embeddings,
+        hidden_act="silu",
         attention_dropout=cfg.attention_dropout,
     )
 
@@ -139,12 +165,22 @@ def model_config_from_llama(hf: dict) -> ModelConfig:
     if head_dim * heads != hf["hidden_size"]:
         raise ValueError(f"Llama head_dim={head_dim} x heads={heads} != hidden_size={hf['hidden_size']}")
     return ModelConfig(
-        arch="decoder", d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-        norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), position="rope",
-        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), rope_scaling=rope_scaling_from(rope),
-        ffn="swiglu", bias=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        arch="decoder",
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        d_ff=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        position="rope",
+        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling_from(rope),
+        ffn="swiglu",
+        bias=False,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
 
@@ -206,9 +242,17 @@ _GPT2_LINEARS = [
 def gpt2_incompatibility(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot be a GPT2LMHeadModel, or None when it can."""
     required = {
-        "arch": "decoder", "norm_position": "pre", "norm": "layernorm", "position": "learned", "ffn": "gelu",
-        "bias": True, "scale_embeddings": False, "final_norm": True, "tie_embeddings": True,
-        "kv_heads": cfg.n_heads, "attention_window": None,
+        "arch": "decoder",
+        "norm_position": "pre",
+        "norm": "layernorm",
+        "position": "learned",
+        "ffn": "gelu",
+        "bias": True,
+        "scale_embeddings": False,
+        "final_norm": True,
+        "tie_embeddings": True,
+        "kv_heads": cfg.n_heads,
+        "attention_window": None,
     }
     for field, value in required.items():
         if getattr(cfg, field) != value:
@@ -219,9 +263,16 @@ def gpt2_incompatibility(cfg: ModelConfig) -> str | None:
 def gpt2_config(cfg: ModelConfig) -> dict:
     """``GPT2Config`` keyword arguments equivalent to ``cfg``."""
     return dict(
-        vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
-        n_head=cfg.n_heads, n_inner=cfg.d_ff, activation_function="gelu", layer_norm_epsilon=cfg.norm_eps,
-        resid_pdrop=cfg.dropout, attn_pdrop=cfg.attention_dropout,
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_seq_len,
+        n_embd=cfg.d_model,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        n_inner=cfg.d_ff,
+        activation_function="gelu",
+        layer_norm_epsilon=cfg.norm_eps,
+        resid_pdrop=cfg.dropout,
+        attn_pdrop=cfg.attention_dropout,
         embd_pdrop=cfg.dropout if cfg.embedding_dropout is None else cfg.embedding_dropout,
         tie_word_embeddings=True,
     )
@@ -231,15 +282,26 @@ def model_config_from_gpt2(hf: dict) -> ModelConfig:
     """Our ModelConfig for a GPT-2 ``config.json`` dict."""
     activation = hf.get("activation_function", "gelu_new")
     if activation != "gelu":
-        raise ValueError(f"GPT-2 activation_function={activation!r} is not supported (only exact 'gelu'; "
-                         "'gelu_new' is the tanh approximation)")
+        raise ValueError(
+            f"GPT-2 activation_function={activation!r} is not supported (only exact 'gelu'; "
+            "'gelu_new' is the tanh approximation)"
+        )
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         if hf.get(flag):
             raise ValueError(f"GPT-2 {flag}=true is not supported")
     return ModelConfig(
-        arch="decoder", d_model=hf["n_embd"], n_layers=hf["n_layer"], n_heads=hf["n_head"],
-        d_ff=hf.get("n_inner") or 4 * hf["n_embd"], vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
-        norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), position="learned", ffn="gelu", bias=True,
+        arch="decoder",
+        d_model=hf["n_embd"],
+        n_layers=hf["n_layer"],
+        n_heads=hf["n_head"],
+        d_ff=hf.get("n_inner") or 4 * hf["n_embd"],
+        vocab_size=hf["vocab_size"],
+        max_seq_len=hf["n_positions"],
+        norm="layernorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        position="learned",
+        ffn="gelu",
+        bias=True,
         tie_embeddings=True,
     )
 
@@ -295,12 +357,36 @@ class Family:
     model_config: Callable[[dict], ModelConfig]
 
 
-LLAMA = Family("Llama", "llama", "LlamaForCausalLM", llama_incompatibility, llama_config, to_llama_state_dict,
-               from_llama_state_dict, model_config_from_llama)
-MISTRAL = Family("Mistral", "mistral", "MistralForCausalLM", mistral_incompatibility, mistral_config,
-                 to_llama_state_dict, from_llama_state_dict, model_config_from_mistral)
-GPT2 = Family("GPT-2", "gpt2", "GPT2LMHeadModel", gpt2_incompatibility, gpt2_config, to_gpt2_state_dict,
-              from_gpt2_state_dict, model_config_from_gpt2)
+LLAMA = Family(
+    "Llama",
+    "llama",
+    "LlamaForCausalLM",
+    llama_incompatibility,
+    llama_config,
+    to_llama_state_dict,
+    from_llama_state_dict,
+    model_config_from_llama,
+)
+MISTRAL = Family(
+    "Mistral",
+    "mistral",
+    "MistralForCausalLM",
+    mistral_incompatibility,
+    mistral_config,
+    to_llama_state_dict,
+    from_llama_state_dict,
+    model_config_from_mistral,
+)
+GPT2 = Family(
+    "GPT-2",
+    "gpt2",
+    "GPT2LMHeadModel",
+    gpt2_incompatibility,
+    gpt2_config,
+    to_gpt2_state_dict,
+    from_gpt2_state_dict,
+    model_config_from_gpt2,
+)
 FAMILIES = (LLAMA, MISTRAL, GPT2)
 
 
@@ -332,10 +418,14 @@ def save_hf_dir(
     family = hf_family(cfg)
     special_ids = special_ids or {}
     config = {
-        "architectures": [family.architecture], "model_type": family.model_type, **family.config(cfg),
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        **family.config(cfg),
         **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL) else {}),  # where older transformers read it
-        "bos_token_id": special_ids.get("bos"), "eos_token_id": special_ids.get("eos"),
-        "pad_token_id": special_ids.get("pad"), "torch_dtype": str(dtype).removeprefix("torch."),
+        "bos_token_id": special_ids.get("bos"),
+        "eos_token_id": special_ids.get("eos"),
+        "pad_token_id": special_ids.get("pad"),
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -343,9 +433,16 @@ def save_hf_dir(
     tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in family.to_hf(state, cfg).items()}
     save_safetensors(tensors, tmp / "model.safetensors")
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": special_ids.get("bos"), "eos_token_id": special_ids.get("eos"),
-         "pad_token_id": special_ids.get("pad")}, indent=2))
+    (tmp / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": special_ids.get("bos"),
+                "eos_token_id": special_ids.get("eos"),
+                "pad_token_id": special_ids.get("pad"),
+            },
+            indent=2,
+        )
+    )
     if tokenizer_json is not None:
         shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
         write_transformers_files(load_tokenizer(tmp / "tokenizer.json"), tmp, model_max_length=cfg.max_seq_len)
@@ -365,8 +462,10 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     hf = json.loads(config_path.read_text())
     family = next((f for f in FAMILIES if f.model_type == hf.get("model_type")), None)
     if family is None:
-        raise ValueError(f"{path} holds model_type={hf.get('model_type')!r}; only "
-                         f"{', '.join(repr(f.model_type) for f in FAMILIES)} can be imported")
+        raise ValueError(
+            f"{path} holds model_type={hf.get('model_type')!r}; only "
+            f"{', '.join(repr(f.model_type) for f in FAMILIES)} can be imported"
+        )
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no .safetensors weights (convert .bin weights with transformers first)")

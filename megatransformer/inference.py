@@ -60,18 +60,28 @@ def new_token_limit(cfg: RunConfig, prompt_len: int, requested: int | None) -> i
         raise ConfigError(f"the input has {prompt_len} tokens, more than model.max_seq_len={cfg.model.max_seq_len}")
     room = cfg.model.max_seq_len - (prompt_len if decoder else 1)
     if room < 1:
-        raise ConfigError(f"the prompt ({prompt_len} tokens) leaves no room in model.max_seq_len="
-                          f"{cfg.model.max_seq_len}")
+        raise ConfigError(
+            f"the prompt ({prompt_len} tokens) leaves no room in model.max_seq_len={cfg.model.max_seq_len}"
+        )
     if requested is None:
         return min(DEFAULT_NEW_TOKENS if decoder else prompt_len + 50, room)
     if requested > room:
-        raise ConfigError(f"--max-new-tokens {requested} exceeds what model.max_seq_len={cfg.model.max_seq_len} "
-                          f"leaves after the prompt ({room})")
+        raise ConfigError(
+            f"--max-new-tokens {requested} exceeds what model.max_seq_len={cfg.model.max_seq_len} "
+            f"leaves after the prompt ({room})"
+        )
     return requested
 
 
-def beam_decode(loaded: Loaded, prompts: list[list[int]], num_beams: int, alpha: float, form: str,
-                max_new_tokens: int | None = None, batch_size: int = 1) -> list[list[int]]:
+def beam_decode(
+    loaded: Loaded,
+    prompts: list[list[int]],
+    num_beams: int,
+    alpha: float,
+    form: str,
+    max_new_tokens: int | None = None,
+    batch_size: int = 1,
+) -> list[list[int]]:
     """The best beam-search continuation of every prompt (token ids), without its EOS. Prompts of equal length
     are searched together, ``batch_size`` at a time (no padding needed, and the same length limit for all)."""
     from megatransformer.model.beam import beam_search
@@ -84,10 +94,18 @@ def beam_decode(loaded: Loaded, prompts: list[list[int]], num_beams: int, alpha:
     for length, indices in by_length.items():
         limit = new_token_limit(loaded.cfg, length, max_new_tokens)
         for start in range(0, len(indices), batch_size):
-            batch = indices[start:start + batch_size]
-            best = beam_search(loaded.model, torch.tensor([prompts[i] for i in batch]), limit, num_beams,
-                               tok.eos_id, alpha, form, decoder_start_id=decoder_start_id(loaded.cfg, tok),
-                               prefix_lm=loaded.cfg.objective == "prefix_lm")
+            batch = indices[start : start + batch_size]
+            best = beam_search(
+                loaded.model,
+                torch.tensor([prompts[i] for i in batch]),
+                limit,
+                num_beams,
+                tok.eos_id,
+                alpha,
+                form,
+                decoder_start_id=decoder_start_id(loaded.cfg, tok),
+                prefix_lm=loaded.cfg.objective == "prefix_lm",
+            )
             for i, hyp in zip(batch, best):
                 ends = hyp.tokens and hyp.tokens[-1] == tok.eos_id
                 results[i] = hyp.tokens[:-1] if ends else hyp.tokens

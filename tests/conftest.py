@@ -49,8 +49,15 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
     tokenizer = root / "tokenizer.json"
     train_tokenizer([str(corpus)], TINY_VOCAB, tokenizer)
     shards = root / "shards"
-    write_shards([str(corpus)], str(tokenizer), shards, shard_mb=TINY_SHARD_MB, valid_every=TINY_VALID_EVERY,
-                 workers=1, progress=False)
+    write_shards(
+        [str(corpus)],
+        str(tokenizer),
+        shards,
+        shard_mb=TINY_SHARD_MB,
+        valid_every=TINY_VALID_EVERY,
+        workers=1,
+        progress=False,
+    )
     return TinyData(tokenizer, shards)
 
 
@@ -70,7 +77,6 @@ class TinyInstructions(NamedTuple):
         import json
 
         return [(r["prompt"], r["completion"]) for r in map(json.loads, self.jsonl.read_text().splitlines())]
-
 
 
 @pytest.fixture(scope="session")
@@ -94,9 +100,18 @@ def tiny_instructions(tiny_data: TinyData) -> TinyInstructions:
             record = {"prompt": "Continue: " + " ".join(words[:cut])[:80] + "\n", "completion": completion}
             f.write(json.dumps(record) + "\n")
     shards = root / "shards"
-    write_shards([str(jsonl)], str(tiny_data.tokenizer), shards, shard_mb=0.01,
-                 valid_every=INSTRUCTION_VALID_EVERY, workers=1, progress=False, prompt_field="prompt",
-                 text_field="completion")
+    write_shards(
+        [str(jsonl)],
+        str(tiny_data.tokenizer),
+        shards,
+        shard_mb=0.01,
+        valid_every=INSTRUCTION_VALID_EVERY,
+        workers=1,
+        progress=False,
+        prompt_field="prompt",
+        text_field="completion",
+    )
     return TinyInstructions(jsonl, shards)
+
 
 # ======================================================================== end of data_pipeline fixtures

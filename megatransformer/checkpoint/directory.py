@@ -90,16 +90,20 @@ def find_checkpoint(path: str | Path, what: str) -> Path:
     if (path / COMPLETE).is_file():
         return path
     if step_of(path) is not None:
-        raise ConfigError(f"{what} is not a complete checkpoint directory (no {COMPLETE} marker: a save "
-                          "that did not finish); take another one, or resume=auto for the latest complete one")
+        raise ConfigError(
+            f"{what} is not a complete checkpoint directory (no {COMPLETE} marker: a save "
+            "that did not finish); take another one, or resume=auto for the latest complete one"
+        )
     for root in (path, checkpoints_dir(path)):
         if root.is_dir() and ((root / LATEST).is_file() or any(root.glob("step_*"))):
             found = latest_checkpoint(root)
             if found is None:
                 raise ConfigError(f"{what}: {root} holds no complete checkpoint (every save there was cut short)")
             return found
-    raise ConfigError(f"{what}: no complete checkpoint there (expected a step_NNNNNN directory, a run's "
-                      "checkpoints directory or a run directory)")
+    raise ConfigError(
+        f"{what}: no complete checkpoint there (expected a step_NNNNNN directory, a run's "
+        "checkpoints directory or a run directory)"
+    )
 
 
 def prune(root: Path, keep_last: int, keep: Collection[str]) -> None:

@@ -14,15 +14,39 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
 
-from megatransformer.checkpoint.directory import (COMPLETE, CONFIG, TOKENIZER, TRAINER_STATE, WEIGHTS,
-                                                  WEIGHTS_FILES, default_file_mode, find_checkpoint, step_of)
+from megatransformer.checkpoint.directory import (
+    COMPLETE,
+    CONFIG,
+    TOKENIZER,
+    TRAINER_STATE,
+    WEIGHTS,
+    WEIGHTS_FILES,
+    default_file_mode,
+    find_checkpoint,
+    step_of,
+)
 from megatransformer.checkpoint.integrity import CheckpointDamaged, verify_checkpoint, write_manifest
 from megatransformer.config import ConfigError, ModelConfig, RunConfig, dump_config, validate
 
 # Fields that change parameter shapes or names: they must match to load weights.
-SHAPE_FIELDS = ("arch", "d_model", "n_layers", "n_decoder_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
-                "norm", "norm_position", "position", "ffn", "bias", "tie_embeddings", "share_embeddings",
-                "final_norm")
+SHAPE_FIELDS = (
+    "arch",
+    "d_model",
+    "n_layers",
+    "n_decoder_layers",
+    "n_heads",
+    "n_kv_heads",
+    "d_ff",
+    "vocab_size",
+    "norm",
+    "norm_position",
+    "position",
+    "ffn",
+    "bias",
+    "tie_embeddings",
+    "share_embeddings",
+    "final_norm",
+)
 
 
 class TrainerState(BaseModel):
@@ -72,8 +96,11 @@ def saved_config(path: Path) -> RunConfig:
 
 
 def check_same_shapes(saved: ModelConfig, current: ModelConfig, what: str) -> None:
-    diffs = [f"model.{f}: {getattr(saved, f)} in the checkpoint, {getattr(current, f)} now"
-             for f in SHAPE_FIELDS if getattr(saved, f) != getattr(current, f)]
+    diffs = [
+        f"model.{f}: {getattr(saved, f)} in the checkpoint, {getattr(current, f)} now"
+        for f in SHAPE_FIELDS
+        if getattr(saved, f) != getattr(current, f)
+    ]
     if diffs:
         raise ConfigError(f"{what} has another model shape: " + "; ".join(diffs))
 
@@ -101,8 +128,9 @@ def load_safetensors(path: Path, name: str) -> tuple[dict[str, torch.Tensor], di
         raise CheckpointDamaged(path, name, f"unreadable ({str(err)[:200]})") from None
 
 
-def load_weights(path: str | Path, model_cfg: ModelConfig | None = None,
-                 what: str = "checkpoint") -> tuple[RunConfig, dict[str, torch.Tensor]]:
+def load_weights(
+    path: str | Path, model_cfg: ModelConfig | None = None, what: str = "checkpoint"
+) -> tuple[RunConfig, dict[str, torch.Tensor]]:
     """Config and consolidated weights of the checkpoint ``path`` means (:func:`find_checkpoint`),
     its files verified against the manifest first (:data:`WEIGHTS_FILES`; a damaged one is an error)."""
     path = find_checkpoint(path, what)
@@ -115,8 +143,9 @@ def load_weights(path: str | Path, model_cfg: ModelConfig | None = None,
     return saved, load_safetensors(path, WEIGHTS)[0]
 
 
-def write_weights_checkpoint(out: str | Path, cfg: RunConfig, weights: dict[str, torch.Tensor],
-                             tokenizer: str | Path | None = None) -> Path:
+def write_weights_checkpoint(
+    out: str | Path, cfg: RunConfig, weights: dict[str, torch.Tensor], tokenizer: str | Path | None = None
+) -> Path:
     """A weights-only checkpoint directory (model.safetensors, config.yaml, tokenizer.json, COMPLETE with the
     manifest of its files) that eval, generate, export and init_from read like a training checkpoint's; written
     under a temporary name and renamed when complete, replacing ``out``."""

@@ -13,8 +13,15 @@ from typing import Any
 
 import torch
 
-from megatransformer.checkpoint.directory import (COMPLETE, LATEST, atomic_write, complete_checkpoints,
-                                                  latest_pointer, step_of, warn)
+from megatransformer.checkpoint.directory import (
+    COMPLETE,
+    LATEST,
+    atomic_write,
+    complete_checkpoints,
+    latest_pointer,
+    step_of,
+    warn,
+)
 from megatransformer.config import ConfigError
 
 MANIFEST_FORMAT = 1
@@ -43,8 +50,11 @@ class CheckpointUnsafe(CheckpointDamaged):
     (a planted file is not accidental damage to step around)."""
 
     def __init__(self, file: Path, detail: str) -> None:
-        super().__init__(file.parent, file.name, f"holds Python objects beyond tensors and plain data ({detail}); "
-                                                 "refused, since loading it could run code")
+        super().__init__(
+            file.parent,
+            file.name,
+            f"holds Python objects beyond tensors and plain data ({detail}); refused, since loading it could run code",
+        )
 
 
 # ------------------------------------------------------------------------------------- manifest
@@ -80,14 +90,19 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]] | None:
     raw = (path / COMPLETE).read_bytes()
     if not raw.strip():
         if (path / "optimizer.safetensors").is_file():  # (written only by versions that write manifests)
-            raise CheckpointDamaged(path, COMPLETE, "empty, but the checkpoint was written by a version that "
-                                                    "writes a manifest: its files cannot be verified")
+            raise CheckpointDamaged(
+                path,
+                COMPLETE,
+                "empty, but the checkpoint was written by a version that "
+                "writes a manifest: its files cannot be verified",
+            )
         return None
     try:
         record = json.loads(raw)
         files = record["files"]
         if record.get("format") != MANIFEST_FORMAT or not all(
-                isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str) for e in files.values()):
+            isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str) for e in files.values()
+        ):
             raise ValueError("unexpected fields")
     except (ValueError, KeyError, TypeError, AttributeError) as err:  # (UnicodeDecodeError is a ValueError)
         raise CheckpointDamaged(path, COMPLETE, f"not a readable manifest ({err.__class__.__name__})") from None
@@ -98,8 +113,8 @@ def verify_checkpoint(path: Path, only: Sequence[str] | None = None) -> None:
     """Raise :class:`CheckpointDamaged` naming the first file that is missing, has another size or sha256
     than the manifest lists, or (checking the whole checkpoint) is not listed at all; then
     :class:`CheckpointUnsafe` for a state file whose pickle names a class or function that weights_only
-    loading does not allow (beside :data:`DEEPSPEED_STATE_GLOBALS`). ``only``: check just these files, where the manifest lists
-    them (init_from, eval, export read no more). Local: no collective."""
+    loading does not allow (beside :data:`DEEPSPEED_STATE_GLOBALS`). ``only``: check just these files, where the
+    manifest lists them (init_from, eval, export read no more). Local: no collective."""
     files = read_manifest(path)
     if files is None:
         warn(f"checkpoint {path} has no manifest (written by an earlier version): its files are not verified")
@@ -123,8 +138,9 @@ def _check_files(path: Path, files: dict[str, dict[str, Any]], only: Sequence[st
             raise CheckpointDamaged(path, name, "missing")
         size = file.stat().st_size
         if size != files[name]["size"]:
-            raise CheckpointDamaged(path, name, f"cut short or grown: {size} bytes, the manifest says "
-                                                f"{files[name]['size']}")
+            raise CheckpointDamaged(
+                path, name, f"cut short or grown: {size} bytes, the manifest says {files[name]['size']}"
+            )
     for name in names:
         if file_entry(path / name)["sha256"] != files[name]["sha256"]:
             raise CheckpointDamaged(path, name, "changed since the save (its sha256 differs from the manifest's)")
@@ -159,8 +175,10 @@ def newest_intact(root: Path) -> Path | None:
             warn(f"{err}: skipped, resuming from {path.name}")
         return path
     if damaged:
-        raise ConfigError(f"resume=auto: every complete checkpoint in {root} is damaged (the newest: "
-                          f"{damaged[0]}); restore one, or start a new run_dir")
+        raise ConfigError(
+            f"resume=auto: every complete checkpoint in {root} is damaged (the newest: "
+            f"{damaged[0]}); restore one, or start a new run_dir"
+        )
     return None
 
 

@@ -9,6 +9,9 @@ def add_config_argument(parser: argparse.ArgumentParser, default: str | None = N
     """``--config``: a YAML file or a shipped config's name (required unless ``default`` is given)."""
     from megatransformer.config import shipped_configs
 
-    parser.add_argument("--config", required=default is None, default=default,
-                        help=f"the run's YAML file, or one of the shipped configs by name: "
-                             f"{', '.join(shipped_configs())}")
+    parser.add_argument(
+        "--config",
+        required=default is None,
+        default=default,
+        help=f"the run's YAML file, or one of the shipped configs by name: {', '.join(shipped_configs())}",
+    )

@@ -14,14 +14,25 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("average", help="average the weights of checkpoints (e.g. the last 5 of a run)",
-                              description="Write the parameter mean of several checkpoints of one model as a "
-                                          "weights-only checkpoint (the 2017 paper evaluated the last 5 or 20).")
+    p = subparsers.add_parser(
+        "average",
+        help="average the weights of checkpoints (e.g. the last 5 of a run)",
+        description="Write the parameter mean of several checkpoints of one model as a "
+        "weights-only checkpoint (the 2017 paper evaluated the last 5 or 20).",
+    )
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--checkpoints", nargs="+", metavar="C",
-                       help="checkpoint (step) directories to average (a run directory: its latest checkpoint)")
-    which.add_argument("--last", nargs=2, metavar=("N", "RUN_DIR"),
-                       help="the last N complete checkpoints of a run directory (or its checkpoints directory)")
+    which.add_argument(
+        "--checkpoints",
+        nargs="+",
+        metavar="C",
+        help="checkpoint (step) directories to average (a run directory: its latest checkpoint)",
+    )
+    which.add_argument(
+        "--last",
+        nargs=2,
+        metavar=("N", "RUN_DIR"),
+        help="the last N complete checkpoints of a run directory (or its checkpoints directory)",
+    )
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.set_defaults(func=run)
 
@@ -46,9 +57,11 @@ def last_checkpoints(n: str, run_dir: str) -> list[Path]:
     root = checkpoints_dir(run_dir) if checkpoints_dir(run_dir).is_dir() else Path(run_dir)
     complete = complete_checkpoints(root)[::-1]
     if len(complete) < int(n):
-        raise ConfigError(f"--last {n} {run_dir}: only {len(complete)} complete checkpoints in {root} (raise "
-                          "checkpoint.keep to keep more of them)")
-    return complete[-int(n):]
+        raise ConfigError(
+            f"--last {n} {run_dir}: only {len(complete)} complete checkpoints in {root} (raise "
+            "checkpoint.keep to keep more of them)"
+        )
+    return complete[-int(n) :]
 
 
 def average_checkpoints(paths: list[Path]):
@@ -70,14 +83,19 @@ def average_checkpoints(paths: list[Path]):
         if first_cfg is None:
             first_cfg, first_tokenizer = cfg, tokenizer_bytes
         else:
-            diffs = [f"model.{f}={getattr(cfg.model, f)} (not {getattr(first_cfg.model, f)})"
-                     for f in SHAPE_FIELDS if getattr(cfg.model, f) != getattr(first_cfg.model, f)]
+            diffs = [
+                f"model.{f}={getattr(cfg.model, f)} (not {getattr(first_cfg.model, f)})"
+                for f in SHAPE_FIELDS
+                if getattr(cfg.model, f) != getattr(first_cfg.model, f)
+            ]
             if diffs:
-                raise ConfigError(f"cannot average checkpoints of different model shapes: {path} has "
-                                  f"{', '.join(diffs)} of {paths[0]}")
+                raise ConfigError(
+                    f"cannot average checkpoints of different model shapes: {path} has {', '.join(diffs)} of {paths[0]}"
+                )
             if tokenizer_bytes != first_tokenizer:
-                raise ConfigError(f"checkpoint {path} has another tokenizer.json than {paths[0]}: average "
-                                  "checkpoints of one run only")
+                raise ConfigError(
+                    f"checkpoint {path} has another tokenizer.json than {paths[0]}: average checkpoints of one run only"
+                )
         for name, tensor in weights.items():
             if name in sums:
                 sums[name] += tensor.double()

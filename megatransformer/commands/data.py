@@ -12,77 +12,135 @@ INPUT_HELP = ".txt / .jsonl / .tsv files (.gz/.zst too), or directories of them"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    data = subparsers.add_parser("data", help="prepare and inspect training data",
-                                 description="Turn text into what training reads: a tokenizer, then WebDataset "
-                                             "shards; inspect the batches a config makes of them.")
+    data = subparsers.add_parser(
+        "data",
+        help="prepare and inspect training data",
+        description="Turn text into what training reads: a tokenizer, then WebDataset "
+        "shards; inspect the batches a config makes of them.",
+    )
     commands = data.add_subparsers(dest="data_command", required=True, metavar="STEP")
 
-    p = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer with the special tokens",
-                            description="Train a byte-level BPE tokenizer on text files and write it as a "
-                                        "Hugging Face tokenizer.json, with pad, bos, eos, mask and sentinel tokens.")
+    p = commands.add_parser(
+        "tokenizer",
+        help="train a byte-level BPE tokenizer with the special tokens",
+        description="Train a byte-level BPE tokenizer on text files and write it as a "
+        "Hugging Face tokenizer.json, with pad, bos, eos, mask and sentinel tokens.",
+    )
     p.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
-    p.add_argument("--vocab-size", type=int, required=True,
-                   help="tokens to learn (the result has fewer when the corpus runs out of merges)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        required=True,
+        help="tokens to learn (the result has fewer when the corpus runs out of merges)",
+    )
     p.add_argument("--sentinels", type=int, default=100, help="span-corruption sentinel tokens")
     p.add_argument("--text-field", default="text", help="field of .jsonl records holding the text")
-    p.add_argument("--doc-per", choices=["block", "file"], default="block",
-                   help=".txt documents: blank-line-separated blocks or whole files")
+    p.add_argument(
+        "--doc-per",
+        choices=["block", "file"],
+        default="block",
+        help=".txt documents: blank-line-separated blocks or whole files",
+    )
     p.add_argument("--out", required=True, help="tokenizer.json to write")
     p.set_defaults(func=_tokenizer)
 
-    p = commands.add_parser("shard", help="tokenize documents into WebDataset shards + manifest.json",
-                            description="Tokenize documents (or instruction and translation pairs) into "
-                                        "WebDataset shards of a train and a valid split, listed with their "
-                                        "checksums in manifest.json; data.train= takes the directory.")
+    p = commands.add_parser(
+        "shard",
+        help="tokenize documents into WebDataset shards + manifest.json",
+        description="Tokenize documents (or instruction and translation pairs) into "
+        "WebDataset shards of a train and a valid split, listed with their "
+        "checksums in manifest.json; data.train= takes the directory.",
+    )
     p.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
     p.add_argument("--tokenizer", required=True, help="tokenizer.json")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--shard-mb", type=float, default=256.0, help="approximate shard size in MiB")
-    p.add_argument("--valid-every", type=int, default=None, metavar="N",
-                   help="hold out every N-th document for validation (0: none; default: every 10th of the first "
-                        "1,000 documents, every 100th after)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="tokenizer processes (default: cores - 1; 1: in this process, multi-threaded)")
+    p.add_argument(
+        "--valid-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="hold out every N-th document for validation (0: none; default: every 10th of the first "
+        "1,000 documents, every 100th after)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizer processes (default: cores - 1; 1: in this process, multi-threaded)",
+    )
     p.add_argument("--text-field", default="text", help="field of .jsonl records holding the text")
-    p.add_argument("--doc-per", choices=["block", "file"], default="block",
-                   help=".txt documents: blank-line-separated blocks or whole files")
-    p.add_argument("--on-decode-error", choices=["replace", "fail"], default="replace",
-                   help="invalid UTF-8 in the input: replace the bad bytes (warned about) or stop")
+    p.add_argument(
+        "--doc-per",
+        choices=["block", "file"],
+        default="block",
+        help=".txt documents: blank-line-separated blocks or whole files",
+    )
+    p.add_argument(
+        "--on-decode-error",
+        choices=["replace", "fail"],
+        default="replace",
+        help="invalid UTF-8 in the input: replace the bad bytes (warned about) or stop",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     add_instruction_arguments(p)
     p.set_defaults(func=_shard)
 
-    p = commands.add_parser("inspect", help="decode a few batches of a run config and print statistics",
-                            description="Build a config's data loader, decode its first batches back to text and "
-                                        "print how full they are (padding, documents per row, loss tokens).")
+    p = commands.add_parser(
+        "inspect",
+        help="decode a few batches of a run config and print statistics",
+        description="Build a config's data loader, decode its first batches back to text and "
+        "print how full they are (padding, documents per row, loss tokens).",
+    )
     add_config_argument(p)
     p.add_argument("--batches", type=int, default=2, help="micro batches to decode")
     p.add_argument("--split", choices=["train", "valid"], default="train", help="which split to read")
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
-    p.add_argument("--rows", type=row_range, default=None, metavar="START:STOP",
-                   help="instead, print global training rows [START, STOP) as text (e.g. a range a loss-spike "
-                        "rollback skipped: metrics.jsonl's skipped_rows)")
+    p.add_argument(
+        "--rows",
+        type=row_range,
+        default=None,
+        metavar="START:STOP",
+        help="instead, print global training rows [START, STOP) as text (e.g. a range a loss-spike "
+        "rollback skipped: metrics.jsonl's skipped_rows)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. data.seq_len=256")
     p.set_defaults(func=_inspect)
 
-    p = commands.add_parser("demo-corpus", help="write a text corpus from the Python standard library's docstrings",
-                            description="Write the docstrings of the Python standard library as a text corpus "
-                                        "(blank-line-separated documents): data to try every step on, offline.")
+    p = commands.add_parser(
+        "demo-corpus",
+        help="write a text corpus from the Python standard library's docstrings",
+        description="Write the docstrings of the Python standard library as a text corpus "
+        "(blank-line-separated documents): data to try every step on, offline.",
+    )
     p.add_argument("--out", required=True, help="text file to write")
     p.add_argument("--max-mb", type=float, default=2.0, help="corpus size in MB")
     p.set_defaults(func=_demo_corpus)
 
 
 def add_instruction_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt-field", default=None,
-                   help="read .jsonl records as instruction examples: this field is the prompt (context only, "
-                        "no loss), --completion-field the text the model learns")
+    p.add_argument(
+        "--prompt-field",
+        default=None,
+        help="read .jsonl records as instruction examples: this field is the prompt (context only, "
+        "no loss), --completion-field the text the model learns",
+    )
     p.add_argument("--completion-field", default="completion", help="with --prompt-field: the completion field")
     # Translation pairs are (prompt, completion) examples: the same options under the names of the field.
-    p.add_argument("--source-field", dest="prompt_field", default=argparse.SUPPRESS, metavar="FIELD",
-                   help="translation pairs (.jsonl or .tsv): the source side, read like --prompt-field")
-    p.add_argument("--target-field", dest="completion_field", default=argparse.SUPPRESS, metavar="FIELD",
-                   help="translation pairs: the target side, read like --completion-field")
+    p.add_argument(
+        "--source-field",
+        dest="prompt_field",
+        default=argparse.SUPPRESS,
+        metavar="FIELD",
+        help="translation pairs (.jsonl or .tsv): the source side, read like --prompt-field",
+    )
+    p.add_argument(
+        "--target-field",
+        dest="completion_field",
+        default=argparse.SUPPRESS,
+        metavar="FIELD",
+        help="translation pairs: the target side, read like --completion-field",
+    )
 
 
 def _guard(fn):
@@ -92,6 +150,7 @@ def _guard(fn):
         except DataError as err:
             print(f"megatransformer data {args.data_command}: error: {err}", file=sys.stderr)
             return 2
+
     return run
 
 
@@ -100,11 +159,14 @@ def _tokenizer(args: argparse.Namespace) -> int:
     from data_pipeline.sources import input_files
     from data_pipeline.tokenizer import train_tokenizer
 
-    info = train_tokenizer(input_files(args.input), args.vocab_size, args.out, args.sentinels, args.text_field,
-                           args.doc_per)
+    info = train_tokenizer(
+        input_files(args.input), args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per
+    )
     asked = "" if info.vocab_size == args.vocab_size else f" of {args.vocab_size} asked"
-    print(f"wrote {args.out}: {info.vocab_size} tokens{asked} (pad {info.pad_id}, bos {info.bos_id}, eos {info.eos_id}, "
-          f"mask {info.mask_id}, {len(info.sentinel_ids)} sentinels)")
+    print(
+        f"wrote {args.out}: {info.vocab_size} tokens{asked} (pad {info.pad_id}, bos {info.bos_id}, eos {info.eos_id}, "
+        f"mask {info.mask_id}, {len(info.sentinel_ids)} sentinels)"
+    )
     return 0
 
 
@@ -114,13 +176,26 @@ def _shard(args: argparse.Namespace) -> int:
     from data_pipeline.sources import input_files
 
     text_field = args.completion_field if args.prompt_field else args.text_field
-    manifest = write_shards(input_files(args.input), args.tokenizer, args.out, args.shard_mb, args.valid_every,
-                            args.workers, text_field, args.doc_per, args.on_decode_error, args.overwrite,
-                            progress=sys.stderr.isatty(), prompt_field=args.prompt_field)
+    manifest = write_shards(
+        input_files(args.input),
+        args.tokenizer,
+        args.out,
+        args.shard_mb,
+        args.valid_every,
+        args.workers,
+        text_field,
+        args.doc_per,
+        args.on_decode_error,
+        args.overwrite,
+        progress=sys.stderr.isatty(),
+        prompt_field=args.prompt_field,
+    )
     unit = "examples" if args.prompt_field else "documents"
     for split, shards in manifest.splits.items():
-        print(f"{split}: {len(shards)} shards, {sum(s.samples for s in shards):,} {unit}, "
-              f"{manifest.tokens(split):,} tokens ({manifest.dtype})")
+        print(
+            f"{split}: {len(shards)} shards, {sum(s.samples for s in shards):,} {unit}, "
+            f"{manifest.tokens(split):,} tokens ({manifest.dtype})"
+        )
     return 0
 
 
@@ -141,8 +216,9 @@ def _inspect(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.rows is not None:
         return inspect_rows(loader_settings(cfg), cfg.data.tokenizer, *args.rows)
-    return inspect_batches(loader_settings(cfg), cfg.data.tokenizer, cfg.train.micro_batch_size or 4, args.batches,
-                           args.split, args.json)
+    return inspect_batches(
+        loader_settings(cfg), cfg.data.tokenizer, cfg.train.micro_batch_size or 4, args.batches, args.split, args.json
+    )
 
 
 @_guard

@@ -19,20 +19,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from megatransformer.commands.data import add_instruction_arguments
     from megatransformer.commands.generate import add_beam_arguments
 
-    p = subparsers.add_parser("eval", help="loss and perplexity of a checkpoint on held-out data",
-                              description="Token-level loss and perplexity of a checkpoint on shards or text files; "
-                                          "key.path=value overrides (e.g. data.seq_len=256) may follow the options.")
+    p = subparsers.add_parser(
+        "eval",
+        help="loss and perplexity of a checkpoint on held-out data",
+        description="Token-level loss and perplexity of a checkpoint on shards or text files; "
+        "key.path=value overrides (e.g. data.seq_len=256) may follow the options.",
+    )
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
-    p.add_argument("--data", required=True, nargs="+",
-                   help="a shard directory (its validation split, or --split) or .txt/.jsonl files")
+    p.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="a shard directory (its validation split, or --split) or .txt/.jsonl files",
+    )
     p.add_argument("--split", choices=["train", "valid"], default="valid", help="which split of a shard directory")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (does not change the numbers)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all data)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_instruction_arguments(p)
-    p.add_argument("--bleu", action="store_true",
-                   help="translate every --source-field text of --data (.jsonl/.tsv) and score the hypotheses "
-                        "against --target-field with sacrebleu (BLEU, chrF) instead of computing the loss")
+    p.add_argument(
+        "--bleu",
+        action="store_true",
+        help="translate every --source-field text of --data (.jsonl/.tsv) and score the hypotheses "
+        "against --target-field with sacrebleu (BLEU, chrF) instead of computing the loss",
+    )
     p.add_argument("--hypotheses", default=None, help="with --bleu: write the hypotheses here, one per line")
     add_beam_arguments(p)
     p.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. data.seq_len=256")
@@ -63,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{cfg.objective}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
-              f"over {result['tokens']:,} tokens ({result['sequences']:,} sequences)")
+        print(
+            f"{cfg.objective}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
+            f"over {result['tokens']:,} tokens ({result['sequences']:,} sequences)"
+        )
     return 0
 
 
@@ -85,21 +97,42 @@ def _check_bleu_arguments(args: argparse.Namespace) -> None:
 
 
 def _bleu(args: argparse.Namespace, loaded) -> int:
-    result = {"checkpoint": str(loaded.path), **bleu_of(loaded, args.data, args.prompt_field, args.completion_field,
-                                                        args.num_beams, args.length_penalty,
-                                                        args.length_penalty_form, args.hypotheses,
-                                                        args.batch_size)}
+    result = {
+        "checkpoint": str(loaded.path),
+        **bleu_of(
+            loaded,
+            args.data,
+            args.prompt_field,
+            args.completion_field,
+            args.num_beams,
+            args.length_penalty,
+            args.length_penalty_form,
+            args.hypotheses,
+            args.batch_size,
+        ),
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{result['bleu_text']}\n{result['chrf_text']}\nBLEU signature: {result['bleu_signature']}\n"
-              f"chrF signature: {result['chrf_signature']}\n({result['sentences']:,} sentences, beam "
-              f"{args.num_beams}, length penalty {args.length_penalty_form} alpha={args.length_penalty})")
+        print(
+            f"{result['bleu_text']}\n{result['chrf_text']}\nBLEU signature: {result['bleu_signature']}\n"
+            f"chrF signature: {result['chrf_signature']}\n({result['sentences']:,} sentences, beam "
+            f"{args.num_beams}, length penalty {args.length_penalty_form} alpha={args.length_penalty})"
+        )
     return 0
 
 
-def bleu_of(loaded, files: list[str], source_field: str, target_field: str, num_beams: int, alpha: float,
-            form: str, hypotheses: str | None = None, batch_size: int = 8) -> dict:
+def bleu_of(
+    loaded,
+    files: list[str],
+    source_field: str,
+    target_field: str,
+    num_beams: int,
+    alpha: float,
+    form: str,
+    hypotheses: str | None = None,
+    batch_size: int = 8,
+) -> dict:
     """Beam-search translations of the pairs in ``files`` (sources of equal length ``batch_size`` at a time)
     scored by sacrebleu: BLEU, chrF and their signatures (the settings that make scores comparable)."""
     from sacrebleu.metrics import BLEU, CHRF
@@ -117,8 +150,10 @@ def bleu_of(loaded, files: list[str], source_field: str, target_field: str, num_
         references.append(pair.text)
     if not sources:
         raise ConfigError(f"no translation pairs in {', '.join(files)}")
-    outputs = [tok.decode(tokens, skip_special=True).strip()
-               for tokens in beam_decode(loaded, sources, num_beams, alpha, form, batch_size=batch_size)]
+    outputs = [
+        tok.decode(tokens, skip_special=True).strip()
+        for tokens in beam_decode(loaded, sources, num_beams, alpha, form, batch_size=batch_size)
+    ]
     if hypotheses:
         Path(hypotheses).write_text("".join(line.replace("\n", " ") + "\n" for line in outputs))
     warning = empty_hypotheses_warning(outputs)
@@ -126,9 +161,15 @@ def bleu_of(loaded, files: list[str], source_field: str, target_field: str, num_
         print(warning, file=sys.stderr, flush=True)
     bleu, chrf = BLEU(), CHRF()
     bleu_score, chrf_score = bleu.corpus_score(outputs, [references]), chrf.corpus_score(outputs, [references])
-    return {"bleu": bleu_score.score, "chrf": chrf_score.score, "bleu_text": str(bleu_score),
-            "chrf_text": str(chrf_score), "bleu_signature": str(bleu.get_signature()),
-            "chrf_signature": str(chrf.get_signature()), "sentences": len(outputs)}
+    return {
+        "bleu": bleu_score.score,
+        "chrf": chrf_score.score,
+        "bleu_text": str(bleu_score),
+        "chrf_text": str(chrf_score),
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+        "sentences": len(outputs),
+    }
 
 
 def empty_hypotheses_warning(outputs: list[str]) -> str | None:
@@ -136,8 +177,10 @@ def empty_hypotheses_warning(outputs: list[str]) -> str | None:
     empty = sum(not text for text in outputs)
     if not outputs or empty * 10 < len(outputs):
         return None
-    return (f"warning: {empty:,} of {len(outputs):,} hypotheses are empty (the model ends them at once: trained "
-            "too little, or not a translation model?); the scores count them as empty translations")
+    return (
+        f"warning: {empty:,} of {len(outputs):,} hypotheses are empty (the model ends them at once: trained "
+        "too little, or not a translation model?); the scores count them as empty translations"
+    )
 
 
 def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str, str]:
@@ -148,16 +191,24 @@ def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str
     if len(data) == 1 and (Path(data[0]) / MANIFEST).is_file():
         return data[0], args.split
     text_field = args.completion_field if args.prompt_field else "text"
-    write_shards(data, tokenizer, tmp / "shards", valid_every=0, workers=1, progress=False, text_field=text_field,
-                 prompt_field=args.prompt_field)
+    write_shards(
+        data,
+        tokenizer,
+        tmp / "shards",
+        valid_every=0,
+        workers=1,
+        progress=False,
+        text_field=text_field,
+        prompt_field=args.prompt_field,
+    )
     return str(tmp / "shards"), "train"  # every document went to the (only) split
 
 
 def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: int | None = None) -> dict:
     import torch
 
-    from megatransformer.training.data import build_run_loader
     from megatransformer.batch import IGNORE_INDEX
+    from megatransformer.training.data import build_run_loader
 
     loader = build_run_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
     loss_sum, tokens, sequences, pending = 0.0, 0, 0, []

@@ -13,22 +13,30 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("export", help="write a checkpoint as consolidated safetensors or a HF model",
-                              description="Write a checkpoint's weights in one piece, whatever layout trained "
-                                          "them: our safetensors format, or a directory that transformers loads "
-                                          "with from_pretrained (Llama or GPT-2 architecture).")
+    p = subparsers.add_parser(
+        "export",
+        help="write a checkpoint as consolidated safetensors or a HF model",
+        description="Write a checkpoint's weights in one piece, whatever layout trained "
+        "them: our safetensors format, or a directory that transformers loads "
+        "with from_pretrained (Llama or GPT-2 architecture).",
+    )
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
-                   help="safetensors: our weights + config + tokenizer; hf: a transformers Llama, Mistral or "
-                        "GPT-2 directory")
+    p.add_argument(
+        "--format",
+        choices=["safetensors", "hf"],
+        default="safetensors",
+        help="safetensors: our weights + config + tokenizer; hf: a transformers Llama, Mistral or GPT-2 directory",
+    )
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written weights")
     p.set_defaults(func=export)
 
-    p = subparsers.add_parser("import", help="turn a Hugging Face Llama, Mistral or GPT-2 directory into a checkpoint "
-                                             "for init_from=",
-                              description="Convert a Hugging Face Llama, Mistral or GPT-2 model directory into a "
-                                          "weights-only checkpoint that init_from=, eval and generate accept.")
+    p = subparsers.add_parser(
+        "import",
+        help="turn a Hugging Face Llama, Mistral or GPT-2 directory into a checkpoint for init_from=",
+        description="Convert a Hugging Face Llama, Mistral or GPT-2 model directory into a "
+        "weights-only checkpoint that init_from=, eval and generate accept.",
+    )
     p.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.set_defaults(func=import_hf)
@@ -51,10 +59,12 @@ def export(args: argparse.Namespace) -> int:
         if reason:
             raise ConfigError(f"cannot export as a Hugging Face model: {reason}; use --format safetensors")
         if cfg.objective == "prefix_lm":
-            print("warning: this model was trained with objective=prefix_lm (a bidirectional prompt); "
-                  "a transformers causal LM reads prompts causally, so its outputs differ from `megatransformer "
-                  "generate`",
-                  file=sys.stderr)
+            print(
+                "warning: this model was trained with objective=prefix_lm (a bidirectional prompt); "
+                "a transformers causal LM reads prompts causally, so its outputs differ from `megatransformer "
+                "generate`",
+                file=sys.stderr,
+            )
         special = _special_ids(tokenizer)
         family = save_hf_dir(out, cfg.model, weights, tokenizer if tokenizer.is_file() else None, special, dtype)
         print(f"wrote a {family.architecture} directory")
@@ -74,9 +84,9 @@ def _special_ids(tokenizer: Path) -> dict[str, int | None]:
 
 
 def import_hf(args: argparse.Namespace) -> int:
+    from megatransformer.checkpoint import write_weights_checkpoint
     from megatransformer.config import ConfigError, DataConfig, RunConfig
     from megatransformer.hf import load_hf_dir
-    from megatransformer.checkpoint import write_weights_checkpoint
 
     try:
         model_cfg, weights = load_hf_dir(Path(args.hf))

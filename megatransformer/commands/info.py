@@ -11,14 +11,24 @@ from megatransformer.config import ConfigError, RunConfig, dump_config, load_con
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("info", help="show a config's resolved values, parameters and FLOPs/token",
-                                   description="Print a config with every default filled in and the overrides "
-                                               "applied, and its model's parameter count and FLOPs per token.")
+    parser = subparsers.add_parser(
+        "info",
+        help="show a config's resolved values, parameters and FLOPs/token",
+        description="Print a config with every default filled in and the overrides "
+        "applied, and its model's parameter count and FLOPs per token.",
+    )
     add_config_argument(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--world-size", type=int, default=None, metavar="N",
-                        help="ranks of the run (default: parallel.tensor_parallel x sequence_parallel)")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. model.n_layers=4")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks of the run (default: parallel.tensor_parallel x sequence_parallel)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. model.n_layers=4"
+    )
     parser.set_defaults(func=run)
 
 
@@ -42,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
     for rank in layout["sequence_ranks"]:
         first, last = rank["positions"]
         heads = rank["attention_heads"]
-        print(f"  sequence rank {rank['rank']}:        positions {first}-{last} of each row; attention over all "
-              f"{cfg.data.seq_len} for heads {heads[0]}-{heads[1]}")
+        print(
+            f"  sequence rank {rank['rank']}:        positions {first}-{last} of each row; attention over all "
+            f"{cfg.data.seq_len} for heads {heads[0]}-{heads[1]}"
+        )
     rows = f"micro batch of {micro} rows" if micro else "row (the micro batch depends on the launch)"
     print(f"activations per rank:     ~{layout['activation_bytes'] / 2**20:,.1f} MiB per {rows} (estimate)")
     return 0
@@ -63,7 +75,18 @@ def describe(cfg: RunConfig, world_size: int) -> dict:
     except ConfigError:
         micro = None
     sp, heads = p.sequence_parallel, cfg.model.n_heads
-    ranks = [{"rank": r, "positions": [r * length // sp, (r + 1) * length // sp - 1],
-              "attention_heads": [r * heads // sp, (r + 1) * heads // sp - 1]} for r in range(sp)]
-    return {"layout": describe_layout(dp, p.tensor_parallel, sp), "world_size": world_size, "micro_batch": micro,
-            "sequence_ranks": ranks, "activation_bytes": activation_estimate(cfg, micro or 1).bytes}
+    ranks = [
+        {
+            "rank": r,
+            "positions": [r * length // sp, (r + 1) * length // sp - 1],
+            "attention_heads": [r * heads // sp, (r + 1) * heads // sp - 1],
+        }
+        for r in range(sp)
+    ]
+    return {
+        "layout": describe_layout(dp, p.tensor_parallel, sp),
+        "world_size": world_size,
+        "micro_batch": micro,
+        "sequence_ranks": ranks,
+        "activation_bytes": activation_estimate(cfg, micro or 1).bytes,
+    }

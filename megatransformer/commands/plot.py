@@ -10,12 +10,18 @@ PLOT_NAME = "metrics.png"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plot", help="draw loss, learning-rate, throughput and MFU curves of runs to a PNG",
-                              description="Draw the curves of metrics.jsonl of one or more runs into one PNG.")
+    p = subparsers.add_parser(
+        "plot",
+        help="draw loss, learning-rate, throughput and MFU curves of runs to a PNG",
+        description="Draw the curves of metrics.jsonl of one or more runs into one PNG.",
+    )
     p.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")
-    p.add_argument("--out", default=None,
-                   help=f"PNG file to write (default: RUN_DIR/{PLOT_NAME} for one run, the runs' common "
-                        "directory/compare.png for several)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"PNG file to write (default: RUN_DIR/{PLOT_NAME} for one run, the runs' common "
+        "directory/compare.png for several)",
+    )
     p.set_defaults(func=run)
 
 
@@ -26,8 +32,12 @@ def default_out(runs: list[str | Path]) -> Path:
     return Path(os.path.commonpath([os.path.abspath(r) for r in runs])) / "compare.png"
 
 
-PANELS = (("loss", "loss", "loss"), ("lr", "learning rate", "learning rate"),
-          ("tokens_per_s", "tokens / s", "throughput"), ("mfu", "MFU (%)", "model FLOPs utilisation"))
+PANELS = (
+    ("loss", "loss", "loss"),
+    ("lr", "learning rate", "learning rate"),
+    ("tokens_per_s", "tokens / s", "throughput"),
+    ("mfu", "MFU (%)", "model FLOPs utilisation"),
+)
 
 
 def panels(metrics: list[list[dict]]) -> list[tuple[str, str, str]]:
@@ -57,11 +67,13 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
         steps = [r["step"] for r in train]
         for ax, (key, _, _) in zip(axes.flat, shown):
             scale = 100 if key == "mfu" else 1
-            ax.plot(steps, [None if r.get(key) is None else scale * r[key] for r in train],
-                    label=f"{name} train" if key == "loss" else name)
+            ax.plot(
+                steps,
+                [None if r.get(key) is None else scale * r[key] for r in train],
+                label=f"{name} train" if key == "loss" else name,
+            )
         if valid:
-            axes.flat[0].plot([r["step"] for r in valid], [r["val_loss"] for r in valid], "o--",
-                              label=f"{name} valid")
+            axes.flat[0].plot([r["step"] for r in valid], [r["val_loss"] for r in valid], "o--", label=f"{name} valid")
         mark_spikes(axes.flat[0], name, [r for r in records if "event" in r])
     for ax, (_, ylabel, title) in zip(axes.flat, shown):
         ax.set(xlabel="step", ylabel=ylabel, title=title)
@@ -79,11 +91,15 @@ def mark_spikes(ax, name: str, events: list[dict]) -> None:
     """Loss spikes on the loss panel: a cross per spike at its loss, a dashed line per rollback."""
     spiked = [e for e in events if e.get("spike_loss") is not None]
     if spiked:
-        ax.plot([e["step"] for e in spiked], [e["spike_loss"] for e in spiked], "x", color="red",
-                label=f"{name} loss spikes")
+        ax.plot(
+            [e["step"] for e in spiked],
+            [e["spike_loss"] for e in spiked],
+            "x",
+            color="red",
+            label=f"{name} loss spikes",
+        )
     for i, event in enumerate(e for e in events if e["event"] == "rollback"):
-        ax.axvline(event["step"], color="red", linestyle="--", alpha=0.5,
-                   label=f"{name} rollbacks" if i == 0 else None)
+        ax.axvline(event["step"], color="red", linestyle="--", alpha=0.5, label=f"{name} rollbacks" if i == 0 else None)
 
 
 def run(args: argparse.Namespace) -> int:

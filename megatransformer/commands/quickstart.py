@@ -14,11 +14,15 @@ from megatransformer.commands.arguments import add_config_argument
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "quickstart", help="prepare a demo corpus and train the quickstart config",
+        "quickstart",
+        help="prepare a demo corpus and train the quickstart config",
         description="Write a corpus of Python docstrings, train a tokenizer, shard, and train a small model; all "
-                    "files land under the config's run_dir, relative to the current directory.")
+        "files land under the config's run_dir, relative to the current directory.",
+    )
     add_config_argument(parser, default="quickstart")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. train.max_steps=50")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. train.max_steps=50"
+    )
     parser.add_argument("--verbose", action="store_true", help="also show DeepSpeed's start-up messages")
     parser.set_defaults(func=run)
 
@@ -27,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from data_pipeline.corpus import write_demo_corpus
     from data_pipeline.shard import MANIFEST, write_shards
     from data_pipeline.tokenizer import train_tokenizer
-    from megatransformer.config import load_config
     from megatransformer.commands.train import train
+    from megatransformer.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     tokenizer, shards = Path(cfg.data.tokenizer), Path(cfg.data.train)
@@ -41,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         train_tokenizer([str(corpus)], cfg.model.vocab_size, tokenizer)
     if not (shards / MANIFEST).is_file():
         print(f"[3/4] tokenizing into WebDataset shards -> {shards}")
-        write_shards([str(corpus)], str(tokenizer), shards, shard_mb=1.0, valid_every=50, overwrite=True,
-                     progress=False)
+        write_shards(
+            [str(corpus)], str(tokenizer), shards, shard_mb=1.0, valid_every=50, overwrite=True, progress=False
+        )
     print(f"[4/4] training {args.config} (metrics in {cfg.run_dir}/metrics.jsonl)")
     return train(args.config, ["resume=auto", *args.overrides], args.verbose)

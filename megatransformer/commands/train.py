@@ -9,8 +9,9 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError
@@ -21,11 +22,16 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("train", help="train a model (one process, torchrun, or Slurm via launch)",
-                                   description="Train the model a config describes; key.path=value overrides "
-                                               "change any field (megatransformer/config.py documents them).")
+    parser = subparsers.add_parser(
+        "train",
+        help="train a model (one process, torchrun, or Slurm via launch)",
+        description="Train the model a config describes; key.path=value overrides "
+        "change any field (megatransformer/config.py documents them).",
+    )
     add_config_argument(parser)
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. train.max_steps=100")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key.path=value", help="config overrides, e.g. train.max_steps=100"
+    )
     parser.add_argument("--verbose", action="store_true", help="also show DeepSpeed's start-up messages")
     parser.set_defaults(func=run)
 
@@ -63,13 +69,13 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     if os.environ.get("LOCAL_RANK", "0") == "0":  # (one line per node: the build directory is per node)
         import torch
 
-        ops = ops_to_build(int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available(),
-                           cfg.parallel.offload_optimizer)
+        ops = ops_to_build(
+            int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available(), cfg.parallel.offload_optimizer
+        )
         for line in build_notes(ops):
             print(line, flush=True)
     host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
-    init_state = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}")[1] \
-        if cfg.init_from else None
+    init_state = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}")[1] if cfg.init_from else None
     import torch
 
     if torch.cuda.is_available():
@@ -81,8 +87,10 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         if dist_info.is_main:
             print(host_memory)
         if init_state is not None and dist_info.is_main:
-            print(f"init_from={cfg.init_from}: starting from its weights ({len(init_state)} tensors); optimizer, "
-                  "learning-rate schedule and data order start fresh")
+            print(
+                f"init_from={cfg.init_from}: starting from its weights ({len(init_state)} tensors); optimizer, "
+                "learning-rate schedule and data order start fresh"
+            )
         code = trainer.run()
         teardown()  # (every collective of the run is behind it)
     except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
@@ -119,6 +127,7 @@ def print_summary(cfg: RunConfig, code: int, wall_seconds: float) -> None:
     plot = draw([cfg.run_dir], default_out([cfg.run_dir])) if has_metrics else None
     checkpoint = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
     print(summary(cfg, code, wall_seconds, checkpoint, plot))
+
 
 def print_sample(cfg: RunConfig, checkpoints: Path, tokenizer, max_new_tokens: int = 40) -> None:
     """Greedy continuation of train.sample_prompt with the final weights (decoder models)."""
@@ -163,8 +172,7 @@ def quiet_engine(verbose: bool) -> Iterator[None]:
         raise
 
 
-def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Path | None,
-            plot: Path | None) -> str:
+def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Path | None, plot: Path | None) -> str:
     """The closing lines of a run: how far it got (its last checkpoint's step), how it did (metrics.jsonl), where
     the results are, what to run next."""
     from megatransformer import checkpoint as ckpt
@@ -178,20 +186,26 @@ def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Pat
         step, tokens = state.step, state.tokens
     else:
         step, tokens = max((r["step"] for r in records), default=0), train[-1]["tokens"] if train else 0
-    status = {0: "done", 124: "stopped early (checkpointed; run again with resume=auto to continue)",
-              3: "stopped: the loss diverged"}.get(exit_code, f"stopped (exit {exit_code})")
-    lines = [f"{status}: {step:,} of {cfg.train.max_steps:,} steps, {tokens:,} tokens, "
-             f"wall time {format_duration(wall_seconds)}"]
+    status = {
+        0: "done",
+        124: "stopped early (checkpointed; run again with resume=auto to continue)",
+        3: "stopped: the loss diverged",
+    }.get(exit_code, f"stopped (exit {exit_code})")
+    lines = [
+        f"{status}: {step:,} of {cfg.train.max_steps:,} steps, {tokens:,} tokens, "
+        f"wall time {format_duration(wall_seconds)}"
+    ]
     if train:
         loss = train[-1]["loss"]
         lines.append(f"  final train loss       {'nan' if loss is None else f'{loss:.4f}'}")
     if valid:
-        lines.append(f"  final validation loss  {valid[-1]['val_loss']:.4f} "
-                     f"(perplexity {valid[-1]['val_ppl']:,.2f})")
+        lines.append(f"  final validation loss  {valid[-1]['val_loss']:.4f} (perplexity {valid[-1]['val_ppl']:,.2f})")
     events = [r.get("event") for r in records]
     if any(events):
-        lines.append(f"  loss spikes            {events.count('skip') + events.count('rollback')} updates skipped, "
-                     f"{events.count('rollback')} rollbacks")
+        lines.append(
+            f"  loss spikes            {events.count('skip') + events.count('rollback')} updates skipped, "
+            f"{events.count('rollback')} rollbacks"
+        )
     for name, path in (("checkpoint", checkpoint), ("metrics", run_dir / "metrics.jsonl"), ("plot", plot)):
         if path is not None:
             lines.append(f"  {name + ':':22s} {path}")
@@ -214,6 +228,8 @@ def next_commands(cfg: RunConfig) -> list[str]:
         prompt = cfg.train.sample_prompt or "The"
         commands.append(f"megatransformer generate --checkpoint {run} --prompt {shlex.quote(prompt)}")
     hf = hf_incompatibility(cfg.model) is None
-    commands.append(f"megatransformer export --checkpoint {run} --format {'hf' if hf else 'safetensors'} "
-                    f"--out {shlex.quote(cfg.run_dir + ('/hf' if hf else '/export'))}")
+    commands.append(
+        f"megatransformer export --checkpoint {run} --format {'hf' if hf else 'safetensors'} "
+        f"--out {shlex.quote(cfg.run_dir + ('/hf' if hf else '/export'))}"
+    )
     return commands

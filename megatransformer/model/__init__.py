@@ -13,6 +13,15 @@ from megatransformer.model.transformer import (
 )
 
 __all__ = [
-    "ARCHITECTURES", "BACKENDS", "DecoderLM", "EncoderDecoderLM", "EncoderLM", "KVCache", "LanguageModel",
-    "TP_PLAN", "build_model", "generate", "stream",
+    "ARCHITECTURES",
+    "BACKENDS",
+    "DecoderLM",
+    "EncoderDecoderLM",
+    "EncoderLM",
+    "KVCache",
+    "LanguageModel",
+    "TP_PLAN",
+    "build_model",
+    "generate",
+    "stream",
 ]

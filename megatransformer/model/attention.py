@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -112,8 +112,18 @@ def flash_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None
         return flash.flash_attn_func(q, k, v, dropout_p=dropout, causal=causal, **extra).transpose(1, 2)
 
     def kernel(q, k, v, problem: VarlenProblem) -> torch.Tensor:
-        return flash.flash_attn_varlen_func(q, k, v, problem.cu_q, problem.cu_k, problem.max_q, problem.max_k,
-                                            dropout_p=dropout, causal=problem.causal, **extra)
+        return flash.flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            problem.cu_q,
+            problem.cu_k,
+            problem.max_q,
+            problem.max_k,
+            dropout_p=dropout,
+            causal=problem.causal,
+            **extra,
+        )
 
     return varlen_attention(q, k, v, mask, kernel)
 
@@ -138,8 +148,14 @@ def flash_attn_installed() -> bool:
     return flash_attn_module() is not None
 
 
-def auto_backend(device: str, dtype: torch.dtype, mask: AttentionMask | None = None, dropout: float = 0.0,
-                 head_dim: int = 64, alibi: bool = False) -> str:
+def auto_backend(
+    device: str,
+    dtype: torch.dtype,
+    mask: AttentionMask | None = None,
+    dropout: float = 0.0,
+    head_dim: int = 64,
+    alibi: bool = False,
+) -> str:
     """The core ``attention_backend=auto`` runs for one call, by the measurements in BENCHMARKS.md.
 
     CUDA, in bf16/fp16: flash-attn when it is installed, for every mask (plain, packed documents, prefix-LM,
@@ -163,13 +179,16 @@ def auto_backend(device: str, dtype: torch.dtype, mask: AttentionMask | None = N
     return "sdpa"
 
 
-def describe_backend(backend: str, device: str, dtype: torch.dtype, dropout: float, head_dim: int = 64,
-                     alibi: bool = False) -> str:
+def describe_backend(
+    backend: str, device: str, dtype: torch.dtype, dropout: float, head_dim: int = 64, alibi: bool = False
+) -> str:
     """One line for the run log: the core a run's attention uses for each kind of mask, and why."""
     if backend != "auto":
         return f"attention: {backend}"
-    kinds = {"causal/bidirectional": AttentionMask(True),
-             "packed documents, prefix-LM, cross-attention": AttentionMask(True, prefix_len=torch.zeros(1))}
+    kinds = {
+        "causal/bidirectional": AttentionMask(True),
+        "packed documents, prefix-LM, cross-attention": AttentionMask(True, prefix_len=torch.zeros(1)),
+    }
     chosen = {name: auto_backend(device, dtype, mask, dropout, head_dim, alibi) for name, mask in kinds.items()}
     where = f"on {device} in {str(dtype).removeprefix('torch.')}"
     if len(set(chosen.values())) == 1:
@@ -189,8 +208,13 @@ def auto_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None 
 
 
 BACKENDS: dict[str, Core] = {
-    "auto": auto_core, "sdpa": sdpa_core, "eager": eager_core, "flex": flex_core, "flash": flash_core,
-    "chunked": chunked_core, "varlen": torch_varlen_core,
+    "auto": auto_core,
+    "sdpa": sdpa_core,
+    "eager": eager_core,
+    "flex": flex_core,
+    "flash": flash_core,
+    "chunked": chunked_core,
+    "varlen": torch_varlen_core,
 }
 
 
@@ -204,22 +228,22 @@ class KVCache:
         self.positions = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.length = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache holds {self.k.shape[2]} positions, decoding needs {end}")
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
         if positions is not None:
-            self.positions[:, self.length:end] = positions
+            self.positions[:, self.length : end] = positions
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float,
-                 backend: str) -> None:
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float, backend: str) -> None:
         super().__init__()
         self.head_dim = d_model // n_heads
         self.total_heads = n_heads  # all heads, of which a tensor-parallel shard holds a slice (not "n_heads":
@@ -264,7 +288,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v, None if alibi is None else alibi.q_positions)
             if alibi is not None:
-                alibi = alibi.with_keys(cache.positions[:, :cache.length])
+                alibi = alibi.with_keys(cache.positions[:, : cache.length])
         if alibi is not None:
             alibi = alibi.heads(self.head_offset, q.shape[1])
         out = self.core(q, k, v, mask, self.dropout if self.training else 0.0, alibi)

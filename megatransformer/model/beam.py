@@ -97,8 +97,7 @@ def beam_search(
         scores = torch.tensor([c[0] for c in chosen], device=scores.device).reshape(rows, k)
         source = torch.tensor([c[1] for c in chosen], device=input_ids.device)
         tokens = torch.tensor([c[2] for c in chosen], device=input_ids.device)
-        state = step(model, expanded, (_reorder(state, source), tokens), use_cache, max_new_tokens,
-                     decoder_start_id)
+        state = step(model, expanded, (_reorder(state, source), tokens), use_cache, max_new_tokens, decoder_start_id)
     return [max(hyps, key=lambda h: h.score) for hyps in finished]
 
 
@@ -114,8 +113,8 @@ def _reorder(state: _State, source: torch.Tensor) -> _State:
     """Beam i continues the history of batch row ``source[i]``: its tokens and its self-attention cache. The
     encoder memory is the same for all beams of a row and stays."""
     for cache in state.caches or []:
-        cache.k[:, :, :cache.length] = cache.k[source, :, :cache.length]
-        cache.v[:, :, :cache.length] = cache.v[source, :, :cache.length]
-        cache.positions[:, :cache.length] = cache.positions[source, :cache.length]  # (ALiBi's key positions)
+        cache.k[:, :, : cache.length] = cache.k[source, :, : cache.length]
+        cache.v[:, :, : cache.length] = cache.v[source, :, : cache.length]
+        cache.positions[:, : cache.length] = cache.positions[source, : cache.length]  # (ALiBi's key positions)
     state.tokens = state.tokens[source]
     return state

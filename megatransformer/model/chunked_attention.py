@@ -44,8 +44,17 @@ def _rows(x: torch.Tensor, start: int, end: int, scale: float | None = None) -> 
     return rows.mul_(scale) if scale is not None else rows
 
 
-def _scores(q_rows: torch.Tensor, keys: torch.Tensor, mask: AttentionMask, alibi: Alibi | None, q_len: int,
-            batch: int, start: int, end: int, key_start: int) -> torch.Tensor:
+def _scores(
+    q_rows: torch.Tensor,
+    keys: torch.Tensor,
+    mask: AttentionMask,
+    alibi: Alibi | None,
+    q_len: int,
+    batch: int,
+    start: int,
+    end: int,
+    key_start: int,
+) -> torch.Tensor:
     """Scores of one chunk against keys key_start:key_start + len(keys), [B * KV, C * G, K], ALiBi's bias
     added, disallowed entries at -inf."""
     scores = torch.bmm(q_rows, keys.transpose(1, 2))
@@ -70,8 +79,9 @@ class ChunkedAttention(torch.autograd.Function):
     """q: [B, H, Tq, D]; k, v: [B, KV, Tk, D] -> [B, H, Tq, D] (a view of a [B, Tq, H, D] tensor)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
-                alibi: Alibi | None, chunk: int) -> torch.Tensor:
+    def forward(
+        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, alibi: Alibi | None, chunk: int
+    ) -> torch.Tensor:
         batch, heads, q_len, dim = q.shape
         kv_heads, kv_len = k.shape[1], k.shape[2]
         groups, scale = heads // kv_heads, 1.0 / math.sqrt(dim)
@@ -81,8 +91,17 @@ class ChunkedAttention(torch.autograd.Function):
         for start in range(0, q_len, chunk):
             end = min(q_len, start + chunk)
             key_start, key_end = mask.key_start(start), mask.key_end(q_len, start, end, kv_len)
-            scores = _scores(_rows(q5, start, end, scale), keys[:, key_start:key_end], mask, alibi, q_len, batch,
-                             start, end, key_start)
+            scores = _scores(
+                _rows(q5, start, end, scale),
+                keys[:, key_start:key_end],
+                mask,
+                alibi,
+                q_len,
+                batch,
+                start,
+                end,
+                key_start,
+            )
             chunk_out = torch.bmm(torch.softmax(scores, dim=-1), values[:, key_start:key_end])
             out[:, start:end] = chunk_out.view(batch, kv_heads, end - start, groups, dim).transpose(1, 2)
         ctx.save_for_backward(q, k, v)
@@ -120,8 +139,9 @@ class ChunkedAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None
 
 
-def chunked_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None,
-                 chunk: int = CHUNK) -> torch.Tensor:
+def chunked_core(
+    q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None, chunk: int = CHUNK
+) -> torch.Tensor:
     if dropout:
         raise ValueError("attention_backend=chunked does not support attention_dropout; set it to 0 or use sdpa")
     device = q.device.type

@@ -7,8 +7,8 @@ from ``decoder_start_id``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
-from typing import Iterator
 
 import torch
 

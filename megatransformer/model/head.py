@@ -20,7 +20,6 @@ from torch import nn
 
 from megatransformer.batch import IGNORE_INDEX
 
-
 CHUNK_LOGITS = 1 << 23  # logits per chunk (8M: 32 MiB in fp32), whatever the vocabulary
 
 
@@ -28,15 +27,21 @@ class LMHead(nn.Linear):
     """``nn.Linear(d_model, vocab, bias=False)`` that can also return the summed token loss of ``labels``
     without materialising the logits (its own forward, so ZeRO-3 gathers its weight for it)."""
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
-                label_smoothing: float = 0.0) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, labels: torch.Tensor | None = None, label_smoothing: float = 0.0
+    ) -> torch.Tensor:
         if labels is None:
             return super().forward(hidden)
         return linear_cross_entropy(hidden.flatten(0, -2), self.weight, labels.flatten(), label_smoothing)
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         label_smoothing: float = 0.0, chunk_logits: int = CHUNK_LOGITS) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    label_smoothing: float = 0.0,
+    chunk_logits: int = CHUNK_LOGITS,
+) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum", ...)``, chunk by chunk.
 
     ``hidden``: [N, d]; ``weight``: [V, d]; ``labels``: [N], ``IGNORE_INDEX`` where no loss is taken. Returns
@@ -49,9 +54,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return chunked_loss_and_grads(hidden, weight, labels, label_smoothing, chunk_logits)[0]
 
 
-def chunked_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
-                           chunk_logits: int, need_hidden_grad: bool = False, need_weight_grad: bool = False
-                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def chunked_loss_and_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    label_smoothing: float,
+    chunk_logits: int,
+    need_hidden_grad: bool = False,
+    need_weight_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The summed loss and the gradients asked for, with respect to ``hidden`` (in its dtype) and ``weight``
     (fp32), one chunk of ``chunk_logits`` logits at a time (None for a gradient not asked for)."""
     vocab = weight.shape[0]
@@ -63,7 +74,7 @@ def chunked_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     # bf16 rounding per chunk, ~2^-9 relative; the hidden states' gradients are the plain head's)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
     for start in range(0, hidden.shape[0], rows):
-        h, y = hidden[start:start + rows], labels[start:start + rows]
+        h, y = hidden[start : start + rows], labels[start : start + rows]
         logits = F.linear(h, weight).float()
         keep = y != IGNORE_INDEX
         target = torch.where(keep, y, 0)
@@ -81,7 +92,7 @@ def chunked_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: t
             grad_logits.sub_(label_smoothing / vocab)
         grad_logits = grad_logits.mul_(keep[:, None]).to(h.dtype)
         if grad_hidden is not None:
-            torch.mm(grad_logits, weight, out=grad_hidden[start:start + rows])
+            torch.mm(grad_logits, weight, out=grad_hidden[start : start + rows])
         if grad_weight is None:
             continue
         if h.dtype == grad_weight.dtype:
@@ -95,10 +106,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """The loss, with its gradients computed in the forward pass and scaled in the backward."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
-                chunk_logits: int) -> torch.Tensor:
-        loss, grad_hidden, grad_weight = chunked_loss_and_grads(hidden, weight, labels, label_smoothing,
-                                                                chunk_logits, *ctx.needs_input_grad[:2])
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float, chunk_logits: int
+    ) -> torch.Tensor:
+        loss, grad_hidden, grad_weight = chunked_loss_and_grads(
+            hidden, weight, labels, label_smoothing, chunk_logits, *ctx.needs_input_grad[:2]
+        )
         # (the weight's kept in fp32: scaled by the loss's gradient before its one rounding)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype

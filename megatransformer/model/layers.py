@@ -91,8 +91,14 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, cross_attention: bool = False) -> None:
         super().__init__()
         self.pre_norm = cfg.norm_position == "pre"
-        attn = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads, bias=cfg.bias,
-                    dropout=cfg.attention_dropout, backend=cfg.attention_backend)
+        attn = dict(
+            d_model=cfg.d_model,
+            n_heads=cfg.n_heads,
+            n_kv_heads=cfg.kv_heads,
+            bias=cfg.bias,
+            dropout=cfg.attention_dropout,
+            backend=cfg.attention_backend,
+        )
         self.attn_norm = make_norm(cfg)
         self.self_attn = Attention(**attn)
         if cross_attention:
@@ -122,7 +128,8 @@ class Block(nn.Module):
         x = self._residual(x, self.attn_norm, lambda h: self.self_attn(h, mask, rope, cache=cache, alibi=alibi))
         if memory is not None or memory_kv is not None:
             x = self._residual(
-                x, self.cross_norm,
+                x,
+                self.cross_norm,
                 lambda h: self.cross_attn(h, memory_mask, memory=memory, memory_kv=memory_kv),
             )
         return self._residual(x, self.ffn_norm, self.ffn)

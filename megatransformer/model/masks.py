@@ -29,14 +29,13 @@ evaluation) computes the same metadata on first use, once per forward.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Mapping
 
 import numpy as np
 import torch
 
 from megatransformer.batch import PAD_SEGMENT
-
 
 RENDERED_LIMIT = 2**26  # booleans (64 MiB) of rendered chunk masks one AttentionMask keeps for its layers
 
@@ -62,8 +61,9 @@ class VarlenProblem:
         def move(t):
             return to_device(t, device)
 
-        return replace(self, cu_q=move(self.cu_q), cu_k=move(self.cu_k), q_index=move(self.q_index),
-                       k_index=move(self.k_index))
+        return replace(
+            self, cu_q=move(self.cu_q), cu_k=move(self.cu_k), q_index=move(self.q_index), k_index=move(self.k_index)
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,17 +98,26 @@ class AttentionMask:
     def to(self, device: torch.device | str, moved: Mapping[int, torch.Tensor] | None = None) -> AttentionMask:
         """The mask with its tensors on ``device`` (``key_bounds`` stays on the host, where it is read);
         ``moved``: tensors already copied there, by the id of their host tensor (not copied again)."""
+
         def move(t):
             return to_device(t, device, moved)
 
         q_segments = move(self.q_segments)
         kv_segments = q_segments if self.kv_segments is self.q_segments else move(self.kv_segments)
         varlen = None if self.varlen is None else tuple(p.to(device) for p in self.varlen)
-        return replace(self, q_segments=q_segments, kv_segments=kv_segments, prefix_len=move(self.prefix_len),
-                       varlen=varlen)
+        return replace(
+            self, q_segments=q_segments, kv_segments=kv_segments, prefix_len=move(self.prefix_len), varlen=varlen
+        )
 
-    def dense(self, q_len: int, kv_len: int, device: torch.device, q_start: int = 0,
-              q_end: int | None = None, k_start: int = 0) -> torch.Tensor:
+    def dense(
+        self,
+        q_len: int,
+        kv_len: int,
+        device: torch.device,
+        q_start: int = 0,
+        q_end: int | None = None,
+        k_start: int = 0,
+    ) -> torch.Tensor:
         """Boolean mask [B or 1, 1, Tq, Tk], True where attention is allowed.
 
         ``q_start:q_end`` renders only those query rows (of ``q_len``) and ``k_start:kv_len`` only those keys:
@@ -132,8 +141,9 @@ class AttentionMask:
             allowed = allowed & ((q_seg == k_seg) | (q_seg == PAD_SEGMENT))
         return allowed.unsqueeze(1)
 
-    def blocked(self, q_len: int, kv_len: int, device: torch.device, q_start: int, q_end: int,
-                k_start: int = 0) -> torch.Tensor:
+    def blocked(
+        self, q_len: int, kv_len: int, device: torch.device, q_start: int, q_end: int, k_start: int = 0
+    ) -> torch.Tensor:
         """``~dense(...)`` of query rows q_start:q_end and keys k_start:kv_len: True where attention is not
         allowed. Rendered once per mask and kept (up to RENDERED_LIMIT elements in all): the mask is built once
         per batch and handed to every layer, whose chunked core asks for the same chunks in forward and
@@ -231,9 +241,7 @@ def self_attention_mask(
     return AttentionMask(causal, segment_ids, segment_ids, prefix_len, q_offset)
 
 
-def cross_attention_mask(
-    q_segments: torch.Tensor | None, kv_segments: torch.Tensor | None
-) -> AttentionMask:
+def cross_attention_mask(q_segments: torch.Tensor | None, kv_segments: torch.Tensor | None) -> AttentionMask:
     """Decoder queries see the encoder tokens of their own example (segment)."""
     if q_segments is None or kv_segments is None:
         return AttentionMask(causal=False)
@@ -253,8 +261,9 @@ class ModelMasks:
 
     def to(self, device: torch.device | str, moved: Mapping[int, torch.Tensor] | None = None) -> ModelMasks:
         """On ``device``; ``moved`` as in :meth:`AttentionMask.to` (the batch's segment tensors, copied once)."""
-        return ModelMasks(*(None if m is None else m.to(device, moved)
-                            for m in (self.encoder, self.decoder, self.cross)))
+        return ModelMasks(
+            *(None if m is None else m.to(device, moved) for m in (self.encoder, self.decoder, self.cross))
+        )
 
 
 def batch_masks(arch: str, batch: Mapping[str, torch.Tensor], varlen: bool = False) -> ModelMasks:
@@ -274,14 +283,16 @@ def batch_masks(arch: str, batch: Mapping[str, torch.Tensor], varlen: bool = Fal
     cross = cross_attention_mask(decoder_segments, segments)
     if varlen and not cross.is_simple:
         cross = replace(cross, varlen=(cross_varlen_problem(_numpy(decoder_segments), _numpy(segments)),))
-    return ModelMasks(encoder=_host_self_mask(False, segments, None, shape, varlen),
-                      decoder=_host_self_mask(True, decoder_segments, None, tuple(batch["decoder_input_ids"].shape),
-                                              varlen),
-                      cross=cross)
+    return ModelMasks(
+        encoder=_host_self_mask(False, segments, None, shape, varlen),
+        decoder=_host_self_mask(True, decoder_segments, None, tuple(batch["decoder_input_ids"].shape), varlen),
+        cross=cross,
+    )
 
 
-def _host_self_mask(causal: bool, segments: torch.Tensor | None, prefix_len: torch.Tensor | None,
-                    shape: tuple[int, int], varlen: bool) -> AttentionMask:
+def _host_self_mask(
+    causal: bool, segments: torch.Tensor | None, prefix_len: torch.Tensor | None, shape: tuple[int, int], varlen: bool
+) -> AttentionMask:
     host_segments = _numpy(segments)
     if host_segments is not None and (host_segments == host_segments[:, :1]).all():
         segments = host_segments = None  # one document per row: no segment check
@@ -301,8 +312,9 @@ def _key_bounds(prefix_len: torch.Tensor) -> np.ndarray:
     return ends.reshape(-1, 1).max(axis=0) if ends.ndim == 1 else ends.max(axis=0)
 
 
-def varlen_problems(causal: bool, segments: np.ndarray | None, prefix_len: np.ndarray | None,
-                    shape: tuple[int, int]) -> tuple[VarlenProblem, ...]:
+def varlen_problems(
+    causal: bool, segments: np.ndarray | None, prefix_len: np.ndarray | None, shape: tuple[int, int]
+) -> tuple[VarlenProblem, ...]:
     """Self-attention as flash-attn varlen problems (host arrays in, CPU tensors out).
 
     Every run of equal segment ids in a row is one sequence (a row without segments is one run), attending
@@ -331,8 +343,15 @@ def varlen_problems(causal: bool, segments: np.ndarray | None, prefix_len: np.nd
     has_suffix = ends > split
     if has_suffix.any():
         starts, split, ends = starts[has_suffix], split[has_suffix], ends[has_suffix]
-        problems.append(_problem(ends - split, ends - starts, True, _ranges(split, ends),
-                                 _unless_all(_ranges(starts, ends), batch * length)))
+        problems.append(
+            _problem(
+                ends - split,
+                ends - starts,
+                True,
+                _ranges(split, ends),
+                _unless_all(_ranges(starts, ends), batch * length),
+            )
+        )
     return tuple(problems)
 
 
@@ -369,32 +388,49 @@ def _runs(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """The concatenation of arange(s, e) for every pair."""
-    return np.concatenate([np.arange(s, e) for s, e in zip(starts.tolist(), ends.tolist())]) if len(starts) \
+    return (
+        np.concatenate([np.arange(s, e) for s, e in zip(starts.tolist(), ends.tolist())])
+        if len(starts)
         else np.zeros(0, dtype=np.int64)
+    )
 
 
-def _problem(q_lengths: np.ndarray, k_lengths: np.ndarray, causal: bool, q_index: np.ndarray | None = None,
-             k_index: np.ndarray | None = None) -> VarlenProblem:
+def _problem(
+    q_lengths: np.ndarray,
+    k_lengths: np.ndarray,
+    causal: bool,
+    q_index: np.ndarray | None = None,
+    k_index: np.ndarray | None = None,
+) -> VarlenProblem:
     """The problem of sequences with these lengths; every sequence holds a query. flash-attn's kernel for
     ``max_seqlen_q == 1`` with grouped-query heads (its "ngroups swapped" path) folds the query heads into
     the sequence axis assuming exactly one query per sequence, and fails on a sequence without one.
     """
+
     def cumulative(lengths: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
 
     def index(positions: np.ndarray | None) -> torch.Tensor | None:
         return None if positions is None else torch.from_numpy(np.asarray(positions, dtype=np.int64))
 
-    return VarlenProblem(cumulative(q_lengths), cumulative(k_lengths), int(q_lengths.max(initial=0)),
-                         int(k_lengths.max(initial=0)), causal, index(q_index), index(k_index))
+    return VarlenProblem(
+        cumulative(q_lengths),
+        cumulative(k_lengths),
+        int(q_lengths.max(initial=0)),
+        int(k_lengths.max(initial=0)),
+        causal,
+        index(q_index),
+        index(k_index),
+    )
 
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:
     return None if tensor is None else tensor.detach().cpu().numpy()
 
 
-def to_device(tensor: torch.Tensor | None, device: torch.device | str,
-              moved: Mapping[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+def to_device(
+    tensor: torch.Tensor | None, device: torch.device | str, moved: Mapping[int, torch.Tensor] | None = None
+) -> torch.Tensor | None:
     """Host -> device without waiting (from page-locked memory on CUDA; a tensor not yet pinned is pinned);
     a tensor in ``moved`` (by id) is already there and not copied again."""
     target = torch.device(device)

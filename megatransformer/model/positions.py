@@ -55,7 +55,7 @@ class Rotary(nn.Module):
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
-        return 1.0 / (self.theta ** exponents)
+        return 1.0 / (self.theta**exponents)
 
     def frequencies(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
         """The inverse frequencies for these positions and the scale of cos/sin (plain RoPE: 1; see
@@ -95,10 +95,12 @@ def alibi_slopes(n_heads: int, device: torch.device | str | None = None) -> torc
     bf16 number), and a host list copied in would make the host wait.
     """
     closest = 1 << (n_heads.bit_length() - 1)
-    exponents = torch.cat([
-        torch.arange(1, closest + 1, dtype=torch.float32, device=device),
-        torch.arange(n_heads - closest, dtype=torch.float32, device=device) + 0.5,  # odd i of 2c, halved
-    ])
+    exponents = torch.cat(
+        [
+            torch.arange(1, closest + 1, dtype=torch.float32, device=device),
+            torch.arange(n_heads - closest, dtype=torch.float32, device=device) + 0.5,  # odd i of 2c, halved
+        ]
+    )
     return torch.exp2(exponents * (-8.0 / closest))
 
 
@@ -121,7 +123,7 @@ class Alibi:
         """The bias of query heads start:start + count (a tensor-parallel shard of the heads)."""
         if start == 0 and count == len(self.slopes):
             return self
-        return replace(self, slopes=self.slopes[start:start + count])
+        return replace(self, slopes=self.slopes[start : start + count])
 
     def with_keys(self, k_positions: torch.Tensor) -> Alibi:
         return replace(self, k_positions=k_positions)

@@ -39,7 +39,7 @@ class ScaledRotary(Rotary):
         length = (position_ids.max() + 1).clamp(min=self.trained_len).float()
         base = self.theta * (factor * length / self.trained_len - (factor - 1)) ** (dim / (dim - 2))
         exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=position_ids.device) / dim
-        return 1.0 / base ** exponents
+        return 1.0 / base**exponents
 
 
 def rotary(cfg: ModelConfig) -> Rotary:

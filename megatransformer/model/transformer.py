@@ -206,8 +206,13 @@ class EncoderDecoderLM(LanguageModel):
             memory_mask = cross_attention_mask(decoder_segment_ids, segment_ids)
         embed = self.decoder_embed_tokens or self.embed_tokens
         hidden = self.decoder(
-            embed(decoder_input_ids), decoder_position_ids, mask,
-            memory=None if memory_kvs else memory, memory_mask=memory_mask, caches=caches, memory_kvs=memory_kvs,
+            embed(decoder_input_ids),
+            decoder_position_ids,
+            mask,
+            memory=None if memory_kvs else memory,
+            memory_mask=memory_mask,
+            caches=caches,
+            memory_kvs=memory_kvs,
         )
         return self.lm_head(hidden, labels, label_smoothing)
 
@@ -228,8 +233,16 @@ class EncoderDecoderLM(LanguageModel):
         label_smoothing: float = 0.0,
     ) -> torch.Tensor:
         memory = self.encode(input_ids, position_ids, segment_ids, masks.encoder if masks is not None else None)
-        return self.decode(decoder_input_ids, memory, segment_ids, decoder_position_ids, decoder_segment_ids,
-                           masks=masks, labels=labels, label_smoothing=label_smoothing)
+        return self.decode(
+            decoder_input_ids,
+            memory,
+            segment_ids,
+            decoder_position_ids,
+            decoder_segment_ids,
+            masks=masks,
+            labels=labels,
+            label_smoothing=label_smoothing,
+        )
 
 
 ARCHITECTURES: dict[str, type[LanguageModel]] = {

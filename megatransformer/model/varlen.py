@@ -15,8 +15,9 @@ from megatransformer.model.masks import AttentionMask, VarlenProblem
 VarlenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenProblem], torch.Tensor]
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
-                     kernel: VarlenKernel) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, kernel: VarlenKernel
+) -> torch.Tensor:
     """Attention under ``mask`` as one kernel call per varlen problem; q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D]
     -> [B, H, Tq, D]."""
     batch, heads, q_len, dim = q.shape
@@ -52,8 +53,17 @@ def torch_varlen_core(q, k, v, mask: AttentionMask, dropout: float, alibi=None) 
         raise ValueError("PyTorch's varlen_attn has no attention dropout or ALiBi; use attention_backend=sdpa")
 
     def kernel(q, k, v, problem: VarlenProblem) -> torch.Tensor:
-        return varlen_attn(q, k, v, problem.cu_q, problem.cu_k, problem.max_q, problem.max_k,
-                           window_size=window_size(mask.window, problem.causal), enable_gqa=q.shape[1] != k.shape[1])
+        return varlen_attn(
+            q,
+            k,
+            v,
+            problem.cu_q,
+            problem.cu_k,
+            problem.max_q,
+            problem.max_k,
+            window_size=window_size(mask.window, problem.causal),
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
 
     return varlen_attention(q, k, v, mask, kernel)
 

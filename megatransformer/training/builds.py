@@ -10,8 +10,10 @@ from pathlib import Path
 
 COLLECTIVE = "deepspeed_shm_comm"  # DeepSpeed's shared-memory all-reduce of a node's CPU ranks
 CPU_ADAM = "cpu_adam"  # DeepSpeedCPUAdam, the optimizer step of parallel.offload_optimizer
-WHAT = {COLLECTIVE: f"DeepSpeed's CPU collective ({COLLECTIVE})",
-        CPU_ADAM: f"DeepSpeed's CPU Adam ({CPU_ADAM}, for parallel.offload_optimizer)"}
+WHAT = {
+    COLLECTIVE: f"DeepSpeed's CPU collective ({COLLECTIVE})",
+    CPU_ADAM: f"DeepSpeed's CPU Adam ({CPU_ADAM}, for parallel.offload_optimizer)",
+}
 BUILD_TIME = "2-4 min on 2 cores"
 
 
@@ -44,9 +46,11 @@ def build_notes(ops: list[str], now: float | None = None) -> list[str]:
             if not any(directory.glob(f"{op}*.so")):
                 lines.append(f"building {WHAT[op]} in {directory}: once per machine, {BUILD_TIME}")
             continue
-        lines.append(f"waiting for another process's build of {WHAT[op]}: its lock file {lock} is "
-                     f"{format_age(age)} old; a build takes {BUILD_TIME}, so if no build is running (a killed one "
-                     "leaves its lock behind), delete that file")
+        lines.append(
+            f"waiting for another process's build of {WHAT[op]}: its lock file {lock} is "
+            f"{format_age(age)} old; a build takes {BUILD_TIME}, so if no build is running (a killed one "
+            "leaves its lock behind), delete that file"
+        )
     return lines
 
 

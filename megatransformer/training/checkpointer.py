@@ -60,8 +60,9 @@ def innermost_optimizer(engine) -> torch.optim.Optimizer:
 # ------------------------------------------------------------------------------------ saving
 
 
-def save_checkpoint(engine, cfg: RunConfig, state: ckpt.TrainerState, loader_state: dict,
-                    keep: Collection[str] = ()) -> Path:
+def save_checkpoint(
+    engine, cfg: RunConfig, state: ckpt.TrainerState, loader_state: dict, keep: Collection[str] = ()
+) -> Path:
     """Write step ``state.step``'s checkpoint: DeepSpeed's per-rank states, each rank's loader and RNG state,
     the consolidated weights and Adam state, trainer state, config and tokenizer, and last the manifest and
     `latest`. Older checkpoints beyond ``checkpoint.keep`` are removed, except those named in ``keep``.
@@ -143,8 +144,9 @@ def full_optimizer_state(engine, cfg: RunConfig) -> tuple[dict[str, torch.Tensor
     return (tensors if dist.get_rank() == 0 else None), meta
 
 
-def consolidate(cfg: RunConfig, value: Callable[[torch.Tensor], torch.Tensor],
-                named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+def consolidate(
+    cfg: RunConfig, value: Callable[[torch.Tensor], torch.Tensor], named: Iterable[tuple[str, torch.Tensor]]
+) -> dict[str, torch.Tensor] | None:
     """``value`` of every (name, tensor) of ``named`` as one whole fp32 tensor on rank 0 (None elsewhere), one
     at a time: ``value`` gives this rank's tensor-parallel shard (gathering ZeRO partitions itself), the shards
     are concatenated along TP_PLAN's dimension here. A tensor under two names (tied weights) is gathered once
@@ -181,12 +183,14 @@ def fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch
 
     if hasattr(optimizer, "fp32_groups_flat"):
         flats = [state_of(f) for f in optimizer.fp32_groups_flat]
-        high = [[None] * len(params) if f is None else _unflatten_dense_tensors(f, params)
-                for f, params in zip(flats, low)]
+        high = [
+            [None] * len(params) if f is None else _unflatten_dense_tensors(f, params) for f, params in zip(flats, low)
+        ]
     else:
         high = [[state_of(m) for m in masters] for masters in getattr(optimizer, "fp32_groups", [])]
-    return {id(p): master for params, masters in zip(low, high) for p, master in zip(params, masters)
-            if master is not None}
+    return {
+        id(p): master for params, masters in zip(low, high) for p, master in zip(params, masters) if master is not None
+    }
 
 
 def _gather_shards(shard: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
@@ -220,22 +224,25 @@ def load_exact(engine, path: Path) -> dict:
     rank's data-loader state. Every state file is read with weights_only=True."""
     own = ckpt.safe_load(path / ckpt.rank_file(dist.get_rank()), allowed=deepspeed_safe_globals())
     engine.checkpoint_engine = safe_checkpoint_engine(engine._config)  # (its parsed DeepSpeed config)
-    loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                       load_lr_scheduler_states=True)
+    loaded, _ = engine.load_checkpoint(
+        str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if loaded is None:
         raise ConfigError(f"DeepSpeed could not load checkpoint {path}")
     set_rng_state(own["rng"])
     return own["loader"]
 
 
-def load_elastic(engine, cfg: RunConfig, path: Path, saved_world_size: int,
-                 weights: dict[str, torch.Tensor], tp_rank: int) -> list[dict]:
+def load_elastic(
+    engine, cfg: RunConfig, path: Path, saved_world_size: int, weights: dict[str, torch.Tensor], tp_rank: int
+) -> list[dict]:
     """Complete a resume on another layout on an engine built from ``weights`` (the whole model's fp32
     masters): this rank's share of the masters, the Adam moments and step count, the LR schedule, and rank 0's
     RNG (every rank draws the same numbers); returns the loader states of all old ranks (the loader merges
     them into the global row position)."""
-    old_ranks = [ckpt.safe_load(path / ckpt.rank_file(r), allowed=deepspeed_safe_globals())
-                 for r in range(saved_world_size)]
+    old_ranks = [
+        ckpt.safe_load(path / ckpt.rank_file(r), allowed=deepspeed_safe_globals()) for r in range(saved_world_size)
+    ]
     moments, meta = ckpt.load_safetensors(path, ckpt.OPTIMIZER)
     tp = cfg.parallel.tensor_parallel
 
@@ -249,8 +256,16 @@ def load_elastic(engine, cfg: RunConfig, path: Path, saved_world_size: int,
     _set_full(engine, inner, None, {name: mine(name, w) for name, w in weights.items()})
     for key in ADAM_KEYS:
         prefix = f"{key}/"
-        _set_full(engine, inner, key, {name[len(prefix):]: mine(name[len(prefix):], v)
-                                       for name, v in moments.items() if name.startswith(prefix)})
+        _set_full(
+            engine,
+            inner,
+            key,
+            {
+                name[len(prefix) :]: mine(name[len(prefix) :], v)
+                for name, v in moments.items()
+                if name.startswith(prefix)
+            },
+        )
     scheduler = json.loads(meta["lr_scheduler"])
     if engine.lr_scheduler is not None and scheduler is not None:
         engine.lr_scheduler.load_state_dict(scheduler)

@@ -1,10 +1,10 @@
 """bf16 matrix products on CPUs without bf16 GEMM kernels: computed as fp32 GEMMs of the bf16 operands.
 
-PyTorch runs bf16 GEMMs on a CPU with oneDNN where the CPU has AVX-512 (BW/VL/DQ; AVX512_BF16 and AMX
-natively), AVX-NE-CONVERT (recent Intel client CPUs) or Arm's BF16 extension. Elsewhere (AVX2-only x86: Zen 2/3, Intel client CPUs) ``mm`` and ``bmm``
-fall back to a generic loop. On a 2-core AVX2 EPYC with torch 2.13 the bf16 GEMMs of a training step ran 7-186x
-slower (by the operands' layout) than fp32 GEMMs of the same operands (``bench/cpu_bf16.py``), and the trainer
-ran a bf16 step of the benchmark model 25x faster with this module (BENCHMARKS.md, section 5g).
+PyTorch runs bf16 GEMMs on a CPU with oneDNN where the CPU has AVX-512 (BW/VL/DQ; AVX512_BF16 and AMX natively),
+AVX-NE-CONVERT (recent Intel client CPUs) or Arm's BF16 extension. Elsewhere (AVX2-only x86: Zen 2/3, Intel client CPUs)
+``mm`` and ``bmm`` fall back to a generic loop. On a 2-core AVX2 EPYC with torch 2.13 the bf16 GEMMs of a training step
+ran 7-186x slower (by the operands' layout) than fp32 GEMMs of the same operands (``bench/cpu_bf16.py``), and the
+trainer ran a bf16 step of the benchmark model 25x faster with this module (BENCHMARKS.md, section 5g).
 
 The product of two bf16 numbers is exact in fp32 (8-bit significands, a 16-bit product), so a bf16 GEMM
 with fp32 accumulation (what oneDNN and cuBLAS compute) is the fp32 GEMM of the upcast operands, up to the
@@ -35,12 +35,17 @@ CHOICES = typing.get_args(TrainConfig.model_fields["cpu_bf16_matmul"].annotation
 
 _aten = torch.ops.aten
 # the GEMM operators that linear, matmul, einsum and our attention cores and head lower to
-GEMMS = frozenset(getattr(packet, overload) for packet in (_aten.mm, _aten.bmm, _aten.addmm, _aten.baddbmm)
-                  for overload in ("default", "out"))
+GEMMS = frozenset(
+    getattr(packet, overload)
+    for packet in (_aten.mm, _aten.bmm, _aten.addmm, _aten.baddbmm)
+    for overload in ("default", "out")
+)
 GEMMS_IN_PLACE = {_aten.addmm_.default: _aten.addmm.default, _aten.baddbmm_.default: _aten.baddbmm.default}
 # fused attention -> which of its outputs are in the inputs' dtype (the forward's log-sum-exp is fp32 in any case)
-ATTENTION = {_aten._scaled_dot_product_flash_attention_for_cpu.default: (0,),
-             _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1, 2)}
+ATTENTION = {
+    _aten._scaled_dot_product_flash_attention_for_cpu.default: (0,),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1, 2),
+}
 
 
 @functools.cache

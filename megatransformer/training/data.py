@@ -16,18 +16,37 @@ def loader_settings(cfg: RunConfig, pin_memory: bool = False) -> LoaderSettings:
     """The loader's arguments from a run config (data.*, objective, objective_args, model.arch/vocab_size, seed);
     ``pin_memory`` for a run on CUDA."""
     data = cfg.data
-    return LoaderSettings(train=_sources(data.train), valid=_sources(data.valid), seq_len=data.seq_len,
-                          objective=cfg.objective, arch=cfg.model.arch, vocab_size=cfg.model.vocab_size,
-                          seed=cfg.seed, objective_args=cfg.objective_args, pack=data.pack, shuffle_buffer=data.shuffle_buffer,
-                          num_workers=data.num_workers, on_corrupt=data.on_corrupt, streams=data.streams,
-                          retries=data.retries, pin_memory=pin_memory)
+    return LoaderSettings(
+        train=_sources(data.train),
+        valid=_sources(data.valid),
+        seq_len=data.seq_len,
+        objective=cfg.objective,
+        arch=cfg.model.arch,
+        vocab_size=cfg.model.vocab_size,
+        seed=cfg.seed,
+        objective_args=cfg.objective_args,
+        pack=data.pack,
+        shuffle_buffer=data.shuffle_buffer,
+        num_workers=data.num_workers,
+        on_corrupt=data.on_corrupt,
+        streams=data.streams,
+        retries=data.retries,
+        pin_memory=pin_memory,
+    )
 
 
-def build_run_loader(cfg: RunConfig, split: str, micro_batch_size: int, dp_rank: int, dp_size: int,
-                     tokenizer: TokenizerInfo, epochs: int | None = None, pin_memory: bool = False) -> StreamingLoader:
+def build_run_loader(
+    cfg: RunConfig,
+    split: str,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    tokenizer: TokenizerInfo,
+    epochs: int | None = None,
+    pin_memory: bool = False,
+) -> StreamingLoader:
     """data_pipeline.loader.build_loader for a run config (same arguments otherwise)."""
-    return build_loader(loader_settings(cfg, pin_memory), split, micro_batch_size, dp_rank, dp_size, tokenizer,
-                        epochs)
+    return build_loader(loader_settings(cfg, pin_memory), split, micro_batch_size, dp_rank, dp_size, tokenizer, epochs)
 
 
 def small_validation_warning(loader: StreamingLoader, micro_batch_size: int) -> str | None:
@@ -36,6 +55,8 @@ def small_validation_warning(loader: StreamingLoader, micro_batch_size: int) -> 
     rows = len(next(iter(loader))["input_ids"])
     if rows >= micro_batch_size:
         return None
-    return (f"warning: the validation split holds {rows} sequence{'s' * (rows != 1)}, less than one batch of "
-            f"{micro_batch_size}: validation loss is measured on {'them' if rows > 1 else 'it'} alone (noisy); "
-            "shard more validation documents (data shard --valid-every) for a steadier number")
+    return (
+        f"warning: the validation split holds {rows} sequence{'s' * (rows != 1)}, less than one batch of "
+        f"{micro_batch_size}: validation loss is measured on {'them' if rows > 1 else 'it'} alone (noisy); "
+        "shard more validation documents (data shard --valid-every) for a steadier number"
+    )

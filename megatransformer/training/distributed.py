@@ -41,13 +41,16 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "WORLD_SIZE" not in os.environ:  # a plain single process: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     if os.environ.get("MASTER_PORT") == "0":  # torchrun --master_port=0 exports 0: every rank would wait forever
         from megatransformer.config import ConfigError
 
-        raise ConfigError("MASTER_PORT=0 cannot be reached by the other ranks; use `torchrun --standalone` "
-                          "or pass a free port with --master_port")
+        raise ConfigError(
+            "MASTER_PORT=0 cannot be reached by the other ranks; use `torchrun --standalone` "
+            "or pass a free port with --master_port"
+        )
     import deepspeed
     import torch.distributed as dist
 
@@ -95,12 +98,15 @@ def collective_failure(err: BaseException, timeout_minutes: float) -> str | None
         return None
     own = [f for f in frames if any(part in f.filename for part in _OWN_FILES)]
     # the innermost two of our frames: e.g. "in step (engine.py:154) < run (loop.py:106)"
-    where = " in " + " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in own[:-3:-1]) \
-        if own else ""
+    where = (
+        " in " + " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in own[:-3:-1]) if own else ""
+    )
     reason = re.sub(r"^\[[^\]]*\] ", "", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
     if "timed out" in reason.lower():
-        return (f"{comm[-1].name}{where} timed out: no answer from another rank within parallel.timeout_minutes="
-                f"{timeout_minutes:g}; a rank is stalled or dead ({reason})")
+        return (
+            f"{comm[-1].name}{where} timed out: no answer from another rank within parallel.timeout_minutes="
+            f"{timeout_minutes:g}; a rank is stalled or dead ({reason})"
+        )
     if _PEER_GONE.search(reason):
         return f"{comm[-1].name}{where} failed: another rank is gone ({reason})"
     return None

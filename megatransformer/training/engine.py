@@ -14,21 +14,22 @@ counts are counted from the loader's CPU tensors, attention metadata is built on
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
+from megatransformer.checkpoint import TrainerState
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
 from megatransformer.model import build_model
-from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, partition_dim
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
-from megatransformer.checkpoint import TrainerState
+from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, partition_dim
 from megatransformer.training import checkpointer
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
@@ -66,15 +67,18 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
     else:
         # PyTorch's fused AdamW (CUDA and CPU kernels; no JIT-built op): one kernel per step, and no read of
         # the step count per parameter as its unfused implementations do
-        optimizer = {"type": "AdamW" if o.name == "adamw" else "Adam",
-                     "params": {**adam, "torch_adam": True, "fused": True}}
+        optimizer = {
+            "type": "AdamW" if o.name == "adamw" else "Adam",
+            "params": {**adam, "torch_adam": True, "fused": True},
+        }
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": sizes.micro,
         "gradient_accumulation_steps": sizes.accum,
         "gradient_clipping": t.grad_clip,
         "steps_per_print": 1 << 30,
-        "zero_optimization": {"stage": engine_zero_stage(cfg, sizes.dp, torch.device(device).type)
-                              if zero_stage is None else zero_stage},
+        "zero_optimization": {
+            "stage": engine_zero_stage(cfg, sizes.dp, torch.device(device).type) if zero_stage is None else zero_stage
+        },
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "optimizer": optimizer,
@@ -88,8 +92,10 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
             raise ConfigError("parallel.offload_optimizer needs parallel.zero_stage >= 1")
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     if p.tensor_parallel > 1:
-        ds["tensor_parallel"] = {"autotp_size": p.tensor_parallel, "partition_config": {
-            "use_default_specs": False, "layer_specs": deepspeed_layer_specs()}}
+        ds["tensor_parallel"] = {
+            "autotp_size": p.tensor_parallel,
+            "partition_config": {"use_default_specs": False, "layer_specs": deepspeed_layer_specs()},
+        }
     return ds
 
 
@@ -107,8 +113,13 @@ class StepResult:
 class TrainModule:
     """A DeepSpeed engine and the optimizer step of a RunConfig: ZeRO stage, AutoTP, precision, optimizer."""
 
-    def __init__(self, cfg: RunConfig, dist_info: Dist, init_state: dict[str, torch.Tensor] | None = None,
-                 zero_stage: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dist_info: Dist,
+        init_state: dict[str, torch.Tensor] | None = None,
+        zero_stage: int | None = None,
+    ) -> None:
         """``zero_stage``: the stage DeepSpeed runs, by default :func:`engine_zero_stage` (probes of ZeRO's
         own step on one rank pass ``cfg.parallel.zero_stage``)."""
         import deepspeed
@@ -118,8 +129,9 @@ class TrainModule:
         tp = self.tp = cfg.parallel.tensor_parallel
         sp = cfg.parallel.sequence_parallel
         self.sizes = resolve_batch_sizes(cfg.train, data_parallel_size(cfg, dist_info.world_size))
-        self.zero_stage = zero_stage if zero_stage is not None else \
-            engine_zero_stage(cfg, self.sizes.dp, self.device.type)
+        self.zero_stage = (
+            zero_stage if zero_stage is not None else engine_zero_stage(cfg, self.sizes.dp, self.device.type)
+        )
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = build_model(cfg.model)
         if init_state is not None:
@@ -132,10 +144,13 @@ class TrainModule:
             apply_ulysses(model, mpu.get_sequence_parallel_group(), self.sequence.rank, sp)
         full_shapes = {name: p.shape for name, p in model.named_parameters()}
         groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=groups_,
-                                               config=deepspeed_config(cfg, self.sizes, dist_info.device,
-                                                                       self.zero_stage),
-                                               lr_scheduler=make_scheduler(cfg), mpu=mpu)
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=groups_,
+            config=deepspeed_config(cfg, self.sizes, dist_info.device, self.zero_stage),
+            lr_scheduler=make_scheduler(cfg),
+            mpu=mpu,
+        )
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
             check_batch_without_masks(self.engine)
@@ -154,17 +169,21 @@ class TrainModule:
             # flat buffer and back (tensor-parallel peers' replicated gradients are equal already)
             self.engine.enable_backward_allreduce = False
         # forward and backward passes run in it: fp32 GEMMs for bf16 on CPUs without bf16 kernels (cpu_bf16.py)
-        self.matmuls = matmul_context(gemms_as_fp32(cfg.train.cpu_bf16_matmul, self.device,
-                                                    precision_dtype(cfg.precision), cfg.train.compile))
+        self.matmuls = matmul_context(
+            gemms_as_fp32(cfg.train.cpu_bf16_matmul, self.device, precision_dtype(cfg.precision), cfg.train.compile)
+        )
         # flash-attn's varlen metadata is built only where flash-attn may run
         self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
         self.grad_norm: torch.Tensor | None = None  # ZeRO-0: this step's, on the device
 
     # ------------------------------------------------------------------------------------ one step
 
-    def step(self, batches: Iterator[Mapping[str, torch.Tensor]],
-             stop_requested: Callable[[], bool] = lambda: False,
-             reject: Callable[[float], bool] | None = None) -> StepResult:
+    def step(
+        self,
+        batches: Iterator[Mapping[str, torch.Tensor]],
+        stop_requested: Callable[[], bool] = lambda: False,
+        reject: Callable[[float], bool] | None = None,
+    ) -> StepResult:
         """Forward/backward every micro batch of one optimizer step, then step (or skip a bad step).
         ``reject(loss)`` (the global batch's loss, the same on every rank) may refuse a finite step's update
         (a loss spike).
@@ -231,11 +250,16 @@ class TrainModule:
         layout) and what the train loader continues from (this rank's state, or every old rank's)."""
         if plan.elastic is None:
             return plan.state, checkpointer.load_exact(self.engine, plan.path)
-        loader_states = checkpointer.load_elastic(self.engine, self.cfg, plan.path, plan.state.world_size,
-                                                  plan.elastic.weights, self.tp_rank)
+        loader_states = checkpointer.load_elastic(
+            self.engine, self.cfg, plan.path, plan.state.world_size, plan.elastic.weights, self.tp_rank
+        )
         plan.elastic.weights = {}  # (no second copy of the model kept for the run)
-        layout = {"world_size": dist.get_world_size(), "tensor_parallel": self.tp,
-                  "sequence_parallel": self.cfg.parallel.sequence_parallel, "zero_stage": self.zero_stage}
+        layout = {
+            "world_size": dist.get_world_size(),
+            "tensor_parallel": self.tp,
+            "sequence_parallel": self.cfg.parallel.sequence_parallel,
+            "zero_stage": self.zero_stage,
+        }
         return plan.state.model_copy(update=layout), loader_states
 
     def split(self, batch: Mapping[str, torch.Tensor]) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
@@ -243,8 +267,9 @@ class TrainModule:
         unless sequence parallelism splits it (:meth:`SequenceShard.split`)."""
         return (batch, batch) if self.sequence is None else self.sequence.split(batch)
 
-    def to_device(self, batch: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor] | None = None
-                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
+    def to_device(
+        self, batch: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor] | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
         """A loader batch as model inputs, labels and attention masks on the device (:func:`batch_to_device`;
         on CUDA the copies come from pinned memory and do not wait); ``whole``: the batch the masks describe,
         when ``batch`` is this rank's part of its sequences."""
@@ -286,9 +311,13 @@ class TrainModule:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(targets)}
 
 
-def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device, arch: str, varlen: bool = False,
-                    whole: Mapping[str, torch.Tensor] | None = None
-                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
+def batch_to_device(
+    batch: Mapping[str, torch.Tensor],
+    device: torch.device,
+    arch: str,
+    varlen: bool = False,
+    whole: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
     """A loader batch as model inputs, labels and attention masks on ``device``: the masks' metadata built
     from the host tensors of ``whole`` (default: ``batch``), each tensor copied once (a segment tensor the
     masks share with the inputs too)."""
@@ -309,8 +338,11 @@ def real_positions(batch: Mapping[str, torch.Tensor]) -> int:
     total = 0
     for ids, segments in (("input_ids", "segment_ids"), ("decoder_input_ids", "decoder_segment_ids")):
         if ids in batch:
-            total += int(np.count_nonzero(batch[segments].numpy() != PAD_SEGMENT)) if segments in batch \
+            total += (
+                int(np.count_nonzero(batch[segments].numpy() != PAD_SEGMENT))
+                if segments in batch
                 else batch[ids].numel()
+            )
     return total
 
 
@@ -359,8 +391,10 @@ def unclipped_grad_norm(module: torch.nn.Module, tensor_parallel: int) -> torch.
             split = tensor_parallel > 1 and partition_dim(name) is not None
             (sharded if split else replicated).append(param.grad.detach())
     device = next(module.parameters()).device
-    squares = [sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads),
-                   torch.zeros((), device=device)) for grads in (sharded, replicated)]
+    squares = [
+        sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads), torch.zeros((), device=device))
+        for grads in (sharded, replicated)
+    ]
     if tensor_parallel > 1:
         from deepspeed.utils import groups
 
@@ -379,6 +413,8 @@ def check_tensor_parallel_shards(module: torch.nn.Module, full_shapes: Mapping[s
             continue
         shape = getattr(param, "ds_shape", param.shape)  # (ZeRO-3 keeps the shape aside)
         if math.prod(shape) * tp != math.prod(full_shapes[name]):
-            raise ConfigError(f"tensor parallelism did not split {name}: it holds {tuple(shape)} of "
-                              f"{tuple(full_shapes[name])} on tensor_parallel={tp}; upgrade DeepSpeed "
-                              "(pip install -U deepspeed) or set parallel.tensor_parallel=1")
+            raise ConfigError(
+                f"tensor parallelism did not split {name}: it holds {tuple(shape)} of "
+                f"{tuple(full_shapes[name])} on tensor_parallel={tp}; upgrade DeepSpeed "
+                "(pip install -U deepspeed) or set parallel.tensor_parallel=1"
+            )

@@ -29,16 +29,23 @@ def resolve_batch_sizes(train: TrainConfig, dp: int) -> BatchSizes:
         accum = 1 if total is None else None
     if micro is None:
         micro, rest = divmod(total, accum * dp)
-        _check(rest == 0 and micro > 0, f"train.global_batch_size={total} is not divisible by "
-                                        f"train.grad_accum={accum} x data-parallel size {dp}")
+        _check(
+            rest == 0 and micro > 0,
+            f"train.global_batch_size={total} is not divisible by train.grad_accum={accum} x data-parallel size {dp}",
+        )
     elif accum is None:
         accum, rest = divmod(total, micro * dp)
-        _check(rest == 0 and accum > 0, f"train.global_batch_size={total} is not divisible by "
-                                        f"train.micro_batch_size={micro} x data-parallel size {dp}")
+        _check(
+            rest == 0 and accum > 0,
+            f"train.global_batch_size={total} is not divisible by "
+            f"train.micro_batch_size={micro} x data-parallel size {dp}",
+        )
     sizes = BatchSizes(micro, accum, dp)
-    _check(total is None or sizes.global_batch == total,
-           f"train.global_batch_size={total} != micro_batch_size={micro} x grad_accum={accum} x "
-           f"data-parallel size {dp} = {sizes.global_batch}")
+    _check(
+        total is None or sizes.global_batch == total,
+        f"train.global_batch_size={total} != micro_batch_size={micro} x grad_accum={accum} x "
+        f"data-parallel size {dp} = {sizes.global_batch}",
+    )
     return sizes
 
 
@@ -51,8 +58,11 @@ def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
     """Ranks that read distinct batches: the world over the tensor- and sequence-parallel degrees."""
     p = cfg.parallel
     group = p.tensor_parallel * p.sequence_parallel
-    _check(world_size % group == 0, f"parallel.tensor_parallel={p.tensor_parallel} x parallel.sequence_parallel="
-                                    f"{p.sequence_parallel} does not divide the world size {world_size}")
+    _check(
+        world_size % group == 0,
+        f"parallel.tensor_parallel={p.tensor_parallel} x parallel.sequence_parallel="
+        f"{p.sequence_parallel} does not divide the world size {world_size}",
+    )
     return world_size // group
 
 
@@ -88,13 +98,19 @@ def zero_stage_notes(cfg: RunConfig, engine_stage: int, device_type: str) -> lis
     """The run log's lines about the ZeRO stage the engine runs (``engine_stage``)."""
     notes = []
     if engine_stage != cfg.parallel.zero_stage:
-        notes.append(f"parallel.zero_stage={cfg.parallel.zero_stage} on one data-parallel rank: nothing to partition, "
-                     "so DeepSpeed runs without ZeRO (the same AdamW, without the bucket copies)")
+        notes.append(
+            f"parallel.zero_stage={cfg.parallel.zero_stage} on one data-parallel rank: nothing to partition, "
+            "so DeepSpeed runs without ZeRO (the same AdamW, without the bucket copies)"
+        )
     if engine_stage == 0 and cfg.precision == "bf16" and cfg.train.grad_accum != 1:
-        notes.append("precision=bf16 with parallel.zero_stage=0 accumulates gradients over micro batches in bf16 "
-                     "(DeepSpeed accumulates in fp32 from ZeRO-1 on)")
+        notes.append(
+            "precision=bf16 with parallel.zero_stage=0 accumulates gradients over micro batches in bf16 "
+            "(DeepSpeed accumulates in fp32 from ZeRO-1 on)"
+        )
     if engine_stage == 0 and cfg.precision != "fp32" and device_type == "cuda":
-        notes.append(f"warning: precision={cfg.precision} with parallel.zero_stage=0 steps through DeepSpeed's unfused "
-                     f"{cfg.precision} optimizer, which waits for the GPU once per parameter in every step; "
-                     "parallel.zero_stage=1 waits a constant few times")
+        notes.append(
+            f"warning: precision={cfg.precision} with parallel.zero_stage=0 steps through DeepSpeed's unfused "
+            f"{cfg.precision} optimizer, which waits for the GPU once per parameter in every step; "
+            "parallel.zero_stage=1 waits a constant few times"
+        )
     return notes

@@ -61,8 +61,9 @@ class Preemption:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None,
-                 preemption: Preemption | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None, preemption: Preemption | None = None
+    ) -> None:
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         # decided before the engine: on another layout it is built from the checkpoint's weights
         self.resume = plan_resume(cfg, dist_info.world_size, torch.device(dist_info.device).type, tokenizer.sha256)
@@ -71,16 +72,23 @@ class Trainer:
         self.module = TrainModule(cfg, dist_info, init_state)
         micro = self.module.sizes.micro
         pin = dist_info.device.startswith("cuda")  # batches in page-locked memory: copies that do not wait
-        self.train_loader = build_run_loader(cfg, "train", micro, self.module.dp_rank, self.module.dp_size,
-                                             tokenizer, pin_memory=pin)
+        self.train_loader = build_run_loader(
+            cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer, pin_memory=pin
+        )
         self.valid_loader = build_run_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
         warning = small_validation_warning(self.valid_loader, micro)
         if warning and dist_info.is_main:
             print(warning)
-        self.state = ckpt.TrainerState(step=0, tokens=0, bad_steps=0, tokenizer_sha256=tokenizer.sha256,
-                                       world_size=dist_info.world_size, tensor_parallel=cfg.parallel.tensor_parallel,
-                                       sequence_parallel=cfg.parallel.sequence_parallel,
-                                       zero_stage=self.module.zero_stage)
+        self.state = ckpt.TrainerState(
+            step=0,
+            tokens=0,
+            bad_steps=0,
+            tokenizer_sha256=tokenizer.sha256,
+            world_size=dist_info.world_size,
+            tensor_parallel=cfg.parallel.tensor_parallel,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            zero_stage=self.module.zero_stage,
+        )
         self.preemption = preemption or Preemption()
         self.spikes = spikes.SpikeLadder(cfg.train.spikes)
 
@@ -112,11 +120,21 @@ class Trainer:
             return 0
         if self.dist.is_main:
             p = cfg.parallel
-            print(f"layout: {describe_layout(self.module.dp_size, p.tensor_parallel, p.sequence_parallel)} "
-                  f"on {self.dist.world_size} rank{'s' if self.dist.world_size > 1 else ''}")
+            print(
+                f"layout: {describe_layout(self.module.dp_size, p.tensor_parallel, p.sequence_parallel)} "
+                f"on {self.dist.world_size} rank{'s' if self.dist.world_size > 1 else ''}"
+            )
             dtype = precision_dtype(cfg.precision)
-            print(describe_backend(cfg.model.attention_backend, torch.device(self.dist.device).type, dtype,
-                                   cfg.model.attention_dropout, cfg.model.head_dim, cfg.model.position == "alibi"))
+            print(
+                describe_backend(
+                    cfg.model.attention_backend,
+                    torch.device(self.dist.device).type,
+                    dtype,
+                    cfg.model.attention_dropout,
+                    cfg.model.head_dim,
+                    cfg.model.position == "alibi",
+                )
+            )
             matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, cfg.train.compile)
             if matmuls is not None:
                 print(matmuls)
@@ -126,8 +144,13 @@ class Trainer:
             if warning:
                 print(warning)
         size = model_size(cfg.model, cfg.data.seq_len)
-        report = Reporter(cfg, self.dist.is_main, self.state.step,
-                          self.tracker_config(size.params) if self.dist.is_main else None, self.spikes.rollbacks)
+        report = Reporter(
+            cfg,
+            self.dist.is_main,
+            self.state.step,
+            self.tracker_config(size.params) if self.dist.is_main else None,
+            self.spikes.rollbacks,
+        )
         watchdog = Watchdog(cfg, self.dist.rank)  # (a hang ends the run with the stacks on file)
         flops = size.flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
@@ -149,17 +172,26 @@ class Trainer:
             if self.state.step % cfg.train.log_every == 0 or self.state.step == cfg.train.max_steps:
                 seconds = time.perf_counter() - window_start
                 tokens_per_s = window_tokens / seconds
-                report.log({"step": self.state.step, "loss": result.loss if math.isfinite(result.loss) else None,
-                            "lr": result.lr, "grad_norm": self.module.last_grad_norm(),
-                            "tokens": self.state.tokens, "tokens_per_s": tokens_per_s,
-                            "mfu": window_real / seconds * flops / peak_flops if peak_flops else None,
-                            "bad_steps": self.state.bad_steps,
-                            "skipped_shards": len(self.train_loader.skipped_shards),
-                            **device_memory(self.dist.device)})
+                report.log(
+                    {
+                        "step": self.state.step,
+                        "loss": result.loss if math.isfinite(result.loss) else None,
+                        "lr": result.lr,
+                        "grad_norm": self.module.last_grad_norm(),
+                        "tokens": self.state.tokens,
+                        "tokens_per_s": tokens_per_s,
+                        "mfu": window_real / seconds * flops / peak_flops if peak_flops else None,
+                        "bad_steps": self.state.bad_steps,
+                        "skipped_shards": len(self.train_loader.skipped_shards),
+                        **device_memory(self.dist.device),
+                    }
+                )
                 window_start, window_tokens, window_real = time.perf_counter(), 0, 0
             if not result.finite:
-                report.message(f"step {self.state.step}: non-finite loss or gradients, update skipped "
-                               f"({self.state.bad_steps} in a row)")
+                report.message(
+                    f"step {self.state.step}: non-finite loss or gradients, update skipped "
+                    f"({self.state.bad_steps} in a row)"
+                )
             if result.rejected or (not result.finite and cfg.train.spikes.enabled):
                 action = self.answer_spike(result.loss, report)
                 if action == spikes.STOP:
@@ -172,13 +204,16 @@ class Trainer:
             if cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0:
                 report.log({"step": self.state.step, **self.evaluate()})
             if self.state.bad_steps >= cfg.train.max_bad_steps:
-                report.message(f"stopping: {self.state.bad_steps} consecutive non-finite steps "
-                               f"(train.max_bad_steps); lower optim.lr or check the data")
+                report.message(
+                    f"stopping: {self.state.bad_steps} consecutive non-finite steps "
+                    f"(train.max_bad_steps); lower optim.lr or check the data"
+                )
                 exit_code = EXIT_DIVERGED
                 break
             if result.stop:
-                report.message(f"{self.preemption.reason()} at step {self.state.step}: checkpointing, "
-                               f"exit {EXIT_PREEMPTED}")
+                report.message(
+                    f"{self.preemption.reason()} at step {self.state.step}: checkpointing, exit {EXIT_PREEMPTED}"
+                )
                 exit_code = EXIT_PREEMPTED
                 break
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
@@ -194,8 +229,9 @@ class Trainer:
     def tracker_config(self, parameters: int) -> dict:
         """The config W&B records: the resolved config, and the run's facts under ``run``."""
         sizes = self.module.sizes
-        facts = run_facts(sizes, self.dist.world_size, self.cfg.parallel.tensor_parallel, self.module.zero_stage,
-                          parameters)
+        facts = run_facts(
+            sizes, self.dist.world_size, self.cfg.parallel.tensor_parallel, self.module.zero_stage, parameters
+        )
         return {**resolved_config(self.cfg, sizes), "run": facts}
 
     def save(self) -> Path:
@@ -207,8 +243,12 @@ class Trainer:
     def restore(self, path: Path) -> None:
         """Load checkpoint ``path`` into the running engine, trainer state and loader (on another layout
         than the one that wrote it too)."""
-        plan = plan_resume(self.cfg.model_copy(update={"resume": str(path)}), self.dist.world_size,
-                           torch.device(self.dist.device).type, self.tokenizer.sha256)
+        plan = plan_resume(
+            self.cfg.model_copy(update={"resume": str(path)}),
+            self.dist.world_size,
+            torch.device(self.dist.device).type,
+            self.tokenizer.sha256,
+        )
         self.state, loader_state = self.module.load(plan)
         self.train_loader.load_state_dict(loader_state)
 
@@ -228,17 +268,24 @@ class Trainer:
             rows = self.roll_back(target)
             report.rewind(self.state.step, self.spikes.rollbacks)
             record.update(checkpoint=target.name, skipped_rows=list(rows))
-            report.event(record, spikes.describe(event, rows, target.name, self.spikes.rollbacks,
-                                                 self.cfg.train.spikes.max_rollbacks))
+            report.event(
+                record,
+                spikes.describe(event, rows, target.name, self.spikes.rollbacks, self.cfg.train.spikes.max_rollbacks),
+            )
             if self.dist.is_main:  # (last: a run killed before this resumes to the same answer)
                 ckpt.rewind_to(target)
                 spikes.write_log(self.cfg.run_dir, self.state.spikes)
         if event.action == spikes.STOP:
             limit = self.cfg.train.spikes.max_rollbacks
-            why = f"{limit} rollbacks (train.spikes.max_rollbacks)" if self.spikes.rollbacks >= limit else \
-                f"finding no intact checkpoint before step {event.began} to roll back to"
-            report.message(f"stopping: loss spikes since step {event.began} after {why}; lower optim.lr, raise "
-                           "train.spikes.max_rollbacks, or look at the data (megatransformer data inspect --rows)")
+            why = (
+                f"{limit} rollbacks (train.spikes.max_rollbacks)"
+                if self.spikes.rollbacks >= limit
+                else f"finding no intact checkpoint before step {event.began} to roll back to"
+            )
+            report.message(
+                f"stopping: loss spikes since step {event.began} after {why}; lower optim.lr, raise "
+                "train.spikes.max_rollbacks, or look at the data (megatransformer data inspect --rows)"
+            )
         return event.action
 
     def roll_back(self, path: Path) -> tuple[int, int]:
@@ -257,8 +304,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Validation loss over the first train.eval_batches batches of the validation split (every rank
         reads the same batches; the train module deals them across data-parallel ranks)."""
-        return self.module.evaluate([batch for _, batch in zip(range(self.cfg.train.eval_batches),
-                                                              self.valid_loader)])
+        return self.module.evaluate([batch for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader)])
 
 
 def device_memory(device: str) -> dict[str, float]:
@@ -266,4 +312,3 @@ def device_memory(device: str) -> dict[str, float]:
     if not device.startswith("cuda"):
         return {}
     return {"max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
-

@@ -23,8 +23,14 @@ if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without
 # name contained in torch.cuda.get_device_name() wins, so the more specific names come first. fp32 runs are
 # measured against TF32, half of these.
 GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("GH200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),  # H100 SXM
-    ("H200 NVL", 835.0), ("H200", 989.0), ("B200", 2250.0), ("A100", 312.0),  # A100 40/80 GB, SXM and PCIe
+    ("GH200", 989.0),
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),  # H100 SXM
+    ("H200 NVL", 835.0),
+    ("H200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),  # A100 40/80 GB, SXM and PCIe
 )
 
 
@@ -81,11 +87,15 @@ def truncate_metrics(path: Path, after_step: int, rollbacks: int = 0) -> None:
             record = json.loads(line)
         except ValueError:
             if number == len(lines):
-                print(f"warning: {path}: the last line ({line[:40]!r}...) is cut short (an interrupted write); "
-                      "dropped", file=sys.stderr, flush=True)
+                print(
+                    f"warning: {path}: the last line ({line[:40]!r}...) is cut short (an interrupted write); dropped",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
-            raise ConfigError(f"{path} line {number} is not JSON ({line[:40]!r}); remove or fix that line "
-                              "to resume") from None
+            raise ConfigError(
+                f"{path} line {number} is not JSON ({line[:40]!r}); remove or fix that line to resume"
+            ) from None
         if record.get("step", 0) <= after_step or record.get("rollbacks", rollbacks) < rollbacks:
             kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
@@ -106,8 +116,14 @@ class Reporter:
 
     ``tracker_config`` is what W&B records as the run's config (the resolved config and the run's facts)."""
 
-    def __init__(self, cfg: RunConfig, is_main: bool, start_step: int,
-                 tracker_config: dict[str, Any] | None = None, rollbacks: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        is_main: bool,
+        start_step: int,
+        tracker_config: dict[str, Any] | None = None,
+        rollbacks: int = 0,
+    ) -> None:
         self.cfg, self.is_main = cfg, is_main
         self.path = Path(cfg.run_dir) / "metrics.jsonl"
         self.bar = None
@@ -130,20 +146,25 @@ class Reporter:
         ``kind`` (train / valid) and wall-clock ``time`` (Unix seconds)."""
         if not self.is_main:
             return
-        record = {"step": record["step"], "kind": "valid" if "val_loss" in record else "train",
-                  "time": round(time.time(), 3), **record}
+        record = {
+            "step": record["step"],
+            "kind": "valid" if "val_loss" in record else "train",
+            "time": round(time.time(), 3),
+            **record,
+        }
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind", "time")},
-                           step=record["step"])
+            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind", "time")}, step=record["step"])
         if self.tensorboard is not None:
             self.tensorboard.log(record)
         if "loss" in record:
             self.message(self.train_line(record))
         if "val_loss" in record:
-            self.message(f"step {record['step']}: validation loss {record['val_loss']:.4f}, perplexity "
-                         f"{record['val_ppl']:,.2f} ({record['val_tokens']:,} tokens)")
+            self.message(
+                f"step {record['step']}: validation loss {record['val_loss']:.4f}, perplexity "
+                f"{record['val_ppl']:,.2f} ({record['val_tokens']:,} tokens)"
+            )
 
     def event(self, record: dict[str, Any], line: str) -> None:
         """A loss-spike event: metrics.jsonl (``kind`` spike), its console ``line``, W&B (an alert for a
@@ -155,8 +176,9 @@ class Reporter:
             f.write(json.dumps(record) + "\n")
         self.message(line)
         if self.wandb is not None:
-            self.wandb.log({"spikes/loss": record["spike_loss"], "spikes/threshold": record["threshold"]},
-                           step=record["step"])
+            self.wandb.log(
+                {"spikes/loss": record["spike_loss"], "spikes/threshold": record["threshold"]}, step=record["step"]
+            )
             if record["event"] != "skip" and wandb_mode(self.cfg) == "online":
                 self.wandb.alert(title=f"loss spike: {record['event']}", text=line)
 
@@ -171,8 +193,10 @@ class Reporter:
         loss = "nan" if record["loss"] is None else f"{record['loss']:.4f}"
         pace = (time.perf_counter() - self._started) / max(step - self._start_step, 1)
         mfu = "" if record.get("mfu") is None else f" | MFU {record['mfu']:.2%}"
-        return (f"step {step}/{total} | loss {loss} | lr {record['lr']:.3g} | {record['tokens_per_s']:,.0f} tok/s"
-                f"{mfu} | ETA {format_duration((total - step) * pace)}")
+        return (
+            f"step {step}/{total} | loss {loss} | lr {record['lr']:.3g} | {record['tokens_per_s']:,.0f} tok/s"
+            f"{mfu} | ETA {format_duration((total - step) * pace)}"
+        )
 
     def progress(self, step: int, loss: float, tokens_per_s: float, seconds_per_step: float) -> None:
         """Moves the progress bar (on a terminal); the numbers are shown per log interval by :meth:`log`."""
@@ -225,14 +249,22 @@ def start_wandb(cfg: RunConfig, config: dict[str, Any] | None = None):
     import wandb
 
     # W&B's own messages (credentials found, retries, errors) stay in its debug logs; the run log is ours
-    quiet = wandb.Settings(silent=True, quiet=True, console="off", show_info=False, show_warnings=False,
-                           show_errors=False)
+    quiet = wandb.Settings(
+        silent=True, quiet=True, console="off", show_info=False, show_warnings=False, show_errors=False
+    )
     configured = wandb.setup(quiet).settings.base_url  # from W&B's settings files, or its default
     run_dir = Path(cfg.run_dir)
     timeout = min(float(os.environ.get("WANDB_INIT_TIMEOUT", 90)), cfg.parallel.timeout_minutes * 60 / 2)
-    init = dict(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
-                tags=cfg.wandb.tags, config=config or cfg.model_dump(mode="json"), dir=str(run_dir),
-                resume="allow", id=_run_id(run_dir))
+    init = dict(
+        project=cfg.wandb.project,
+        entity=cfg.wandb.entity,
+        name=cfg.wandb.name or run_dir.name,
+        tags=cfg.wandb.tags,
+        config=config or cfg.model_dump(mode="json"),
+        dir=str(run_dir),
+        resume="allow",
+        id=_run_id(run_dir),
+    )
     if mode != "online":
         return wandb.init(**init, mode=mode, settings=quiet)
     down = unreachable(os.environ.get("WANDB_BASE_URL") or configured)
@@ -249,8 +281,11 @@ def start_wandb(cfg: RunConfig, config: dict[str, Any] | None = None):
 
 
 def _warn_offline(reason: str, run_dir: Path) -> None:
-    print(f"warning: {reason}; logging offline instead, upload later with "
-          f"`wandb sync {run_dir / 'wandb'}/offline-run-*`", file=sys.stderr, flush=True)
+    print(
+        f"warning: {reason}; logging offline instead, upload later with `wandb sync {run_dir / 'wandb'}/offline-run-*`",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _run_id(run_dir: Path) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,8 +53,10 @@ def warmup_warning(cfg: RunConfig) -> str | None:
     warmup, total = cfg.schedule.warmup_steps, cfg.train.max_steps
     if warmup <= total:
         return None
-    return (f"warning: schedule.warmup_steps={warmup} is longer than the run (train.max_steps={total}): the "
-            f"learning rate reaches only {total / warmup:.0%} of its peak; lower schedule.warmup_steps")
+    return (
+        f"warning: schedule.warmup_steps={warmup} is longer than the run (train.max_steps={total}): the "
+        f"learning rate reaches only {total / warmup:.0%} of its peak; lower schedule.warmup_steps"
+    )
 
 
 def make_scheduler(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:

@@ -35,19 +35,24 @@ def check_device(cfg: RunConfig, device: str) -> None:
     if cfg.precision == "fp16" and device == "cpu":
         raise ConfigError("precision=fp16 needs a GPU; use precision=bf16 or fp32 on CPU")
     if backend == "flex" and device == "cpu":
-        raise ConfigError("model.attention_backend=flex cannot train on CPU (FlexAttention has no CPU backward "
-                          "pass in this PyTorch); use model.attention_backend=auto or chunked")
+        raise ConfigError(
+            "model.attention_backend=flex cannot train on CPU (FlexAttention has no CPU backward "
+            "pass in this PyTorch); use model.attention_backend=auto or chunked"
+        )
     if backend == "flash":
         if device == "cpu":
-            raise ConfigError("model.attention_backend=flash needs a CUDA GPU, this machine has none; "
-                              "use model.attention_backend=auto")
+            raise ConfigError(
+                "model.attention_backend=flash needs a CUDA GPU, this machine has none; "
+                "use model.attention_backend=auto"
+            )
         if flash_attn_module() is None:  # installed is not enough: a build for another torch or CUDA fails on import
-            raise ConfigError("model.attention_backend=flash needs the flash-attn package, which does not import "
-                              f"here; {FLASH_ATTN_INSTALL} or use model.attention_backend=auto")
+            raise ConfigError(
+                "model.attention_backend=flash needs the flash-attn package, which does not import "
+                f"here; {FLASH_ATTN_INSTALL} or use model.attention_backend=auto"
+            )
 
 
 def check_data(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
     """Shards, tokenizer and model agree (the manifests' tokenizer hash and vocabulary, model.vocab_size),
     and the objective can use the shards; the loaders check the shard files themselves when built."""
     check_shards(loader_settings(cfg), tokenizer)
-

@@ -23,13 +23,29 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 
 # operators whose result (a value or a shape) the host must read from the device
-SYNCING_OPS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
-               aten.unique_consecutive, aten.equal, aten.is_nonzero}
+SYNCING_OPS = {
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten.masked_select,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.equal,
+    aten.is_nonzero,
+}
 # tensor methods that read values without an operator the dispatcher sees (on CPU tensors)
 SYNCING_METHODS = {torch.Tensor.tolist}
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "broadcast", "reduce", "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all_single",
+)
 
 
 class _DispatchCounter(TorchDispatchMode):
@@ -138,6 +154,11 @@ def probe_step(module, batches, warmup: int = 2) -> dict[str, Any]:
     cuda_syncs = CudaSyncCounter() if module.device.type == "cuda" else None
     with HostSyncCounter() as syncs, CollectiveDevices() as collectives, cuda_syncs or nullcontext():
         result = module.step(batches)
-    return {"host_syncs": syncs.total, "by_op": dict(syncs.counts), "collectives": len(collectives.calls),
-            "collective_devices": sorted(collectives.devices()), "loss": result.loss,
-            "cuda_syncs": None if cuda_syncs is None else cuda_syncs.total}
+    return {
+        "host_syncs": syncs.total,
+        "by_op": dict(syncs.counts),
+        "collectives": len(collectives.calls),
+        "collective_devices": sorted(collectives.devices()),
+        "loss": result.loss,
+        "cuda_syncs": None if cuda_syncs is None else cuda_syncs.total,
+    }

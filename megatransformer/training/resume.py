@@ -38,11 +38,15 @@ class ResumePlan:
         old, new = self.elastic.saved_sizes, self.elastic.sizes
         was = _layout(old.dp, s.tensor_parallel, s.sequence_parallel, s.zero_stage)
         now = _layout(new.dp, cfg.parallel.tensor_parallel, cfg.parallel.sequence_parallel, self.elastic.zero_stage)
-        line = (f"resuming step {s.step} written by {_ranks(s.world_size)} ({was}) on {_ranks(world_size)} ({now}): "
-                f"micro {new.micro} x accum {new.accum} (was micro {old.micro} x accum {old.accum})")
+        line = (
+            f"resuming step {s.step} written by {_ranks(s.world_size)} ({was}) on {_ranks(world_size)} ({now}): "
+            f"micro {new.micro} x accum {new.accum} (was micro {old.micro} x accum {old.accum})"
+        )
         if new.global_batch != old.global_batch:
-            line += (f"; global batch {old.global_batch} -> {new.global_batch} (resume_elastic=allow_batch_change): "
-                     "not an exact continuation")
+            line += (
+                f"; global batch {old.global_batch} -> {new.global_batch} (resume_elastic=allow_batch_change): "
+                "not an exact continuation"
+            )
         return line
 
 
@@ -53,8 +57,10 @@ def check_run_dir(cfg: RunConfig) -> None:
         ckpt.find_checkpoint(cfg.resume, f"resume={cfg.resume}")
     existing = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
     if cfg.resume is None and existing is not None:
-        raise ConfigError(f"run_dir={cfg.run_dir} already holds checkpoints (latest: {existing.name}); pass "
-                          "resume=auto to continue that run, or choose a new run_dir")
+        raise ConfigError(
+            f"run_dir={cfg.run_dir} already holds checkpoints (latest: {existing.name}); pass "
+            "resume=auto to continue that run, or choose a new run_dir"
+        )
 
 
 def resolve_resume(cfg: RunConfig) -> Path | None:
@@ -75,14 +81,16 @@ def _resolve_resume(cfg: RunConfig) -> Path | None:
     try:
         ckpt.verify_checkpoint(path)
     except ckpt.CheckpointDamaged as err:
-        hint = "" if isinstance(err, ckpt.CheckpointUnsafe) else ("; resume from another checkpoint (resume=auto "
-                                                                  "skips damaged ones)")
+        hint = (
+            ""
+            if isinstance(err, ckpt.CheckpointUnsafe)
+            else ("; resume from another checkpoint (resume=auto skips damaged ones)")
+        )
         raise ConfigError(f"resume={cfg.resume}: {err}{hint}") from None
     return path
 
 
-def plan_resume(cfg: RunConfig, world_size: int, device_type: str,
-                tokenizer_sha256: str | None) -> ResumePlan | None:
+def plan_resume(cfg: RunConfig, world_size: int, device_type: str, tokenizer_sha256: str | None) -> ResumePlan | None:
     """The resume of this run, or None for a fresh start. Refuses another model shape, another tokenizer and
     (unless ``resume_elastic=allow_batch_change``) another global batch; an elastic resume loads the saved
     weights here, since the engine is built from them."""
@@ -93,8 +101,9 @@ def plan_resume(cfg: RunConfig, world_size: int, device_type: str,
     ckpt.check_same_shapes(saved.model, cfg.model, f"checkpoint {path}")
     check_tokenizer(path, state, cfg, tokenizer_sha256)
     tp, sp = cfg.parallel.tensor_parallel, cfg.parallel.sequence_parallel
-    saved_sizes = resolve_batch_sizes(saved.train,
-                                      state.world_size // (state.tensor_parallel * state.sequence_parallel))
+    saved_sizes = resolve_batch_sizes(
+        saved.train, state.world_size // (state.tensor_parallel * state.sequence_parallel)
+    )
     sizes = resolve_batch_sizes(cfg.train, data_parallel_size(cfg, world_size))
     if sizes.global_batch != saved_sizes.global_batch and cfg.resume_elastic != "allow_batch_change":
         raise ConfigError(
@@ -102,7 +111,8 @@ def plan_resume(cfg: RunConfig, world_size: int, device_type: str,
             f"{saved_sizes.micro} x accum {saved_sizes.accum} x dp {saved_sizes.dp}), this run's is "
             f"{sizes.global_batch} (micro {sizes.micro} x accum {sizes.accum} x dp {sizes.dp}); set "
             f"train.global_batch_size={saved_sizes.global_batch} to continue exactly, or "
-            "resume_elastic=allow_batch_change to continue with the new batch")
+            "resume_elastic=allow_batch_change to continue with the new batch"
+        )
     zero_stage = engine_zero_stage(cfg, sizes.dp, device_type)
     saved_layout = (state.world_size, state.tensor_parallel, state.sequence_parallel, state.zero_stage)
     if saved_layout == (world_size, tp, sp, zero_stage):
@@ -112,7 +122,8 @@ def plan_resume(cfg: RunConfig, world_size: int, device_type: str,
             f"checkpoint {path} has no {ckpt.OPTIMIZER} (written before elastic resume existed), so it resumes "
             f"only on its own layout: world size {state.world_size}, parallel.tensor_parallel="
             f"{state.tensor_parallel}, parallel.sequence_parallel={state.sequence_parallel}, parallel.zero_stage="
-            f"{state.zero_stage} (or start a new run from its weights with init_from=)")
+            f"{state.zero_stage} (or start a new run from its weights with init_from=)"
+        )
     weights = ckpt.load_safetensors(path, ckpt.WEIGHTS)[0]
     return ResumePlan(path, state, saved, ElasticResume(saved_sizes, sizes, zero_stage, weights))
 
@@ -136,10 +147,12 @@ def rollback_target(cfg: RunConfig, before_step: int) -> Path | None:
 
 def check_tokenizer(path: Path, state: ckpt.TrainerState, cfg: RunConfig, tokenizer_sha256: str | None) -> None:
     if tokenizer_sha256 and state.tokenizer_sha256 and tokenizer_sha256 != state.tokenizer_sha256:
-        raise ConfigError(f"checkpoint {path} was trained with another tokenizer (sha256 "
-                          f"{state.tokenizer_sha256[:12]}, data.tokenizer={cfg.data.tokenizer} has "
-                          f"{tokenizer_sha256[:12]}); resume with the same tokenizer, or start a new run "
-                          "with init_from=")
+        raise ConfigError(
+            f"checkpoint {path} was trained with another tokenizer (sha256 "
+            f"{state.tokenizer_sha256[:12]}, data.tokenizer={cfg.data.tokenizer} has "
+            f"{tokenizer_sha256[:12]}); resume with the same tokenizer, or start a new run "
+            "with init_from="
+        )
 
 
 def _ranks(n: int) -> str:

@@ -67,8 +67,10 @@ def pad_sequences(batch: Mapping[str, torch.Tensor], multiple: int) -> dict[str,
         if not extra:
             continue
         if keys[0] not in batch:
-            raise ValueError(f"a sequence of {length} positions without {keys[0]} cannot be padded to a multiple "
-                             f"of parallel.sequence_parallel={multiple}")
+            raise ValueError(
+                f"a sequence of {length} positions without {keys[0]} cannot be padded to a multiple "
+                f"of parallel.sequence_parallel={multiple}"
+            )
         for key in present:
             out[key] = torch.nn.functional.pad(batch[key], (0, extra), value=PAD_VALUES.get(key, 0))
     return out
@@ -82,7 +84,7 @@ def local_part(batch: Mapping[str, torch.Tensor], rank: int, size: int) -> dict[
         for key in (*keys, "labels"):
             if key in batch and _on_axis(batch, key, keys):
                 length = batch[key].shape[1] // size
-                out[key] = batch[key][:, rank * length:(rank + 1) * length]
+                out[key] = batch[key][:, rank * length : (rank + 1) * length]
     return out
 
 
@@ -117,8 +119,9 @@ class UlyssesCore:
         k, v = replicate_kv_heads(k, self.size), replicate_kv_heads(v, self.size)
         if alibi is not None:
             alibi = self._whole_sequence_alibi(alibi)
-        out = self.exchange(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, mask, dropout, alibi,
-                            **options)
+        out = self.exchange(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, mask, dropout, alibi, **options
+        )
         return out.transpose(1, 2)
 
     def _whole_sequence(self, q, k, v, mask, dropout, alibi, **options) -> torch.Tensor:
@@ -128,8 +131,11 @@ class UlyssesCore:
     def _whole_sequence_alibi(self, alibi: Alibi) -> Alibi:
         heads = len(alibi.slopes) // self.size
         positions = all_gather_sequence(alibi.q_positions, self.group, self.size)
-        keys = positions if alibi.k_positions is alibi.q_positions else \
-            all_gather_sequence(alibi.k_positions, self.group, self.size)
+        keys = (
+            positions
+            if alibi.k_positions is alibi.q_positions
+            else all_gather_sequence(alibi.k_positions, self.group, self.size)
+        )
         return replace(alibi.heads(self.rank * heads, heads), q_positions=positions, k_positions=keys)
 
 

@@ -32,7 +32,7 @@ class SpikeDetector:
         self.ring = np.empty(cfg.window)
         self.count = 0  # losses seen; the ring holds the last min(count, window)
         self._threshold: float | None = None
-        for loss in list(losses)[-cfg.window:]:
+        for loss in list(losses)[-cfg.window :]:
             self._add(loss)
 
     @property
@@ -71,7 +71,7 @@ def _median(values: np.ndarray) -> float:
     half = len(values) // 2
     if len(values) % 2:
         return float(np.partition(values, half)[half])
-    low, high = np.partition(values, [half - 1, half])[half - 1:half + 1]
+    low, high = np.partition(values, [half - 1, half])[half - 1 : half + 1]
     return float(low + high) / 2
 
 
@@ -86,8 +86,14 @@ class SpikeEvent:
     def record(self, rollbacks: int) -> dict[str, Any]:
         """The event as a metrics.jsonl record (``rollbacks``: those before it, which tells the run's
         trajectories apart: the steps after a rollback are run again)."""
-        return {"step": self.step, "event": self.action, "spike_loss": self.loss if math.isfinite(self.loss) else None,
-                "threshold": self.threshold, "spike_began": self.began, "rollbacks": rollbacks}
+        return {
+            "step": self.step,
+            "event": self.action,
+            "spike_loss": self.loss if math.isfinite(self.loss) else None,
+            "threshold": self.threshold,
+            "spike_began": self.began,
+            "rollbacks": rollbacks,
+        }
 
 
 class SpikeLadder:
@@ -128,8 +134,12 @@ class SpikeLadder:
         self.skip_rows.append(list(rows))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"losses": list(self.detector.losses), "recent": list(self.recent), "rollbacks": self.rollbacks,
-                "skip_rows": [list(r) for r in self.skip_rows]}
+        return {
+            "losses": list(self.detector.losses),
+            "recent": list(self.recent),
+            "rollbacks": self.rollbacks,
+            "skip_rows": [list(r) for r in self.skip_rows],
+        }
 
 
 def resume_state(checkpoint: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
@@ -148,8 +158,13 @@ def write_log(run_dir: str | Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def describe(event: SpikeEvent, rows: tuple[int, int] | None = None, checkpoint: str | None = None,
-             rollbacks: int = 0, max_rollbacks: int = 0) -> str:
+def describe(
+    event: SpikeEvent,
+    rows: tuple[int, int] | None = None,
+    checkpoint: str | None = None,
+    rollbacks: int = 0,
+    max_rollbacks: int = 0,
+) -> str:
     """The console line of an event."""
     loss = f"{event.loss:.4f}" if math.isfinite(event.loss) else "non-finite"
     limit = "" if event.threshold is None else f" (threshold {event.threshold:.4f})"
@@ -157,6 +172,8 @@ def describe(event: SpikeEvent, rows: tuple[int, int] | None = None, checkpoint:
     if event.action == SKIP:
         return f"{head}: update skipped"
     if event.action == ROLLBACK:
-        return (f"{head}: spikes since step {event.began}: rolled back to {checkpoint}, skipping global rows "
-                f"[{rows[0]:,}, {rows[1]:,}) (rollback {rollbacks} of {max_rollbacks})")
+        return (
+            f"{head}: spikes since step {event.began}: rolled back to {checkpoint}, skipping global rows "
+            f"[{rows[0]:,}, {rows[1]:,}) (rollback {rollbacks} of {max_rollbacks})"
+        )
     return head

@@ -20,5 +20,4 @@ def check_batch_without_masks(engine) -> None:
     def batch_only(module, args, kwargs):
         check(module, args, {name: value for name, value in kwargs.items() if name not in EXCLUDED})
 
-    engine.first_dataloader_check = engine.module.register_forward_pre_hook(batch_only, prepend=True,
-                                                                            with_kwargs=True)
+    engine.first_dataloader_check = engine.module.register_forward_pre_hook(batch_only, prepend=True, with_kwargs=True)

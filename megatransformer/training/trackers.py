@@ -20,13 +20,15 @@ TENSORBOARD_DIR = "tensorboard"
 
 def resolved_config(cfg: RunConfig, sizes: BatchSizes) -> dict[str, Any]:
     """The config as the run uses it: the batch fields derived for its data-parallel size filled in."""
-    train = cfg.train.model_copy(update={"micro_batch_size": sizes.micro, "grad_accum": sizes.accum,
-                                         "global_batch_size": sizes.global_batch})
+    train = cfg.train.model_copy(
+        update={"micro_batch_size": sizes.micro, "grad_accum": sizes.accum, "global_batch_size": sizes.global_batch}
+    )
     return cfg.model_copy(update={"train": train}).model_dump(mode="json")
 
 
-def run_facts(sizes: BatchSizes, world_size: int, tensor_parallel: int, zero_stage: int,
-              parameters: int) -> dict[str, Any]:
+def run_facts(
+    sizes: BatchSizes, world_size: int, tensor_parallel: int, zero_stage: int, parameters: int
+) -> dict[str, Any]:
     """What the config does not say: the layout that ran, the model's size, the code and library versions."""
     versions = {"python": platform.python_version()}
     for package in ("megatransformer", "torch", "deepspeed", "transformers"):
@@ -34,9 +36,16 @@ def run_facts(sizes: BatchSizes, world_size: int, tensor_parallel: int, zero_sta
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             continue
-    return {"world_size": world_size, "data_parallel": sizes.dp, "tensor_parallel": tensor_parallel,
-            "zero_stage": zero_stage, "global_batch_size": sizes.global_batch, "parameters": parameters,
-            "git_commit": git_commit(), "versions": versions}
+    return {
+        "world_size": world_size,
+        "data_parallel": sizes.dp,
+        "tensor_parallel": tensor_parallel,
+        "zero_stage": zero_stage,
+        "global_batch_size": sizes.global_batch,
+        "parameters": parameters,
+        "git_commit": git_commit(),
+        "versions": versions,
+    }
 
 
 def git_commit() -> str | None:
@@ -45,8 +54,9 @@ def git_commit() -> str | None:
     if not (checkout / ".git").exists():
         return None
     try:
-        out = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -79,8 +89,10 @@ def check_tensorboard(cfg: RunConfig) -> None:
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        raise ConfigError("tensorboard=true needs the tensorboard package: pip install 'megatransformer[tensorboard]'"
-                          " (or set tensorboard=false)") from None
+        raise ConfigError(
+            "tensorboard=true needs the tensorboard package: pip install 'megatransformer[tensorboard]'"
+            " (or set tensorboard=false)"
+        ) from None
 
 
 class TensorBoard:

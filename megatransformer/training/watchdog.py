@@ -84,8 +84,10 @@ class Watchdog:
     def _write(self, seconds: float, limit: float) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
-            f.write(f"a step has run for {seconds:.1f} s (watchdog limit {limit:.1f} s, "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}); every thread's stack, most recent call first:\n")
+            f.write(
+                f"a step has run for {seconds:.1f} s (watchdog limit {limit:.1f} s, "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')}); every thread's stack, most recent call first:\n"
+            )
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
 

@@ -40,8 +40,22 @@ def test_a_model_trained_at_128_evaluates_at_256(alibi_runs, tiny_data):
     with pytest.MonkeyPatch.context() as patch:
         out = io.StringIO()
         patch.setattr(sys, "stdout", out)
-        assert main(["eval", "--checkpoint", str(run), "--data", str(tiny_data.shards), "--max-batches", "2",
-                     "--json", "data.seq_len=256"]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "--checkpoint",
+                    str(run),
+                    "--data",
+                    str(tiny_data.shards),
+                    "--max-batches",
+                    "2",
+                    "--json",
+                    "data.seq_len=256",
+                ]
+            )
+            == 0
+        )
     result = json.loads(out.getvalue())
     assert math.isfinite(result["loss"]) and result["tokens"] > 2 * 8 * 128
     # the model directly: one 256-token stretch of text, positions 0..255
@@ -57,7 +71,9 @@ def test_a_model_trained_at_128_evaluates_at_256(alibi_runs, tiny_data):
 def test_export_as_hf_refuses_alibi_by_name(alibi_runs, tmp_path, capsys):
     from megatransformer.cli import main
 
-    assert main(["export", "--checkpoint", str(alibi_runs["tp1"]), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
+    assert (
+        main(["export", "--checkpoint", str(alibi_runs["tp1"]), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
+    )
     assert "model.position=alibi (Llama needs rope)" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
 
@@ -66,6 +82,20 @@ def test_generate_goes_past_max_seq_len(alibi_runs, capsys):
     """max_seq_len (128) sizes no table with ALiBi: `generate` may write 200 tokens after the prompt."""
     from megatransformer.cli import main
 
-    assert main(["generate", "--checkpoint", str(alibi_runs["tp1"]), "--prompt", "Return the",
-                 "--max-new-tokens", "200", "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(alibi_runs["tp1"]),
+                "--prompt",
+                "Return the",
+                "--max-new-tokens",
+                "200",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("Return the")

@@ -28,16 +28,36 @@ OLD, NEW = "step_000002", "step_000004"
 # The files of a ZeRO-3 checkpoint of one rank: every kind there is. (ZeRO-3, because stages 1 and 2 on one
 # CPU rank run as stage 0, whose optimizer states live in the model states file: engine.engine_zero_stage.)
 MODEL_STATES, OPTIM_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-FILES = (MODEL_STATES, OPTIM_STATES, "rank_00000.pt",
-         "model.safetensors", "trainer.json", "config.yaml", "tokenizer.json", "optimizer.safetensors")
+FILES = (
+    MODEL_STATES,
+    OPTIM_STATES,
+    "rank_00000.pt",
+    "model.safetensors",
+    "trainer.json",
+    "config.yaml",
+    "tokenizer.json",
+    "optimizer.safetensors",
+)
 STATE_FILES = FILES[:3]  # the pickled ones
 
 
 def overrides(tiny_data, run_dir: Path, *extra: str) -> list[str]:
-    return [*tiny_model(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32),
-            f"run_dir={run_dir}", *tiny_data_overrides(tiny_data), "data.seq_len=32", "train.micro_batch_size=2",
-            "train.max_steps=4", "train.log_every=1", "train.eval_batches=1", "optim.lr=1e-2",
-            "schedule.warmup_steps=1", "checkpoint.every=2", "parallel.zero_stage=3", "wandb.mode=disabled", *extra]
+    return [
+        *tiny_model(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64, max_seq_len=32),
+        f"run_dir={run_dir}",
+        *tiny_data_overrides(tiny_data),
+        "data.seq_len=32",
+        "train.micro_batch_size=2",
+        "train.max_steps=4",
+        "train.log_every=1",
+        "train.eval_batches=1",
+        "optim.lr=1e-2",
+        "schedule.warmup_steps=1",
+        "checkpoint.every=2",
+        "parallel.zero_stage=3",
+        "wandb.mode=disabled",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +89,7 @@ def flip(file: Path) -> None:
     """64 bytes XORed in the middle: the file keeps its size (and may well still load)."""
     data = bytearray(file.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 64] = bytes(b ^ 0x5A for b in data[middle:middle + 64])
+    data[middle : middle + 64] = bytes(b ^ 0x5A for b in data[middle : middle + 64])
     file.write_bytes(bytes(data))
 
 
@@ -135,8 +155,10 @@ def test_a_checkpoint_without_manifest_is_accepted_with_a_warning(run, capsys):
 def test_an_emptied_manifest_of_a_new_checkpoint_is_damage(run, capsys):
     (run / "checkpoints" / NEW / ckpt.COMPLETE).write_bytes(b"")
     assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
-    assert f"{NEW}: COMPLETE: empty, but the checkpoint was written by a version that writes a manifest" in \
-        capsys.readouterr().err
+    assert (
+        f"{NEW}: COMPLETE: empty, but the checkpoint was written by a version that writes a manifest"
+        in capsys.readouterr().err
+    )
 
 
 def test_weights_readers_verify_what_they_read(run):
@@ -303,12 +325,15 @@ def test_a_resume_is_decided_reading_each_file_once(run, monkeypatch):
     assert reads.count("trainer.json") == 1 and reads.count("config.yaml") == 1, reads
 
 
-@pytest.mark.parametrize("field, value, error", [
-    ("step", 3, "trainer.json: says step 3, its directory step 4"),
-    ("step", -4, "trainer.json: step: Input should be greater than or equal to 0"),
-    ("step", "4", "trainer.json: step: Input should be a valid integer"),
-    ("zero_stage", 7, "trainer.json: zero_stage: Input should be 0, 1, 2 or 3"),
-])
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("step", 3, "trainer.json: says step 3, its directory step 4"),
+        ("step", -4, "trainer.json: step: Input should be greater than or equal to 0"),
+        ("step", "4", "trainer.json: step: Input should be a valid integer"),
+        ("zero_stage", 7, "trainer.json: zero_stage: Input should be 0, 1, 2 or 3"),
+    ],
+)
 def test_trainer_state_values_are_checked(run, field, value, error):
     state = run / "checkpoints" / NEW / "trainer.json"
     state.write_text(json.dumps({**json.loads(state.read_text()), field: value}))

@@ -36,8 +36,14 @@ def test_cli_bad_config_exits_2_with_one_line_and_no_traceback():
 
 # ------------------------------------------------------------------ availability: a real `megatransformer train`
 
-TINY = [*tiny_model(), "data.seq_len=64", "train.micro_batch_size=4", "train.grad_accum=1", "train.max_steps=2",
-        "wandb.mode=disabled"]
+TINY = [
+    *tiny_model(),
+    "data.seq_len=64",
+    "train.micro_batch_size=4",
+    "train.grad_accum=1",
+    "train.max_steps=2",
+    "wandb.mode=disabled",
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +57,7 @@ def other_tokenizer(tiny_data, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("case", ["flash", "flex", "fp16", "tokenizer_vs_shards", "tokenizer_vs_vocab"])
-def test_unusable_on_this_machine_fails_before_deepspeed_without_run_dir(case, tiny_data, other_tokenizer,
-                                                                         tmp_path):
+def test_unusable_on_this_machine_fails_before_deepspeed_without_run_dir(case, tiny_data, other_tokenizer, tmp_path):
     import torch
 
     if torch.cuda.is_available() and case in ("flash", "flex", "fp16"):

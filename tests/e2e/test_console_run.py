@@ -15,11 +15,21 @@ from megatransformer.cli import main
 def short_run(tiny_data, tmp_path_factory):
     """A four-step run through the real CLI: logs every 2 steps, validates at step 3 and at the end."""
     run = tmp_path_factory.mktemp("console") / "run"
-    overrides = [*tiny_model(n_layers=1, n_kv_heads=None, max_seq_len=64), f"run_dir={run}",
-                 *tiny_data_overrides(tiny_data), "data.seq_len=32", "train.micro_batch_size=2", "train.grad_accum=1",
-                 "train.max_steps=4", "train.log_every=2", "train.eval_every=3", "train.eval_batches=1",
-                 "train.sample_prompt=The function", "train.peak_tflops=0.5",
-                 "wandb.mode=disabled"]
+    overrides = [
+        *tiny_model(n_layers=1, n_kv_heads=None, max_seq_len=64),
+        f"run_dir={run}",
+        *tiny_data_overrides(tiny_data),
+        "data.seq_len=32",
+        "train.micro_batch_size=2",
+        "train.grad_accum=1",
+        "train.max_steps=4",
+        "train.log_every=2",
+        "train.eval_every=3",
+        "train.eval_batches=1",
+        "train.sample_prompt=The function",
+        "train.peak_tflops=0.5",
+        "wandb.mode=disabled",
+    ]
     result = train(overrides, expect=None)
     assert result.returncode == 0, result.stdout + result.stderr
     return run, result.stdout, metrics(run)
@@ -27,11 +37,12 @@ def short_run(tiny_data, tmp_path_factory):
 
 def test_console_shows_the_numbers_of_metrics_jsonl(short_run):
     run, out, records = short_run
-    lines = re.findall(r"^step (\d+)/4 \| loss (\S+) \| lr (\S+) \| ([\d,]+) tok/s \| MFU ([\d.]+)% \| ETA \S+$",
-                       out, re.M)
+    lines = re.findall(
+        r"^step (\d+)/4 \| loss (\S+) \| lr (\S+) \| ([\d,]+) tok/s \| MFU ([\d.]+)% \| ETA \S+$", out, re.M
+    )
     train = [r for r in records if "loss" in r]
     assert [int(step) for step, *_ in lines] == [r["step"] for r in train] == [2, 4]
-    for (step, loss, lr, speed, mfu), record in zip(lines, train):
+    for (_step, loss, lr, speed, mfu), record in zip(lines, train):
         assert loss == f"{record['loss']:.4f}" and float(lr) == pytest.approx(record["lr"], rel=1e-2)
         assert speed == f"{record['tokens_per_s']:,.0f}" and mfu == f"{100 * record['mfu']:.2f}"
     valid = [r for r in records if "val_loss" in r]
@@ -43,7 +54,7 @@ def test_console_shows_the_numbers_of_metrics_jsonl(short_run):
 
 def test_a_run_ends_with_a_summary_and_the_next_commands(short_run):
     run, out, records = short_run
-    summary = out[out.index("done: "):]
+    summary = out[out.index("done: ") :]
     last = [r for r in records if "loss" in r][-1]
     assert summary.startswith(f"done: 4 of 4 steps, {last['tokens']:,} tokens, wall time ")
     assert f"final train loss       {last['loss']:.4f}" in summary
@@ -55,7 +66,7 @@ def test_a_run_ends_with_a_summary_and_the_next_commands(short_run):
     assert f"megatransformer eval --checkpoint {run} --data " in summary
     assert f"megatransformer generate --checkpoint {run} --prompt 'The function'" in summary
     assert f"megatransformer export --checkpoint {run} --format hf --out {run}/hf" in summary
-    sample = out[out.index("sample: "):out.index("done: ")]
+    sample = out[out.index("sample: ") : out.index("done: ")]
     assert "\n\n" not in sample.rstrip("\n") + "\n"  # cut at its first blank line
 
 

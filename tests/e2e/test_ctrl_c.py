@@ -17,21 +17,37 @@ import pytest
 
 from megatransformer.cli import main
 
-TINY = ("model.d_model=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.d_ff=96 model.vocab_size=512 "
-        "model.max_seq_len=128 data.seq_len=64 train.micro_batch_size=4 train.grad_accum=1 train.log_every=1 "
-        "train.eval_batches=2 checkpoint.every=1000 wandb.mode=disabled").split()
+TINY = (
+    "model.d_model=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.d_ff=96 model.vocab_size=512 "
+    "model.max_seq_len=128 data.seq_len=64 train.micro_batch_size=4 train.grad_accum=1 train.log_every=1 "
+    "train.eval_batches=2 checkpoint.every=1000 wandb.mode=disabled"
+).split()
 STEPS = 30
 
 
 def train_command(tiny_data, run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "megatransformer.cli", "train", "--config", os.devnull, *TINY,
-            f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}", f"run_dir={run_dir}",
-            f"train.max_steps={STEPS}", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "megatransformer.cli",
+        "train",
+        "--config",
+        os.devnull,
+        *TINY,
+        f"data.train={tiny_data.shards}",
+        f"data.tokenizer={tiny_data.tokenizer}",
+        f"run_dir={run_dir}",
+        f"train.max_steps={STEPS}",
+        *extra,
+    ]
 
 
 def steps(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(line)]
+    return [
+        json.loads(line)["step"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
 
 
 def wait_for_first_step(run_dir: Path, process: subprocess.Popen) -> None:
@@ -44,8 +60,13 @@ def wait_for_first_step(run_dir: Path, process: subprocess.Popen) -> None:
 def test_ctrl_c_checkpoints_the_step_and_resume_continues_from_it(tiny_data, tmp_path):
     run = tmp_path / "run"
     # a terminal's Ctrl-C reaches the whole process group: the trainer and its DataLoader worker
-    process = subprocess.Popen(train_command(tiny_data, run, "data.num_workers=1"), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        train_command(tiny_data, run, "data.num_workers=1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     wait_for_first_step(run, process)
     os.killpg(process.pid, signal.SIGINT)
     output = process.communicate(timeout=600)[0]
@@ -57,8 +78,7 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_from_it(tiny_data, tmp
     assert f"stopped early (checkpointed; run again with resume=auto to continue): {saved} of {STEPS} steps" in output
     assert 1 <= saved < STEPS
 
-    resumed = subprocess.run(train_command(tiny_data, run, "resume=auto"), capture_output=True, text=True,
-                             timeout=600)
+    resumed = subprocess.run(train_command(tiny_data, run, "resume=auto"), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / f'step_{saved:06d}'} at step {saved}" in resumed.stdout
     assert steps(run) == list(range(1, STEPS + 1))  # each step once: the interrupted run logged up to the saved one
@@ -74,11 +94,26 @@ def test_ctrl_c_on_every_rank_checkpoints_one_step(tiny_data, tmp_path):
         port = str(s.getsockname()[1])
     ranks = []
     for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        ranks.append(subprocess.Popen(train_command(tiny_data, run, "parallel.zero_stage=2"), env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        ranks.append(
+            subprocess.Popen(
+                train_command(tiny_data, run, "parallel.zero_stage=2"),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     wait_for_first_step(run, ranks[0])
     for process in ranks:
         process.send_signal(signal.SIGINT)
@@ -91,13 +126,15 @@ def test_ctrl_c_on_every_rank_checkpoints_one_step(tiny_data, tmp_path):
 
 
 def test_a_second_ctrl_c_exits_at_once_with_one_line():
-    script = ("import os, signal, time\n"
-              "from megatransformer.training.loop import Preemption\n"
-              "preemption = Preemption()\n"
-              "os.kill(os.getpid(), signal.SIGINT)\n"
-              "assert preemption.requested\n"
-              "os.kill(os.getpid(), signal.SIGINT)\n"
-              "time.sleep(600)\n")
+    script = (
+        "import os, signal, time\n"
+        "from megatransformer.training.loop import Preemption\n"
+        "preemption = Preemption()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "assert preemption.requested\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(600)\n"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 130
     lines = result.stderr.strip().splitlines()
@@ -126,8 +163,13 @@ def test_the_summary_counts_the_steps_of_the_checkpoint_saved(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     saved = ckpt.checkpoints_dir(tmp_path) / ckpt.step_name(51)  # stopped between two logged steps
     saved.mkdir(parents=True)
-    ckpt.write_trainer_state(saved, ckpt.TrainerState(step=51, tokens=51_000, bad_steps=0, tokenizer_sha256=None,
-                                                      world_size=1, tensor_parallel=1, zero_stage=0))
+    ckpt.write_trainer_state(
+        saved,
+        ckpt.TrainerState(
+            step=51, tokens=51_000, bad_steps=0, tokenizer_sha256=None, world_size=1, tensor_parallel=1, zero_stage=0
+        ),
+    )
     text = summary(cfg, 124, 60.0, saved, None)
-    assert text.startswith("stopped early (checkpointed; run again with resume=auto to continue): "
-                           "51 of 400 steps, 51,000 tokens")
+    assert text.startswith(
+        "stopped early (checkpointed; run again with resume=auto to continue): 51 of 400 steps, 51,000 tokens"
+    )

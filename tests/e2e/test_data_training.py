@@ -28,8 +28,15 @@ def test_one_shard_on_two_ranks_of_two_workers_trains_like_one_rank(tiny_data, t
     """A one-shard dataset trains on 2 ranks (streams, not shards, are dealt to ranks and workers), and with
     the global batch kept (2 ranks x micro 4 vs 1 rank x micro 4 x 2 accumulation) the steps see the same
     rows: the losses agree to fp32 reduction order."""
-    write_shards([str(tiny_data.corpus)], str(tiny_data.tokenizer), tmp_path / "one", shard_mb=64, valid_every=10,
-                 workers=1, progress=False)
+    write_shards(
+        [str(tiny_data.corpus)],
+        str(tiny_data.tokenizer),
+        tmp_path / "one",
+        shard_mb=64,
+        valid_every=10,
+        workers=1,
+        progress=False,
+    )
     assert len(Manifest.load(tmp_path / "one").splits["train"]) == 1
     two, one = tmp_path / "two", tmp_path / "one_rank"
     data = [f"data.train={tmp_path / 'one'}"]

@@ -20,10 +20,23 @@ STEPS, SAVED = 10, 6
 
 def overrides(tiny_data, run_dir: Path, *extra: str) -> list[str]:
     """Global batch 8 of micro batches of 4: the accumulation follows from the data-parallel size."""
-    return [*tiny_model(), f"run_dir={run_dir}", *tiny_data_overrides(tiny_data), "data.seq_len=64",
-            "train.micro_batch_size=4", "train.global_batch_size=8", f"train.max_steps={STEPS}", "train.log_every=1",
-            "train.eval_every=0", "train.eval_batches=1", "optim.lr=3e-3", "schedule.warmup_steps=2",
-            f"checkpoint.every={SAVED}", "wandb.mode=disabled", *extra]
+    return [
+        *tiny_model(),
+        f"run_dir={run_dir}",
+        *tiny_data_overrides(tiny_data),
+        "data.seq_len=64",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=8",
+        f"train.max_steps={STEPS}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "optim.lr=3e-3",
+        "schedule.warmup_steps=2",
+        f"checkpoint.every={SAVED}",
+        "wandb.mode=disabled",
+        *extra,
+    ]
 
 
 def checkpoint(run_dir: Path) -> Path:
@@ -51,7 +64,10 @@ def test_the_checkpoint_holds_the_whole_adam_state(zero1_dp2):
         moment = f.get_tensor("exp_avg_sq/" + next(k.split("/", 1)[1] for k in keys))
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
-    assert {k.split("/", 1)[1] for k in keys} <= names and {k.split("/", 1)[0] for k in keys} == {"exp_avg", "exp_avg_sq"}
+    assert {k.split("/", 1)[1] for k in keys} <= names and {k.split("/", 1)[0] for k in keys} == {
+        "exp_avg",
+        "exp_avg_sq",
+    }
     assert moment.dtype == torch.float32 and moment.abs().sum() > 0
     assert int(meta["adam_step"]) == SAVED
     assert json.loads(meta["lr_scheduler"])["last_epoch"] == SAVED
@@ -63,8 +79,10 @@ def test_two_ranks_resume_on_one_rank_loss_for_loss(zero1_dp2, tiny_data, tmp_pa
     result = resume(tiny_data, zero1_dp2, run, 1, "parallel.zero_stage=1")
     # (ZeRO-1 over one data-parallel rank partitions nothing: the engine runs stage 0, and says so)
     assert "parallel.zero_stage=1 on one data-parallel rank: nothing to partition" in result.stdout
-    assert (f"resuming step {SAVED} written by 2 ranks (dp2, tp1, zero1) on 1 rank (dp1, tp1, zero0): "
-            "micro 4 x accum 2 (was micro 4 x accum 1)") in result.stdout
+    assert (
+        f"resuming step {SAVED} written by 2 ranks (dp2, tp1, zero1) on 1 rank (dp1, tp1, zero0): "
+        "micro 4 x accum 2 (was micro 4 x accum 1)"
+    ) in result.stdout
     assert json.loads((run / "checkpoints" / f"step_{STEPS:06d}" / "trainer.json").read_text())["zero_stage"] == 0
     continued = losses(run)
     assert len(continued) == STEPS - SAVED

@@ -30,8 +30,13 @@ def sub_parsers(parser: argparse.ArgumentParser, name: str = "megatransformer"):
 
 def test_every_command_has_a_description():
     commands = dict(sub_parsers(build_parser()))
-    assert {"megatransformer export", "megatransformer import", "megatransformer info", "megatransformer average",
-            "megatransformer data shard"} <= set(commands)
+    assert {
+        "megatransformer export",
+        "megatransformer import",
+        "megatransformer info",
+        "megatransformer average",
+        "megatransformer data shard",
+    } <= set(commands)
     missing = [name for name, parser in commands.items() if not parser.description]
     assert missing == []
 
@@ -51,11 +56,27 @@ def test_config_help_names_the_shipped_configs_without_looking_like_a_default(ca
 def test_a_data_path_that_does_not_exist_says_so(tmp_path, tiny_data, capsys):
     missing = tmp_path / "nope"
     for split in ("train", "valid"):
-        assert main(["data", "inspect", "--config", "quickstart", f"data.train={tiny_data.shards}",
-                     f"data.{split}={missing}", f"data.tokenizer={tiny_data.tokenizer}", "model.vocab_size=512",
-                     "--split", split]) == 2
-        assert capsys.readouterr().err == (f"megatransformer data inspect: error: {missing} does not exist; give a "
-                                           "shard directory written by `megatransformer data shard`\n")
+        assert (
+            main(
+                [
+                    "data",
+                    "inspect",
+                    "--config",
+                    "quickstart",
+                    f"data.train={tiny_data.shards}",
+                    f"data.{split}={missing}",
+                    f"data.tokenizer={tiny_data.tokenizer}",
+                    "model.vocab_size=512",
+                    "--split",
+                    split,
+                ]
+            )
+            == 2
+        )
+        assert capsys.readouterr().err == (
+            f"megatransformer data inspect: error: {missing} does not exist; give a "
+            "shard directory written by `megatransformer data shard`\n"
+        )
 
 
 def test_a_manifest_of_random_bytes_is_one_line_naming_it(tmp_path, tiny_data):
@@ -78,9 +99,12 @@ def test_a_damaged_shard_read_by_a_loader_worker_is_one_line_naming_it(tmp_path,
     for info in Manifest.load(shards).splits["train"]:  # every shard: whichever the worker opens first
         victim = shards / info.file
         victim.write_bytes(victim.read_bytes()[:1000])
-    cfg = validate({"model": {"vocab_size": 512, "max_seq_len": 64, "d_model": 32, "n_heads": 2},
-                    "data": {"train": str(shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64,
-                             "num_workers": 1}})
+    cfg = validate(
+        {
+            "model": {"vocab_size": 512, "max_seq_len": 64, "d_model": 32, "n_heads": 2},
+            "data": {"train": str(shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64, "num_workers": 1},
+        }
+    )
     loader = build_run_loader(cfg, "train", 4, 0, 1, load_tokenizer(tiny_data.tokenizer))
     with pytest.raises(DataError) as error:
         next(iter(loader))
@@ -92,11 +116,14 @@ def test_a_damaged_shard_read_by_a_loader_worker_is_one_line_naming_it(tmp_path,
 # ------------------------------------------------------------------------------------------ step counts
 
 
-@pytest.mark.parametrize("value,message", [
-    ("0", "train.max_steps=0 must be >= 1"),
-    ("1.0e+12", f"train.max_steps=1000000000000.0 must be <= {MAX_STEPS}"),
-    ("1e30", "config key 'train.max_steps'"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("0", "train.max_steps=0 must be >= 1"),
+        ("1.0e+12", f"train.max_steps=1000000000000.0 must be <= {MAX_STEPS}"),
+        ("1e30", "config key 'train.max_steps'"),
+    ],
+)
 def test_absurd_step_counts_are_refused(value, message):
     with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
         load_config("quickstart", [f"train.max_steps={value}"])
@@ -118,10 +145,25 @@ def test_a_config_error_is_printed_by_the_first_local_rank_only(monkeypatch, cap
 
 @pytest.mark.slow
 def test_under_torchrun_a_config_error_is_printed_once():
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "launch", "--config", "quickstart", "train.max_stepz=3"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "launch",
+            "--config",
+            "quickstart",
+            "train.max_stepz=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode != 0
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "megatransformer train: error" in line]
-    assert errors == ["megatransformer train: error: unknown config key 'train.max_stepz'; "
-                      "did you mean 'train.max_steps'?"]
+    assert errors == [
+        "megatransformer train: error: unknown config key 'train.max_stepz'; did you mean 'train.max_steps'?"
+    ]

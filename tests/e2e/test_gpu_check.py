@@ -42,11 +42,14 @@ def test_every_gpu_test_of_the_repository_runs(monkeypatch, gpu_check):
     assert command[-1] == "tests" and (REPO / "tests").is_dir()  # the whole test tree, not chosen files
 
 
-@pytest.mark.parametrize("returncode, stdout, stderr", [
-    (1, "", "ImportError: something\n"),  # pytest printed nothing
-    (5, "no tests ran in 0.5s\n", ""),  # nothing collected
-    (1, "1 failed, 3 passed in 9s\n", ""),
-])
+@pytest.mark.parametrize(
+    "returncode, stdout, stderr",
+    [
+        (1, "", "ImportError: something\n"),  # pytest printed nothing
+        (5, "no tests ran in 0.5s\n", ""),  # nothing collected
+        (1, "1 failed, 3 passed in 9s\n", ""),
+    ],
+)
 def test_a_run_that_did_not_pass_fails_without_crashing(monkeypatch, gpu_check, returncode, stdout, stderr):
     pytest_run(monkeypatch, gpu_check, returncode, stdout, stderr)
     report = gpu_check.gpu_tests()
@@ -69,11 +72,25 @@ def test_training_runs_this_interpreters_megatransformer(gpu_check, tmp_path):
 def test_the_packed_runs_attention_core_is_read_from_the_run_log(gpu_check):
     core = gpu_check.packed_attention_core
     assert core(["attention: auto -> flash for every mask on cuda in bfloat16"]) == "flash"
-    assert core(["attention: auto -> sdpa for causal/bidirectional, varlen for packed documents, prefix-LM, "
-                 "cross-attention on cuda in bfloat16 (flash-attn is not installed: pip install flash-attn "
-                 "--no-build-isolation)"]) == "varlen"
-    assert core(["attention: auto -> sdpa for every mask on cuda in bfloat16 (flash-attn is not installed: "
-                 "pip install flash-attn --no-build-isolation)"]) == "sdpa"
+    assert (
+        core(
+            [
+                "attention: auto -> sdpa for causal/bidirectional, varlen for packed documents, prefix-LM, "
+                "cross-attention on cuda in bfloat16 (flash-attn is not installed: pip install flash-attn "
+                "--no-build-isolation)"
+            ]
+        )
+        == "varlen"
+    )
+    assert (
+        core(
+            [
+                "attention: auto -> sdpa for every mask on cuda in bfloat16 (flash-attn is not installed: "
+                "pip install flash-attn --no-build-isolation)"
+            ]
+        )
+        == "sdpa"
+    )
     assert core([]) is None
 
 

@@ -21,16 +21,27 @@ PROBE = REPO / "bench" / "grad_precision.py"
 def probe(cases: list[dict], nproc: int = 1) -> dict[tuple, dict]:
     """The probe's report of each case, by (zero, precision, deepspeed_default)."""
     launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    done = subprocess.run([sys.executable, *launch, str(PROBE), "probe", json.dumps(cases)], capture_output=True,
-                          text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=600)
+    done = subprocess.run(
+        [sys.executable, *launch, str(PROBE), "probe", json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {(r["zero"], r["precision"], r["deepspeed_default"]): r for r in reports}
 
 
 def test_one_rank_bf16_accumulates_in_fp32_and_stays_closer_to_fp32():
-    reports = probe([{"zero": 0, "precision": "fp32"}, {"zero": 0, "precision": "bf16"},
-                     {"zero": 1, "precision": "bf16", "deepspeed_default": True}, {"zero": 1, "precision": "bf16"}])
+    reports = probe(
+        [
+            {"zero": 0, "precision": "fp32"},
+            {"zero": 0, "precision": "bf16"},
+            {"zero": 1, "precision": "bf16", "deepspeed_default": True},
+            {"zero": 1, "precision": "bf16"},
+        ]
+    )
     ours, default, zero0 = reports[1, "bf16", False], reports[1, "bf16", True], reports[0, "bf16", False]
     assert (ours["optimizer"], ours["accumulates_in"], ours["reduces_in"]) == ("BF16_Optimizer", "float32", "float32")
     assert (default["optimizer"], default["accumulates_in"]) == ("DeepSpeedZeroOptimizer", "bfloat16")
@@ -43,7 +54,10 @@ def test_one_rank_bf16_accumulates_in_fp32_and_stays_closer_to_fp32():
 
 
 def test_two_ranks_accumulate_and_reduce_in_fp32():
-    reports = probe([{"zero": 1, "precision": "bf16", "steps": 1}, {"zero": 2, "precision": "bf16", "steps": 1}],
-                    nproc=2)
+    reports = probe(
+        [{"zero": 1, "precision": "bf16", "steps": 1}, {"zero": 2, "precision": "bf16", "steps": 1}], nproc=2
+    )
     assert [(r["world"], r["optimizer"], r["accumulates_in"], r["reduces_in"]) for r in reports.values()] == [
-        (2, "BF16_Optimizer", "float32", "float32"), (2, "DeepSpeedZeroOptimizer", "float32", "float32")]
+        (2, "BF16_Optimizer", "float32", "float32"),
+        (2, "DeepSpeedZeroOptimizer", "float32", "float32"),
+    ]

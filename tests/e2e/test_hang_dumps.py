@@ -13,9 +13,19 @@ from megatransformer.training.watchdog import stack_dumps
 
 def test_a_stalled_rank_leaves_a_stack_dump_per_rank_and_every_rank_exits_non_zero(tiny_data, tmp_path):
     run, log = tmp_path / "run", tmp_path / "train"
-    overrides = [*tiny_model(), *tiny_data_overrides(tiny_data), f"run_dir={run}", "data.seq_len=64",
-                 "train.micro_batch_size=4", "train.grad_accum=1", "train.log_every=1", "train.max_steps=100000",
-                 "parallel.timeout_minutes=0.5", "train.watchdog.min_seconds=3", "wandb.mode=disabled"]
+    overrides = [
+        *tiny_model(),
+        *tiny_data_overrides(tiny_data),
+        f"run_dir={run}",
+        "data.seq_len=64",
+        "train.micro_batch_size=4",
+        "train.grad_accum=1",
+        "train.log_every=1",
+        "train.max_steps=100000",
+        "parallel.timeout_minutes=0.5",
+        "train.watchdog.min_seconds=3",
+        "wandb.mode=disabled",
+    ]
     ranks = spawn_ranks(overrides, log)
     try:
         wait_for_step(run, 5, ranks, Path(f"{log}.rank0.log"))

@@ -27,14 +27,28 @@ def pretrained(tmp_path_factory) -> dict[str, Path]:
     held_out = root / "held_out.txt"
     held_out.write_text("\n\n".join(corpus.read_text().split("\n\n")[-20:]))
     cli("data", "tokenizer", "--input", str(corpus), "--vocab-size", "512", "--out", str(root / "tok.json"))
-    cli("data", "shard", "--input", str(corpus), "--tokenizer", str(root / "tok.json"), "--out",
-        str(root / "shards"), "--shard-mb", "0.05", "--valid-every", "10", "--workers", "1")
+    cli(
+        "data",
+        "shard",
+        "--input",
+        str(corpus),
+        "--tokenizer",
+        str(root / "tok.json"),
+        "--out",
+        str(root / "shards"),
+        "--shard-mb",
+        "0.05",
+        "--valid-every",
+        "10",
+        "--workers",
+        "1",
+    )
     config = root / "run.yaml"
     config.write_text(f"""
-run_dir: {root / 'run'}
+run_dir: {root / "run"}
 model: {{d_model: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, d_ff: 96, vocab_size: 512, max_seq_len: 128,
          tie_embeddings: false}}
-data: {{train: {root / 'shards'}, tokenizer: {root / 'tok.json'}, seq_len: 64}}
+data: {{train: {root / "shards"}, tokenizer: {root / "tok.json"}, seq_len: 64}}
 train: {{micro_batch_size: 8, grad_accum: 1, max_steps: 20, log_every: 5, eval_batches: 2}}
 optim: {{lr: 3.0e-3}}
 schedule: {{warmup_steps: 2}}
@@ -42,8 +56,14 @@ checkpoint: {{every: 10}}
 wandb: {{mode: disabled}}
 """)
     cli("train", "--config", str(config))
-    return {"root": root, "config": config, "run": root / "run", "shards": root / "shards",
-            "held_out": held_out, "tokenizer": root / "tok.json"}
+    return {
+        "root": root,
+        "config": config,
+        "run": root / "run",
+        "shards": root / "shards",
+        "held_out": held_out,
+        "tokenizer": root / "tok.json",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +89,27 @@ def test_transformers_perplexity_equals_megatransformer_eval(pretrained, exporte
     from megatransformer.config import load_config
     from megatransformer.training.data import build_run_loader as build_loader
 
-    ours = json.loads(cli("eval", "--checkpoint", str(pretrained["run"]), "--data", str(pretrained["held_out"]),
-                          "--json", "data.pack=false").stdout)
+    ours = json.loads(
+        cli(
+            "eval",
+            "--checkpoint",
+            str(pretrained["run"]),
+            "--data",
+            str(pretrained["held_out"]),
+            "--json",
+            "data.pack=false",
+        ).stdout
+    )
     shards = pretrained["root"] / "held_out_shards"
-    write_shards([str(pretrained["held_out"])], str(pretrained["tokenizer"]), shards, valid_every=0, workers=1,
-                 progress=False, overwrite=True)
+    write_shards(
+        [str(pretrained["held_out"])],
+        str(pretrained["tokenizer"]),
+        shards,
+        valid_every=0,
+        workers=1,
+        progress=False,
+        overwrite=True,
+    )
     cfg = load_config(pretrained["config"], [f"data.train={shards}", "data.pack=false", "data.streams=1"])
     theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     loss_sum, count = 0.0, 0
@@ -91,8 +127,7 @@ def test_greedy_generation_matches_transformers(pretrained, exported):
     ours = load_for_inference(pretrained["run"]).model
     theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     prompt = torch.randint(5, 512, (1, 8), generator=torch.Generator().manual_seed(1))
-    expected = theirs.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[:, 8:]
+    expected = theirs.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)[:, 8:]
     assert torch.equal(generate(ours, prompt, 20, temperature=0.0), expected)
 
 
@@ -106,21 +141,44 @@ def test_import_of_export_is_bit_identical(pretrained, exported):
 
 
 def test_eval_does_not_depend_on_batch_size(pretrained):
-    results = [json.loads(cli("eval", "--checkpoint", str(pretrained["run"]), "--data", str(pretrained["shards"]),
-                              "--batch-size", str(b), "--json").stdout) for b in (1, 3)]
+    results = [
+        json.loads(
+            cli(
+                "eval",
+                "--checkpoint",
+                str(pretrained["run"]),
+                "--data",
+                str(pretrained["shards"]),
+                "--batch-size",
+                str(b),
+                "--json",
+            ).stdout
+        )
+        for b in (1, 3)
+    ]
     assert results[0]["tokens"] == results[1]["tokens"] > 0
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5)
 
 
 def test_generate_streams_a_continuation(pretrained):
-    result = cli("generate", "--checkpoint", str(pretrained["run"]), "--prompt", "Return the",
-                 "--max-new-tokens", "10", "--temperature", "0")
+    result = cli(
+        "generate",
+        "--checkpoint",
+        str(pretrained["run"]),
+        "--prompt",
+        "Return the",
+        "--max-new-tokens",
+        "10",
+        "--temperature",
+        "0",
+    )
     assert result.stdout.startswith("Return the") and len(result.stdout) > len("Return the\n")
 
 
 def test_generate_refuses_too_many_tokens_with_exit_2(pretrained):
-    result = cli("generate", "--checkpoint", str(pretrained["run"]), "--prompt", "x", "--max-new-tokens", "999",
-                 check=False)
+    result = cli(
+        "generate", "--checkpoint", str(pretrained["run"]), "--prompt", "x", "--max-new-tokens", "999", check=False
+    )
     assert result.returncode == 2 and "max_seq_len" in result.stderr
 
 
@@ -162,13 +220,39 @@ def test_fine_tune_on_instructions_then_eval_generate_and_export(pretrained, tmp
     documents = (pretrained["root"] / "corpus.txt").read_text().split("\n\n")
     write_instructions(tmp_path / "train.jsonl", documents[:-20])
     held_out = write_instructions(tmp_path / "held_out.jsonl", documents[-20:])
-    cli("data", "shard", "--input", str(tmp_path / "train.jsonl"), "--tokenizer", str(pretrained["tokenizer"]),
-        "--out", str(tmp_path / "sft"), "--prompt-field", "prompt", "--completion-field", "completion",
-        "--shard-mb", "0.02", "--valid-every", "10", "--workers", "1")
+    cli(
+        "data",
+        "shard",
+        "--input",
+        str(tmp_path / "train.jsonl"),
+        "--tokenizer",
+        str(pretrained["tokenizer"]),
+        "--out",
+        str(tmp_path / "sft"),
+        "--prompt-field",
+        "prompt",
+        "--completion-field",
+        "completion",
+        "--shard-mb",
+        "0.02",
+        "--valid-every",
+        "10",
+        "--workers",
+        "1",
+    )
     run = tmp_path / "finetune"
-    cli("train", "--config", str(pretrained["config"]), f"run_dir={run}", f"init_from={pretrained['run']}/checkpoints",
-        "objective=prefix_lm", f"data.train={tmp_path / 'sft'}", "data.seq_len=128", "train.max_steps=4",
-        "parallel.zero_stage=2")  # packed: several examples per row, each with its prompt as prefix
+    cli(
+        "train",
+        "--config",
+        str(pretrained["config"]),
+        f"run_dir={run}",
+        f"init_from={pretrained['run']}/checkpoints",
+        "objective=prefix_lm",
+        f"data.train={tmp_path / 'sft'}",
+        "data.seq_len=128",
+        "train.max_steps=4",
+        "parallel.zero_stage=2",
+    )  # packed: several examples per row, each with its prompt as prefix
     weights_before = load_for_inference(pretrained["run"]).model.state_dict()
     tuned = load_for_inference(run)
     assert tuned.cfg.objective == "prefix_lm"
@@ -178,8 +262,20 @@ def test_fine_tune_on_instructions_then_eval_generate_and_export(pretrained, tmp
     assert first["loss"] < 6.0, "started from scratch instead of the pretrained weights (ln 512 = 6.2)"
 
     # one example per row, so that every completion token is counted (a packed stream drops its last partial row)
-    result = json.loads(cli("eval", "--checkpoint", str(run), "--data", str(tmp_path / "held_out.jsonl"),
-                            "--prompt-field", "prompt", "--json", "data.pack=false", "data.seq_len=128").stdout)
+    result = json.loads(
+        cli(
+            "eval",
+            "--checkpoint",
+            str(run),
+            "--data",
+            str(tmp_path / "held_out.jsonl"),
+            "--prompt-field",
+            "prompt",
+            "--json",
+            "data.pack=false",
+            "data.seq_len=128",
+        ).stdout
+    )
     tok = load_tokenizer(pretrained["tokenizer"])
     assert result["objective"] == "prefix_lm" and result["sequences"] == len(held_out)
     assert result["tokens"] == sum(len(tok.encode(c)) + 1 for _, c in held_out), "loss on completions + EOS only"

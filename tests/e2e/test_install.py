@@ -24,9 +24,25 @@ def test_pyproject_lists_every_package():
 def test_quickstart_from_a_regular_install_in_an_empty_directory(tmp_path):
     # a copy of the source (pip builds in the source directory; the checkout stays untouched)
     source = tmp_path / "source"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
-        ".git", "runs", "data", "wandb", "build", "dist", "*.egg-info", ".venv", "__pycache__", ".pytest_cache",
-        "tests", "bench", "slurm"))
+    shutil.copytree(
+        REPO,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            "runs",
+            "data",
+            "wandb",
+            "build",
+            "dist",
+            "*.egg-info",
+            ".venv",
+            "__pycache__",
+            ".pytest_cache",
+            "tests",
+            "bench",
+            "slurm",
+        ),
+    )
     # system site packages: torch and the rest are not downloaded again; no pip of its own, so the system's
     # pip and setuptools build the wheel (the ones ensurepip bundles may be too old to, without `wheel`)
     venv = tmp_path / "venv"
@@ -34,8 +50,12 @@ def test_quickstart_from_a_regular_install_in_an_empty_directory(tmp_path):
     python, script = venv / "bin" / "python", venv / "bin" / "megatransformer"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the installed copy
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                              str(source)], env=env, capture_output=True, text=True)
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(source)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     shutil.rmtree(source)  # the install must not need its source
 
@@ -49,10 +69,22 @@ def test_quickstart_from_a_regular_install_in_an_empty_directory(tmp_path):
 
     where = run(str(python), "-c", "import megatransformer; print(megatransformer.__file__)").stdout
     assert where.startswith(str(venv)), f"the venv's copy must shadow any other: {where}"
-    result = run(str(script), "quickstart", "model.d_model=64", "model.n_layers=1", "model.d_ff=128",
-                 "data.seq_len=32", "train.max_steps=2", "train.micro_batch_size=2", "train.log_every=1",
-                 "train.eval_batches=1", "wandb.mode=disabled")
+    result = run(
+        str(script),
+        "quickstart",
+        "model.d_model=64",
+        "model.n_layers=1",
+        "model.d_ff=128",
+        "data.seq_len=32",
+        "train.max_steps=2",
+        "train.micro_batch_size=2",
+        "train.log_every=1",
+        "train.eval_batches=1",
+        "wandb.mode=disabled",
+    )
     assert (empty / "runs" / "quickstart" / "checkpoints" / "step_000002").is_dir()
-    assert "done: 2 of 2 steps" in result.stdout and "megatransformer eval --checkpoint runs/quickstart" in result.stdout
+    assert (
+        "done: 2 of 2 steps" in result.stdout and "megatransformer eval --checkpoint runs/quickstart" in result.stdout
+    )
     run(str(script), "data", "inspect", "--config", "quickstart", "--batches", "1", "data.seq_len=32")
     assert "run_dir: runs/llama-style" in run(str(script), "info", "--config", "llama-style").stdout

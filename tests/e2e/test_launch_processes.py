@@ -18,7 +18,8 @@ def test_inconsistent_environment_is_one_line_and_exit_2():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "launch: error: RANK/WORLD_SIZE are set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT not: start with torchrun, "
-        "or set all of RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"]
+        "or set all of RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
+    ]
 
 
 def test_config_errors_come_from_the_trainer_with_exit_2(tmp_path):
@@ -69,10 +70,18 @@ def test_single_process_just_runs(tmp_path, tiny_data):
 def test_torchrun_two_processes_zero2(tmp_path, tiny_data):
     run_dir = tmp_path / "run"
     config = write_tiny_config(tmp_path / "tiny.yaml", tiny_data, run_dir, max_steps=6)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "launch", "--config", str(config)]
-    result = subprocess.run(command, cwd=REPO, env=clean_env(**ONE_THREAD), capture_output=True, text=True,
-                            timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "launch",
+        "--config",
+        str(config),
+    ]
+    result = subprocess.run(command, cwd=REPO, env=clean_env(**ONE_THREAD), capture_output=True, text=True, timeout=600)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
     assert "launch: torchrun: world 2 (2 per node)" in log
@@ -84,4 +93,6 @@ def test_torchrun_two_processes_zero2(tmp_path, tiny_data):
     assert (trainer["step"], trainer["world_size"], trainer["zero_stage"]) == (6, 2, 2)
     # ZeRO-2 partitions the optimizer state: one shard per rank
     assert sorted(p.name for p in latest.glob("*optim_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]

@@ -51,12 +51,24 @@ def test_source_target_fields_are_the_prompt_completion_path(tmp_path, tiny_data
     assert a == b and a["kind"] == "prompt_completion" and a["documents"] == 50
 
 
-@pytest.mark.parametrize("args,message", [
-    (["eval", "--data", "t.jsonl", "--bleu"], "--bleu needs --source-field"),
-    (["eval", "--data", "t.jsonl", "--source-field", "s", "--hypotheses", "h.txt"], "--hypotheses goes with --bleu"),
-    (["eval", "--data", "t.jsonl", "--source-field", "s", "--bleu", "--num-beams", "0"], "--num-beams must be >= 1"),
-    (["generate", "--prompt", "x", "--num-beams", "4", "--top-p", "0.9"], "does not combine with --top-k / --top-p"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["eval", "--data", "t.jsonl", "--bleu"], "--bleu needs --source-field"),
+        (
+            ["eval", "--data", "t.jsonl", "--source-field", "s", "--hypotheses", "h.txt"],
+            "--hypotheses goes with --bleu",
+        ),
+        (
+            ["eval", "--data", "t.jsonl", "--source-field", "s", "--bleu", "--num-beams", "0"],
+            "--num-beams must be >= 1",
+        ),
+        (
+            ["generate", "--prompt", "x", "--num-beams", "4", "--top-p", "0.9"],
+            "does not combine with --top-k / --top-p",
+        ),
+    ],
+)
 def test_bad_decoding_arguments_are_refused_before_loading(args, message):
     result = cli(*args, "--checkpoint", "no/such/checkpoint", check=False)
     assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1
@@ -67,25 +79,51 @@ def test_bad_decoding_arguments_are_refused_before_loading(args, message):
 
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory) -> dict[str, Path]:
-    """A tiny encoder-decoder trained through the CLI on 3000 toy pairs (.tsv with a header), checkpoints
-    every 200 steps (it converges after about 200); the test set is a .jsonl file. Embeddings scaled by sqrt(d_model) as in the paper: without
-    it the sinusoidal positions drown the token embeddings and the model learns far slower."""
+    """A tiny encoder-decoder trained through the CLI on 3000 toy pairs (.tsv with a header), checkpoints every 200
+    steps (it converges after about 200); the test set is a .jsonl file. Embeddings scaled by sqrt(d_model) as in
+    the paper: without it the sinusoidal positions drown the token embeddings and the model learns far slower."""
     root = tmp_path_factory.mktemp("toy_translation")
     train, test = toy_pairs(3000, seed=1), toy_pairs(60, seed=2)
     (root / "train.tsv").write_text("src\ttgt\n" + "".join(f"{s}\t{t}\n" for s, t in train))
     (root / "test.jsonl").write_text("".join(json.dumps({"src": s, "tgt": t}) + "\n" for s, t in test))
     (root / "corpus.txt").write_text("\n\n".join(f"{s}\n{t}" for s, t in train))
-    cli("data", "tokenizer", "--input", root / "corpus.txt", "--vocab-size", "400", "--sentinels", "0",
-        "--out", root / "tok.json")
-    cli("data", "shard", "--input", root / "train.tsv", "--source-field", "src", "--target-field", "tgt",
-        "--tokenizer", root / "tok.json", "--out", root / "shards", "--valid-every", "20", "--workers", "1")
+    cli(
+        "data",
+        "tokenizer",
+        "--input",
+        root / "corpus.txt",
+        "--vocab-size",
+        "400",
+        "--sentinels",
+        "0",
+        "--out",
+        root / "tok.json",
+    )
+    cli(
+        "data",
+        "shard",
+        "--input",
+        root / "train.tsv",
+        "--source-field",
+        "src",
+        "--target-field",
+        "tgt",
+        "--tokenizer",
+        root / "tok.json",
+        "--out",
+        root / "shards",
+        "--valid-every",
+        "20",
+        "--workers",
+        "1",
+    )
     config = root / "run.yaml"
     config.write_text(f"""
-run_dir: {root / 'run'}
+run_dir: {root / "run"}
 model: {{arch: encoder_decoder, d_model: 64, n_layers: 2, n_heads: 4, d_ff: 128, vocab_size: 400,
          max_seq_len: 64, position: sinusoidal, ffn: relu, share_embeddings: true, tie_embeddings: true,
          scale_embeddings: true, dropout: 0.0}}
-data: {{train: {root / 'shards'}, tokenizer: {root / 'tok.json'}, seq_len: 32, num_workers: 0}}
+data: {{train: {root / "shards"}, tokenizer: {root / "tok.json"}, seq_len: 32, num_workers: 0}}
 objective: prefix_lm
 train: {{micro_batch_size: 16, grad_accum: 1, max_steps: 600, log_every: 100, eval_batches: 2,
          label_smoothing: 0.1}}
@@ -99,8 +137,24 @@ wandb: {{mode: disabled}}
 
 
 def bleu(checkpoint: Path, test: Path, beams: int, *extra: str) -> dict:
-    out = cli("eval", "--checkpoint", checkpoint, "--data", test, "--source-field", "src", "--target-field", "tgt",
-              "--bleu", "--num-beams", str(beams), "--length-penalty", "0.6", "--json", *extra).stdout
+    out = cli(
+        "eval",
+        "--checkpoint",
+        checkpoint,
+        "--data",
+        test,
+        "--source-field",
+        "src",
+        "--target-field",
+        "tgt",
+        "--bleu",
+        "--num-beams",
+        str(beams),
+        "--length-penalty",
+        "0.6",
+        "--json",
+        *extra,
+    ).stdout
     return json.loads(out)
 
 
@@ -122,8 +176,20 @@ def test_trained_translation_model_beats_copying(toy_run):
     lines = hypotheses.read_text().splitlines()
     assert len(lines) == len(pairs)
     assert BLEU().corpus_score(lines, [[p["tgt"] for p in pairs]]).score == pytest.approx(beam["bleu"])
-    text = cli("eval", "--checkpoint", averaged, "--data", toy_run["test"], "--source-field", "src",
-               "--target-field", "tgt", "--bleu", "--num-beams", "4").stdout
+    text = cli(
+        "eval",
+        "--checkpoint",
+        averaged,
+        "--data",
+        toy_run["test"],
+        "--source-field",
+        "src",
+        "--target-field",
+        "tgt",
+        "--bleu",
+        "--num-beams",
+        "4",
+    ).stdout
     assert text.startswith("BLEU = ") and "chrF2 = " in text and "BLEU signature: nrefs:1" in text
 
 
@@ -151,8 +217,20 @@ def test_average_is_the_parameter_mean(toy_run, tmp_path):
         assert (tensor.double() - expected).abs().max().item() < 1e-6, name
         assert not torch.equal(tensor, weights[-1][name]) or torch.equal(weights[0][name], weights[-1][name])
     # what every reader of checkpoints accepts: eval (loss), export, init_from
-    loss = json.loads(cli("eval", "--checkpoint", tmp_path / "avg", "--data", toy_run["test"], "--source-field",
-                          "src", "--target-field", "tgt", "--json").stdout)
+    loss = json.loads(
+        cli(
+            "eval",
+            "--checkpoint",
+            tmp_path / "avg",
+            "--data",
+            toy_run["test"],
+            "--source-field",
+            "src",
+            "--target-field",
+            "tgt",
+            "--json",
+        ).stdout
+    )
     assert loss["tokens"] > 0 and loss["loss"] < 2.0
     cli("export", "--checkpoint", tmp_path / "avg", "--out", tmp_path / "exported")
     from megatransformer.checkpoint import load_weights, saved_config
@@ -177,8 +255,9 @@ def test_average_refuses_other_model_shapes(toy_run, tmp_path):
     source = checkpoints(toy_run["run"])[-1]
     cfg = saved_config(source)
     other = cfg.model_copy(update={"model": cfg.model.model_copy(update={"d_ff": 96})})
-    write_weights_checkpoint(tmp_path / "other", other, build_model(other.model).state_dict(),
-                             source / "tokenizer.json")
+    write_weights_checkpoint(
+        tmp_path / "other", other, build_model(other.model).state_dict(), source / "tokenizer.json"
+    )
     result = cli("average", "--checkpoints", source, tmp_path / "other", "--out", tmp_path / "x", check=False)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "model.d_ff=96 (not 128)" in result.stderr

@@ -42,15 +42,23 @@ NOT_RUN = {
     "pip install": "installs packages; CI has installed the project (tests/e2e/test_install.py installs it anew)",
     "python -m pytest": "the test suite itself, which this test is part of",
     "torchrun": "starts 8 processes; tests/e2e/test_launch_processes.py and tests/e2e/test_training.py run "
-                "torchrun on CPU",
+    "torchrun on CPU",
     "sbatch": "needs a Slurm cluster; tests/e2e/test_slurm.py submits slurm/train.sbatch to the local one",
 }
 
 # the tiny decoder with one layer, at the vocabulary and length of the README's configs
-TINY_TRAIN = [*tiny_model(n_layers=1, d_ff=128, vocab_size=None, max_seq_len=None), "data.seq_len=64",
-              "train.max_steps=2", "train.global_batch_size=null", "train.grad_accum=1",
-              "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "precision=fp32",
-              "wandb.mode=disabled"]
+TINY_TRAIN = [
+    *tiny_model(n_layers=1, d_ff=128, vocab_size=None, max_seq_len=None),
+    "data.seq_len=64",
+    "train.max_steps=2",
+    "train.global_batch_size=null",
+    "train.grad_accum=1",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "precision=fp32",
+    "wandb.mode=disabled",
+]
 APPENDED = {  # by sub-command
     "quickstart": TINY_TRAIN,
     "train": TINY_TRAIN,
@@ -128,7 +136,8 @@ def appended(text: str) -> list[str]:
     words = shlex.split(text, comments=True)
     assert words[0] == "megatransformer", (
         f"README command {text!r} is neither a megatransformer command nor covered by a NOT_RUN rule or a "
-        "readme-test: skip marker; decide which, in tests/e2e/test_readme.py or README.md")
+        "readme-test: skip marker; decide which, in tests/e2e/test_readme.py or README.md"
+    )
     sub = " ".join(words[1:3]) if words[1] == "data" else words[1]
     return APPENDED.get(sub, [])
 
@@ -150,8 +159,12 @@ def inputs(root: Path) -> None:
         rows = []
         for text in texts:
             words = text.split()
-            rows.append({"prompt": "Question: how does it start? " + " ".join(words[:4]) + "\n",
-                         "completion": " " + " ".join(words[4:16])})
+            rows.append(
+                {
+                    "prompt": "Question: how does it start? " + " ".join(words[:4]) + "\n",
+                    "completion": " " + " ".join(words[4:16]),
+                }
+            )
         return "".join(json.dumps(r) + "\n" for r in rows)
 
     (root / "sft.jsonl").write_text(examples(docs[:400]))  # a small fine-tuning set
@@ -166,15 +179,16 @@ def test_readme_rules_are_explicit():
         if command.skip is None:
             appended(command.text)  # asserts it is a megatransformer command
     used = {why for command in found for why in [command.skip] if why}
-    assert set(NOT_RUN.values()) <= used, f"NOT_RUN rules that match no README command: " \
-                                          f"{set(NOT_RUN.values()) - used}"
+    assert set(NOT_RUN.values()) <= used, f"NOT_RUN rules that match no README command: {set(NOT_RUN.values()) - used}"
 
 
 def test_readme_commands_work_as_written(tmp_path):
     inputs(tmp_path)
     bin_dir = tmp_path / ".bin"
     bin_dir.mkdir()
-    (bin_dir / "megatransformer").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m megatransformer.cli "$@"\n')
+    (bin_dir / "megatransformer").write_text(
+        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m megatransformer.cli "$@"\n'
+    )
     (bin_dir / "megatransformer").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     ran = []
@@ -183,14 +197,16 @@ def test_readme_commands_work_as_written(tmp_path):
             continue
         line = command.text.split(" #")[0].rstrip() + "".join(" " + shlex.quote(a) for a in appended(command.text))
         started = time.perf_counter()
-        result = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=600)
+        result = subprocess.run(
+            ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
         print(f"{time.perf_counter() - started:6.1f} s  README.md:{command.line}  {line}")
         output = result.stdout + result.stderr
         expect_error = any("error:" in e for e in command.expected)
         if (result.returncode != 0) != expect_error:
-            raise AssertionError(f"README.md line {command.line}: `{line}` exited {result.returncode}:\n"
-                                 f"{output[-4000:]}")
+            raise AssertionError(
+                f"README.md line {command.line}: `{line}` exited {result.returncode}:\n{output[-4000:]}"
+            )
         for expected in command.expected:
             assert expected in output, f"README.md line {command.line}: `{line}` did not print {expected!r}:\n{output}"
         ran.append((command, output))

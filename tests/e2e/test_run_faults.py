@@ -14,8 +14,14 @@ from pathlib import Path
 import psutil
 from support.runs import metrics, tiny_data_overrides, tiny_model, train, train_command, wait_for_step
 
-TINY = [*tiny_model(), "data.seq_len=64", "train.micro_batch_size=4", "train.grad_accum=1", "train.log_every=1",
-        "train.eval_batches=2"]
+TINY = [
+    *tiny_model(),
+    "data.seq_len=64",
+    "train.micro_batch_size=4",
+    "train.grad_accum=1",
+    "train.log_every=1",
+    "train.eval_batches=2",
+]
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 characters, like a real W&B API key
 
 
@@ -29,13 +35,18 @@ def test_unreachable_wandb_server_falls_back_to_offline_logging(tiny_data, tmp_p
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
         # WANDB_INIT_TIMEOUT bounds W&B's retries (its default is 90 s); no wandb.mode: the key makes it online
-        env = {"WANDB_BASE_URL": f"http://127.0.0.1:{port}", "WANDB_API_KEY": FAKE_KEY, "WANDB_INIT_TIMEOUT": "5",
-               "DS_ACCELERATOR": "cpu"}
+        env = {
+            "WANDB_BASE_URL": f"http://127.0.0.1:{port}",
+            "WANDB_API_KEY": FAKE_KEY,
+            "WANDB_INIT_TIMEOUT": "5",
+            "DS_ACCELERATOR": "cpu",
+        }
         result = train(overrides(tiny_data, run, "train.max_steps=3"), expect=None, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if "W&B" in line or "wandb" in line.lower()]
-    assert len(warnings) == 1 and "cannot reach the W&B server" in warnings[0] and "wandb sync" in warnings[0], \
+    assert len(warnings) == 1 and "cannot reach the W&B server" in warnings[0] and "wandb sync" in warnings[0], (
         result.stderr[-3000:]
+    )
     assert "Traceback" not in result.stderr
     steps = [record["step"] for record in metrics(run)]
     assert steps[-1] == 3
@@ -65,10 +76,17 @@ def test_stalled_rank_makes_the_other_exit_naming_the_timed_out_collective(tiny_
     # checkpoint or evaluation before max_steps, no W&B), short enough for a test
     log = (tmp_path / "stderr.log").open("w")  # (a pipe nobody reads while waiting would fill and block)
     launcher = subprocess.Popen(
-        [*train_command(nproc=2),
-         *overrides(tiny_data, run, "train.max_steps=100000", "parallel.timeout_minutes=0.25", "wandb.mode=disabled")],
-        stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "DS_ACCELERATOR": "cpu"},
-        start_new_session=True)
+        [
+            *train_command(nproc=2),
+            *overrides(
+                tiny_data, run, "train.max_steps=100000", "parallel.timeout_minutes=0.25", "wandb.mode=disabled"
+            ),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        start_new_session=True,
+    )
     ranks: dict[int, psutil.Process] = {}
     try:
         # until rank 0 has logged step 2 (training under way on both ranks): a start-up on a loaded machine may

@@ -21,8 +21,16 @@ from megatransformer.flops import model_size
 from megatransformer.training.metrics import start_wandb
 from megatransformer.training.trackers import check_tensorboard
 
-TINY = [*tiny_model(n_layers=1, n_kv_heads=None, max_seq_len=64), "data.seq_len=32", "train.micro_batch_size=2",
-        "train.grad_accum=1", "train.max_steps=4", "train.log_every=2", "train.eval_every=3", "train.eval_batches=1"]
+TINY = [
+    *tiny_model(n_layers=1, n_kv_heads=None, max_seq_len=64),
+    "data.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.grad_accum=1",
+    "train.max_steps=4",
+    "train.log_every=2",
+    "train.eval_every=3",
+    "train.eval_batches=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +38,14 @@ def tracked_run(tiny_data, tmp_path_factory):
     """A four-step run through the CLI with W&B offline and TensorBoard on."""
     run = tmp_path_factory.mktemp("outputs") / "run"
     started = time.time()
-    overrides = [*TINY, f"run_dir={run}", *tiny_data_overrides(tiny_data), "wandb.mode=offline", "tensorboard=true",
-                 "train.sample_prompt=ROMEO:"]
+    overrides = [
+        *TINY,
+        f"run_dir={run}",
+        *tiny_data_overrides(tiny_data),
+        "wandb.mode=offline",
+        "tensorboard=true",
+        "train.sample_prompt=ROMEO:",
+    ]
     result = train(overrides)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return run, result.stdout, records, started
@@ -43,8 +57,10 @@ def test_metrics_rows_have_a_kind_a_time_and_one_shape_per_kind(tracked_run):
     assert [(r["step"], r["kind"]) for r in records] == [(2, "train"), (3, "valid"), (4, "train"), (4, "valid")]
     times = [r["time"] for r in records]
     assert started <= times[0] and times == sorted(times) and times[-1] <= time.time()
-    for kind, shape in (("train", {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}),
-                        ("valid", {"val_loss", "val_ppl", "val_tokens"})):
+    for kind, shape in (
+        ("train", {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}),
+        ("valid", {"val_loss", "val_ppl", "val_tokens"}),
+    ):
         keys = [set(r) for r in records if r["kind"] == kind]
         assert all(k == keys[0] for k in keys) and shape <= keys[0], keys
     assert all(r["mfu"] is None for r in records if r["kind"] == "train")  # a CPU with no train.peak_tflops
@@ -69,11 +85,15 @@ def test_wandb_config_is_the_resolved_config_and_the_run_facts(tracked_run):
     run, _, _, _ = tracked_run
     [log] = run.glob("wandb/offline-run-*/run-*.wandb")
     wandb_cli = shutil.which("wandb", path=os.path.dirname(sys.executable)) or "wandb"
-    inspected = subprocess.run([wandb_cli, "leet", "inspect", "--summary", "--json", str(log)], capture_output=True,
-                               text=True, timeout=300)
+    inspected = subprocess.run(
+        [wandb_cli, "leet", "inspect", "--summary", "--json", str(log)], capture_output=True, text=True, timeout=300
+    )
     config = json.loads(inspected.stdout)["config"]
-    assert (config["train"]["micro_batch_size"], config["train"]["grad_accum"],
-            config["train"]["global_batch_size"]) == (2, 1, 2)  # global batch derived, not null
+    assert (
+        config["train"]["micro_batch_size"],
+        config["train"]["grad_accum"],
+        config["train"]["global_batch_size"],
+    ) == (2, 1, 2)  # global batch derived, not null
     facts = config["run"]
     assert facts["world_size"] == 1 and facts["data_parallel"] == 1 and facts["tensor_parallel"] == 1
     assert facts["zero_stage"] == 0  # the stage that ran (zero_stage=1 on one rank runs as 0)
@@ -88,8 +108,10 @@ def test_a_plain_text_override_reaches_the_run(tracked_run):
     assert "sample: ROMEO:" in out
 
 
-@pytest.mark.parametrize("text, value", [("ROMEO:", "ROMEO:"), ("- item", "- item"), ("#1", "#1"),
-                                         ("a: b: c", "a: b: c"), ("null", None), ("", None)])
+@pytest.mark.parametrize(
+    "text, value",
+    [("ROMEO:", "ROMEO:"), ("- item", "- item"), ("#1", "#1"), ("a: b: c", "a: b: c"), ("null", None), ("", None)],
+)
 def test_an_override_of_plain_text_is_that_text(text, value):
     assert load_config(os.devnull, [f"train.sample_prompt={text}"]).train.sample_prompt == value
 
@@ -104,11 +126,31 @@ def test_the_tokenizer_directory_loads_in_transformers_with_its_special_tokens(t
     from megatransformer.cli import main
 
     out = tmp_path / "tok" / "tokenizer.json"
-    assert main(["data", "tokenizer", "--input", str(tiny_data.corpus), "--vocab-size", "400", "--sentinels", "2",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "tokenizer",
+                "--input",
+                str(tiny_data.corpus),
+                "--vocab-size",
+                "400",
+                "--sentinels",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     tok = PreTrainedTokenizerFast.from_pretrained(str(out.parent))
-    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token, tok.mask_token) == \
-        ("<s>", "</s>", "<pad>", "<unk>", "<mask>")
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token, tok.mask_token) == (
+        "<s>",
+        "</s>",
+        "<pad>",
+        "<unk>",
+        "<mask>",
+    )
     batch = tok(["def f():", "a longer line of text to pad against"], padding=True)
     assert len(batch["input_ids"][0]) == len(batch["input_ids"][1])
     assert batch["input_ids"][0][-1] == tok.pad_token_id == tok.convert_tokens_to_ids("<pad>")

@@ -48,8 +48,10 @@ def cluster_problem() -> str | None:
     states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
     usable = [n for n, s in states.items() if s.rstrip("*") in ("idle", "mix", "alloc", "comp")]
     if out.returncode != 0 or len(usable) < 2:
-        return (f"the local Slurm cluster is not up (sinfo: {out.stdout.strip() or out.stderr.strip()}); "
-                "run `bash slurm/local-cluster.sh start` as root")
+        return (
+            f"the local Slurm cluster is not up (sinfo: {out.stdout.strip() or out.stderr.strip()}); "
+            "run `bash slurm/local-cluster.sh start` as root"
+        )
     return None
 
 
@@ -67,16 +69,18 @@ class Job:
         self.id, self.log = job_id, log
 
     def info(self) -> dict[str, str]:
-        out = subprocess.run(["scontrol", "show", "job", "-o", str(self.id)], capture_output=True, text=True,
-                             timeout=30).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", str(self.id)], capture_output=True, text=True, timeout=30
+        ).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.is_file() else "(no log yet)"
 
     def report(self, why: str) -> str:
-        info = subprocess.run(["scontrol", "show", "job", str(self.id)], capture_output=True, text=True,
-                              timeout=30).stdout
+        info = subprocess.run(
+            ["scontrol", "show", "job", str(self.id)], capture_output=True, text=True, timeout=30
+        ).stdout
         return f"{why}\n--- scontrol show job {self.id}\n{info}\n--- {self.log}\n{self.text()}"
 
     def wait(self, done, timeout: float, what: str) -> dict[str, str]:
@@ -90,8 +94,13 @@ class Job:
         pytest.fail(self.report(f"job {self.id}: {what} did not happen within {timeout:.0f} s"))
 
     def wait_finished(self, timeout: float = JOB_TIMEOUT) -> dict[str, str]:
-        return self.wait(lambda i: i.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
-                                                         "NODE_FAIL", "OUT_OF_MEMORY"), timeout, "the end")
+        return self.wait(
+            lambda i: (
+                i.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+            ),
+            timeout,
+            "the end",
+        )
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +110,19 @@ def submit(cluster, tmp_path_factory):
     jobs: list[Job] = []
 
     def _submit(name: str, config: Path, *overrides: str) -> Job:
-        command = ["sbatch", "--parsable", f"--chdir={REPO}", f"--job-name={name}",
-                   f"--output={logs}/%x-%j.out", "--nodes=2", "--ntasks-per-node=1", "--time=30:00",
-                   "slurm/train.sbatch", str(config), *overrides]
+        command = [
+            "sbatch",
+            "--parsable",
+            f"--chdir={REPO}",
+            f"--job-name={name}",
+            f"--output={logs}/%x-%j.out",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--time=30:00",
+            "slurm/train.sbatch",
+            str(config),
+            *overrides,
+        ]
         # the job inherits this environment (sbatch --export=ALL): PATH, this python, TORCH_EXTENSIONS_DIR
         result = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, f"sbatch failed: {result.stderr}"
@@ -163,8 +182,9 @@ def wait_for_idle_nodes(timeout: float) -> None:
     """Until every node is idle (the previous run of a requeued job has been cleaned up), plus a margin."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        states = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True,
-                                timeout=30).stdout.split()
+        states = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, timeout=30
+        ).stdout.split()
         if states and all(state == "idle" for state in states):
             time.sleep(2)
             return
@@ -177,12 +197,16 @@ def test_warning_signal_checkpoints_requeues_and_resumes_to_the_same_losses(subm
     run_dir = slurm_config.parent / "preempted"
     job = submit("mt-preempted", slurm_config, f"run_dir={run_dir}", "checkpoint.every=50")
 
-    job.wait(lambda i: logged_steps(run_dir) >= SIGNAL_AFTER_STEP or i.get("JobState") not in ("PENDING", "RUNNING"),
-             JOB_TIMEOUT, f"{SIGNAL_AFTER_STEP} logged steps")
+    job.wait(
+        lambda i: logged_steps(run_dir) >= SIGNAL_AFTER_STEP or i.get("JobState") not in ("PENDING", "RUNNING"),
+        JOB_TIMEOUT,
+        f"{SIGNAL_AFTER_STEP} logged steps",
+    )
     # what Slurm does before the time limit (--signal=B:USR1@120): signal the batch script
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job.id)], check=True, timeout=30)
-    info = job.wait(lambda i: i.get("Restarts") == "1" or i.get("JobState") in ("COMPLETED", "FAILED"),
-                    180, "the requeue")
+    info = job.wait(
+        lambda i: i.get("Restarts") == "1" or i.get("JobState") in ("COMPLETED", "FAILED"), 180, "the requeue"
+    )
     if info.get("Restarts") != "1":
         pytest.fail(job.report("the signalled job ended instead of requeueing itself"))
     stopped = re.search(r"preempted at step (\d+): checkpointing, exit 124", job.text())
@@ -232,15 +256,20 @@ def test_preempted_on_two_nodes_requeued_onto_one_continues_exactly(submit, slur
     run_dir = slurm_config.parent / "elastic"
     batch = ("train.global_batch_size=4", "train.grad_accum=null")  # the uninterrupted job's 2 x 1 x 2
     job = submit("mt-elastic", slurm_config, f"run_dir={run_dir}", "checkpoint.every=50", *batch)
-    job.wait(lambda i: logged_steps(run_dir) >= SIGNAL_AFTER_STEP or i.get("JobState") not in ("PENDING", "RUNNING"),
-             JOB_TIMEOUT, f"{SIGNAL_AFTER_STEP} logged steps")
+    job.wait(
+        lambda i: logged_steps(run_dir) >= SIGNAL_AFTER_STEP or i.get("JobState") not in ("PENDING", "RUNNING"),
+        JOB_TIMEOUT,
+        f"{SIGNAL_AFTER_STEP} logged steps",
+    )
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job.id)], check=True, timeout=30)
-    info = job.wait(lambda i: i.get("Restarts") == "1" or i.get("JobState") in ("COMPLETED", "FAILED"),
-                    180, "the requeue")
+    info = job.wait(
+        lambda i: i.get("Restarts") == "1" or i.get("JobState") in ("COMPLETED", "FAILED"), 180, "the requeue"
+    )
     if info.get("Restarts") != "1" or info["JobState"] != "PENDING":
         pytest.fail(job.report("the signalled job did not requeue itself"))
-    subprocess.run(["scontrol", "update", f"JobId={job.id}", "NumNodes=1-1", "NumTasks=1", "NumCPUs=1"], check=True,
-                   timeout=30)
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job.id}", "NumNodes=1-1", "NumTasks=1", "NumCPUs=1"], check=True, timeout=30
+    )
     wait_for_idle_nodes(60)
     subprocess.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now"], check=True, timeout=30)
     info = job.wait_finished()
@@ -251,8 +280,10 @@ def test_preempted_on_two_nodes_requeued_onto_one_continues_exactly(submit, slur
     assert restarted, job.report("the log shows no restart")
     assert "launch: slurm: world 2" in first_part and "launch: slurm: world 1" in second_part, job.text()
     stopped_at = int(re.search(r"preempted at step (\d+): checkpointing, exit 124", first_part)[1])
-    assert (f"resuming step {stopped_at} written by 2 ranks (dp2, tp1, zero2) on 1 rank (dp1, tp1, zero0): "
-            "micro 2 x accum 2 (was micro 2 x accum 1)") in second_part, job.report("no elastic resume line")
+    assert (
+        f"resuming step {stopped_at} written by 2 ranks (dp2, tp1, zero2) on 1 rank (dp1, tp1, zero0): "
+        "micro 2 x accum 2 (was micro 2 x accum 1)"
+    ) in second_part, job.report("no elastic resume line")
     resumed, reference = losses_by_step(run_dir), losses_by_step(reference_dir)
     assert sorted(resumed) == list(range(1, MAX_STEPS + 1))  # every step once: none lost, none doubled
     for step in range(stopped_at + 1, MAX_STEPS + 1):

@@ -19,9 +19,21 @@ from support.runs import metrics, tiny_model, train, train_command
 
 MICRO = 4
 # streams=1, shuffle_buffer=1: rows follow the documents' order, so the poison is one contiguous row range
-RUN = [*tiny_model(), "data.seq_len=64", f"train.micro_batch_size={MICRO}", "train.grad_accum=1", "train.log_every=1",
-       "train.eval_batches=4", "train.max_steps=170", "optim.lr=3e-3", "schedule.warmup_steps=20",
-       "checkpoint.every=25", "wandb.mode=disabled", "data.streams=1", "data.shuffle_buffer=1"]
+RUN = [
+    *tiny_model(),
+    "data.seq_len=64",
+    f"train.micro_batch_size={MICRO}",
+    "train.grad_accum=1",
+    "train.log_every=1",
+    "train.eval_batches=4",
+    "train.max_steps=170",
+    "optim.lr=3e-3",
+    "schedule.warmup_steps=20",
+    "checkpoint.every=25",
+    "wandb.mode=disabled",
+    "data.streams=1",
+    "data.shuffle_buffer=1",
+]
 
 
 class Poisoned(NamedTuple):
@@ -47,12 +59,28 @@ def poisoned(tiny_data, tmp_path_factory) -> Poisoned:
     at = len(docs) // 6  # a third of the way into the run
     for name, kept in (("poisoned", docs[:at] + poison_documents(6, 200) + docs[at:]), ("clean", docs)):
         (root / f"{name}.txt").write_text("\n\n".join(kept))
-        write_shards([str(root / f"{name}.txt")], str(tiny_data.tokenizer), root / name, shard_mb=100,
-                     valid_every=0, workers=1, progress=False)
+        write_shards(
+            [str(root / f"{name}.txt")],
+            str(tiny_data.tokenizer),
+            root / name,
+            shard_mb=100,
+            valid_every=0,
+            workers=1,
+            progress=False,
+        )
     tok = load_tokenizer(tiny_data.tokenizer)
-    cfg = validate({"model": {"vocab_size": 512, "max_seq_len": 128},
-                    "data": {"train": str(root / "poisoned"), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64,
-                             "streams": 1, "shuffle_buffer": 1}})
+    cfg = validate(
+        {
+            "model": {"vocab_size": 512, "max_seq_len": 128},
+            "data": {
+                "train": str(root / "poisoned"),
+                "tokenizer": str(tiny_data.tokenizer),
+                "seq_len": 64,
+                "streams": 1,
+                "shuffle_buffer": 1,
+            },
+        }
+    )
     bad = []
     for index, batch in zip(range(400), build_run_loader(cfg, "train", MICRO, 0, 1, tok)):
         for r, row in enumerate(batch["input_ids"]):
@@ -63,8 +91,14 @@ def poisoned(tiny_data, tmp_path_factory) -> Poisoned:
 
 
 def overrides(tiny_data, train_dir: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [f"data.train={train_dir}", f"data.valid={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}",
-            *RUN, f"run_dir={run_dir}", *extra]
+    return [
+        f"data.train={train_dir}",
+        f"data.valid={tiny_data.shards}",
+        f"data.tokenizer={tiny_data.tokenizer}",
+        *RUN,
+        f"run_dir={run_dir}",
+        *extra,
+    ]
 
 
 def final_val_loss(run_dir: Path) -> float:
@@ -82,8 +116,9 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in metrics(run_dir) if "loss" in r]
 
 
-def test_the_default_ladder_rolls_back_over_the_poison_and_ends_like_the_clean_run(tiny_data, poisoned, guarded,
-                                                                                   tmp_path):
+def test_the_default_ladder_rolls_back_over_the_poison_and_ends_like_the_clean_run(
+    tiny_data, poisoned, guarded, tmp_path
+):
     clean = tmp_path / "clean"
     train(overrides(tiny_data, poisoned.clean, clean))
     guarded, said = guarded
@@ -114,8 +149,12 @@ def test_without_the_ladder_the_spike_shows_in_the_curve(tiny_data, poisoned, tm
 
 def test_kill_9_after_a_rollback_and_resume_give_the_same_curve(tiny_data, poisoned, guarded):
     run = guarded[0].parent / "killed"
-    process = subprocess.Popen(train_command() + overrides(tiny_data, poisoned.poisoned, run),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        train_command() + overrides(tiny_data, poisoned.poisoned, run),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     while not (run / "spikes.json").is_file():  # the rollback happened: killed before the next checkpoint
         assert process.poll() is None, "the run ended before rolling back"
         time.sleep(0.01)
@@ -124,5 +163,8 @@ def test_kill_9_after_a_rollback_and_resume_give_the_same_curve(tiny_data, poiso
     train(overrides(tiny_data, poisoned.poisoned, run, "resume=auto"))
     assert losses(run) == losses(guarded[0])
     rollbacks = [r for r in metrics(run) if r.get("event") == "rollback"]
-    assert len(rollbacks) == 1 and rollbacks[0]["skipped_rows"] == \
-        next(r for r in metrics(guarded[0]) if r.get("event") == "rollback")["skipped_rows"]
+    assert (
+        len(rollbacks) == 1
+        and rollbacks[0]["skipped_rows"]
+        == next(r for r in metrics(guarded[0]) if r.get("event") == "rollback")["skipped_rows"]
+    )

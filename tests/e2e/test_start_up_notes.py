@@ -14,9 +14,11 @@ import pytest
 
 from megatransformer.training.builds import COLLECTIVE, CPU_ADAM, build_notes, ops_to_build
 
-TINY = ("model.d_model=32 model.n_layers=1 model.n_heads=2 model.n_kv_heads=2 model.d_ff=64 model.vocab_size=512 "
-        "model.max_seq_len=64 data.seq_len=32 train.micro_batch_size=2 train.grad_accum=1 train.eval_batches=1 "
-        "wandb.mode=disabled").split()
+TINY = (
+    "model.d_model=32 model.n_layers=1 model.n_heads=2 model.n_kv_heads=2 model.d_ff=64 model.vocab_size=512 "
+    "model.max_seq_len=64 data.seq_len=32 train.micro_batch_size=2 train.grad_accum=1 train.eval_batches=1 "
+    "wandb.mode=disabled"
+).split()
 
 
 def test_the_ops_a_run_builds():
@@ -29,30 +31,49 @@ def test_the_ops_a_run_builds():
 def test_a_build_and_a_lock_are_announced_a_built_op_is_not(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     (building,) = build_notes([COLLECTIVE])
-    assert building == (f"building DeepSpeed's CPU collective ({COLLECTIVE}) in {tmp_path / COLLECTIVE}: once per "
-                        "machine, 2-4 min on 2 cores")
+    assert building == (
+        f"building DeepSpeed's CPU collective ({COLLECTIVE}) in {tmp_path / COLLECTIVE}: once per "
+        "machine, 2-4 min on 2 cores"
+    )
     (tmp_path / COLLECTIVE / f"{COLLECTIVE}.so").touch()
     assert build_notes([COLLECTIVE]) == []
     lock = tmp_path / COLLECTIVE / "lock"
     lock.touch()
     (waiting,) = build_notes([COLLECTIVE], now=lock.stat().st_mtime + 3600)
-    assert waiting.startswith(f"waiting for another process's build of DeepSpeed's CPU collective ({COLLECTIVE}): "
-                              f"its lock file {lock} is 60 min old;")
+    assert waiting.startswith(
+        f"waiting for another process's build of DeepSpeed's CPU collective ({COLLECTIVE}): "
+        f"its lock file {lock} is 60 min old;"
+    )
     assert waiting.endswith("if no build is running (a killed one leaves its lock behind), delete that file")
 
 
 def train_command(tiny_data, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "megatransformer.cli", "train", "--config", os.devnull, *TINY,
-            f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}", f"run_dir={run_dir}",
-            "train.max_steps=1"]
+    return [
+        sys.executable,
+        "-m",
+        "megatransformer.cli",
+        "train",
+        "--config",
+        os.devnull,
+        *TINY,
+        f"data.train={tiny_data.shards}",
+        f"data.tokenizer={tiny_data.tokenizer}",
+        f"run_dir={run_dir}",
+        "train.max_steps=1",
+    ]
 
 
 @pytest.mark.slow
 def test_a_single_process_builds_nothing(tiny_data, tmp_path):
     extensions = tmp_path / "torch_extensions"  # a fresh machine's: nothing built yet
     extensions.mkdir()
-    result = subprocess.run(train_command(tiny_data, tmp_path / "run"), capture_output=True, text=True,
-                            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}, timeout=900)
+    result = subprocess.run(
+        train_command(tiny_data, tmp_path / "run"),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)},
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.splitlines()[0] == f"training {tmp_path / 'run'} to step 1: starting PyTorch and DeepSpeed"
     assert "building" not in result.stdout and list(extensions.iterdir()) == []
@@ -65,8 +86,9 @@ def first_lines_until(process: subprocess.Popen, wanted: str) -> list[str]:
         lines.append(line.rstrip("\n"))
         if wanted in line:
             return lines
-    raise AssertionError(f"the process ended (exit {process.wait()}) without a line saying {wanted!r}:\n"
-                         + "\n".join(lines[-30:]))
+    raise AssertionError(
+        f"the process ended (exit {process.wait()}) without a line saying {wanted!r}:\n" + "\n".join(lines[-30:])
+    )
 
 
 @pytest.mark.slow
@@ -81,10 +103,23 @@ def test_a_rank_says_what_it_waits_for_before_it_waits(tiny_data, tmp_path, lock
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    process = subprocess.Popen(train_command(tiny_data, tmp_path / "run"), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    env = {
+        **os.environ,
+        "TORCH_EXTENSIONS_DIR": str(extensions),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    process = subprocess.Popen(
+        train_command(tiny_data, tmp_path / "run"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         lines = first_lines_until(process, "waiting for another process's build" if lock_left else "building")
         assert process.poll() is None  # said before it waits, not after
@@ -95,6 +130,8 @@ def test_a_rank_says_what_it_waits_for_before_it_waits(tiny_data, tmp_path, lock
     if lock_left:
         assert f"its lock file {lock} is" in lines[-1] and "delete that file" in lines[-1]
     else:
-        assert lines[-1] == (f"building DeepSpeed's CPU collective ({COLLECTIVE}) in {extensions / COLLECTIVE}: once "
-                             "per machine, 2-4 min on 2 cores")
+        assert lines[-1] == (
+            f"building DeepSpeed's CPU collective ({COLLECTIVE}) in {extensions / COLLECTIVE}: once "
+            "per machine, 2-4 min on 2 cores"
+        )
         assert not list((extensions / COLLECTIVE).glob("*.so"))  # the build had not finished

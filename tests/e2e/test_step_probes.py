@@ -20,18 +20,22 @@ PROBE = REPO / "bench" / "step_probe.py"
 SMALL = {"layers": 1, "accum": 1}
 LARGE = {"layers": 3, "accum": 3}
 CASES = [
-    {**SMALL, "zero": 0}, {**LARGE, "zero": 0},
-    {**SMALL, "zero": 2, "precision": "bf16"}, {**LARGE, "zero": 2, "precision": "bf16"},
+    {**SMALL, "zero": 0},
+    {**LARGE, "zero": 0},
+    {**SMALL, "zero": 2, "precision": "bf16"},
+    {**LARGE, "zero": 2, "precision": "bf16"},
     {**LARGE, "zero": 2, "precision": "bf16", "objective": "prefix_lm"},
-    {**SMALL, "zero": 3, "precision": "bf16"}, {**LARGE, "zero": 3, "precision": "bf16"},
+    {**SMALL, "zero": 3, "precision": "bf16"},
+    {**LARGE, "zero": 3, "precision": "bf16"},
 ]
 
 
 @pytest.fixture(scope="module")
 def probes() -> list[dict]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, str(PROBE), json.dumps(CASES)], capture_output=True, text=True,
-                          env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(CASES)], capture_output=True, text=True, env=env, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
@@ -54,22 +58,34 @@ def test_collectives_run_on_the_runs_device(probes):
 
 
 def test_gpu_check_refuses_a_machine_without_cuda_in_one_line():
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_check.py")], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
     assert "no CUDA device" in done.stderr
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA (no pinned allocator on a "
-                                                          "CPU-only machine); this CPU runs pin_memory=False")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="page-locked memory needs CUDA (no pinned allocator on a CPU-only machine); this CPU runs pin_memory=False",
+)
 def test_loader_batches_are_page_locked_for_a_cuda_run(tiny_data):
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import RunConfig
     from megatransformer.training.data import build_run_loader as build_loader
 
-    cfg = RunConfig.model_validate({"model": {"vocab_size": 512}, "data": {
-        "train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64, "streams": 4}})
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"vocab_size": 512},
+            "data": {
+                "train": str(tiny_data.shards),
+                "tokenizer": str(tiny_data.tokenizer),
+                "seq_len": 64,
+                "streams": 4,
+            },
+        }
+    )
     loader = build_loader(cfg, "train", 2, 0, 1, load_tokenizer(tiny_data.tokenizer), pin_memory=True)
     batch = next(iter(loader))
     assert all(t.is_pinned() for t in batch.values())

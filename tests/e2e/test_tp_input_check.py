@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from support import REPO
 
-FIRST_STEPS = textwrap.dedent('''
+FIRST_STEPS = textwrap.dedent("""
     import json, sys
     import torch
     import torch.distributed as dist
@@ -42,7 +42,7 @@ FIRST_STEPS = textwrap.dedent('''
     losses = [module.step(data).loss for _ in range(2)]
     check_left = module.engine.first_dataloader_check.id in module.engine.module._forward_pre_hooks
     print(json.dumps({"rank": info.rank, "seen": seen, "losses": losses, "check_left": check_left}), flush=True)
-''')
+""")
 
 
 @pytest.mark.slow
@@ -50,8 +50,13 @@ def test_the_autotp_input_check_compares_the_batch_without_the_masks(tmp_path):
     script = tmp_path / "first_steps.py"
     script.write_text(FIRST_STEPS)
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], cwd=REPO, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-5000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in reports) == [0, 1]

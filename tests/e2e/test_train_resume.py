@@ -18,11 +18,25 @@ EXACT = ("step", "loss", "lr", "grad_norm", "tokens", "val_loss", "val_tokens", 
 
 
 def overrides(tiny_data, run_dir: Path) -> list[str]:
-    return [*tiny_model(d_model=32, d_ff=64, max_seq_len=32), f"run_dir={run_dir}", *tiny_data_overrides(tiny_data),
-            "data.seq_len=32", "train.micro_batch_size=2", "train.grad_accum=2", f"train.max_steps={STEPS}",
-            "train.log_every=1", "train.eval_every=5", "train.eval_batches=1", "optim.lr=1e-2",
-            "schedule.warmup_steps=2", "checkpoint.every=3", "checkpoint.keep=2", "parallel.zero_stage=2",
-            "wandb.mode=disabled", "resume=auto"]
+    return [
+        *tiny_model(d_model=32, d_ff=64, max_seq_len=32),
+        f"run_dir={run_dir}",
+        *tiny_data_overrides(tiny_data),
+        "data.seq_len=32",
+        "train.micro_batch_size=2",
+        "train.grad_accum=2",
+        f"train.max_steps={STEPS}",
+        "train.log_every=1",
+        "train.eval_every=5",
+        "train.eval_batches=1",
+        "optim.lr=1e-2",
+        "schedule.warmup_steps=2",
+        "checkpoint.every=3",
+        "checkpoint.keep=2",
+        "parallel.zero_stage=2",
+        "wandb.mode=disabled",
+        "resume=auto",
+    ]
 
 
 def records(run_dir: Path) -> list[dict]:

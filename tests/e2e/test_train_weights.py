@@ -22,10 +22,22 @@ SEQ2SEQ = ["model.arch=encoder_decoder", "objective=span_corruption", "model.bia
 
 
 def overrides(tiny_data, run_dir: Path, steps: int, *extra: str) -> list[str]:
-    return [*tiny_model(max_seq_len=64), f"run_dir={run_dir}", *tiny_data_overrides(tiny_data), "data.seq_len=32",
-            "train.micro_batch_size=8", "train.grad_accum=1", f"train.max_steps={steps}", "train.log_every=1",
-            "train.eval_batches=1", "optim.lr=1e-2", "schedule.warmup_steps=1", "checkpoint.every=1000",
-            "wandb.mode=disabled", *extra]
+    return [
+        *tiny_model(max_seq_len=64),
+        f"run_dir={run_dir}",
+        *tiny_data_overrides(tiny_data),
+        "data.seq_len=32",
+        "train.micro_batch_size=8",
+        "train.grad_accum=1",
+        f"train.max_steps={steps}",
+        "train.log_every=1",
+        "train.eval_batches=1",
+        "optim.lr=1e-2",
+        "schedule.warmup_steps=1",
+        "checkpoint.every=1000",
+        "wandb.mode=disabled",
+        *extra,
+    ]
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -40,8 +52,11 @@ def sources(tiny_data, tmp_path_factory):
     """The same 12 steps trained on one rank (ZeRO-0) and with tensor parallelism 2 (ZeRO-1)."""
     root = tmp_path_factory.mktemp("sources")
     train(overrides(tiny_data, root / "tp1", 12, *SEQ2SEQ, "parallel.zero_stage=0"), env=ONE_THREAD)
-    train(overrides(tiny_data, root / "tp2", 12, *SEQ2SEQ, "parallel.zero_stage=1", "parallel.tensor_parallel=2"),
-          nproc=2, env=ONE_THREAD)
+    train(
+        overrides(tiny_data, root / "tp2", 12, *SEQ2SEQ, "parallel.zero_stage=1", "parallel.tensor_parallel=2"),
+        nproc=2,
+        env=ONE_THREAD,
+    )
     return root / "tp1", root / "tp2"
 
 
@@ -85,8 +100,13 @@ def test_init_from_across_tensor_parallel_sizes(sources, tiny_data, tmp_path):
     on_tp1, on_tp2 = tmp_path / "on_tp1", tmp_path / "on_tp2"
     source = f"init_from={tp2}/checkpoints"
     train(overrides(tiny_data, on_tp1, 2, *SEQ2SEQ, source, "parallel.zero_stage=3", "seed=7"), env=ONE_THREAD)
-    train(overrides(tiny_data, on_tp2, 2, *SEQ2SEQ, source, "parallel.zero_stage=2", "parallel.tensor_parallel=2",
-                    "seed=7"), nproc=2, env=ONE_THREAD)
+    train(
+        overrides(
+            tiny_data, on_tp2, 2, *SEQ2SEQ, source, "parallel.zero_stage=2", "parallel.tensor_parallel=2", "seed=7"
+        ),
+        nproc=2,
+        env=ONE_THREAD,
+    )
     assert losses(on_tp2) == pytest.approx(losses(on_tp1), rel=1e-5)
     assert losses(on_tp1)[0] < math.log(512) - 0.5
     state = json.loads((on_tp1 / "checkpoints" / "step_000002" / "trainer.json").read_text())
@@ -106,8 +126,16 @@ def test_resume_with_another_tokenizer_is_an_error(sources, tiny_data, tmp_path)
     manifest = json.loads((shards / "manifest.json").read_text())
     manifest["tokenizer_sha256"] = file_sha256(tokenizer)
     (shards / "manifest.json").write_text(json.dumps(manifest))
-    args = overrides(tiny_data, run, 14, *SEQ2SEQ, "parallel.zero_stage=0", "resume=auto",
-                     f"data.tokenizer={tokenizer}", f"data.train={shards}")
+    args = overrides(
+        tiny_data,
+        run,
+        14,
+        *SEQ2SEQ,
+        "parallel.zero_stage=0",
+        "resume=auto",
+        f"data.tokenizer={tokenizer}",
+        f"data.train={shards}",
+    )
     result = train(args, expect=2, env=ONE_THREAD)
     assert "trained with another tokenizer" in result.stderr
 

@@ -15,9 +15,10 @@ from support.runs import losses, metrics, tiny_run, train, train_command, wait_f
 
 def test_single_process_run_directory(tiny_data, tmp_path):
     run = tmp_path / "run"
-    result = train(tiny_run(tiny_data, run, steps=12) + ["wandb.mode=offline", "train.eval_every=6",
-                                                         "checkpoint.keep=2"],
-                   env={"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"})
+    result = train(
+        tiny_run(tiny_data, run, steps=12) + ["wandb.mode=offline", "train.eval_every=6", "checkpoint.keep=2"],
+        env={"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"},
+    )
     assert "host memory: keep" in result.stdout  # (train.host_memory's default, said in the run log)
     records = metrics(run)
     steps = [r for r in records if "loss" in r]
@@ -102,8 +103,9 @@ def test_bf16_trains_with_fp32_gemms_as_with_pytorchs_bf16_kernels(tiny_data, tm
 def test_kill_9_and_resume_equals_uninterrupted(tiny_data, tmp_path):
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
     overrides = tiny_run(tiny_data, crashed, steps=30) + ["data.num_workers=2", "checkpoint.every=5"]
-    process = subprocess.Popen(train_command() + overrides, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        train_command() + overrides, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     wait_for_step(crashed, 13, [process])
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
@@ -128,9 +130,15 @@ def test_preemption_signal_checkpoints_and_exits_124(tiny_data, tmp_path):
     assert [r["step"] for r in metrics(run) if "loss" in r] == list(range(1, 61))
 
 
-@pytest.mark.parametrize("arch,objective", [("decoder", "prefix_lm"), ("encoder", "masked_lm"),
-                                            ("encoder_decoder", "span_corruption"),
-                                            ("encoder_decoder", "prefix_lm")])
+@pytest.mark.parametrize(
+    "arch,objective",
+    [
+        ("decoder", "prefix_lm"),
+        ("encoder", "masked_lm"),
+        ("encoder_decoder", "span_corruption"),
+        ("encoder_decoder", "prefix_lm"),
+    ],
+)
 def test_every_objective_trains_its_architecture(tiny_data, tmp_path, arch, objective):
     run = tmp_path / objective
     options = ["model.norm=layernorm", "model.position=learned", "model.ffn=gelu"] if arch == "encoder" else []
@@ -147,14 +155,17 @@ def test_non_finite_losses_skip_updates_then_stop_with_a_checkpoint(tiny_data, t
     assert [r["bad_steps"] for r in metrics(run) if "bad_steps" in r] == [1, 2]
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["train.global_batch_size=12"], "train.global_batch_size=12"),
-    (["resume=/nonexistent/step_000004"], "resume=/nonexistent/step_000004"),
-    (["model.vocab_size=256"], "model.vocab_size=256"),
-    (["data.tokenizer=/nonexistent.json"], "does not exist"),
-    (["parallel.tensor_parallel=2"], "does not divide the world size 1"),
-    (["model.n_kv_heads=3"], "model.n_kv_heads=3"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["train.global_batch_size=12"], "train.global_batch_size=12"),
+        (["resume=/nonexistent/step_000004"], "resume=/nonexistent/step_000004"),
+        (["model.vocab_size=256"], "model.vocab_size=256"),
+        (["data.tokenizer=/nonexistent.json"], "does not exist"),
+        (["parallel.tensor_parallel=2"], "does not divide the world size 1"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads=3"),
+    ],
+)
 def test_bad_configs_exit_2_with_one_line(tiny_data, tmp_path, extra, message):
     result = train(tiny_run(tiny_data, tmp_path / "bad") + extra, expect=2)
     lines = [line for line in result.stderr.splitlines() if "error" in line]
@@ -165,8 +176,7 @@ def test_bad_configs_exit_2_with_one_line(tiny_data, tmp_path, extra, message):
 def test_resume_with_another_model_shape_lists_the_fields(tiny_data, tmp_path):
     run = tmp_path / "run"
     train(tiny_run(tiny_data, run, steps=4))
-    result = train(tiny_run(tiny_data, run, steps=8) + ["resume=auto", "model.d_ff=128", "model.n_layers=3"],
-                   expect=2)
+    result = train(tiny_run(tiny_data, run, steps=8) + ["resume=auto", "model.d_ff=128", "model.n_layers=3"], expect=2)
     assert "model.n_layers: 2 in the checkpoint, 3 now" in result.stderr
     assert "model.d_ff: 96 in the checkpoint, 128 now" in result.stderr
 

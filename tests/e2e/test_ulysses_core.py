@@ -28,8 +28,9 @@ def attention_cases() -> dict[str, dict]:
         "prefix-LM, MQA replicated": dict(arch="decoder", batch=dec, mask="decoder", kv=1),
         "bidirectional packed, ALiBi": dict(arch="encoder", batch=packed, mask="encoder", kv=4, alibi=True),
         "prefix-LM, ALiBi": dict(arch="decoder", batch=dec, mask="decoder", kv=2, alibi=True),
-        "cross-attention, other length": dict(arch="encoder_decoder", batch=pad_sequences(encdec, SP), mask="cross",
-                                              kv=2),
+        "cross-attention, other length": dict(
+            arch="encoder_decoder", batch=pad_sequences(encdec, SP), mask="cross", kv=2
+        ),
     }
 
 
@@ -46,8 +47,13 @@ def _run_rank(rank: int, store: str, backend: str, device: str) -> None:
 
     from megatransformer.training.sequence_parallel import UlyssesCore
 
-    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False,
-                               init_method=f"file://{store}", rank=rank, world_size=SP)
+    deepspeed.init_distributed(
+        dist_backend="gloo" if device == "cpu" else "nccl",
+        auto_mpi_discovery=False,
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=SP,
+    )
     dtype, tolerance = (torch.float32, 1e-5) if device == "cpu" else (torch.bfloat16, 2e-2)
     core = BACKENDS[backend]
     ulysses = UlyssesCore(core, dist.group.WORLD, rank, SP)
@@ -66,8 +72,11 @@ def _run_rank(rank: int, store: str, backend: str, device: str) -> None:
             alibi = Alibi(alibi_slopes(H, device), positions, positions)
         expected, expected_grads = _values_and_grads(core, q, k, v, mask, alibi, weight)
         q_part, k_part, v_part, w_part = (_slice(t, rank) for t in (q, k, v, weight))
-        local_alibi = None if alibi is None else Alibi(alibi.slopes, _slice(positions, rank, dim=1),
-                                                       _slice(positions, rank, dim=1))
+        local_alibi = (
+            None
+            if alibi is None
+            else Alibi(alibi.slopes, _slice(positions, rank, dim=1), _slice(positions, rank, dim=1))
+        )
         out, grads = _values_and_grads(ulysses, q_part, k_part, v_part, mask, local_alibi, w_part)
         torch.testing.assert_close(out, _slice(expected, rank), atol=tolerance, rtol=tolerance, msg=name)
         for got, want in zip(grads, expected_grads):
@@ -95,9 +104,11 @@ def test_ulysses_core_on_two_ranks_equals_the_core_on_one(backend, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < SP or flash_attn_module() is None,
-                    reason=f"needs {SP} CUDA GPUs (NCCL gives each rank its own) and the flash-attn package; CPU "
-                           "machines check the same exchange with gloo above")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < SP or flash_attn_module() is None,
+    reason=f"needs {SP} CUDA GPUs (NCCL gives each rank its own) and the flash-attn package; CPU "
+    "machines check the same exchange with gloo above",
+)
 def test_ulysses_with_flash_attn_on_two_gpus_equals_flash_attn_on_one(tmp_path):
     """flash-attn's varlen problems of the whole batch under Ulysses' all-to-all over NCCL, bf16."""
     mp.spawn(_run_rank, args=(str(tmp_path / "store"), "flash", "cuda"), nprocs=SP, join=True)

@@ -21,7 +21,7 @@ def rows(*segment_rows: list[int]) -> torch.Tensor:
     for r, lengths in enumerate(segment_rows):
         at = 0
         for index, n in enumerate(lengths):
-            out[r, at:at + n] = index + 1 if n > 0 else 0
+            out[r, at : at + n] = index + 1 if n > 0 else 0
             at += abs(n)
     return out
 
@@ -51,7 +51,8 @@ SELF_MASKS = {
     "padding_inside": lambda: self_attention_mask(True, LEADING_PAD),
     "packed_prefix_per_row": lambda: self_attention_mask(True, PACKED, torch.tensor([4, 9])),
     "packed_prefix_per_document": lambda: self_attention_mask(
-        True, PACKED, per_document_prefix(PACKED, [[2, 6, 1], [7, 0]])),  # a whole-prefix and a no-prefix doc
+        True, PACKED, per_document_prefix(PACKED, [[2, 6, 1], [7, 0]])
+    ),  # a whole-prefix and a no-prefix doc
 }
 
 
@@ -101,7 +102,7 @@ def assert_close_in_bf16(kernel, eager, tolerance=2e-2):
 needs_flash = pytest.mark.skipif(
     not torch.cuda.is_available() or attention.flash_attn_module() is None,
     reason="needs CUDA and the flash-attn package (pip install flash-attn --no-build-isolation); CPU machines check "
-           "flash_core against tests/support/flash_reference.py",
+    "flash_core against tests/support/flash_reference.py",
 )
 
 
@@ -118,8 +119,19 @@ def document_positions(segments: torch.Tensor | None) -> torch.Tensor:
 
 def alibi_config(arch: str = "decoder", **fields) -> ModelConfig:
     """Six heads, not a power of two: the slopes' harder case."""
-    return tiny_config(**{"arch": arch, "d_model": 48, "n_heads": 6, "d_ff": 64, "vocab_size": 64, "max_seq_len": 16,
-                          "position": "alibi", "attention_backend": "eager", **fields})
+    return tiny_config(
+        **{
+            "arch": arch,
+            "d_model": 48,
+            "n_heads": 6,
+            "d_ff": 64,
+            "vocab_size": 64,
+            "max_seq_len": 16,
+            "position": "alibi",
+            "attention_backend": "eager",
+            **fields,
+        }
+    )
 
 
 def packed_batch(arch: str) -> dict[str, torch.Tensor]:
@@ -129,5 +141,7 @@ def packed_batch(arch: str) -> dict[str, torch.Tensor]:
         batch["prefix_len"] = per_document_prefix(PACKED, [[2, 6, 1], [7, 0]])
     elif arch == "encoder_decoder":
         dec = rows([4, 3, 6, -6], [2, 9, -8])
-        batch.update(decoder_input_ids=ids.flip(1), decoder_segment_ids=dec, decoder_position_ids=document_positions(dec))
+        batch.update(
+            decoder_input_ids=ids.flip(1), decoder_segment_ids=dec, decoder_position_ids=document_positions(dec)
+        )
     return batch

@@ -29,9 +29,21 @@ from types import SimpleNamespace
 import torch
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None,
-                           **unsupported):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    alibi_slopes=None,
+    **unsupported,
+):
     assert not unsupported and dropout_p == 0.0
     if alibi_slopes is not None:
         assert alibi_slopes.dtype == torch.float32 and alibi_slopes.shape[-1] == q.shape[1]
@@ -79,14 +91,28 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return torch.cat(pieces) if pieces else q.new_zeros(q.shape)
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    alibi_slopes=None, **unsupported):
+def flash_attn_func(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None, **unsupported
+):
     batch, q_len, heads, dim = q.shape
     k_len = k.shape[1]
     cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
     cu_k = torch.arange(0, (batch + 1) * k_len, k_len, dtype=torch.int32, device=q.device)
-    out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, q_len, k_len,
-                                 dropout_p, softmax_scale, causal, window_size, alibi_slopes, **unsupported)
+    out = flash_attn_varlen_func(
+        q.flatten(0, 1),
+        k.flatten(0, 1),
+        v.flatten(0, 1),
+        cu_q,
+        cu_k,
+        q_len,
+        k_len,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        alibi_slopes,
+        **unsupported,
+    )
     return out.view(batch, q_len, heads, dim)
 
 

@@ -14,8 +14,15 @@ from support import REPO
 
 # The tiny decoder most end-to-end runs train; the tensor-parallel degree 2 divides heads, kv heads, d_ff and the
 # vocabulary (512: tiny_data's tokenizer).
-TINY_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 96, "vocab_size": 512,
-              "max_seq_len": 128}
+TINY_MODEL = {
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "d_ff": 96,
+    "vocab_size": 512,
+    "max_seq_len": 128,
+}
 # One intra-op thread a process: ranks (or concurrent processes) on two shared cores spin-wait badly with more.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 CLI = [sys.executable, "-m", "megatransformer.cli"]
@@ -34,10 +41,21 @@ def tiny_data_overrides(tiny_data) -> list[str]:
 def tiny_run(tiny_data, run_dir: Path, steps: int = 8) -> list[str]:
     """The overrides of a short run of the tiny decoder on tiny_data: micro batch 4 x accumulation 2 of 64
     tokens, a log line every step, a checkpoint every 4."""
-    return [*tiny_model(), f"run_dir={run_dir}", *tiny_data_overrides(tiny_data), "data.seq_len=64",
-            "train.micro_batch_size=4", "train.grad_accum=2", f"train.max_steps={steps}", "train.log_every=1",
-            "train.eval_batches=2", "optim.lr=3e-3", "schedule.warmup_steps=2", "checkpoint.every=4",
-            "wandb.mode=disabled"]
+    return [
+        *tiny_model(),
+        f"run_dir={run_dir}",
+        *tiny_data_overrides(tiny_data),
+        "data.seq_len=64",
+        "train.micro_batch_size=4",
+        "train.grad_accum=2",
+        f"train.max_steps={steps}",
+        "train.log_every=1",
+        "train.eval_batches=2",
+        "optim.lr=3e-3",
+        "schedule.warmup_steps=2",
+        "checkpoint.every=4",
+        "wandb.mode=disabled",
+    ]
 
 
 def cli(*args: object, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -56,14 +74,17 @@ def train_command(nproc: int = 1) -> list[str]:
     return [*launcher, "-m", "megatransformer.cli", "train", "--config", os.devnull]
 
 
-def train(overrides: list[str], nproc: int = 1, expect: int | None = 0,
-          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def train(
+    overrides: list[str], nproc: int = 1, expect: int | None = 0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """A training run to its end; an error unless it exits ``expect`` (None: the caller checks)."""
-    result = subprocess.run(train_command(nproc) + overrides, capture_output=True, text=True,
-                            env={**os.environ, **(env or {})}, timeout=600)
+    result = subprocess.run(
+        train_command(nproc) + overrides, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600
+    )
     if expect is not None and result.returncode != expect:
-        raise AssertionError(f"exit {result.returncode} (expected {expect})\n{result.stdout[-3000:]}\n"
-                             f"{result.stderr[-5000:]}")
+        raise AssertionError(
+            f"exit {result.returncode} (expected {expect})\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return result
 
 
@@ -79,8 +100,16 @@ def spawn_ranks(overrides: list[str], log: Path, world: int = 2) -> list[subproc
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, **ONE_THREAD, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env = {
+            **os.environ,
+            **ONE_THREAD,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
         with open(f"{log}.rank{rank}.log", "a") as out:
             procs.append(subprocess.Popen(train_command() + overrides, env=env, stdout=out, stderr=subprocess.STDOUT))
     return procs
@@ -100,8 +129,10 @@ def wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], log: 
     """Until ``run_dir/metrics.jsonl`` has a record of ``step`` or later; an error (with the end of ``log``)
     as soon as one of ``procs`` ends before."""
     path = run_dir / "metrics.jsonl"
-    while not (path.is_file() and any(json.loads(line).get("step", 0) >= step
-                                      for line in path.read_text().splitlines() if line.endswith("}"))):
+    while not (
+        path.is_file()
+        and any(json.loads(line).get("step", 0) >= step for line in path.read_text().splitlines() if line.endswith("}"))
+    ):
         ended = [p.returncode for p in procs if p.poll() is not None]
         if ended:
             tail = log.read_text()[-3000:] if log else ""
@@ -125,8 +156,7 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any launcher's (torchrun, Slurm) variables, plus ``extra``."""
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RUN_ID")
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     return env | extra
 
@@ -134,15 +164,38 @@ def clean_env(**extra: str) -> dict[str, str]:
 def write_tiny_config(path: Path, tiny_data, run_dir: Path, **train: int) -> Path:
     """A ~20k-parameter decoder, ZeRO-2, that trains a step in milliseconds on CPU."""
     cfg = {
-        "run_dir": str(run_dir), "seed": 0,
-        "model": {"arch": "decoder", "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
-                  "vocab_size": 512, "max_seq_len": 32, "norm": "rmsnorm", "position": "rope", "ffn": "swiglu",
-                  "tie_embeddings": True},
-        "data": {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 32,
-                 "shuffle_buffer": 50},
+        "run_dir": str(run_dir),
+        "seed": 0,
+        "model": {
+            "arch": "decoder",
+            "d_model": 32,
+            "n_layers": 1,
+            "n_heads": 2,
+            "n_kv_heads": 1,
+            "d_ff": 64,
+            "vocab_size": 512,
+            "max_seq_len": 32,
+            "norm": "rmsnorm",
+            "position": "rope",
+            "ffn": "swiglu",
+            "tie_embeddings": True,
+        },
+        "data": {
+            "train": str(tiny_data.shards),
+            "tokenizer": str(tiny_data.tokenizer),
+            "seq_len": 32,
+            "shuffle_buffer": 50,
+        },
         "objective": "autoregressive",
-        "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum": 1, "log_every": 1, "eval_batches": 1,
-                  "peak_tflops": 1.0} | train,
+        "train": {
+            "max_steps": 6,
+            "micro_batch_size": 2,
+            "grad_accum": 1,
+            "log_every": 1,
+            "eval_batches": 1,
+            "peak_tflops": 1.0,
+        }
+        | train,
         "optim": {"lr": 1.0e-3},
         "schedule": {"name": "constant", "warmup_steps": 0},
         "checkpoint": {"every": 3},
@@ -155,5 +208,6 @@ def write_tiny_config(path: Path, tiny_data, run_dir: Path, **train: int) -> Pat
 
 def run_launch(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
     """``python -m launch ARGS`` from the repository root."""
-    return subprocess.run([sys.executable, "-m", "launch", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "launch", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )

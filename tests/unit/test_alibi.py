@@ -37,10 +37,10 @@ from megatransformer.model.tp_plan import assign_head_offsets
 
 
 def test_slopes_are_the_papers_for_8_and_12_heads():
-    assert alibi_slopes(8).tolist() == [2.0 ** -i for i in range(1, 9)]  # 1/2, 1/4, ..., 1/256
+    assert alibi_slopes(8).tolist() == [2.0**-i for i in range(1, 9)]  # 1/2, 1/4, ..., 1/256
     twelve = alibi_slopes(12)
     # the closest power of two (8), then every other slope of 16 heads: 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5
-    expected = [2.0 ** -i for i in range(1, 9)] + [2.0 ** -(i / 2) for i in (1, 3, 5, 7)]
+    expected = [2.0**-i for i in range(1, 9)] + [2.0 ** -(i / 2) for i in (1, 3, 5, 7)]
     assert torch.allclose(twelve, torch.tensor(expected), rtol=1e-6, atol=0)
     assert alibi_slopes(16).tolist() == pytest.approx([2.0 ** -(i / 2) for i in range(1, 17)], rel=1e-6)
     assert twelve.dtype == torch.float32
@@ -55,6 +55,7 @@ def test_bias_is_minus_slope_times_distance_within_a_document():
 
 
 # ------------------------------------------------------------------------------- every core vs eager
+
 
 def alibi_for(mask, heads: int = H, q_offset: int = 0, kv_len: int = T) -> Alibi:
     q_pos = document_positions(mask.q_segments)
@@ -95,8 +96,10 @@ def test_cores_with_a_kv_cache_equal_eager_with_alibi(reference_flash, backend):
     alibi = alibi_for(mask, q_offset=9, kv_len=15)
     q, k, v = qkv(q_len=6, k_len=15)
     kwargs = {"chunk": 4} if backend == "chunked" else {}
-    assert_same(values_and_grads(BACKENDS[backend], q, k, v, mask, alibi, **kwargs),
-                values_and_grads(eager_core, q, k, v, mask, alibi))
+    assert_same(
+        values_and_grads(BACKENDS[backend], q, k, v, mask, alibi, **kwargs),
+        values_and_grads(eager_core, q, k, v, mask, alibi),
+    )
 
 
 def test_flash_reference_applies_the_documented_bias():
@@ -110,6 +113,7 @@ def test_flash_reference_applies_the_documented_bias():
 
 
 # ------------------------------------------------------------------------------------------ the model
+
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder", "encoder_decoder"])
 @pytest.mark.parametrize("backend", ["sdpa", "chunked", "flash"])
@@ -155,12 +159,13 @@ def test_cached_decoding_equals_the_full_forward(backend):
     with torch.no_grad():
         full = model(ids)
         caches = model.new_caches(2, 40)
-        steps = [model(ids[:, :7], caches=caches)] + [model(ids[:, t:t + 1], caches=caches) for t in range(7, 40)]
+        steps = [model(ids[:, :7], caches=caches)] + [model(ids[:, t : t + 1], caches=caches) for t in range(7, 40)]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch, kwargs", [("decoder", {}), ("decoder", {"prefix_lm": True}),
-                                          ("encoder_decoder", {"decoder_start_id": 1})])
+@pytest.mark.parametrize(
+    "arch, kwargs", [("decoder", {}), ("decoder", {"prefix_lm": True}), ("encoder_decoder", {"decoder_start_id": 1})]
+)
 def test_cached_generation_equals_uncached(arch, kwargs):
     torch.manual_seed(0)
     model = build_model(alibi_config(arch)).eval()
@@ -208,6 +213,7 @@ def test_no_transformers_family_takes_alibi():
 
 
 # ------------------------------------------------------------------------------ the real kernel (GPU)
+
 
 def on_cuda(alibi: Alibi) -> Alibi:
     return Alibi(alibi.slopes.cuda(), alibi.q_positions.cuda(), alibi.k_positions.cuda())

@@ -44,7 +44,7 @@ def values_and_grads(core, q, k, v, mask: AttentionMask, alibi: Alibi | None = N
 
 
 def assert_close(got, want, atol=2e-6):
-    for name, a, b in zip(("out", "dq", "dk", "dv")[-len(got):], got, want):
+    for name, a, b in zip(("out", "dq", "dk", "dv")[-len(got) :], got, want):
         assert torch.allclose(a.float(), b.float(), atol=atol), (name, (a.float() - b.float()).abs().max())
 
 
@@ -75,10 +75,13 @@ def test_every_core_equals_eager_with_a_window_and_alibi(reference_flash, backen
     mask, q_len, k_len = MASKS[name]()
     mask = mask.with_window(WINDOW)
     positions = torch.arange(k_len).expand(B, -1)
-    alibi = Alibi(alibi_slopes(H), positions[:, k_len - q_len:], positions)
+    alibi = Alibi(alibi_slopes(H), positions[:, k_len - q_len :], positions)
     q, k, v = qkv(q_len, k_len, 2)
-    assert_close(values_and_grads(BACKENDS[backend], q, k, v, mask, alibi),
-                 values_and_grads(eager_core, q, k, v, mask, alibi), atol=1e-5)
+    assert_close(
+        values_and_grads(BACKENDS[backend], q, k, v, mask, alibi),
+        values_and_grads(eager_core, q, k, v, mask, alibi),
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("name", ["causal", "packed_bidirectional", "cached_prefill"])
@@ -125,8 +128,18 @@ def test_a_window_does_not_combine_with_a_prefix():
 
 
 def small(arch: str, backend: str, window: int | None = WINDOW, kv_heads: int = 2) -> ModelConfig:
-    return ModelConfig(arch=arch, d_model=32, n_layers=2, n_heads=4, n_kv_heads=kv_heads, d_ff=64, vocab_size=64,
-                       max_seq_len=32, attention_window=window, attention_backend=backend)
+    return ModelConfig(
+        arch=arch,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=kv_heads,
+        d_ff=64,
+        vocab_size=64,
+        max_seq_len=32,
+        attention_window=window,
+        attention_backend=backend,
+    )
 
 
 def same_model(cfg: ModelConfig, reference: torch.nn.Module) -> torch.nn.Module:
@@ -184,7 +197,7 @@ gpu = pytest.mark.gpu
 needs_flash = pytest.mark.skipif(
     not torch.cuda.is_available() or attention.flash_attn_module() is None,
     reason="needs CUDA and the flash-attn package (pip install flash-attn --no-build-isolation); CPU machines check "
-           "window_size against tests/support/flash_reference.py",
+    "window_size against tests/support/flash_reference.py",
 )
 
 

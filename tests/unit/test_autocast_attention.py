@@ -16,8 +16,7 @@ ARCHS = ("decoder", "encoder", "encoder_decoder")
 
 
 def tiny_model(device: str = "cpu", **overrides) -> torch.nn.Module:
-    cfg = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97, max_seq_len=64,
-               position="rope")
+    cfg = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97, max_seq_len=64, position="rope")
     torch.manual_seed(0)
     return build_model(ModelConfig(**{**cfg, **overrides})).to(device)
 
@@ -27,6 +26,7 @@ def record_core_dtypes(model: torch.nn.Module) -> list[tuple[torch.dtype, ...]]:
     seen = []
     for module in model.modules():
         if isinstance(module, attention.Attention):
+
             def core(q, k, v, *args, _inner=module.core, **kwargs):
                 seen.append((q.dtype, k.dtype, v.dtype))
                 return _inner(q, k, v, *args, **kwargs)
@@ -73,12 +73,16 @@ def test_rope_keeps_the_input_dtype_and_rotates_in_fp32():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or attention.flash_attn_module() is None,
-                    reason="needs CUDA and the flash-attn package (pip install flash-attn --no-build-isolation)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or attention.flash_attn_module() is None,
+    reason="needs CUDA and the flash-attn package (pip install flash-attn --no-build-isolation)",
+)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_flash_attn_under_cuda_autocast_with_fp32_weights_equals_sdpa(arch):
-    flash, sdpa = tiny_model("cuda", arch=arch, attention_backend="flash"), tiny_model("cuda", arch=arch,
-                                                                                      attention_backend="sdpa")
+    flash, sdpa = (
+        tiny_model("cuda", arch=arch, attention_backend="flash"),
+        tiny_model("cuda", arch=arch, attention_backend="sdpa"),
+    )
     ids = torch.randint(0, 97, (2, 12), device="cuda")
     with torch.autocast("cuda", torch.bfloat16):
         out, expected = forward(flash, ids).float(), forward(sdpa, ids).float()

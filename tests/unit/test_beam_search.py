@@ -39,7 +39,7 @@ def test_one_beam_is_greedy(arch, form):
     eos = common_eos(model, ids)
     greedy = generate(model, ids, 12, eos_id=eos, decoder_start_id=START).tolist()
     for row, hyp in zip(greedy, beam_search(model, ids, 12, 1, eos, 0.6, form, decoder_start_id=START)):
-        expected = row[:row.index(eos) + 1] if eos in row else row
+        expected = row[: row.index(eos) + 1] if eos in row else row
         assert hyp.tokens == expected
 
 
@@ -60,7 +60,7 @@ def sequence_log_prob(model, prompt: torch.Tensor, tokens: list[int], arch: str)
     """Summed log-probability of ``tokens`` after ``prompt``, from one uncached forward."""
     target = torch.tensor([tokens])
     if arch == "decoder":
-        logits = model(torch.cat([prompt[None], target], dim=1))[0, prompt.shape[0] - 1:-1]
+        logits = model(torch.cat([prompt[None], target], dim=1))[0, prompt.shape[0] - 1 : -1]
     else:
         logits = model(prompt[None], torch.tensor([[START] + tokens[:-1]]))[0]
     return logits.float().log_softmax(-1).gather(-1, target[0, :, None]).sum().item()
@@ -76,8 +76,9 @@ def test_enough_beams_find_the_best_sequence_of_all(arch, form, alpha):
     prompt = torch.tensor([1, 2, 3, 1])
     candidates = [list(seq) + [eos] for n in range(steps) for seq in itertools.product(range(vocab - 1), repeat=n)]
     candidates += [list(seq) for seq in itertools.product(range(vocab), repeat=steps) if eos not in seq[:-1]]
-    scored = {tuple(c): sequence_log_prob(model, prompt, c, arch) / length_penalty(len(c), alpha, form)
-              for c in candidates}
+    scored = {
+        tuple(c): sequence_log_prob(model, prompt, c, arch) / length_penalty(len(c), alpha, form) for c in candidates
+    }
     best = max(scored, key=scored.get)
     runner_up = sorted(scored.values())[-2]
     assert scored[best] - runner_up > 1e-4  # a unique optimum: the comparison below means something
@@ -102,10 +103,18 @@ transformers = pytest.importorskip("transformers")
 
 
 def transformers_beam(theirs, ids: torch.Tensor, eos: int, max_new_tokens: int, alpha: float) -> list[list[int]]:
-    out = theirs.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4, length_penalty=alpha,
-                          early_stopping=True, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                          pad_token_id=eos)[:, ids.shape[1]:]
-    return [row[:row.index(eos) + 1] if eos in row else row for row in out.tolist()]
+    out = theirs.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=4,
+        length_penalty=alpha,
+        early_stopping=True,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )[:, ids.shape[1] :]
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out.tolist()]
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.0, 2.0])

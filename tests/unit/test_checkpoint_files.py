@@ -17,8 +17,9 @@ def test_deepspeeds_state_classes_are_allowed(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    scaler = DynamicLossScaler(init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2,
-                               consecutive_hysteresis=False)
+    scaler = DynamicLossScaler(
+        init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2, consecutive_hysteresis=False
+    )
     torch.save({"dynamic": scaler, "static": LossScaler(4.0), "stage": ZeroStageEnum.weights}, tmp_path / "s.pt")
     integrity._refuse_unsafe_pickle(tmp_path / "s.pt")
     loaded = ckpt.safe_load(tmp_path / "s.pt", allowed=checkpointer.deepspeed_safe_globals())

@@ -21,7 +21,8 @@ MASKS = {
     "packed_bidirectional": lambda: self_attention_mask(False, PACKED),
     "packed_prefix": lambda: self_attention_mask(True, PACKED, torch.tensor([4, 2])),
     "per_document_prefixes": lambda: self_attention_mask(
-        True, PACKED, torch.tensor([[3] * 7 + [10] * 5 + [13] * 4 + [0] * 3, [6] * 10 + [15] * 9])),
+        True, PACKED, torch.tensor([[3] * 7 + [10] * 5 + [13] * 4 + [0] * 3, [6] * 10 + [15] * 9])
+    ),
 }
 
 

@@ -27,8 +27,16 @@ BATCHES = {
 
 
 @torch.library.custom_op("megatransformer_tests::varlen_reference", mutates_args=())
-def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                     max_q: int, max_k: int, causal: bool) -> torch.Tensor:
+def varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+) -> torch.Tensor:
     return flash_reference.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
 
 
@@ -52,10 +60,21 @@ def flash_dense_op(q, k, v, dropout_p=0.0, causal=False):
 FLASH_OPS = type(flash_reference.MODULE)(flash_attn_func=flash_dense_op, flash_attn_varlen_func=flash_varlen_op)
 
 
-def graph_breaks(arch: str, backend: str, batch: dict[str, torch.Tensor], device: str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> int:
-    cfg = ModelConfig(arch=arch, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97,
-                      max_seq_len=64, position="rope", attention_backend=backend)
+def graph_breaks(
+    arch: str, backend: str, batch: dict[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> int:
+    cfg = ModelConfig(
+        arch=arch,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=48,
+        vocab_size=97,
+        max_seq_len=64,
+        position="rope",
+        attention_backend=backend,
+    )
     torch.manual_seed(0)
     model = build_model(cfg).to(device, dtype)
     ids = torch.randint(0, 97, (2, T))
@@ -106,8 +125,19 @@ def test_cuda_cores_compile_without_graph_breaks(backend, kind):
 
 def test_compiled_prefix_chunks_equal_the_eager_ones():
     """Compiled, a prefix chunk takes every key (its bound would be a new shape per batch): the same values."""
-    model = build_model(ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97,
-                                    max_seq_len=64, position="rope", attention_backend="chunked"))
+    model = build_model(
+        ModelConfig(
+            d_model=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            d_ff=48,
+            vocab_size=97,
+            max_seq_len=64,
+            position="rope",
+            attention_backend="chunked",
+        )
+    )
     ids = torch.randint(0, 97, (2, T))
     batch = {"input_ids": ids, **BATCHES["prefix"]}
 

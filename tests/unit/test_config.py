@@ -26,25 +26,49 @@ def test_paper_base_model_has_the_papers_size():
 
 
 def test_param_count_matches_built_model():
-    cfg = load_config(None, ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128",
-                             "model.vocab_size=300", "model.tie_embeddings=false"]).model
+    cfg = load_config(
+        None,
+        [
+            "model.d_model=64",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.d_ff=128",
+            "model.vocab_size=300",
+            "model.tie_embeddings=false",
+        ],
+    ).model
     model = build_model(cfg)
     assert model_size(cfg).params == sum(p.numel() for p in model.parameters())
     assert model_size(cfg).non_embedding_params == model_size(cfg).params - 300 * 64
 
 
 def test_flops_per_token_is_6n_plus_attention():
-    cfg = load_config(None, ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128",
-                             "model.vocab_size=300", "model.tie_embeddings=false"]).model
+    cfg = load_config(
+        None,
+        [
+            "model.d_model=64",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.d_ff=128",
+            "model.vocab_size=300",
+            "model.tie_embeddings=false",
+        ],
+    ).model
     linear = sum(m.weight.numel() for m in build_model(cfg).modules() if isinstance(m, torch.nn.Linear))
     assert model_size(cfg, 100).flops_per_token == 6 * linear + 12 * 2 * 64 * 100
 
 
 def test_overrides_parse_yaml_values():
-    raw = apply_overrides({}, ["model.d_model=64", "optim.betas=[0.9, 0.98]", "wandb.mode=disabled",
-                               "train.compile=true", "resume="])
-    assert raw == {"model": {"d_model": 64}, "optim": {"betas": [0.9, 0.98]}, "wandb": {"mode": "disabled"},
-                   "train": {"compile": True}, "resume": None}
+    raw = apply_overrides(
+        {}, ["model.d_model=64", "optim.betas=[0.9, 0.98]", "wandb.mode=disabled", "train.compile=true", "resume="]
+    )
+    assert raw == {
+        "model": {"d_model": 64},
+        "optim": {"betas": [0.9, 0.98]},
+        "wandb": {"mode": "disabled"},
+        "train": {"compile": True},
+        "resume": None,
+    }
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
@@ -54,21 +78,26 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     assert load_config(path) == cfg
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model.d_modle=64"], "unknown config key 'model.d_modle'; did you mean 'model.d_model'?"),
-    (["trian.max_steps=3"], "did you mean 'train'?"),
-    (["model.d_model=100"], "model.d_model=100 is not divisible by model.n_heads=8"),
-    (["model.n_kv_heads=3"], "model.n_heads=8 is not divisible by model.n_kv_heads=3"),
-    (["parallel.tensor_parallel=3"], "parallel.tensor_parallel=3 does not divide model.n_heads=8"),
-    (["model.n_heads=6", "model.d_model=384", "parallel.tensor_parallel=3", "model.d_ff=1000"],
-     "parallel.tensor_parallel=3 does not divide model.d_ff=1000"),
-    (["parallel.tensor_parallel=2", "model.vocab_size=32001"], "does not divide model.vocab_size=32001"),
-    (["objective=span_corruption"], "objective=span_corruption needs model.arch in ['encoder_decoder']"),
-    (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len=2048"),
-    (["train.max_steps=ten"], "config key 'train.max_steps'"),
-    (["model.attention_backend=flash2"], "config key 'model.attention_backend'"),
-    (["model.d_model"], "is not of the form key.path=value"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.d_modle=64"], "unknown config key 'model.d_modle'; did you mean 'model.d_model'?"),
+        (["trian.max_steps=3"], "did you mean 'train'?"),
+        (["model.d_model=100"], "model.d_model=100 is not divisible by model.n_heads=8"),
+        (["model.n_kv_heads=3"], "model.n_heads=8 is not divisible by model.n_kv_heads=3"),
+        (["parallel.tensor_parallel=3"], "parallel.tensor_parallel=3 does not divide model.n_heads=8"),
+        (
+            ["model.n_heads=6", "model.d_model=384", "parallel.tensor_parallel=3", "model.d_ff=1000"],
+            "parallel.tensor_parallel=3 does not divide model.d_ff=1000",
+        ),
+        (["parallel.tensor_parallel=2", "model.vocab_size=32001"], "does not divide model.vocab_size=32001"),
+        (["objective=span_corruption"], "objective=span_corruption needs model.arch in ['encoder_decoder']"),
+        (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len=2048"),
+        (["train.max_steps=ten"], "config key 'train.max_steps'"),
+        (["model.attention_backend=flash2"], "config key 'model.attention_backend'"),
+        (["model.d_model"], "is not of the form key.path=value"),
+    ],
+)
 def test_bad_values_give_one_precise_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
@@ -76,8 +105,10 @@ def test_bad_values_give_one_precise_line(overrides, message):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("text,message", [("model: [1, 2]", "config key 'model'"), ("- a\n- b", "mapping"),
-                                          ("model: {d_model: 64", "not valid YAML")])
+@pytest.mark.parametrize(
+    "text,message",
+    [("model: [1, 2]", "config key 'model'"), ("- a\n- b", "mapping"), ("model: {d_model: 64", "not valid YAML")],
+)
 def test_malformed_files_are_config_errors(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)

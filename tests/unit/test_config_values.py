@@ -42,8 +42,10 @@ BAD_VALUES = [
     # objective_args
     ("objective_args.mask_prob=1.5", "objective_args.mask_prob=1.5 must be <= 1"),
     ("objective_args.noise_density=-0.1", "objective_args.noise_density=-0.1"),
-    ("objective_args.mask_token_prob=0.95",
-     "objective_args.mask_token_prob + random_token_prob must be <= 1, got 0.95 + 0.1"),
+    (
+        "objective_args.mask_token_prob=0.95",
+        "objective_args.mask_token_prob + random_token_prob must be <= 1, got 0.95 + 0.1",
+    ),
     ("objective_args.prefix_min=0.95", "objective_args.prefix_min must be <= prefix_max, got 0.95, 0.9"),
     ("objective_args.mask_pro=0.1", "did you mean 'objective_args.mask_prob'?"),
     ("objective_args.prefix_max=1.5", "objective_args.prefix_max=1.5"),
@@ -126,11 +128,19 @@ def test_train_refuses_bad_values_the_same_way(override, capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("text,line", [
-    ("train:\n  max_steps: 3\nmodel:\n  d_model: 64\ntrain:\n  log_every: 1\n",
-     "duplicate key 'train' on line 5 (first on line 1)"),
-    ("model:\n  d_model: 64\n  n_heads: 4\n  d_model: 128\n", "duplicate key 'd_model' on line 4 (first on line 2)"),
-])
+@pytest.mark.parametrize(
+    "text,line",
+    [
+        (
+            "train:\n  max_steps: 3\nmodel:\n  d_model: 64\ntrain:\n  log_every: 1\n",
+            "duplicate key 'train' on line 5 (first on line 1)",
+        ),
+        (
+            "model:\n  d_model: 64\n  n_heads: 4\n  d_model: 128\n",
+            "duplicate key 'd_model' on line 4 (first on line 2)",
+        ),
+    ],
+)
 def test_duplicate_yaml_keys_are_refused_with_their_lines(text, line, tmp_path, capsys):
     path = tmp_path / "dup.yaml"
     path.write_text(text)

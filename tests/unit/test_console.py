@@ -14,8 +14,21 @@ from megatransformer.config import ConfigError, load_config, shipped_configs
 
 
 def test_an_override_after_a_list_option_is_an_override_not_a_path():
-    args = parse_args(build_parser(), ["eval", "--checkpoint", "runs/q", "--data", "a.txt", "b.txt",
-                                       "data.seq_len=64", "--batch-size", "2", "data.pack=false"])
+    args = parse_args(
+        build_parser(),
+        [
+            "eval",
+            "--checkpoint",
+            "runs/q",
+            "--data",
+            "a.txt",
+            "b.txt",
+            "data.seq_len=64",
+            "--batch-size",
+            "2",
+            "data.pack=false",
+        ],
+    )
     assert args.data == ["a.txt", "b.txt"]
     assert args.overrides == ["data.seq_len=64", "data.pack=false"]
     assert args.batch_size == 2
@@ -61,8 +74,11 @@ def test_configs_are_addressable_by_name_from_any_directory(tmp_path, monkeypatc
     assert {"quickstart", "llama-style", "transformer-base"} <= set(shipped_configs())
     assert load_config("llama-style").model.d_model == 768
     assert load_config("quickstart.yaml", ["seed=3"]).seed == 3
-    with pytest.raises(ConfigError, match="does not exist; give a YAML path or the name of a shipped config "
-                                          r"\(bert-style, llama-style"):
+    with pytest.raises(
+        ConfigError,
+        match="does not exist; give a YAML path or the name of a shipped config "
+        r"\(bert-style, llama-style",
+    ):
         load_config("lama-style")
     local = tmp_path / "llama-style"  # an existing file wins over a shipped name
     local.write_text("seed: 7\n")
@@ -100,8 +116,10 @@ def test_a_sample_is_cut_at_its_first_blank_line():
 def test_the_tokenizer_says_when_it_is_smaller_than_asked(tmp_path, capsys):
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("a small corpus\n\nwith few words\n")
-    assert main(["data", "tokenizer", "--input", str(corpus), "--vocab-size", "2000", "--out",
-                 str(tmp_path / "tok.json")]) == 0
+    assert (
+        main(["data", "tokenizer", "--input", str(corpus), "--vocab-size", "2000", "--out", str(tmp_path / "tok.json")])
+        == 0
+    )
     out, err = capsys.readouterr()
     size = int(re.search(r"has ([\d,]+) tokens, fewer than the 2,000 asked", err)[1].replace(",", ""))
     assert size < 2000 and f"{size} tokens of 2000 asked" in out

@@ -32,8 +32,11 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def gemms(self, dtype: torch.dtype) -> int:
-        return sum(n for (name, dtypes), n in self.calls.items()
-                   if name in ("mm", "bmm", "addmm", "baddbmm", "addmm_", "baddbmm_") and dtype in dtypes)
+        return sum(
+            n
+            for (name, dtypes), n in self.calls.items()
+            if name in ("mm", "bmm", "addmm", "baddbmm", "addmm_", "baddbmm_") and dtype in dtypes
+        )
 
 
 def rand(*shape: int, dtype=BF16, seed: int = 0) -> torch.Tensor:
@@ -142,8 +145,20 @@ def test_fused_cpu_attention_runs_in_fp32_and_is_at_least_as_close_to_float64():
 def test_a_bf16_model_step_equals_the_native_bf16_step_to_bf16_rounding(arch):
     """Loss and every gradient of our model (chunked attention core, fused loss head) under the mode against
     PyTorch's own bf16 kernels: the same products summed in another order."""
-    cfg = ModelConfig(arch=arch, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=256,
-                      max_seq_len=64, norm="rmsnorm", position="rope", ffn="swiglu", attention_backend="chunked")
+    cfg = ModelConfig(
+        arch=arch,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=128,
+        vocab_size=256,
+        max_seq_len=64,
+        norm="rmsnorm",
+        position="rope",
+        ffn="swiglu",
+        attention_backend="chunked",
+    )
     torch.manual_seed(0)
     model = build_model(cfg).to(BF16)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -154,7 +169,7 @@ def test_a_bf16_model_step_equals_the_native_bf16_step_to_bf16_rounding(arch):
     for mode in (Fp32Gemms, None):
         model.zero_grad()
         below = Ops()
-        with below, (mode() if mode else contextlib.nullcontext()):
+        with below, mode() if mode else contextlib.nullcontext():
             loss = model(**inputs)
             loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()], below.gemms(BF16)))
@@ -166,15 +181,18 @@ def test_a_bf16_model_step_equals_the_native_bf16_step_to_bf16_rounding(arch):
         torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2 * want.float().abs().max().item())
 
 
-@pytest.mark.parametrize("choice,device,dtype,compiled,native,expected", [
-    ("auto", "cpu", BF16, False, False, True),  # an AVX2-only CPU
-    ("auto", "cpu", BF16, False, True, False),  # oneDNN's bf16 kernels
-    ("fp32", "cpu", BF16, False, True, True),
-    ("native", "cpu", BF16, False, False, False),
-    ("auto", "cpu", torch.float32, False, False, False),
-    ("fp32", "cuda", BF16, False, False, False),
-    ("auto", "cpu", BF16, True, False, False),  # a compiled model's GEMMs are the compiler's
-])
+@pytest.mark.parametrize(
+    "choice,device,dtype,compiled,native,expected",
+    [
+        ("auto", "cpu", BF16, False, False, True),  # an AVX2-only CPU
+        ("auto", "cpu", BF16, False, True, False),  # oneDNN's bf16 kernels
+        ("fp32", "cpu", BF16, False, True, True),
+        ("native", "cpu", BF16, False, False, False),
+        ("auto", "cpu", torch.float32, False, False, False),
+        ("fp32", "cuda", BF16, False, False, False),
+        ("auto", "cpu", BF16, True, False, False),  # a compiled model's GEMMs are the compiler's
+    ],
+)
 def test_which_runs_use_fp32_gemms(monkeypatch, choice, device, dtype, compiled, native, expected):
     monkeypatch.setattr(cpu_bf16, "native_bf16_gemm", lambda: native)
     assert gemms_as_fp32(choice, device, dtype, compiled) is expected
@@ -182,8 +200,10 @@ def test_which_runs_use_fp32_gemms(monkeypatch, choice, device, dtype, compiled,
 
 def test_the_run_log_says_how_bf16_gemms_run(monkeypatch):
     monkeypatch.setattr(cpu_bf16, "native_bf16_gemm", lambda: False)
-    assert describe("auto", "cpu", BF16) == ("bf16 matmuls: fp32 GEMMs of the bf16 operands (this CPU has no bf16 "
-                                             "GEMM kernels in PyTorch); train.cpu_bf16_matmul=auto")
+    assert describe("auto", "cpu", BF16) == (
+        "bf16 matmuls: fp32 GEMMs of the bf16 operands (this CPU has no bf16 "
+        "GEMM kernels in PyTorch); train.cpu_bf16_matmul=auto"
+    )
     assert "many times slower than fp32" in describe("native", "cpu", BF16)
     assert describe("auto", "cpu", BF16, compiled=True) == "bf16 matmuls: the compiled model's own (train.compile=true)"
     assert describe("auto", "cpu", torch.float32) is None and describe("auto", "cuda", BF16) is None
@@ -191,8 +211,10 @@ def test_the_run_log_says_how_bf16_gemms_run(monkeypatch):
     assert describe("auto", "cpu", BF16) == "bf16 matmuls: PyTorch's bf16 kernels; train.cpu_bf16_matmul=auto"
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").is_file(),
-                    reason="reads the x86 CPU flags from /proc/cpuinfo (Linux); other machines use PyTorch's test alone")
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not Path("/proc/cpuinfo").is_file(),
+    reason="reads the x86 CPU flags from /proc/cpuinfo (Linux); other machines use PyTorch's test alone",
+)
 def test_bf16_gemm_kernels_are_found_where_the_cpu_has_avx512_and_not_on_plain_avx2():
     """oneDNN's bf16 GEMMs need AVX-512 BW, VL and DQ (AVX512_BF16 / AMX run them natively), or, on recent
     AVX2-only Intel CPUs, AVX-NE-CONVERT."""

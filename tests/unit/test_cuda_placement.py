@@ -38,8 +38,7 @@ class FakeFlashAttn:
         return cls._check(q, k, v, alibi_slopes)
 
     @classmethod
-    def flash_attn_varlen_func(cls, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, causal=False,
-                               alibi_slopes=None):
+    def flash_attn_varlen_func(cls, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, causal=False, alibi_slopes=None):
         assert type(max_q) is int and type(max_k) is int
         return cls._check(q, k, v, cu_q, cu_k, alibi_slopes)
 
@@ -66,7 +65,7 @@ def index(x: torch.Tensor, key) -> torch.Tensor:
     if Ellipsis in key:
         at = key.index(Ellipsis)
         fill = x.dim() - sum(k is not None for k in key if k is not Ellipsis)
-        key[at:at + 1] = [slice(None)] * fill
+        key[at : at + 1] = [slice(None)] * fill
     dim, tensors = 0, []
     for k in key:
         if k is None:
@@ -98,6 +97,7 @@ def training_batch(arch: str) -> dict[str, torch.Tensor]:
 def to_fake(device: torch.device, mode: FakeTensorMode | None):
     """A stand-in for ``masks.to_device`` (which pins host memory, a CUDA-only allocator) producing fake
     tensors on ``device`` (``mode``), or meta tensors."""
+
     def convert(tensor, target=None, moved=None):
         if tensor is None or tensor.device == device:
             return tensor
@@ -105,6 +105,7 @@ def to_fake(device: torch.device, mode: FakeTensorMode | None):
             return moved[id(tensor)]
         on_meta = tensor.to("meta")
         return on_meta if mode is None else FakeTensor(mode, on_meta, device)
+
     return convert
 
 
@@ -140,7 +141,7 @@ def step_on(device: torch.device, arch: str, position: str, mode: FakeTensorMode
     model = build_model(alibi_config(arch, position=position, attention_backend="auto"))
     move_module(model, lambda t: convert(t.to(torch.bfloat16) if t.is_floating_point() else t), mode is None)
     inputs, labels, step_masks = engine.batch_to_device(training_batch(arch), device, arch, varlen=True)
-    with (mode or nullcontext()), GuardFreeOperators():  # (the host's work above runs on real tensors)
+    with mode or nullcontext(), GuardFreeOperators():  # (the host's work above runs on real tensors)
         return model, model(**inputs, masks=step_masks, labels=labels)
 
 
@@ -170,8 +171,12 @@ def test_the_forward_with_its_loss_stays_on_cuda(core, arch, position, monkeypat
     assert loss.device.type == "cuda" and loss.shape == ()
 
 
-BACKWARD = [(arch, position, name) for arch, position in ARCHS for name in ("varlen", "sdpa")
-            if (position, name) != ("alibi", "varlen")]
+BACKWARD = [
+    (arch, position, name)
+    for arch, position in ARCHS
+    for name in ("varlen", "sdpa")
+    if (position, name) != ("alibi", "varlen")
+]
 
 
 @pytest.mark.parametrize("arch, position, name", BACKWARD)

@@ -21,8 +21,12 @@ from megatransformer.training.data import build_run_loader as build_loader
 
 def make_cfg(tiny_data, shards, objective="autoregressive", arch="decoder", seq_len=64, **data):
     data = {"train": str(shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": seq_len, **data}
-    raw = {"model": {"arch": arch, "vocab_size": 512, "max_seq_len": 256, "d_model": 32, "n_heads": 2},
-           "data": data, "objective": objective, "seed": 7}
+    raw = {
+        "model": {"arch": arch, "vocab_size": 512, "max_seq_len": 256, "d_model": 32, "n_heads": 2},
+        "data": data,
+        "objective": objective,
+        "seed": 7,
+    }
     return validate(raw)
 
 
@@ -47,12 +51,15 @@ def test_reads_prompt_and_completion_unstripped(tmp_path):
     assert [(d.prompt, d.text, d.line) for d in docs] == [("Q: 2+2?\nA:", " 4", 1)]
 
 
-@pytest.mark.parametrize("line,message", [
-    ({"prompt": "p"}, "no string field 'completion'; choose the field with --completion-field"),
-    ({"completion": "c"}, "no string field 'prompt'; choose the field with --prompt-field"),
-    ({"prompt": 3, "completion": "c"}, "no string field 'prompt'"),
-    (["prompt", "completion"], "expected a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ({"prompt": "p"}, "no string field 'completion'; choose the field with --completion-field"),
+        ({"completion": "c"}, "no string field 'prompt'; choose the field with --prompt-field"),
+        ({"prompt": 3, "completion": "c"}, "no string field 'prompt'"),
+        (["prompt", "completion"], "expected a JSON object, got list"),
+    ],
+)
 def test_bad_records_name_the_line_and_the_fix(tmp_path, line, message):
     path = tmp_path / "sft.jsonl"
     path.write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n" + json.dumps(line) + "\n")
@@ -85,12 +92,43 @@ def test_shard_cli_takes_the_fields(tmp_path, tiny_data):
 
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f" {i}"}) + "\n" for i in range(4)))
-    code = main(["data", "shard", "--input", str(path), "--tokenizer", str(tiny_data.tokenizer), "--out",
-                 str(tmp_path / "shards"), "--prompt-field", "instruction", "--completion-field", "output",
-                 "--valid-every", "0", "--workers", "1"])
+    code = main(
+        [
+            "data",
+            "shard",
+            "--input",
+            str(path),
+            "--tokenizer",
+            str(tiny_data.tokenizer),
+            "--out",
+            str(tmp_path / "shards"),
+            "--prompt-field",
+            "instruction",
+            "--completion-field",
+            "output",
+            "--valid-every",
+            "0",
+            "--workers",
+            "1",
+        ]
+    )
     assert code == 0 and Manifest.load(tmp_path / "shards").kind == INSTRUCTIONS
-    code = main(["data", "shard", "--input", str(path), "--tokenizer", str(tiny_data.tokenizer), "--out",
-                 str(tmp_path / "other"), "--prompt-field", "prompt", "--workers", "1"])
+    code = main(
+        [
+            "data",
+            "shard",
+            "--input",
+            str(path),
+            "--tokenizer",
+            str(tiny_data.tokenizer),
+            "--out",
+            str(tmp_path / "other"),
+            "--prompt-field",
+            "prompt",
+            "--workers",
+            "1",
+        ]
+    )
     assert code == 2
 
 
@@ -108,8 +146,8 @@ def test_autoregressive_packs_examples_and_scores_only_completions(tiny_data, ti
     for prompt, completion in valid_examples(tiny_instructions, tok):
         stream += prompt + completion
         expected += [IGNORE_INDEX] * (len(prompt) - 1) + completion + [IGNORE_INDEX]
-    assert len(inputs) > 1000 and inputs == stream[:len(inputs)]
-    assert labels == expected[:len(labels)]
+    assert len(inputs) > 1000 and inputs == stream[: len(inputs)]
+    assert labels == expected[: len(labels)]
     assert any(bool((b["segment_ids"] > 1).any()) for b in batches), "examples were not packed"
 
 
@@ -137,11 +175,14 @@ def test_decoder_prefix_lm_packs_examples_each_with_its_prompt_as_prefix(tiny_da
         stream += prompt + completion
         is_prompt += [True] * len(prompt) + [False] * len(completion)
         expected += [IGNORE_INDEX] * (len(prompt) - 1) + completion + [IGNORE_INDEX]
-    rows = [(b["input_ids"][i], b["labels"][i], b["segment_ids"][i], b["prefix_len"][i])
-            for b in batches for i in range(len(b["labels"]))]
+    rows = [
+        (b["input_ids"][i], b["labels"][i], b["segment_ids"][i], b["prefix_len"][i])
+        for b in batches
+        for i in range(len(b["labels"]))
+    ]
     assert len(rows) * 64 > 1000 and any(int(seg.max()) > 1 for _, _, seg, _ in rows), "examples were not packed"
     for j, (ids, labels, segments, ends) in enumerate(rows):
-        assert ids.tolist() == stream[64 * j:64 * (j + 1)] and labels.tolist() == expected[64 * j:64 * (j + 1)]
+        assert ids.tolist() == stream[64 * j : 64 * (j + 1)] and labels.tolist() == expected[64 * j : 64 * (j + 1)]
         for k in range(1, int(segments.max()) + 1):
             where = torch.nonzero(segments == k).flatten().tolist()
             prompt_here = sum(is_prompt[64 * j + i] for i in where)
@@ -157,18 +198,22 @@ def test_encoder_decoder_prefix_lm_reads_the_prompt_and_learns_the_completion(ti
             for seg in range(1, int(b["segment_ids"][row].max()) + 1):
                 sources.append(b["input_ids"][row][b["segment_ids"][row] == seg].tolist())
                 targets.append(b["labels"][row][b["decoder_segment_ids"][row] == seg].tolist())
-    examples = valid_examples(tiny_instructions, tok)[:len(sources)]
+    examples = valid_examples(tiny_instructions, tok)[: len(sources)]
     assert len(sources) > 20 and max(len(s) + len(t) for s, t in examples) < 256
     assert sources == [p for p, _ in examples] and targets == [c for _, c in examples]
     assert any(int(b["segment_ids"].max()) > 1 for b in batches), "examples were not packed"
 
 
-@pytest.mark.parametrize("objective,arch,data,message", [
-    ("masked_lm", "encoder", {}, "objective=masked_lm cannot use"),
-    ("span_corruption", "encoder_decoder", {}, "objective=span_corruption cannot use"),
-])
-def test_objectives_that_cannot_use_instructions_are_refused(tiny_data, tiny_instructions, tok, objective, arch,
-                                                              data, message):
+@pytest.mark.parametrize(
+    "objective,arch,data,message",
+    [
+        ("masked_lm", "encoder", {}, "objective=masked_lm cannot use"),
+        ("span_corruption", "encoder_decoder", {}, "objective=span_corruption cannot use"),
+    ],
+)
+def test_objectives_that_cannot_use_instructions_are_refused(
+    tiny_data, tiny_instructions, tok, objective, arch, data, message
+):
     cfg = make_cfg(tiny_data, tiny_instructions.shards, objective, arch, **data)
     with pytest.raises(DataError, match=message):
         build_loader(cfg, "train", 2, 0, 1, tok)
@@ -180,7 +225,7 @@ def test_mixing_text_and_instructions(tiny_data, tiny_instructions, tok):
     cfg = make_cfg(tiny_data, tiny_instructions.shards, "prefix_lm", seq_len=256, pack=False, train=sources)
     batch = next(iter(build_loader(cfg, "train", 16, 0, 1, tok)))
     prompt_word = tok.encode("Continue:")
-    starts_with_prompt = [row[:len(prompt_word)].tolist() == prompt_word for row in batch["input_ids"]]
+    starts_with_prompt = [row[: len(prompt_word)].tolist() == prompt_word for row in batch["input_ids"]]
     assert any(starts_with_prompt) and not all(starts_with_prompt)
 
 
@@ -188,8 +233,16 @@ def test_long_examples_are_truncated_and_unlearnable_ones_skipped_with_a_warning
     path = tmp_path / "sft.jsonl"
     records = [("short", " answer"), ("a very long prompt " * 20, " never learned"), ("ok", " word " * 40)]
     path.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in records))
-    write_shards([str(path)], str(tiny_data.tokenizer), tmp_path / "shards", valid_every=0, workers=1,
-                 progress=False, prompt_field="prompt", text_field="completion")
+    write_shards(
+        [str(path)],
+        str(tiny_data.tokenizer),
+        tmp_path / "shards",
+        valid_every=0,
+        workers=1,
+        progress=False,
+        prompt_field="prompt",
+        text_field="completion",
+    )
     cfg = make_cfg(tiny_data, tmp_path / "shards", "prefix_lm", seq_len=32, pack=False, streams=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -203,12 +256,15 @@ def test_long_examples_are_truncated_and_unlearnable_ones_skipped_with_a_warning
     assert int((truncated["labels"] != IGNORE_INDEX).sum()) == 33 - len(tok.encode("ok"))  # a 33-token window
 
 
-@pytest.mark.parametrize("objective,arch,pack", [
-    ("autoregressive", "decoder", True),
-    ("prefix_lm", "decoder", False),
-    ("prefix_lm", "decoder", True),
-    ("prefix_lm", "encoder_decoder", True),
-])
+@pytest.mark.parametrize(
+    "objective,arch,pack",
+    [
+        ("autoregressive", "decoder", True),
+        ("prefix_lm", "decoder", False),
+        ("prefix_lm", "decoder", True),
+        ("prefix_lm", "encoder_decoder", True),
+    ],
+)
 def test_exact_resume(tiny_data, tiny_instructions, tok, objective, arch, pack):
     cfg = make_cfg(tiny_data, tiny_instructions.shards, objective, arch, pack=pack, num_workers=2)
     reference = [b for _, b in zip(range(9), build_loader(cfg, "train", 3, 1, 2, tok))]

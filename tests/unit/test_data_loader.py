@@ -20,8 +20,12 @@ from megatransformer.training.data import build_run_loader as build_loader
 
 def make_cfg(tiny_data, objective="autoregressive", arch="decoder", seq_len=64, **data):
     data = {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": seq_len, **data}
-    raw = {"model": {"arch": arch, "vocab_size": 512, "max_seq_len": 256, "d_model": 32, "n_heads": 2},
-           "data": data, "objective": objective, "seed": 1234}
+    raw = {
+        "model": {"arch": arch, "vocab_size": 512, "max_seq_len": 256, "d_model": 32, "n_heads": 2},
+        "data": data,
+        "objective": objective,
+        "seed": 1234,
+    }
     return validate(raw)
 
 
@@ -59,7 +63,7 @@ def test_round_trip_valid_split_in_order(tiny_data, tok):
     docs, tail = documents_of(packed_stream(batches), tok.eos_id)
     _, expected = split_docs(tiny_data, tok)
     assert len(docs) >= len(expected) - 1
-    assert [tok.decode(d) for d in docs] == expected[:len(docs)]
+    assert [tok.decode(d) for d in docs] == expected[: len(docs)]
     assert expected[len(docs)].startswith(tok.decode(tail)) if tail else True
     # autoregressive labels: next token within a document, none across a boundary
     for b in batches:
@@ -84,9 +88,11 @@ def test_streams_split_the_train_split(tiny_data, tok, streams):
     (source,) = resolve_sources(str(tiny_data.shards), "train", Retry())
     assert (len(source.shards) < streams) == (streams == 64)
     opener = ShardOpener("error", Retry())
-    served = Counter(tok.decode(tokens.tolist()) for k in range(streams)
-                     for tokens, _, _ in DocumentReader(source, 1234, k, streams, True, 4, opener, 1).documents(
-                         Position()))
+    served = Counter(
+        tok.decode(tokens.tolist())
+        for k in range(streams)
+        for tokens, _, _ in DocumentReader(source, 1234, k, streams, True, 4, opener, 1).documents(Position())
+    )
     train, _ = split_docs(tiny_data, tok)
     assert served == Counter(train)
 
@@ -105,14 +111,17 @@ def test_ranks_get_disjoint_data_and_tp_peers_the_same(tiny_data, tok):
 # ------------------------------------------------------------------------------------ exact resume
 
 
-@pytest.mark.parametrize("objective,arch,workers", [
-    ("autoregressive", "decoder", 0),
-    ("autoregressive", "decoder", 2),
-    ("masked_lm", "encoder", 4),
-    ("span_corruption", "encoder_decoder", 2),
-    ("prefix_lm", "decoder", 0),
-    ("prefix_lm", "encoder_decoder", 2),
-])
+@pytest.mark.parametrize(
+    "objective,arch,workers",
+    [
+        ("autoregressive", "decoder", 0),
+        ("autoregressive", "decoder", 2),
+        ("masked_lm", "encoder", 4),
+        ("span_corruption", "encoder_decoder", 2),
+        ("prefix_lm", "decoder", 0),
+        ("prefix_lm", "encoder_decoder", 2),
+    ],
+)
 def test_exact_resume(tiny_data, tok, objective, arch, workers):
     """The state after batch k (saved as JSON) reproduces batches k+1.. exactly, on every rank."""
     cfg = make_cfg(tiny_data, objective, arch, num_workers=workers)
@@ -132,10 +141,16 @@ def test_resume_across_epochs_and_reshuffle(tmp_path, tiny_data, tok):
     """A small dataset rolls over several epochs; each epoch is reshuffled, and resume works mid-epoch."""
     docs = [f"Doc {i}: " + " ".join(["alpha beta"] * (i % 3 + 1)) for i in range(60)]
     (tmp_path / "small.txt").write_text("\n\n".join(docs))
-    write_shards([str(tmp_path / "small.txt")], str(tiny_data.tokenizer), tmp_path / "small", shard_mb=0.002,
-                 valid_every=0, workers=1, progress=False)
-    cfg = make_cfg(tiny_data, train=str(tmp_path / "small"), seq_len=32, num_workers=2, shuffle_buffer=32,
-                   streams=8)
+    write_shards(
+        [str(tmp_path / "small.txt")],
+        str(tiny_data.tokenizer),
+        tmp_path / "small",
+        shard_mb=0.002,
+        valid_every=0,
+        workers=1,
+        progress=False,
+    )
+    cfg = make_cfg(tiny_data, train=str(tmp_path / "small"), seq_len=32, num_workers=2, shuffle_buffer=32, streams=8)
     reference = take(build_loader(cfg, "train", 2, 0, 1, tok), 60)
     loader = build_loader(cfg, "train", 2, 0, 1, tok)
     take(loader, 37)
@@ -144,11 +159,12 @@ def test_resume_across_epochs_and_reshuffle(tmp_path, tiny_data, tok):
     resumed.load_state_dict(loader.state_dict())
     assert_same_batches(take(resumed, 23), reference[37:])
     # epoch 0 and epoch 1 of one reader differ in order
-    one = build_loader(make_cfg(tiny_data, train=str(tmp_path / "small"), seq_len=32, streams=1), "train", 1, 0, 1,
-                       tok, epochs=2)
+    one = build_loader(
+        make_cfg(tiny_data, train=str(tmp_path / "small"), seq_len=32, streams=1), "train", 1, 0, 1, tok, epochs=2
+    )
     texts = [tok.decode(r) for b in one for r in b["input_ids"].tolist()]
     half = len(texts) // 2
-    assert texts[:half] != texts[half:2 * half]
+    assert texts[:half] != texts[half : 2 * half]
 
 
 def test_resume_refuses_what_cannot_continue(tiny_data, tok):
@@ -190,8 +206,15 @@ def test_validation_is_finite_and_identical_on_every_pass_and_rank(tiny_data, to
 def test_mixing_by_weight(tmp_path, tiny_data, tok):
     docs = [" ".join(["QQ ZZ"] * (i % 5 + 3)) for i in range(400)]  # every 16-token window shows QQ or ZZ
     (tmp_path / "b.txt").write_text("\n\n".join(docs))
-    write_shards([str(tmp_path / "b.txt")], str(tiny_data.tokenizer), tmp_path / "b", shard_mb=0.01,
-                 valid_every=0, workers=1, progress=False)
+    write_shards(
+        [str(tmp_path / "b.txt")],
+        str(tiny_data.tokenizer),
+        tmp_path / "b",
+        shard_mb=0.01,
+        valid_every=0,
+        workers=1,
+        progress=False,
+    )
     train = [{"path": str(tiny_data.shards), "weight": 3.0}, {"path": str(tmp_path / "b"), "weight": 1.0}]
     loader = build_loader(make_cfg(tiny_data, train=train, seq_len=16), "train", 50, 0, 1, tok)
     rows = [tok.decode(r) for b in take(loader, 16) for r in b["input_ids"].tolist()]
@@ -246,8 +269,16 @@ def test_all_shards_corrupt_is_an_error_not_a_hang(shard_copy, tiny_data, tok):
 
 def test_checks_at_build_time(shard_copy, tmp_path, tiny_data, tok):
     with pytest.raises(DataError, match="model.vocab_size=256"):
-        build_loader(make_cfg(tiny_data).model_copy(update={"model": make_cfg(tiny_data).model.model_copy(
-            update={"vocab_size": 256})}), "train", 2, 0, 1, tok)
+        build_loader(
+            make_cfg(tiny_data).model_copy(
+                update={"model": make_cfg(tiny_data).model.model_copy(update={"vocab_size": 256})}
+            ),
+            "train",
+            2,
+            0,
+            1,
+            tok,
+        )
     (tmp_path / "other.txt").write_text("another tokenizer entirely " * 50)
     from data_pipeline.tokenizer import train_tokenizer
 
@@ -260,8 +291,11 @@ def test_checks_at_build_time(shard_copy, tmp_path, tiny_data, tok):
     with pytest.raises(DataError, match="1 shard.* missing, e.g. .*train-000005.tar"):
         build_loader(make_cfg(tiny_data, train=str(shard_copy)), "train", 2, 0, 1, tok)
     with pytest.warns(UserWarning, match="train-000005.tar"):
-        list(build_loader(make_cfg(tiny_data, train=str(shard_copy), on_corrupt="skip"), "train", 64, 0, 1, tok,
-                          epochs=1))
+        list(
+            build_loader(
+                make_cfg(tiny_data, train=str(shard_copy), on_corrupt="skip"), "train", 64, 0, 1, tok, epochs=1
+            )
+        )
     (shard_copy / "manifest.json").unlink()
     with pytest.raises(DataError, match="no manifest.json"):
         build_loader(make_cfg(tiny_data, train=str(shard_copy)), "train", 2, 0, 1, tok)
@@ -277,10 +311,16 @@ def test_inspect_cli_json(tmp_path, tiny_data, capsys):
     from megatransformer.cli import main
 
     config = tmp_path / "run.yaml"
-    config.write_text(json.dumps({
-        "model": {"arch": "encoder", "vocab_size": 512, "d_model": 32, "n_heads": 2},
-        "data": {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64},
-        "objective": "masked_lm", "train": {"micro_batch_size": 8}}))
+    config.write_text(
+        json.dumps(
+            {
+                "model": {"arch": "encoder", "vocab_size": 512, "d_model": 32, "n_heads": 2},
+                "data": {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64},
+                "objective": "masked_lm",
+                "train": {"micro_batch_size": 8},
+            }
+        )
+    )
     assert main(["data", "inspect", "--config", str(config), "--batches", "6", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert abs(stats["selected_fraction"] - 0.15) < 0.03
@@ -289,8 +329,20 @@ def test_inspect_cli_json(tmp_path, tiny_data, capsys):
     assert main(["data", "inspect", "--config", str(config), "--batches", "1"]) == 0
     text = capsys.readouterr().out
     assert "->" in text and "selected_fraction" in text
-    assert main(["data", "inspect", "--config", str(config), "objective=span_corruption",
-                 "model.arch=encoder_decoder", "--json"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "inspect",
+                "--config",
+                str(config),
+                "objective=span_corruption",
+                "model.arch=encoder_decoder",
+                "--json",
+            ]
+        )
+        == 0
+    )
     stats = json.loads(capsys.readouterr().out)
     assert 2.0 < stats["mean_noise_span_length"] < 4.5
     assert main(["data", "inspect", "--config", str(tmp_path / "missing.yaml")]) == 2

@@ -32,10 +32,11 @@ def one_doc(tokens):
 
 
 def loader_batches(tiny_data, tok, objective, arch, n=6, seq_len=64, **data):
-    raw = {"model": {"arch": arch, "vocab_size": 512, "max_seq_len": 256, "d_model": 32, "n_heads": 2},
-           "data": {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": seq_len,
-                    **data},
-           "objective": objective}
+    raw = {
+        "model": {"arch": arch, "vocab_size": 512, "max_seq_len": 256, "d_model": 32, "n_heads": 2},
+        "data": {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": seq_len, **data},
+        "objective": objective,
+    }
     out = []
     for batch in build_loader(validate(raw), "valid", 8, 0, 1, tok):
         out.append({k: v.numpy() for k, v in batch.items()})
@@ -120,7 +121,7 @@ def test_prefix_lm_decoder_masks_the_prefix(tok):
         seen.add(p)
         assert round(0.2 * 32) <= p <= round(0.6 * 32)
         assert (s["labels"][: p - 1] == IGNORE_INDEX).all()
-        assert (s["labels"][p - 1:] == tokens[p:]).all()  # the suffix, shifted: no loss on the prefix
+        assert (s["labels"][p - 1 :] == tokens[p:]).all()  # the suffix, shifted: no loss on the prefix
         assert (s["input_ids"] == tokens[:-1]).all()
     assert len(seen) > 10
 
@@ -252,14 +253,17 @@ def test_span_corruption_through_the_loader_keeps_every_token(tiny_data, tok):
     batches = loader_batches(tiny_data, tok, "span_corruption", "encoder_decoder", n=10)
     rebuilt = []
     for b in batches:
-        assert b["input_ids"].shape == (8, 64) and b["labels"].shape[1] == SpanCorruption(
-            64, tok, True, ObjectiveArgs()).target_len
+        assert (
+            b["input_ids"].shape == (8, 64)
+            and b["labels"].shape[1] == SpanCorruption(64, tok, True, ObjectiveArgs()).target_len
+        )
         assert_aligned_segments(b, tok, start=tok.pad_id)
         for row in range(8):
             enc, dec = b["segment_ids"][row], b["decoder_segment_ids"][row]
             for k in range(1, enc.max() + 1):
-                rebuilt += reconstruct(list(b["input_ids"][row][enc == k]), list(b["labels"][row][dec == k]),
-                                       tok.sentinel_ids, tok.eos_id)
+                rebuilt += reconstruct(
+                    list(b["input_ids"][row][enc == k]), list(b["labels"][row][dec == k]), tok.sentinel_ids, tok.eos_id
+                )
     pos = 0
     for t in rebuilt:  # rebuilt is the document stream with at most single-token gaps
         skip = 0
@@ -275,9 +279,16 @@ def test_span_corruption_through_the_loader_keeps_every_token(tiny_data, tok):
 # ------------------------------------------------------------------------------------ every objective
 
 
-@pytest.mark.parametrize("objective,arch", [("autoregressive", "decoder"), ("masked_lm", "encoder"),
-                                            ("prefix_lm", "decoder"), ("prefix_lm", "encoder_decoder"),
-                                            ("span_corruption", "encoder_decoder")])
+@pytest.mark.parametrize(
+    "objective,arch",
+    [
+        ("autoregressive", "decoder"),
+        ("masked_lm", "encoder"),
+        ("prefix_lm", "decoder"),
+        ("prefix_lm", "encoder_decoder"),
+        ("span_corruption", "encoder_decoder"),
+    ],
+)
 @pytest.mark.parametrize("pack", [True, False])
 def test_every_objective_has_loss_in_every_row_and_model_keys(tiny_data, tok, objective, arch, pack):
     batches = loader_batches(tiny_data, tok, objective, arch, n=3, seq_len=32, pack=pack)
@@ -298,23 +309,40 @@ def test_unpacked_rows_hold_one_document(tiny_data, tok):
 def test_build_objective_rejects_unknown(tok):
     with pytest.raises(DataError, match="unknown objective"):
         build_objective("nope", "decoder", 16, True, tok, ObjectiveArgs())
-    assert isinstance(build_objective("prefix_lm", "encoder_decoder", 16, True, tok, ObjectiveArgs()),
-                      Seq2SeqPrefixLM)
+    assert isinstance(build_objective("prefix_lm", "encoder_decoder", 16, True, tok, ObjectiveArgs()), Seq2SeqPrefixLM)
 
 
-@pytest.mark.parametrize("objective,arch", [("autoregressive", "decoder"), ("masked_lm", "encoder"),
-                                            ("prefix_lm", "decoder"), ("prefix_lm", "encoder_decoder"),
-                                            ("span_corruption", "encoder_decoder")])
+@pytest.mark.parametrize(
+    "objective,arch",
+    [
+        ("autoregressive", "decoder"),
+        ("masked_lm", "encoder"),
+        ("prefix_lm", "decoder"),
+        ("prefix_lm", "encoder_decoder"),
+        ("span_corruption", "encoder_decoder"),
+    ],
+)
 def test_batches_feed_the_model(tiny_data, tok, objective, arch):
     """The batch contract end to end: the model takes every key but labels; the loss is finite."""
     import torch
 
     from megatransformer.model import build_model
 
-    cfg = validate({"model": {"arch": arch, "vocab_size": 512, "max_seq_len": 64, "d_model": 32, "n_heads": 2,
-                              "n_layers": 1, "d_ff": 64},
-                    "data": {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 32},
-                    "objective": objective})
+    cfg = validate(
+        {
+            "model": {
+                "arch": arch,
+                "vocab_size": 512,
+                "max_seq_len": 64,
+                "d_model": 32,
+                "n_heads": 2,
+                "n_layers": 1,
+                "d_ff": 64,
+            },
+            "data": {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 32},
+            "objective": objective,
+        }
+    )
     batch = next(iter(build_loader(cfg, "train", 2, 0, 1, tok)))
     labels = batch.pop("labels")
     logits = build_model(cfg.model)(**batch)

@@ -98,7 +98,13 @@ def test_sources_txt_blocks_files_jsonl_and_compression(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"body": "other field"}) + "\n")
     files = [str(tmp_path / n) for n in ("a.txt", "b.txt.gz", "c.jsonl.zst")]
     assert [d.text for d in read_documents(files)] == [
-        "first doc\nline two", " second doc ", "gz doc", "gz doc 2", "json one", "json two"]
+        "first doc\nline two",
+        " second doc ",
+        "gz doc",
+        "gz doc 2",
+        "json one",
+        "json two",
+    ]
     assert [d.text for d in read_documents([files[0]], doc_per="file")] == ["first doc\nline two\n\n\n second doc"]
     assert [d.text for d in read_documents([str(tmp_path / "d.jsonl")], text_field="body")] == ["other field"]
     with pytest.raises(DataError, match=r"d.jsonl:1: no 'text' field"):
@@ -151,8 +157,9 @@ def test_large_vocab_shards_are_uint32(tmp_path):
     t.pre_tokenizer = pre_tokenizers.Whitespace()
     t.save(str(tmp_path / "big.json"))
     (tmp_path / "c.txt").write_text("w1 w69999 w5\n\nw2\n")
-    m = write_shards([str(tmp_path / "c.txt")], str(tmp_path / "big.json"), tmp_path / "s", valid_every=0,
-                     workers=1, progress=False)
+    m = write_shards(
+        [str(tmp_path / "c.txt")], str(tmp_path / "big.json"), tmp_path / "s", valid_every=0, workers=1, progress=False
+    )
     assert m.dtype == "uint32"
     with tarfile.open(tmp_path / "s" / m.splits["train"][0].file) as tar:
         ids = decode_ids(tar.extractfile(tar.getnames()[0]).read())
@@ -162,10 +169,12 @@ def test_large_vocab_shards_are_uint32(tmp_path):
 def test_parallel_workers_write_the_same_shards(tmp_path, tiny_data):
     text = tiny_data.corpus.read_text()[:40_000]
     (tmp_path / "c.txt").write_text(text)
-    one = write_shards([str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "one", shard_mb=0.01,
-                       workers=1, progress=False)
-    two = write_shards([str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "two", shard_mb=0.01,
-                       workers=2, progress=False)
+    one = write_shards(
+        [str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "one", shard_mb=0.01, workers=1, progress=False
+    )
+    two = write_shards(
+        [str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "two", shard_mb=0.01, workers=2, progress=False
+    )
     assert one.splits == two.splits  # same files, counts and checksums
 
 
@@ -182,15 +191,21 @@ def test_refuses_an_existing_dataset_unless_overwrite(tmp_path, tiny_data):
 def test_empty_or_failing_input_leaves_nothing_that_looks_complete(tmp_path, tiny_data):
     (tmp_path / "empty.txt").write_text("\n\n  \n")
     with pytest.raises(DataError, match="no documents"):
-        write_shards([str(tmp_path / "empty.txt")], str(tiny_data.tokenizer), tmp_path / "e", workers=1,
-                     progress=False)
+        write_shards([str(tmp_path / "empty.txt")], str(tiny_data.tokenizer), tmp_path / "e", workers=1, progress=False)
     assert not list((tmp_path / "e").iterdir())
     # a decode failure half way: the shards written so far are removed, no manifest appears
     good = tiny_data.corpus.read_text()[:30_000]
     (tmp_path / "late.txt").write_bytes(good.encode() + b"\n\nbroken \xff\n")
     with pytest.raises(DataError, match=r"late.txt:\d+: not UTF-8"):
-        write_shards([str(tmp_path / "late.txt")], str(tiny_data.tokenizer), tmp_path / "f", shard_mb=0.005,
-                     on_decode_error="fail", workers=1, progress=False)
+        write_shards(
+            [str(tmp_path / "late.txt")],
+            str(tiny_data.tokenizer),
+            tmp_path / "f",
+            shard_mb=0.005,
+            on_decode_error="fail",
+            workers=1,
+            progress=False,
+        )
     assert not list((tmp_path / "f").iterdir())
 
 
@@ -200,11 +215,45 @@ def test_empty_or_failing_input_leaves_nothing_that_looks_complete(tmp_path, tin
 def test_cli_prepares_a_dataset_end_to_end(tmp_path, capsys):
     corpus, tok_path, out = tmp_path / "c.txt", tmp_path / "tok.json", tmp_path / "shards"
     assert main(["data", "demo-corpus", "--out", str(corpus), "--max-mb", "0.05"]) == 0
-    assert main(["data", "tokenizer", "--input", str(corpus), "--vocab-size", "400", "--sentinels", "10",
-                 "--out", str(tok_path)]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "tokenizer",
+                "--input",
+                str(corpus),
+                "--vocab-size",
+                "400",
+                "--sentinels",
+                "10",
+                "--out",
+                str(tok_path),
+            ]
+        )
+        == 0
+    )
     assert "10 sentinels" in capsys.readouterr().out
-    assert main(["data", "shard", "--input", str(corpus), "--tokenizer", str(tok_path), "--out", str(out),
-                 "--shard-mb", "0.01", "--valid-every", "5", "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "shard",
+                "--input",
+                str(corpus),
+                "--tokenizer",
+                str(tok_path),
+                "--out",
+                str(out),
+                "--shard-mb",
+                "0.01",
+                "--valid-every",
+                "5",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "train:" in printed and "valid:" in printed
     assert Manifest.load(out).tokenizer_sha256 == file_sha256(tok_path)
@@ -212,6 +261,19 @@ def test_cli_prepares_a_dataset_end_to_end(tmp_path, capsys):
     assert main(["data", "shard", "--input", str(corpus), "--tokenizer", str(tok_path), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--overwrite" in err
-    assert main(["data", "shard", "--input", str(tmp_path / "nope.txt"), "--tokenizer", str(tok_path),
-                 "--out", str(tmp_path / "x")]) == 2
+    assert (
+        main(
+            [
+                "data",
+                "shard",
+                "--input",
+                str(tmp_path / "nope.txt"),
+                "--tokenizer",
+                str(tok_path),
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
     assert "nope.txt does not exist" in capsys.readouterr().err

@@ -25,8 +25,9 @@ def served(tmp_path, tiny_data):
 
 
 def settings(train: str, **kw) -> LoaderSettings:
-    return LoaderSettings(train=train, seq_len=32, objective="autoregressive", arch="decoder", vocab_size=512,
-                          seed=3, **kw)
+    return LoaderSettings(
+        train=train, seq_len=32, objective="autoregressive", arch="decoder", vocab_size=512, seed=3, **kw
+    )
 
 
 def victim(root: Path) -> tuple[str, int]:
@@ -61,16 +62,18 @@ def test_server_that_never_comes_back_names_the_shard(served, tok):
     name, size = victim(served.root)
     served.die_in(name, size // 2, back_after=None)
     loader = build_loader(settings(served.url, retries=2, retry_wait=0.05), "train", 8, 0, 1, tok)
-    with pytest.raises(DataError, match=f"corrupt shard {served.url}{name}: shard .*{name} failed after 3 "
-                                        "attempts.*on_corrupt=skip"):
+    with pytest.raises(
+        DataError, match=f"corrupt shard {served.url}{name}: shard .*{name} failed after 3 attempts.*on_corrupt=skip"
+    ):
         take(loader, 12)
 
 
 def test_unavailable_shard_is_skipped_and_counted(served, tiny_data, tok):
     name, _ = victim(served.root)
     served.refused.add(name)
-    loader = build_loader(settings(served.url, retries=1, retry_wait=0.05, on_corrupt="skip", streams=8), "train", 8,
-                          0, 1, tok, epochs=1)
+    loader = build_loader(
+        settings(served.url, retries=1, retry_wait=0.05, on_corrupt="skip", streams=8), "train", 8, 0, 1, tok, epochs=1
+    )
     with pytest.warns(UserWarning, match=f"{name} failed after 2 attempts.*skipping it"):
         batches = list(loader)
     assert loader.skipped_shards == [served.url + name]

@@ -14,8 +14,9 @@ GLOBAL_BATCH = 8
 
 
 def settings(train, objective="autoregressive", arch="decoder", **kw) -> LoaderSettings:
-    return LoaderSettings(train=str(train), seq_len=32, objective=objective, arch=arch, vocab_size=512, seed=7,
-                          shuffle_buffer=64, **kw)
+    return LoaderSettings(
+        train=str(train), seq_len=32, objective=objective, arch=arch, vocab_size=512, seed=7, shuffle_buffer=64, **kw
+    )
 
 
 def global_rows(s: LoaderSettings, tok, dp: int, steps: int, micro: int, state: list[dict] | None = None):
@@ -50,8 +51,9 @@ def test_global_rows_do_not_depend_on_ranks_or_workers(tiny_data, tok, objective
     for dp in (1, 2, 4):
         for workers in (0, 2):
             micro = {1: 2, 2: 4, 4: 1}[dp]
-            rows, _ = global_rows(settings(tiny_data.shards, objective, arch, streams=8, num_workers=workers), tok,
-                                  dp, steps, micro)
+            rows, _ = global_rows(
+                settings(tiny_data.shards, objective, arch, streams=8, num_workers=workers), tok, dp, steps, micro
+            )
             assert_same_batches(rows, reference)
 
 
@@ -65,20 +67,25 @@ def test_state_continues_on_another_layout(tiny_data, tok, before, after):
     assert_same_batches(first, reference[:24])
     saved = merge_states([loader.state_dict() for loader in loaders])
     assert saved["rows"] == 24
-    rest, _ = global_rows(settings(tiny_data.shards, streams=16, num_workers=new_workers), tok, new_dp, 3, 2,
-                          state=saved)
+    rest, _ = global_rows(
+        settings(tiny_data.shards, streams=16, num_workers=new_workers), tok, new_dp, 3, 2, state=saved
+    )
     assert_same_batches(rest, reference[24:])
     if dp == new_dp:  # the same ranks with other workers continue from their own states as well
         for rank, loader in enumerate(loaders):
-            again = build_loader(settings(tiny_data.shards, streams=16, num_workers=new_workers), "train", 2, rank,
-                                 dp, tok)
+            again = build_loader(
+                settings(tiny_data.shards, streams=16, num_workers=new_workers), "train", 2, rank, dp, tok
+            )
             again.load_state_dict(loader.state_dict())
             batch = next(iter(again))
-            assert_same_batches([{k: v[j] for k, v in batch.items()} for j in range(2)],
-                             [reference[24 + rank + dp * j] for j in range(2)])
+            assert_same_batches(
+                [{k: v[j] for k, v in batch.items()} for j in range(2)],
+                [reference[24 + rank + dp * j] for j in range(2)],
+            )
     # the ranks' own states are accepted as a list (merged on loading) too
-    rest_from_list, _ = global_rows(settings(tiny_data.shards, streams=16), tok, 1, 1, 8,
-                                    state=[loader.state_dict() for loader in loaders])
+    rest_from_list, _ = global_rows(
+        settings(tiny_data.shards, streams=16), tok, 1, 1, 8, state=[loader.state_dict() for loader in loaders]
+    )
     assert_same_batches(rest_from_list, reference[24:32])
 
 
@@ -100,8 +107,15 @@ def test_states_that_cannot_be_merged_or_split(tiny_data, tok):
 def test_one_shard_feeds_two_ranks_of_two_workers(tmp_path, tiny_data, tok):
     """A one-shard dataset (fewer shards than readers) trains on 2 ranks x 2 workers, with
     the rows of one rank without workers."""
-    write_shards([str(tiny_data.corpus)], str(tiny_data.tokenizer), tmp_path / "one", shard_mb=64, valid_every=0,
-                 workers=1, progress=False)
+    write_shards(
+        [str(tiny_data.corpus)],
+        str(tiny_data.tokenizer),
+        tmp_path / "one",
+        shard_mb=64,
+        valid_every=0,
+        workers=1,
+        progress=False,
+    )
     assert len(Manifest.load(tmp_path / "one").splits["train"]) == 1
     s = settings(tmp_path / "one")  # the default 64 streams: parts of the one shard
     reference, _ = global_rows(s, tok, 1, 3, 4)
@@ -114,9 +128,16 @@ def test_layouts_that_do_not_divide_the_streams_fail_early(tmp_path, tiny_data, 
     with pytest.raises(DataError, match="data.streams=64 cannot be dealt to 3 ranks x 1 workers.*data-parallel size"):
         build_loader(settings(tiny_data.shards), "train", 2, 0, 3, tok)
     (tmp_path / "tiny.txt").write_text("\n\n".join(f"document number {i}" for i in range(10)))
-    write_shards([str(tmp_path / "tiny.txt")], str(tiny_data.tokenizer), tmp_path / "tiny", valid_every=0, workers=1,
-                 progress=False)
-    with pytest.raises(DataError, match="1 train shard\\(s\\) with as few as 10 documents cannot feed "
-                                        "data.streams=64.*to 10 or less"):
+    write_shards(
+        [str(tmp_path / "tiny.txt")],
+        str(tiny_data.tokenizer),
+        tmp_path / "tiny",
+        valid_every=0,
+        workers=1,
+        progress=False,
+    )
+    with pytest.raises(
+        DataError, match="1 train shard\\(s\\) with as few as 10 documents cannot feed data.streams=64.*to 10 or less"
+    ):
         build_loader(settings(tmp_path / "tiny"), "train", 2, 0, 1, tok)
     assert next(iter(build_loader(settings(tmp_path / "tiny", streams=8), "train", 2, 0, 1, tok)))

@@ -106,6 +106,7 @@ def test_host_masks_carry_varlen_problems_and_chunk_bounds():
 
 # ------------------------------------------------------------------------------ the real kernel (GPU)
 
+
 @pytest.mark.gpu
 @needs_flash
 @pytest.mark.parametrize("name", [*SELF_MASKS, "cross", "cached"])
@@ -123,4 +124,3 @@ def test_real_flash_attn_equals_eager_for_every_mask(name):
     flash = values_and_grads(flash_core, q, k, v, mask)
     eager = values_and_grads(eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask)
     assert_close_in_bf16(flash, eager)
-

@@ -35,10 +35,14 @@ def test_flash_attn_gets_dropout_by_name(monkeypatch):
         def kernel(*args, **kwargs):
             seen.append((name, len(args), kwargs["dropout_p"]))
             return torch.zeros_like(args[0])
+
         return kernel
 
-    flash = type("FlashAttn", (), {"flash_attn_func": staticmethod(record("dense")),
-                                   "flash_attn_varlen_func": staticmethod(record("varlen"))})
+    flash = type(
+        "FlashAttn",
+        (),
+        {"flash_attn_func": staticmethod(record("dense")), "flash_attn_varlen_func": staticmethod(record("varlen"))},
+    )
     monkeypatch.setattr(attention, "flash_attn_module", lambda: flash)
     q, k, v = qkv()
     flash_core(q, k, v, SELF_MASKS["causal"](), 0.25)

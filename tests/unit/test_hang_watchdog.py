@@ -10,8 +10,7 @@ from megatransformer.training.watchdog import Watchdog, stack_dumps, switch_on_f
 
 
 def watchdog(tmp_path, **settings) -> Watchdog:
-    cfg = validate({"run_dir": str(tmp_path), "parallel": {"timeout_minutes": 1.0},
-                    "train": {"watchdog": settings}})
+    cfg = validate({"run_dir": str(tmp_path), "parallel": {"timeout_minutes": 1.0}, "train": {"watchdog": settings}})
     return Watchdog(cfg, rank=3)
 
 

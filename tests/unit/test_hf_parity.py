@@ -24,8 +24,20 @@ transformers = pytest.importorskip("transformers")  # a test dependency: `pip in
 
 
 def llama_style(**overrides) -> ModelConfig:
-    base = dict(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=211, max_seq_len=64,
-                norm="rmsnorm", position="rope", ffn="swiglu", rope_theta=500000.0, norm_eps=1e-6)
+    base = dict(
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=96,
+        vocab_size=211,
+        max_seq_len=64,
+        norm="rmsnorm",
+        position="rope",
+        ffn="swiglu",
+        rope_theta=500000.0,
+        norm_eps=1e-6,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -52,8 +64,10 @@ def test_llama_weights_round_trip():
         assert torch.equal(back[name], tensor), name
 
 
-@pytest.mark.parametrize("option,value", [("norm", "layernorm"), ("position", "learned"), ("ffn", "gelu"),
-                                          ("norm_position", "post"), ("arch", "encoder")])
+@pytest.mark.parametrize(
+    "option,value",
+    [("norm", "layernorm"), ("position", "learned"), ("ffn", "gelu"), ("norm_position", "post"), ("arch", "encoder")],
+)
 def test_non_llama_configs_are_refused_by_name(option, value):
     reason = llama_incompatibility(llama_style(**{option: value}))
     assert reason is not None and option in reason
@@ -63,8 +77,20 @@ def test_non_llama_configs_are_refused_by_name(option, value):
 
 
 def gpt2_style(**overrides) -> ModelConfig:
-    base = dict(d_model=64, n_layers=3, n_heads=4, d_ff=160, vocab_size=211, max_seq_len=64, norm="layernorm",
-                position="learned", ffn="gelu", bias=True, tie_embeddings=True, norm_eps=1e-5)
+    base = dict(
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        d_ff=160,
+        vocab_size=211,
+        max_seq_len=64,
+        norm="layernorm",
+        position="learned",
+        ffn="gelu",
+        bias=True,
+        tie_embeddings=True,
+        norm_eps=1e-5,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -73,8 +99,17 @@ def test_exported_directory_loads_in_transformers_with_the_same_logits(tmp_path,
     assert_exported_logits_match(tmp_path / "hf", cfg, family)
 
 
-@pytest.mark.parametrize("option,value", [("norm", "rmsnorm"), ("position", "rope"), ("ffn", "relu"),
-                                          ("bias", False), ("tie_embeddings", False), ("n_kv_heads", 2)])
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("norm", "rmsnorm"),
+        ("position", "rope"),
+        ("ffn", "relu"),
+        ("bias", False),
+        ("tie_embeddings", False),
+        ("n_kv_heads", 2),
+    ],
+)
 def test_non_gpt2_configs_are_refused_by_name(option, value):
     reason = hf_incompatibility(gpt2_style(**{option: value}))
     assert reason is not None and f"model.{option}=" in reason and "GPT-2 needs" in reason

@@ -45,8 +45,10 @@ def test_a_warmup_longer_than_the_run_is_warned_about(warmup, steps, warned):
     warning = warmup_warning(cfg)
     assert (warning is not None) == warned
     if warned:
-        assert warning == ("warning: schedule.warmup_steps=2000 is longer than the run (train.max_steps=20): the "
-                           "learning rate reaches only 1% of its peak; lower schedule.warmup_steps")
+        assert warning == (
+            "warning: schedule.warmup_steps=2000 is longer than the run (train.max_steps=20): the "
+            "learning rate reaches only 1% of its peak; lower schedule.warmup_steps"
+        )
 
 
 def test_empty_hypotheses_are_warned_about():

@@ -14,7 +14,8 @@ from megatransformer.training.host_memory import apply_host_memory_policy
 def test_other_c_libraries_are_told_not_changed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))
     assert apply_host_memory_policy("keep") == (
-        "host memory: keep has no effect with this C library (glibc only); its defaults apply")
+        "host memory: keep has no effect with this C library (glibc only); its defaults apply"
+    )
 
 
 def test_a_refused_mallopt_is_said_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,18 +16,37 @@ def fake_scontrol(hostnames: str, node_addr: str | None = None, calls: list | No
         if args[:2] == ("show", "hostnames"):
             return hostnames
         if args[:2] == ("show", "node"):
-            return f"NodeName={args[2]} Arch=x86_64 NodeAddr={node_addr} NodeHostName=vm Port=17001" if node_addr \
+            return (
+                f"NodeName={args[2]} Arch=x86_64 NodeAddr={node_addr} NodeHostName=vm Port=17001"
+                if node_addr
                 else f"NodeName={args[2]} Arch=x86_64"
+            )
         raise AssertionError(f"unexpected scontrol {args}")
+
     return run
 
 
-def srun_task(procid: int, localid: int = 0, nodeid: int = 0, ntasks: int = 2, job_id: int = 4242,
-              tasks_per_node_spec: str = "1(x2)", **extra: str) -> dict[str, str]:
-    env = {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid),
-           "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid), "SLURM_STEP_NUM_TASKS": str(ntasks),
-           "SLURM_NTASKS": str(ntasks), "SLURM_STEP_TASKS_PER_NODE": tasks_per_node_spec,
-           "SLURM_STEP_NODELIST": f"{UNRESOLVABLE.split('.')[0]}[1-2]", "SLURM_JOB_NODELIST": "ignored[1-2]"}
+def srun_task(
+    procid: int,
+    localid: int = 0,
+    nodeid: int = 0,
+    ntasks: int = 2,
+    job_id: int = 4242,
+    tasks_per_node_spec: str = "1(x2)",
+    **extra: str,
+) -> dict[str, str]:
+    env = {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(procid),
+        "SLURM_LOCALID": str(localid),
+        "SLURM_NODEID": str(nodeid),
+        "SLURM_STEP_NUM_TASKS": str(ntasks),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_STEP_TASKS_PER_NODE": tasks_per_node_spec,
+        "SLURM_STEP_NODELIST": f"{UNRESOLVABLE.split('.')[0]}[1-2]",
+        "SLURM_JOB_NODELIST": "ignored[1-2]",
+    }
     return env | extra
 
 
@@ -35,13 +54,27 @@ def srun_task(procid: int, localid: int = 0, nodeid: int = 0, ntasks: int = 2, j
 
 
 def test_torchrun_environment_is_kept():
-    env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.7",
-           "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x",
-           "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}  # torchrun inside an srun step: torchrun's view wins
+    env = {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "x",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "0",
+    }  # torchrun inside an srun step: torchrun's view wins
     dist = detect(env, scontrol=fake_scontrol(""))
     assert dist == DistEnv("torchrun", 3, 1, 4, 2, "10.0.0.7", 29500)
-    assert dist.variables() == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-                                "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29500"}
+    assert dist.variables() == {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "29500",
+    }
 
 
 def test_partial_torchrun_environment_names_what_is_missing():
@@ -60,15 +93,21 @@ def test_rank_outside_world_is_an_error():
 
 def test_srun_tasks_agree_on_master_and_get_their_ranks():
     """Every task derives the same address and port on its own; ranks come from SLURM_PROCID/LOCALID."""
-    tasks = [srun_task(0, 0, 0, ntasks=4, tasks_per_node_spec="2(x2)"),
-             srun_task(1, 1, 0, ntasks=4, tasks_per_node_spec="2(x2)"),
-             srun_task(2, 0, 1, ntasks=4, tasks_per_node_spec="2(x2)"),
-             srun_task(3, 1, 1, ntasks=4, tasks_per_node_spec="2(x2)")]
+    tasks = [
+        srun_task(0, 0, 0, ntasks=4, tasks_per_node_spec="2(x2)"),
+        srun_task(1, 1, 0, ntasks=4, tasks_per_node_spec="2(x2)"),
+        srun_task(2, 0, 1, ntasks=4, tasks_per_node_spec="2(x2)"),
+        srun_task(3, 1, 1, ntasks=4, tasks_per_node_spec="2(x2)"),
+    ]
     calls: list = []
     scontrol = fake_scontrol("no-such-node1\nno-such-node2\n", node_addr="10.1.2.3", calls=calls)
     dists = [detect(env, scontrol) for env in tasks]
-    assert [(d.rank, d.local_rank, d.world_size, d.local_world_size) for d in dists] == \
-        [(0, 0, 4, 2), (1, 1, 4, 2), (2, 0, 4, 2), (3, 1, 4, 2)]
+    assert [(d.rank, d.local_rank, d.world_size, d.local_world_size) for d in dists] == [
+        (0, 0, 4, 2),
+        (1, 1, 4, 2),
+        (2, 0, 4, 2),
+        (3, 1, 4, 2),
+    ]
     assert {(d.launcher, d.master_addr, d.master_port) for d in dists} == {("slurm", "10.1.2.3", slurm_port(4242))}
     assert calls[0] == ("show", "hostnames", "no-such-node[1-2]")  # the step's nodes, not the job's
     assert calls[1] == ("show", "node", "no-such-node1", "-o")  # the first node's NodeAddr (name unresolvable)
@@ -98,8 +137,9 @@ def test_port_is_derived_from_the_job_id():
     assert slurm_port(7) == slurm_port(7)
 
 
-@pytest.mark.parametrize("spec, expected", [("1", [1]), ("2(x3)", [2, 2, 2]), ("2(x3),1", [2, 2, 2, 1]),
-                                            ("4,2(x2)", [4, 2, 2])])
+@pytest.mark.parametrize(
+    "spec, expected", [("1", [1]), ("2(x3)", [2, 2, 2]), ("2(x3),1", [2, 2, 2, 1]), ("4,2(x2)", [4, 2, 2])]
+)
 def test_tasks_per_node(spec, expected):
     assert tasks_per_node(spec) == expected
 

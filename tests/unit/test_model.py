@@ -35,8 +35,9 @@ def run(model, ids, **kwargs):
 
 OPTIONS = [
     dict(zip(("norm", "position", "ffn", "norm_position"), combo))
-    for combo in itertools.product(("layernorm", "rmsnorm"), ("sinusoidal", "learned", "rope"),
-                                   ("relu", "gelu", "swiglu"), ("pre", "post"))
+    for combo in itertools.product(
+        ("layernorm", "rmsnorm"), ("sinusoidal", "learned", "rope"), ("relu", "gelu", "swiglu"), ("pre", "post")
+    )
 ]
 
 
@@ -210,8 +211,9 @@ def test_encoder_decoder_packed_examples_are_isolated():
     src, tgt = tokens(1, 12), tokens(1, 8, seed=2)
     enc_seg, enc_pos = packed_row([7, 5], 12)
     dec_seg, dec_pos = packed_row([3, 4], 8)
-    packed = model(src, tgt, position_ids=enc_pos, segment_ids=enc_seg,
-                   decoder_position_ids=dec_pos, decoder_segment_ids=dec_seg)
+    packed = model(
+        src, tgt, position_ids=enc_pos, segment_ids=enc_seg, decoder_position_ids=dec_pos, decoder_segment_ids=dec_seg
+    )
     second = model(src[:, 7:12], tgt[:, 3:7])
     assert torch.allclose(packed[:, 3:7], second, atol=1e-5)
 
@@ -225,14 +227,17 @@ def random_masks(batch: int, length: int) -> dict[str, AttentionMask]:
         "packed_causal": self_attention_mask(True, segments.expand(batch, -1)),
         "packed_bidirectional": self_attention_mask(False, segments.expand(batch, -1)),
         "packed_prefix": self_attention_mask(
-            True, segments.expand(batch, -1), torch.tensor([[2] * 5 + [9] * 6 + [14] * 3 + [0] * (length - 14)]
-                                                            ).expand(batch, -1)),
+            True,
+            segments.expand(batch, -1),
+            torch.tensor([[2] * 5 + [9] * 6 + [14] * 3 + [0] * (length - 14)]).expand(batch, -1),
+        ),
     }
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "auto"])
-@pytest.mark.parametrize("mask_name", ["causal", "bidirectional", "prefix", "packed_causal", "packed_bidirectional",
-                                       "packed_prefix"])
+@pytest.mark.parametrize(
+    "mask_name", ["causal", "bidirectional", "prefix", "packed_causal", "packed_bidirectional", "packed_prefix"]
+)
 def test_backends_agree_with_eager_reference(backend, mask_name):
     batch, heads, kv_heads, length, dim = 2, 4, 2, 16, 16
     gen = torch.Generator().manual_seed(0)
@@ -263,21 +268,31 @@ def test_auto_backend_choices(monkeypatch):
     bf16, fp32 = torch.bfloat16, torch.float32
     monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
     choose = attention.auto_backend
-    assert [choose("cpu", fp32), choose("cpu", bf16, packed), choose("cpu", bf16, dropout=0.1)] == \
-        ["chunked", "chunked", "sdpa"]
-    assert [choose("cuda", bf16), choose("cuda", torch.float16, packed), choose("cuda", fp32)] == \
-        ["flash", "flash", "sdpa"]
+    assert [choose("cpu", fp32), choose("cpu", bf16, packed), choose("cpu", bf16, dropout=0.1)] == [
+        "chunked",
+        "chunked",
+        "sdpa",
+    ]
+    assert [choose("cuda", bf16), choose("cuda", torch.float16, packed), choose("cuda", fp32)] == [
+        "flash",
+        "flash",
+        "sdpa",
+    ]
     # every training mask reaches flash-attn; a prefix behind a KV cache and odd head sizes do not
     assert [choose("cuda", bf16, prefix), choose("cuda", bf16, cross)] == ["flash", "flash"]
     assert [choose("cuda", bf16, cached_prefix), choose("cuda", bf16, head_dim=512)] == ["sdpa", "sdpa"]
-    assert attention.describe_backend("auto", "cuda", bf16, 0.0) == \
-        "attention: auto -> flash for every mask on cuda in bfloat16"
+    assert (
+        attention.describe_backend("auto", "cuda", bf16, 0.0)
+        == "attention: auto -> flash for every mask on cuda in bfloat16"
+    )
     monkeypatch.setattr(attention, "flash_attn_installed", lambda: False)
     assert choose("cuda", bf16) == "sdpa"
     assert "pip install flash-attn --no-build-isolation" in attention.describe_backend("auto", "cuda", bf16, 0.0)
     assert attention.describe_backend("sdpa", "cpu", fp32, 0.0) == "attention: sdpa"
-    assert attention.describe_backend("auto", "cpu", bf16, 0.0) == \
-        "attention: auto -> chunked for every mask on cpu in bfloat16"
+    assert (
+        attention.describe_backend("auto", "cpu", bf16, 0.0)
+        == "attention: auto -> chunked for every mask on cpu in bfloat16"
+    )
 
 
 def test_auto_on_cpu_trains_with_chunked_and_with_sdpa_under_dropout():
@@ -374,7 +389,7 @@ def test_top_k_one_is_greedy():
 @pytest.mark.parametrize("arch", ["decoder", "encoder", "encoder_decoder"])
 def test_tp_plan_covers_every_projection_once(arch):
     model = model_for(arch=arch)
-    for name, param in model.named_parameters():
+    for name, _param in model.named_parameters():
         matches = [kind for pattern, kind in TP_PLAN.items() if re.match(pattern, name)]
         if re.search(r"_proj\.weight$", name):
             assert len(matches) == 1, name
@@ -415,8 +430,9 @@ def test_loss_decreases_when_overfitting_one_batch():
     assert losses[-1] < losses[0] * 0.5
 
 
-@pytest.mark.parametrize("arch,tied", [("decoder", True), ("decoder", False), ("encoder", True),
-                                       ("encoder_decoder", True)])
+@pytest.mark.parametrize(
+    "arch,tied", [("decoder", True), ("decoder", False), ("encoder", True), ("encoder_decoder", True)]
+)
 def test_labels_give_the_loss_of_the_logits_and_its_gradients(arch, tied):
     """Given labels, a model returns the summed token loss from its fused head (no logits) and the same
     gradients for every parameter as the cross-entropy of its logits (tied head and embedding included)."""

@@ -16,8 +16,15 @@ class FakeCudaRng:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int, current: int = 0) -> None:
         self.states = [torch.full((16,), 10 * count + i, dtype=torch.uint8) for i in range(count)]
         self.current = current
-        for name in ("is_available", "device_count", "current_device", "get_rng_state", "set_rng_state",
-                     "get_rng_state_all", "set_rng_state_all"):
+        for name in (
+            "is_available",
+            "device_count",
+            "current_device",
+            "get_rng_state",
+            "set_rng_state",
+            "get_rng_state_all",
+            "set_rng_state_all",
+        ):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
 
     def is_available(self) -> bool:

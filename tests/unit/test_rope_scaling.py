@@ -22,17 +22,41 @@ SCALINGS = {
     "linear": {"type": "linear", "factor": 4.0},
     "dynamic": {"type": "dynamic", "factor": 2.0},
     "yarn": {"type": "yarn", "factor": 4.0, "original_max_seq_len": 16},
-    "yarn_tuned": {"type": "yarn", "factor": 8.0, "original_max_seq_len": 16, "beta_fast": 16.0, "beta_slow": 2.0,
-                   "attention_factor": 1.3, "truncate": False},
-    "llama3": {"type": "llama3", "factor": 8.0, "original_max_seq_len": 16, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0},
+    "yarn_tuned": {
+        "type": "yarn",
+        "factor": 8.0,
+        "original_max_seq_len": 16,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+        "attention_factor": 1.3,
+        "truncate": False,
+    },
+    "llama3": {
+        "type": "llama3",
+        "factor": 8.0,
+        "original_max_seq_len": 16,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    },
 }
 
 
 def llama_style(**overrides) -> ModelConfig:
-    base = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=211, max_seq_len=32,
-                norm="rmsnorm", position="rope", ffn="swiglu", rope_theta=10000.0, norm_eps=1e-6,
-                tie_embeddings=False)
+    base = dict(
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=96,
+        vocab_size=211,
+        max_seq_len=32,
+        norm="rmsnorm",
+        position="rope",
+        ffn="swiglu",
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        tie_embeddings=False,
+    )
     return ModelConfig(**{**base, **overrides})
 
 
@@ -56,13 +80,24 @@ def test_frequencies_are_transformers(name, length):
 
 def test_rope_scaling_config_is_checked_by_type():
     for overrides, message in [
-        (["model.position=learned", "model.rope_scaling.type=linear", "model.rope_scaling.factor=2"],
-         "model.rope_scaling needs model.position=rope"),
+        (
+            ["model.position=learned", "model.rope_scaling.type=linear", "model.rope_scaling.factor=2"],
+            "model.rope_scaling needs model.position=rope",
+        ),
         (["model.rope_scaling.type=yarn", "model.rope_scaling.factor=2"], "type=yarn needs original_max_seq_len"),
-        (["model.rope_scaling.type=linear", "model.rope_scaling.factor=2", "model.rope_scaling.beta_fast=8"],
-         "model.rope_scaling.beta_fast is for type yarn, not type=linear"),
-        (["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8", "model.rope_scaling.original_max_seq_len=8",
-          "model.rope_scaling.high_freq_factor=1"], "high_freq_factor=1.0 must exceed low_freq_factor=1.0"),
+        (
+            ["model.rope_scaling.type=linear", "model.rope_scaling.factor=2", "model.rope_scaling.beta_fast=8"],
+            "model.rope_scaling.beta_fast is for type yarn, not type=linear",
+        ),
+        (
+            [
+                "model.rope_scaling.type=llama3",
+                "model.rope_scaling.factor=8",
+                "model.rope_scaling.original_max_seq_len=8",
+                "model.rope_scaling.high_freq_factor=1",
+            ],
+            "high_freq_factor=1.0 must exceed low_freq_factor=1.0",
+        ),
         (["model.rope_scaling.type=linear", "model.rope_scaling.factor=0.5"], "factor"),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -85,7 +120,7 @@ def test_cached_decoding_sees_the_positions_of_a_full_forward(name):
     with torch.no_grad():
         full = model(ids)
         steps = [model(ids[:, :24], caches=caches)[:, -1]]
-        steps += [model(ids[:, i:i + 1], caches=caches)[:, -1] for i in range(24, 40)]
+        steps += [model(ids[:, i : i + 1], caches=caches)[:, -1] for i in range(24, 40)]
     assert torch.allclose(torch.stack(steps, 1), full[:, 23:], atol=1e-5)
 
 
@@ -128,16 +163,27 @@ def test_dynamic_scaling_decodes_with_a_kv_cache_as_transformers_does(tmp_path):
         got = [ours(ids[:, :24], caches=caches)[:, -1]]
         past, expected = want.past_key_values, [want.logits[:, -1]]
         for i in range(24, 48):
-            step = theirs(ids[:, i:i + 1], past_key_values=past, use_cache=True)
+            step = theirs(ids[:, i : i + 1], past_key_values=past, use_cache=True)
             past = step.past_key_values
             expected.append(step.logits[:, -1])
-            got.append(ours(ids[:, i:i + 1], caches=caches)[:, -1])
+            got.append(ours(ids[:, i : i + 1], caches=caches)[:, -1])
     assert (torch.stack(got) - torch.stack(expected)).abs().max().item() < 1e-5
 
 
 def test_a_window_without_a_family_is_refused_with_each_reason():
-    gpt2 = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=160, vocab_size=211, max_seq_len=64, norm="layernorm",
-                       position="learned", ffn="gelu", bias=True, attention_window=8)
+    gpt2 = ModelConfig(
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        d_ff=160,
+        vocab_size=211,
+        max_seq_len=64,
+        norm="layernorm",
+        position="learned",
+        ffn="gelu",
+        bias=True,
+        attention_window=8,
+    )
     reason = hf_incompatibility(gpt2)
     assert "model.attention_window=8 (Llama has no sliding window" in reason
     assert "model.norm=layernorm (Mistral needs rmsnorm)" in reason
@@ -152,8 +198,13 @@ def test_legacy_rope_scaling_and_unsupported_rope_types_on_import(tmp_path):
     path = tmp_path / "hf" / "config.json"
     config = json.loads(path.read_text())
     del config["rope_parameters"]
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 16}
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     path.write_text(json.dumps(config))
     imported, _ = load_hf_dir(tmp_path / "hf")
     assert imported == llama_style(rope_scaling=SCALINGS["llama3"])

@@ -1,5 +1,6 @@
 """Sequence parallelism's pieces: each rank's slice of a batch (padding, positions, labels), key/value head
-replication; the info command's per-rank report; the ZeRO-stage policy (UlyssesCore on two ranks: tests/e2e/test_ulysses_core.py)."""
+replication; the info command's per-rank report; the ZeRO-stage policy (UlyssesCore on two ranks:
+tests/e2e/test_ulysses_core.py)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ def test_an_encoder_decoder_target_is_padded_to_the_sequence_parallel_size():
 
 
 def test_one_prefix_per_row_stays_whole_and_a_sequence_without_segments_is_not_padded():
-    batch = {"input_ids": torch.zeros(2, 6, dtype=torch.long), "prefix_len": torch.tensor([2, 3]),
-             "labels": torch.zeros(2, 6, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.zeros(2, 6, dtype=torch.long),
+        "prefix_len": torch.tensor([2, 3]),
+        "labels": torch.zeros(2, 6, dtype=torch.long),
+    }
     assert torch.equal(local_part(batch, 1, 2)["prefix_len"], batch["prefix_len"])
     with pytest.raises(ValueError, match="without segment_ids cannot be padded"):
         pad_sequences(batch, 4)
@@ -55,8 +59,10 @@ def test_info_reports_each_sequence_rank_and_activations_shrinking_with_the_degr
     one = info(capsys, "data.seq_len=128")
     two = info(capsys, "data.seq_len=128", "parallel.sequence_parallel=2", "--world-size", "4")
     assert two["layout"] == "dp2 x sp2" and one["layout"] == "dp1"
-    assert two["sequence_ranks"] == [{"rank": 0, "positions": [0, 63], "attention_heads": [0, 1]},
-                                     {"rank": 1, "positions": [64, 127], "attention_heads": [2, 3]}]
+    assert two["sequence_ranks"] == [
+        {"rank": 0, "positions": [0, 63], "attention_heads": [0, 1]},
+        {"rank": 1, "positions": [64, 127], "attention_heads": [2, 3]},
+    ]
     # the same rows, half of each sequence; the exchange hands attention whole-sequence copies of its inputs
     assert two["micro_batch"] == one["micro_batch"]
     assert one["activation_bytes"] / 2 < two["activation_bytes"] < 0.6 * one["activation_bytes"]
@@ -66,12 +72,18 @@ def test_info_reports_each_sequence_rank_and_activations_shrinking_with_the_degr
 
 # ------------------------------------------------------------------------------------------ the layout
 
+
 def test_zero_partitions_over_a_sequence_group_even_with_one_data_parallel_rank():
     from megatransformer.config import validate
     from megatransformer.training.layout import data_parallel_size, describe_layout, engine_zero_stage
 
-    cfg = validate({"parallel": {"zero_stage": 1, "sequence_parallel": 2}, "data": {"seq_len": 64},
-                    "model": {"n_heads": 4, "max_seq_len": 64}})
+    cfg = validate(
+        {
+            "parallel": {"zero_stage": 1, "sequence_parallel": 2},
+            "data": {"seq_len": 64},
+            "model": {"n_heads": 4, "max_seq_len": 64},
+        }
+    )
     assert data_parallel_size(cfg, 4) == 2 and describe_layout(2, 1, 2) == "dp2 x sp2"
     assert engine_zero_stage(cfg, 1, "cpu") == 1  # two ranks hold the partitions, not one
     assert engine_zero_stage(validate({"parallel": {"zero_stage": 1}}), 1, "cpu") == 0

@@ -21,16 +21,20 @@ def examples_file(path, tiny_data, n: int):
     """``n`` instruction examples made from the demo corpus."""
     docs = [d.text.split() for d in read_documents([str(tiny_data.corpus)])][:n]
     assert len(docs) == n
-    path.write_text("".join(json.dumps({"prompt": " ".join(w[:4]) + "\n", "completion": " ".join(w[4:16])}) + "\n"
-                            for w in docs))
+    path.write_text(
+        "".join(json.dumps({"prompt": " ".join(w[:4]) + "\n", "completion": " ".join(w[4:16])}) + "\n" for w in docs)
+    )
     return path
 
 
 def loader_cfg(shards, tiny_data, seq_len=64):
-    return validate({"model": {"arch": "decoder", "vocab_size": 512, "max_seq_len": 256, "d_model": 32,
-                               "n_heads": 2},
-                     "data": {"train": str(shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": seq_len},
-                     "objective": "prefix_lm"})
+    return validate(
+        {
+            "model": {"arch": "decoder", "vocab_size": 512, "max_seq_len": 256, "d_model": 32, "n_heads": 2},
+            "data": {"train": str(shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": seq_len},
+            "objective": "prefix_lm",
+        }
+    )
 
 
 def test_default_split_holds_out_a_tenth_of_small_inputs_and_a_hundredth_after():
@@ -42,8 +46,15 @@ def test_default_split_holds_out_a_tenth_of_small_inputs_and_a_hundredth_after()
 
 def test_a_400_example_file_gets_a_validation_split_of_several_batches(tmp_path, tiny_data):
     sft = examples_file(tmp_path / "sft.jsonl", tiny_data, 400)
-    manifest = write_shards([str(sft)], str(tiny_data.tokenizer), tmp_path / "sft", workers=1, progress=False,
-                            prompt_field="prompt", text_field="completion")
+    manifest = write_shards(
+        [str(sft)],
+        str(tiny_data.tokenizer),
+        tmp_path / "sft",
+        workers=1,
+        progress=False,
+        prompt_field="prompt",
+        text_field="completion",
+    )
     assert sum(s.samples for s in manifest.splits["valid"]) == 40
     tok = load_tokenizer(tiny_data.tokenizer)
     loader = build_run_loader(loader_cfg(tmp_path / "sft", tiny_data), "valid", 4, 0, 1, tok)
@@ -71,8 +82,23 @@ def test_an_input_directory_stands_for_its_text_and_jsonl_files(tmp_path, tiny_d
     (corpus / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(records.encode()))
     (corpus / "notes.md").write_text("not an input")
     assert input_files([str(corpus)]) == [str(corpus / "a.txt"), str(corpus / "b.jsonl.zst")]
-    assert main(["data", "shard", "--input", str(corpus), "--tokenizer", str(tiny_data.tokenizer),
-                 "--out", str(tmp_path / "shards"), "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "shard",
+                "--input",
+                str(corpus),
+                "--tokenizer",
+                str(tiny_data.tokenizer),
+                "--out",
+                str(tmp_path / "shards"),
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "train: 1 shards, 270 documents" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"input directory .*empty holds no \.txt"):

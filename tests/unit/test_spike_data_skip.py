@@ -46,7 +46,7 @@ def test_skipped_rows_are_left_out_of_the_global_sequence(tiny_data, tok, dp_siz
     cfg = make_cfg(tiny_data, num_workers=workers)
     plain = global_rows(cfg, tok, dp_size, 2, 24)
     skipped = global_rows(cfg, tok, dp_size, 2, 6, skip=(8, 32))
-    assert same(skipped, plain[:8] + plain[32:32 + len(skipped) - 8])
+    assert same(skipped, plain[:8] + plain[32 : 32 + len(skipped) - 8])
 
 
 def test_a_range_is_widened_to_whole_micro_batches_of_every_rank(tiny_data, tok):
@@ -75,16 +75,27 @@ def test_skipped_ranges_resume_exactly_and_elastically(tiny_data, tok):
     merged = merge_states(states)
     assert merged["skip_rows"] == [[8, 24]]
     one_rank = global_rows(cfg, tok, 1, 4, 7, states=merged)  # elastic: one rank continues both
-    assert same(one_rank, reference[12:12 + len(one_rank)])
+    assert same(one_rank, reference[12 : 12 + len(one_rank)])
 
 
 def test_inspect_shows_the_documents_behind_a_global_row_range(tmp_path, tiny_data, tok, capsys):
     from megatransformer.cli import main
 
     config = tmp_path / "run.yaml"
-    config.write_text(json.dumps({"model": {"vocab_size": 512, "max_seq_len": 64, "d_model": 32, "n_heads": 2},
-                                  "data": {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer),
-                                           "seq_len": 32, "num_workers": 2}, "seed": 7}))
+    config.write_text(
+        json.dumps(
+            {
+                "model": {"vocab_size": 512, "max_seq_len": 64, "d_model": 32, "n_heads": 2},
+                "data": {
+                    "train": str(tiny_data.shards),
+                    "tokenizer": str(tiny_data.tokenizer),
+                    "seq_len": 32,
+                    "num_workers": 2,
+                },
+                "seed": 7,
+            }
+        )
+    )
     assert main(["data", "inspect", "--config", str(config), "--rows", "5:8"]) == 0
     shown = capsys.readouterr().out
     assert [line for line in shown.splitlines() if line.startswith("row ")] == ["row 5:", "row 6:", "row 7:"]

@@ -82,13 +82,16 @@ def test_resume_takes_the_rollback_log_when_it_is_newer_than_the_checkpoint(tmp_
     assert resume_state({**after, "rollbacks": 1, "losses": [2.0]}, tmp_path)["losses"] == [2.0]
 
 
-@pytest.mark.parametrize("override,named", [
-    ("train.spikes.threshold=0", "train.spikes.threshold"),
-    ("train.spikes.warmup=500", "train.spikes.warmup=500"),
-    ("train.spikes.rollback_after=80", "train.spikes.rollback_after=80"),
-    ("train.spikes.window=1", "train.spikes.window"),
-    ("train.watchdog.factor=0.5", "train.watchdog.factor"),
-])
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        ("train.spikes.threshold=0", "train.spikes.threshold"),
+        ("train.spikes.warmup=500", "train.spikes.warmup=500"),
+        ("train.spikes.rollback_after=80", "train.spikes.rollback_after=80"),
+        ("train.spikes.window=1", "train.spikes.window"),
+        ("train.watchdog.factor=0.5", "train.watchdog.factor"),
+    ],
+)
 def test_nonsensical_thresholds_are_refused_before_anything_starts(tmp_path, capsys, override, named):
     from megatransformer.cli import main
 

@@ -33,16 +33,28 @@ def calls(monkeypatch):
     """``varlen_attn`` replaced by its documented contract; the list of its calls' arguments."""
     recorded = []
 
-    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                    enable_gqa=False):
-        recorded.append(dict(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, max_q=max_q, max_k=max_k, scale=scale,
-                             window_size=window_size, enable_gqa=enable_gqa, heads=(query.shape[1], key.shape[1])))
+    def varlen_attn(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+    ):
+        recorded.append(
+            dict(
+                cu_seq_q=cu_seq_q,
+                cu_seq_k=cu_seq_k,
+                max_q=max_q,
+                max_k=max_k,
+                scale=scale,
+                window_size=window_size,
+                enable_gqa=enable_gqa,
+                heads=(query.shape[1], key.shape[1]),
+            )
+        )
         assert window_size[1] in (-1, 0, window_size[0])  # full, causal, or a window each side
         assert enable_gqa == (query.shape[1] != key.shape[1])
         assert type(max_q) is int and type(max_k) is int
         assert cu_seq_q.device == cu_seq_k.device == query.device
-        return flash_reference.flash_attn_varlen_func(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                      causal=window_size[1] == 0, window_size=window_size)
+        return flash_reference.flash_attn_varlen_func(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=window_size[1] == 0, window_size=window_size
+        )
 
     monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_attn)
     return recorded
@@ -89,13 +101,18 @@ def test_auto_takes_pytorchs_flash_kernels_without_flash_attn(monkeypatch):
     assert [choose("cuda", bf16, m) for m in (packed, prefix, cross_mask())] == ["varlen"] * 3
     assert [choose("cuda", bf16), choose("cuda", bf16, self_attention_mask(True))] == ["sdpa", "sdpa"]
     # what the kernel lacks or cannot run goes to SDPA
-    assert [choose("cuda", bf16, packed, dropout=0.1), choose("cuda", bf16, packed, alibi=True),
-            choose("cuda", torch.float32, packed), choose("cuda", bf16, packed, head_dim=512),
-            choose("cuda", bf16, self_attention_mask(True, prefix_len=torch.tensor([2]), q_offset=4))] == ["sdpa"] * 5
+    assert [
+        choose("cuda", bf16, packed, dropout=0.1),
+        choose("cuda", bf16, packed, alibi=True),
+        choose("cuda", torch.float32, packed),
+        choose("cuda", bf16, packed, head_dim=512),
+        choose("cuda", bf16, self_attention_mask(True, prefix_len=torch.tensor([2]), q_offset=4)),
+    ] == ["sdpa"] * 5
     assert attention.describe_backend("auto", "cuda", bf16, 0.0) == (
         "attention: auto -> sdpa for causal/bidirectional, varlen for packed documents, prefix-LM, "
         "cross-attention on cuda in bfloat16 (flash-attn is not installed: pip install flash-attn "
-        "--no-build-isolation)")
+        "--no-build-isolation)"
+    )
     assert "auto -> sdpa for every mask" in attention.describe_backend("auto", "cuda", bf16, 0.0, alibi=True)
     monkeypatch.setattr(attention, "torch_varlen_available", lambda: False)
     assert choose("cuda", bf16, packed) == "sdpa"
@@ -113,8 +130,10 @@ def test_auto_core_chooses_knowing_whether_alibi_is_on(monkeypatch):
     assert [args[-1] for args in asked] == [True, False]
 
 
-needs_varlen = pytest.mark.skipif(not torch.cuda.is_available() or not attention.torch_varlen_available(),
-                                  reason="needs a CUDA GPU with PyTorch's flash kernel (compute capability 8.0+)")
+needs_varlen = pytest.mark.skipif(
+    not torch.cuda.is_available() or not attention.torch_varlen_available(),
+    reason="needs a CUDA GPU with PyTorch's flash kernel (compute capability 8.0+)",
+)
 
 
 @pytest.mark.gpu

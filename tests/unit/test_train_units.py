@@ -20,13 +20,16 @@ def run_config(**sections) -> RunConfig:
 # ------------------------------------------------------------------------------------------- batch sizes
 
 
-@pytest.mark.parametrize("given,dp,expected", [
-    (dict(micro_batch_size=4, grad_accum=2), 2, (4, 2, 2, 16)),
-    (dict(micro_batch_size=4, global_batch_size=32), 2, (4, 4, 2, 32)),
-    (dict(grad_accum=2, global_batch_size=32), 4, (4, 2, 4, 32)),
-    (dict(micro_batch_size=4, grad_accum=2, global_batch_size=8), 1, (4, 2, 1, 8)),
-    (dict(micro_batch_size=4), 3, (4, 1, 3, 12)),
-])
+@pytest.mark.parametrize(
+    "given,dp,expected",
+    [
+        (dict(micro_batch_size=4, grad_accum=2), 2, (4, 2, 2, 16)),
+        (dict(micro_batch_size=4, global_batch_size=32), 2, (4, 4, 2, 32)),
+        (dict(grad_accum=2, global_batch_size=32), 4, (4, 2, 4, 32)),
+        (dict(micro_batch_size=4, grad_accum=2, global_batch_size=8), 1, (4, 2, 1, 8)),
+        (dict(micro_batch_size=4), 3, (4, 1, 3, 12)),
+    ],
+)
 def test_batch_sizes_derive_the_third(given, dp, expected):
     from megatransformer.training.layout import resolve_batch_sizes
 
@@ -34,13 +37,20 @@ def test_batch_sizes_derive_the_third(given, dp, expected):
     assert (sizes.micro, sizes.accum, sizes.dp, sizes.global_batch) == expected
 
 
-@pytest.mark.parametrize("given,dp,message", [
-    (dict(micro_batch_size=4, grad_accum=2, global_batch_size=12), 1, "train.global_batch_size=12 != micro"),
-    (dict(micro_batch_size=4, global_batch_size=30), 2, "not divisible by train.micro_batch_size=4 x data-parallel"),
-    (dict(grad_accum=3, global_batch_size=32), 2, "not divisible by train.grad_accum=3 x data-parallel size 2"),
-    (dict(global_batch_size=32), 1, "set two of train.micro_batch_size"),
-    (dict(), 1, "set two of train.micro_batch_size"),
-])
+@pytest.mark.parametrize(
+    "given,dp,message",
+    [
+        (dict(micro_batch_size=4, grad_accum=2, global_batch_size=12), 1, "train.global_batch_size=12 != micro"),
+        (
+            dict(micro_batch_size=4, global_batch_size=30),
+            2,
+            "not divisible by train.micro_batch_size=4 x data-parallel",
+        ),
+        (dict(grad_accum=3, global_batch_size=32), 2, "not divisible by train.grad_accum=3 x data-parallel size 2"),
+        (dict(global_batch_size=32), 1, "set two of train.micro_batch_size"),
+        (dict(), 1, "set two of train.micro_batch_size"),
+    ],
+)
 def test_inconsistent_batch_sizes_are_config_errors(given, dp, message):
     from megatransformer.training.layout import resolve_batch_sizes
 
@@ -55,8 +65,19 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
     from megatransformer.model import build_model
     from megatransformer.training.optim import param_groups
 
-    cfg = run_config(model=dict(d_model=32, n_layers=1, n_heads=4, d_ff=64, vocab_size=128, bias=True,
-                                norm="layernorm", position="learned", tie_embeddings=True))
+    cfg = run_config(
+        model=dict(
+            d_model=32,
+            n_layers=1,
+            n_heads=4,
+            d_ff=64,
+            vocab_size=128,
+            bias=True,
+            norm="layernorm",
+            position="learned",
+            tie_embeddings=True,
+        )
+    )
     model = build_model(cfg.model)
     names = {id(p): n for n, p in model.named_parameters()}
     decay, no_decay = param_groups(model, 0.1, decay_everything=False)
@@ -75,8 +96,9 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
 def schedule(name: str, warmup: int = 10, steps: int = 100, **extra):
     from megatransformer.training.optim import lr_multiplier
 
-    cfg = run_config(schedule=dict(name=name, warmup_steps=warmup, min_lr_ratio=0.1), train=dict(max_steps=steps),
-                     **extra)
+    cfg = run_config(
+        schedule=dict(name=name, warmup_steps=warmup, min_lr_ratio=0.1), train=dict(max_steps=steps), **extra
+    )
     return lr_multiplier(cfg)
 
 
@@ -109,8 +131,11 @@ def test_deepspeed_config_from_run_config():
     from megatransformer.training.engine import deepspeed_config
     from megatransformer.training.layout import BatchSizes
 
-    cfg = run_config(optim=dict(name="adam", betas=[0.9, 0.98], eps=1e-9, weight_decay=0.0),
-                     parallel=dict(zero_stage=2, tensor_parallel=2, offload_optimizer=True), precision="bf16")
+    cfg = run_config(
+        optim=dict(name="adam", betas=[0.9, 0.98], eps=1e-9, weight_decay=0.0),
+        parallel=dict(zero_stage=2, tensor_parallel=2, offload_optimizer=True),
+        precision="bf16",
+    )
     ds = deepspeed_config(cfg, BatchSizes(micro=4, accum=3, dp=2), "cpu")
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (4, 3)
     assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -128,23 +153,38 @@ def test_deepspeed_config_from_run_config():
         deepspeed_config(run_config(parallel=dict(zero_stage=0, offload_optimizer=True)), BatchSizes(4, 1, 1), "cpu")
 
 
-@pytest.mark.parametrize("stage,dp,precision,device,offload,runs", [
-    (0, 1, "fp32", "cuda", False, 0), (1, 1, "fp32", "cuda", False, 0),  # one rank: nothing to partition
-    (2, 1, "fp32", "cuda", False, 0), (3, 1, "fp32", "cuda", False, 3), (1, 2, "fp32", "cuda", False, 1),
-    (2, 8, "fp32", "cpu", False, 2), (3, 2, "fp32", "cpu", False, 3),
-    (1, 1, "fp32", "cpu", True, 1), (2, 1, "fp32", "cuda", True, 2),  # offloading needs ZeRO, on one rank too
-    (1, 1, "bf16", "cuda", False, 1), (2, 1, "fp16", "cuda", False, 2),  # (a GPU wait per parameter at ZeRO-0)
-    (1, 1, "fp16", "cpu", False, 0), (2, 1, "fp16", "cpu", False, 0),  # (the same reads cost a CPU nothing)
-    (1, 1, "bf16", "cpu", False, 1), (2, 1, "bf16", "cpu", False, 2),  # (bf16 accumulates in fp32 only in ZeRO)
-])
+@pytest.mark.parametrize(
+    "stage,dp,precision,device,offload,runs",
+    [
+        (0, 1, "fp32", "cuda", False, 0),
+        (1, 1, "fp32", "cuda", False, 0),  # one rank: nothing to partition
+        (2, 1, "fp32", "cuda", False, 0),
+        (3, 1, "fp32", "cuda", False, 3),
+        (1, 2, "fp32", "cuda", False, 1),
+        (2, 8, "fp32", "cpu", False, 2),
+        (3, 2, "fp32", "cpu", False, 3),
+        (1, 1, "fp32", "cpu", True, 1),
+        (2, 1, "fp32", "cuda", True, 2),  # offloading needs ZeRO, on one rank too
+        (1, 1, "bf16", "cuda", False, 1),
+        (2, 1, "fp16", "cuda", False, 2),  # (a GPU wait per parameter at ZeRO-0)
+        (1, 1, "fp16", "cpu", False, 0),
+        (2, 1, "fp16", "cpu", False, 0),  # (the same reads cost a CPU nothing)
+        (1, 1, "bf16", "cpu", False, 1),
+        (2, 1, "bf16", "cpu", False, 2),  # (bf16 accumulates in fp32 only in ZeRO)
+    ],
+)
 def test_zero_1_and_2_on_one_data_parallel_rank_run_as_stage_0(stage, dp, precision, device, offload, runs):
     from megatransformer.training.engine import deepspeed_config
     from megatransformer.training.layout import BatchSizes, engine_zero_stage
 
     cfg = run_config(parallel=dict(zero_stage=stage, offload_optimizer=offload), precision=precision)
     assert engine_zero_stage(cfg, dp, device) == runs
-    assert deepspeed_config(cfg, BatchSizes(4, 1, dp), f"{device}:0" if device == "cuda" else device)[
-        "zero_optimization"]["stage"] == runs
+    assert (
+        deepspeed_config(cfg, BatchSizes(4, 1, dp), f"{device}:0" if device == "cuda" else device)["zero_optimization"][
+            "stage"
+        ]
+        == runs
+    )
     assert deepspeed_config(cfg, BatchSizes(4, 1, dp), device, zero_stage=stage)["zero_optimization"]["stage"] == stage
 
 
@@ -199,7 +239,6 @@ def test_fused_loss_equals_cross_entropy_of_the_logits(dtype, smoothing):
     assert linear_cross_entropy(hidden, weight, none, smoothing) == 0.0
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU tests above check the same arithmetic")
 def test_fused_loss_on_cuda_equals_the_plain_head_in_less_memory():
@@ -229,6 +268,7 @@ def test_fused_loss_on_cuda_equals_the_plain_head_in_less_memory():
     for a, b in zip(plain[1:], fused[1:]):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2**-7 * a.float().abs().max().item())
     assert fused_peak < plain_peak / 2, (fused_peak, plain_peak)
+
 
 def test_fused_loss_computes_only_the_gradients_autograd_needs():
     """Evaluation (no_grad) does one matmul per chunk, training three (logits, then both gradients), with a
@@ -291,16 +331,24 @@ def test_shape_mismatch_lists_every_field():
     from megatransformer.checkpoint import check_same_shapes
 
     saved = run_config().model
-    current = run_config(model=dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128,
-                                    max_seq_len=32)).model
+    current = run_config(
+        model=dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=32)
+    ).model
     with pytest.raises(ConfigError) as err:
         check_same_shapes(saved, current, "checkpoint X")
     message = str(err.value)
     assert "\n" not in message
     assert "model.d_model: 32 in the checkpoint, 64 now" in message
     assert "model.n_layers: 1 in the checkpoint, 2 now" in message
-    check_same_shapes(saved, run_config(model=dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
-                                                   vocab_size=128, max_seq_len=64, dropout=0.1)).model, "ok")
+    check_same_shapes(
+        saved,
+        run_config(
+            model=dict(
+                d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=64, dropout=0.1
+            )
+        ).model,
+        "ok",
+    )
 
 
 def test_resume_resolution(tmp_path):
@@ -383,12 +431,15 @@ def test_wandb_defaults_to_offline_without_a_key(monkeypatch):
     assert wandb_mode(run_config(wandb=dict(mode="disabled"))) == "disabled"
 
 
-@pytest.mark.parametrize("n,dp,expected", [
-    (3, 2, [[0, 2], [1, None]]),  # the second rank keeps in step with a dropped forward
-    (4, 2, [[0, 2], [1, 3]]),
-    (1, 3, [[0], [None], [None]]),
-    (5, 1, [[0, 1, 2, 3, 4]]),
-])
+@pytest.mark.parametrize(
+    "n,dp,expected",
+    [
+        (3, 2, [[0, 2], [1, None]]),  # the second rank keeps in step with a dropped forward
+        (4, 2, [[0, 2], [1, 3]]),
+        (1, 3, [[0], [None], [None]]),
+        (5, 1, [[0, 1, 2, 3, 4]]),
+    ],
+)
 def test_validation_batches_are_dealt_to_data_parallel_ranks(n, dp, expected):
     from megatransformer.training.engine import eval_schedule
 
@@ -400,13 +451,20 @@ def test_validation_batches_are_dealt_to_data_parallel_ranks(n, dp, expected):
 # ------------------------------------------------------------------------------------------------- MFU
 
 
-@pytest.mark.parametrize("name,dtype,peak", [
-    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0), ("NVIDIA H100 PCIe", torch.bfloat16, 756.0),
-    ("NVIDIA H100 NVL", torch.float16, 835.0), ("NVIDIA H200", torch.bfloat16, 989.0),
-    ("NVIDIA GH200 480GB", torch.bfloat16, 989.0), ("NVIDIA A100-SXM4-40GB", torch.bfloat16, 312.0),
-    ("NVIDIA A100 80GB PCIe", torch.float32, 156.0), ("NVIDIA B200", torch.bfloat16, 2250.0),
-    ("NVIDIA GeForce RTX 4090", torch.bfloat16, None),
-])
+@pytest.mark.parametrize(
+    "name,dtype,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756.0),
+        ("NVIDIA H100 NVL", torch.float16, 835.0),
+        ("NVIDIA H200", torch.bfloat16, 989.0),
+        ("NVIDIA GH200 480GB", torch.bfloat16, 989.0),
+        ("NVIDIA A100-SXM4-40GB", torch.bfloat16, 312.0),
+        ("NVIDIA A100 80GB PCIe", torch.float32, 156.0),
+        ("NVIDIA B200", torch.bfloat16, 2250.0),
+        ("NVIDIA GeForce RTX 4090", torch.bfloat16, None),
+    ],
+)
 def test_gpu_peaks_by_device_name(name, dtype, peak):
     from megatransformer.training.metrics import gpu_peak_tflops
 

@@ -23,11 +23,18 @@ PREFIX_ENDS = torch.tensor([[2, 2, 2, 6, 6, 6, 7, 7], [7] * 8])  # doc 2 of row 
 MASKS = {
     "prefix_per_row": (lambda: self_attention_mask(True, prefix_len=torch.tensor([8, 7])), 8, 8),
     "prefix_per_document": (lambda: self_attention_mask(True, SEGMENTS, PREFIX_ENDS), 8, 8),
-    "cross_one_query": (lambda: cross_attention_mask(torch.ones(B, 1, dtype=torch.long),
-                                                     torch.tensor([[1, 1, 2, 2, 2, 0], [1] * 6])), 1, 6),
-    "cross_key_only_segments": (lambda: cross_attention_mask(torch.tensor([[1, 1, 2, 2], [1, 1, 1, 1]]),
-                                                             torch.tensor([[1, 1, 2, 3, 3, 0], [2, 1, 1, 1, 0, 0]])),
-                                4, 6),
+    "cross_one_query": (
+        lambda: cross_attention_mask(torch.ones(B, 1, dtype=torch.long), torch.tensor([[1, 1, 2, 2, 2, 0], [1] * 6])),
+        1,
+        6,
+    ),
+    "cross_key_only_segments": (
+        lambda: cross_attention_mask(
+            torch.tensor([[1, 1, 2, 2], [1, 1, 1, 1]]), torch.tensor([[1, 1, 2, 3, 3, 0], [2, 1, 1, 1, 0, 0]])
+        ),
+        4,
+        6,
+    ),
 }
 
 
@@ -63,8 +70,10 @@ def test_one_query_problems_equal_eager(reference_flash, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or attention.flash_attn_module() is None,
-                    reason="needs CUDA and the flash-attn package (pip install flash-attn --no-build-isolation)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or attention.flash_attn_module() is None,
+    reason="needs CUDA and the flash-attn package (pip install flash-attn --no-build-isolation)",
+)
 @pytest.mark.parametrize("name", MASKS)
 def test_real_flash_attn_one_query_problems_equal_eager(name):
     build, q_len, k_len = MASKS[name]
