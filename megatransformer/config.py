@@ -426,6 +426,12 @@ class ParallelConfig(Section):
     unless offload_optimizer is set."""
     tensor_parallel: PositiveInt = 1
     """Tensor-parallel degree (DeepSpeed AutoTP); the other ranks form the data-parallel group."""
+    sequence_parallel: PositiveInt = 1
+    """Sequence-parallel degree (DeepSpeed-Ulysses): each group of this many consecutive ranks reads the same
+    rows and holds 1/sequence_parallel of every sequence; attention exchanges sequence slices for head slices
+    (all-to-all). Needs model.n_heads and data.seq_len divisible by it, and model.n_kv_heads divisible by it or
+    dividing it (fewer key/value heads are replicated); not combined with tensor_parallel. The world size is
+    data-parallel x tensor_parallel x sequence_parallel."""
     offload_optimizer: bool = False
     """Keep optimizer states on the CPU (ZeRO-Offload)."""
     timeout_minutes: Annotated[float, Field(gt=0, le=7 * 24 * 60)] = 10.0
@@ -492,6 +498,7 @@ class RunConfig(Section):
             ("vocab_size", m.vocab_size),
         ):
             _require(value % tp == 0, f"parallel.tensor_parallel={tp} does not divide model.{name}={value}")
+        self._sequence_parallel_fits()
         allowed = {
             "autoregressive": ("decoder",),
             "prefix_lm": ("decoder", "encoder_decoder"),
@@ -520,6 +527,25 @@ class RunConfig(Section):
             "precision=fp16 is not supported with model.attention_backend=flex; use bf16",
         )
         return self
+
+    def _sequence_parallel_fits(self) -> None:
+        m, sp = self.model, self.parallel.sequence_parallel
+        if sp == 1:
+            return
+        _require(
+            self.parallel.tensor_parallel == 1,
+            f"parallel.sequence_parallel={sp} with parallel.tensor_parallel={self.parallel.tensor_parallel}: "
+            "sequence and tensor parallelism are not combined; set one of them to 1",
+        )
+        _require(m.n_heads % sp == 0, f"parallel.sequence_parallel={sp} does not divide model.n_heads={m.n_heads}")
+        _require(
+            m.kv_heads % sp == 0 or sp % m.kv_heads == 0,
+            f"parallel.sequence_parallel={sp} and model.n_kv_heads={m.kv_heads}: one must divide the other",
+        )
+        _require(
+            self.data.seq_len % sp == 0,
+            f"parallel.sequence_parallel={sp} does not divide data.seq_len={self.data.seq_len}",
+        )
 
 
 # ------------------------------------------------------------------------------------------ loading

@@ -60,6 +60,7 @@ class TrainerState(BaseModel):
     tokenizer_sha256: str | None
     world_size: PositiveInt
     tensor_parallel: PositiveInt
+    sequence_parallel: PositiveInt = 1
     zero_stage: Literal[0, 1, 2, 3]
     spikes: dict[str, Any] = Field(default_factory=dict)  # the loss-spike ladder's (training/spikes.py)
 

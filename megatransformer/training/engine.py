@@ -33,9 +33,10 @@ from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, partitio
 from megatransformer.training import checkpointer
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
-from megatransformer.training.layout import BatchSizes, engine_zero_stage, resolve_batch_sizes
+from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
 from megatransformer.training.optim import make_scheduler, param_groups
 from megatransformer.training.resume import ResumePlan
+from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
 from megatransformer.training.tp_input_check import check_batch_without_masks
 
 
@@ -126,9 +127,8 @@ class TrainModule:
 
         self.cfg, self.device = cfg, torch.device(dist_info.device)
         tp = self.tp = cfg.parallel.tensor_parallel
-        if dist_info.world_size % tp:
-            raise ConfigError(f"parallel.tensor_parallel={tp} does not divide the world size {dist_info.world_size}")
-        self.sizes = resolve_batch_sizes(cfg.train, dist_info.world_size // tp)
+        sp = cfg.parallel.sequence_parallel
+        self.sizes = resolve_batch_sizes(cfg.train, data_parallel_size(cfg, dist_info.world_size))
         self.zero_stage = (
             zero_stage if zero_stage is not None else engine_zero_stage(cfg, self.sizes.dp, self.device.type)
         )
@@ -136,6 +136,12 @@ class TrainModule:
         model = build_model(cfg.model)
         if init_state is not None:
             model.load_state_dict(init_state)
+        # ranks of a sequence group read the same rows, each keeps its slice of them
+        self.sequence, mpu = None, None
+        if sp > 1:
+            mpu = sequence_groups(sp)  # (DeepSpeed's groups, for ZeRO's partitions and reductions)
+            self.sequence = SequenceShard(mpu.get_sequence_parallel_rank(), sp)
+            apply_ulysses(model, mpu.get_sequence_parallel_group(), self.sequence.rank, sp)
         full_shapes = {name: p.shape for name, p in model.named_parameters()}
         groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
         self.engine, *_ = deepspeed.initialize(
@@ -143,18 +149,22 @@ class TrainModule:
             model_parameters=groups_,
             config=deepspeed_config(cfg, self.sizes, dist_info.device, self.zero_stage),
             lr_scheduler=make_scheduler(cfg),
+            mpu=mpu,
         )
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
             check_batch_without_masks(self.engine)
         if cfg.train.compile:
             self.engine.compile()
-        self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank
-        self.dp_size = dist_info.world_size // tp
+        self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank // sp
+        self.dp_size = self.sizes.dp
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
         if tp > 1:
             assign_head_offsets(self.engine.module, self.tp_rank, tp)
-        if self.dp_size == 1 and self.zero_stage == 0:
+        # the ranks DeepSpeed divides the summed gradients by: the data-parallel ones, except in ZeRO-3's
+        # reduce-scatter, which divides by all ranks it partitions over, sequence-parallel peers included
+        self.averaged_ranks = self.dp_size * (sp if self.zero_stage == 3 else 1)
+        if self.dp_size == 1 and sp == 1 and self.zero_stage == 0:
             # one data-parallel rank: DeepSpeed's all-reduce over it would only copy every gradient into a
             # flat buffer and back (tensor-parallel peers' replicated gradients are equal already)
             self.engine.enable_backward_allreduce = False
@@ -186,19 +196,21 @@ class TrainModule:
         """
         accum, engine = self.sizes.accum, self.engine
         host = [next(batches) for _ in range(accum)]
-        targets = sum(int(np.count_nonzero(b["labels"].numpy() != IGNORE_INDEX)) for b in host)
         tokens = sum(positions(b) for b in host) * self.dp_size  # every rank's batches have one shape
-        real = float(sum(real_positions(b) for b in host))
+        parts = [self.split(b) for b in host]
+        # counted on this rank's part: the ranks of a sequence group hold disjoint parts of the same rows
+        targets = sum(int(np.count_nonzero(local["labels"].numpy() != IGNORE_INDEX)) for _, local in parts)
+        real = float(sum(real_positions(local) for _, local in parts))
         # DeepSpeed averages gradients over micro batches and data-parallel ranks; undo that so the gradient
         # is that of (sum of token losses) / (loss tokens in the global batch). Summed on the device: no wait.
         global_targets = self._on_device([float(targets)])
         dist.all_reduce(global_targets)  # tensor-parallel peers count the same batches: tp copies
-        scale = (accum * self.dp_size * self.tp) / global_targets.clamp(min=1.0)
+        scale = (accum * self.averaged_ranks * self.tp) / global_targets.clamp(min=1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         bad = torch.zeros((), dtype=torch.float64, device=self.device)
         lr = engine.get_lr()[0]  # (the schedule moves on in step())
-        for i, batch in enumerate(host):
-            inputs, labels, masks = self.to_device(batch)
+        for i, (whole, local) in enumerate(parts):
+            inputs, labels, masks = self.to_device(local, whole)
             with self.matmuls():
                 loss = engine(**inputs, masks=masks, labels=labels, label_smoothing=self.cfg.train.label_smoothing)
                 loss_sum += loss.detach()
@@ -242,13 +254,26 @@ class TrainModule:
             self.engine, self.cfg, plan.path, plan.state.world_size, plan.elastic.weights, self.tp_rank
         )
         plan.elastic.weights = {}  # (no second copy of the model kept for the run)
-        layout = {"world_size": dist.get_world_size(), "tensor_parallel": self.tp, "zero_stage": self.zero_stage}
+        layout = {
+            "world_size": dist.get_world_size(),
+            "tensor_parallel": self.tp,
+            "sequence_parallel": self.cfg.parallel.sequence_parallel,
+            "zero_stage": self.zero_stage,
+        }
         return plan.state.model_copy(update=layout), loader_states
 
-    def to_device(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
+    def split(self, batch: Mapping[str, torch.Tensor]) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
+        """The batch the masks are built from and the part of it this rank runs: the same batch twice,
+        unless sequence parallelism splits it (:meth:`SequenceShard.split`)."""
+        return (batch, batch) if self.sequence is None else self.sequence.split(batch)
+
+    def to_device(
+        self, batch: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor] | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
         """A loader batch as model inputs, labels and attention masks on the device (:func:`batch_to_device`;
-        on CUDA the copies come from pinned memory and do not wait)."""
-        return batch_to_device(batch, self.device, self.cfg.model.arch, self.varlen)
+        on CUDA the copies come from pinned memory and do not wait); ``whole``: the batch the masks describe,
+        when ``batch`` is this rank's part of its sequences."""
+        return batch_to_device(batch, self.device, self.cfg.model.arch, self.varlen, whole)
 
     def last_grad_norm(self) -> float | None:
         """The gradient norm before clipping of the last step (reads it from the device: log steps only)."""
@@ -273,8 +298,8 @@ class TrainModule:
         self.engine.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, loss tokens
         for index in eval_schedule(len(batches), self.dp_size, self.dp_rank):
-            batch = batches[index or 0]
-            inputs, labels, masks = self.to_device(batch)
+            whole, local = self.split(batches[index or 0])
+            inputs, labels, masks = self.to_device(local, whole)
             with self.matmuls():
                 loss = self.engine(**inputs, masks=masks, labels=labels)
             if index is not None:
@@ -287,12 +312,18 @@ class TrainModule:
 
 
 def batch_to_device(
-    batch: Mapping[str, torch.Tensor], device: torch.device, arch: str, varlen: bool = False
+    batch: Mapping[str, torch.Tensor],
+    device: torch.device,
+    arch: str,
+    varlen: bool = False,
+    whole: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, ModelMasks]:
     """A loader batch as model inputs, labels and attention masks on ``device``: the masks' metadata built
-    from the host tensors, each tensor copied once (a segment tensor the masks share with the inputs too)."""
+    from the host tensors of ``whole`` (default: ``batch``), each tensor copied once (a segment tensor the
+    masks share with the inputs too)."""
     moved = {k: to_device(v, device) for k, v in batch.items()}
-    masks = batch_masks(arch, batch, varlen=varlen).to(device, {id(batch[k]): moved[k] for k in batch})
+    masks = batch_masks(arch, batch if whole is None else whole, varlen=varlen)
+    masks = masks.to(device, {id(batch[k]): moved[k] for k in batch})
     labels = moved.pop("labels")
     return moved, labels, masks
 

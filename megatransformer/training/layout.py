@@ -54,9 +54,27 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    """Ranks that read distinct batches: the world over the tensor- and sequence-parallel degrees."""
+    p = cfg.parallel
+    group = p.tensor_parallel * p.sequence_parallel
+    _check(
+        world_size % group == 0,
+        f"parallel.tensor_parallel={p.tensor_parallel} x parallel.sequence_parallel="
+        f"{p.sequence_parallel} does not divide the world size {world_size}",
+    )
+    return world_size // group
+
+
+def describe_layout(dp: int, tp: int, sp: int) -> str:
+    """The layout as the run log says it: ``dp2 x sp2`` (degrees of 1 left out, but dp)."""
+    return " x ".join([f"dp{dp}"] + [f"{name}{n}" for name, n in (("tp", tp), ("sp", sp)) if n > 1])
+
+
 def engine_zero_stage(cfg: RunConfig, dp_size: int, device_type: str) -> int:
     """The ZeRO stage the engine runs: ``parallel.zero_stage``, except that stage 1 or 2 over a single
-    data-parallel rank runs as stage 0 in fp32, and in fp16 on a CPU.
+    data-parallel rank (and no sequence parallelism: ZeRO partitions over the ranks of a sequence group too)
+    runs as stage 0 in fp32, and in fp16 on a CPU.
 
     Partitioning optimizer states or gradients over one rank saves no memory (its one partition is all of
     them), yet DeepSpeed's ZeRO-1/2 path still copies every gradient through its reduction buckets into flat
@@ -71,7 +89,7 @@ def engine_zero_stage(cfg: RunConfig, dp_size: int, device_type: str) -> int:
     """
     p = cfg.parallel
     free_reads = cfg.precision == "fp32" or (device_type == "cpu" and cfg.precision == "fp16")
-    if p.zero_stage in (1, 2) and dp_size == 1 and free_reads and not p.offload_optimizer:
+    if p.zero_stage in (1, 2) and dp_size * p.sequence_parallel == 1 and free_reads and not p.offload_optimizer:
         return 0
     return p.zero_stage
 

@@ -22,7 +22,7 @@ from megatransformer.training import cpu_bf16, spikes
 from megatransformer.training.data import build_run_loader, small_validation_warning
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
-from megatransformer.training.layout import zero_stage_notes
+from megatransformer.training.layout import describe_layout, zero_stage_notes
 from megatransformer.training.metrics import Reporter, peak_tflops
 from megatransformer.training.optim import warmup_warning
 from megatransformer.training.resume import plan_resume, rollback_target
@@ -86,6 +86,7 @@ class Trainer:
             tokenizer_sha256=tokenizer.sha256,
             world_size=dist_info.world_size,
             tensor_parallel=cfg.parallel.tensor_parallel,
+            sequence_parallel=cfg.parallel.sequence_parallel,
             zero_stage=self.module.zero_stage,
         )
         self.preemption = preemption or Preemption()
@@ -118,6 +119,11 @@ class Trainer:
                 print(f"nothing to do: the run is at step {self.state.step} of train.max_steps={cfg.train.max_steps}")
             return 0
         if self.dist.is_main:
+            p = cfg.parallel
+            print(
+                f"layout: {describe_layout(self.module.dp_size, p.tensor_parallel, p.sequence_parallel)} "
+                f"on {self.dist.world_size} rank{'s' if self.dist.world_size > 1 else ''}"
+            )
             dtype = precision_dtype(cfg.precision)
             print(
                 describe_backend(

@@ -8,6 +8,8 @@ start-up takes seconds to minutes, and a first forward pass that fails prints a 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from data_pipeline.loader import check_data as check_shards
@@ -15,12 +17,14 @@ from data_pipeline.tokenizer import TokenizerInfo
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.model.attention import FLASH_ATTN_INSTALL, flash_attn_module
 from megatransformer.training.data import loader_settings
+from megatransformer.training.layout import data_parallel_size
 from megatransformer.training.trackers import check_tensorboard
 
 
 def check_before_start(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
     """Raise ConfigError (or DataError) for a run this device or these files cannot train."""
     check_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    data_parallel_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the launcher's world fits the layout
     check_data(cfg, tokenizer)
     check_tensorboard(cfg)
 

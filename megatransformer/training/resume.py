@@ -11,7 +11,7 @@ import torch
 from megatransformer import checkpoint as ckpt
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.training.distributed import on_first_rank
-from megatransformer.training.layout import BatchSizes, engine_zero_stage, resolve_batch_sizes
+from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
 
 
 @dataclass
@@ -36,8 +36,8 @@ class ResumePlan:
         if self.elastic is None:
             return f"resumed from {self.path} at step {s.step} ({s.tokens:,} tokens seen)"
         old, new = self.elastic.saved_sizes, self.elastic.sizes
-        was = _layout(old.dp, s.tensor_parallel, s.zero_stage)
-        now = _layout(new.dp, cfg.parallel.tensor_parallel, self.elastic.zero_stage)
+        was = _layout(old.dp, s.tensor_parallel, s.sequence_parallel, s.zero_stage)
+        now = _layout(new.dp, cfg.parallel.tensor_parallel, cfg.parallel.sequence_parallel, self.elastic.zero_stage)
         line = (
             f"resuming step {s.step} written by {_ranks(s.world_size)} ({was}) on {_ranks(world_size)} ({now}): "
             f"micro {new.micro} x accum {new.accum} (was micro {old.micro} x accum {old.accum})"
@@ -100,9 +100,11 @@ def plan_resume(cfg: RunConfig, world_size: int, device_type: str, tokenizer_sha
     state, saved = ckpt.read_trainer_state(path), ckpt.saved_config(path)
     ckpt.check_same_shapes(saved.model, cfg.model, f"checkpoint {path}")
     check_tokenizer(path, state, cfg, tokenizer_sha256)
-    tp = cfg.parallel.tensor_parallel
-    saved_sizes = resolve_batch_sizes(saved.train, state.world_size // state.tensor_parallel)
-    sizes = resolve_batch_sizes(cfg.train, world_size // tp)
+    tp, sp = cfg.parallel.tensor_parallel, cfg.parallel.sequence_parallel
+    saved_sizes = resolve_batch_sizes(
+        saved.train, state.world_size // (state.tensor_parallel * state.sequence_parallel)
+    )
+    sizes = resolve_batch_sizes(cfg.train, data_parallel_size(cfg, world_size))
     if sizes.global_batch != saved_sizes.global_batch and cfg.resume_elastic != "allow_batch_change":
         raise ConfigError(
             f"checkpoint {path} was trained with global batch {saved_sizes.global_batch} (micro "
@@ -112,14 +114,15 @@ def plan_resume(cfg: RunConfig, world_size: int, device_type: str, tokenizer_sha
             "resume_elastic=allow_batch_change to continue with the new batch"
         )
     zero_stage = engine_zero_stage(cfg, sizes.dp, device_type)
-    if (state.world_size, state.tensor_parallel, state.zero_stage) == (world_size, tp, zero_stage):
+    saved_layout = (state.world_size, state.tensor_parallel, state.sequence_parallel, state.zero_stage)
+    if saved_layout == (world_size, tp, sp, zero_stage):
         return ResumePlan(path, state, saved, None)
     if not (path / ckpt.OPTIMIZER).is_file():
         raise ConfigError(
             f"checkpoint {path} has no {ckpt.OPTIMIZER} (written before elastic resume existed), so it resumes "
             f"only on its own layout: world size {state.world_size}, parallel.tensor_parallel="
-            f"{state.tensor_parallel}, parallel.zero_stage={state.zero_stage} (or start a new run from its "
-            "weights with init_from=)"
+            f"{state.tensor_parallel}, parallel.sequence_parallel={state.sequence_parallel}, parallel.zero_stage="
+            f"{state.zero_stage} (or start a new run from its weights with init_from=)"
         )
     weights = ckpt.load_safetensors(path, ckpt.WEIGHTS)[0]
     return ResumePlan(path, state, saved, ElasticResume(saved_sizes, sizes, zero_stage, weights))
@@ -156,5 +159,5 @@ def _ranks(n: int) -> str:
     return f"{n} rank" + ("s" if n != 1 else "")
 
 
-def _layout(dp: int, tp: int, zero: int) -> str:
-    return f"dp{dp}, tp{tp}, zero{zero}"
+def _layout(dp: int, tp: int, sp: int, zero: int) -> str:
+    return f"dp{dp}, tp{tp}, " + (f"sp{sp}, " if sp > 1 else "") + f"zero{zero}"

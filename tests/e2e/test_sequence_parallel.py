@@ -1,0 +1,161 @@
+"""Sequence parallelism (DeepSpeed-Ulysses) end to end: ``parallel.sequence_parallel=2`` on 2 ranks trains every
+architecture and objective loss for loss like one rank (fp32, no dropout), with ZeRO-1 and ZeRO-3 (the decoder
+with ZeRO-0 and ZeRO-2 too); dp2 x sp2 on 4 ranks too; a checkpoint continues across sp 2 <-> 1; bad layouts
+exit 2 with one line.
+
+Every run is a real ``megatransformer train`` process (torchrun, gloo) with the same global batch of 4 rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.runs import losses, metrics, tiny_model, train
+
+pytestmark = pytest.mark.slow
+
+STEPS, SAVED = 10, 6
+
+# each architecture and objective, with the positions, key/value heads and options it covers
+CASES = {
+    "decoder_packed": ["objective=autoregressive"],  # RoPE, 2 kv heads (one per rank)
+    "prefix_lm": ["objective=prefix_lm", "model.position=alibi", "model.n_kv_heads=1"],  # kv heads replicated
+    "masked_lm": ["objective=masked_lm", "model.arch=encoder", "model.position=learned"],
+    # a target length of 29 (padded to 30); cross-attention gathers the encoder's keys and values
+    "span_corruption": [
+        "objective=span_corruption",
+        "model.arch=encoder_decoder",
+        "model.position=sinusoidal",
+        "data.seq_len=128",
+        "model.activation_checkpointing=true",
+    ],
+}
+
+
+def overrides(tiny_data, run_dir: Path, case: str, *extra: str) -> list[str]:
+    return [
+        *tiny_model(),
+        f"run_dir={run_dir}",
+        f"data.train={tiny_data.shards}",
+        f"data.tokenizer={tiny_data.tokenizer}",
+        "data.seq_len=64",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        f"train.max_steps={STEPS}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "optim.lr=3e-3",
+        "schedule.warmup_steps=2",
+        f"checkpoint.every={SAVED}",
+        "checkpoint.keep=5",
+        "wandb.mode=disabled",
+        *CASES[case],
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_data, tmp_path_factory):
+    """The reference run of a case on one rank (made once per case)."""
+    runs: dict[str, Path] = {}
+
+    def run(case: str) -> Path:
+        if case not in runs:
+            runs[case] = tmp_path_factory.mktemp("sp1") / case
+            train(overrides(tiny_data, runs[case], case))
+        return runs[case]
+
+    return run
+
+
+def grad_norms(run_dir: Path) -> list[float]:
+    return [r["grad_norm"] for r in metrics(run_dir) if "grad_norm" in r]
+
+
+def checkpoint(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / f"step_{SAVED:06d}"
+
+
+@pytest.mark.parametrize(
+    "case, zero", [(case, zero) for case in CASES for zero in (1, 3)] + [("decoder_packed", 0), ("decoder_packed", 2)]
+)
+def test_two_sequence_ranks_train_like_one_rank(one_rank, tiny_data, tmp_path, case, zero):
+    run = tmp_path / "sp2"
+    result = train(
+        overrides(tiny_data, run, case, "parallel.sequence_parallel=2", f"parallel.zero_stage={zero}"), nproc=2
+    )
+    assert "layout: dp1 x sp2 on 2 ranks" in result.stdout
+    assert len(losses(run)) == STEPS
+    assert losses(run) == pytest.approx(losses(one_rank(case)), abs=1e-5, rel=0)
+    assert grad_norms(run) == pytest.approx(grad_norms(one_rank(case)), rel=1e-4)
+
+
+def test_data_and_sequence_parallel_on_four_ranks(one_rank, tiny_data, tmp_path):
+    """dp2 x sp2: two sequence groups read distinct rows, each splits its rows' sequences."""
+    run = tmp_path / "dp2sp2"
+    result = train(overrides(tiny_data, run, "decoder_packed", "parallel.sequence_parallel=2"), nproc=4)
+    assert "layout: dp2 x sp2 on 4 ranks" in result.stdout
+    assert losses(run) == pytest.approx(losses(one_rank("decoder_packed")), abs=1e-5, rel=0)
+
+
+def test_resume_across_sequence_parallel_sizes(one_rank, tiny_data, tmp_path):
+    """A checkpoint written at sp=2 continues at sp=1 and as dp=2 on the same ranks, and one written at sp=1
+    continues at sp=2, on the uninterrupted curve (elastic resume: the consolidated weights and Adam state);
+    at sp=2 again it resumes exactly (DeepSpeed's states)."""
+    reference = one_rank("decoder_packed")
+    sp2 = tmp_path / "sp2"
+    train(overrides(tiny_data, sp2, "decoder_packed", "parallel.sequence_parallel=2"), nproc=2)
+    to_sp1 = tmp_path / "to_sp1"
+    result = train(overrides(tiny_data, to_sp1, "decoder_packed", f"resume={checkpoint(sp2)}"))
+    assert (
+        f"resuming step {SAVED} written by 2 ranks (dp1, tp1, sp2, zero1) on 1 rank (dp1, tp1, zero0)" in result.stdout
+    )
+    to_sp2 = tmp_path / "to_sp2"
+    train(
+        overrides(
+            tiny_data, to_sp2, "decoder_packed", f"resume={checkpoint(reference)}", "parallel.sequence_parallel=2"
+        ),
+        nproc=2,
+    )
+    to_dp2 = tmp_path / "to_dp2"  # the same ranks traded from sequence to data parallelism
+    result = train(overrides(tiny_data, to_dp2, "decoder_packed", f"resume={checkpoint(sp2)}"), nproc=2)
+    assert "written by 2 ranks (dp1, tp1, sp2, zero1) on 2 ranks (dp2, tp1, zero1)" in result.stdout
+    exact = tmp_path / "exact"  # the same layout: DeepSpeed's own states
+    result = train(
+        overrides(tiny_data, exact, "decoder_packed", f"resume={checkpoint(sp2)}", "parallel.sequence_parallel=2"),
+        nproc=2,
+    )
+    assert f"resumed from {checkpoint(sp2)} at step {SAVED}" in result.stdout
+    for continued in (to_sp1, to_sp2, to_dp2, exact):
+        assert losses(continued) == pytest.approx(losses(reference)[SAVED:], abs=1e-5, rel=0)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["parallel.sequence_parallel=3"], "parallel.sequence_parallel=3 does not divide model.n_heads=4"),
+        (
+            ["parallel.sequence_parallel=2", "parallel.tensor_parallel=2"],
+            "parallel.sequence_parallel=2 with parallel.tensor_parallel=2",
+        ),
+        (
+            ["parallel.sequence_parallel=4", "data.seq_len=66"],
+            "parallel.sequence_parallel=4 does not divide data.seq_len=66",
+        ),
+        (
+            ["parallel.sequence_parallel=2", "model.d_model=96", "model.n_heads=12", "model.n_kv_heads=3"],
+            "parallel.sequence_parallel=2 and model.n_kv_heads=3: one must divide the other",
+        ),
+        (
+            ["parallel.sequence_parallel=2"],
+            "parallel.tensor_parallel=1 x parallel.sequence_parallel=2 does not divide the world size 1",
+        ),
+    ],
+)
+def test_bad_layouts_exit_2_with_one_line(tiny_data, tmp_path, extra, message):
+    result = train(overrides(tiny_data, tmp_path / "bad", "decoder_packed", *extra), expect=2)
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
