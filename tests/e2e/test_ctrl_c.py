@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.runs import tiny_data_overrides, train_command
 
 from megatransformer.cli import main
 
@@ -25,17 +26,11 @@ TINY = (
 STEPS = 30
 
 
-def train_command(tiny_data, run_dir: Path, *extra: str) -> list[str]:
+def run_command(tiny_data, run_dir: Path, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "megatransformer.cli",
-        "train",
-        "--config",
-        os.devnull,
+        *train_command(),
         *TINY,
-        f"data.train={tiny_data.shards}",
-        f"data.tokenizer={tiny_data.tokenizer}",
+        *tiny_data_overrides(tiny_data),
         f"run_dir={run_dir}",
         f"train.max_steps={STEPS}",
         *extra,
@@ -61,7 +56,7 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_from_it(tiny_data, tmp
     run = tmp_path / "run"
     # a terminal's Ctrl-C reaches the whole process group: the trainer and its DataLoader worker
     process = subprocess.Popen(
-        train_command(tiny_data, run, "data.num_workers=1"),
+        run_command(tiny_data, run, "data.num_workers=1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -78,7 +73,7 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_from_it(tiny_data, tmp
     assert f"stopped early (checkpointed; run again with resume=auto to continue): {saved} of {STEPS} steps" in output
     assert 1 <= saved < STEPS
 
-    resumed = subprocess.run(train_command(tiny_data, run, "resume=auto"), capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(run_command(tiny_data, run, "resume=auto"), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / f'step_{saved:06d}'} at step {saved}" in resumed.stdout
     assert steps(run) == list(range(1, STEPS + 1))  # each step once: the interrupted run logged up to the saved one
@@ -106,7 +101,7 @@ def test_ctrl_c_on_every_rank_checkpoints_one_step(tiny_data, tmp_path):
         }
         ranks.append(
             subprocess.Popen(
-                train_command(tiny_data, run, "parallel.zero_stage=2"),
+                run_command(tiny_data, run, "parallel.zero_stage=2"),
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

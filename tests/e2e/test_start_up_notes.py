@@ -7,10 +7,10 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.runs import tiny_data_overrides, train_command
 
 from megatransformer.training.builds import COLLECTIVE, CPU_ADAM, build_notes, ops_to_build
 
@@ -47,20 +47,8 @@ def test_a_build_and_a_lock_are_announced_a_built_op_is_not(tmp_path, monkeypatc
     assert waiting.endswith("if no build is running (a killed one leaves its lock behind), delete that file")
 
 
-def train_command(tiny_data, run_dir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "megatransformer.cli",
-        "train",
-        "--config",
-        os.devnull,
-        *TINY,
-        f"data.train={tiny_data.shards}",
-        f"data.tokenizer={tiny_data.tokenizer}",
-        f"run_dir={run_dir}",
-        "train.max_steps=1",
-    ]
+def run_command(tiny_data, run_dir: Path) -> list[str]:
+    return [*train_command(), *TINY, *tiny_data_overrides(tiny_data), f"run_dir={run_dir}", "train.max_steps=1"]
 
 
 @pytest.mark.slow
@@ -68,7 +56,7 @@ def test_a_single_process_builds_nothing(tiny_data, tmp_path):
     extensions = tmp_path / "torch_extensions"  # a fresh machine's: nothing built yet
     extensions.mkdir()
     result = subprocess.run(
-        train_command(tiny_data, tmp_path / "run"),
+        run_command(tiny_data, tmp_path / "run"),
         capture_output=True,
         text=True,
         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)},
@@ -113,7 +101,7 @@ def test_a_rank_says_what_it_waits_for_before_it_waits(tiny_data, tmp_path, lock
         "MASTER_PORT": str(port),
     }
     process = subprocess.Popen(
-        train_command(tiny_data, tmp_path / "run"),
+        run_command(tiny_data, tmp_path / "run"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -74,3 +74,22 @@ def assert_exported_logits_match(directory, cfg: ModelConfig, family, length: in
     assert back_cfg.model_dump() == cfg.model_dump()
     for name, tensor in ours.state_dict().items():
         assert torch.equal(back[name], tensor), name
+
+
+def llama_style(**overrides) -> ModelConfig:
+    """A small Llama-family config (RMSNorm, RoPE, GQA, SwiGLU), with ``overrides``."""
+    base = dict(
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=96,
+        vocab_size=211,
+        max_seq_len=64,
+        norm="rmsnorm",
+        position="rope",
+        ffn="swiglu",
+        rope_theta=500000.0,
+        norm_eps=1e-6,
+    )
+    return ModelConfig(**{**base, **overrides})

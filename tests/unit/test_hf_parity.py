@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.models import assert_exported_logits_match
+from support.models import assert_exported_logits_match, llama_style
 
 from megatransformer.config import ModelConfig
 from megatransformer.hf import (
@@ -21,24 +21,6 @@ from megatransformer.hf import (
 from megatransformer.model import build_model
 
 transformers = pytest.importorskip("transformers")  # a test dependency: `pip install -e .[test]`
-
-
-def llama_style(**overrides) -> ModelConfig:
-    base = dict(
-        d_model=64,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=96,
-        vocab_size=211,
-        max_seq_len=64,
-        norm="rmsnorm",
-        position="rope",
-        ffn="swiglu",
-        rope_theta=500000.0,
-        norm_eps=1e-6,
-    )
-    return ModelConfig(**{**base, **overrides})
 
 
 @pytest.mark.parametrize("tie", [False, True])

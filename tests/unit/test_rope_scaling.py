@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import yaml
+from support import models
 from support.models import assert_exported_logits_match, randomized
 
 from megatransformer.config import ConfigError, ModelConfig, dump_config, load_config, validate
@@ -42,22 +43,8 @@ SCALINGS = {
 
 
 def llama_style(**overrides) -> ModelConfig:
-    base = dict(
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=96,
-        vocab_size=211,
-        max_seq_len=32,
-        norm="rmsnorm",
-        position="rope",
-        ffn="swiglu",
-        rope_theta=10000.0,
-        norm_eps=1e-6,
-        tie_embeddings=False,
-    )
-    return ModelConfig(**{**base, **overrides})
+    small = {"n_layers": 2, "max_seq_len": 32, "rope_theta": 10000.0, "tie_embeddings": False}
+    return models.llama_style(**{**small, **overrides})
 
 
 @pytest.mark.parametrize("name", SCALINGS)
