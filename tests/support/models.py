@@ -93,3 +93,22 @@ def llama_style(**overrides) -> ModelConfig:
         norm_eps=1e-6,
     )
     return ModelConfig(**{**base, **overrides})
+
+
+def gpt2_style(**overrides) -> ModelConfig:
+    """A small GPT-2-family config (LayerNorm, learned positions, GELU, biases, tied), with ``overrides``."""
+    base = dict(
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        d_ff=160,
+        vocab_size=211,
+        max_seq_len=64,
+        norm="layernorm",
+        position="learned",
+        ffn="gelu",
+        bias=True,
+        tie_embeddings=True,
+        norm_eps=1e-5,
+    )
+    return ModelConfig(**{**base, **overrides})

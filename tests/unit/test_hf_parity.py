@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.models import assert_exported_logits_match, llama_style
+from support.models import assert_exported_logits_match, gpt2_style, llama_style
 
-from megatransformer.config import ModelConfig
 from megatransformer.hf import (
     GPT2,
     LLAMA,
@@ -56,24 +55,6 @@ def test_non_llama_configs_are_refused_by_name(option, value):
 
 
 # ------------------------------------------------------------------------------------------------ GPT-2
-
-
-def gpt2_style(**overrides) -> ModelConfig:
-    base = dict(
-        d_model=64,
-        n_layers=3,
-        n_heads=4,
-        d_ff=160,
-        vocab_size=211,
-        max_seq_len=64,
-        norm="layernorm",
-        position="learned",
-        ffn="gelu",
-        bias=True,
-        tie_embeddings=True,
-        norm_eps=1e-5,
-    )
-    return ModelConfig(**{**base, **overrides})
 
 
 @pytest.mark.parametrize("family,cfg", [(LLAMA, llama_style(tie_embeddings=False)), (GPT2, gpt2_style())])

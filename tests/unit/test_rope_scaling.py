@@ -158,19 +158,7 @@ def test_dynamic_scaling_decodes_with_a_kv_cache_as_transformers_does(tmp_path):
 
 
 def test_a_window_without_a_family_is_refused_with_each_reason():
-    gpt2 = ModelConfig(
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        d_ff=160,
-        vocab_size=211,
-        max_seq_len=64,
-        norm="layernorm",
-        position="learned",
-        ffn="gelu",
-        bias=True,
-        attention_window=8,
-    )
+    gpt2 = models.gpt2_style(n_layers=2, attention_window=8)
     reason = hf_incompatibility(gpt2)
     assert "model.attention_window=8 (Llama has no sliding window" in reason
     assert "model.norm=layernorm (Mistral needs rmsnorm)" in reason
