@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatransformer.config import RunConfig  # noqa: E402
 from megatransformer.training import engine  # noqa: E402
+from megatransformer.training.distributed import leave  # noqa: E402
 
 
 def run_config(zero: int, precision: str, accum: int, model: dict, micro: int, seq: int) -> RunConfig:
@@ -193,7 +194,7 @@ def speed(args: argparse.Namespace) -> None:
         )
 
 
-def main() -> int:
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("probe").add_argument("cases", help="JSON list of cases")
@@ -217,8 +218,8 @@ def main() -> int:
         probe(json.loads(args.cases))
     else:
         speed(args)
-    return 0
+    leave(0)  # (torchrun runs the probe on several ranks)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -52,7 +52,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer import checkpoint as ckpt
     from megatransformer.training.builds import build_notes, ops_to_build
-    from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, setup, teardown
+    from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, leave, setup, teardown
     from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer
     from megatransformer.training.preflight import check_before_start
@@ -109,12 +109,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         print_summary(cfg, code, time.perf_counter() - started)
     sys.stdout.flush()
     if dist_info.world_size > 1:
-        # A finished multi-rank run skips the interpreter's shutdown. There, now and then, a rank aborted
-        # ("terminate called without an active exception": a C++ thread of the communication stack still
-        # joinable, SIGABRT; twice in ~40 two-rank gloo runs here, once after destroying the process group),
-        # which turned a finished, checkpointed run into a failed job. Everything the run writes is closed.
-        sys.stderr.flush()
-        os._exit(code)
+        leave(code)  # (everything the run writes is closed)
     return code
 
 
