@@ -25,35 +25,20 @@ def test_paper_base_model_has_the_papers_size():
     assert 60e6 < model_size(cfg).params < 66e6  # the paper reports 65M
 
 
+def small_untied_model():
+    overrides = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128", "model.vocab_size=300"]
+    return load_config(None, [*overrides, "model.tie_embeddings=false"]).model
+
+
 def test_param_count_matches_built_model():
-    cfg = load_config(
-        None,
-        [
-            "model.d_model=64",
-            "model.n_layers=2",
-            "model.n_heads=4",
-            "model.d_ff=128",
-            "model.vocab_size=300",
-            "model.tie_embeddings=false",
-        ],
-    ).model
+    cfg = small_untied_model()
     model = build_model(cfg)
     assert model_size(cfg).params == sum(p.numel() for p in model.parameters())
     assert model_size(cfg).non_embedding_params == model_size(cfg).params - 300 * 64
 
 
 def test_flops_per_token_is_6n_plus_attention():
-    cfg = load_config(
-        None,
-        [
-            "model.d_model=64",
-            "model.n_layers=2",
-            "model.n_heads=4",
-            "model.d_ff=128",
-            "model.vocab_size=300",
-            "model.tie_embeddings=false",
-        ],
-    ).model
+    cfg = small_untied_model()
     linear = sum(m.weight.numel() for m in build_model(cfg).modules() if isinstance(m, torch.nn.Linear))
     assert model_size(cfg, 100).flops_per_token == 6 * linear + 12 * 2 * 64 * 100
 
