@@ -107,7 +107,17 @@ def masters(module: engine.TrainModule) -> torch.Tensor:
     return torch.cat([m.detach().float().flatten() for m in found])
 
 
-def probe(cases: list[dict]) -> None:
+def emit(report: dict, out: Path | None) -> None:
+    line = json.dumps(report)
+    if out is None:
+        print(line, flush=True)
+    else:
+        with out.open("a") as f:
+            f.write(line + "\n")
+
+
+def probe(cases: list[dict], out: Path | None) -> None:
+    """Prints each case's report as a JSON line, or appends it to ``out`` (ranks share stdout: lines may mix)."""
     from megatransformer.training.distributed import setup
 
     dist_info = setup()
@@ -142,7 +152,7 @@ def probe(cases: list[dict]) -> None:
             "drift": drift,
         }
         if dist_info.rank == 0:
-            print(json.dumps(report), flush=True)
+            emit(report, out)
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -197,7 +207,9 @@ def speed(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("probe").add_argument("cases", help="JSON list of cases")
+    probe_args = sub.add_parser("probe")
+    probe_args.add_argument("cases", help="JSON list of cases")
+    probe_args.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
     s = sub.add_parser("speed")
     s.add_argument("--d-model", type=int, default=256)
     s.add_argument("--layers", type=int, default=4)
@@ -215,7 +227,7 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.command == "probe":
-        probe(json.loads(args.cases))
+        probe(json.loads(args.cases), args.out)
     else:
         speed(args)
     leave(0)  # (torchrun runs the probe on several ranks)

@@ -12,35 +12,37 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from support import REPO
 
 PROBE = REPO / "bench" / "grad_precision.py"
 
 
-def probe(cases: list[dict], nproc: int = 1) -> dict[tuple, dict]:
-    """The probe's report of each case, by (zero, precision, deepspeed_default)."""
+def probe(cases: list[dict], out: Path, nproc: int = 1) -> dict[tuple, dict]:
+    """The probe's report of each case, by (zero, precision, deepspeed_default); ``out`` holds the lines."""
     launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     done = subprocess.run(
-        [sys.executable, *launch, str(PROBE), "probe", json.dumps(cases)],
+        [sys.executable, *launch, str(PROBE), "probe", json.dumps(cases), "--out", str(out)],
         capture_output=True,
         text=True,
         env={**os.environ, "DS_ACCELERATOR": "cpu"},
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    reports = [json.loads(line) for line in out.read_text().splitlines()]
     return {(r["zero"], r["precision"], r["deepspeed_default"]): r for r in reports}
 
 
-def test_one_rank_bf16_accumulates_in_fp32_and_stays_closer_to_fp32():
+def test_one_rank_bf16_accumulates_in_fp32_and_stays_closer_to_fp32(tmp_path):
     reports = probe(
         [
             {"zero": 0, "precision": "fp32"},
             {"zero": 0, "precision": "bf16"},
             {"zero": 1, "precision": "bf16", "deepspeed_default": True},
             {"zero": 1, "precision": "bf16"},
-        ]
+        ],
+        tmp_path / "reports.jsonl",
     )
     ours, default, zero0 = reports[1, "bf16", False], reports[1, "bf16", True], reports[0, "bf16", False]
     assert (ours["optimizer"], ours["accumulates_in"], ours["reduces_in"]) == ("BF16_Optimizer", "float32", "float32")
@@ -53,9 +55,11 @@ def test_one_rank_bf16_accumulates_in_fp32_and_stays_closer_to_fp32():
     assert ours["drift"] < 1.01 * default["drift"], (ours, default)
 
 
-def test_two_ranks_accumulate_and_reduce_in_fp32():
+def test_two_ranks_accumulate_and_reduce_in_fp32(tmp_path):
     reports = probe(
-        [{"zero": 1, "precision": "bf16", "steps": 1}, {"zero": 2, "precision": "bf16", "steps": 1}], nproc=2
+        [{"zero": 1, "precision": "bf16", "steps": 1}, {"zero": 2, "precision": "bf16", "steps": 1}],
+        tmp_path / "reports.jsonl",
+        nproc=2,
     )
     assert [(r["world"], r["optimizer"], r["accumulates_in"], r["reduces_in"]) for r in reports.values()] == [
         (2, "BF16_Optimizer", "float32", "float32"),
