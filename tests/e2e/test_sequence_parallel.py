@@ -1,6 +1,6 @@
 """Sequence parallelism (DeepSpeed-Ulysses) end to end: ``parallel.sequence_parallel=2`` on 2 ranks trains every
 architecture and objective loss for loss like one rank (fp32, no dropout), with ZeRO-1 and ZeRO-3 (the decoder
-with ZeRO-0 and ZeRO-2 too); dp2 x sp2 on 4 ranks too; a checkpoint continues across sp 2 <-> 1; bad layouts
+with ZeRO-0 and ZeRO-2 too); dp2 x sp2 on 4 ranks likewise; a checkpoint continues across sp 2 <-> 1; bad layouts
 exit 2 with one line.
 
 Every run is a real ``megatransformer train`` process (torchrun, gloo) with the same global batch of 4 rows.
@@ -92,12 +92,17 @@ def test_two_sequence_ranks_train_like_one_rank(one_rank, tiny_data, tmp_path, c
     assert grad_norms(run) == pytest.approx(grad_norms(one_rank(case)), rel=1e-4)
 
 
-def test_data_and_sequence_parallel_on_four_ranks(one_rank, tiny_data, tmp_path):
-    """dp2 x sp2: two sequence groups read distinct rows, each splits its rows' sequences."""
+@pytest.mark.parametrize("case, zero", [(case, zero) for case in CASES for zero in (1, 3)])
+def test_data_and_sequence_parallel_on_four_ranks(one_rank, tiny_data, tmp_path, case, zero):
+    """dp2 x sp2: two sequence groups read distinct rows, each splits its rows' sequences; ZeRO partitions
+    over all four ranks and averages gradients over the two data-parallel groups."""
     run = tmp_path / "dp2sp2"
-    result = train(overrides(tiny_data, run, "decoder_packed", "parallel.sequence_parallel=2"), nproc=4)
+    result = train(
+        overrides(tiny_data, run, case, "parallel.sequence_parallel=2", f"parallel.zero_stage={zero}"), nproc=4
+    )
     assert "layout: dp2 x sp2 on 4 ranks" in result.stdout
-    assert losses(run) == pytest.approx(losses(one_rank("decoder_packed")), abs=1e-5, rel=0)
+    assert losses(run) == pytest.approx(losses(one_rank(case)), abs=1e-5, rel=0)
+    assert grad_norms(run) == pytest.approx(grad_norms(one_rank(case)), rel=1e-4)
 
 
 def test_resume_across_sequence_parallel_sizes(one_rank, tiny_data, tmp_path):
