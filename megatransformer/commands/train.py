@@ -49,6 +49,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     cfg = load_config(config, overrides)  # config errors surface before any process group exists
     if os.environ.get("RANK", "0") == "0":  # a first line within seconds: importing PyTorch alone takes some
         print(f"training {cfg.run_dir} to step {cfg.train.max_steps:,}: starting PyTorch and DeepSpeed", flush=True)
+    from data_pipeline import DataError
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer import checkpoint as ckpt
     from megatransformer.training.builds import build_notes, ops_to_build
@@ -93,6 +94,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             )
         code = trainer.run()
         teardown()  # (every collective of the run is behind it)
+    except (ConfigError, DataError):  # found once the process group runs (a resume's checks): end it first
+        teardown()
+        raise
     except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
         line = collective_failure(err, cfg.parallel.timeout_minutes)
         if line is None:

@@ -17,14 +17,14 @@ from data_pipeline.tokenizer import TokenizerInfo
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.model.attention import FLASH_ATTN_INSTALL, flash_attn_module
 from megatransformer.training.data import loader_settings
-from megatransformer.training.layout import data_parallel_size
+from megatransformer.training.layout import data_parallel_size, resolve_batch_sizes
 from megatransformer.training.trackers import check_tensorboard
 
 
 def check_before_start(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
     """Raise ConfigError (or DataError) for a run this device or these files cannot train."""
     check_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    data_parallel_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the launcher's world fits the layout
+    resolve_batch_sizes(cfg.train, data_parallel_size(cfg, int(os.environ.get("WORLD_SIZE", "1"))))  # the world fits
     check_data(cfg, tokenizer)
     check_tensorboard(cfg)
 

@@ -171,6 +171,7 @@ def test_bad_configs_exit_2_with_one_line(tiny_data, tmp_path, extra, message):
     lines = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "bad").exists()  # found before the run started: nothing written
 
 
 def test_resume_with_another_model_shape_lists_the_fields(tiny_data, tmp_path):
