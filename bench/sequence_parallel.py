@@ -1,5 +1,5 @@
 """Ulysses sequence parallelism on CPU: peak activation memory per rank and tokens/s against sequence length,
-at sequence-parallel degrees 1, 2 and 4 (gloo ranks on this machine).
+at sequence-parallel degrees 1, 2 and 4 (gloo ranks on this machine), and with the MLPs in sequence tiles.
 
 Each degree runs ``sp`` processes that train one micro batch of one packed row (documents of 300-700 tokens)
 the way the trainer does: the masks built from the whole row (``masks.batch_masks``), each rank's slice
@@ -8,9 +8,12 @@ backward. No engine: the numbers are the model's. Memory is the peak of live ten
 backward (``bench/attention.py``'s profiler count), with the weights' gradients allocated beforehand so that
 only activations and their transients count; the largest over the ranks is reported. Tokens/s is the row's
 length over the time of one forward and backward (median of ``--repeats``), for the whole sequence group.
+``--mlp-tiles`` runs each point again with every MLP in that many tiles (``apply_tiled_mlp``, as
+``model.mlp_tiles`` does).
 
     python bench/sequence_parallel.py                                  # lengths 1024 2048 4096, sp 1 2 4
     python bench/sequence_parallel.py --lengths 2048,8192 --degrees 1,2
+    python bench/sequence_parallel.py --lengths 4096 --degrees 1,2 --mlp-tiles 1,4
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from megatransformer.config import ModelConfig  # noqa: E402
 from megatransformer.model import build_model  # noqa: E402
 from megatransformer.model.masks import batch_masks  # noqa: E402
 from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses  # noqa: E402
+from megatransformer.training.tiled_mlp import apply_tiled_mlp  # noqa: E402
 
 MODEL = dict(
     d_model=256,
@@ -67,7 +71,7 @@ def packed_row(length: int, vocab: int) -> dict[str, torch.Tensor]:
     }
 
 
-def run_rank(rank: int, size: int, port: int, length: int, repeats: int, out: str) -> None:
+def run_rank(rank: int, size: int, port: int, length: int, tiles: int, repeats: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(size),
@@ -87,6 +91,8 @@ def run_rank(rank: int, size: int, port: int, length: int, repeats: int, out: st
     whole, local = SequenceShard(rank, size).split(packed_row(length, cfg.vocab_size))
     if size > 1:
         apply_ulysses(model, dist.group.WORLD, rank, size)
+    if tiles > 1:
+        apply_tiled_mlp(model, tiles)
     masks = batch_masks("decoder", whole)
     labels = local.pop("labels")
 
@@ -108,6 +114,7 @@ def run_rank(rank: int, size: int, port: int, length: int, repeats: int, out: st
         record = {
             "sp": size,
             "seq_len": length,
+            "mlp_tiles": tiles,
             "peak_mib_per_rank": max(peaks) / 2**20,
             "tokens_per_s": length / statistics.median(seconds),
         }
@@ -125,24 +132,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1024,2048,4096", help="sequence lengths, comma-separated")
     parser.add_argument("--degrees", default="1,2,4", help="sequence-parallel degrees, comma-separated")
+    parser.add_argument("--mlp-tiles", default="1", help="MLP tile counts, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per point")
     args = parser.parse_args(argv)
     records = []
     result = Path(f"/tmp/bench_sequence_parallel_{os.getpid()}.json")
     for length in map(int, args.lengths.split(",")):
         for size in map(int, args.degrees.split(",")):
-            mp.spawn(run_rank, args=(size, free_port(), length, args.repeats, str(result)), nprocs=size, join=True)
-            records.append(json.loads(result.read_text()))
-            print(json.dumps(records[-1]), flush=True)
+            for tiles in map(int, args.mlp_tiles.split(",")):
+                run = (size, free_port(), length, tiles, args.repeats, str(result))
+                mp.spawn(run_rank, args=run, nprocs=size, join=True)
+                records.append(json.loads(result.read_text()))
+                print(json.dumps(records[-1]), flush=True)
     result.unlink(missing_ok=True)
     print(f"\nmodel: {MODEL}; one packed row per step; CPU threads {os.cpu_count()} shared by the ranks")
-    print("| seq_len | sp | peak activation MiB per rank | x of sp=1 | tokens/s | x of sp=1 |")
-    print("|---|---|---|---|---|---|")
+    first = records[0]
+    base_name = f"sp={first['sp']} tiles={first['mlp_tiles']}"
+    print(
+        f"| seq_len | sp | MLP tiles | peak activation MiB per rank | x of {base_name} | "
+        f"x of tiles={first['mlp_tiles']} | tokens/s | x of {base_name} |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in records:
-        base = next(b for b in records if b["seq_len"] == r["seq_len"] and b["sp"] == records[0]["sp"])
+        base = next(
+            b
+            for b in records
+            if b["seq_len"] == r["seq_len"] and b["sp"] == first["sp"] and b["mlp_tiles"] == first["mlp_tiles"]
+        )
+        untiled = next(
+            b
+            for b in records
+            if b["seq_len"] == r["seq_len"] and b["sp"] == r["sp"] and b["mlp_tiles"] == first["mlp_tiles"]
+        )
         print(
-            f"| {r['seq_len']} | {r['sp']} | {r['peak_mib_per_rank']:.1f} | "
-            f"{r['peak_mib_per_rank'] / base['peak_mib_per_rank']:.2f} | {r['tokens_per_s']:,.0f} | "
+            f"| {r['seq_len']} | {r['sp']} | {r['mlp_tiles']} | {r['peak_mib_per_rank']:.1f} | "
+            f"{r['peak_mib_per_rank'] / base['peak_mib_per_rank']:.2f} | "
+            f"{r['peak_mib_per_rank'] / untiled['peak_mib_per_rank']:.2f} | {r['tokens_per_s']:,.0f} | "
             f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} |"
         )
     return 0

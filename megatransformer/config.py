@@ -200,6 +200,11 @@ class ModelConfig(Section):
     """Scale residual output projections (o_proj, down_proj) by 1/sqrt(2 * n_layers)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
+    mlp_tiles: PositiveInt = 1
+    """Training: compute each MLP in this many tiles of the sequence (of each rank's slice under sequence
+    parallelism) and recompute it one tile at a time in the backward pass, so that its hidden activations live
+    for one tile instead of being kept for the whole sequence (DeepSpeed ALST's TiledMLP; one more MLP forward
+    per step). 1: untiled. Needs dropout 0."""
     attention_backend: Literal["auto", "sdpa", "flex", "flash", "eager", "chunked"] = "auto"
     """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows; without it PyTorch's
     varlen_attn for packed documents, prefix-LM and packed cross-attention (no attention dropout, no ALiBi); else
@@ -237,6 +242,11 @@ class ModelConfig(Section):
         _require(
             self.rope_scaling is None or self.position == "rope",
             f"model.rope_scaling needs model.position=rope, got model.position={self.position}",
+        )
+        _require(
+            self.mlp_tiles == 1 or self.dropout == 0,
+            f"model.mlp_tiles={self.mlp_tiles} recomputes the MLP in the backward pass, which would draw other "
+            f"dropout masks than the forward; set model.dropout=0 (got {self.dropout}) or model.mlp_tiles=1",
         )
         _require(
             self.n_decoder_layers is None or self.arch == "encoder_decoder",
@@ -499,6 +509,12 @@ class RunConfig(Section):
         ):
             _require(value % tp == 0, f"parallel.tensor_parallel={tp} does not divide model.{name}={value}")
         self._sequence_parallel_fits()
+        local = self.data.seq_len // self.parallel.sequence_parallel
+        _require(
+            m.mlp_tiles <= local,
+            f"model.mlp_tiles={m.mlp_tiles} exceeds the {local} positions of a sequence each rank holds "
+            "(data.seq_len / parallel.sequence_parallel)",
+        )
         allowed = {
             "autoregressive": ("decoder",),
             "prefix_lm": ("decoder", "encoder_decoder"),

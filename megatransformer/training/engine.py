@@ -37,6 +37,7 @@ from megatransformer.training.layout import BatchSizes, data_parallel_size, engi
 from megatransformer.training.optim import make_scheduler, param_groups
 from megatransformer.training.resume import ResumePlan
 from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
+from megatransformer.training.tiled_mlp import apply_tiled_mlp
 from megatransformer.training.tp_input_check import check_batch_without_masks
 
 
@@ -136,6 +137,8 @@ class TrainModule:
         model = build_model(cfg.model)
         if init_state is not None:
             model.load_state_dict(init_state)
+        if cfg.model.mlp_tiles > 1:
+            apply_tiled_mlp(model, cfg.model.mlp_tiles)
         # ranks of a sequence group read the same rows, each keeps its slice of them
         self.sequence, mpu = None, None
         if sp > 1:

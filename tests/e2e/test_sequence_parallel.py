@@ -1,7 +1,12 @@
 """Sequence parallelism (DeepSpeed-Ulysses) end to end: ``parallel.sequence_parallel=2`` on 2 ranks trains every
 architecture and objective loss for loss like one rank (fp32, no dropout), with ZeRO-1 and ZeRO-3 (the decoder
+<<<<<<< HEAD
 with ZeRO-0 and ZeRO-2 too); dp2 x sp2 on 4 ranks likewise; a checkpoint continues across sp 2 <-> 1; bad layouts
 exit 2 with one line.
+=======
+with ZeRO-0 and ZeRO-2 too, and with its MLPs in sequence tiles); dp2 x sp2 on 4 ranks too; a checkpoint
+continues across sp 2 <-> 1; bad layouts exit 2 with one line.
+>>>>>>> tiled-mlp
 
 Every run is a real ``megatransformer train`` process (torchrun, gloo) with the same global batch of 4 rows.
 """
@@ -90,6 +95,16 @@ def test_two_sequence_ranks_train_like_one_rank(one_rank, tiny_data, tmp_path, c
     assert len(losses(run)) == STEPS
     assert losses(run) == pytest.approx(losses(one_rank(case)), abs=1e-5, rel=0)
     assert grad_norms(run) == pytest.approx(grad_norms(one_rank(case)), rel=1e-4)
+
+
+def test_mlps_in_sequence_tiles_train_like_untiled(one_rank, tiny_data, tmp_path):
+    """model.mlp_tiles=2 on each rank's slice, under ZeRO-3 (its gradients reduced once, after the last tile)
+    and activation checkpointing (the tiles recomputed inside a recomputed block)."""
+    run = tmp_path / "tiled"
+    tiled = ["model.mlp_tiles=2", "model.activation_checkpointing=true", "parallel.zero_stage=3"]
+    train(overrides(tiny_data, run, "decoder_packed", "parallel.sequence_parallel=2", *tiled), nproc=2)
+    assert losses(run) == pytest.approx(losses(one_rank("decoder_packed")), abs=1e-5, rel=0)
+    assert grad_norms(run) == pytest.approx(grad_norms(one_rank("decoder_packed")), rel=1e-4)
 
 
 @pytest.mark.parametrize("case, zero", [(case, zero) for case in CASES for zero in (1, 3)])
