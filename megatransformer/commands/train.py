@@ -52,7 +52,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from data_pipeline import DataError
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer import checkpoint as ckpt
-    from megatransformer.training.builds import build_notes, ops_to_build
+    from megatransformer.training.builds import build_notes, build_progress, ops_to_build
     from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, leave, setup, teardown
     from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer
@@ -67,7 +67,8 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     check_run_dir(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_before_start(cfg, tokenizer)  # device and files: seconds, not after DeepSpeed's start-up
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # (one line per node: the build directory is per node)
+    ops = []  # the DeepSpeed ops this node builds or waits for, said by one rank (the build directory is per node)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
         import torch
 
         ops = ops_to_build(
@@ -82,7 +83,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     if torch.cuda.is_available():
         switch_on_flight_recorder(cfg.run_dir)  # (before the process group starts)
     try:
-        with quiet_engine(verbose):
+        with build_progress(ops, sys.stdout), quiet_engine(verbose):  # (quiet_engine holds back stdout)
             dist_info = setup(cfg.parallel.timeout_minutes)
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
         if dist_info.is_main:

@@ -1,12 +1,16 @@
 """DeepSpeed's ops built on first use (JIT, through ``torch.utils.cpp_extension``): which ones a run builds, a
-line before each build and before each wait on another process's build lock, and no build at all where none
-is needed. Design: docs/first-run.md.
+line before each build and before each wait on another process's build lock, a line a minute while one goes on,
+and no build at all where none is needed. Design: docs/first-run.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 COLLECTIVE = "deepspeed_shm_comm"  # DeepSpeed's shared-memory all-reduce of a node's CPU ranks
 CPU_ADAM = "cpu_adam"  # DeepSpeedCPUAdam, the optimizer step of parallel.offload_optimizer
@@ -52,6 +56,35 @@ def build_notes(ops: list[str], now: float | None = None) -> list[str]:
             "leaves its lock behind), delete that file"
         )
     return lines
+
+
+@contextlib.contextmanager
+def build_progress(ops: list[str], out: TextIO, every: float = 60.0) -> Iterator[None]:
+    """While the body runs (DeepSpeed starting, which builds or waits for ``ops``): every ``every`` seconds, a
+    line to ``out`` for each op whose build lock is still there, so that a long build or wait is never a
+    silent one."""
+    if not ops:
+        yield
+        return
+    started = time.monotonic()
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(every):
+            for op in ops:
+                lock = build_dir(op) / "lock"
+                if lock.exists():
+                    waited = format_age(time.monotonic() - started)
+                    print(f"still waiting for {WHAT[op]} to build ({waited} so far): lock file {lock}", file=out)
+                    out.flush()
+
+    thread = threading.Thread(target=report, name="megatransformer-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def format_age(seconds: float) -> str:

@@ -1,18 +1,21 @@
 """Never silent at start-up: a first line before PyTorch loads, a line before each one-time DeepSpeed op build and
-before each wait on another process's build lock, and no build at all for a single process."""
+before each wait on another process's build lock, a line each minute while either goes on, and no build at all
+for a single process."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from support.runs import tiny_data_overrides, train_command
 
-from megatransformer.training.builds import COLLECTIVE, CPU_ADAM, build_notes, ops_to_build
+from megatransformer.training.builds import COLLECTIVE, CPU_ADAM, build_notes, build_progress, ops_to_build
 
 TINY = (
     "model.d_model=32 model.n_layers=1 model.n_heads=2 model.n_kv_heads=2 model.d_ff=64 model.vocab_size=512 "
@@ -45,6 +48,26 @@ def test_a_build_and_a_lock_are_announced_a_built_op_is_not(tmp_path, monkeypatc
         f"its lock file {lock} is 60 min old;"
     )
     assert waiting.endswith("if no build is running (a killed one leaves its lock behind), delete that file")
+
+
+def test_a_build_or_wait_that_goes_on_says_so_every_interval(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / COLLECTIVE / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    out = io.StringIO()
+    with build_progress([COLLECTIVE], out, every=0.05):
+        time.sleep(0.3)
+    said = out.getvalue().splitlines()
+    assert len(said) >= 2, said
+    assert said[0].startswith(f"still waiting for DeepSpeed's CPU collective ({COLLECTIVE}) to build (0 s so far)")
+    assert said[0].endswith(f"lock file {lock}")
+    lock.unlink()  # the build ended, or nothing is built
+    for ops in ([COLLECTIVE], []):
+        quiet = io.StringIO()
+        with build_progress(ops, quiet, every=0.01):
+            time.sleep(0.1)
+        assert quiet.getvalue() == ""
 
 
 def run_command(tiny_data, run_dir: Path) -> list[str]:
