@@ -297,9 +297,10 @@ class DataConfig(Section):
 
 
 class SpikesConfig(Section):
-    """Loss spikes (training/spikes.py): a step whose loss is non-finite or far above the running median of
-    recent losses does not update the model; several within a short span roll the run back to the newest
-    intact checkpoint before them and skip the data read since, plus a margin; too many rollbacks stop it."""
+    """Loss spikes (training/spikes.py): a step whose loss or gradient norm is non-finite or far above the
+    running median of its recent values does not update the model; several within a short span roll the run
+    back to the newest intact checkpoint before them and skip the data read since, plus a margin; too many
+    rollbacks stop it."""
 
     enabled: bool = True
     """Detect spikes and respond (off: only non-finite steps are skipped, train.max_bad_steps stops)."""
@@ -311,6 +312,14 @@ class SpikesConfig(Section):
     """A spike lies this many robust standard deviations (1.4826 x MAD) above the median..."""
     min_rise: Annotated[float, Field(gt=0)] = 0.1
     """...and at least this fraction of the median above it (a flat curve has a MAD near zero)."""
+    grad_norm: bool = True
+    """Judge the global gradient norm (before clipping) too, against its own running median and MAD over the
+    same window: a step spikes when its loss or its gradient norm lies beyond its threshold."""
+    grad_norm_threshold: Annotated[float, Field(gt=0)] = 6.0
+    """A gradient-norm spike lies this many robust standard deviations above the median of recent norms..."""
+    grad_norm_min_rise: Annotated[float, Field(gt=0)] = 3.0
+    """...and at least this fraction of that median above it (norms are far noisier than losses: 3.0 is four
+    times the median)."""
     rollback_after: PositiveInt = 3
     """Spikes within ``within`` steps that roll the run back."""
     within: PositiveInt = 50

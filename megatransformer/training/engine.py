@@ -5,14 +5,16 @@ Everything that knows DeepSpeed lives here and in ``checkpointer.py`` (its confi
 its form, the loss normalisation it needs, skipped updates, gradient norms, tensor-parallel corrections); the
 loop in ``loop.py`` only sees :class:`TrainModule`: ``step``, ``evaluate``, ``save`` and ``load``.
 
-One step waits for the device once (:meth:`TrainModule.step` reads one small vector of step statistics
-before the optimizer step). The rest is decided on the host before the batches move: label and token
+One step waits for the device once (:meth:`TrainModule.step` reads one small vector of step statistics,
+the gradient norm among them, before the update: before DeepSpeed's step without ZeRO, inside it, once ZeRO
+has computed the norm, with ZeRO). The rest is decided on the host before the batches move: label and token
 counts are counted from the loader's CPU tensors, attention metadata is built once per batch
 (:func:`masks.batch_masks`), and the loss normaliser is all-reduced on the device and used there.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -108,7 +110,24 @@ class StepResult:
     finite: bool  # the loss and gradients were finite (else the update was skipped)
     stop: bool  # a rank was asked to stop (preemption)
     lr: float  # the learning rate this step's update used
-    rejected: bool = False  # the loss was finite, but ``reject`` refused it: the update was skipped
+    rejected: bool = False  # the step was finite, but ``reject`` refused it: the update was skipped
+    grad_norm: float | None = None  # global gradient norm before clipping (NaN: non-finite; None: not computed)
+
+
+@dataclass
+class Verdict:
+    """The step's reduced statistics and what becomes of its update."""
+
+    loss: float
+    grad_norm: float | None
+    finite: bool
+    rejected: bool
+    stop: bool
+    real_tokens: float
+
+    @property
+    def apply(self) -> bool:
+        return self.finite and not self.rejected
 
 
 class TrainModule:
@@ -177,7 +196,6 @@ class TrainModule:
         )
         # flash-attn's varlen metadata is built only where flash-attn may run
         self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
-        self.grad_norm: torch.Tensor | None = None  # ZeRO-0: this step's, on the device
 
     # ------------------------------------------------------------------------------------ one step
 
@@ -185,11 +203,11 @@ class TrainModule:
         self,
         batches: Iterator[Mapping[str, torch.Tensor]],
         stop_requested: Callable[[], bool] = lambda: False,
-        reject: Callable[[float], bool] | None = None,
+        reject: Callable[[float, float | None], bool] | None = None,
     ) -> StepResult:
         """Forward/backward every micro batch of one optimizer step, then step (or skip a bad step).
-        ``reject(loss)`` (the global batch's loss, the same on every rank) may refuse a finite step's update
-        (a loss spike).
+        ``reject(loss, grad_norm)`` (the global batch's loss and the global gradient norm before clipping, the
+        same numbers on every rank) may refuse a finite step's update (a loss or gradient-norm spike).
 
         The loss is the mean over every loss token of the global batch (all micro batches, all data-parallel
         ranks), not a mean of per-batch means, so padding and variable loss counts (masked-LM) weigh right.
@@ -221,26 +239,65 @@ class TrainModule:
                 engine.backward(loss * scale)
             if i < accum - 1:
                 engine.step()  # (not a boundary: DeepSpeed only counts the micro step)
-        # the boundary: one reduction of the step's statistics, the one wait for the device in the step
-        if self.zero_stage == 0:  # (ZeRO computes its gradient norm itself)
-            self.grad_norm = unclipped_grad_norm(engine.module, self.tp)
-            if self.cfg.precision != "fp16":
-                bad += (~torch.isfinite(self.grad_norm)).double()
+        # the boundary: one reduction of the step's statistics, the one wait for the device in the step, once
+        # the gradient norm is known: here without ZeRO, inside DeepSpeed's step (before the update) with it
         stats = torch.cat([torch.stack([loss_sum, bad]), self._on_device([float(stop_requested()), real])])
-        dist.all_reduce(stats)
-        loss_total, n_bad, stop, real_total, targets_total = torch.cat([stats, global_targets]).tolist()
-        finite = n_bad == 0
-        loss = loss_total / max(targets_total, 1.0)
-        rejected = finite and reject is not None and reject(loss)
+        verdicts: list[Verdict] = []
+
+        def judge(norm: torch.Tensor | None) -> bool:
+            verdicts.append(self._judge(stats, global_targets, norm, reject))
+            return verdicts[0].apply
+
+        if self.zero_stage == 0:
+            judge(unclipped_grad_norm(engine.module, self.tp) / getattr(engine.optimizer, "loss_scale", 1.0))
         skipped_before = engine.skipped_steps
-        with skipped_update(engine, skip=not finite or rejected):
+        with gated_update(engine, lambda: verdicts[0].apply if verdicts else judge(zero_grad_norm(engine))):
             engine.step()
+        if not verdicts:  # ZeRO skipped the update before asking: non-finite gradients (fp16: the loss scale)
+            judge(None)
+            verdicts[0].grad_norm = math.nan
+        verdict = verdicts[0]
+        finite = verdict.finite
         # ZeRO skips a step with non-finite gradients on its own (and counts it); with fp16 that is the loss
         # scaler finding its scale, which is routine, not divergence
         if self.cfg.precision != "fp16":
             finite = finite and engine.skipped_steps == skipped_before
         # (loss sums and counts are both counted once per tensor-parallel peer)
-        return StepResult(loss, tokens, round(real_total / self.tp), finite, stop > 0, lr, rejected)
+        return StepResult(
+            verdict.loss,
+            tokens,
+            round(verdict.real_tokens / self.tp),
+            finite,
+            verdict.stop,
+            lr,
+            verdict.rejected,
+            verdict.grad_norm,
+        )
+
+    def _judge(
+        self,
+        stats: torch.Tensor,
+        global_targets: torch.Tensor,
+        norm: torch.Tensor | None,
+        reject: Callable[[float, float | None], bool] | None,
+    ) -> Verdict:
+        """All-reduce this rank's ``stats`` (loss sum, non-finite losses, stop flag, real tokens) with the
+        gradient norm ``norm`` (a device scalar, rank 0's: every rank holds the same; None: none computed) and
+        read them in one transfer; then the verdict on the update, the same on every rank."""
+        slot = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if norm is not None and dist.get_rank() == 0:
+            # (DeepSpeed's norms report a non-finite norm as -1)
+            slot = torch.where(norm >= 0, norm.double(), math.nan).reshape(1).to(self.device)
+        stats = torch.cat([stats, slot])
+        dist.all_reduce(stats)
+        loss_total, n_bad, stop, real_total, grad_norm, targets_total = torch.cat([stats, global_targets]).tolist()
+        loss = loss_total / max(targets_total, 1.0)
+        grad_norm = None if norm is None else grad_norm
+        norm_finite = grad_norm is None or math.isfinite(grad_norm)
+        # (fp16: non-finite gradients are the loss scaler's to skip)
+        finite = n_bad == 0 and (norm_finite or self.cfg.precision == "fp16")
+        rejected = finite and reject is not None and reject(loss, grad_norm if norm_finite else None)
+        return Verdict(loss, grad_norm, finite, rejected, stop > 0, real_total)
 
     # ---------------------------------------------------------------------------------- checkpoints
 
@@ -277,11 +334,6 @@ class TrainModule:
         on CUDA the copies come from pinned memory and do not wait); ``whole``: the batch the masks describe,
         when ``batch`` is this rank's part of its sequences."""
         return batch_to_device(batch, self.device, self.cfg.model.arch, self.varlen, whole)
-
-    def last_grad_norm(self) -> float | None:
-        """The gradient norm before clipping of the last step (reads it from the device: log steps only)."""
-        norm = self.grad_norm if self.zero_stage == 0 else self.engine.get_global_grad_norm()
-        return None if norm is None else float(norm)
 
     def _on_device(self, values: list[float]) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.float64)
@@ -357,19 +409,31 @@ def eval_schedule(n_batches: int, dp_size: int, dp_rank: int) -> list[int | None
 
 
 @contextmanager
-def skipped_update(engine, skip: bool):
-    """When ``skip``, the step inside this block changes nothing: weights, Adam moments, the optimizer's
-    step count and the learning-rate schedule stay as they were (DeepSpeed still zeroes the gradients).
-    This is what DeepSpeed's ZeRO optimizers do on their own for non-finite gradients.
+def gated_update(engine, apply: Callable[[], bool]):
+    """The optimizer step inside this block asks ``apply()``, once, when the innermost optimizer is about to
+    update (DeepSpeed's ZeRO has computed the gradient norm and clipped by then), whether to change anything.
+    When not, weights, Adam moments, the optimizer's step count and the learning-rate schedule stay as they
+    were (DeepSpeed still zeroes the gradients), which is what DeepSpeed's ZeRO optimizers do on their own for
+    non-finite gradients (they return before the update, and ``apply`` is not asked).
     """
-    if not skip:
-        yield
-        return
+    answer: list[bool] = []  # apply()'s, once asked
+
+    def gate(step: Callable, asks: bool) -> Callable:
+        @functools.wraps(step)  # (with the mark torch's LR scheduler leaves on the optimizer's step)
+        def gated(*args, **kwargs):
+            if asks and not answer:
+                answer.append(apply())
+            if answer and not answer[0]:
+                return None
+            return step(*args, **kwargs)
+
+        return gated
+
     inner = checkpointer.innermost_optimizer(engine)
     # (torch's LR scheduler may already have wrapped the optimizer's step on the instance: put it back)
     patched = [(obj, vars(obj).get("step")) for obj in (inner, engine.lr_scheduler) if obj is not None]
     for obj, _ in patched:
-        obj.step = _no_op
+        obj.step = gate(obj.step, asks=obj is inner)
     try:
         yield
     finally:
@@ -380,8 +444,11 @@ def skipped_update(engine, skip: bool):
                 obj.step = own
 
 
-def _no_op(*args, **kwargs) -> None:
-    return None
+def zero_grad_norm(engine) -> torch.Tensor | None:
+    """The global gradient norm before clipping that DeepSpeed's ZeRO (or bf16) optimizer computed in this
+    step, once it is about to update: a device scalar (-1 where non-finite), or None if it computes none."""
+    norm = getattr(engine.optimizer, "_global_grad_norm", None)
+    return None if norm is None else torch.as_tensor(norm)
 
 
 def unclipped_grad_norm(module: torch.nn.Module, tensor_parallel: int) -> torch.Tensor:

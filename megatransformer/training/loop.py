@@ -6,7 +6,6 @@ What one optimizer step does on DeepSpeed (micro batches, loss normalisation, sk
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
@@ -23,7 +22,7 @@ from megatransformer.training.data import build_run_loader, small_validation_war
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
 from megatransformer.training.layout import describe_layout, zero_stage_notes
-from megatransformer.training.metrics import Reporter, peak_tflops
+from megatransformer.training.metrics import Reporter, finite_or_none, peak_tflops
 from megatransformer.training.optim import warmup_warning
 from megatransformer.training.resume import plan_resume, rollback_target
 from megatransformer.training.trackers import resolved_config, run_facts
@@ -175,9 +174,9 @@ class Trainer:
                 report.log(
                     {
                         "step": self.state.step,
-                        "loss": result.loss if math.isfinite(result.loss) else None,
+                        "loss": finite_or_none(result.loss),
                         "lr": result.lr,
-                        "grad_norm": self.module.last_grad_norm(),
+                        "grad_norm": finite_or_none(result.grad_norm),
                         "tokens": self.state.tokens,
                         "tokens_per_s": tokens_per_s,
                         "mfu": window_real / seconds * flops / peak_flops if peak_flops else None,
@@ -193,7 +192,7 @@ class Trainer:
                     f"({self.state.bad_steps} in a row)"
                 )
             if result.rejected or (not result.finite and cfg.train.spikes.enabled):
-                action = self.answer_spike(result.loss, report)
+                action = self.answer_spike(result.loss, result.grad_norm, report)
                 if action == spikes.STOP:
                     exit_code = EXIT_DIVERGED
                     break
@@ -254,10 +253,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- loss spikes
 
-    def answer_spike(self, loss: float, report: Reporter) -> str:
+    def answer_spike(self, loss: float, grad_norm: float | None, report: Reporter) -> str:
         """Log a spike and take the ladder's answer: skip (done: the update was not applied), roll back
         (done here), or stop."""
-        event = self.spikes.respond(self.state.step, loss)
+        event = self.spikes.respond(self.state.step, loss, grad_norm)
         record = event.record(self.spikes.rollbacks)
         target = rollback_target(self.cfg, event.began) if event.action == spikes.ROLLBACK else None
         if event.action == spikes.ROLLBACK and target is None:

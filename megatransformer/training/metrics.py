@@ -7,6 +7,7 @@ progress bar on a terminal, and a closing summary; DeepSpeed's start-up chatter 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -32,6 +33,11 @@ GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("B200", 2250.0),
     ("A100", 312.0),  # A100 40/80 GB, SXM and PCIe
 )
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """A number for metrics.jsonl: None where non-finite (JSON has no NaN)."""
+    return value if value is not None and math.isfinite(value) else None
 
 
 def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
@@ -176,8 +182,10 @@ class Reporter:
             f.write(json.dumps(record) + "\n")
         self.message(line)
         if self.wandb is not None:
+            points = ("spike_loss", "threshold", "spike_grad_norm", "grad_norm_threshold")
             self.wandb.log(
-                {"spikes/loss": record["spike_loss"], "spikes/threshold": record["threshold"]}, step=record["step"]
+                {f"spikes/{key.removeprefix('spike_')}": record[key] for key in points if record.get(key) is not None},
+                step=record["step"],
             )
             if record["event"] != "skip" and wandb_mode(self.cfg) == "online":
                 self.wandb.alert(title=f"loss spike: {record['event']}", text=line)

@@ -1,8 +1,8 @@
-"""Loss spikes: which steps spike, and the ladder of answers (skip the update; roll back and skip the data;
-stop). docs/spikes.md describes the design.
+"""Loss spikes: which steps spike (their loss or their gradient norm), and the ladder of answers (skip the
+update; roll back and skip the data; stop). docs/spikes.md describes the design.
 
-Every rank takes the same decisions: they are made from the step's all-reduced loss, which every rank reads
-anyway, so detection adds no wait for the device.
+Every rank takes the same decisions: they are made from the step's all-reduced loss and gradient norm, which
+every rank reads anyway in one transfer, so detection adds no wait for the device.
 """
 
 from __future__ import annotations
@@ -17,53 +17,65 @@ from typing import Any
 import numpy as np
 
 from megatransformer.config import SpikesConfig
+from megatransformer.training.metrics import finite_or_none
 
 ROBUST_SIGMA = 1.4826  # the MAD of normally distributed values times this is their standard deviation
 SKIP, ROLLBACK, STOP = "skip", "rollback", "stop"
+LOSS, GRAD_NORM = "loss", "grad_norm"  # the quantities judged
+NAMES = {LOSS: "loss", GRAD_NORM: "gradient norm"}
 LOG = "spikes.json"  # RUN_DIR/spikes.json: the ladder's state right after the last rollback
 
 
 class SpikeDetector:
-    """A running median and MAD of the recent accepted losses (a ring of ``window`` of them); a loss is a
-    spike when it is non-finite or lies above :meth:`threshold`."""
+    """A running median and MAD of one quantity's recent accepted values (a ring of ``window`` of them); a value
+    is a spike when it is non-finite or lies above :meth:`threshold`."""
 
-    def __init__(self, cfg: SpikesConfig, losses: list[float] = ()) -> None:
+    def __init__(self, cfg: SpikesConfig, values: list[float] = (), quantity: str = LOSS) -> None:
         self.cfg = cfg
+        self.threshold_sigmas, self.min_rise = (
+            (cfg.threshold, cfg.min_rise) if quantity == LOSS else (cfg.grad_norm_threshold, cfg.grad_norm_min_rise)
+        )
         self.ring = np.empty(cfg.window)
-        self.count = 0  # losses seen; the ring holds the last min(count, window)
+        self.count = 0  # values seen; the ring holds the last min(count, window)
         self._threshold: float | None = None
-        for loss in list(losses)[-cfg.window :]:
-            self._add(loss)
+        for value in list(values)[-cfg.window :]:
+            self.add(value)
 
     @property
-    def losses(self) -> list[float]:
-        """The losses of the statistic, oldest first."""
+    def values(self) -> list[float]:
+        """The values of the statistic, oldest first."""
         n, at = min(self.count, self.cfg.window), self.count % self.cfg.window
         return (np.concatenate([self.ring[at:], self.ring[:at]]) if n == self.cfg.window else self.ring[:n]).tolist()
 
     def threshold(self) -> float | None:
-        """The loss above which a step spikes; None while fewer than ``warmup`` losses are known."""
+        """The value above which a step spikes; None while fewer than ``warmup`` values are known."""
         return self._threshold
 
-    def rejects(self, loss: float) -> bool:
-        """Whether a step with ``loss`` spikes; a loss that does not joins the statistic."""
-        if not math.isfinite(loss) or (self._threshold is not None and loss > self._threshold):
+    def beyond(self, value: float) -> bool:
+        """Whether ``value`` is non-finite or above the threshold."""
+        return not math.isfinite(value) or (self._threshold is not None and value > self._threshold)
+
+    def rejects(self, value: float) -> bool:
+        """Whether a step with ``value`` spikes; a value that does not joins the statistic."""
+        if self.beyond(value):
             return True
-        self._add(loss)
+        self.add(value)
         return False
 
-    def _add(self, loss: float) -> None:
-        self.ring[self.count % self.cfg.window] = loss
+    def add(self, value: float) -> None:
+        self.ring[self.count % self.cfg.window] = value
         self.count += 1
         n = min(self.count, self.cfg.window)
-        self._threshold = robust_threshold(self.ring[:n], self.cfg) if n >= self.cfg.warmup else None
+        self._threshold = (
+            robust_threshold(self.ring[:n], self.threshold_sigmas, self.min_rise) if n >= self.cfg.warmup else None
+        )
 
 
-def robust_threshold(losses: np.ndarray, cfg: SpikesConfig) -> float:
-    """median + max(threshold x robust sigma, min_rise x median) of ``losses``."""
-    median = _median(losses)
-    spread = ROBUST_SIGMA * _median(np.abs(losses - median))
-    return median + max(cfg.threshold * spread, cfg.min_rise * abs(median))
+def robust_threshold(values: np.ndarray, sigmas: float, min_rise: float) -> float:
+    """median + max(sigmas x robust sigma, min_rise x median) of ``values``."""
+    median = _median(values)
+    spread = ROBUST_SIGMA * _median(np.abs(values - median))
+    return median + max(sigmas * spread, min_rise * abs(median))
 
 
 def _median(values: np.ndarray) -> float:
@@ -80,8 +92,11 @@ class SpikeEvent:
     action: str  # skip | rollback | stop
     step: int
     loss: float
-    threshold: float | None
+    threshold: float | None  # the loss's
     began: int  # the first spike of the run of spikes that led here
+    spiked: list[str]  # the quantities beyond their threshold (LOSS, GRAD_NORM)
+    grad_norm: float | None = None  # None: not computed by the engine
+    grad_norm_threshold: float | None = None
 
     def record(self, rollbacks: int) -> dict[str, Any]:
         """The event as a metrics.jsonl record (``rollbacks``: those before it, which tells the run's
@@ -89,57 +104,93 @@ class SpikeEvent:
         return {
             "step": self.step,
             "event": self.action,
-            "spike_loss": self.loss if math.isfinite(self.loss) else None,
+            "spiked": self.spiked,
+            "spike_loss": finite_or_none(self.loss),
             "threshold": self.threshold,
+            "spike_grad_norm": finite_or_none(self.grad_norm),
+            "grad_norm_threshold": self.grad_norm_threshold,
             "spike_began": self.began,
             "rollbacks": rollbacks,
         }
 
 
 class SpikeLadder:
-    """The response to spikes, with the state a checkpoint keeps (:meth:`state_dict`): the detector's
-    losses, the recent spikes, the rollbacks so far and the global row ranges they skipped."""
+    """The response to spikes, with the state a checkpoint keeps (:meth:`state_dict`): the detectors' values,
+    the recent spikes, the rollbacks so far and the global row ranges they skipped."""
 
     def __init__(self, cfg: SpikesConfig, state: dict[str, Any] | None = None) -> None:
         state = state or {}
         self.cfg = cfg
-        self.detector = SpikeDetector(cfg, state.get("losses", []))
+        self._restore_detectors(state)
         self.recent: list[int] = list(state.get("recent", []))
         self.rollbacks: int = state.get("rollbacks", 0)
         self.skip_rows: list[list[int]] = [list(r) for r in state.get("skip_rows", [])]
 
-    def rejects(self, loss: float) -> bool:
-        """Whether the step with this (all-reduced) loss must not update the model."""
-        return self.cfg.enabled and self.detector.rejects(loss)
+    def _restore_detectors(self, state: dict[str, Any]) -> None:
+        """The detectors as ``state`` had them (one without ``grad_norms``, of an older version, starts the
+        gradient norm's warm-up again)."""
+        self.detector = SpikeDetector(self.cfg, state.get("losses", []))
+        self.grad_norm_detector = (
+            SpikeDetector(self.cfg, state.get("grad_norms", []), GRAD_NORM) if self.cfg.grad_norm else None
+        )
 
-    def respond(self, step: int, loss: float) -> SpikeEvent:
+    def spiked(self, loss: float, grad_norm: float | None = None) -> list[str]:
+        """The quantities of a step beyond their threshold (a non-finite gradient norm always is; a finite one
+        only where the gradient norm is judged; None: the engine computed none)."""
+        spiked = [LOSS] if self.detector.beyond(loss) else []
+        if grad_norm is not None and (
+            not math.isfinite(grad_norm) or (self.grad_norm_detector and self.grad_norm_detector.beyond(grad_norm))
+        ):
+            spiked.append(GRAD_NORM)
+        return spiked
+
+    def rejects(self, loss: float, grad_norm: float | None = None) -> bool:
+        """Whether the step with this (all-reduced) loss and gradient norm must not update the model; a step
+        that may joins the statistics."""
+        if not self.cfg.enabled:
+            return False
+        if self.spiked(loss, grad_norm):
+            return True
+        self.detector.add(loss)
+        if self.grad_norm_detector is not None and grad_norm is not None:
+            self.grad_norm_detector.add(grad_norm)
+        return False
+
+    def respond(self, step: int, loss: float, grad_norm: float | None = None) -> SpikeEvent:
         """The answer to a spike at ``step``: skip its update; roll back when it is the ``rollback_after``-th
         within ``within`` steps; stop when no rollback is left."""
         self.recent = [s for s in self.recent if s > step - self.cfg.within] + [step]
         action = SKIP
         if len(self.recent) >= self.cfg.rollback_after:
             action = ROLLBACK if self.rollbacks < self.cfg.max_rollbacks else STOP
-        return SpikeEvent(action, step, loss, self.detector.threshold(), self.recent[0])
+        norm_threshold = self.grad_norm_detector.threshold() if self.grad_norm_detector else None
+        spiked = self.spiked(loss, grad_norm) or [LOSS]  # (a step found non-finite where no quantity tells)
+        return SpikeEvent(
+            action, step, loss, self.detector.threshold(), self.recent[0], spiked, grad_norm, norm_threshold
+        )
 
     def protect_before(self) -> int | None:
         """While spikes are recent, the newest checkpoint before the first of them is what a rollback needs."""
         return self.recent[0] if self.recent else None
 
     def rolled_back(self, rows: tuple[int, int], restored: dict[str, Any]) -> None:
-        """After a rollback that skips global ``rows``: the statistic as the checkpoint had it (``restored``,
+        """After a rollback that skips global ``rows``: the statistics as the checkpoint had them (``restored``,
         its ladder state), no recent spikes, one rollback more."""
-        self.detector = SpikeDetector(self.cfg, restored.get("losses", []))
+        self._restore_detectors(restored)
         self.recent = []
         self.rollbacks += 1
         self.skip_rows.append(list(rows))
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "losses": list(self.detector.losses),
+        state = {
+            "losses": self.detector.values,
             "recent": list(self.recent),
             "rollbacks": self.rollbacks,
             "skip_rows": [list(r) for r in self.skip_rows],
         }
+        if self.grad_norm_detector is not None:
+            state["grad_norms"] = self.grad_norm_detector.values
+        return state
 
 
 def resume_state(checkpoint: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
@@ -165,10 +216,16 @@ def describe(
     rollbacks: int = 0,
     max_rollbacks: int = 0,
 ) -> str:
-    """The console line of an event."""
-    loss = f"{event.loss:.4f}" if math.isfinite(event.loss) else "non-finite"
-    limit = "" if event.threshold is None else f" (threshold {event.threshold:.4f})"
-    head = f"step {event.step}: loss spike, loss {loss}{limit}"
+    """The console line of an event: the quantities that spiked, each with its value and threshold."""
+    values = {LOSS: (event.loss, event.threshold), GRAD_NORM: (event.grad_norm, event.grad_norm_threshold)}
+    parts = []
+    for quantity in event.spiked:
+        value, limit = values[quantity]
+        parts.append(
+            f"{NAMES[quantity]} {_shown(quantity, value)}"
+            + ("" if limit is None else f" (threshold {_shown(quantity, limit)})")
+        )
+    head = f"step {event.step}: {' and '.join(NAMES[q] for q in event.spiked)} spike, {', '.join(parts)}"
     if event.action == SKIP:
         return f"{head}: update skipped"
     if event.action == ROLLBACK:
@@ -177,3 +234,9 @@ def describe(
             f"[{rows[0]:,}, {rows[1]:,}) (rollback {rollbacks} of {max_rollbacks})"
         )
     return head
+
+
+def _shown(quantity: str, value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "non-finite"
+    return f"{value:.4f}" if quantity == LOSS else f"{value:.4g}"

@@ -1,21 +1,18 @@
 """Loss spikes end to end: a tiny model trained on data with a poisoned region (documents of random CJK
-characters, which the tokenizer's corpus never holds) spikes there; the default ladder skips, rolls back
-and steps over the region, and ends where the same run on clean data ends; without it the spike shows.
-Real `megatransformer train` processes."""
+characters, which the tokenizer's corpus never holds) spikes there, in loss and gradient norm; the default
+ladder skips, rolls back and steps over the region, and ends where the same run on clean data ends; without
+it the spike shows. The same on two ranks (ZeRO-1, the same global batch), and a run killed after its
+rollback resumes to the same curve on one rank and on two. Real `megatransformer train` processes."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from support.runs import metrics, tiny_model, train, train_command
+from support.runs import kill_when, metrics, tiny_model, train
 
 MICRO = 4
 # streams=1, shuffle_buffer=1: rows follow the documents' order, so the poison is one contiguous row range
@@ -40,6 +37,7 @@ class Poisoned(NamedTuple):
     poisoned: Path  # train shards with the poisoned documents
     clean: Path  # the same documents without them
     rows: tuple[int, int]  # the global rows holding poison: [first, last + 1)
+    rows_two_streams: tuple[int, int]  # the same with data.streams=2 (every other row of a range twice as far)
 
 
 def poison_documents(n: int, chars: int) -> list[str]:
@@ -69,25 +67,21 @@ def poisoned(tiny_data, tmp_path_factory) -> Poisoned:
             progress=False,
         )
     tok = load_tokenizer(tiny_data.tokenizer)
-    cfg = validate(
-        {
-            "model": {"vocab_size": 512, "max_seq_len": 128},
-            "data": {
-                "train": str(root / "poisoned"),
-                "tokenizer": str(tiny_data.tokenizer),
-                "seq_len": 64,
-                "streams": 1,
-                "shuffle_buffer": 1,
-            },
-        }
-    )
-    bad = []
-    for index, batch in zip(range(400), build_run_loader(cfg, "train", MICRO, 0, 1, tok)):
-        for r, row in enumerate(batch["input_ids"]):
-            if any("\u4e00" <= ch <= "\u9fa5" for ch in tok.decode(row.tolist())):
-                bad.append(index * MICRO + r)
-    assert bad and bad[-1] - bad[0] < 80, bad
-    return Poisoned(root / "poisoned", root / "clean", (bad[0], bad[-1] + 1))
+
+    def poisoned_rows(streams: int) -> tuple[int, int]:
+        data = {"train": str(root / "poisoned"), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64}
+        cfg = validate(
+            {"model": {"vocab_size": 512, "max_seq_len": 128}, "data": data | {"streams": streams, "shuffle_buffer": 1}}
+        )
+        bad = []
+        for index, batch in zip(range(400), build_run_loader(cfg, "train", MICRO, 0, 1, tok)):
+            for r, row in enumerate(batch["input_ids"]):
+                if any("\u4e00" <= ch <= "\u9fa5" for ch in tok.decode(row.tolist())):
+                    bad.append(index * MICRO + r)
+        assert bad and bad[-1] - bad[0] < 80 * streams, bad
+        return bad[0], bad[-1] + 1
+
+    return Poisoned(root / "poisoned", root / "clean", poisoned_rows(1), poisoned_rows(2))
 
 
 def overrides(tiny_data, train_dir: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -105,6 +99,19 @@ def final_val_loss(run_dir: Path) -> float:
     return [r for r in metrics(run_dir) if "val_loss" in r][-1]["val_loss"]
 
 
+# The same global batch on two data-parallel ranks, which need two streams: the poison then fills every other
+# row of rows_two_streams (stream 0 reads the first half of the documents), from step ~176 on: a longer run, a
+# lower threshold (half of each poisoned batch is clean) and a margin that takes the rollback past the poison.
+TWO_RANK_STEPS = 200
+TWO_RANKS = [
+    f"train.micro_batch_size={MICRO // 2}",
+    "data.streams=2",
+    f"train.max_steps={TWO_RANK_STEPS}",
+    "train.spikes.threshold=3",
+    "train.spikes.margin_steps=30",
+]
+
+
 @pytest.fixture(scope="module")
 def guarded(tiny_data, poisoned, tmp_path_factory) -> tuple[Path, str]:
     """A run on the poisoned data with the default ladder: its directory and its console output."""
@@ -112,8 +119,39 @@ def guarded(tiny_data, poisoned, tmp_path_factory) -> tuple[Path, str]:
     return run, train(overrides(tiny_data, poisoned.poisoned, run)).stdout
 
 
+@pytest.fixture(scope="module")
+def guarded_two_ranks(tiny_data, poisoned, tmp_path_factory) -> Path:
+    """The guarded run on two data-parallel ranks."""
+    run = tmp_path_factory.mktemp("guarded_two_ranks") / "run"
+    train(overrides(tiny_data, poisoned.poisoned, run, *TWO_RANKS), nproc=2)
+    return run
+
+
 def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in metrics(run_dir) if "loss" in r]
+
+
+def assert_rolled_back_over_the_poison(run: Path, poison: tuple[int, int], steps: int = 170) -> None:
+    """One rollback, from the checkpoint it went back to over all poisoned rows, after two skipped spikes;
+    every step logged once; gradient norms judged (spiked ones above their threshold)."""
+    events = [r for r in metrics(run) if "event" in r]
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert len(rollbacks) == 1, events
+    start, stop = rollbacks[0]["skipped_rows"]
+    assert start <= poison[0] and poison[1] <= stop, (rollbacks, poison)
+    assert start == int(rollbacks[0]["checkpoint"].split("_")[1]) * MICRO  # from the checkpoint it went back to
+    before = [e for e in events if e["step"] < rollbacks[0]["step"]]
+    assert [e["event"] for e in before] == ["skip", "skip"]  # the two spikes before the third rolled back
+    assert any("grad_norm" in e["spiked"] for e in events), events
+    for event in events:
+        assert event["spiked"] and event["spike_grad_norm"] is not None and event["grad_norm_threshold"] is not None
+        if "grad_norm" in event["spiked"]:
+            assert event["spike_grad_norm"] > event["grad_norm_threshold"], event
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    state = json.loads((latest / "trainer.json").read_text())
+    assert state["spikes"]["rollbacks"] == 1 and state["spikes"]["skip_rows"] == [[start, stop]]
+    assert len(state["spikes"]["grad_norms"]) == len(state["spikes"]["losses"]) > 0
+    assert [step for step, _ in losses(run)] == list(range(1, steps + 1))  # steps run again are logged once
 
 
 def test_the_default_ladder_rolls_back_over_the_poison_and_ends_like_the_clean_run(
@@ -122,19 +160,14 @@ def test_the_default_ladder_rolls_back_over_the_poison_and_ends_like_the_clean_r
     clean = tmp_path / "clean"
     train(overrides(tiny_data, poisoned.clean, clean))
     guarded, said = guarded
-    events = [r for r in metrics(guarded) if "event" in r]
-    rollbacks = [e for e in events if e["event"] == "rollback"]
-    assert len(rollbacks) == 1, events
-    start, stop = rollbacks[0]["skipped_rows"]
-    assert start <= poisoned.rows[0] and poisoned.rows[1] <= stop, (rollbacks, poisoned.rows)
-    assert start == int(rollbacks[0]["checkpoint"].split("_")[1]) * MICRO  # from the checkpoint it went back to
-    assert sum(e["event"] == "skip" for e in events) == 2  # the two spikes before the third rolled back
+    assert_rolled_back_over_the_poison(guarded, poisoned.rows)
     assert "rolled back to step_" in said and "1 rollbacks" in said
-    latest = guarded / "checkpoints" / (guarded / "checkpoints" / "latest").read_text()
-    state = json.loads((latest / "trainer.json").read_text())
-    assert state["spikes"]["rollbacks"] == 1 and state["spikes"]["skip_rows"] == [[start, stop]]
-    assert [step for step, _ in losses(guarded)] == list(range(1, 171))  # steps run again are logged once
+    assert not any("event" in r for r in metrics(clean))  # neither quantity spikes on clean data
     assert abs(final_val_loss(guarded) - final_val_loss(clean)) < 0.05 * final_val_loss(clean)
+
+
+def test_two_ranks_roll_back_over_the_poisoned_rows(poisoned, guarded_two_ranks):
+    assert_rolled_back_over_the_poison(guarded_two_ranks, poisoned.rows_two_streams, TWO_RANK_STEPS)
 
 
 def test_without_the_ladder_the_spike_shows_in_the_curve(tiny_data, poisoned, tmp_path):
@@ -147,24 +180,21 @@ def test_without_the_ladder_the_spike_shows_in_the_curve(tiny_data, poisoned, tm
     assert not any("event" in r for r in metrics(run))
 
 
+def assert_resumes_to_the_same_curve(run: Path, reference: Path) -> None:
+    assert losses(run) == losses(reference)
+    rollbacks = [[r for r in metrics(each) if r.get("event") == "rollback"] for each in (run, reference)]
+    assert len(rollbacks[0]) == 1 and rollbacks[0][0]["skipped_rows"] == rollbacks[1][0]["skipped_rows"]
+
+
 def test_kill_9_after_a_rollback_and_resume_give_the_same_curve(tiny_data, poisoned, guarded):
     run = guarded[0].parent / "killed"
-    process = subprocess.Popen(
-        train_command() + overrides(tiny_data, poisoned.poisoned, run),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    while not (run / "spikes.json").is_file():  # the rollback happened: killed before the next checkpoint
-        assert process.poll() is None, "the run ended before rolling back"
-        time.sleep(0.01)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_when(run / "spikes.json", overrides(tiny_data, poisoned.poisoned, run))  # after the rollback
     train(overrides(tiny_data, poisoned.poisoned, run, "resume=auto"))
-    assert losses(run) == losses(guarded[0])
-    rollbacks = [r for r in metrics(run) if r.get("event") == "rollback"]
-    assert (
-        len(rollbacks) == 1
-        and rollbacks[0]["skipped_rows"]
-        == next(r for r in metrics(guarded[0]) if r.get("event") == "rollback")["skipped_rows"]
-    )
+    assert_resumes_to_the_same_curve(run, guarded[0])
+
+
+def test_kill_9_of_two_ranks_after_a_rollback_and_resume_give_the_same_curve(tiny_data, poisoned, guarded_two_ranks):
+    run = guarded_two_ranks.parent / "killed"
+    kill_when(run / "spikes.json", overrides(tiny_data, poisoned.poisoned, run, *TWO_RANKS), nproc=2)
+    train(overrides(tiny_data, poisoned.poisoned, run, *TWO_RANKS, "resume=auto"), nproc=2)
+    assert_resumes_to_the_same_curve(run, guarded_two_ranks)

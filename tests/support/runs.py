@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -86,6 +88,22 @@ def train(
             f"exit {result.returncode} (expected {expect})\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
         )
     return result
+
+
+def kill_when(path: Path, overrides: list[str], nproc: int = 1) -> None:
+    """``megatransformer train`` on ``nproc`` ranks, killed with SIGKILL (launcher and ranks: its whole process
+    group) as soon as ``path`` exists; an error if it ends before."""
+    process = subprocess.Popen(
+        train_command(nproc) + overrides, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        while not path.exists():
+            assert process.poll() is None, f"the run ended (exit {process.returncode}) before {path} was written"
+            time.sleep(0.01)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def free_port() -> str:

@@ -1,4 +1,5 @@
-"""Loss-spike detection and the ladder's decisions, in process; nonsensical thresholds refused up front."""
+"""Spike detection (loss and gradient norm) and the ladder's decisions, in process; nonsensical thresholds
+refused up front."""
 
 from __future__ import annotations
 
@@ -10,7 +11,18 @@ import pytest
 from support import assert_one_line
 
 from megatransformer.config import SpikesConfig
-from megatransformer.training.spikes import ROLLBACK, SKIP, STOP, SpikeDetector, SpikeLadder, resume_state, write_log
+from megatransformer.training.spikes import (
+    GRAD_NORM,
+    LOSS,
+    ROLLBACK,
+    SKIP,
+    STOP,
+    SpikeDetector,
+    SpikeLadder,
+    describe,
+    resume_state,
+    write_log,
+)
 
 
 def noisy_losses(n: int, level: float = 3.0, noise: float = 0.05, seed: int = 0) -> list[float]:
@@ -62,10 +74,112 @@ def test_the_ladder_skips_then_rolls_back_then_stops():
     ladder.rolled_back((400, 600), {"losses": noisy_losses(30)})
     assert (ladder.rollbacks, ladder.recent, ladder.skip_rows) == (1, [], [[400, 600]])
     assert ladder.protect_before() is None
-    assert len(ladder.detector.losses) == 30  # the statistic as the checkpoint had it
+    assert len(ladder.detector.values) == 30  # the statistic as the checkpoint had it
     for step in (130, 131):
         ladder.respond(step, 9.0)
     assert ladder.respond(132, 9.0).action == STOP  # no rollback left
+
+
+def noisy_steps(n: int, seed: int = 0) -> list[tuple[float, float]]:
+    """(loss, gradient norm) of ``n`` quiet steps: losses near 3, norms near 1 with far more relative noise."""
+    norms = 1.0 + 0.2 * np.random.default_rng(seed + 1).standard_normal(n)
+    return list(zip(noisy_losses(n, seed=seed), norms.tolist()))
+
+
+def judging_ladder(**settings) -> SpikeLadder:
+    ladder = SpikeLadder(SpikesConfig(window=50, warmup=10, **settings))
+    for loss, norm in noisy_steps(50):
+        assert not ladder.rejects(loss, norm)
+    return ladder
+
+
+def test_a_gradient_norm_far_above_its_own_median_spikes_while_the_loss_is_normal():
+    ladder = judging_ladder()
+    limit = ladder.grad_norm_detector.threshold()
+    assert 3.9 < limit < 4.1  # median 1 + max(6 x 0.2 robust sigma, 3 x 1): its own threshold, not the loss's
+    assert ladder.rejects(3.0, limit + 0.01) and not ladder.rejects(3.0, limit - 0.01)
+    assert ladder.rejects(3.0, 8.0)
+    event = ladder.respond(60, 3.0, 8.0)
+    assert event.spiked == [GRAD_NORM] and event.action == SKIP
+    record = event.record(0)
+    assert record["spiked"] == ["grad_norm"] and record["spike_grad_norm"] == 8.0
+    assert record["grad_norm_threshold"] == ladder.grad_norm_detector.threshold() and record["spike_loss"] == 3.0
+    line = describe(event)
+    assert line.startswith("step 60: gradient norm spike, gradient norm 8 (threshold 4.0") and "loss" not in line
+    both = describe(ladder.respond(61, 9.0, 8.0))
+    assert both.startswith("step 61: loss and gradient norm spike, loss 9.0000 (threshold 3.")
+    assert ", gradient norm 8 (threshold" in both
+    assert ladder.respond(62, 9.0, 1.0).spiked == [LOSS]
+
+
+def test_a_spike_in_either_quantity_joins_neither_statistic():
+    ladder = judging_ladder()
+    before = ladder.state_dict()
+    assert ladder.rejects(9.0, 1.0) and ladder.rejects(3.0, 9.0) and ladder.rejects(3.0, math.nan)
+    assert ladder.state_dict() == before
+
+
+def test_non_finite_gradients_are_named_as_such():
+    ladder = judging_ladder()
+    assert describe(ladder.respond(70, 3.0, math.nan)).startswith(
+        "step 70: gradient norm spike, gradient norm non-finite"
+    )
+    assert ladder.respond(71, math.nan, None).spiked == [LOSS]
+
+
+def test_the_gradient_norm_can_be_left_unjudged_or_judged_with_its_own_bounds():
+    off = judging_ladder(grad_norm=False)
+    assert off.grad_norm_detector is None and not off.rejects(3.0, 100.0)
+    assert "grad_norms" not in off.state_dict()
+    assert off.rejects(3.0, math.inf)  # non-finite gradients still are
+    lenient = judging_ladder(grad_norm_min_rise=20.0)
+    assert not lenient.rejects(3.0, 8.0) and lenient.rejects(3.0, 30.0)
+    flat = SpikeLadder(SpikesConfig(window=50, warmup=10, grad_norm_min_rise=0.5))
+    for _ in range(20):
+        flat.rejects(3.0, 2.0)  # MAD 0: the minimum rise alone bounds it
+    assert not flat.rejects(3.0, 2.99) and flat.rejects(3.0, 3.01)
+
+
+def test_an_engine_without_a_gradient_norm_is_judged_by_its_loss_alone():
+    ladder = judging_ladder()
+    norms = ladder.grad_norm_detector.values
+    assert not ladder.rejects(3.0, None) and ladder.grad_norm_detector.values == norms
+    assert ladder.rejects(9.0, None) and ladder.respond(80, 9.0, None).spiked == [LOSS]
+
+
+def test_a_resumed_ladder_takes_the_same_decisions_as_the_one_that_went_on():
+    ladder = SpikeLadder(SpikesConfig(window=30, warmup=10))
+    steps = noisy_steps(100, seed=3)
+    steps[60:63] = [(3.0, 6.0), (9.0, 1.0), (3.0, 1.0)]
+    for loss, norm in steps[:50]:
+        ladder.rejects(loss, norm)
+    resumed = SpikeLadder(SpikesConfig(window=30, warmup=10), ladder.state_dict())
+    decisions = [[each.rejects(loss, norm) for loss, norm in steps[50:]] for each in (ladder, resumed)]
+    assert decisions[0] == decisions[1] and decisions[0][10:13] == [True, True, False]
+    assert resumed.state_dict() == ladder.state_dict()
+
+
+def test_a_checkpoint_of_an_older_version_without_gradient_norms_loads_and_warms_the_norm_up_again():
+    from megatransformer.checkpoint import TrainerState
+
+    spikes = {"losses": noisy_losses(40), "recent": [], "rollbacks": 1, "skip_rows": [[8, 96]]}
+    state = TrainerState.model_validate(
+        {
+            "step": 40,
+            "tokens": 1,
+            "bad_steps": 0,
+            "tokenizer_sha256": None,
+            "world_size": 1,
+            "tensor_parallel": 1,
+            "zero_stage": 0,
+            "spikes": spikes,
+        }
+    )
+    ladder = SpikeLadder(SpikesConfig(window=50, warmup=10), state.spikes)
+    assert ladder.detector.values == spikes["losses"] and ladder.rollbacks == 1
+    assert ladder.grad_norm_detector.values == [] and ladder.grad_norm_detector.threshold() is None
+    assert not ladder.rejects(3.0, 50.0)  # warming up: no finite norm is a spike yet
+    assert ladder.rejects(9.0, 1.0)  # the loss's statistic came back whole
 
 
 def test_a_disabled_ladder_rejects_nothing():
@@ -89,6 +203,9 @@ def test_resume_takes_the_rollback_log_when_it_is_newer_than_the_checkpoint(tmp_
         ("train.spikes.warmup=500", "train.spikes.warmup=500"),
         ("train.spikes.rollback_after=80", "train.spikes.rollback_after=80"),
         ("train.spikes.window=1", "train.spikes.window"),
+        ("train.spikes.grad_norm_threshold=-1", "train.spikes.grad_norm_threshold"),
+        ("train.spikes.grad_norm_min_rise=0", "train.spikes.grad_norm_min_rise"),
+        ("train.spikes.grad_norm=maybe", "train.spikes.grad_norm"),
         ("train.watchdog.factor=0.5", "train.watchdog.factor"),
     ],
 )
@@ -106,5 +223,4 @@ def test_the_threshold_is_median_plus_the_larger_of_the_robust_and_the_relative_
     values = np.random.default_rng(n).gamma(2.0, 1.5, n)
     median = np.median(values)
     spread = 1.4826 * np.median(np.abs(values - median))
-    cfg = SpikesConfig(threshold=4.0, min_rise=0.2)
-    assert robust_threshold(values, cfg) == pytest.approx(median + max(4.0 * spread, 0.2 * median), rel=1e-12)
+    assert robust_threshold(values, 4.0, 0.2) == pytest.approx(median + max(4.0 * spread, 0.2 * median), rel=1e-12)

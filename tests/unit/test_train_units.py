@@ -301,27 +301,56 @@ def test_fused_loss_computes_only_the_gradients_autograd_needs():
     assert torch.equal(hidden.grad, expected)
 
 
-def test_skipped_update_leaves_optimizer_and_schedule_untouched():
-    """What the trainer does with a non-finite step: the wrapped optimizer's step and the schedule's step are
-    no-ops for that one step, and work again afterwards."""
+def gated_engine():
+    """A parameter with a gradient, its AdamW and schedule, wrapped as ZeRO wraps them."""
     from types import SimpleNamespace
-
-    from megatransformer.training.engine import skipped_update
 
     param = torch.nn.Parameter(torch.ones(3))
     inner = torch.optim.AdamW([param], lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 1.0 / (step + 1))
-    engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=inner), lr_scheduler=scheduler)  # as ZeRO wraps it
     param.grad = torch.ones(3)
-    with skipped_update(engine, skip=True):
+    return param, inner, scheduler, SimpleNamespace(optimizer=SimpleNamespace(optimizer=inner), lr_scheduler=scheduler)
+
+
+def test_a_refused_update_leaves_optimizer_and_schedule_untouched(recwarn):
+    """What the trainer does with a non-finite or spiking step: the wrapped optimizer's step and the
+    schedule's step are no-ops for that one step, and work again afterwards."""
+    from megatransformer.training.engine import gated_update
+
+    param, inner, scheduler, engine = gated_engine()
+    with gated_update(engine, lambda: False):
         engine.optimizer.optimizer.step()
         engine.lr_scheduler.step()
     assert torch.equal(param.detach(), torch.ones(3)) and inner.state_dict()["state"] == {}
     assert scheduler.last_epoch == 0 and inner.param_groups[0]["lr"] == 0.1
-    with skipped_update(engine, skip=False):
+    with gated_update(engine, lambda: True):
         inner.step()
         scheduler.step()
     assert not torch.equal(param.detach(), torch.ones(3)) and scheduler.last_epoch == 1
+    assert not recwarn.list  # (torch's scheduler warns when the optimizer's step lost its mark)
+
+
+def test_the_gate_is_asked_once_when_the_optimizer_steps_and_not_when_zero_skips_first():
+    """ZeRO steps its inner optimizer once per parameter group, after computing the gradient norm: the
+    decision is taken at the first of those steps and holds for the rest; a step ZeRO skips itself (non-finite
+    gradients) never reaches the inner optimizer and asks nothing."""
+    from megatransformer.training.engine import gated_update
+
+    param, inner, scheduler, engine = gated_engine()
+    asked = []
+    with gated_update(engine, lambda: asked.append(len(asked)) or False):
+        assert not asked  # (not before the optimizer is about to update)
+        inner.step()
+        inner.step()
+        scheduler.step()
+    assert asked == [0] and torch.equal(param.detach(), torch.ones(3)) and scheduler.last_epoch == 0
+    with gated_update(engine, lambda: asked.append(len(asked)) or True):
+        pass
+    assert asked == [0]
+    with gated_update(engine, lambda: asked.append(len(asked)) or True):
+        inner.step()
+        scheduler.step()
+    assert asked == [0, 1] and scheduler.last_epoch == 1 and not torch.equal(param.detach(), torch.ones(3))
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
