@@ -1,11 +1,13 @@
 """Loss spikes end to end: a tiny model trained on data with a poisoned region (documents of random CJK
-characters, which the tokenizer's corpus never holds) spikes there, in loss and gradient norm; the default
-ladder skips, rolls back and steps over the region, and ends where the same run on clean data ends; without
-it the spike shows. The same on two ranks (ZeRO-1, the same global batch), and a run killed after its
+characters, which the tokenizer's corpus never holds) spikes there; the default ladder skips, rolls back and
+steps over the region, and ends where the same run on clean data ends; without it the spike shows. The same
+on two ranks (ZeRO-1, the same global batch, the gradient norm judged too), and a run killed after its
 rollback resumes to the same curve on one rank and on two. Real `megatransformer train` processes."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import random
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 from support.runs import kill_when, metrics, tiny_model, train
 
 MICRO = 4
+STEPS = 170
 # streams=1, shuffle_buffer=1: rows follow the documents' order, so the poison is one contiguous row range
 RUN = [
     *tiny_model(),
@@ -23,7 +26,7 @@ RUN = [
     "train.grad_accum=1",
     "train.log_every=1",
     "train.eval_batches=4",
-    "train.max_steps=170",
+    f"train.max_steps={STEPS}",
     "optim.lr=3e-3",
     "schedule.warmup_steps=20",
     "checkpoint.every=25",
@@ -37,7 +40,8 @@ class Poisoned(NamedTuple):
     poisoned: Path  # train shards with the poisoned documents
     clean: Path  # the same documents without them
     rows: tuple[int, int]  # the global rows holding poison: [first, last + 1)
-    rows_two_streams: tuple[int, int]  # the same with data.streams=2 (every other row of a range twice as far)
+    streams: Path  # train shards for data.streams=2 with poisoned documents in each stream's part
+    rows_two_streams: tuple[int, int]  # the global rows holding poison in ``streams``, read with data.streams=2
 
 
 def poison_documents(n: int, chars: int) -> list[str]:
@@ -54,8 +58,28 @@ def poisoned(tiny_data, tmp_path_factory) -> Poisoned:
 
     root = tmp_path_factory.mktemp("poisoned")
     docs = tiny_data.corpus.read_text().split("\n\n")
+    tok = load_tokenizer(tiny_data.tokenizer)
+    poison = poison_documents(6, 200)
     at = len(docs) // 6  # a third of the way into the run
-    for name, kept in (("poisoned", docs[:at] + poison_documents(6, 200) + docs[at:]), ("clean", docs)):
+    # two streams read the two halves of the documents, each at half the rows per step: half of the poison after
+    # an eighth of the first half and half after as many tokens of the second come at about the steps where the
+    # single stream reads its poison, in every row of those batches
+    half = len(docs) // 2
+    first, second = docs[:half], docs[half : 2 * half]
+    at_first = half // 8
+    before = sum(len(tok.encode(doc)) + 1 for doc in first[:at_first])  # (+1: the end-of-document token)
+    at_second = bisect.bisect(list(itertools.accumulate(len(tok.encode(doc)) + 1 for doc in second)), before)
+    datasets = {
+        "poisoned": docs[:at] + poison + docs[at:],
+        "streams": first[:at_first]
+        + poison[:3]
+        + first[at_first:]
+        + second[:at_second]
+        + poison[3:]
+        + second[at_second:],
+        "clean": docs,
+    }
+    for name, kept in datasets.items():
         (root / f"{name}.txt").write_text("\n\n".join(kept))
         write_shards(
             [str(root / f"{name}.txt")],
@@ -66,10 +90,9 @@ def poisoned(tiny_data, tmp_path_factory) -> Poisoned:
             workers=1,
             progress=False,
         )
-    tok = load_tokenizer(tiny_data.tokenizer)
 
-    def poisoned_rows(streams: int) -> tuple[int, int]:
-        data = {"train": str(root / "poisoned"), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64}
+    def poisoned_rows(name: str, streams: int) -> tuple[int, int]:
+        data = {"train": str(root / name), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64}
         cfg = validate(
             {"model": {"vocab_size": 512, "max_seq_len": 128}, "data": data | {"streams": streams, "shuffle_buffer": 1}}
         )
@@ -78,10 +101,12 @@ def poisoned(tiny_data, tmp_path_factory) -> Poisoned:
             for r, row in enumerate(batch["input_ids"]):
                 if any("\u4e00" <= ch <= "\u9fa5" for ch in tok.decode(row.tolist())):
                     bad.append(index * MICRO + r)
-        assert bad and bad[-1] - bad[0] < 80 * streams, bad
+        assert bad and bad[-1] - bad[0] < 80, bad
         return bad[0], bad[-1] + 1
 
-    return Poisoned(root / "poisoned", root / "clean", poisoned_rows(1), poisoned_rows(2))
+    return Poisoned(
+        root / "poisoned", root / "clean", poisoned_rows("poisoned", 1), root / "streams", poisoned_rows("streams", 2)
+    )
 
 
 def overrides(tiny_data, train_dir: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -99,17 +124,9 @@ def final_val_loss(run_dir: Path) -> float:
     return [r for r in metrics(run_dir) if "val_loss" in r][-1]["val_loss"]
 
 
-# The same global batch on two data-parallel ranks, which need two streams: the poison then fills every other
-# row of rows_two_streams (stream 0 reads the first half of the documents), from step ~176 on: a longer run, a
-# lower threshold (half of each poisoned batch is clean) and a margin that takes the rollback past the poison.
-TWO_RANK_STEPS = 200
-TWO_RANKS = [
-    f"train.micro_batch_size={MICRO // 2}",
-    "data.streams=2",
-    f"train.max_steps={TWO_RANK_STEPS}",
-    "train.spikes.threshold=3",
-    "train.spikes.margin_steps=30",
-]
+# The same global batch on two data-parallel ranks, which need two streams (each rank reads one); the gradient
+# norm judged too (ZeRO-1: inside DeepSpeed's step)
+TWO_RANKS = [f"train.micro_batch_size={MICRO // 2}", "data.streams=2", "train.spikes.grad_norm=true"]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +140,7 @@ def guarded(tiny_data, poisoned, tmp_path_factory) -> tuple[Path, str]:
 def guarded_two_ranks(tiny_data, poisoned, tmp_path_factory) -> Path:
     """The guarded run on two data-parallel ranks."""
     run = tmp_path_factory.mktemp("guarded_two_ranks") / "run"
-    train(overrides(tiny_data, poisoned.poisoned, run, *TWO_RANKS), nproc=2)
+    train(overrides(tiny_data, poisoned.streams, run, *TWO_RANKS), nproc=2)
     return run
 
 
@@ -131,9 +148,9 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in metrics(run_dir) if "loss" in r]
 
 
-def assert_rolled_back_over_the_poison(run: Path, poison: tuple[int, int], steps: int = 170) -> None:
+def assert_rolled_back_over_the_poison(run: Path, poison: tuple[int, int], grad_norm: bool = False) -> None:
     """One rollback, from the checkpoint it went back to over all poisoned rows, after two skipped spikes;
-    every step logged once; gradient norms judged (spiked ones above their threshold)."""
+    every step logged once; with ``grad_norm``, gradient norms judged (spiked ones above their threshold)."""
     events = [r for r in metrics(run) if "event" in r]
     rollbacks = [e for e in events if e["event"] == "rollback"]
     assert len(rollbacks) == 1, events
@@ -142,16 +159,17 @@ def assert_rolled_back_over_the_poison(run: Path, poison: tuple[int, int], steps
     assert start == int(rollbacks[0]["checkpoint"].split("_")[1]) * MICRO  # from the checkpoint it went back to
     before = [e for e in events if e["step"] < rollbacks[0]["step"]]
     assert [e["event"] for e in before] == ["skip", "skip"]  # the two spikes before the third rolled back
-    assert any("grad_norm" in e["spiked"] for e in events), events
     for event in events:
-        assert event["spiked"] and event["spike_grad_norm"] is not None and event["grad_norm_threshold"] is not None
+        assert event["spiked"] and event["spike_grad_norm"] is not None
+        assert (event["grad_norm_threshold"] is not None) == grad_norm
         if "grad_norm" in event["spiked"]:
             assert event["spike_grad_norm"] > event["grad_norm_threshold"], event
+    assert any("grad_norm" in e["spiked"] for e in events) == grad_norm, events
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
     state = json.loads((latest / "trainer.json").read_text())
     assert state["spikes"]["rollbacks"] == 1 and state["spikes"]["skip_rows"] == [[start, stop]]
-    assert len(state["spikes"]["grad_norms"]) == len(state["spikes"]["losses"]) > 0
-    assert [step for step, _ in losses(run)] == list(range(1, steps + 1))  # steps run again are logged once
+    assert len(state["spikes"].get("grad_norms", [])) == (len(state["spikes"]["losses"]) if grad_norm else 0)
+    assert [step for step, _ in losses(run)] == list(range(1, STEPS + 1))  # steps run again are logged once
 
 
 def test_the_default_ladder_rolls_back_over_the_poison_and_ends_like_the_clean_run(
@@ -167,7 +185,7 @@ def test_the_default_ladder_rolls_back_over_the_poison_and_ends_like_the_clean_r
 
 
 def test_two_ranks_roll_back_over_the_poisoned_rows(poisoned, guarded_two_ranks):
-    assert_rolled_back_over_the_poison(guarded_two_ranks, poisoned.rows_two_streams, TWO_RANK_STEPS)
+    assert_rolled_back_over_the_poison(guarded_two_ranks, poisoned.rows_two_streams, grad_norm=True)
 
 
 def test_without_the_ladder_the_spike_shows_in_the_curve(tiny_data, poisoned, tmp_path):
@@ -195,6 +213,6 @@ def test_kill_9_after_a_rollback_and_resume_give_the_same_curve(tiny_data, poiso
 
 def test_kill_9_of_two_ranks_after_a_rollback_and_resume_give_the_same_curve(tiny_data, poisoned, guarded_two_ranks):
     run = guarded_two_ranks.parent / "killed"
-    kill_when(run / "spikes.json", overrides(tiny_data, poisoned.poisoned, run, *TWO_RANKS), nproc=2)
-    train(overrides(tiny_data, poisoned.poisoned, run, *TWO_RANKS, "resume=auto"), nproc=2)
+    kill_when(run / "spikes.json", overrides(tiny_data, poisoned.streams, run, *TWO_RANKS), nproc=2)
+    train(overrides(tiny_data, poisoned.streams, run, *TWO_RANKS, "resume=auto"), nproc=2)
     assert_resumes_to_the_same_curve(run, guarded_two_ranks)

@@ -87,7 +87,7 @@ def noisy_steps(n: int, seed: int = 0) -> list[tuple[float, float]]:
 
 
 def judging_ladder(**settings) -> SpikeLadder:
-    ladder = SpikeLadder(SpikesConfig(window=50, warmup=10, **settings))
+    ladder = SpikeLadder(SpikesConfig(window=50, warmup=10, **{"grad_norm": True, **settings}))
     for loss, norm in noisy_steps(50):
         assert not ladder.rejects(loss, norm)
     return ladder
@@ -128,13 +128,14 @@ def test_non_finite_gradients_are_named_as_such():
 
 
 def test_the_gradient_norm_can_be_left_unjudged_or_judged_with_its_own_bounds():
+    assert not SpikesConfig().grad_norm  # (judged by default, a healthy run's rising norm stopped it)
     off = judging_ladder(grad_norm=False)
     assert off.grad_norm_detector is None and not off.rejects(3.0, 100.0)
     assert "grad_norms" not in off.state_dict()
     assert off.rejects(3.0, math.inf)  # non-finite gradients still are
     lenient = judging_ladder(grad_norm_min_rise=20.0)
     assert not lenient.rejects(3.0, 8.0) and lenient.rejects(3.0, 30.0)
-    flat = SpikeLadder(SpikesConfig(window=50, warmup=10, grad_norm_min_rise=0.5))
+    flat = SpikeLadder(SpikesConfig(window=50, warmup=10, grad_norm=True, grad_norm_min_rise=0.5))
     for _ in range(20):
         flat.rejects(3.0, 2.0)  # MAD 0: the minimum rise alone bounds it
     assert not flat.rejects(3.0, 2.99) and flat.rejects(3.0, 3.01)
@@ -148,12 +149,12 @@ def test_an_engine_without_a_gradient_norm_is_judged_by_its_loss_alone():
 
 
 def test_a_resumed_ladder_takes_the_same_decisions_as_the_one_that_went_on():
-    ladder = SpikeLadder(SpikesConfig(window=30, warmup=10))
+    ladder = SpikeLadder(SpikesConfig(window=30, warmup=10, grad_norm=True))
     steps = noisy_steps(100, seed=3)
     steps[60:63] = [(3.0, 6.0), (9.0, 1.0), (3.0, 1.0)]
     for loss, norm in steps[:50]:
         ladder.rejects(loss, norm)
-    resumed = SpikeLadder(SpikesConfig(window=30, warmup=10), ladder.state_dict())
+    resumed = SpikeLadder(SpikesConfig(window=30, warmup=10, grad_norm=True), ladder.state_dict())
     decisions = [[each.rejects(loss, norm) for loss, norm in steps[50:]] for each in (ladder, resumed)]
     assert decisions[0] == decisions[1] and decisions[0][10:13] == [True, True, False]
     assert resumed.state_dict() == ladder.state_dict()
@@ -175,7 +176,7 @@ def test_a_checkpoint_of_an_older_version_without_gradient_norms_loads_and_warms
             "spikes": spikes,
         }
     )
-    ladder = SpikeLadder(SpikesConfig(window=50, warmup=10), state.spikes)
+    ladder = SpikeLadder(SpikesConfig(window=50, warmup=10, grad_norm=True), state.spikes)
     assert ladder.detector.values == spikes["losses"] and ladder.rollbacks == 1
     assert ladder.grad_norm_detector.values == [] and ladder.grad_norm_detector.threshold() is None
     assert not ladder.rejects(3.0, 50.0)  # warming up: no finite norm is a spike yet
