@@ -220,17 +220,36 @@ BACKENDS: dict[str, Core] = {
 
 class KVCache:
     """Pre-allocated keys/values of one self-attention layer for incremental decoding, and the keys'
-    positions (which ALiBi's bias needs)."""
+    positions (which ALiBi's bias needs).
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> None:
-        self.k = torch.empty(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+    With a sliding ``window`` (``model.attention_window``) it holds only the last ``window - 1`` keys, those the
+    next query can still see, however long the generation: ``length`` counts the keys held, ``seen`` the
+    positions decoded so far. Masks index the keys a call attends to from the first one held (``q_offset`` =
+    ``length``), positions count from the start (``seen``)."""
+
+    def __init__(
+        self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, window: int | None = None
+    ) -> None:
+        self.window = window if window is not None and window - 1 < max_len else None  # (else everything fits)
+        size = max_len if self.window is None else self.window - 1
+        self.k = torch.empty(batch, kv_heads, size, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
-        self.positions = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        self.length = 0
+        self.positions = torch.zeros(batch, size, dtype=torch.long, device=device)
+        self.length = 0  # keys held
+        self.dropped = 0  # keys before them, out of the window
+
+    @property
+    def seen(self) -> int:
+        """Positions decoded so far: the position of the next token."""
+        return self.dropped + self.length
 
     def append(
         self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This call's keys and values after the ones held, which its queries attend to, and their positions
+        (None unless ``positions`` are tracked)."""
+        if self.window is not None:
+            return self._slide(k, v, positions)
         end = self.length + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache holds {self.k.shape[2]} positions, decoding needs {end}")
@@ -239,7 +258,24 @@ class KVCache:
         if positions is not None:
             self.positions[:, self.length : end] = positions
         self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+        held = None if positions is None else self.positions[:, :end]
+        return self.k[:, :, :end], self.v[:, :, :end], held
+
+    def _slide(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        k = torch.cat([self.k[:, :, : self.length], k], 2)
+        v = torch.cat([self.v[:, :, : self.length], v], 2)
+        if positions is not None:
+            positions = torch.cat([self.positions[:, : self.length], positions], 1)
+        keep = min(k.shape[2], self.k.shape[2])
+        self.k[:, :, :keep] = k[:, :, k.shape[2] - keep :]
+        self.v[:, :, :keep] = v[:, :, v.shape[2] - keep :]
+        if positions is not None:
+            self.positions[:, :keep] = positions[:, positions.shape[1] - keep :]
+        self.dropped += k.shape[2] - keep
+        self.length = keep
+        return k, v, positions
 
 
 class Attention(nn.Module):
@@ -286,9 +322,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
-            k, v = cache.append(k, v, None if alibi is None else alibi.q_positions)
+            k, v, key_positions = cache.append(k, v, None if alibi is None else alibi.q_positions)
             if alibi is not None:
-                alibi = alibi.with_keys(cache.positions[:, : cache.length])
+                alibi = alibi.with_keys(key_positions)
         if alibi is not None:
             alibi = alibi.heads(self.head_offset, q.shape[1])
         out = self.core(q, k, v, mask, self.dropout if self.training else 0.0, alibi)

@@ -58,13 +58,13 @@ def stream(
     step = _step_function(model, input_ids, prefix_lm)
     state = step(model, input_ids, None, use_cache, max_new_tokens, decoder_start_id)
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    for _ in range(max_new_tokens):
+    for n in range(1, max_new_tokens + 1):
         token = sample_next(state.logits[:, -1], temperature, top_k, top_p, generator)
         if eos_id is not None:
             token = token.masked_fill(done, eos_id)
             done |= token == eos_id
         yield token
-        if bool(done.all()):
+        if n == max_new_tokens or bool(done.all()):
             return
         state = step(model, input_ids, (state, token), use_cache, max_new_tokens, decoder_start_id)
 

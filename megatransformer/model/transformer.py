@@ -106,7 +106,8 @@ class LanguageModel(nn.Module):
         cfg, weight = self.config, self.lm_head.weight
         n, device = len(self.decoder.layers), weight.device
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
-        return [KVCache(batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, device) for _ in range(n)]
+        window = cfg.attention_window
+        return [KVCache(batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, device, window) for _ in range(n)]
 
 
 class DecoderLM(LanguageModel):
@@ -130,10 +131,10 @@ class DecoderLM(LanguageModel):
     ) -> torch.Tensor:
         """``masks``: built once per batch on the host (training); else built here from the inputs.
         ``labels``: return the summed token loss instead of the logits."""
-        offset = caches[0].length if caches else 0
+        held, seen = (caches[0].length, caches[0].seen) if caches else (0, 0)
         if position_ids is None:
-            position_ids = default_positions(input_ids, offset)
-        mask = masks.decoder if masks is not None else self_attention_mask(True, segment_ids, prefix_len, offset)
+            position_ids = default_positions(input_ids, seen)
+        mask = masks.decoder if masks is not None else self_attention_mask(True, segment_ids, prefix_len, held)
         hidden = self.decoder(self.embed_tokens(input_ids), position_ids, mask, caches=caches)
         return self.lm_head(hidden, labels, label_smoothing)
 
@@ -196,13 +197,13 @@ class EncoderDecoderLM(LanguageModel):
         labels: torch.Tensor | None = None,
         label_smoothing: float = 0.0,
     ) -> torch.Tensor:
-        offset = caches[0].length if caches else 0
+        held, seen = (caches[0].length, caches[0].seen) if caches else (0, 0)
         if decoder_position_ids is None:
-            decoder_position_ids = default_positions(decoder_input_ids, offset)
+            decoder_position_ids = default_positions(decoder_input_ids, seen)
         if masks is not None:
             mask, memory_mask = masks.decoder, masks.cross
         else:
-            mask = self_attention_mask(True, decoder_segment_ids, q_offset=offset)
+            mask = self_attention_mask(True, decoder_segment_ids, q_offset=held)
             memory_mask = cross_attention_mask(decoder_segment_ids, segment_ids)
         embed = self.decoder_embed_tokens or self.embed_tokens
         hidden = self.decoder(

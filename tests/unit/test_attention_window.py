@@ -11,7 +11,8 @@ from megatransformer.batch import PAD_SEGMENT
 from megatransformer.config import ConfigError, ModelConfig, load_config
 from megatransformer.flops import model_size
 from megatransformer.model import attention, build_model, chunked_attention
-from megatransformer.model.attention import BACKENDS, eager_core
+from megatransformer.model.attention import BACKENDS, KVCache, eager_core
+from megatransformer.model.beam import beam_search
 from megatransformer.model.generate import generate
 from megatransformer.model.masks import AttentionMask, self_attention_mask
 from megatransformer.model.positions import Alibi, alibi_slopes
@@ -127,8 +128,9 @@ def test_a_window_does_not_combine_with_a_prefix():
 # ----------------------------------------------------------------------------------------- the model
 
 
-def small(arch: str, backend: str, window: int | None = WINDOW, kv_heads: int = 2) -> ModelConfig:
+def small(arch: str, backend: str, window: int | None = WINDOW, kv_heads: int = 2, **options) -> ModelConfig:
     return ModelConfig(
+        **options,
         arch=arch,
         d_model=32,
         n_layers=2,
@@ -189,6 +191,72 @@ def test_generation_with_a_kv_cache_equals_generation_without(backend):
     prompt = torch.randint(0, 64, (B, 7))
     cached = generate(model, prompt, 12, use_cache=True)
     assert torch.equal(cached, generate(model, prompt, 12, use_cache=False))
+
+
+def recorded_caches(model: torch.nn.Module) -> list[list[KVCache]]:
+    """The caches the model makes from now on, as it makes them."""
+    made, make = [], model.new_caches
+
+    def recording(*args):
+        made.append(make(*args))
+        return made[-1]
+
+    model.new_caches = recording
+    return made
+
+
+@pytest.mark.parametrize(
+    "arch, position, backend",
+    [
+        ("decoder", "rope", "chunked"),
+        ("decoder", "rope", "sdpa"),
+        ("decoder", "rope", "eager"),
+        ("decoder", "alibi", "chunked"),
+        ("decoder", "learned", "chunked"),
+        ("encoder_decoder", "sinusoidal", "chunked"),
+    ],
+)
+def test_a_windowed_kv_cache_holds_only_the_window_and_gives_the_logits_of_the_whole_sequence(arch, position, backend):
+    """Decoding past the window one token at a time: the cache keeps window - 1 keys per layer, positions go
+    on counting from the start, and every step's logits are those of one forward over the whole sequence."""
+    torch.manual_seed(0)
+    model = build_model(small(arch, backend, position=position)).eval()
+    ids = torch.randint(0, 64, (B, 26))
+    caches = model.new_caches(B, 26)
+
+    def forward(part: torch.Tensor, **kwargs) -> torch.Tensor:  # (an encoder-decoder decodes ids after ids)
+        return model.decode(part, model.encode(ids), **kwargs) if arch == "encoder_decoder" else model(part, **kwargs)
+
+    with torch.no_grad():
+        whole = forward(ids)
+        steps = [forward(ids[:, :7], caches=caches)] + [forward(ids[:, t : t + 1], caches=caches) for t in range(7, 26)]
+    assert torch.allclose(torch.cat(steps, 1), whole, atol=1e-5)
+    assert all(cache.k.shape[2] == cache.length == WINDOW - 1 and cache.seen == 26 for cache in caches)
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_sampling_and_beams_with_a_windowed_cache_decode_as_without_a_cache(arch):
+    torch.manual_seed(0)
+    model = build_model(small(arch, "chunked")).eval()
+    made = recorded_caches(model)
+    prompt, new = torch.randint(0, 64, (B, 7)), 20
+    start = {"decoder_start_id": 1} if arch == "encoder_decoder" else {}
+
+    def sampled(use_cache: bool) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(1)
+        return generate(model, prompt, new, temperature=1.0, generator=generator, use_cache=use_cache, **start)
+
+    assert torch.equal(sampled(True), sampled(False))
+    assert all(cache.k.shape[2] == WINDOW - 1 for cache in made[0])
+    beams = [beam_search(model, prompt, 12, 3, None, use_cache=use, **start) for use in (True, False)]
+    assert [h.tokens for h in beams[0]] == [h.tokens for h in beams[1]]
+
+
+def test_a_window_wider_than_the_generation_keeps_a_plain_cache():
+    model = build_model(small("decoder", "chunked", window=30)).eval()
+    made = recorded_caches(model)
+    generate(model, torch.randint(0, 64, (B, 7)), 12)
+    assert all(cache.window is None and cache.k.shape[2] == 19 for cache in made[0])
 
 
 # ------------------------------------------------------------------------------ the real kernel (GPU)
