@@ -23,21 +23,7 @@ def llama_model(seed: int = 0):
 
     from megatransformer.hf import llama_config, to_llama_state_dict
 
-    cfg = ModelConfig(
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=96,
-        vocab_size=512,
-        max_seq_len=64,
-        norm="rmsnorm",
-        position="rope",
-        ffn="swiglu",
-        rope_theta=10000.0,
-        norm_eps=1e-6,
-        init_std=0.2,
-    )
+    cfg = llama_style(n_layers=2, vocab_size=512, rope_theta=10000.0, init_std=0.2)
     torch.manual_seed(seed)
     ours = build_model(cfg).eval()
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_config(cfg))).eval()

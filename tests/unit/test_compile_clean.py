@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 from support import flash_reference
+from support.models import tiny_config
 
-from megatransformer.config import ModelConfig
 from megatransformer.model import attention, build_model
 from megatransformer.model.masks import batch_masks
 
@@ -63,18 +63,7 @@ FLASH_OPS = type(flash_reference.MODULE)(flash_attn_func=flash_dense_op, flash_a
 def graph_breaks(
     arch: str, backend: str, batch: dict[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> int:
-    cfg = ModelConfig(
-        arch=arch,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=48,
-        vocab_size=97,
-        max_seq_len=64,
-        position="rope",
-        attention_backend=backend,
-    )
+    cfg = tiny_config(arch=arch, position="rope", attention_backend=backend)
     torch.manual_seed(0)
     model = build_model(cfg).to(device, dtype)
     ids = torch.randint(0, 97, (2, T))
@@ -125,19 +114,7 @@ def test_cuda_cores_compile_without_graph_breaks(backend, kind):
 
 def test_compiled_prefix_chunks_equal_the_eager_ones():
     """Compiled, a prefix chunk takes every key (its bound would be a new shape per batch): the same values."""
-    model = build_model(
-        ModelConfig(
-            d_model=32,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            d_ff=48,
-            vocab_size=97,
-            max_seq_len=64,
-            position="rope",
-            attention_backend="chunked",
-        )
-    )
+    model = build_model(tiny_config(position="rope", attention_backend="chunked"))
     ids = torch.randint(0, 97, (2, T))
     batch = {"input_ids": ids, **BATCHES["prefix"]}
 
