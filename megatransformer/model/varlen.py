@@ -5,6 +5,7 @@ flash kernel over the flattened batch, and the core on PyTorch's own kernel
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -52,27 +53,40 @@ def torch_varlen_core(q, k, v, mask: AttentionMask, dropout: float, alibi=None) 
     if dropout or alibi is not None:
         raise ValueError("PyTorch's varlen_attn has no attention dropout or ALiBi; use attention_backend=sdpa")
 
+    takes_gqa = "enable_gqa" in varlen_attn_keywords()
+
     def kernel(q, k, v, problem: VarlenProblem) -> torch.Tensor:
-        return varlen_attn(
-            q,
-            k,
-            v,
-            problem.cu_q,
-            problem.cu_k,
-            problem.max_q,
-            problem.max_k,
-            window_size=window_size(mask.window, problem.causal),
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        gqa = {}
+        if q.shape[1] != k.shape[1]:
+            if takes_gqa:
+                gqa = {"enable_gqa": True}
+            else:  # (PyTorch 2.11's kernel has no GQA: each kv head repeated for its group of query heads)
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        window = window_size(mask.window, problem.causal)
+        return varlen_attn(q, k, v, problem.cu_q, problem.cu_k, problem.max_q, problem.max_k, window_size=window, **gqa)
 
     return varlen_attention(q, k, v, mask, kernel)
 
 
+def varlen_attn_keywords() -> frozenset[str]:
+    """The keyword arguments this PyTorch's ``varlen_attn`` takes (none where it has none): ``window_size``
+    from 2.11 on (2.10 has only ``is_causal``), ``enable_gqa`` after 2.11."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return _keywords(varlen_attn)
+
+
+@functools.cache
+def _keywords(function: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
+
+
 @functools.cache
 def torch_varlen_available() -> bool:
-    """This PyTorch has ``varlen_attn`` and its flash kernel runs on this GPU (compute capability 8.0+)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
+    """This PyTorch's ``varlen_attn`` takes a ``window_size`` (2.11+) and its flash kernel runs on this GPU
+    (compute capability 8.0+)."""
+    if "window_size" not in varlen_attn_keywords():
         return False
     return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability() >= (8, 0)

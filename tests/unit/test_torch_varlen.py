@@ -19,7 +19,7 @@ from megatransformer.model import attention
 from megatransformer.model.attention import eager_core
 from megatransformer.model.masks import AttentionMask, cross_attention_mask, self_attention_mask
 from megatransformer.model.positions import Alibi
-from megatransformer.model.varlen import torch_varlen_core
+from megatransformer.model.varlen import torch_varlen_available, torch_varlen_core
 
 VARLEN_MASKS = {name: make for name, make in SELF_MASKS.items() if not make().is_simple}
 
@@ -81,6 +81,33 @@ def test_a_prefix_document_is_a_full_call_and_a_causal_call(calls):
     torch_varlen_core(q, k, v, SELF_MASKS["packed_prefix_per_document"](), 0.0)
     assert [c["window_size"] for c in calls] == [(-1, -1), (-1, 0)]
     assert all(c["cu_seq_q"].dtype == c["cu_seq_k"].dtype == torch.int32 for c in calls)
+
+
+def test_pytorch_2_11s_kernel_without_gqa_gets_each_kv_head_repeated(calls, monkeypatch):
+    contract = torch.nn.attention.varlen.varlen_attn
+
+    def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        return contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_attn_2_11)
+    mask = SELF_MASKS["packed_prefix_per_document"]()
+    q, k, v = qkv()
+    assert_same(values_and_grads(torch_varlen_core, q, k, v, mask), values_and_grads(eager_core, q, k, v, mask))
+    assert calls and all(c["heads"] == (q.shape[1], q.shape[1]) and not c["enable_gqa"] for c in calls)
+
+
+def test_pytorch_2_10s_kernel_without_a_window_is_not_taken(monkeypatch):
+    def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_attn_2_10)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    torch_varlen_available.cache_clear()
+    try:
+        assert not torch_varlen_available()
+    finally:
+        torch_varlen_available.cache_clear()
 
 
 def test_varlen_core_refuses_dropout_and_alibi():
