@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import platform
 import statistics
 import sys
@@ -36,7 +37,12 @@ def plain(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> t
     return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
 
 
-HEADS = {"plain": plain, "fused": linear_cross_entropy}
+def heads(chunk_logits: list[int]) -> dict:
+    """The plain head, and the fused one at each chunk size (its default where none is given)."""
+    if not chunk_logits:
+        return {"plain": plain, "fused": linear_cross_entropy}
+    fused = {f"fused {c >> 20}M": functools.partial(linear_cross_entropy, chunk_logits=c) for c in chunk_logits}
+    return {"plain": plain, **fused}
 
 
 def step(head, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
@@ -57,7 +63,9 @@ def main() -> None:
     p.add_argument("--vocab", default="2048,32000", help="comma-separated vocabulary sizes")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--chunk-logits", default="", help="comma-separated logits per chunk of the fused head, e.g. 8M,64M")
     args = p.parse_args()
+    compared = heads([int(c.rstrip("M")) << 20 for c in args.chunk_logits.split(",") if c])
     dtype, device = precision_dtype(args.precision), args.device
     print(
         f"# bench/loss.py {datetime.date.today()}: {platform.processor() or platform.machine()}, "
@@ -71,18 +79,20 @@ def main() -> None:
         hidden = torch.randn(args.tokens, args.d_model, generator=gen).to(device, dtype)
         weight = (torch.randn(vocab, args.d_model, generator=gen) * 0.02).to(device, dtype)
         labels = torch.randint(0, vocab, (args.tokens,), generator=gen).to(device)
-        times: dict[str, list[float]] = {name: [] for name in HEADS}
-        for head in HEADS.values():  # (warm-up)
+        times: dict[str, list[float]] = {name: [] for name in compared}
+        for head in compared.values():  # (warm-up)
             step(head, hidden, weight, labels)
         for i in range(args.repeats):
-            for name in HEADS if i % 2 == 0 else reversed(HEADS):
+            for name in compared if i % 2 == 0 else reversed(compared):
                 sync(device)
                 start = time.perf_counter()
-                step(HEADS[name], hidden, weight, labels)
+                step(compared[name], hidden, weight, labels)
                 sync(device)
                 times[name].append(time.perf_counter() - start)
-        peaks = {name: peak_bytes(lambda: step(head, hidden, weight, labels), device) for name, head in HEADS.items()}
-        for name in HEADS:
+        peaks = {
+            name: peak_bytes(lambda: step(head, hidden, weight, labels), device) for name, head in compared.items()
+        }
+        for name in compared:
             t = times[name]
             ratio = statistics.median(times["plain"]) / statistics.median(t)
             print(

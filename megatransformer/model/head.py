@@ -20,7 +20,11 @@ from torch import nn
 
 from megatransformer.batch import IGNORE_INDEX
 
-CHUNK_LOGITS = 1 << 23  # logits per chunk (8M: 32 MiB in fp32), whatever the vocabulary
+# logits per chunk, whatever the vocabulary, by device type (BENCHMARKS.md, bench/loss.py): on a CPU 8M (32 MiB
+# in fp32) loses nothing to the plain head; on an H200 8M chunks ran at 0.35x the plain head's speed (32k
+# vocabulary, 8k tokens; 0.14x at 128k: GEMMs of a few hundred rows), 128M at 0.71x (0.63x) in 0.59x (0.21x)
+# of its memory
+CHUNK_LOGITS = {"cpu": 1 << 23, "cuda": 1 << 27}
 
 
 class LMHead(nn.Linear):
@@ -40,18 +44,25 @@ def linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     label_smoothing: float = 0.0,
-    chunk_logits: int = CHUNK_LOGITS,
+    chunk_logits: int | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum", ...)``, chunk by chunk.
 
     ``hidden``: [N, d]; ``weight``: [V, d]; ``labels``: [N], ``IGNORE_INDEX`` where no loss is taken. Returns
     the fp32 sum of the token losses; its gradient flows to ``hidden`` and ``weight``, whichever of them
     requires one (a frozen head's weight gets none computed). Without autograd (evaluation,
-    ``torch.no_grad``) only the loss is computed.
+    ``torch.no_grad``) only the loss is computed. ``chunk_logits``: logits per chunk (default: the device's in
+    ``CHUNK_LOGITS``).
     """
+    if chunk_logits is None:
+        chunk_logits = default_chunk_logits(hidden.device)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, label_smoothing, chunk_logits)
     return chunked_loss_and_grads(hidden, weight, labels, label_smoothing, chunk_logits)[0]
+
+
+def default_chunk_logits(device: torch.device) -> int:
+    return CHUNK_LOGITS.get(device.type, CHUNK_LOGITS["cpu"])
 
 
 def chunked_loss_and_grads(

@@ -263,11 +263,19 @@ def test_fused_loss_on_cuda_equals_the_plain_head_in_less_memory():
         return loss.detach(), h.grad, w.grad, torch.cuda.max_memory_allocated() - base
 
     *plain, plain_peak = run(lambda h, w: F.cross_entropy(F.linear(h, w).float(), labels, reduction="sum"))
-    *fused, fused_peak = run(lambda h, w: linear_cross_entropy(h, w, labels))
+    *fused, fused_peak = run(lambda h, w: linear_cross_entropy(h, w, labels, chunk_logits=1 << 23))  # 16 chunks
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-4, atol=1e-2)
     for a, b in zip(plain[1:], fused[1:]):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2**-7 * a.float().abs().max().item())
     assert fused_peak < plain_peak / 2, (fused_peak, plain_peak)
+
+
+def test_the_fused_loss_chunks_by_the_device_it_runs_on():
+    from megatransformer.model.head import default_chunk_logits
+
+    assert default_chunk_logits(torch.device("cpu")) == 1 << 23
+    assert default_chunk_logits(torch.device("cuda", 1)) == 1 << 27  # (GEMMs of a few hundred rows are slow there)
+    assert default_chunk_logits(torch.device("xpu")) == 1 << 23
 
 
 def test_fused_loss_computes_only_the_gradients_autograd_needs():
