@@ -8,7 +8,8 @@
    as the README says first) and pass; the multi-GPU ones (Ulysses sequence parallelism with flash-attn on 2
    GPUs against one) may skip on a machine with fewer GPUs.
 2. Host syncs and collective devices of one optimizer step on CUDA (``bench/step_probe.py``): the waits our
-   code asks for and every wait CUDA itself sees (its sync debug mode), each within ``SYNC_BUDGET``.
+   code asks for and every wait CUDA itself sees (its sync debug mode, with the line that asked for each),
+   within the budgets below.
 3. A short packed bf16 training run through the real trainer (``megatransformer quickstart`` with a larger
    model), reporting tokens/s, MFU and peak memory from its metrics.jsonl.
 
@@ -46,7 +47,12 @@ TRAIN_OVERRIDES = [  # ~120M-parameter Llama-style decoder, 8 x 1024 tokens, pac
     "checkpoint.every=1000",
     "wandb.mode=disabled",
 ]
-SYNC_BUDGET = 5  # waits for the GPU in one optimizer step (ZeRO-0 fp32, ZeRO-1/2 bf16)
+# Waits for the GPU in one optimizer step. Our code waits once (the step's verdict, read in one transfer); the
+# rest are DeepSpeed's (gradient clipping, overflow checks: deepspeed/runtime/utils.py, ZeRO-2's overflow flag).
+# The CUDA-seen totals by ZeRO stage are the first H200's (BENCHMARKS.md): more is a regression.
+OUR_SYNC_BUDGET = 1
+HOST_SYNC_BUDGET = 5  # the reads of device values the host asks for, DeepSpeed's .item() calls included
+CUDA_SYNC_BUDGET = {0: 3, 1: 5, 2: 9}  # every wait CUDA's sync debug mode sees
 GPU_TESTS = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", "-p", "no:cacheprovider", "tests"]
 
 
@@ -85,18 +91,20 @@ def fewer_gpus(skip_line: str) -> bool:
 
 
 def probe_ok(probe: dict) -> bool:
-    cuda_syncs = probe.get("cuda_syncs")
+    cuda_syncs, sites = probe.get("cuda_syncs"), probe.get("cuda_sync_sites") or {}
+    ours = sum(waits for site, waits in sites.items() if not site.startswith("deepspeed/"))
     return (
         probe["collective_devices"] == ["cuda:0"]
-        and probe["host_syncs"] <= SYNC_BUDGET
+        and probe["host_syncs"] <= HOST_SYNC_BUDGET
         and cuda_syncs is not None
-        and cuda_syncs <= SYNC_BUDGET
+        and cuda_syncs <= CUDA_SYNC_BUDGET[probe["zero"]]
+        and ours <= OUR_SYNC_BUDGET
     )
 
 
 def step_probe() -> dict:
     """Host syncs and collective devices of one step: ZeRO-0 in fp32 (the torch optimizer), ZeRO-1/2 in bf16
-    must wait at most ``SYNC_BUDGET`` times. bf16 with ZeRO-0 is reported, not judged: DeepSpeed's unfused bf16
+    must keep within the budgets above. bf16 with ZeRO-0 is reported, not judged: DeepSpeed's unfused bf16
     optimizer reads every parameter's overflow flag and norm (17 waits at 1 layer, 35 at 3 on CPU; the run log
     warns)."""
     cases = [

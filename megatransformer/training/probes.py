@@ -10,9 +10,12 @@ The tests and ``bench/gpu_check.py`` wrap :meth:`engine.TrainModule.step` in the
 
 from __future__ import annotations
 
+import sys
+import traceback
 import warnings
 from collections import Counter
 from contextlib import ExitStack, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,24 +95,52 @@ class HostSyncCounter:
 
 class CudaSyncCounter:
     """Counts the waits for the GPU inside the block as CUDA itself sees them (``torch.cuda`` sync debug mode:
-    device-to-host copies and explicit synchronisations too, DeepSpeed's included); ``syncs.total``."""
+    device-to-host copies and explicit synchronisations too, DeepSpeed's included); ``syncs.total``, and
+    ``syncs.sites``: the Python line that asked for each (the innermost frame outside torch and this module)."""
 
     MESSAGE = "called a synchronizing CUDA operation"  # the warning each synchronising call raises
 
     def __init__(self) -> None:
         self.total = 0
-        self._warnings = warnings.catch_warnings(record=True)
+        self.sites: Counter = Counter()  # "package/module.py:line" -> waits
+        self._warnings = warnings.catch_warnings()
 
     def __enter__(self) -> CudaSyncCounter:
-        self._seen = self._warnings.__enter__()
+        self._warnings.__enter__()
         warnings.simplefilter("always")
+        self._show, warnings.showwarning = warnings.showwarning, self._record
         torch.cuda.set_sync_debug_mode("warn")
         return self
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if self.MESSAGE not in str(message):
+            return self._show(message, category, filename, lineno, file, line)
+        self.total += 1
+        self.sites[_caller_outside(_TORCH, Path(__file__))] += 1
 
     def __exit__(self, *exc: Any) -> None:
         torch.cuda.set_sync_debug_mode("default")
         self._warnings.__exit__(*exc)
-        self.total = sum(self.MESSAGE in str(w.message) for w in self._seen)
+
+
+_TORCH = Path(torch.__file__).parent
+
+
+def _caller_outside(*excluded: Path) -> str:
+    """``package/module.py:line`` of the innermost Python frame whose file lies outside ``excluded`` (files or
+    directories) and the warnings machinery; the path as imported (``deepspeed/runtime/utils.py``)."""
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename)
+        if path.name != "warnings.py" and not any(path.is_relative_to(d) for d in excluded):
+            return f"{_import_path(path)}:{frame.lineno}"
+    return "?"
+
+
+def _import_path(path: Path) -> str:
+    """``path`` relative to the deepest ``sys.path`` entry holding it (the path itself where none does)."""
+    roots = [Path(entry or ".").resolve() for entry in sys.path]
+    holding = [root for root in roots if path.is_relative_to(root)]
+    return str(path.relative_to(max(holding, key=lambda r: len(r.parts)))) if holding else str(path)
 
 
 class CollectiveDevices:
@@ -161,4 +192,5 @@ def probe_step(module, batches, warmup: int = 2) -> dict[str, Any]:
         "collective_devices": sorted(collectives.devices()),
         "loss": result.loss,
         "cuda_syncs": None if cuda_syncs is None else cuda_syncs.total,
+        "cuda_sync_sites": None if cuda_syncs is None else dict(cuda_syncs.sites),
     }

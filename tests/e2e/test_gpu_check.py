@@ -95,9 +95,15 @@ def test_the_packed_runs_attention_core_is_read_from_the_run_log(gpu_check):
 
 
 def test_the_step_probe_is_judged_by_cudas_own_sync_count(gpu_check):
-    probe = {"collective_devices": ["cuda:0"], "host_syncs": 1, "cuda_syncs": 3}
+    sites = {"megatransformer/training/engine.py:293": 1, "deepspeed/runtime/utils.py:422": 8}
+    probe = {"zero": 2, "collective_devices": ["cuda:0"], "host_syncs": 5, "cuda_syncs": 9, "cuda_sync_sites": sites}
     assert gpu_check.probe_ok(probe)
-    assert not gpu_check.probe_ok({**probe, "cuda_syncs": gpu_check.SYNC_BUDGET + 1})  # copies, synchronize()
+    assert not gpu_check.probe_ok({**probe, "cuda_syncs": 10})  # copies, synchronize()
+    assert not gpu_check.probe_ok({**probe, "zero": 1})  # ZeRO-1 waits less
+    assert not gpu_check.probe_ok({**probe, "host_syncs": 6})
+    # a second wait of our own fails, even within the total
+    ours_twice = {**sites, "megatransformer/training/loop.py:10": 1, "deepspeed/runtime/utils.py:422": 7}
+    assert not gpu_check.probe_ok({**probe, "cuda_sync_sites": ours_twice})
     assert not gpu_check.probe_ok({**probe, "cuda_syncs": None})  # not counted: not judged as passing
     assert not gpu_check.probe_ok({**probe, "collective_devices": ["cpu", "cuda:0"]})
 
@@ -110,3 +116,5 @@ def test_cuda_sync_counter_counts_cudas_sync_warnings(monkeypatch):
             warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
         warnings.warn("something else", UserWarning, stacklevel=1)
     assert syncs.total == 3 and modes == ["warn", "default"]
+    [(site, waits)] = syncs.sites.items()  # where each wait was asked for: this file's line
+    assert site.split(":")[0].endswith("test_gpu_check.py") and waits == 3
