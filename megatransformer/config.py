@@ -657,7 +657,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
     raw = apply_overrides(raw, list(overrides))
-    return validate(raw, schema)
+    return validate(_text_where_text_is_wanted(raw, list(overrides), schema), schema)
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -678,6 +678,25 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 )
             first_line[key] = line
         return super().construct_mapping(node, deep)
+
+
+def _text_where_text_is_wanted(raw: dict[str, Any], overrides: list[str], schema: type[Section]) -> dict[str, Any]:
+    """An override of a field that holds text keeps the text as typed (``train.sample_prompt=123`` or ``=yes``),
+    not the number or boolean YAML reads in it."""
+    try:
+        schema.model_validate(raw)
+        return raw
+    except (ValidationError, ConfigError) as err:
+        errors = err.errors() if isinstance(err, ValidationError) else []
+    typed = {tuple(key.split(".")): text for key, _, text in (item.partition("=") for item in overrides)}
+    for error in errors:
+        loc = tuple(str(part) for part in error["loc"])
+        if error["type"] == "string_type" and loc in typed:
+            node = raw
+            for part in loc[:-1]:
+                node = node[part]
+            node[loc[-1]] = typed[loc]
+    return raw
 
 
 def validate(raw: dict[str, Any], schema: type[Section] = RunConfig):

@@ -110,7 +110,10 @@ def test_a_plain_text_override_reaches_the_run(tracked_run):
 
 @pytest.mark.parametrize(
     "text, value",
-    [("ROMEO:", "ROMEO:"), ("- item", "- item"), ("#1", "#1"), ("a: b: c", "a: b: c"), ("null", None), ("", None)],
+    [
+        *[("ROMEO:", "ROMEO:"), ("- item", "- item"), ("#1", "#1"), ("a: b: c", "a: b: c"), ("null", None), ("", None)],
+        *[("123", "123"), ("3.10", "3.10"), ("yes", "yes"), ("1e3", "1e3")],  # text, not the number YAML reads
+    ],
 )
 def test_an_override_of_plain_text_is_that_text(text, value):
     assert load_config(os.devnull, [f"train.sample_prompt={text}"]).train.sample_prompt == value
@@ -118,6 +121,12 @@ def test_an_override_of_plain_text_is_that_text(text, value):
 
 def test_override_collections_are_yaml():
     assert load_config(os.devnull, ["wandb.tags=[x, y]"]).wandb.tags == ["x", "y"]
+
+
+def test_a_number_for_a_number_field_stays_a_number_and_a_bad_one_is_refused():
+    assert load_config(os.devnull, ["train.max_steps=30", "train.sample_prompt=7"]).train.max_steps == 30
+    with pytest.raises(ConfigError, match="max_steps"):
+        load_config(os.devnull, ["train.max_steps=abc"])
 
 
 def test_the_tokenizer_directory_loads_in_transformers_with_its_special_tokens(tmp_path, tiny_data):
