@@ -4,10 +4,10 @@ TensorBoard writer, and a quick check that the W&B server answers before W&B's o
 from __future__ import annotations
 
 import platform
-import socket
 import subprocess
 import threading
-import urllib.parse
+import urllib.error
+import urllib.request
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -63,23 +63,26 @@ def git_commit() -> str | None:
 
 
 def unreachable(url: str, timeout: float = 5.0) -> str | None:
-    """Why nothing answers at ``url``'s host and port within ``timeout`` seconds (name lookup included), or
-    None when a TCP connection opens."""
-    parts = urllib.parse.urlsplit(url)
-    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    """Why no HTTP answer comes from ``url`` within ``timeout`` seconds (name lookup included, through the
+    proxy of ``HTTPS_PROXY``/``HTTP_PROXY`` where one is set, as W&B would go), or None when one does: any
+    status counts, an error page too. A port that accepts connections but never answers is unreachable."""
     outcome: list[str | None] = []
 
-    def connect() -> None:
+    def ask() -> None:
         try:
-            socket.create_connection((host, port), timeout=timeout).close()
+            opener = urllib.request.build_opener()  # (reads the proxy variables now, unlike urlopen's cached one)
+            opener.open(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
             outcome.append(None)
-        except OSError as err:
-            outcome.append(f"{host}:{port}: {err.strerror or err}")
+        except urllib.error.HTTPError:
+            outcome.append(None)  # (it answered)
+        except (OSError, ValueError) as err:
+            reason = getattr(err, "reason", err)
+            outcome.append(f"{url}: {getattr(reason, 'strerror', None) or reason}")
 
-    thread = threading.Thread(target=connect, daemon=True)
+    thread = threading.Thread(target=ask, daemon=True)
     thread.start()
     thread.join(timeout)
-    return outcome[0] if outcome else f"{host}:{port}: no answer within {timeout:g} s"
+    return outcome[0] if outcome else f"{url}: no answer within {timeout:g} s"
 
 
 def check_tensorboard(cfg: RunConfig) -> None:

@@ -191,7 +191,7 @@ def test_wandb_goes_offline_at_once_when_its_server_does_not_answer(tmp_path, mo
     finally:
         run.finish()
     err = capsys.readouterr().err
-    assert f"warning: cannot reach the W&B server, 127.0.0.1:{port}: " in err and "logging offline" in err
+    assert f"warning: cannot reach the W&B server, http://127.0.0.1:{port}: " in err and "logging offline" in err
 
 
 def test_tensorboard_without_its_package_is_a_config_error(monkeypatch):

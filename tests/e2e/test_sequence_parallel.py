@@ -1,12 +1,7 @@
 """Sequence parallelism (DeepSpeed-Ulysses) end to end: ``parallel.sequence_parallel=2`` on 2 ranks trains every
 architecture and objective loss for loss like one rank (fp32, no dropout), with ZeRO-1 and ZeRO-3 (the decoder
-<<<<<<< HEAD
-with ZeRO-0 and ZeRO-2 too); dp2 x sp2 on 4 ranks likewise; a checkpoint continues across sp 2 <-> 1; bad layouts
-exit 2 with one line.
-=======
 with ZeRO-0 and ZeRO-2 too, and with its MLPs in sequence tiles); dp2 x sp2 on 4 ranks too; a checkpoint
 continues across sp 2 <-> 1; bad layouts exit 2 with one line.
->>>>>>> tiled-mlp
 
 Every run is a real ``megatransformer train`` process (torchrun, gloo) with the same global batch of 4 rows.
 """
