@@ -198,6 +198,23 @@ def test_without_the_ladder_the_spike_shows_in_the_curve(tiny_data, poisoned, tm
     assert not any("event" in r for r in metrics(run))
 
 
+@pytest.mark.parametrize(
+    "setting, why",
+    [
+        ("train.spikes.max_rollbacks=0", "after 0 rollbacks (train.spikes.max_rollbacks)"),
+        ("checkpoint.every=1000", "after finding no intact checkpoint before step"),
+    ],
+)
+def test_a_spike_that_cannot_roll_back_stops_the_run_with_exit_3(tiny_data, poisoned, tmp_path, setting, why):
+    run = tmp_path / "stopped"
+    done = train(overrides(tiny_data, poisoned.poisoned, run, setting), expect=3)
+    said = done.stdout + done.stderr
+    assert "stopping: loss spikes since step " in said and why in said and "Traceback" not in said, said[-2000:]
+    events = [r["event"] for r in metrics(run) if "event" in r]
+    assert events == ["skip", "skip", "stop"]
+    assert max(r["step"] for r in metrics(run) if "loss" in r) < poisoned.rows[1] // MICRO  # it stopped in the poison
+
+
 def assert_resumes_to_the_same_curve(run: Path, reference: Path) -> None:
     assert losses(run) == losses(reference)
     rollbacks = [[r for r in metrics(each) if r.get("event") == "rollback"] for each in (run, reference)]
