@@ -12,7 +12,7 @@ E2E = Path(__file__).parent / "e2e"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tier is the folder: tests under e2e/ (subprocesses, ranks, DeepSpeed) are marked slow."""
+    """The tier is the folder: tests under e2e/ (subprocesses, ranks, DeepSpeed, torch.compile) are marked slow."""
     for item in items:
         if E2E in item.path.parents:
             item.add_marker(pytest.mark.slow)

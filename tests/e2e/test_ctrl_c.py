@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from support.runs import tiny_data_overrides, train_command
 
 from megatransformer.cli import main
@@ -51,7 +50,6 @@ def wait_for_first_step(run_dir: Path, process: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.slow
 def test_ctrl_c_checkpoints_the_step_and_resume_continues_from_it(tiny_data, tmp_path):
     run = tmp_path / "run"
     # a terminal's Ctrl-C reaches the whole process group: the trainer and its DataLoader worker
@@ -79,7 +77,6 @@ def test_ctrl_c_checkpoints_the_step_and_resume_continues_from_it(tiny_data, tmp
     assert steps(run) == list(range(1, STEPS + 1))  # each step once: the interrupted run logged up to the saved one
 
 
-@pytest.mark.slow
 def test_ctrl_c_on_every_rank_checkpoints_one_step(tiny_data, tmp_path):
     """Two ranks started as torchrun starts them (each in its own session), each sent SIGINT once, as torchrun
     passes on a Ctrl-C: both stop after the same step, which is saved, and exit 124."""

@@ -143,7 +143,6 @@ def test_a_config_error_is_printed_by_the_first_local_rank_only(monkeypatch, cap
     assert "did you mean 'train.max_steps'?" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_under_torchrun_a_config_error_is_printed_once():
     result = subprocess.run(
         [

@@ -51,7 +51,6 @@ def tracked_run(tiny_data, tmp_path_factory):
     return run, result.stdout, records, started
 
 
-@pytest.mark.slow
 def test_metrics_rows_have_a_kind_a_time_and_one_shape_per_kind(tracked_run):
     _, _, records, started = tracked_run
     assert [(r["step"], r["kind"]) for r in records] == [(2, "train"), (3, "valid"), (4, "train"), (4, "valid")]
@@ -66,7 +65,6 @@ def test_metrics_rows_have_a_kind_a_time_and_one_shape_per_kind(tracked_run):
     assert all(r["mfu"] is None for r in records if r["kind"] == "train")  # a CPU with no train.peak_tflops
 
 
-@pytest.mark.slow
 def test_tensorboard_holds_the_numbers_of_metrics_jsonl(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -80,7 +78,6 @@ def test_tensorboard_holds_the_numbers_of_metrics_jsonl(tracked_run):
     assert "train/mfu" not in events.Tags()["scalars"]
 
 
-@pytest.mark.slow
 def test_wandb_config_is_the_resolved_config_and_the_run_facts(tracked_run):
     run, _, _, _ = tracked_run
     [log] = run.glob("wandb/offline-run-*/run-*.wandb")
@@ -102,7 +99,6 @@ def test_wandb_config_is_the_resolved_config_and_the_run_facts(tracked_run):
     assert {"python", "torch", "deepspeed", "megatransformer"} <= set(facts["versions"])
 
 
-@pytest.mark.slow
 def test_a_plain_text_override_reaches_the_run(tracked_run):
     _, out, _, _ = tracked_run
     assert "sample: ROMEO:" in out
@@ -165,7 +161,6 @@ def test_the_tokenizer_directory_loads_in_transformers_with_its_special_tokens(t
     assert batch["input_ids"][0][-1] == tok.pad_token_id == tok.convert_tokens_to_ids("<pad>")
 
 
-@pytest.mark.slow
 def test_an_exported_model_directory_has_the_same_tokenizer_roles(tracked_run, tmp_path):
     from transformers import AutoTokenizer
 

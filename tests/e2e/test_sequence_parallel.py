@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 from support.runs import losses, metrics, tiny_model, train
 
-pytestmark = pytest.mark.slow
-
 STEPS, SAVED = 10, 6
 
 # each architecture and objective, with the positions, key/value heads and options it covers

@@ -74,7 +74,6 @@ def run_command(tiny_data, run_dir: Path) -> list[str]:
     return [*train_command(), *TINY, *tiny_data_overrides(tiny_data), f"run_dir={run_dir}", "train.max_steps=1"]
 
 
-@pytest.mark.slow
 def test_a_single_process_builds_nothing(tiny_data, tmp_path):
     extensions = tmp_path / "torch_extensions"  # a fresh machine's: nothing built yet
     extensions.mkdir()
@@ -102,7 +101,6 @@ def first_lines_until(process: subprocess.Popen, wanted: str) -> list[str]:
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("lock_left", [False, True], ids=["fresh", "lock_left"])
 def test_a_rank_says_what_it_waits_for_before_it_waits(tiny_data, tmp_path, lock_left):
     """Rank 0 of a 2-rank CPU run (its peer never starts: the build, or the wait on the lock, comes first)."""

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 from support import REPO
 
 FIRST_STEPS = textwrap.dedent("""
@@ -48,7 +47,6 @@ FIRST_STEPS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_the_autotp_input_check_compares_the_batch_without_the_masks(tmp_path):
     script = tmp_path / "first_steps.py"
     script.write_text(FIRST_STEPS)
