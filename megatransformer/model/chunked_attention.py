@@ -1,25 +1,9 @@
 """Exact attention in query chunks with recomputation: the CPU training core (``attention_backend=chunked``).
 
-PyTorch's CPU flash-attention kernel reaches ~20 GFLOP/s in bf16 on a 2-core machine while the same
-machine's batched matmul reaches ~200; attention was a quarter of a bf16 training step of a 512-token
-model. This core computes ``softmax(QK^T)V`` as a handful of large ``bmm`` calls per chunk of query rows:
-
-* scores for one chunk of queries against only the keys the chunk may see (causal chunks skip the keys
-  after them, windowed chunks the keys outside their window, so a sliding window costs time and memory
-  linear in window x length), masked per chunk, softmax with PyTorch's fused kernel (fp32 math inside);
-* no scores or probabilities of size L x L are kept: the backward pass recomputes each chunk's
-  probabilities (as flash-attention does) and uses the fused softmax backward, so activation memory is
-  linear in sequence length for every mask (causal, bidirectional, prefix-LM, packed documents);
-* a mask that is not plain causal/bidirectional is rendered per chunk once per batch and shared by every
-  layer's forward and backward (``AttentionMask.blocked``: booleans, at most 64 MiB kept per mask; 6.5% of a
-  packed bf16 step of the 8-layer benchmark model went to rendering them again per layer);
-* grouped-query attention without repeating keys/values: the query heads that share a key/value head are
-  stacked into the rows of one matmul;
-* ALiBi's bias is built per chunk (rows x visible keys) in forward and again in backward; it is a constant,
-  so the gradients are those of the biased scores.
-
-Scores pass through the input dtype (bf16 scores in bf16 runs, like an eager bf16 implementation; the
-softmax itself runs in fp32). Attention dropout is not supported.
+``softmax(QK^T)V`` as a handful of large ``bmm`` calls per chunk of query rows, against only the keys each chunk
+may see; the backward recomputes each chunk's probabilities, so activation memory is linear in sequence length
+for every mask. Why and how (GQA without repeated keys, masks rendered once per batch, ALiBi per chunk):
+docs/gpu.md, "On CPUs".
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Attention masks as a description, rendered per backend, with their metadata built once per batch.
 
-An :class:`AttentionMask` says *which* keys a query may see (causal order, a bidirectional prefix, document
-segments); each backend turns it into what it needs: nothing at all for plain causal/bidirectional SDPA,
-a dense boolean mask, a FlexAttention block mask, or flash-attn varlen problems. The rule, for query
-position ``q`` and key position ``k`` of row ``b``::
-
-    order_ok   = not causal or k <= q or k < prefix_len[b]        (prefix_len [B]: one prefix per row)
-                                    or k < prefix_len[b, q]     (prefix_len [B, Tq]: per query)
-    segment_ok = q_seg[b, q] == k_seg[b, k] or q_seg[b, q] == PAD_SEGMENT
-    allowed    = order_ok and segment_ok
-
-Per-query prefix ends let packed rows hold several prefix-LM documents: ``prefix_len[b, q]`` is where the
-prefix of q's document ends (an index into the row), and the segment check keeps the documents apart.
-
-A sliding ``window`` (local attention) further requires ``q - window < k`` for causal masks and
-``|q - k| < window`` for bidirectional ones (positions of the row, so never across a document); it does not
-combine with a prefix.
-
-Padding queries may attend anywhere, so no row is ever fully masked (which would produce NaN); their
-outputs carry no loss. Real queries never see padding keys or other documents.
-
-Metadata that needs the values of the segment and prefix tensors (flash-attn's ``cu_seqlens``, whether a row
-holds one document, the chunked core's key bounds) is computed on the host, from the batch as the loader
-made it, by :func:`batch_masks`, once per batch, and travels with the mask to every layer: a training step
-on a GPU never waits for the device to learn a shape. A mask built from device tensors alone (generation,
-evaluation) computes the same metadata on first use, once per forward.
+An :class:`AttentionMask` says *which* keys a query may see (causal order, a bidirectional prefix per row or per
+query, document segments, a sliding window); each core renders what it needs: nothing, a dense boolean mask, a
+FlexAttention block mask or flash-attn varlen problems. Host metadata (``cu_seqlens``, key bounds) is computed
+once per batch by :func:`batch_masks`, so a step never waits for the device to learn a shape. The rule and the
+design: docs/gpu.md.
 """
 
 from __future__ import annotations

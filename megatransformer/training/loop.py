@@ -240,14 +240,10 @@ class Trainer:
         return self.module.save(self.state, self.train_loader.state_dict(), tuple(p.name for p in needed[:1]))
 
     def restore(self, path: Path) -> None:
-        """Load checkpoint ``path`` into the running engine, trainer state and loader (on another layout
-        than the one that wrote it too)."""
-        plan = plan_resume(
-            self.cfg.model_copy(update={"resume": str(path)}),
-            self.dist.world_size,
-            torch.device(self.dist.device).type,
-            self.tokenizer.sha256,
-        )
+        """Load checkpoint ``path`` (verified: rollback_target's) into the running engine, trainer state and
+        loader (on another layout than the one that wrote it too)."""
+        device_type = torch.device(self.dist.device).type
+        plan = plan_resume(self.cfg, self.dist.world_size, device_type, self.tokenizer.sha256, verified=path)
         self.state, loader_state = self.module.load(plan)
         self.train_loader.load_state_dict(loader_state)
 

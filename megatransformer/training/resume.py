@@ -90,11 +90,14 @@ def _resolve_resume(cfg: RunConfig) -> Path | None:
     return path
 
 
-def plan_resume(cfg: RunConfig, world_size: int, device_type: str, tokenizer_sha256: str | None) -> ResumePlan | None:
-    """The resume of this run, or None for a fresh start. Refuses another model shape, another tokenizer and
-    (unless ``resume_elastic=allow_batch_change``) another global batch; an elastic resume loads the saved
-    weights here, since the engine is built from them."""
-    path = resolve_resume(cfg)
+def plan_resume(
+    cfg: RunConfig, world_size: int, device_type: str, tokenizer_sha256: str | None, verified: Path | None = None
+) -> ResumePlan | None:
+    """The resume of this run (from ``cfg.resume``, or from the ``verified`` checkpoint a rollback found), or
+    None for a fresh start. Refuses another model shape, another tokenizer and (unless
+    ``resume_elastic=allow_batch_change``) another global batch; an elastic resume loads the saved weights
+    here, since the engine is built from them."""
+    path = verified or resolve_resume(cfg)
     if path is None:
         return None
     state, saved = ckpt.read_trainer_state(path), ckpt.saved_config(path)
