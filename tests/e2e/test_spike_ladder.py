@@ -198,6 +198,16 @@ def test_without_the_ladder_the_spike_shows_in_the_curve(tiny_data, poisoned, tm
     assert not any("event" in r for r in metrics(run))
 
 
+def test_the_checkpoint_a_rollback_needs_outlives_checkpoint_keep(tiny_data, poisoned, tmp_path):
+    # checkpoints every 45 steps, one kept: the one written inside the spikes (at 90) would rotate away the
+    # one before them (45), which the rollback needs
+    run = tmp_path / "keep_one"
+    train(overrides(tiny_data, poisoned.poisoned, run, "checkpoint.every=45", "checkpoint.keep=1"))
+    assert_rolled_back_over_the_poison(run, poisoned.rows)
+    [rollback] = [r for r in metrics(run) if r.get("event") == "rollback"]
+    assert rollback["checkpoint"] == "step_000045" and rollback["spike_began"] < 90 < rollback["step"] + 1
+
+
 @pytest.mark.parametrize(
     "setting, why",
     [
