@@ -1,7 +1,7 @@
 """Sequence parallelism (DeepSpeed-Ulysses) end to end: ``parallel.sequence_parallel=2`` on 2 ranks trains every
 architecture and objective loss for loss like one rank (fp32, no dropout), with ZeRO-1 and ZeRO-3 (the decoder
-with ZeRO-0 and ZeRO-2 too, and with its MLPs in sequence tiles); dp2 x sp2 on 4 ranks too; a checkpoint
-continues across sp 2 <-> 1; bad layouts exit 2 with one line.
+with ZeRO-0 and ZeRO-2 too, with a sliding window, and with its MLPs in sequence tiles); dp2 x sp2 on 4 ranks
+too; a checkpoint continues across sp 2 <-> 1; bad layouts exit 2 with one line.
 
 Every run is a real ``megatransformer train`` process (torchrun, gloo) with the same global batch of 4 rows.
 """
@@ -88,6 +88,20 @@ def test_two_sequence_ranks_train_like_one_rank(one_rank, tiny_data, tmp_path, c
     assert len(losses(run)) == STEPS
     assert losses(run) == pytest.approx(losses(one_rank(case)), abs=1e-5, rel=0)
     assert grad_norms(run) == pytest.approx(grad_norms(one_rank(case)), rel=1e-4)
+
+
+def test_a_sliding_window_over_two_sequence_ranks_trains_like_one_rank(one_rank, tiny_data, tmp_path):
+    """model.attention_window over the whole sequence (each rank's heads see the window across the slice
+    boundary), packed documents; the final validation too."""
+    window = ["model.attention_window=24"]
+    reference, run = tmp_path / "sp1", tmp_path / "sp2"
+    train(overrides(tiny_data, reference, "decoder_packed", *window))
+    train(overrides(tiny_data, run, "decoder_packed", "parallel.sequence_parallel=2", *window), nproc=2)
+    assert losses(run) == pytest.approx(losses(reference), abs=1e-5, rel=0)
+    assert grad_norms(run) == pytest.approx(grad_norms(reference), rel=1e-4)
+    [valid], [valid_reference] = ([r["val_loss"] for r in metrics(d) if "val_loss" in r] for d in (run, reference))
+    assert valid == pytest.approx(valid_reference, abs=1e-5, rel=0)
+    assert losses(reference)[-1] != pytest.approx(losses(one_rank("decoder_packed"))[-1], abs=1e-3)  # it windows
 
 
 def test_mlps_in_sequence_tiles_train_like_untiled(one_rank, tiny_data, tmp_path):
