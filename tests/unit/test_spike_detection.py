@@ -3,6 +3,7 @@ refused up front."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -225,3 +226,60 @@ def test_the_threshold_is_median_plus_the_larger_of_the_robust_and_the_relative_
     median = np.median(values)
     spread = 1.4826 * np.median(np.abs(values - median))
     assert robust_threshold(values, 4.0, 0.2) == pytest.approx(median + max(4.0 * spread, 0.2 * median), rel=1e-12)
+
+
+class RecordingRun:
+    """What the reporter asks of a W&B run."""
+
+    def __init__(self) -> None:
+        self.logged, self.alerts = [], []
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+    def alert(self, title, text):
+        self.alerts.append((title, text))
+
+
+@pytest.mark.parametrize("mode, alerted", [("online", True), ("offline", False)])
+def test_rollbacks_and_stops_alert_on_wandb_when_online(tmp_path, monkeypatch, mode, alerted):
+    from megatransformer.config import load_config
+    from megatransformer.training import metrics
+
+    cfg = load_config(os.devnull, [f"run_dir={tmp_path}", "wandb.mode=disabled"])
+    reporter = metrics.Reporter(cfg, is_main=True, start_step=0)
+    reporter.wandb = RecordingRun()
+    monkeypatch.setattr(metrics, "wandb_mode", lambda cfg: mode)
+    for step, event in ((10, "skip"), (11, "rollback"), (30, "stop")):
+        reporter.event({"step": step, "event": event, "spike_loss": 9.0, "threshold": 6.0}, f"line {step}")
+    assert [step for step, _ in reporter.wandb.logged] == [10, 11, 30]
+    assert reporter.wandb.logged[0][1] == {"spikes/loss": 9.0, "spikes/threshold": 6.0}
+    expected = [("loss spike: rollback", "line 11"), ("loss spike: stop", "line 30")] if alerted else []
+    assert reporter.wandb.alerts == expected
+    assert [r["event"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [
+        "skip",
+        "rollback",
+        "stop",
+    ]
+
+
+def test_the_loss_panel_marks_each_spike_and_each_rollback():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatransformer.commands.plot import mark_spikes
+
+    fig, ax = plt.subplots()
+    events = [
+        {"step": 89, "event": "skip", "spike_loss": 9.8},
+        {"step": 90, "event": "skip", "spike_loss": 9.9},
+        {"step": 91, "event": "rollback", "spike_loss": 9.7},
+    ]
+    mark_spikes(ax, "run", events)
+    [crosses] = [line for line in ax.lines if line.get_marker() == "x"]
+    assert list(crosses.get_xdata()) == [89, 90, 91] and list(crosses.get_ydata()) == [9.8, 9.9, 9.7]
+    [rollback] = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert list(rollback.get_xdata()) == [91, 91] and rollback.get_label() == "run rollbacks"
+    plt.close(fig)
