@@ -25,49 +25,34 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from data_pipeline import DataError
 from data_pipeline.objectives import Objective, Window, build_objective
 from data_pipeline.remote import Retry, ShardStream, check_location, is_remote, join
-from data_pipeline.settings import ObjectiveArgs
+from data_pipeline.settings import Dataset, Datasets, DataSettings, ObjectiveArgs
 from data_pipeline.shard import INSTRUCTIONS, Manifest, ShardInfo, decode_ids
 from data_pipeline.tokenizer import TokenizerInfo
 
 SPLIT_SALT = {"train": 0, "valid": 1}
 STATE_FORMAT = 2  # format 1 (before streams): per-reader positions, resumable on the same layout only
-DEFAULT_STREAMS = 64
 MAX_EMPTY_EPOCHS = 100  # epochs in a row in which a stream's shares were all corrupt: then it fails
 
 
 @dataclass(frozen=True)
-class SourceSpec:
-    """One dataset to read: a shard directory (local path or URL) and its mixing weight."""
-
-    path: str
-    weight: float = 1.0
-
-
-@dataclass(frozen=True)
 class LoaderSettings:
-    """Everything the loader needs to know, as plain values (megatransformer.training.data builds it from a
-    run config)."""
+    """Everything the loader needs to know: the data settings (a run config's ``data`` section) and the run's
+    choices they are read with (megatransformer.training.data passes a run config's)."""
 
-    train: str | list[SourceSpec] | None  # shard directory (or URL), or datasets to mix
-    seq_len: int  # tokens per row (encoder side for encoder-decoder objectives)
+    data: DataSettings  # which shards, and how they become rows
     objective: str  # autoregressive | masked_lm | prefix_lm | span_corruption
     arch: str  # decoder | encoder | encoder_decoder
     vocab_size: int  # the model's; shards must fit it
     seed: int = 0
-    valid: str | list[SourceSpec] | None = None  # default: the validation split of train
     objective_args: ObjectiveArgs = field(default_factory=ObjectiveArgs)
-    pack: bool = True
-    shuffle_buffer: int = 1000  # documents held for shuffling by one reader of all streams
-    num_workers: int = 0  # DataLoader worker processes per rank (train only)
-    on_corrupt: str = "error"  # error | skip
-    streams: int = DEFAULT_STREAMS
-    retries: int = 5  # remote reads: retries after a failure before the shard is named in the error
-    retry_wait: float = 1.0  # seconds before the first retry (doubled each time)
+    retry_wait: float = 1.0  # remote reads: seconds before the first retry (doubled each time)
     pin_memory: bool = False  # batches in page-locked memory (a CUDA run copies them without waiting)
 
 
 @dataclass
-class Source:
+class ShardSet:
+    """One dataset's shards of one split, as its manifest lists them, with the dataset's mixing weight."""
+
     directory: str  # local path or URL
     split: str
     shards: list[ShardInfo]
@@ -87,15 +72,13 @@ class Source:
         return join(self.directory, info.file)
 
 
-def resolve_sources(
-    spec: str | list[SourceSpec] | None, split: str, retry: Retry, fallback: str | list[SourceSpec] | None = None
-) -> list[Source]:
-    """``train`` / ``valid`` (a directory or URL, or a list of SourceSpec) as Sources of one split."""
-    spec = spec if spec is not None else fallback
-    if spec is None:
+def resolve_datasets(datasets: Datasets, split: str, retry: Retry, fallback: Datasets = None) -> list[ShardSet]:
+    """``train`` / ``valid`` (a directory or URL, or a list of Datasets) as the ShardSets of one split."""
+    datasets = datasets if datasets is not None else fallback
+    if datasets is None:
         raise DataError(f"data.{split} is not set; point it at a directory written by `megatransformer data shard`")
-    entries = [SourceSpec(str(spec))] if isinstance(spec, (str, Path)) else spec
-    sources = []
+    entries = [Dataset(str(datasets))] if isinstance(datasets, (str, Path)) else datasets
+    shard_sets = []
     for entry in entries:
         check_location(entry.path)
         manifest = Manifest.load(entry.path, retry)
@@ -103,29 +86,27 @@ def resolve_sources(
         if not shards:
             hint = "; set data.valid or re-shard with --valid-every N" if split == "valid" else ""
             raise DataError(f"{entry.path} has no {split} shards (its manifest lists {sorted(manifest.splits)}){hint}")
-        if entry.weight <= 0:
-            raise DataError(f"data.{split}: weight of {entry.path} must be positive, got {entry.weight}")
-        sources.append(Source(str(entry.path), split, shards, entry.weight, manifest))
-    return sources
+        shard_sets.append(ShardSet(str(entry.path), split, shards, entry.weight, manifest))
+    return shard_sets
 
 
-def check_compatible(sources: list[Source], tok: TokenizerInfo, vocab_size: int) -> None:
+def check_compatible(shard_sets: list[ShardSet], tok: TokenizerInfo, vocab_size: int) -> None:
     """Shards, tokenizer and model must agree on the token ids; checked before any step is taken."""
-    for source in sources:
-        m = source.manifest
+    for shard_set in shard_sets:
+        m = shard_set.manifest
         if m.tokenizer_sha256 != tok.sha256:
             raise DataError(
-                f"{source.directory} was tokenized with another tokenizer than data.tokenizer="
+                f"{shard_set.directory} was tokenized with another tokenizer than data.tokenizer="
                 f"{tok.path} (sha256 {m.tokenizer_sha256[:12]} vs {tok.sha256[:12]}); re-shard it"
             )
         if m.vocab_size != tok.vocab_size or np.iinfo(m.dtype).max < m.vocab_size - 1:
             raise DataError(
-                f"{source.directory}: manifest says vocab {m.vocab_size} in {m.dtype}, the tokenizer "
+                f"{shard_set.directory}: manifest says vocab {m.vocab_size} in {m.dtype}, the tokenizer "
                 f"has {tok.vocab_size} tokens; re-shard it"
             )
         if m.vocab_size > vocab_size:
             raise DataError(
-                f"{source.directory} holds token ids up to {m.vocab_size - 1} but "
+                f"{shard_set.directory} holds token ids up to {m.vocab_size - 1} but "
                 f"model.vocab_size={vocab_size}; set model.vocab_size >= {m.vocab_size}"
             )
     if tok.vocab_size > vocab_size:
@@ -135,9 +116,9 @@ def check_compatible(sources: list[Source], tok: TokenizerInfo, vocab_size: int)
         )
 
 
-def check_instructions(sources: list[Source], objective: str) -> None:
+def check_instructions(shard_sets: list[ShardSet], objective: str) -> None:
     """Instruction (prompt, completion) shards need an objective that can leave the prompt unscored."""
-    instructions = [s for s in sources if s.manifest.kind == INSTRUCTIONS]
+    instructions = [s for s in shard_sets if s.manifest.kind == INSTRUCTIONS]
     if not instructions:
         return
     where = instructions[0].directory
@@ -148,7 +129,7 @@ def check_instructions(sources: list[Source], objective: str) -> None:
         )
 
 
-def check_streams(sources: list[Source], streams: int, dp_size: int, workers: int) -> None:
+def check_streams(shard_sets: list[ShardSet], streams: int, dp_size: int, workers: int) -> None:
     """Every reader serves a whole number of streams, and every stream gets documents in every epoch."""
     readers = dp_size * max(1, workers)
     if streams % readers:
@@ -159,12 +140,12 @@ def check_streams(sources: list[Source], streams: int, dp_size: int, workers: in
             f"{readers} readers (each reader serves a whole number of streams); set data.streams to a "
             f"multiple of {readers} when the run starts, or use {hint}"
         )
-    for source in sources:
-        n = len(source.shards)
-        fewest = min(s.samples for s in source.shards)
+    for shard_set in shard_sets:
+        n = len(shard_set.shards)
+        fewest = min(s.samples for s in shard_set.shards)
         if n < streams and fewest < math.ceil(streams / n):
             raise DataError(
-                f"{source.directory}: {n} {source.split} shard(s) with as few as {fewest} documents "
+                f"{shard_set.directory}: {n} {shard_set.split} shard(s) with as few as {fewest} documents "
                 f"cannot feed data.streams={streams} (each stream needs a document per epoch); lower "
                 f"data.streams to {n * fewest} or less when the run starts"
             )
@@ -188,7 +169,7 @@ class Position:
 class Share:
     """What one stream reads of one shard: samples [first, stop) (the whole shard unless split)."""
 
-    shard: int  # index into Source.shards
+    shard: int  # index into ShardSet.shards
     first: int
     stop: int
 
@@ -206,14 +187,14 @@ class ShardOpener:
     retry: Retry
     skipped: list[str] = field(default_factory=list)
 
-    def samples(self, source: Source, share: Share) -> Iterator[tuple[bytes, bytes | None]]:
+    def samples(self, shard_set: ShardSet, share: Share) -> Iterator[tuple[bytes, bytes | None]]:
         """The samples of ``share`` in shard order; nothing if the shard is (found) corrupt and skipped."""
-        info = source.shards[share.shard]
-        where = source.location(info)
+        info = shard_set.shards[share.shard]
+        where = shard_set.location(info)
         if where in self.skipped:
             return
         try:
-            if source.remote:
+            if shard_set.remote:
                 stream = ShardStream(where, info.sha256, self.retry)
                 try:
                     yield from _tar_samples(stream, info, share, where)
@@ -278,11 +259,11 @@ def _rng(*key: int) -> np.random.Generator:
 
 
 class DocumentReader:
-    """The documents of one stream and one source, in the deterministic order described above."""
+    """The documents of one stream and one dataset, in the deterministic order described above."""
 
     def __init__(
         self,
-        source: Source,
+        shard_set: ShardSet,
         seed: int,
         stream: int,
         streams: int,
@@ -291,13 +272,13 @@ class DocumentReader:
         opener: ShardOpener,
         epochs: int | None,
     ) -> None:
-        self.source, self.seed, self.stream, self.streams = source, seed, stream, streams
+        self.shard_set, self.seed, self.stream, self.streams = shard_set, seed, stream, streams
         self.shuffle, self.block, self.opener, self.epochs = shuffle, block, opener, epochs
 
     def shares(self, epoch: int) -> list[Share]:
         """This stream's shares of the epoch: whole shards k, k+S, ... of the permutation, or, with fewer
         shards than streams, one contiguous part of shard k % N."""
-        shards = self.source.shards
+        shards = self.shard_set.shards
         order = np.arange(len(shards))
         if self.shuffle:
             order = _rng(self.seed, epoch).permutation(order)
@@ -318,7 +299,7 @@ class DocumentReader:
             while shard_pos < len(shares):
                 share = shares[shard_pos]
                 for d, (data, prompt_len) in self._ordered(
-                    self.opener.samples(self.source, share), epoch, share, doc_pos
+                    self.opener.samples(self.shard_set, share), epoch, share, doc_pos
                 ):
                     found = True
                     prompt_len = None if prompt_len is None else int(prompt_len)
@@ -327,11 +308,11 @@ class DocumentReader:
             # a stream whose shares were all skipped moves on to the next epoch (other shards), but never spins
             # through epochs without data
             empty_epochs = empty_epochs + 1 if whole_epoch and not found else 0
-            skipped = {self.source.location(info) for info in self.source.shards} <= set(self.opener.skipped)
+            skipped = {self.shard_set.location(info) for info in self.shard_set.shards} <= set(self.opener.skipped)
             if empty_epochs and (skipped or empty_epochs > MAX_EMPTY_EPOCHS):
                 raise DataError(
                     f"stream {self.stream} found no readable document in its shards of "
-                    f"{self.source.directory} in epoch {epoch} (all corrupt?)"
+                    f"{self.shard_set.directory} in epoch {epoch} (all corrupt?)"
                 )
             epoch, shard_pos = epoch + 1, 0
 
@@ -365,7 +346,7 @@ class WindowStream:
     def __init__(self, docs: DocumentReader, objective: Objective, eos: int, start: Position) -> None:
         self.docs, self.objective, self.eos = docs, objective, eos
         self.position = start
-        if docs.source.manifest.kind == INSTRUCTIONS:
+        if docs.shard_set.manifest.kind == INSTRUCTIONS:
             layouts = {"packed": self._packed, "rows": self._instruction_rows, "examples": self._instruction_examples}
         else:
             layouts = {"packed": self._packed, "rows": self._rows, "examples": self._examples}
@@ -389,7 +370,7 @@ class WindowStream:
     def _packed(self) -> Iterator[Window]:
         size = self.objective.window
         stride = size - self.objective.overlap
-        marks_prompts = self.docs.source.manifest.kind == INSTRUCTIONS
+        marks_prompts = self.docs.shard_set.manifest.kind == INSTRUCTIONS
         pending: deque[list] = deque()  # [tokens, Position, first unread offset, prompt length]
         available = 0
         for tokens, prompt_len, pos in self._pieces():
@@ -468,10 +449,10 @@ class WindowStream:
         for tokens, prompt_len, pos in self._pieces():
             self.position = Position(pos.epoch, pos.shard, pos.doc + 1, 0)
             if prompt_len >= size:
-                _warn_once(self.docs.source, "skipped", f"a {prompt_len}-token prompt fills the whole row")
+                _warn_once(self.docs.shard_set, "skipped", f"a {prompt_len}-token prompt fills the whole row")
                 continue
             if len(tokens) > size:
-                _warn_once(self.docs.source, "truncated", f"{len(tokens)} tokens > data.seq_len + 1")
+                _warn_once(self.docs.shard_set, "truncated", f"{len(tokens)} tokens > data.seq_len + 1")
             chunk = tokens[:size]
             yield Window(chunk, np.ones(len(chunk), dtype=np.int64), np.arange(len(chunk)) < prompt_len)
 
@@ -484,12 +465,12 @@ class WindowStream:
         used = np.zeros(2, dtype=np.int64)
         for tokens, prompt_len, pos in self._pieces():
             if prompt_len == 0:
-                _warn_once(self.docs.source, "skipped", "an empty prompt leaves the encoder nothing to read")
+                _warn_once(self.docs.shard_set, "skipped", "an empty prompt leaves the encoder nothing to read")
                 continue
             source, target = tokens[:prompt_len], tokens[prompt_len:]
             if len(source) > src_room or len(target) > tgt_room:
                 _warn_once(
-                    self.docs.source,
+                    self.docs.shard_set,
                     "truncated",
                     f"{len(source)} prompt + {len(target)} completion tokens, data.seq_len={src_room} per side",
                 )
@@ -508,15 +489,15 @@ class WindowStream:
 _WARNED: set[tuple[str, str]] = set()
 
 
-def _warn_once(source: Source, what: str, example: str) -> None:
-    """Warn once per process and source that instruction examples are ``what`` ("truncated": their end is cut
+def _warn_once(shard_set: ShardSet, what: str, example: str) -> None:
+    """Warn once per process and dataset that instruction examples are ``what`` ("truncated": their end is cut
     off; "skipped": nothing left to learn), with the first case as ``example``."""
-    if (str(source.directory), what) in _WARNED:
+    if (str(shard_set.directory), what) in _WARNED:
         return
-    _WARNED.add((str(source.directory), what))
+    _WARNED.add((str(shard_set.directory), what))
     consequence = "their end is cut off" if what == "truncated" else "they are skipped"
     warnings.warn(
-        f"some instruction examples of {source.directory} do not fit a row (e.g. {example}): "
+        f"some instruction examples of {shard_set.directory} do not fit a row (e.g. {example}): "
         f"{consequence}; raise data.seq_len to keep them whole",
         stacklevel=3,
     )
@@ -540,14 +521,14 @@ def _example_window(pieces: list[np.ndarray], prompts: list[np.ndarray] | None =
 
 
 class StreamSamples:
-    """The samples of one stream: its sources mixed by weight, the objective applied with a per-sample seed."""
+    """The samples of one stream: its datasets mixed by weight, the objective applied with a per-sample seed."""
 
     def __init__(self, spec: LoaderSpec, stream: int, state: dict | None, opener: ShardOpener) -> None:
-        sources = spec.sources
-        state = state or {"samples": 0, "positions": [Position().as_dict() for _ in sources]}
+        shard_sets = spec.shard_sets
+        state = state or {"samples": 0, "positions": [Position().as_dict() for _ in shard_sets]}
         self.seed, self.salt, self.stream, self.samples = spec.seed, spec.salt, stream, state["samples"]
         self.objective = spec.objective
-        self.weights = np.array([s.weight for s in sources]) / sum(s.weight for s in sources)
+        self.weights = np.array([s.weight for s in shard_sets]) / sum(s.weight for s in shard_sets)
         self.windows = [
             WindowStream(
                 DocumentReader(s, spec.seed, stream, spec.streams, spec.shuffle, spec.block, opener, spec.epochs),
@@ -555,11 +536,11 @@ class StreamSamples:
                 spec.eos,
                 Position(**p),
             )
-            for s, p in zip(sources, state["positions"])
+            for s, p in zip(shard_sets, state["positions"])
         ]
 
     def __next__(self) -> dict[str, np.ndarray]:
-        """The next sample; StopIteration when a finite stream ends (when its first source does)."""
+        """The next sample; StopIteration when a finite stream ends (when its first dataset does)."""
         rng = _rng(self.seed, self.salt, self.stream, self.samples)
         choice = int(rng.choice(len(self.windows), p=self.weights)) if len(self.windows) > 1 else 0
         window = next(self.windows[choice])
@@ -587,7 +568,7 @@ def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
 
 @dataclass
 class LoaderSpec:
-    sources: list[Source]
+    shard_sets: list[ShardSet]
     objective: Objective
     eos: int
     seed: int
@@ -719,7 +700,7 @@ class StreamingLoader:
             yield self._take(pending, len(pending))
         if produced == 0 and not spec.shuffle:
             raise DataError(
-                f"the {spec.sources[0].split} split of {spec.sources[0].directory} holds no sequences; "
+                f"the {spec.shard_sets[0].split} split of {spec.shard_sets[0].directory} holds no sequences; "
                 "shard with validation documents (--valid-every) or set data.valid to a dataset"
             )
 
@@ -761,7 +742,7 @@ class StreamingLoader:
             "rows": self.rows,
             "stream_states": {str(k): v for k, v in sorted(self.stream_states.items())},
             "skipped": list(self.skipped),
-            "sources": [s.fingerprint for s in spec.sources],
+            "sources": [s.fingerprint for s in spec.shard_sets],  # (the saved key: the datasets' fingerprints)
             "skip_rows": [list(r) for r in self.skip],
         }
 
@@ -777,10 +758,10 @@ class StreamingLoader:
                 f"the data-loader state was saved with data.streams={state['streams']}, this run has "
                 f"data.streams={spec.streams}; set data.streams={state['streams']} to resume it"
             )
-        fingerprints = [s.fingerprint for s in spec.sources]
+        fingerprints = [s.fingerprint for s in spec.shard_sets]
         if state["sources"] != fingerprints:
             raise DataError(
-                f"data.{spec.sources[0].split} holds other shards than when the checkpoint was saved; "
+                f"data.{spec.shard_sets[0].split} holds other shards than when the checkpoint was saved; "
                 "exact resume needs the same datasets (use init_from= to start a new run from the "
                 "weights)"
             )
@@ -822,8 +803,8 @@ class StreamingLoader:
         }
 
     def tokens_per_epoch(self) -> int:
-        """Tokens of one pass over the split (all sources), from the manifests."""
-        return sum(s.manifest.tokens(s.split) for s in self.spec.sources)
+        """Tokens of one pass over the split (all datasets), from the manifests."""
+        return sum(s.manifest.tokens(s.split) for s in self.spec.shard_sets)
 
 
 def _interleave(chunks: list[_Chunk]) -> Iterator[tuple[dict[str, torch.Tensor], tuple[int, dict]]]:
@@ -911,12 +892,13 @@ def merge_states(states: list[dict]) -> dict:
 def check_data(settings: LoaderSettings, tokenizer: TokenizerInfo) -> None:
     """The checks a loader makes when built, of both splits, from the manifests alone: a run can make them
     before its engines start."""
-    retry = Retry(settings.retries, settings.retry_wait)
-    sources = resolve_sources(settings.train, "train", retry) + resolve_sources(
-        settings.valid, "valid", retry, fallback=settings.train
+    data = settings.data
+    retry = Retry(data.retries, settings.retry_wait)
+    shard_sets = resolve_datasets(data.train, "train", retry) + resolve_datasets(
+        data.valid, "valid", retry, fallback=data.train
     )
-    check_compatible(sources, tokenizer, settings.vocab_size)
-    check_instructions(sources, settings.objective)
+    check_compatible(shard_sets, tokenizer, settings.vocab_size)
+    check_instructions(shard_sets, settings.objective)
 
 
 def build_loader(
@@ -930,23 +912,23 @@ def build_loader(
 ) -> StreamingLoader:
     """The loader of ``split``: "train" is endless and shuffled, split over ``dp_size`` ranks x
     ``num_workers`` workers; "valid" is ``epochs`` (default 1) in-order passes, the same on every rank."""
-    s = settings
+    s, data = settings, settings.data
     if split not in SPLIT_SALT:
         raise DataError(f"split must be train or valid, got {split!r}")
     if not 0 <= dp_rank < dp_size:
         raise DataError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
-    retry = Retry(s.retries, s.retry_wait)
-    sources = (
-        resolve_sources(s.valid, "valid", retry, fallback=s.train)
+    retry = Retry(data.retries, s.retry_wait)
+    shard_sets = (
+        resolve_datasets(data.valid, "valid", retry, fallback=data.train)
         if split == "valid"
-        else resolve_sources(s.train, "train", retry)
+        else resolve_datasets(data.train, "train", retry)
     )
-    check_compatible(sources, tokenizer, s.vocab_size)
-    check_instructions(sources, s.objective)
-    if s.on_corrupt == "error":  # a missing local shard fails now, not hours into the run (checksums: when read)
+    check_compatible(shard_sets, tokenizer, s.vocab_size)
+    check_instructions(shard_sets, s.objective)
+    if data.on_corrupt == "error":  # a missing local shard fails now, not hours into the run (checksums: when read)
         missing = [
             src.location(i)
-            for src in sources
+            for src in shard_sets
             if not src.remote
             for i in src.shards
             if not Path(src.location(i)).is_file()
@@ -956,14 +938,14 @@ def build_loader(
                 f"{len(missing)} shard(s) listed in the manifest are missing, e.g. {missing[0]} "
                 "(restore them, re-shard, or set data.on_corrupt=skip)"
             )
-    workers, streams = (s.num_workers, s.streams) if split == "train" else (0, 1)
+    workers, streams = (data.num_workers, data.streams) if split == "train" else (0, 1)
     if split == "valid":  # validation shards are few: every rank reads all of them, in order, as one stream
         dp_rank, dp_size, epochs = 0, 1, epochs or 1
-    check_streams(sources, streams, dp_size, workers)
-    objective = build_objective(s.objective, s.arch, s.seq_len, s.pack, tokenizer, s.objective_args)
+    check_streams(shard_sets, streams, dp_size, workers)
+    objective = build_objective(s.objective, s.arch, data.seq_len, data.pack, tokenizer, s.objective_args)
     eos = tokenizer.require("eos", "document separation")
     spec = LoaderSpec(
-        sources,
+        shard_sets,
         objective,
         eos,
         s.seed,
@@ -973,8 +955,8 @@ def build_loader(
         dp_size,
         workers,
         split == "train",
-        max(1, s.shuffle_buffer // streams),
-        s.on_corrupt,
+        max(1, data.shuffle_buffer // streams),
+        data.on_corrupt,
         epochs,
         streams,
         retry,

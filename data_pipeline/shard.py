@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline import DataError
+from data_pipeline.documents import DecodeStats, Document, read_documents
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
-from data_pipeline.sources import DecodeStats, Document, read_documents
 from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
 
 MANIFEST = "manifest.json"

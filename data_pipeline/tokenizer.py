@@ -136,7 +136,7 @@ def train_tokenizer(
     that tell ``transformers`` the special tokens beside it."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from data_pipeline.sources import read_documents
+    from data_pipeline.documents import read_documents
 
     specials = [PAD, BOS, EOS, UNK, MASK] + [sentinel(i) for i in range(n_sentinels)]
     if vocab_size < len(specials) + 256:

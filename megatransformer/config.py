@@ -1,9 +1,10 @@
 """Typed run configuration: one YAML file plus ``key.path=value`` overrides.
 
 Every section is a pydantic model whose attribute docstrings are the field documentation
-(``megatransformer info`` and the docs read them). Anything wrong with a config raises
-:class:`ConfigError` with one line that names the field and the offending numbers; the CLI
-turns it into exit code 2.
+(``megatransformer info`` and the docs read them); the data pipeline's sections (``data``,
+``objective_args``) are its own pydantic dataclasses (data_pipeline/settings.py), documented the same
+way. Anything wrong with a config raises :class:`ConfigError` with one line that names the field and the
+offending numbers; the CLI turns it into exit code 2.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pydantic import (
 from pydantic.dataclasses import is_pydantic_dataclass
 
 from data_pipeline import DataError
-from data_pipeline.settings import ObjectiveArgs
+from data_pipeline.settings import DataSettings, ObjectiveArgs
 
 if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
     import torch
@@ -255,44 +256,6 @@ class ModelConfig(Section):
         return self
 
 
-# ---------------------------------------------------------------------------------------------- data
-
-
-class DatasetSource(Section):
-    path: str
-    """A shard directory holding manifest.json (written by `megatransformer data shard`): a local path or an
-    http(s)://, s3:// or gs:// URL."""
-    weight: PositiveFloat = 1.0
-    """Relative sampling weight when several datasets are mixed."""
-
-
-class DataConfig(Section):
-    train: str | list[DatasetSource] | None = None
-    """Training shards: a shard directory (local path or http(s)://, s3://, gs:// URL), or a list of
-    {path, weight} to mix."""
-    valid: str | list[DatasetSource] | None = None
-    """Validation shards (same forms as train); defaults to the validation split of train."""
-    tokenizer: str | None = None
-    """A Hugging Face tokenizer.json; special-token ids are read from it."""
-    seq_len: PositiveInt = 512
-    """Tokens per training sequence (encoder input length for encoder_decoder objectives)."""
-    pack: bool = True
-    """Pack documents into full sequences (with document boundaries); false pads each document."""
-    shuffle_buffer: NonNegativeInt = 1000
-    """Documents shuffled together: shards are read in blocks of this many documents, each block permuted."""
-    num_workers: NonNegativeInt = 0
-    """DataLoader worker processes per rank."""
-    on_corrupt: Literal["error", "skip"] = "error"
-    """A corrupt shard stops the run (error) or is skipped, counted and warned about (skip)."""
-    streams: PositiveInt = 64
-    """Logical data streams, fixed when a run starts (recorded in checkpoints): the rows of every step are the
-    same on any data-parallel ranks x workers dividing it (64: power-of-two layouts up to 64 readers, e.g.
-    8 nodes x 8 GPUs; each rank keeps streams/ranks shards open, so not more than needed)."""
-    retries: NonNegativeInt = 5
-    """Remote shards (http(s)://, s3://, gs://): retries of a failed read (waiting 1, 2, 4, ... s) before
-    the shard is named in the error (or skipped under on_corrupt=skip)."""
-
-
 # ------------------------------------------------------------------------------------------ training
 
 
@@ -485,7 +448,7 @@ class RunConfig(Section):
     seed: Annotated[int, Field(ge=0, lt=1 << 63)] = 0
     """Seed of weights, data order and objectives."""
     model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
+    data: DataSettings = Field(default_factory=DataSettings)  # (data_pipeline's, like objective_args)
     objective: Literal["autoregressive", "masked_lm", "prefix_lm", "span_corruption"] = "autoregressive"
     """Training objective (batch builder)."""
     objective_args: ObjectiveArgs = Field(default_factory=ObjectiveArgs)

@@ -86,8 +86,8 @@ def tiny_instructions(tiny_data: TinyData) -> TinyInstructions:
     tokenizer."""
     import json
 
+    from data_pipeline.documents import read_documents
     from data_pipeline.shard import write_shards
-    from data_pipeline.sources import read_documents
 
     root = tiny_data.shards.parent / "instructions"
     root.mkdir()

@@ -156,7 +156,7 @@ def _guard(fn):
 
 @_guard
 def _tokenizer(args: argparse.Namespace) -> int:
-    from data_pipeline.sources import input_files
+    from data_pipeline.documents import input_files
     from data_pipeline.tokenizer import train_tokenizer
 
     info = train_tokenizer(
@@ -172,8 +172,8 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 @_guard
 def _shard(args: argparse.Namespace) -> int:
+    from data_pipeline.documents import input_files
     from data_pipeline.shard import write_shards
-    from data_pipeline.sources import input_files
 
     text_field = args.completion_field if args.prompt_field else args.text_field
     manifest = write_shards(

@@ -137,7 +137,7 @@ def bleu_of(
     scored by sacrebleu: BLEU, chrF and their signatures (the settings that make scores comparable)."""
     from sacrebleu.metrics import BLEU, CHRF
 
-    from data_pipeline.sources import read_documents
+    from data_pipeline.documents import read_documents
     from megatransformer.config import ConfigError
     from megatransformer.inference import beam_decode
 

@@ -84,8 +84,9 @@ def _special_ids(tokenizer: Path) -> dict[str, int | None]:
 
 
 def import_hf(args: argparse.Namespace) -> int:
+    from data_pipeline.settings import DataSettings
     from megatransformer.checkpoint import write_weights_checkpoint
-    from megatransformer.config import ConfigError, DataConfig, RunConfig
+    from megatransformer.config import ConfigError, RunConfig
     from megatransformer.hf import load_hf_dir
 
     try:
@@ -93,7 +94,7 @@ def import_hf(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     out = Path(args.out)
-    run_cfg = RunConfig(model=model_cfg, data=DataConfig(seq_len=min(512, model_cfg.max_seq_len)))
+    run_cfg = RunConfig(model=model_cfg, data=DataSettings(seq_len=min(512, model_cfg.max_seq_len)))
     write_weights_checkpoint(out, run_cfg, weights, Path(args.hf) / "tokenizer.json")
     print(f"imported {args.hf} -> {out}; start a run from it with init_from={out}")
     return 0

@@ -1,36 +1,23 @@
-"""The run config's side of the data: ``data_pipeline`` takes plain arguments (LoaderSettings), this turns a
-RunConfig into them. Nothing in data_pipeline imports the run config."""
+"""The run config's side of the data: ``data_pipeline`` takes LoaderSettings, this builds them from a RunConfig
+(its data section is data_pipeline's DataSettings, passed as is). Nothing in data_pipeline imports the run config."""
 
 from __future__ import annotations
 
-from data_pipeline.loader import LoaderSettings, SourceSpec, StreamingLoader, build_loader
+from data_pipeline.loader import LoaderSettings, StreamingLoader, build_loader
 from data_pipeline.tokenizer import TokenizerInfo
-from megatransformer.config import DatasetSource, RunConfig
-
-
-def _sources(spec: str | list[DatasetSource] | None) -> str | list[SourceSpec] | None:
-    return spec if spec is None or isinstance(spec, str) else [SourceSpec(s.path, s.weight) for s in spec]
+from megatransformer.config import RunConfig
 
 
 def loader_settings(cfg: RunConfig, pin_memory: bool = False) -> LoaderSettings:
-    """The loader's arguments from a run config (data.*, objective, objective_args, model.arch/vocab_size, seed);
+    """The loader's arguments from a run config (data, objective, objective_args, model.arch/vocab_size, seed);
     ``pin_memory`` for a run on CUDA."""
-    data = cfg.data
     return LoaderSettings(
-        train=_sources(data.train),
-        valid=_sources(data.valid),
-        seq_len=data.seq_len,
+        data=cfg.data,
         objective=cfg.objective,
         arch=cfg.model.arch,
         vocab_size=cfg.model.vocab_size,
         seed=cfg.seed,
         objective_args=cfg.objective_args,
-        pack=data.pack,
-        shuffle_buffer=data.shuffle_buffer,
-        num_workers=data.num_workers,
-        on_corrupt=data.on_corrupt,
-        streams=data.streams,
-        retries=data.retries,
         pin_memory=pin_memory,
     )
 

@@ -14,14 +14,15 @@ transformers = pytest.importorskip("transformers")
 def test_generate_cli_beam_search_equals_transformers(tmp_path, tiny_data):
     """``megatransformer generate --num-beams 4 --length-penalty-form hf`` on a checkpoint, against
     transformers on its ``export --format hf``."""
+    from data_pipeline.settings import DataSettings
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.checkpoint import write_weights_checkpoint
-    from megatransformer.config import DataConfig, RunConfig
+    from megatransformer.config import RunConfig
 
     cfg, ours, _ = llama_model(seed=1)
     ckpt = tmp_path / "ckpt"
     write_weights_checkpoint(
-        ckpt, RunConfig(model=cfg, data=DataConfig(seq_len=64)), ours.state_dict(), tiny_data.tokenizer
+        ckpt, RunConfig(model=cfg, data=DataSettings(seq_len=64)), ours.state_dict(), tiny_data.tokenizer
     )
     cli("export", "--checkpoint", ckpt, "--format", "hf", "--out", tmp_path / "hf")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

@@ -147,7 +147,7 @@ def inputs(root: Path) -> None:
     import zstandard
 
     from data_pipeline.corpus import write_demo_corpus
-    from data_pipeline.sources import read_documents
+    from data_pipeline.documents import read_documents
 
     corpus = write_demo_corpus(root / "corpus" / "docstrings.txt", max_bytes=300_000)
     docs = [d.text for d in read_documents([str(corpus)])]

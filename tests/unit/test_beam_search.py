@@ -135,12 +135,13 @@ def test_beam_search_equals_transformers(alpha):
 
 def test_beam_decode_batches_sources_of_equal_length(tiny_data):
     """``eval --bleu`` decodes sources of equal length together: the same translations as one at a time."""
+    from data_pipeline.settings import DataSettings
     from data_pipeline.tokenizer import load_tokenizer
-    from megatransformer.config import DataConfig, RunConfig
+    from megatransformer.config import RunConfig
     from megatransformer.inference import Loaded, beam_decode
 
     model = tiny("encoder_decoder", vocab=512)
-    cfg = RunConfig(model=model.config, data=DataConfig(seq_len=32), objective="prefix_lm")
+    cfg = RunConfig(model=model.config, data=DataSettings(seq_len=32), objective="prefix_lm")
     loaded = Loaded(cfg, model, load_tokenizer(tiny_data.tokenizer), tiny_data.tokenizer)
     sources = [row.tolist() for row in prompts(512, rows=5, length=4)] + [[7, 8], [9, 10], [11, 12, 13]]
     together = beam_decode(loaded, sources, 3, 0.6, "gnmt", max_new_tokens=10, batch_size=8)

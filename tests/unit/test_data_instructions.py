@@ -12,8 +12,8 @@ import torch
 from support.data import INSTRUCTION_VALID_EVERY
 
 from data_pipeline import DataError
+from data_pipeline.documents import read_documents
 from data_pipeline.shard import INSTRUCTIONS, Manifest, write_shards
-from data_pipeline.sources import read_documents
 from megatransformer.batch import IGNORE_INDEX
 from megatransformer.config import validate
 from megatransformer.training.data import build_run_loader as build_loader

@@ -11,8 +11,8 @@ import torch
 from support.data import assert_same_batches, take
 
 from data_pipeline import DataError
+from data_pipeline.documents import read_documents
 from data_pipeline.shard import Manifest, write_shards
-from data_pipeline.sources import read_documents
 from megatransformer.batch import IGNORE_INDEX
 from megatransformer.config import validate
 from megatransformer.training.data import build_run_loader as build_loader
@@ -82,16 +82,16 @@ def test_round_trip_valid_split_in_order(tiny_data, tok):
 def test_streams_split_the_train_split(tiny_data, tok, streams):
     """One epoch of all streams serves every train document exactly once: whole shards per stream (8 streams,
     25 shards) or parts of shards (64 streams)."""
-    from data_pipeline.loader import DocumentReader, Position, ShardOpener, resolve_sources
+    from data_pipeline.loader import DocumentReader, Position, ShardOpener, resolve_datasets
     from data_pipeline.remote import Retry
 
-    (source,) = resolve_sources(str(tiny_data.shards), "train", Retry())
-    assert (len(source.shards) < streams) == (streams == 64)
+    (shard_set,) = resolve_datasets(str(tiny_data.shards), "train", Retry())
+    assert (len(shard_set.shards) < streams) == (streams == 64)
     opener = ShardOpener("error", Retry())
     served = Counter(
         tok.decode(tokens.tolist())
         for k in range(streams)
-        for tokens, _, _ in DocumentReader(source, 1234, k, streams, True, 4, opener, 1).documents(Position())
+        for tokens, _, _ in DocumentReader(shard_set, 1234, k, streams, True, 4, opener, 1).documents(Position())
     )
     train, _ = split_docs(tiny_data, tok)
     assert served == Counter(train)

@@ -246,7 +246,7 @@ def assert_aligned_segments(b, tok, start):
 def test_span_corruption_through_the_loader_keeps_every_token(tiny_data, tok):
     """Packed examples reassemble into the validation documents, in order: nothing truncated or lost
     (apart from one-token document tails, too short to corrupt)."""
-    from data_pipeline.sources import read_documents
+    from data_pipeline.documents import read_documents
 
     docs = [d.text for i, d in enumerate(read_documents([str(tiny_data.corpus)])) if i % 10 == 9]
     stream = [t for d in docs for t in tok.encode(d)]

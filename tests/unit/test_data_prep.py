@@ -12,8 +12,8 @@ import pytest
 
 from data_pipeline import DataError
 from data_pipeline.corpus import write_demo_corpus
+from data_pipeline.documents import DecodeStats, read_documents
 from data_pipeline.shard import Manifest, decode_ids, write_shards
-from data_pipeline.sources import DecodeStats, read_documents
 from data_pipeline.tokenizer import file_sha256, load_tokenizer, train_tokenizer
 from megatransformer.cli import main
 

@@ -12,6 +12,7 @@ from support.shard_server import ShardServer
 
 from data_pipeline import DataError
 from data_pipeline.loader import LoaderSettings, build_loader
+from data_pipeline.settings import DataSettings
 from data_pipeline.shard import Manifest
 
 
@@ -24,9 +25,11 @@ def served(tmp_path, tiny_data):
     server.stop()
 
 
-def settings(train: str, **kw) -> LoaderSettings:
+def settings(train: str, retry_wait: float = 1.0, **kw) -> LoaderSettings:
+    """``kw``: DataSettings' fields."""
+    data = DataSettings(train=train, seq_len=32, **kw)
     return LoaderSettings(
-        train=train, seq_len=32, objective="autoregressive", arch="decoder", vocab_size=512, seed=3, **kw
+        data, objective="autoregressive", arch="decoder", vocab_size=512, seed=3, retry_wait=retry_wait
     )
 
 

@@ -8,15 +8,15 @@ from support.data import assert_same_batches
 
 from data_pipeline import DataError
 from data_pipeline.loader import LoaderSettings, build_loader, merge_states
+from data_pipeline.settings import DataSettings
 from data_pipeline.shard import Manifest, write_shards
 
 GLOBAL_BATCH = 8
 
 
 def settings(train, objective="autoregressive", arch="decoder", **kw) -> LoaderSettings:
-    return LoaderSettings(
-        train=str(train), seq_len=32, objective=objective, arch=arch, vocab_size=512, seed=7, shuffle_buffer=64, **kw
-    )
+    data = DataSettings(train=str(train), seq_len=32, shuffle_buffer=64, **kw)
+    return LoaderSettings(data, objective=objective, arch=arch, vocab_size=512, seed=7)
 
 
 def global_rows(s: LoaderSettings, tok, dp: int, steps: int, micro: int, state: list[dict] | None = None):

@@ -9,8 +9,8 @@ import pytest
 import zstandard
 
 from data_pipeline import DataError
+from data_pipeline.documents import input_files, read_documents
 from data_pipeline.shard import held_out, write_shards
-from data_pipeline.sources import input_files, read_documents
 from data_pipeline.tokenizer import load_tokenizer
 from megatransformer.cli import main
 from megatransformer.config import validate
