@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from support.runs import metrics, tiny_data_overrides, tiny_model, train
+from support.runs import FOUR_STEPS, metrics, tiny_data_overrides, train
 
 from megatransformer.cli import main
 
@@ -16,16 +16,9 @@ def short_run(tiny_data, tmp_path_factory):
     """A four-step run through the real CLI: logs every 2 steps, validates at step 3 and at the end."""
     run = tmp_path_factory.mktemp("console") / "run"
     overrides = [
-        *tiny_model(n_layers=1, n_kv_heads=None, max_seq_len=64),
+        *FOUR_STEPS,
         f"run_dir={run}",
         *tiny_data_overrides(tiny_data),
-        "data.seq_len=32",
-        "train.micro_batch_size=2",
-        "train.grad_accum=1",
-        "train.max_steps=4",
-        "train.log_every=2",
-        "train.eval_every=3",
-        "train.eval_batches=1",
         "train.sample_prompt=The function",
         "train.peak_tflops=0.5",
         "wandb.mode=disabled",

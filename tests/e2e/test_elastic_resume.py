@@ -13,34 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from support.runs import losses, tiny_data_overrides, tiny_model, train
+from support.runs import checkpoint, losses, resumable_run, tiny_run, train
 
 STEPS, SAVED = 10, 6
 
 
 def overrides(tiny_data, run_dir: Path, *extra: str) -> list[str]:
     """Global batch 8 of micro batches of 4: the accumulation follows from the data-parallel size."""
-    return [
-        *tiny_model(),
-        f"run_dir={run_dir}",
-        *tiny_data_overrides(tiny_data),
-        "data.seq_len=64",
-        "train.micro_batch_size=4",
-        "train.global_batch_size=8",
-        f"train.max_steps={STEPS}",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "train.eval_batches=1",
-        "optim.lr=3e-3",
-        "schedule.warmup_steps=2",
-        f"checkpoint.every={SAVED}",
-        "wandb.mode=disabled",
-        *extra,
-    ]
-
-
-def checkpoint(run_dir: Path) -> Path:
-    return run_dir / "checkpoints" / f"step_{SAVED:06d}"
+    return [*tiny_run(tiny_data, run_dir, STEPS, resumable_run(SAVED, micro=4, global_batch=8)), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +32,15 @@ def zero1_dp2(tiny_data, tmp_path_factory) -> Path:
 
 
 def resume(tiny_data, source: Path, run_dir: Path, nproc: int, *extra: str, expect: int = 0):
-    return train(overrides(tiny_data, run_dir, f"resume={checkpoint(source)}", *extra), nproc=nproc, expect=expect)
+    return train(
+        overrides(tiny_data, run_dir, f"resume={checkpoint(source, SAVED)}", *extra), nproc=nproc, expect=expect
+    )
 
 
 def test_the_checkpoint_holds_the_whole_adam_state(zero1_dp2):
     """optimizer.safetensors: both moments of every parameter, whole (ZeRO partitions gathered), fp32, with
     the step count and the schedule; listed in the manifest."""
-    path = checkpoint(zero1_dp2)
+    path = checkpoint(zero1_dp2, SAVED)
     with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
         meta, keys = f.metadata(), set(f.keys())
         moment = f.get_tensor("exp_avg_sq/" + next(k.split("/", 1)[1] for k in keys))
@@ -83,7 +65,7 @@ def test_two_ranks_resume_on_one_rank_loss_for_loss(zero1_dp2, tiny_data, tmp_pa
         f"resuming step {SAVED} written by 2 ranks (dp2, tp1, zero1) on 1 rank (dp1, tp1, zero0): "
         "micro 4 x accum 2 (was micro 4 x accum 1)"
     ) in result.stdout
-    assert json.loads((run / "checkpoints" / f"step_{STEPS:06d}" / "trainer.json").read_text())["zero_stage"] == 0
+    assert json.loads((checkpoint(run, STEPS) / "trainer.json").read_text())["zero_stage"] == 0
     continued = losses(run)
     assert len(continued) == STEPS - SAVED
     assert continued == pytest.approx(losses(zero1_dp2)[SAVED:], abs=1e-5, rel=0)

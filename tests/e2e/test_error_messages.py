@@ -7,9 +7,9 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
+from support.runs import launch_command
 
 from data_pipeline import DataError
 from data_pipeline.shard import Manifest
@@ -145,18 +145,7 @@ def test_a_config_error_is_printed_by_the_first_local_rank_only(monkeypatch, cap
 
 def test_under_torchrun_a_config_error_is_printed_once():
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "launch",
-            "--config",
-            "quickstart",
-            "train.max_stepz=3",
-        ],
+        [*launch_command(2), "--config", "quickstart", "train.max_stepz=3"],
         capture_output=True,
         text=True,
         timeout=600,

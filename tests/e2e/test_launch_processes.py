@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 from support import REPO
-from support.runs import ONE_THREAD, clean_env, metrics, run_launch, write_tiny_config
+from support.runs import ONE_THREAD, clean_env, launch_command, losses, metrics, run_launch, write_tiny_config
 
 
 def test_inconsistent_environment_is_one_line_and_exit_2():
@@ -70,24 +70,13 @@ def test_single_process_just_runs(tmp_path, tiny_data):
 def test_torchrun_two_processes_zero2(tmp_path, tiny_data):
     run_dir = tmp_path / "run"
     config = write_tiny_config(tmp_path / "tiny.yaml", tiny_data, run_dir, max_steps=6)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "launch",
-        "--config",
-        str(config),
-    ]
+    command = [*launch_command(2), "--config", str(config)]
     result = subprocess.run(command, cwd=REPO, env=clean_env(**ONE_THREAD), capture_output=True, text=True, timeout=600)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
     assert "launch: torchrun: world 2 (2 per node)" in log
     assert final_train_loss(run_dir)[0] == 6
-    losses = [m["loss"] for m in metrics(run_dir) if "loss" in m]
-    assert all(loss == loss and loss < 10 for loss in losses)  # finite, near ln(512) = 6.2 at the start
+    assert all(loss == loss and loss < 10 for loss in losses(run_dir))  # finite, near ln(512) = 6.2 at the start
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints/latest").read_text().strip()
     trainer = json.loads((latest / "trainer.json").read_text())
     assert (trainer["step"], trainer["world_size"], trainer["zero_stage"]) == (6, 2, 2)

@@ -14,23 +14,12 @@ import sys
 import time
 
 import pytest
-from support.runs import tiny_data_overrides, tiny_model, train
+from support.runs import FOUR_STEPS, tiny_data_overrides, train
 
 from megatransformer.config import ConfigError, load_config, validate
 from megatransformer.flops import model_size
 from megatransformer.training.metrics import start_wandb
 from megatransformer.training.trackers import check_tensorboard
-
-TINY = [
-    *tiny_model(n_layers=1, n_kv_heads=None, max_seq_len=64),
-    "data.seq_len=32",
-    "train.micro_batch_size=2",
-    "train.grad_accum=1",
-    "train.max_steps=4",
-    "train.log_every=2",
-    "train.eval_every=3",
-    "train.eval_batches=1",
-]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +28,7 @@ def tracked_run(tiny_data, tmp_path_factory):
     run = tmp_path_factory.mktemp("outputs") / "run"
     started = time.time()
     overrides = [
-        *TINY,
+        *FOUR_STEPS,
         f"run_dir={run}",
         *tiny_data_overrides(tiny_data),
         "wandb.mode=offline",
@@ -94,7 +83,7 @@ def test_wandb_config_is_the_resolved_config_and_the_run_facts(tracked_run):
     facts = config["run"]
     assert facts["world_size"] == 1 and facts["data_parallel"] == 1 and facts["tensor_parallel"] == 1
     assert facts["zero_stage"] == 0  # the stage that ran (zero_stage=1 on one rank runs as 0)
-    cfg = load_config(os.devnull, TINY)
+    cfg = load_config(os.devnull, FOUR_STEPS)
     assert facts["parameters"] == model_size(cfg.model).params
     assert {"python", "torch", "deepspeed", "megatransformer"} <= set(facts["versions"])
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.runs import losses, metrics, tiny_model, train
+from support.runs import checkpoint, losses, metrics, resumable_run, tiny_run, train
 
 STEPS, SAVED = 10, 6
 
@@ -32,26 +32,8 @@ CASES = {
 
 
 def overrides(tiny_data, run_dir: Path, case: str, *extra: str) -> list[str]:
-    return [
-        *tiny_model(),
-        f"run_dir={run_dir}",
-        f"data.train={tiny_data.shards}",
-        f"data.tokenizer={tiny_data.tokenizer}",
-        "data.seq_len=64",
-        "train.micro_batch_size=2",
-        "train.global_batch_size=4",
-        f"train.max_steps={STEPS}",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "train.eval_batches=1",
-        "optim.lr=3e-3",
-        "schedule.warmup_steps=2",
-        f"checkpoint.every={SAVED}",
-        "checkpoint.keep=5",
-        "wandb.mode=disabled",
-        *CASES[case],
-        *extra,
-    ]
+    settings = resumable_run(SAVED, micro=2, global_batch=4) | {"checkpoint.keep": 5}
+    return [*tiny_run(tiny_data, run_dir, STEPS, settings), *CASES[case], *extra]
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +52,6 @@ def one_rank(tiny_data, tmp_path_factory):
 
 def grad_norms(run_dir: Path) -> list[float]:
     return [r["grad_norm"] for r in metrics(run_dir) if "grad_norm" in r]
-
-
-def checkpoint(run_dir: Path) -> Path:
-    return run_dir / "checkpoints" / f"step_{SAVED:06d}"
 
 
 @pytest.mark.parametrize(
@@ -135,26 +113,32 @@ def test_resume_across_sequence_parallel_sizes(one_rank, tiny_data, tmp_path):
     sp2 = tmp_path / "sp2"
     train(overrides(tiny_data, sp2, "decoder_packed", "parallel.sequence_parallel=2"), nproc=2)
     to_sp1 = tmp_path / "to_sp1"
-    result = train(overrides(tiny_data, to_sp1, "decoder_packed", f"resume={checkpoint(sp2)}"))
+    result = train(overrides(tiny_data, to_sp1, "decoder_packed", f"resume={checkpoint(sp2, SAVED)}"))
     assert (
         f"resuming step {SAVED} written by 2 ranks (dp1, tp1, sp2, zero1) on 1 rank (dp1, tp1, zero0)" in result.stdout
     )
     to_sp2 = tmp_path / "to_sp2"
     train(
         overrides(
-            tiny_data, to_sp2, "decoder_packed", f"resume={checkpoint(reference)}", "parallel.sequence_parallel=2"
+            tiny_data,
+            to_sp2,
+            "decoder_packed",
+            f"resume={checkpoint(reference, SAVED)}",
+            "parallel.sequence_parallel=2",
         ),
         nproc=2,
     )
     to_dp2 = tmp_path / "to_dp2"  # the same ranks traded from sequence to data parallelism
-    result = train(overrides(tiny_data, to_dp2, "decoder_packed", f"resume={checkpoint(sp2)}"), nproc=2)
+    result = train(overrides(tiny_data, to_dp2, "decoder_packed", f"resume={checkpoint(sp2, SAVED)}"), nproc=2)
     assert "written by 2 ranks (dp1, tp1, sp2, zero1) on 2 ranks (dp2, tp1, zero1)" in result.stdout
     exact = tmp_path / "exact"  # the same layout: DeepSpeed's own states
     result = train(
-        overrides(tiny_data, exact, "decoder_packed", f"resume={checkpoint(sp2)}", "parallel.sequence_parallel=2"),
+        overrides(
+            tiny_data, exact, "decoder_packed", f"resume={checkpoint(sp2, SAVED)}", "parallel.sequence_parallel=2"
+        ),
         nproc=2,
     )
-    assert f"resumed from {checkpoint(sp2)} at step {SAVED}" in result.stdout
+    assert f"resumed from {checkpoint(sp2, SAVED)} at step {SAVED}" in result.stdout
     for continued in (to_sp1, to_sp2, to_dp2, exact):
         assert losses(continued) == pytest.approx(losses(reference)[SAVED:], abs=1e-5, rel=0)
 

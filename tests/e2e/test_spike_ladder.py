@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from support.runs import kill_when, metrics, tiny_model, train
+from support.runs import kill_when, losses_by_step, metrics, tiny_model, train
 
 MICRO = 4
 STEPS = 170
@@ -144,7 +144,8 @@ def guarded_two_ranks(tiny_data, poisoned, tmp_path_factory) -> Path:
     return run
 
 
-def losses(run_dir: Path) -> list[tuple[int, float]]:
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every training record, a repeated step as often as it was logged."""
     return [(r["step"], r["loss"]) for r in metrics(run_dir) if "loss" in r]
 
 
@@ -169,7 +170,7 @@ def assert_rolled_back_over_the_poison(run: Path, poison: tuple[int, int], grad_
     state = json.loads((latest / "trainer.json").read_text())
     assert state["spikes"]["rollbacks"] == 1 and state["spikes"]["skip_rows"] == [[start, stop]]
     assert len(state["spikes"].get("grad_norms", [])) == (len(state["spikes"]["losses"]) if grad_norm else 0)
-    assert [step for step, _ in losses(run)] == list(range(1, STEPS + 1))  # steps run again are logged once
+    assert [step for step, _ in logged_losses(run)] == list(range(1, STEPS + 1))  # steps run again are logged once
 
 
 def test_the_default_ladder_rolls_back_over_the_poison_and_ends_like_the_clean_run(
@@ -191,7 +192,7 @@ def test_two_ranks_roll_back_over_the_poisoned_rows(poisoned, guarded_two_ranks)
 def test_without_the_ladder_the_spike_shows_in_the_curve(tiny_data, poisoned, tmp_path):
     run = tmp_path / "unguarded"
     train(overrides(tiny_data, poisoned.poisoned, run, "train.spikes.enabled=false"))
-    losses = {r["step"]: r["loss"] for r in metrics(run) if "loss" in r}
+    losses = losses_by_step(run)
     before = sorted(losses[s] for s in range(poisoned.rows[0] // MICRO - 30, poisoned.rows[0] // MICRO))
     in_poison = max(losses[s] for s in range(poisoned.rows[0] // MICRO + 1, poisoned.rows[1] // MICRO + 1))
     assert in_poison > 1.3 * before[len(before) // 2]
@@ -226,7 +227,7 @@ def test_a_spike_that_cannot_roll_back_stops_the_run_with_exit_3(tiny_data, pois
 
 
 def assert_resumes_to_the_same_curve(run: Path, reference: Path) -> None:
-    assert losses(run) == losses(reference)
+    assert logged_losses(run) == logged_losses(reference)
     rollbacks = [[r for r in metrics(each) if r.get("event") == "rollback"] for each in (run, reference)]
     assert len(rollbacks[0]) == 1 and rollbacks[0][0]["skipped_rows"] == rollbacks[1][0]["skipped_rows"]
 

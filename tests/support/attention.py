@@ -56,12 +56,30 @@ SELF_MASKS = {
 }
 
 
-def qkv(q_len: int = T, k_len: int = T, seed: int = 0, dtype=torch.float32):
+def qkv(
+    q_len: int = T,
+    k_len: int = T,
+    seed: int = 0,
+    dtype=torch.float32,
+    *,
+    heads: int = H,
+    kv_heads: int = KV,
+    dim: int = D,
+    device: torch.device | str = "cpu",
+    transposed: bool = False,
+):
+    """Random q, k, v (leaves that require grad), drawn in fp32 on the CPU, then moved to ``device`` and
+    ``dtype``; ``transposed``: laid out as the model makes them (transposed views of [B, T, heads, D])."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, q_len, D, generator=gen, dtype=dtype).requires_grad_()
-    k = torch.randn(B, KV, k_len, D, generator=gen, dtype=dtype).requires_grad_()
-    v = torch.randn(B, KV, k_len, D, generator=gen, dtype=dtype).requires_grad_()
-    return q, k, v
+
+    def draw(length: int, n_heads: int) -> torch.Tensor:
+        if transposed:
+            t = torch.randn(B, length, n_heads, dim, generator=gen).transpose(1, 2)
+        else:
+            t = torch.randn(B, n_heads, length, dim, generator=gen)
+        return t.to(device, dtype).requires_grad_()
+
+    return draw(q_len, heads), draw(k_len, kv_heads), draw(k_len, kv_heads)
 
 
 def real_queries(mask: AttentionMask, q_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -71,18 +89,23 @@ def real_queries(mask: AttentionMask, q_len: int, device: torch.device | str = "
     return (mask.q_segments != PAD_SEGMENT).view(B, 1, q_len, 1).to(device)
 
 
-def values_and_grads(core, q, k, v, mask, *extra, **kwargs):
-    """The core's outputs at real queries and q/k/v gradients of a random weighting of them (``extra``,
-    ``kwargs``: more arguments of the core, e.g. an ALiBi bias); on the core's device, with the same
-    weighting on every device."""
+def values_and_grads(core, q, k, v, mask, *extra, weight_seed: int = 7, all_queries: bool = False, **kwargs):
+    """The core's outputs at real queries (``all_queries``: padding queries' too) and q/k/v gradients of a
+    random weighting of them (``extra``, ``kwargs``: more arguments of the core, e.g. an ALiBi bias); on the
+    core's device, with the same weighting on every device."""
     out = core(q, k, v, mask, 0.0, *extra, **kwargs)
-    keep = real_queries(mask, q.shape[2], out.device)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
+    keep = True if all_queries else real_queries(mask, q.shape[2], out.device)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(weight_seed)).to(out.device)
     (out * weights * keep).sum().backward()
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
     return out.detach() * keep, grads
+
+
+def flat(result) -> tuple[torch.Tensor, ...]:
+    """values_and_grads' result as (out, dq, dk, dv)."""
+    return (result[0], *result[1])
 
 
 def assert_same(flash, eager, atol=1e-5):

@@ -1,8 +1,15 @@
-"""Batches from the data loaders, compared tensor by tensor."""
+"""Data-loader configs of tiny_data, and batches from the data loaders, compared tensor by tensor."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
+
 import torch
+
+from data_pipeline.loader import LoaderSettings
+from data_pipeline.settings import DataSettings
+from megatransformer.config import RunConfig, validate
 
 INSTRUCTION_VALID_EVERY = 5  # the tiny_instructions fixture's validation split: every 5th example
 
@@ -23,3 +30,46 @@ def assert_same_batches(a: list[dict[str, torch.Tensor]], b: list[dict[str, torc
         assert x.keys() == y.keys()
         for key in x:
             assert torch.equal(x[key], y[key]), key
+
+
+def loader_config(
+    tiny_data, objective="autoregressive", arch="decoder", seq_len=64, *, seed: int, max_seq_len: int = 256, **data
+) -> RunConfig:
+    """A run config of a small model (vocabulary 512: tiny_data's tokenizer) that reads tiny_data's shards
+    (``train=``: others) with ``data`` settings."""
+    data = {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": seq_len, **data}
+    raw = {
+        "model": {"arch": arch, "vocab_size": 512, "max_seq_len": max_seq_len, "d_model": 32, "n_heads": 2},
+        "data": data,
+        "objective": objective,
+        "seed": seed,
+    }
+    return validate(raw)
+
+
+def loader_settings(
+    train: str | Path, objective="autoregressive", arch="decoder", *, seed: int, **kw
+) -> LoaderSettings:
+    """data_pipeline's loader settings for ``train`` (a shard directory or URL) at 32 tokens, vocabulary 512;
+    ``kw``: fields of DataSettings or of LoaderSettings."""
+    data = {key: kw.pop(key) for key in list(kw) if key in DataSettings.__dataclass_fields__}
+    return LoaderSettings(
+        DataSettings(train=str(train), seq_len=32, **data), objective, arch, vocab_size=512, seed=seed, **kw
+    )
+
+
+def global_rows(loaders: Iterable, per_rank: int, field: str | None = None) -> list:
+    """The first ``per_rank`` rows of each rank's loader (rank r's: the r-th of ``loaders``, read in turn), put
+    in global row order (rank r's local row i is global row r + dp * i): each row a dict of its tensors, or
+    with ``field``, that tensor alone."""
+    per_rank_rows = []
+    for loader in loaders:
+        local = []
+        for batch in loader:
+            rows = len(next(iter(batch.values())))
+            local += [batch[field][j] if field else {k: v[j] for k, v in batch.items()} for j in range(rows)]
+            if len(local) == per_rank:
+                break
+        per_rank_rows.append(local)
+    dp = len(per_rank_rows)
+    return [per_rank_rows[g % dp][g // dp] for g in range(per_rank * dp)]

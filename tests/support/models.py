@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatransformer.config import ModelConfig
+from megatransformer.config import ModelConfig, RunConfig
 from megatransformer.model import build_model
 
 # A decoder that builds and runs in milliseconds; the tensor-parallel degree 2 divides its heads and d_ff.
@@ -14,6 +14,12 @@ TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 48,
 def tiny_config(**fields) -> ModelConfig:
     """The tiny model's config with ``fields`` changed."""
     return ModelConfig(**(TINY | fields))
+
+
+def run_config(**sections) -> RunConfig:
+    """A run config of a one-layer model at 32 tokens, with ``sections`` (``model=``: another model)."""
+    model = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=32)
+    return RunConfig.model_validate({"model": model, "data": {"seq_len": 32}, **sections})
 
 
 def llama_model(seed: int = 0):

@@ -40,24 +40,68 @@ def tiny_data_overrides(tiny_data) -> list[str]:
     return [f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}"]
 
 
-def tiny_run(tiny_data, run_dir: Path, steps: int = 8) -> list[str]:
+# The short run's settings beyond the model, the run directory and the data, in the order of its overrides
+# (None: left to the config's default).
+TINY_RUN = {
+    "data.seq_len": "64",
+    "train.micro_batch_size": "4",
+    "train.grad_accum": "2",
+    "train.global_batch_size": None,
+    "train.max_steps": "8",
+    "train.log_every": "1",
+    "train.eval_every": None,
+    "train.eval_batches": "2",
+    "optim.lr": "3e-3",
+    "schedule.warmup_steps": "2",
+    "checkpoint.every": "4",
+    "checkpoint.keep": None,
+    "wandb.mode": "disabled",
+}
+
+
+def tiny_run(tiny_data, run_dir: Path, steps: int = 8, changes: dict[str, object] | None = None) -> list[str]:
     """The overrides of a short run of the tiny decoder on tiny_data: micro batch 4 x accumulation 2 of 64
-    tokens, a log line every step, a checkpoint every 4."""
+    tokens, a log line every step, a checkpoint every 4; ``changes``: other values of TINY_RUN's keys."""
+    settings = TINY_RUN | {"train.max_steps": steps} | (changes or {})
     return [
         *tiny_model(),
         f"run_dir={run_dir}",
         *tiny_data_overrides(tiny_data),
-        "data.seq_len=64",
-        "train.micro_batch_size=4",
-        "train.grad_accum=2",
-        f"train.max_steps={steps}",
-        "train.log_every=1",
-        "train.eval_batches=2",
-        "optim.lr=3e-3",
-        "schedule.warmup_steps=2",
-        "checkpoint.every=4",
-        "wandb.mode=disabled",
+        *(f"{key}={value}" for key, value in settings.items() if value is not None),
     ]
+
+
+def resumable_run(saved: int, micro: int, global_batch: int) -> dict[str, object]:
+    """tiny_run's changes for a run that checkpoints at step ``saved`` and is resumed on other layouts: a global
+    batch of ``global_batch`` rows (the accumulation follows from the data-parallel size), no validation
+    before the end."""
+    return {
+        "train.micro_batch_size": micro,
+        "train.grad_accum": None,
+        "train.global_batch_size": global_batch,
+        "train.eval_every": 0,
+        "train.eval_batches": 1,
+        "checkpoint.every": saved,
+    }
+
+
+# A four-step run of a one-layer decoder at 32 tokens: a log line every 2 steps, validation at step 3 and at the
+# end (run directory and data to add).
+FOUR_STEPS = [
+    *tiny_model(n_layers=1, n_kv_heads=None, max_seq_len=64),
+    "data.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.grad_accum=1",
+    "train.max_steps=4",
+    "train.log_every=2",
+    "train.eval_every=3",
+    "train.eval_batches=1",
+]
+
+
+def checkpoint(run_dir: Path, step: int) -> Path:
+    """The directory of ``run_dir``'s checkpoint of ``step``."""
+    return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
 def cli(*args: object, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -68,11 +112,19 @@ def cli(*args: object, check: bool = True, env: dict[str, str] | None = None) ->
     return result
 
 
+def torchrun(nproc: int) -> list[str]:
+    """``python -m torch.distributed.run`` with ``nproc`` processes on this machine (a module or script follows)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def launch_command(nproc: int = 2) -> list[str]:
+    """``python -m launch`` under torchrun with ``nproc`` processes (its arguments follow)."""
+    return [*torchrun(nproc), "-m", "launch"]
+
+
 def train_command(nproc: int = 1) -> list[str]:
     """``megatransformer train`` with no config file (overrides follow): one process, or torchrun's ``nproc``."""
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = torchrun(nproc) if nproc > 1 else [sys.executable]
     return [*launcher, "-m", "megatransformer.cli", "train", "--config", os.devnull]
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import attention as attention_support
+from support.attention import flat, qkv
 
 from megatransformer.batch import PAD_SEGMENT
 from megatransformer.config import ConfigError, ModelConfig, load_config
@@ -29,24 +31,16 @@ MASKS = {  # name: (mask, query length, key length)
 }
 
 
-def qkv(q_len: int, k_len: int, kv_heads: int, device: str = "cpu", dtype=torch.float32):
-    gen = torch.Generator().manual_seed(0)
-    shapes = ((B, H, q_len, D), (B, kv_heads, k_len, D), (B, kv_heads, k_len, D))
-    return [torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for shape in shapes]
-
-
-def values_and_grads(core, q, k, v, mask: AttentionMask, alibi: Alibi | None = None):
+def values_and_grads(core, q, k, v, mask: AttentionMask, *alibi: Alibi):
     """Outputs and q/k/v gradients at the queries that carry loss (padding queries' outputs are free)."""
-    out = core(q, k, v, mask, 0.0, alibi)
-    if mask.q_segments is not None:
-        out = out * (mask.q_segments != PAD_SEGMENT).view(B, 1, -1, 1)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device, out.dtype)
-    return (out.detach(), *torch.autograd.grad((out * weights).sum(), (q, k, v)))
+    return attention_support.values_and_grads(core, q, k, v, mask, *alibi, weight_seed=5)
 
 
-def assert_close(got, want, atol=2e-6):
-    for name, a, b in zip(("out", "dq", "dk", "dv")[-len(got) :], got, want):
-        assert torch.allclose(a.float(), b.float(), atol=atol), (name, (a.float() - b.float()).abs().max())
+def assert_close(got, want, atol=2e-6, grad_atol=None):
+    """values_and_grads' results alike: outputs within ``atol``, gradients within ``grad_atol`` (or ``atol``)."""
+    for name, a, b in zip(("out", "dq", "dk", "dv"), flat(got), flat(want)):
+        tolerance = atol if name == "out" or grad_atol is None else grad_atol
+        assert torch.allclose(a.float(), b.float(), atol=tolerance), (name, (a.float() - b.float()).abs().max())
 
 
 def test_the_window_is_mistrals_for_causal_and_symmetric_for_bidirectional_masks():
@@ -66,7 +60,7 @@ def test_the_window_is_mistrals_for_causal_and_symmetric_for_bidirectional_masks
 def test_every_core_equals_eager_with_a_window(reference_flash, backend, name, kv_heads):
     mask, q_len, k_len = MASKS[name]()
     mask = mask.with_window(WINDOW)
-    q, k, v = qkv(q_len, k_len, kv_heads)
+    q, k, v = qkv(q_len, k_len, kv_heads=kv_heads)
     assert_close(values_and_grads(BACKENDS[backend], q, k, v, mask), values_and_grads(eager_core, q, k, v, mask))
 
 
@@ -77,7 +71,7 @@ def test_every_core_equals_eager_with_a_window_and_alibi(reference_flash, backen
     mask = mask.with_window(WINDOW)
     positions = torch.arange(k_len).expand(B, -1)
     alibi = Alibi(alibi_slopes(H), positions[:, k_len - q_len :], positions)
-    q, k, v = qkv(q_len, k_len, 2)
+    q, k, v = qkv(q_len, k_len, kv_heads=2)
     assert_close(
         values_and_grads(BACKENDS[backend], q, k, v, mask, alibi),
         values_and_grads(eager_core, q, k, v, mask, alibi),
@@ -90,7 +84,7 @@ def test_flex_equals_eager_with_a_window(name):
     """Forward only: FlexAttention has no backward pass on CPU."""
     mask, q_len, k_len = MASKS[name]()
     mask = mask.with_window(WINDOW)
-    q, k, v = (t.detach() for t in qkv(q_len, k_len, 2))
+    q, k, v = (t.detach() for t in qkv(q_len, k_len, kv_heads=2))
     keep = 1 if mask.q_segments is None else (mask.q_segments != PAD_SEGMENT).view(B, 1, -1, 1)
     got, want = (BACKENDS[core](q, k, v, mask, 0.0) * keep for core in ("flex", "eager"))
     assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
@@ -110,7 +104,7 @@ def test_the_chunked_core_computes_scores_only_inside_the_window(monkeypatch, ca
     monkeypatch.setattr(chunked_attention, "_scores", spy)
     length, window, chunk = 256, 8, 16
     mask = self_attention_mask(causal).with_window(window)
-    q, k, v = qkv(length, length, 2)
+    q, k, v = qkv(length, length, kv_heads=2)
     got = chunked_attention.chunked_core(q, k, v, mask, 0.0, chunk=chunk)
     got.sum().backward()
     assert max(seen) == chunk + (window - 1) * (1 if causal else 2)
@@ -275,11 +269,10 @@ needs_flash = pytest.mark.skipif(
 def test_real_flash_attn_window_equals_eager(name):
     mask, q_len, k_len = MASKS[name]()
     mask = mask.with_window(WINDOW).to("cuda")
-    q, k, v = qkv(q_len, k_len, 2, "cuda", torch.bfloat16)
+    q, k, v = qkv(q_len, k_len, kv_heads=2, device="cuda", dtype=torch.bfloat16)
     flash = values_and_grads(attention.flash_core, q, k, v, mask)
     eager = values_and_grads(eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask)
-    assert torch.allclose(flash[0].float(), eager[0], atol=2e-2)
-    assert_close(flash[1:], eager[1:], atol=5e-2)
+    assert_close(flash, eager, atol=2e-2, grad_atol=5e-2)
 
 
 def test_flops_count_the_keys_inside_the_window():

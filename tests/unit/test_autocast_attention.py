@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.models import tiny_config
 
-from megatransformer.config import ModelConfig
 from megatransformer.model import attention, build_model
 
 ARCHS = ("decoder", "encoder", "encoder_decoder")
 
 
 def tiny_model(device: str = "cpu", **overrides) -> torch.nn.Module:
-    cfg = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97, max_seq_len=64, position="rope")
     torch.manual_seed(0)
-    return build_model(ModelConfig(**{**cfg, **overrides})).to(device)
+    return build_model(tiny_config(**{"position": "rope", **overrides})).to(device)
 
 
 def record_core_dtypes(model: torch.nn.Module) -> list[tuple[torch.dtype, ...]]:

@@ -4,15 +4,10 @@ and the run log says where DeepSpeed cannot (ZeRO-0)."""
 from __future__ import annotations
 
 import pytest
+from support.models import run_config
 
-from megatransformer.config import RunConfig
 from megatransformer.training.engine import deepspeed_config
 from megatransformer.training.layout import BatchSizes, zero_stage_notes
-
-
-def run_config(**sections) -> RunConfig:
-    model = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=32)
-    return RunConfig.model_validate({"model": model, "data": {"seq_len": 32}, **sections})
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

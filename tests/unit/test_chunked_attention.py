@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support import attention as attention_support
+from support.attention import flat
 from support.models import tiny_config
 
 from megatransformer.model import build_model
@@ -28,17 +30,12 @@ MASKS = {
 
 def qkv(heads: int, kv_heads: int, q_len: int = 19, kv_len: int = 19, dim: int = 8, seed: int = 0):
     """Inputs laid out as the model makes them: transposed views of [B, T, heads, D] projections."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, q_len, heads, dim, generator=gen).transpose(1, 2).requires_grad_()
-    k = torch.randn(2, kv_len, kv_heads, dim, generator=gen).transpose(1, 2).requires_grad_()
-    v = torch.randn(2, kv_len, kv_heads, dim, generator=gen).transpose(1, 2).requires_grad_()
-    return q, k, v
+    return attention_support.qkv(q_len, kv_len, seed, heads=heads, kv_heads=kv_heads, dim=dim, transposed=True)
 
 
 def values_and_grads(core, q, k, v, mask: AttentionMask, **kwargs):
-    out = core(q, k, v, mask, 0.0, **kwargs)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
-    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+    """(out, dq, dk, dv) at every query, padding's too."""
+    return flat(attention_support.values_and_grads(core, q, k, v, mask, weight_seed=5, all_queries=True, **kwargs))
 
 
 @pytest.mark.parametrize("mask_name", list(MASKS))

@@ -9,25 +9,18 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from support.data import INSTRUCTION_VALID_EVERY
+from support.data import INSTRUCTION_VALID_EVERY, loader_config
 
 from data_pipeline import DataError
 from data_pipeline.documents import read_documents
 from data_pipeline.shard import INSTRUCTIONS, Manifest, write_shards
 from megatransformer.batch import IGNORE_INDEX
-from megatransformer.config import validate
 from megatransformer.training.data import build_run_loader as build_loader
 
 
-def make_cfg(tiny_data, shards, objective="autoregressive", arch="decoder", seq_len=64, **data):
-    data = {"train": str(shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": seq_len, **data}
-    raw = {
-        "model": {"arch": arch, "vocab_size": 512, "max_seq_len": 256, "d_model": 32, "n_heads": 2},
-        "data": data,
-        "objective": objective,
-        "seed": 7,
-    }
-    return validate(raw)
+def make_cfg(tiny_data, shards, *args, **data):
+    """loader_config of ``shards`` (``train=``: others), with tiny_data's tokenizer."""
+    return loader_config(tiny_data, *args, seed=7, **{"train": str(shards), **data})
 
 
 def valid_examples(tiny_instructions, tok) -> list[tuple[list[int], list[int]]]:

@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections import Counter
 
 import pytest
 import torch
-from support.data import assert_same_batches, take
+from support.data import assert_same_batches, loader_config, take
 
 from data_pipeline import DataError
 from data_pipeline.documents import read_documents
 from data_pipeline.shard import Manifest, write_shards
 from megatransformer.batch import IGNORE_INDEX
-from megatransformer.config import validate
 from megatransformer.training.data import build_run_loader as build_loader
 
-
-def make_cfg(tiny_data, objective="autoregressive", arch="decoder", seq_len=64, **data):
-    data = {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": seq_len, **data}
-    raw = {
-        "model": {"arch": arch, "vocab_size": 512, "max_seq_len": 256, "d_model": 32, "n_heads": 2},
-        "data": data,
-        "objective": objective,
-        "seed": 1234,
-    }
-    return validate(raw)
+make_cfg = functools.partial(loader_config, seed=1234)
 
 
 def documents_of(stream: list[int], eos: int) -> tuple[list[list[int]], list[int]]:

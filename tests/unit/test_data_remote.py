@@ -3,16 +3,16 @@ the middle of a shard (and comes back, or not) and one that serves a modified sh
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
 import pytest
-from support.data import assert_same_batches, take
+from support.data import assert_same_batches, loader_settings, take
 from support.shard_server import ShardServer
 
 from data_pipeline import DataError
-from data_pipeline.loader import LoaderSettings, build_loader
-from data_pipeline.settings import DataSettings
+from data_pipeline.loader import build_loader
 from data_pipeline.shard import Manifest
 
 
@@ -25,12 +25,7 @@ def served(tmp_path, tiny_data):
     server.stop()
 
 
-def settings(train: str, retry_wait: float = 1.0, **kw) -> LoaderSettings:
-    """``kw``: DataSettings' fields."""
-    data = DataSettings(train=train, seq_len=32, **kw)
-    return LoaderSettings(
-        data, objective="autoregressive", arch="decoder", vocab_size=512, seed=3, retry_wait=retry_wait
-    )
+settings = functools.partial(loader_settings, seed=3)
 
 
 def victim(root: Path) -> tuple[str, int]:

@@ -3,20 +3,20 @@ that continue on another layout, and datasets with fewer shards than readers (te
 
 from __future__ import annotations
 
+import functools
+
 import pytest
-from support.data import assert_same_batches
+from support import data
+from support.data import assert_same_batches, loader_settings
 
 from data_pipeline import DataError
 from data_pipeline.loader import LoaderSettings, build_loader, merge_states
-from data_pipeline.settings import DataSettings
 from data_pipeline.shard import Manifest, write_shards
 
 GLOBAL_BATCH = 8
 
 
-def settings(train, objective="autoregressive", arch="decoder", **kw) -> LoaderSettings:
-    data = DataSettings(train=str(train), seq_len=32, shuffle_buffer=64, **kw)
-    return LoaderSettings(data, objective=objective, arch=arch, vocab_size=512, seed=7)
+settings = functools.partial(loader_settings, seed=7, shuffle_buffer=64)
 
 
 def global_rows(s: LoaderSettings, tok, dp: int, steps: int, micro: int, state: list[dict] | None = None):
@@ -25,20 +25,16 @@ def global_rows(s: LoaderSettings, tok, dp: int, steps: int, micro: int, state: 
     row r + dp * i); and each rank's loader afterwards."""
     per_rank = steps * GLOBAL_BATCH // dp
     assert per_rank % micro == 0
-    rows, loaders = [None] * (steps * GLOBAL_BATCH), []
-    for rank in range(dp):
-        loader = build_loader(s, "train", micro, rank, dp, tok)
-        if state is not None:
-            loader.load_state_dict(state)
-        local = []
-        for batch in loader:
-            local += [{k: v[j] for k, v in batch.items()} for j in range(micro)]
-            if len(local) == per_rank:
-                break
-        for i, row in enumerate(local):
-            rows[rank + dp * i] = row
-        loaders.append(loader)
-    return rows, loaders
+    loaders = []
+
+    def each_rank():
+        for rank in range(dp):
+            loaders.append(build_loader(s, "train", micro, rank, dp, tok))
+            if state is not None:
+                loaders[-1].load_state_dict(state)
+            yield loaders[-1]
+
+    return data.global_rows(each_rank(), per_rank), loaders
 
 
 @pytest.mark.parametrize("objective,arch", [("autoregressive", "decoder"), ("masked_lm", "encoder")])

@@ -3,38 +3,34 @@ ranks and workers, and the ranges travel with the loader state (exact and elasti
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
+from support import data
+from support.data import loader_config
 
 from data_pipeline.loader import merge_states
-from megatransformer.config import validate
 from megatransformer.training.data import build_run_loader
 
-
-def make_cfg(tiny_data, **data):
-    data = {"train": str(tiny_data.shards), "tokenizer": str(tiny_data.tokenizer), "seq_len": 32, **data}
-    raw = {"model": {"vocab_size": 512, "max_seq_len": 64, "d_model": 32, "n_heads": 2}, "data": data, "seed": 7}
-    return validate(raw)
+make_cfg = functools.partial(loader_config, seq_len=32, seed=7, max_seq_len=64)
 
 
 def global_rows(cfg, tok, dp_size: int, micro: int, steps: int, skip=None, states=None) -> list[torch.Tensor]:
     """The rows of ``steps`` global batches, in global row order (rank r's local row i is row r + dp*i)."""
-    per_rank = []
+    return data.global_rows(rank_loaders(cfg, tok, dp_size, micro, skip, states), steps * micro, "input_ids")
+
+
+def rank_loaders(cfg, tok, dp_size: int, micro: int, skip=None, states=None):
+    """Each rank's loader, in turn, with ``states`` loaded and ``skip`` rows skipped."""
     for rank in range(dp_size):
         loader = build_run_loader(cfg, "train", micro, rank, dp_size, tok)
         if states is not None:
             loader.load_state_dict(states)
         if skip is not None:
             loader.skip_rows(*skip)
-        rows = []
-        for batch in loader:
-            rows.extend(batch["input_ids"])
-            if len(rows) == steps * micro:
-                break
-        per_rank.append(rows)
-    return [per_rank[g % dp_size][g // dp_size] for g in range(steps * micro * dp_size)]
+        yield loader
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

@@ -8,14 +8,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from support.models import run_config
 
-from megatransformer.config import ConfigError, RunConfig, TrainConfig
-
-
-def run_config(**sections) -> RunConfig:
-    model = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=32)
-    return RunConfig.model_validate({"model": model, "data": {"seq_len": 32}, **sections})
-
+from megatransformer.config import ConfigError, TrainConfig
 
 # ------------------------------------------------------------------------------------------- batch sizes
 

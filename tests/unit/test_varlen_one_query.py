@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import flash_reference
 
 from megatransformer.model import attention
 from megatransformer.model.attention import eager_core, flash_core
@@ -36,11 +35,6 @@ MASKS = {
         6,
     ),
 }
-
-
-@pytest.fixture
-def reference_flash(monkeypatch):
-    monkeypatch.setattr(attention, "flash_attn_module", lambda: flash_reference.MODULE)
 
 
 def output_and_grads(core, mask, q_len: int, k_len: int, device: str = "cpu", dtype=torch.float32):
