@@ -620,7 +620,12 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
     raw = apply_overrides(raw, list(overrides))
-    return validate(_text_where_text_is_wanted(raw, list(overrides), schema), schema)
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as err:
+        if not _keep_typed_text(raw, list(overrides), err):
+            raise ConfigError(_describe(err, schema)) from None
+    return validate(raw, schema)
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -643,23 +648,20 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _text_where_text_is_wanted(raw: dict[str, Any], overrides: list[str], schema: type[Section]) -> dict[str, Any]:
+def _keep_typed_text(raw: dict[str, Any], overrides: list[str], err: ValidationError) -> bool:
     """An override of a field that holds text keeps the text as typed (``train.sample_prompt=123`` or ``=yes``),
-    not the number or boolean YAML reads in it."""
-    try:
-        schema.model_validate(raw)
-        return raw
-    except (ValidationError, ConfigError) as err:
-        errors = err.errors() if isinstance(err, ValidationError) else []
+    not the number or boolean YAML read in it: put back in ``raw``; whether any was."""
     typed = {tuple(key.split(".")): text for key, _, text in (item.partition("=") for item in overrides)}
-    for error in errors:
+    kept = False
+    for error in err.errors():
         loc = tuple(str(part) for part in error["loc"])
         if error["type"] == "string_type" and loc in typed:
             node = raw
             for part in loc[:-1]:
                 node = node[part]
             node[loc[-1]] = typed[loc]
-    return raw
+            kept = True
+    return kept
 
 
 def validate(raw: dict[str, Any], schema: type[Section] = RunConfig):
