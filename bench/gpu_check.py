@@ -20,6 +20,7 @@ failed, 2 on a machine without CUDA.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -171,8 +172,6 @@ def main() -> int:
         return 2
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_check-"))
     out.mkdir(parents=True, exist_ok=True)
-    import deepspeed
-
     from megatransformer.model.attention import flash_attn_module
 
     flash = flash_attn_module()
@@ -180,7 +179,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "deepspeed": deepspeed.__version__,
+        "deepspeed": importlib.metadata.version("deepspeed"),
         "flash_attn": None if flash is None else flash.__version__,
         "gpu_tests": gpu_tests(),
         "step_probe": step_probe(),

@@ -81,10 +81,11 @@ def run_rank(rank: int, size: int, port: int, length: int, tiles: int, repeats: 
         DS_ACCELERATOR="cpu",
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    import deepspeed
     import torch.distributed as dist
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from megatransformer.training.distributed import setup
+
+    setup()
     cfg = ModelConfig(max_seq_len=length, **MODEL)
     torch.manual_seed(0)
     model = build_model(cfg)
