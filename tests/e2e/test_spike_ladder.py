@@ -1,8 +1,10 @@
 """Loss spikes end to end: a tiny model trained on data with a poisoned region (documents of random CJK
 characters, which the tokenizer's corpus never holds) spikes there; the default ladder skips, rolls back and
 steps over the region, and ends where the same run on clean data ends; without it the spike shows. The same
-on two ranks (ZeRO-1, the same global batch, the gradient norm judged too), and a run killed after its
-rollback resumes to the same curve on one rank and on two. Real `megatransformer train` processes."""
+on two ranks (ZeRO-1, the same global batch, the gradient norm judged too); a run killed after its rollback
+resumes to the same curve on one rank and on two, and from two ranks on one (elastic). A spike that cannot roll
+back stops the run; checkpoint.keep spares the checkpoint a rollback needs. Real `megatransformer train`
+processes."""
 
 from __future__ import annotations
 
@@ -244,3 +246,20 @@ def test_kill_9_of_two_ranks_after_a_rollback_and_resume_give_the_same_curve(tin
     kill_when(run / "spikes.json", overrides(tiny_data, poisoned.streams, run, *TWO_RANKS), nproc=2)
     train(overrides(tiny_data, poisoned.streams, run, *TWO_RANKS, "resume=auto"), nproc=2)
     assert_resumes_to_the_same_curve(run, guarded_two_ranks)
+
+
+def test_an_elastic_resume_after_a_rollback_continues_the_curve(tiny_data, poisoned, guarded_two_ranks):
+    """Killed after its rollback on two ranks, resumed on one (micro 2 x accum 2, the same global batch): the
+    same rows skipped, the same spikes judged, the curve continued."""
+    run = guarded_two_ranks.parent / "elastic"
+    kill_when(run / "spikes.json", overrides(tiny_data, poisoned.streams, run, *TWO_RANKS), nproc=2)
+    said = train(overrides(tiny_data, poisoned.streams, run, *TWO_RANKS, "train.grad_accum=2", "resume=auto")).stdout
+    assert "on 1 rank" in said  # (an elastic resume: the run log names both layouts)
+    resumed, reference = losses_by_step(run), losses_by_step(guarded_two_ranks)
+    assert sorted(resumed) == sorted(reference)
+    assert [resumed[s] for s in sorted(resumed)] == pytest.approx([reference[s] for s in sorted(reference)], rel=1e-4)
+    events = [
+        [(r["step"], r["event"], r.get("skipped_rows")) for r in metrics(d) if "event" in r]
+        for d in (run, guarded_two_ranks)
+    ]
+    assert events[0] == events[1]
