@@ -43,6 +43,9 @@ def test_console_shows_the_numbers_of_metrics_jsonl(short_run):
     for record in valid:
         assert f"step {record['step']}: validation loss {record['val_loss']:.4f}" in out
     assert "built successfully" not in out
+    # (the default warm-up of 100 steps is longer than these 4: said once, before the first step)
+    warning = "warning: schedule.warmup_steps=100 is longer than the run (train.max_steps=4)"
+    assert out.count(warning) == 1 and out.index(warning) < out.index("step 2/4")
 
 
 def test_a_run_ends_with_a_summary_and_the_next_commands(short_run):
