@@ -1,6 +1,6 @@
 """Sequence parallelism (DeepSpeed-Ulysses) end to end: ``parallel.sequence_parallel=2`` on 2 ranks trains every
 architecture and objective loss for loss like one rank (fp32, no dropout), with ZeRO-1 and ZeRO-3 (the decoder
-with ZeRO-0 and ZeRO-2 too, with a sliding window, and with its MLPs in sequence tiles); dp2 x sp2 on 4 ranks
+with ZeRO-0 and ZeRO-2 too, with a sliding window, and with its MLPs in sequence tiles); dp2 x sp2 and sp4 on 4 ranks
 too; a checkpoint continues across sp 2 <-> 1; bad layouts exit 2 with one line.
 
 Every run is a real ``megatransformer train`` process (torchrun, gloo) with the same global batch of 4 rows.
@@ -66,6 +66,15 @@ def test_two_sequence_ranks_train_like_one_rank(one_rank, tiny_data, tmp_path, c
     assert len(losses(run)) == STEPS
     assert losses(run) == pytest.approx(losses(one_rank(case)), abs=1e-5, rel=0)
     assert grad_norms(run) == pytest.approx(grad_norms(one_rank(case)), rel=1e-4)
+
+
+def test_four_sequence_ranks_train_like_one_rank(one_rank, tiny_data, tmp_path):
+    """sp=4: one query head per rank, each of the 2 kv heads replicated on two ranks."""
+    run = tmp_path / "sp4"
+    result = train(overrides(tiny_data, run, "decoder_packed", "parallel.sequence_parallel=4"), nproc=4)
+    assert "layout: dp1 x sp4 on 4 ranks" in result.stdout
+    assert losses(run) == pytest.approx(losses(one_rank("decoder_packed")), abs=1e-5, rel=0)
+    assert grad_norms(run) == pytest.approx(grad_norms(one_rank("decoder_packed")), rel=1e-4)
 
 
 def test_a_sliding_window_over_two_sequence_ranks_trains_like_one_rank(one_rank, tiny_data, tmp_path):
