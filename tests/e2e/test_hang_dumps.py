@@ -45,7 +45,7 @@ def test_a_stalled_rank_leaves_a_stack_dump_per_rank_and_every_rank_exits_non_ze
     said = [Path(f"{log}.rank{r}.log").read_text() for r in range(2)]
     assert codes[0] == EXIT_COLLECTIVE_FAILED and codes[1] != 0, (codes, said[0][-3000:])
     # the live rank ends with its collective's timeout, not later (slack: start-up of the exit, a loaded machine)
-    assert waited < 2 * TIMEOUT_S, waited
+    assert waited < 3 * TIMEOUT_S, waited
     dumps = stack_dumps(run)
     assert [d.name for d in dumps] == ["rank_00000.txt", "rank_00001.txt"], said[0][-3000:]
     for dump in dumps:  # each names where its rank waited: a step of the training loop
