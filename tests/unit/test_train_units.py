@@ -265,12 +265,22 @@ def test_fused_loss_on_cuda_equals_the_plain_head_in_less_memory():
     assert fused_peak < plain_peak / 2, (fused_peak, plain_peak)
 
 
-def test_the_fused_loss_chunks_by_the_device_it_runs_on():
-    from megatransformer.model.head import default_chunk_logits
+def test_the_fused_loss_chunks_by_the_device_it_runs_on(monkeypatch):
+    """Without chunk_logits, the chunk size is the device's: 128M logits on CUDA (GEMMs of a few hundred rows
+    are slow there), 8M elsewhere; traced on a fake CUDA tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    assert default_chunk_logits(torch.device("cpu")) == 1 << 23
-    assert default_chunk_logits(torch.device("cuda", 1)) == 1 << 27  # (GEMMs of a few hundred rows are slow there)
-    assert default_chunk_logits(torch.device("xpu")) == 1 << 23
+    from megatransformer.model import head
+
+    asked = []
+    monkeypatch.setattr(head, "chunked_loss_and_grads", lambda *args: asked.append(args[4]) or (None,))
+    fake = FakeTensorMode()
+    cuda = [FakeTensor(fake, torch.empty(shape, device="meta"), torch.device("cuda")) for shape in ((4, 8), (16, 8))]
+    with torch.no_grad():
+        head.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long))
+        head.linear_cross_entropy(*cuda, torch.zeros(4, dtype=torch.long))
+        head.linear_cross_entropy(torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(4, dtype=torch.long), 0.0, 40)
+    assert asked == [1 << 23, 1 << 27, 40]
 
 
 def test_fused_loss_computes_only_the_gradients_autograd_needs():
