@@ -18,6 +18,7 @@ from megatransformer.config import ConfigError
 
 COMMANDS = (
     "megatransformer.commands.info",
+    "megatransformer.commands.plan",
     "megatransformer.commands.data",
     "megatransformer.commands.train",
     "megatransformer.commands.quickstart",
