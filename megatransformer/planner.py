@@ -64,6 +64,9 @@ GPUS: tuple[Device, ...] = (
 MFU = 0.40  # the fraction of the peak a step's arithmetic reaches (Megatron-LM 41-47%, torchtitan 33-39% on H100)
 CPU_STEP_EFFICIENCY = 0.55  # a CPU training step against its plain GEMM speed (measured: docs/planner.md)
 HOST_ADAM_GBPS = 2.0  # states an offloaded optimizer step streams per second through DeepSpeed's CPU Adam
+# what a micro batch costs per layer besides its arithmetic (kernel launches, the engine's bookkeeping): a few
+# hundred microseconds on a GPU, so that fewer, larger micro batches win where they fit
+MICRO_STEP_SECONDS = {"cuda": 3e-4, "cpu": 1e-3}
 
 
 def find_gpu(name: str) -> Device | None:
@@ -217,7 +220,7 @@ def state_parts(cfg: RunConfig, layout: Layout, engine: bool) -> tuple[dict[str,
     params = split // layout.tp + whole
     w, lp = BYTES[cfg.precision], cfg.precision != "fp32"
     shards = layout.dp * layout.sp if layout.zero > 0 else 1  # ZeRO partitions over sequence peers too
-    zero = layout.zero if shards > 1 or layout.offload else 0
+    zero = layout.zero
     part = -(-params // shards)
     bucket = min(REDUCE_BUCKET, params)
     held = {name: 0 for name in PARTS}
@@ -306,7 +309,7 @@ def step_seconds(cfg: RunConfig, layout: Layout, device: Device, gpus_per_node: 
         rate = device.peak_tflops * 1e12 * CPU_STEP_EFFICIENCY
     else:
         rate = device.peak_tflops * 1e12 * MFU * (0.5 if cfg.precision == "fp32" else 1.0)  # fp32: TF32
-    seconds = flops / rate
+    seconds = flops / rate + layout.accum * MICRO_STEP_SECONDS[device.kind] * len_layers(m)
     world = layout.dp * layout.tp * layout.sp
     nodes = -(-world // gpus_per_node)
     inner = device.intra_node_gbps * 1e9
@@ -336,6 +339,10 @@ def step_seconds(cfg: RunConfig, layout: Layout, device: Device, gpus_per_node: 
         part = params / shards
         seconds += part * (4 + w) / (PCIE_GBPS * 1e9) + part * 16 / (HOST_ADAM_GBPS * 1e9)
     return seconds
+
+
+def len_layers(m: ModelConfig) -> int:
+    return m.n_layers + (m.decoder_layers if m.arch == "encoder_decoder" else 0)
 
 
 def ffn_params(m: ModelConfig) -> int:
@@ -374,7 +381,7 @@ class Plan:
 
     def why(self) -> str:
         """One line on the first choice: why it wins, or what would fit when nothing does."""
-        memory = f"{self.device.memory_gib:g} GiB"
+        memory = f"{self.device.memory_gib:.1f} GiB"
         fitting = [p for p in self.layouts if p.fits]
         if not fitting:
             smallest = min(self.layouts, key=lambda p: p.memory["total"])
@@ -461,7 +468,7 @@ def plan(
             for zero, ckpt, offload, micro in itertools.product(
                 range(4), (False, True), (False, True), divisors(per_rank)
             ):
-                if zero and dp * sp == 1 and not offload:
+                if zero and dp * sp == 1 and not offload and cfg.precision == "fp32":
                     continue  # ZeRO over one rank partitions nothing: the engine runs stage 0
                 if offload and zero == 0:
                     continue

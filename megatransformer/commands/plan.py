@@ -75,23 +75,10 @@ def resolve_device(args: argparse.Namespace, cfg: RunConfig):
     memory and peak), else this machine's GPU, else its CPU."""
     from dataclasses import replace
 
-    from megatransformer.planner import GPUS, Device, cpu_device, find_gpu
+    from megatransformer.planner import GPUS, Device, find_gpu
 
     if args.gpu is None and args.gpu_memory is None and args.peak_tflops is None:
-        import torch
-
-        if torch.cuda.is_available():
-            name = torch.cuda.get_device_name()
-            known = find_gpu(name) or Device(name, 0, 0, 450, 50)
-            memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-            peak = known.peak_tflops or cfg.train.peak_tflops
-            if not peak:
-                raise ConfigError(f"the planner does not know the peak of {name}; pass --peak-tflops")
-            return replace(known, name=name, memory_gib=memory, peak_tflops=peak), (
-                args.gpus_per_node or torch.cuda.device_count()
-            )
-        ranks = args.gpus_per_node or 1
-        return replace(cpu_device(ranks), peak_tflops=cpu_tflops(cfg.precision)), ranks
+        return local_device(cfg, args.gpus_per_node)
     known = find_gpu(args.gpu) if args.gpu else None
     if known is None and (args.gpu_memory is None or args.peak_tflops is None):
         names = ", ".join(g.name for g in GPUS)
@@ -103,6 +90,58 @@ def resolve_device(args: argparse.Namespace, cfg: RunConfig):
     if args.peak_tflops is not None:
         device = replace(device, peak_tflops=args.peak_tflops)
     return device, args.gpus_per_node or 8
+
+
+def local_device(cfg: RunConfig, ranks_per_node: int | None, measure_cpu: bool = True):
+    """This machine's GPU (all of them on a node, unless ``ranks_per_node``), else its CPU (one rank unless
+    told otherwise, its memory shared by the node's ranks; its GEMM speed measured unless not
+    ``measure_cpu``), and the ranks per node."""
+    from dataclasses import replace
+
+    import torch
+
+    from megatransformer.planner import Device, cpu_device, find_gpu
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        known = find_gpu(name) or Device(name, 0, 0, 450, 50)
+        peak = cfg.train.peak_tflops or known.peak_tflops
+        if not peak:
+            raise ConfigError(f"the planner does not know the peak of {name}; set train.peak_tflops")
+        memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+        return replace(known, name=name, memory_gib=memory, peak_tflops=peak), (
+            ranks_per_node or torch.cuda.device_count()
+        )
+    ranks = ranks_per_node or 1
+    return replace(cpu_device(ranks), peak_tflops=cpu_tflops(cfg.precision) if measure_cpu else 0.0), ranks
+
+
+def check_layout_fits(cfg: RunConfig, world: int, ranks_per_node: int) -> None:
+    """Stop before the first step when the run's own layout cannot fit in its device's memory: one line with
+    what overflows, by how much, and the best layout that fits (``train.check_memory`` turns it off)."""
+    from dataclasses import replace
+
+    from megatransformer.planner import GIB, PARTS, memory_parts, plan
+
+    device, per_node = local_device(cfg, ranks_per_node, measure_cpu=False)
+    current, global_batch = config_layout(cfg, world, device.kind)
+    if current is None:
+        return  # (the layout's own checks say why)
+    need = memory_parts(cfg, current, device)
+    limit = device.memory_gib * GIB
+    if need["total"] <= limit:
+        return
+    largest = max(PARTS, key=lambda part: need[part])
+    if device.kind == "cpu":  # (the step times that rank the layouts)
+        device = replace(device, peak_tflops=cpu_tflops(cfg.precision))
+    fitting = [p for p in plan(cfg, device, world, per_node, current, global_batch).layouts if p.fits]
+    best = f"the best layout that fits: {fitting[0].layout.describe()}" if fitting else "no layout fits"
+    raise ConfigError(
+        f"this run's layout ({current.describe()}) needs {need['total'] / GIB:.1f} GiB per rank, "
+        f"{(need['total'] - limit) / GIB:.1f} GiB more than the {device.memory_gib:.1f} GiB of its {device.name} "
+        f"(largest part: {largest.replace('_', ' ')}, {need[largest] / GIB:.1f} GiB); {best} "
+        "(megatransformer plan ranks them); train.check_memory=false skips this check"
+    )
 
 
 def config_layout(cfg: RunConfig, world: int, kind: str):
@@ -158,7 +197,10 @@ def render(cfg: RunConfig, result, top: int | None, verbose: bool) -> str:
 
     d = result.device
     params = model_size(cfg.model, cfg.data.seq_len).params
-    peak = f"{d.peak_tflops:,.1f} TFLOP/s measured GEMMs" if d.kind == "cpu" else f"{d.peak_tflops:g} TFLOP/s bf16"
+    if d.kind == "cpu":
+        peak = f"GEMMs measured at {d.peak_tflops * 1e3:,.0f} GFLOP/s"
+    else:
+        peak = f"{d.peak_tflops:g} TFLOP/s bf16"
     lines = [
         f"plan: {params / 1e9:.2f} B parameters, seq_len {cfg.data.seq_len}, global batch {result.global_batch} rows, "
         f"{cfg.precision}, on {result.world} x {d.name} ({d.memory_gib:,.1f} GiB, {peak})",

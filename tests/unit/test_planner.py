@@ -4,6 +4,7 @@ model step: fused loss, backward, fused AdamW), and its choices."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -85,4 +86,51 @@ def test_nothing_fits_says_the_smallest_memory_that_would() -> None:
     cfg = llama(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672)
     result = plan(cfg, find_gpu("A100-40"), 1, 1, None, 8)
     assert not any(p.fits for p in result.layouts)
-    assert result.why().startswith("nothing fits in 40 GiB per device: the smallest need is ")
+    assert result.why().startswith("nothing fits in 40.0 GiB per device: the smallest need is ")
+
+
+def test_plan_json_has_the_layouts_and_the_config_own_index(capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from megatransformer.cli import main
+
+    assert main(["plan", "--config", "llama-style", "--gpu", "H100", "--gpus-per-node", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    first, current = out["layouts"][0], out["layouts"][out["current"]]
+    keys = {"dp", "tp", "sp", "zero", "activation_checkpointing", "mlp_tiles", "offload", "micro_batch"}
+    assert keys | {"memory_bytes", "step_seconds", "fits"} <= first.keys()
+    assert first["fits"] and first["memory_bytes"]["total"] == sum(
+        v for k, v in first["memory_bytes"].items() if k != "total"
+    )
+    # llama-style: ZeRO-1, 8 rows per rank of a 256-row global batch
+    assert (current["dp"], current["zero"], current["micro_batch"], current["accum"]) == (8, 1, 8, 4)
+
+
+def test_an_unknown_gpu_asks_for_its_memory_and_peak(capsys: pytest.CaptureFixture) -> None:
+    from megatransformer.cli import main
+
+    assert main(["plan", "--config", "llama-style", "--gpu", "MI300X"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatransformer plan: error: --gpu MI300X is not one the planner knows")
+    assert err.endswith("give its --gpu-memory GiB and --peak-tflops (dense bf16 TFLOP/s per device)")
+    assert (
+        main(["plan", "--config", "llama-style", "--gpu", "MI300X", "--gpu-memory", "192", "--peak-tflops", "1307"])
+        == 0
+    )
+
+
+def test_train_check_names_the_overflow_and_the_best_layout_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatransformer.commands import plan as command
+    from megatransformer.config import ConfigError, load_config
+
+    small = command.local_device(load_config("llama-style"), 1, measure_cpu=False)[0]
+    monkeypatch.setattr("megatransformer.planner.cpu_device", lambda ranks: replace(small, memory_gib=4.0))
+    monkeypatch.setattr(command, "cpu_tflops", lambda precision: 0.1)
+    cfg = load_config("llama-style", ["train.micro_batch_size=16", "train.global_batch_size=64"])
+    with pytest.raises(ConfigError) as err:
+        command.check_layout_fits(cfg, 1, 1)
+    line = str(err.value)
+    assert line.startswith("this run's layout (dp1, ZeRO-1, mb 16 x 4) needs ")
+    assert "GiB more than the 4.0 GiB of its CPU (largest part: activations" in line
+    assert "the best layout that fits: dp1" in line and line.endswith("train.check_memory=false skips this check")
+    command.check_layout_fits(load_config("llama-style", ["train.micro_batch_size=1", "train.grad_accum=1"]), 1, 1)
