@@ -168,7 +168,7 @@ def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int
     model_level = len(stacks) * (final_norm + rope) + m.d_model  # + the loss's gradient of the hidden states
     if m.arch == "encoder_decoder":
         model_level += m.d_model  # the encoder's output, which every cross-attention projects
-    kept = local * (blocks + model_level) * w + m.vocab_size * m.d_model * 4  # + the head's fp32 gradient
+    kept = local * (blocks + model_level) * w
     # the fused loss: a chunk's fp32 logits and logsumexp's same-sized temporary; from the second chunk on, the
     # previous chunk's logits (and their gradient in the compute dtype) live until the new ones exist
     rows = max(1, chunk_logits(kind) // m.vocab_size)
@@ -259,13 +259,15 @@ def memory_parts(cfg: RunConfig, layout: Layout, device: Device, engine: bool = 
     backward (every gradient, DeepSpeed's copies of them)."""
     held, step_grads = state_parts(cfg, layout, engine)
     acts = activation_parts(cfg, layout, device.kind)
-    head_grad = cfg.model.vocab_size * cfg.model.d_model * 4  # the embedding's gradient, first to exist
+    # the head's fp32 weight gradient, which the fused loss computes in the forward
+    head_grad = cfg.model.vocab_size * cfg.model.d_model * 4
     backward = acts["recomputed"] + acts["attention_transients"] + head_grad
     parts = dict(held)
-    if acts["activations"] + max(acts["loss_chunk"], backward) < step_grads:  # the peak: the step's end
+    if acts["activations"] + max(acts["loss_chunk"] + head_grad, backward) < step_grads:  # the peak: step's end
         parts["gradients"] += step_grads
-    elif acts["loss_chunk"] >= backward:  # the peak: the loss
+    elif acts["loss_chunk"] + head_grad >= backward:  # the peak: the loss
         parts |= {"activations": acts["activations"], "loss_chunk": acts["loss_chunk"]}
+        parts["gradients"] += head_grad
     else:  # the peak: the last block's backward
         parts["activations"] = acts["activations"] + acts["recomputed"]
         parts["attention_transients"] = acts["attention_transients"]

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         )
     rows = f"micro batch of {micro} rows" if micro else "row (the micro batch depends on the launch)"
     print(f"activations per rank:     ~{layout['activation_bytes'] / 2**20:,.1f} MiB per {rows} (estimate)")
+    print("                          (megatransformer plan: all of a rank's memory, by part, for each layout)")
     return 0
 
 
@@ -65,7 +66,7 @@ def describe(cfg: RunConfig, world_size: int) -> dict:
     """The layout on ``world_size`` ranks: data-parallel x tensor x sequence degrees, the positions and attention
     heads each rank of a sequence group holds (the same on every group), and the activation memory of a micro
     batch per rank (of one row when the train section leaves the micro batch to the launch)."""
-    from megatransformer.activations import activation_estimate
+    from megatransformer.planner import Layout, activation_parts
     from megatransformer.training.layout import data_parallel_size, describe_layout, resolve_batch_sizes
 
     p, length = cfg.parallel, cfg.data.seq_len
@@ -83,10 +84,21 @@ def describe(cfg: RunConfig, world_size: int) -> dict:
         }
         for r in range(sp)
     ]
+    layout = Layout(
+        dp,
+        p.tensor_parallel,
+        sp,
+        p.zero_stage,
+        cfg.model.activation_checkpointing,
+        cfg.model.mlp_tiles,
+        p.offload_optimizer,
+        micro or 1,
+        1,
+    )
     return {
         "layout": describe_layout(dp, p.tensor_parallel, sp),
         "world_size": world_size,
         "micro_batch": micro,
         "sequence_ranks": ranks,
-        "activation_bytes": activation_estimate(cfg, micro or 1).bytes,
+        "activation_bytes": activation_parts(cfg, layout, "cpu")["activations"],
     }
