@@ -75,7 +75,7 @@ def run_config(point: dict) -> RunConfig:
                 point["model"].get("arch", "decoder")
             ],
             "data": {"seq_len": point["seq_len"]},
-            "train": {"micro_batch_size": point["micro_batch"], "grad_accum": 1, "cpu_bf16_matmul": "fp32"},
+            "train": {"micro_batch_size": point["micro_batch"], "grad_accum": 1},
             "parallel": {
                 "zero_stage": point.get("zero", 0),
                 "tensor_parallel": point.get("tp", 1),

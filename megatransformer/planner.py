@@ -211,67 +211,69 @@ def chunk_logits(kind: str) -> int:
     return CHUNK_LOGITS.get(kind, CHUNK_LOGITS["cpu"])
 
 
-def state_parts(cfg: RunConfig, layout: Layout, engine: bool) -> tuple[dict[str, int], int]:
-    """Bytes of the weights, master weights, gradients, optimizer states and DeepSpeed's buffers a rank holds
-    between steps, and the gradients' bytes that come and go within a step (those DeepSpeed frees at each
-    step's end). ``engine``: DeepSpeed's engine at ``layout.zero``; else a plain loop (model, torch AdamW,
-    fp32 masters in bf16)."""
+def state_parts(cfg: RunConfig, layout: Layout, engine: bool) -> tuple[dict[str, int], dict[str, int], int]:
+    """What a rank holds besides activations: between steps (weights, master weights, optimizer states and
+    the gradients and buffers DeepSpeed keeps), from the backward's start to the step's end (ZeRO-1/2's
+    reduction bucket, allocated in every backward), and the gradients' bytes that come and go at the end of
+    the backward. ``engine``: DeepSpeed's engine at ``layout.zero`` (docs/planner.md: which optimizer wrapper
+    keeps what); else a plain loop (the model, torch's AdamW; bf16 with fp32 masters and their fp32 grads)."""
     split, whole = parameter_counts(cfg.model)
     params = split // layout.tp + whole
     w, lp = BYTES[cfg.precision], cfg.precision != "fp32"
     shards = layout.dp * layout.sp if layout.zero > 0 else 1  # ZeRO partitions over sequence peers too
-    zero = layout.zero
     part = -(-params // shards)
-    bucket = min(REDUCE_BUCKET, params)
     held = {name: 0 for name in PARTS}
-    optimizer = 0 if layout.offload else 8 * part
-    held["optimizer_states"] = optimizer
-    if not engine:  # model in its dtype, grads freed after each step; bf16: fp32 masters with fp32 grads
-        held["weights"] = w * params
-        held["master_weights"] = 8 * params if lp else 0
-        return held, w * params
-    if zero == 0:
-        held["weights"] = w * params
-        held["master_weights"] = 4 * params if lp else 0  # FP16_UnfusedOptimizer's fp32 copies
-        transient = w * params + (4 * params if lp else 0)  # its fp32 copies of the gradients in the step
-        if layout.dp * layout.sp > 1:
-            held["communication_buffers"] = 4 * min(bucket, params)  # the flat all-reduce bucket
-        return held, transient
-    held["master_weights"] = 0 if layout.offload else 4 * part
-    if zero == 3:
-        held["weights"] = w * part
-        held["communication_buffers"] = w * (2 * ZERO3_PREFETCH + min(params, REDUCE_BUCKET)) // 1
-        held["communication_buffers"] = min(held["communication_buffers"], 3 * w * params)
-        held["gradients"] = 4 * part
-        return held, 4 * min(bucket, params)
+    in_backward = {name: 0 for name in PARTS}
+    held["optimizer_states"] = 0 if layout.offload else 8 * part
     held["weights"] = w * params
-    if zero == 1 and lp:  # BF16_Optimizer: fp32 gradients of every parameter, accumulated across micro batches
+    if not engine:
+        held["master_weights"] = 8 * params if lp else 0
+        return held, in_backward, w * params
+    if layout.zero == 0:  # torch's AdamW (fp32), or DeepSpeed's FP16_UnfusedOptimizer: fp32 copies and grads
+        held["master_weights"] = 4 * params if lp else 0
+        if layout.dp * layout.sp > 1:  # the flat copy of the gradients it all-reduces (kept between steps)
+            held["communication_buffers"] = 4 * params
+        return held, in_backward, w * params + (4 * params if lp else 0)
+    held["master_weights"] = 0 if layout.offload else 4 * part
+    if layout.zero == 3:  # its reduction bucket, allocated once; up to two prefetch buckets of gathered weights
+        held["weights"] = w * part
+        held["gradients"] = 4 * part
+        held["communication_buffers"] = w * REDUCE_BUCKET + w * min(params, 2 * ZERO3_PREFETCH)
+        return held, in_backward, 0
+    if layout.zero == 1 and lp and not layout.offload:  # BF16_Optimizer: fp32 gradients of every parameter
         held["gradients"] = 4 * params
-        return held, w * params
+        return held, in_backward, w * params
+    # DeepSpeedZeroOptimizer: a reduction bucket of REDUCE_BUCKET elements in every backward (fp32 for ZeRO-1's
+    # accumulation, the model's dtype for ZeRO-2's staging) and fp32 gradient partitions (ZeRO-1 keeps the
+    # model's full gradients until they are reduced)
+    in_backward["communication_buffers"] = (4 if layout.zero == 1 else w) * REDUCE_BUCKET
     held["gradients"] = 4 * part
-    held["communication_buffers"] = 4 * bucket if zero == 2 else 0
-    return held, w * params + (4 * params if zero == 1 else 0)
+    return held, in_backward, w * params if layout.zero == 1 else 0
 
 
 def memory_parts(cfg: RunConfig, layout: Layout, device: Device, engine: bool = True) -> dict[str, int]:
-    """Each rank's memory at its peak, by part, and ``total``: the larger of the moment the last micro batch's
-    loss is computed (every activation kept, the loss chunk, the first backward buffers) and the end of the
-    backward (every gradient, DeepSpeed's copies of them)."""
-    held, step_grads = state_parts(cfg, layout, engine)
+    """Each rank's memory at its peak, by part, and ``total``: the largest of three moments, the last micro
+    batch's loss (every activation kept, the loss's chunk of logits), the last block's backward (its
+    transients, and the buffers the backward allocates) and the backward's end (every gradient)."""
+    held, in_backward, step_grads = state_parts(cfg, layout, engine)
     acts = activation_parts(cfg, layout, device.kind)
     # the head's fp32 weight gradient, which the fused loss computes in the forward
     head_grad = cfg.model.vocab_size * cfg.model.d_model * 4
-    backward = acts["recomputed"] + acts["attention_transients"] + head_grad
+    buffers = sum(in_backward.values())
+    loss = acts["activations"] + acts["loss_chunk"] + head_grad
+    backward = buffers + acts["activations"] + acts["recomputed"] + acts["attention_transients"] + head_grad
     parts = dict(held)
-    if acts["activations"] + max(acts["loss_chunk"] + head_grad, backward) < step_grads:  # the peak: step's end
+    if buffers + step_grads > max(loss, backward):  # the peak: the backward's end
         parts["gradients"] += step_grads
-    elif acts["loss_chunk"] + head_grad >= backward:  # the peak: the loss
+        parts["communication_buffers"] += buffers
+    elif loss >= backward:  # the peak: the loss
         parts |= {"activations": acts["activations"], "loss_chunk": acts["loss_chunk"]}
         parts["gradients"] += head_grad
     else:  # the peak: the last block's backward
         parts["activations"] = acts["activations"] + acts["recomputed"]
         parts["attention_transients"] = acts["attention_transients"]
         parts["gradients"] += head_grad
+        parts["communication_buffers"] += buffers
     parts["overheads"] = int(device.reserved_gib * GIB)
     parts["total"] = sum(parts.values())
     return parts
