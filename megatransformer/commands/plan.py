@@ -92,10 +92,10 @@ def resolve_device(args: argparse.Namespace, cfg: RunConfig):
     return device, args.gpus_per_node or 8
 
 
-def local_device(cfg: RunConfig, ranks_per_node: int | None, measure_cpu: bool = True):
+def local_device(cfg: RunConfig, ranks_per_node: int | None, need_peak: bool = True):
     """This machine's GPU (all of them on a node, unless ``ranks_per_node``), else its CPU (one rank unless
-    told otherwise, its memory shared by the node's ranks; its GEMM speed measured unless not
-    ``measure_cpu``), and the ranks per node."""
+    told otherwise, its memory shared by the node's ranks), and the ranks per node. The peak (a CPU's GEMM
+    measured, a GPU's from the table or ``train.peak_tflops``) is 0 where not ``need_peak`` and not known."""
     from dataclasses import replace
 
     import torch
@@ -106,14 +106,14 @@ def local_device(cfg: RunConfig, ranks_per_node: int | None, measure_cpu: bool =
         name = torch.cuda.get_device_name()
         known = find_gpu(name) or Device(name, 0, 0, 450, 50)
         peak = cfg.train.peak_tflops or known.peak_tflops
-        if not peak:
-            raise ConfigError(f"the planner does not know the peak of {name}; set train.peak_tflops")
+        if not peak and need_peak:
+            raise ConfigError(f"the planner does not know {name}: give its --gpu-memory GiB and --peak-tflops")
         memory = torch.cuda.get_device_properties(0).total_memory / 2**30
         return replace(known, name=name, memory_gib=memory, peak_tflops=peak), (
             ranks_per_node or torch.cuda.device_count()
         )
     ranks = ranks_per_node or 1
-    return replace(cpu_device(ranks), peak_tflops=cpu_tflops(cfg.precision) if measure_cpu else 0.0), ranks
+    return replace(cpu_device(ranks), peak_tflops=cpu_tflops(cfg.precision) if need_peak else 0.0), ranks
 
 
 def check_layout_fits(cfg: RunConfig, world: int, ranks_per_node: int) -> None:
@@ -123,7 +123,7 @@ def check_layout_fits(cfg: RunConfig, world: int, ranks_per_node: int) -> None:
 
     from megatransformer.planner import GIB, PARTS, memory_parts, plan
 
-    device, per_node = local_device(cfg, ranks_per_node, measure_cpu=False)
+    device, per_node = local_device(cfg, ranks_per_node, need_peak=False)
     current, global_batch = config_layout(cfg, world, device.kind)
     if current is None:
         return  # (the layout's own checks say why)
@@ -132,8 +132,8 @@ def check_layout_fits(cfg: RunConfig, world: int, ranks_per_node: int) -> None:
     if need["total"] <= limit:
         return
     largest = max(PARTS, key=lambda part: need[part])
-    if device.kind == "cpu":  # (the step times that rank the layouts)
-        device = replace(device, peak_tflops=cpu_tflops(cfg.precision))
+    if not device.peak_tflops:  # (the step times that rank the layouts: any peak ranks a GPU's alike)
+        device = replace(device, peak_tflops=cpu_tflops(cfg.precision) if device.kind == "cpu" else 1.0)
     fitting = [p for p in plan(cfg, device, world, per_node, current, global_batch).layouts if p.fits]
     best = f"the best layout that fits: {fitting[0].layout.describe()}" if fitting else "no layout fits"
     raise ConfigError(

@@ -123,7 +123,7 @@ def test_train_check_names_the_overflow_and_the_best_layout_that_fits(monkeypatc
     from megatransformer.commands import plan as command
     from megatransformer.config import ConfigError, load_config
 
-    small = command.local_device(load_config("llama-style"), 1, measure_cpu=False)[0]
+    small = command.local_device(load_config("llama-style"), 1, need_peak=False)[0]
     monkeypatch.setattr("megatransformer.planner.cpu_device", lambda ranks: replace(small, memory_gib=4.0))
     monkeypatch.setattr(command, "cpu_tflops", lambda precision: 0.1)
     cfg = load_config("llama-style", ["train.micro_batch_size=16", "train.global_batch_size=64"])
