@@ -235,10 +235,10 @@ def state_parts(cfg: RunConfig, layout: Layout, engine: bool) -> tuple[dict[str,
             held["communication_buffers"] = 4 * params
         return held, in_backward, w * params + (4 * params if lp else 0)
     held["master_weights"] = 0 if layout.offload else 4 * part
-    if layout.zero == 3:  # its reduction bucket, allocated once; up to two prefetch buckets of gathered weights
+    if layout.zero == 3:  # its fp32 reduction bucket, allocated once; up to two prefetch buckets of weights
         held["weights"] = w * part
         held["gradients"] = 4 * part
-        held["communication_buffers"] = w * REDUCE_BUCKET + w * min(params, 2 * ZERO3_PREFETCH)
+        held["communication_buffers"] = 4 * REDUCE_BUCKET + w * min(params, 2 * ZERO3_PREFETCH)
         return held, in_backward, 0
     if layout.zero == 1 and lp and not layout.offload:  # BF16_Optimizer: fp32 gradients of every parameter
         held["gradients"] = 4 * params
