@@ -62,7 +62,7 @@ GPUS: tuple[Device, ...] = (
 )
 
 MFU = 0.40  # the fraction of the peak a step's arithmetic reaches (Megatron-LM 41-47%, torchtitan 33-39% on H100)
-CPU_STEP_EFFICIENCY = 0.55  # a CPU training step against its plain GEMM speed (measured: docs/planner.md)
+CPU_STEP_EFFICIENCY = 0.55  # a CPU training step against its GEMM speed (stated; BENCHMARKS.md 5r compares)
 HOST_ADAM_GBPS = 2.0  # states an offloaded optimizer step streams per second through DeepSpeed's CPU Adam
 # what a micro batch costs per layer besides its arithmetic (kernel launches, the engine's bookkeeping): a few
 # hundred microseconds on a GPU, so that fewer, larger micro batches win where they fit

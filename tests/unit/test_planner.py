@@ -134,3 +134,21 @@ def test_train_check_names_the_overflow_and_the_best_layout_that_fits(monkeypatc
     assert "GiB more than the 4.0 GiB of its CPU (largest part: activations" in line
     assert "the best layout that fits: dp1" in line and line.endswith("train.check_memory=false skips this check")
     command.check_layout_fits(load_config("llama-style", ["train.micro_batch_size=1", "train.grad_accum=1"]), 1, 1)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"arch": "encoder", "ffn": "gelu", "position": "learned", "norm": "layernorm", "bias": True},
+        {"arch": "encoder_decoder", "ffn": "relu", "tie_embeddings": False, "share_embeddings": False},
+        {"norm_position": "post", "position": "sinusoidal"},
+    ],
+)
+def test_parameter_counts_are_the_model_s(fields: dict) -> None:
+    from megatransformer.config import ModelConfig
+    from megatransformer.flops import model_size
+    from megatransformer.planner import parameter_counts
+
+    cfg = ModelConfig(**(SMALL | fields))
+    assert sum(parameter_counts(cfg)) == model_size(cfg).params
