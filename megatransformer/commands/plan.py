@@ -55,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < (0 if name == "top" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {0 if name == 'top' else 1}, got {value}")
+    for name in ("gpu_memory", "peak_tflops"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
     device, per_node = resolve_device(args, cfg)
     world = per_node * args.nodes
     current, global_batch = config_layout(cfg, world, device.kind)
