@@ -55,7 +55,7 @@ def layout(**fields) -> Layout:
 
 
 def test_zero_stages_partition_states_over_the_data_parallel_ranks() -> None:
-    cfg, h100 = llama(), find_gpu("H100")
+    cfg, h100 = llama(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336), find_gpu("H100")
     parts = {z: memory_parts(cfg, layout(zero=z), h100) for z in range(4)}
     assert parts[1]["optimizer_states"] * 8 == pytest.approx(parts[0]["optimizer_states"], rel=1e-3)
     assert parts[3]["weights"] * 8 == pytest.approx(parts[0]["weights"], rel=1e-3)
