@@ -168,7 +168,7 @@ def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int
     model_level = len(stacks) * (final_norm + rope) + m.d_model  # + the loss's gradient of the hidden states
     if m.arch == "encoder_decoder":
         model_level += m.d_model  # the encoder's output, which every cross-attention projects
-    kept = local * (blocks + model_level) * w
+    kept = local * (blocks + model_level) * w + rendered_masks(cfg, layout, kind)
     # the fused loss: a chunk's fp32 logits and logsumexp's same-sized temporary; from the second chunk on, the
     # previous chunk's logits (and their gradient in the compute dtype) live until the new ones exist
     rows = max(1, chunk_logits(kind) // m.vocab_size)
@@ -203,6 +203,34 @@ def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int
         "loss_chunk": loss_chunk,
         "attention_transients": max(mlp, attention - last_mlp, 0),
     }
+
+
+def rendered_masks(cfg: RunConfig, layout: Layout, kind: str) -> int:
+    """Bytes of the boolean mask chunks the CPU's attention core renders once per batch and keeps for every
+    layer (``AttentionMask.blocked``, at most ``RENDERED_LIMIT`` a mask): for each mask of the model that is not
+    plain causal or full, i.e. rows of packed documents (the loader packs), prefixes, windows, and
+    cross-attention; each query chunk against the keys it may see, over the whole sequence (Ulysses' core sees
+    all of it)."""
+    from megatransformer.model.masks import RENDERED_LIMIT
+
+    if kind != "cpu":
+        return 0
+    m, length = cfg.model, cfg.data.seq_len
+    window = m.attention_window
+
+    def chunks(causal: bool, windowed: bool) -> int:
+        if windowed and window:
+            keys = min(length, (window + CORE_CHUNK) * (1 if causal else 2))
+        else:
+            keys = (length + CORE_CHUNK) // 2 if causal else length
+        return min(RENDERED_LIMIT, layout.micro_batch * length * min(keys, length))
+
+    masks = {
+        "decoder": [chunks(True, True)],
+        "encoder": [chunks(False, True)],
+        "encoder_decoder": [chunks(False, True), chunks(True, True), chunks(False, False)],
+    }[m.arch]
+    return sum(masks)
 
 
 def chunk_logits(kind: str) -> int:
