@@ -1,11 +1,16 @@
 """Reading raw documents: .txt (one document per blank-line-separated block, or per file) and .jsonl
-(one document per line, from a configurable field), optionally .gz / .zst compressed.
+(one document per line, from a configurable field), optionally .gz / .zst compressed; .parquet and .arrow
+(a Hugging Face ``datasets`` directory written by ``save_to_disk``): one document per row, from the column
+named like a .jsonl field, streamed a record batch at a time.
 
 Instruction data: with ``prompt_field`` set, every .jsonl record is one (prompt, completion) example; the
 completion comes from ``text_field``. Neither is stripped: the whitespace between them is the user's choice.
 Translation pairs are such examples (source = prompt, target = completion); they may also come from .tsv
 files: one pair per line, tab-separated, no quoting. If the first line's columns include both field names, it
 is a header and those columns are read; otherwise every line has exactly two columns, source then target.
+
+Every document has a number that does not depend on how the input is split (``--part``): its index in its
+file plus the file's index in the input (docs/data.md). The held-out split is decided on it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class Document:
     file: str  # the input file it was read from
     line: int
     prompt: str | None = None  # the prompt of an instruction example (loss on `text` only)
+    number: int = 0  # the file's index in the input + the document's index in its file
 
 
 @dataclass
@@ -62,7 +68,13 @@ def _lines(path: Path, on_decode_error: str, stats: DecodeStats) -> Iterator[tup
                 yield number, line.decode("utf-8", errors="replace")
 
 
+COLUMNAR = (".parquet", ".arrow")  # read by pyarrow; never .gz / .zst (compressed inside)
+INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".tsv")  # plain, .gz or .zst
+
+
 def _kind(path: Path) -> str:
+    if path.name.endswith(COLUMNAR):
+        return path.suffix.removeprefix(".")
     name = path.name.removesuffix(".gz").removesuffix(".zst")
     if name.endswith(".jsonl") or name.endswith(".json"):
         return "jsonl"
@@ -71,27 +83,48 @@ def _kind(path: Path) -> str:
     return "txt"
 
 
-INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".tsv")
+def _is_input(path: Path) -> bool:
+    return path.is_file() and (
+        path.name.endswith(COLUMNAR) or path.name.removesuffix(".gz").removesuffix(".zst").endswith(INPUT_SUFFIXES)
+    )
 
 
 def input_files(names: list[str]) -> list[str]:
     """``--input`` as files: a directory stands for its files of the kinds read here (.txt, .jsonl, .json,
-    .tsv, plain or .gz / .zst), in name order; a file is kept as given."""
+    .tsv, plain or .gz / .zst; .parquet, .arrow), in name order, and a ``datasets`` directory written by
+    ``save_to_disk`` for its .arrow files; a file is kept as given."""
     files: list[str] = []
     for name in names:
         path = Path(name)
         if not path.is_dir():
             files.append(name)
-            continue
-        found = sorted(
-            str(p)
-            for p in path.iterdir()
-            if p.is_file() and p.name.removesuffix(".gz").removesuffix(".zst").endswith(INPUT_SUFFIXES)
-        )
-        if not found:
-            raise DataError(f"input directory {path} holds no .txt, .jsonl, .json or .tsv files (plain, .gz or .zst)")
-        files += found
+        elif (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+            files += _saved_dataset_files(path)
+        elif (path / "dataset_dict.json").is_file():
+            splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+            raise DataError(
+                f"input directory {path} is a datasets DatasetDict (splits: {', '.join(splits)}); give one "
+                f"split's directory, e.g. {path / (splits[0] if splits else 'train')}"
+            )
+        else:
+            found = sorted(str(p) for p in path.iterdir() if _is_input(p))
+            if not found:
+                raise DataError(
+                    f"input directory {path} holds no .txt, .jsonl, .json or .tsv files (plain, .gz or .zst), "
+                    ".parquet or .arrow files"
+                )
+            files += found
     return files
+
+
+def _saved_dataset_files(directory: Path) -> list[str]:
+    """The .arrow files of a ``datasets.Dataset.save_to_disk`` directory, in the dataset's row order."""
+    state = directory / "state.json"
+    try:
+        names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{state} is not a datasets state file ({type(err).__name__}: {err})") from None
+    return [str(directory / name) for name in names]
 
 
 def read_documents(
@@ -101,32 +134,111 @@ def read_documents(
     on_decode_error: str = "replace",
     stats: DecodeStats | None = None,
     prompt_field: str | None = None,
+    first_file: int = 0,
 ) -> Iterator[Document]:
     """Yield documents from the files in order; empty documents are dropped. With ``prompt_field``, yield
-    instruction examples (``.jsonl`` or ``.tsv``)."""
+    instruction examples (``.jsonl``, ``.tsv``, ``.parquet`` or ``.arrow``). ``first_file``: the index of
+    ``files[0]`` in the whole input (of which ``files`` may be a part), for the documents' numbers."""
     stats = stats or DecodeStats()
-    for name in files:
+    for index, name in enumerate(files, start=first_file):
         path = Path(name)
         if not path.is_file():
             raise DataError(f"input file {path} does not exist")
-        lines = _lines(path, on_decode_error, stats)
-        if prompt_field is not None:
-            if _kind(path) == "tsv":
-                yield from _tsv_examples(path, lines, prompt_field, text_field)
-                continue
-            if _kind(path) != "jsonl":
-                raise DataError(
-                    f"{path}: prompt/completion (source/target) examples are read from .jsonl and .tsv files only"
-                )
-            yield from _instruction_examples(path, lines, prompt_field, text_field)
-        elif _kind(path) == "jsonl":
-            yield from _jsonl_documents(path, lines, text_field)
-        elif doc_per == "file":
-            text = "".join(line for _, line in lines).strip()
-            if text:
-                yield Document(text, str(path), 1)
-        else:
-            yield from _block_documents(path, lines)
+        for number, doc in enumerate(_file_documents(path, text_field, doc_per, on_decode_error, stats, prompt_field)):
+            doc.number = index + number
+            yield doc
+
+
+def _file_documents(
+    path: Path, text_field: str, doc_per: str, on_decode_error: str, stats: DecodeStats, prompt_field: str | None
+) -> Iterator[Document]:
+    kind = _kind(path)
+    if kind in ("parquet", "arrow"):
+        yield from _table_documents(
+            path, _record_batches(path, kind, [text_field, prompt_field]), text_field, prompt_field
+        )
+        return
+    lines = _lines(path, on_decode_error, stats)
+    if prompt_field is not None:
+        if kind == "tsv":
+            yield from _tsv_examples(path, lines, prompt_field, text_field)
+            return
+        if kind != "jsonl":
+            raise DataError(
+                f"{path}: prompt/completion (source/target) examples are read from .jsonl, .tsv, .parquet and "
+                ".arrow files only"
+            )
+        yield from _instruction_examples(path, lines, prompt_field, text_field)
+    elif kind == "jsonl":
+        yield from _jsonl_documents(path, lines, text_field)
+    elif doc_per == "file":
+        text = "".join(line for _, line in lines).strip()
+        if text:
+            yield Document(text, str(path), 1)
+    else:
+        yield from _block_documents(path, lines)
+
+
+BATCH_ROWS = 1024  # rows per record batch read from .parquet / .arrow files
+
+
+def _record_batches(path: Path, kind: str, fields: list[str | None]):
+    """The columns ``fields`` of a .parquet file (row group by row group) or a .arrow file (Arrow IPC, the
+    stream format of ``datasets``, or the file format), a record batch at a time."""
+    import pyarrow as pa
+
+    columns = [f for f in fields if f is not None]
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.ParquetFile(path)
+            _check_columns(path, table.schema_arrow, columns)
+            yield from table.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+            return
+        source = pa.memory_map(str(path))
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            _check_columns(path, reader.schema, columns)
+            for i in range(reader.num_record_batches):
+                yield reader.get_batch(i).select(columns)
+            return
+        _check_columns(path, reader.schema, columns)
+        for batch in reader:
+            yield batch.select(columns)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: not a readable .{kind} file ({type(err).__name__}: {err})") from None
+
+
+def _check_columns(path: Path, schema, columns: list[str]) -> None:
+    import pyarrow as pa
+
+    for name in columns:
+        if name not in schema.names:
+            raise DataError(
+                f"{path}: no column {name!r} (it has {', '.join(schema.names)}); choose one with --text-field "
+                "(or --prompt-field / --completion-field)"
+            )
+        column = schema.field(name).type
+        if not (pa.types.is_string(column) or pa.types.is_large_string(column) or pa.types.is_string_view(column)):
+            raise DataError(f"{path}: column {name!r} holds {column}, not text; choose a text column")
+
+
+def _table_documents(path: Path, batches, text_field: str, prompt_field: str | None) -> Iterator[Document]:
+    row = 0
+    for batch in batches:
+        texts = batch.column(text_field).to_pylist()
+        prompts = batch.column(prompt_field).to_pylist() if prompt_field is not None else [None] * len(texts)
+        for text, prompt in zip(texts, prompts):
+            row += 1
+            if prompt_field is None:
+                text = (text or "").strip()
+                if text:
+                    yield Document(text, str(path), row)
+            elif text or prompt:
+                yield Document(text or "", str(path), row, prompt=prompt or "")
 
 
 def _block_documents(path: Path, lines) -> Iterator[Document]:
