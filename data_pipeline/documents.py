@@ -192,9 +192,9 @@ def _record_batches(path: Path, kind: str, fields: list[str | None]):
         if kind == "parquet":
             import pyarrow.parquet as pq
 
-            table = pq.ParquetFile(path)
-            _check_columns(path, table.schema_arrow, columns)
-            yield from table.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+            parquet = pq.ParquetFile(path)
+            _check_columns(path, parquet.schema_arrow, columns)
+            yield from parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)
             return
         source = pa.memory_map(str(path))
         try:

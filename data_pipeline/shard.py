@@ -247,10 +247,10 @@ SMALL_INPUT = 1000  # documents: of the first ones, the default holds out a tent
 
 
 def held_out(n: int, valid_every: int | None) -> bool:
-    """Whether document number ``n`` (``Document.number``: in one file, its index from 0) goes to the
-    validation split: every ``valid_every``-th (0: none); by
-    default (None) every 10th of the first 1,000 documents and every 100th after, so that small inputs (a few
-    hundred examples) still get a validation split of some batches."""
+    """Whether document number ``n`` (``Document.number``; in one file, its index from 0) goes to the
+    validation split: every ``valid_every``-th (0: none); by default (None) every 10th of the first 1,000
+    and every 100th after, so that small inputs (a few hundred examples) still get a validation split of some
+    batches."""
     if valid_every is None:
         valid_every = 10 if n < SMALL_INPUT else 100
     return valid_every > 0 and n % valid_every == valid_every - 1
@@ -288,6 +288,8 @@ def write_shards(
     first_file, inputs = 0, files
     if part is not None:
         first_file, files = part_files(inputs, part)
+        if out.is_dir() and any(out.glob("*.tar")):
+            raise DataError(f"{out} holds the shards of a dataset written in one run; give the parts another --out")
         if (out / MANIFEST).exists() and not overwrite:
             raise DataError(
                 f"{out} already holds a dataset ({MANIFEST}); pass --overwrite to re-make part "

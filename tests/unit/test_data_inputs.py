@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from support.data import shard_documents
 
-from data_pipeline import DataError
+from data_pipeline import DataError, documents
 from data_pipeline.documents import input_files, read_documents
 from data_pipeline.merge import merge_parts
 from data_pipeline.parts import PART_RECORD, parse_part, part_files, part_name
@@ -75,6 +75,21 @@ def test_corrupt_and_truncated_parquet_name_the_file(tmp_path):
         with pytest.raises(DataError, match=rf"{name}: not a readable \.parquet file") as err:
             list(read_documents([str(tmp_path / name)]))
         assert "\n" not in str(err.value)
+
+
+def test_parquet_is_streamed_a_batch_at_a_time(tmp_path, monkeypatch):
+    """Documents of the first row groups come out before the last one is read: damaged, it fails only then."""
+    monkeypatch.setattr(documents, "BATCH_ROWS", 100)
+    path = write_parquet(tmp_path / "a.parquet", {"text": [f"document {i} " * 20 for i in range(600)]}, 200)
+    chunk = pq.ParquetFile(path).metadata.row_group(2).column(0)
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start + 40 : start + chunk.total_compressed_size - 10] = b"Z" * (chunk.total_compressed_size - 50)
+    path.write_bytes(data)
+    docs = read_documents([str(path)])
+    assert [next(docs).line for _ in range(400)] == list(range(1, 401))
+    with pytest.raises(DataError, match=r"a\.parquet: not a readable \.parquet file"):
+        next(docs)
 
 
 def test_saved_datasets_directory_is_read_in_its_row_order(tmp_path):
@@ -245,6 +260,13 @@ def test_nothing_written_is_lost_or_silently_replaced(inputs, two_parts, tiny_da
     shard(inputs, tiny_data, out, part=(1, 2), overwrite=True)  # re-made: the merged manifest goes with it
     assert not (out / MANIFEST).exists()
     assert merge_parts(out) == merged
+
+    one = shard(inputs, tiny_data, tmp_path / "one")
+    with pytest.raises(
+        DataError, match=r"one holds the shards of a dataset written in one run; give the parts another"
+    ):
+        shard(inputs, tiny_data, tmp_path / "one", part=(1, 2), overwrite=True)
+    assert Manifest.load(tmp_path / "one") == one
 
 
 def test_cli_shard_part_then_merge(inputs, tiny_data, tmp_path, capsys):
