@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from data_pipeline import DataError
 from megatransformer.commands.arguments import add_config_argument
@@ -225,10 +226,11 @@ def _shard(args: argparse.Namespace) -> int:
 @_guard
 def _merge(args: argparse.Namespace) -> int:
     from data_pipeline.merge import merge_parts
-    from data_pipeline.shard import INSTRUCTIONS
+    from data_pipeline.shard import INSTRUCTIONS, MANIFEST
 
     manifest = merge_parts(args.out, args.overwrite)
     _print_splits(manifest, "examples" if manifest.kind == INSTRUCTIONS else "documents")
+    print(f"wrote {Path(args.out) / MANIFEST}: data.train={args.out} reads the merged dataset")
     return 0
 
 

@@ -115,6 +115,17 @@ def test_parquet_files_in_a_directory_are_found_like_jsonl_ones(tmp_path):
     assert input_files([str(tmp_path)]) == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")]
 
 
+def test_tokenizer_learns_from_a_parquet_column(tiny_data, tmp_path):
+    from data_pipeline.tokenizer import train_tokenizer
+
+    docs = [d.text for d in read_documents([str(tiny_data.corpus)])][:200]
+    write_parquet(tmp_path / "a.parquet", {"content": docs, "other": ["zzzz"] * len(docs)}, 50)
+    info = train_tokenizer(input_files([str(tmp_path)]), 400, tmp_path / "tok" / "tokenizer.json", 0, "content")
+    assert info.vocab_size == 400
+    learned, other = info.encode_batch(["the function returns", "zzzz"])
+    assert len(learned) < len("the function returns") and len(other) == 4  # from "content" only
+
+
 def test_parts_are_disjoint_runs_of_whole_files_covering_the_input():
     files = [f"f{i}" for i in range(7)]
     for n in range(1, 8):
@@ -278,7 +289,8 @@ def test_cli_shard_part_then_merge(inputs, tiny_data, tmp_path, capsys):
     assert "megatransformer data merge: error: part 1/2 is missing" in capsys.readouterr().err
     assert main([*common, "--part", "1/2", "--workers", "1"]) == 0
     assert main(["data", "merge", "--out", str(out)]) == 0
-    assert "train:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert printed.startswith("train: ") and f"wrote {out / MANIFEST}: data.train={out} reads" in printed
     with pytest.raises(SystemExit) as exit:
         main([*common, "--part", "3/2"])
     assert exit.value.code == 2
