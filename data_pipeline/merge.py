@@ -116,5 +116,7 @@ def _merged_manifest(directory: Path, parts: list[tuple[Path, dict]]) -> dict:
                 )
         for split, shards in manifest["splits"].items():
             splits.setdefault(split, []).extend({**s, "file": f"{path.name}/{s['file']}"} for s in shards)
+    if not splits:
+        raise DataError(f"no part in {directory} holds a document (empty inputs?)")
     merged["splits"] = splits
     return merged

@@ -309,7 +309,7 @@ def write_shards(
         n_docs = _write_documents(
             docs, paired, tokenizer, tokenizer_path, writers, dtype, valid_every, workers, progress
         )
-        if n_docs == 0:
+        if n_docs == 0 and part is None:  # (a part may be empty: merge checks the whole)
             raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
         for writer in writers.values():
             writer.close()

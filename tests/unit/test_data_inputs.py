@@ -178,6 +178,21 @@ def test_parts_merged_hold_the_documents_and_splits_of_one_run(inputs, tiny_data
         assert all(s.file.startswith(f"part-00001-of-0000{n}/") for s in merged.splits["train"][:1])
 
 
+def test_a_part_of_empty_files_is_finished_and_merged_with_the_others(tiny_data, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "only one document"}\n')
+    write_parquet(tmp_path / "b.parquet", {"text": ["", None, "  "]})
+    files, out = input_files([str(tmp_path)]), tmp_path / "out"
+    empty = shard(files, tiny_data, out, part=(2, 2), valid_every=0)
+    assert (empty.documents, empty.splits) == (0, {}) and (out / part_name((2, 2)) / PART_RECORD).is_file()
+    with pytest.raises(DataError, match=r"part 1/2 is missing"):
+        merge_parts(out)
+    shard(files, tiny_data, out, part=(1, 2), valid_every=0)
+    assert merge_parts(out).documents == 1
+    shard(files[1:], tiny_data, tmp_path / "none", part=(1, 1))
+    with pytest.raises(DataError, match=r"no part in .*none holds a document \(empty inputs\?\)"):
+        merge_parts(tmp_path / "none")
+
+
 def test_document_numbers_do_not_depend_on_the_part(inputs):
     whole = [d.number for d in read_documents(inputs)]
     pieces = []
