@@ -81,11 +81,13 @@ def _load_record(path: Path) -> dict:
     try:
         record = json.loads(file.read_bytes())
         k, n = (int(x) for x in record["part"])
-        record["manifest"]["splits"].items()
-        dict(record["shard_bytes"])
+        listed = [s["file"] for split in record["manifest"]["splits"].values() for s in split]
+        sizes = dict(record["shard_bytes"])
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise DataError(f"{file} is not a valid part record ({type(err).__name__}: {err}); re-run that part") from None
-    for name, size in record["shard_bytes"].items():
+    if sorted(listed) != sorted(sizes) or any(Path(name).name != name for name in listed):
+        raise DataError(f"{file} does not list its shards as the files of its directory; re-run part {k}/{n}")
+    for name, size in sizes.items():
         shard = path / name
         actual = shard.stat().st_size if shard.is_file() else None
         if actual != size:

@@ -235,6 +235,9 @@ def test_merge_refuses_a_damaged_part_naming_the_file(two_parts, tmp_path):
     with pytest.raises(DataError, match=r"part-00001-of-00002/train-000001\.tar has 1,000 bytes, its part record"):
         merge_parts(out)
     record = out / part_name((1, 2)) / PART_RECORD
+    record.write_text(record.read_text().replace('"train-000001.tar"', '"../../train-000001.tar"'))
+    with pytest.raises(DataError, match=r"part\.json does not list its shards as the files of its directory"):
+        merge_parts(out)
     record.write_text(record.read_text()[:200])
     with pytest.raises(DataError, match=r"part-00001-of-00002/part\.json is not a valid part record"):
         merge_parts(out)
