@@ -10,7 +10,8 @@ files: one pair per line, tab-separated, no quoting. If the first line's columns
 is a header and those columns are read; otherwise every line has exactly two columns, source then target.
 
 Every document has a number that does not depend on how the input is split (``--part``): its index in its
-file plus the file's index in the input (docs/data.md). The held-out split is decided on it.
+file (for .parquet and .arrow: its row's) plus the file's index in the input (docs/data.md). The held-out
+split is decided on it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,16 @@ class Document:
     file: str  # the input file it was read from
     line: int
     prompt: str | None = None  # the prompt of an instruction example (loss on `text` only)
-    number: int = 0  # the file's index in the input + the document's index in its file
+    number: int = 0  # the file's index in the input + the document's (row's) index in its file
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Some of the input: a file, or row groups [first, stop) of a .parquet file (``row_groups``)."""
+
+    path: str
+    index: int  # the file's index in the whole input
+    row_groups: tuple[int, int] | None = None
 
 
 @dataclass
@@ -128,36 +138,41 @@ def _saved_dataset_files(directory: Path) -> list[str]:
 
 
 def read_documents(
-    files: list[str | Path],
+    files: list[str | Path | Piece],
     text_field: str = "text",
     doc_per: str = "block",
     on_decode_error: str = "replace",
     stats: DecodeStats | None = None,
     prompt_field: str | None = None,
-    first_file: int = 0,
 ) -> Iterator[Document]:
-    """Yield documents from the files in order; empty documents are dropped. With ``prompt_field``, yield
-    instruction examples (``.jsonl``, ``.tsv``, ``.parquet`` or ``.arrow``). ``first_file``: the index of
-    ``files[0]`` in the whole input (of which ``files`` may be a part), for the documents' numbers."""
+    """Yield documents from the files (or the ``Piece`` s of the input) in order; empty documents are dropped.
+    With ``prompt_field``, yield instruction examples (``.jsonl``, ``.tsv``, ``.parquet`` or ``.arrow``)."""
     stats = stats or DecodeStats()
-    for index, name in enumerate(files, start=first_file):
-        path = Path(name)
+    for position, entry in enumerate(files):
+        piece = entry if isinstance(entry, Piece) else Piece(str(entry), position)
+        path = Path(piece.path)
         if not path.is_file():
             raise DataError(f"input file {path} does not exist")
-        for number, doc in enumerate(_file_documents(path, text_field, doc_per, on_decode_error, stats, prompt_field)):
-            doc.number = index + number
+        kind = _kind(path)
+        if kind in ("parquet", "arrow"):
+            batches = _record_batches(path, kind, [text_field, prompt_field], piece.row_groups)
+            docs = _table_documents(path, batches, text_field, prompt_field)
+        else:
+            docs = enumerate(_text_documents(path, kind, text_field, doc_per, on_decode_error, stats, prompt_field))
+        for number, doc in docs:
+            doc.number = piece.index + number
             yield doc
 
 
-def _file_documents(
-    path: Path, text_field: str, doc_per: str, on_decode_error: str, stats: DecodeStats, prompt_field: str | None
+def _text_documents(
+    path: Path,
+    kind: str,
+    text_field: str,
+    doc_per: str,
+    on_decode_error: str,
+    stats: DecodeStats,
+    prompt_field: str | None,
 ) -> Iterator[Document]:
-    kind = _kind(path)
-    if kind in ("parquet", "arrow"):
-        yield from _table_documents(
-            path, _record_batches(path, kind, [text_field, prompt_field]), text_field, prompt_field
-        )
-        return
     lines = _lines(path, on_decode_error, stats)
     if prompt_field is not None:
         if kind == "tsv":
@@ -182,9 +197,10 @@ def _file_documents(
 BATCH_ROWS = 1024  # rows per record batch read from .parquet / .arrow files
 
 
-def _record_batches(path: Path, kind: str, fields: list[str | None]):
-    """The columns ``fields`` of a .parquet file (row group by row group) or a .arrow file (Arrow IPC, the
-    stream format of ``datasets``, or the file format), a record batch at a time."""
+def _record_batches(path: Path, kind: str, fields: list[str | None], row_groups: tuple[int, int] | None):
+    """(index of the first row, record batch) of the columns ``fields`` of a .parquet file (of its
+    ``row_groups``, or all) or a .arrow file (Arrow IPC, the stream format of ``datasets``, or the file format),
+    a record batch at a time."""
     import pyarrow as pa
 
     columns = [f for f in fields if f is not None]
@@ -194,7 +210,11 @@ def _record_batches(path: Path, kind: str, fields: list[str | None]):
 
             parquet = pq.ParquetFile(path)
             _check_columns(path, parquet.schema_arrow, columns)
-            yield from parquet.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+            first, stop = row_groups or (0, parquet.num_row_groups)
+            row = sum(parquet.metadata.row_group(i).num_rows for i in range(first))
+            for batch in parquet.iter_batches(BATCH_ROWS, row_groups=list(range(first, stop)), columns=columns):
+                yield row, batch
+                row += len(batch)
             return
         source = pa.memory_map(str(path))
         try:
@@ -202,12 +222,14 @@ def _record_batches(path: Path, kind: str, fields: list[str | None]):
         except pa.ArrowInvalid:
             reader = pa.ipc.open_file(source)
             _check_columns(path, reader.schema, columns)
-            for i in range(reader.num_record_batches):
-                yield reader.get_batch(i).select(columns)
-            return
-        _check_columns(path, reader.schema, columns)
-        for batch in reader:
-            yield batch.select(columns)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            _check_columns(path, reader.schema, columns)
+            batches = reader
+        row = 0
+        for batch in batches:
+            yield row, batch.select(columns)
+            row += len(batch)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path}: not a readable .{kind} file ({type(err).__name__}: {err})") from None
 
@@ -226,19 +248,18 @@ def _check_columns(path: Path, schema, columns: list[str]) -> None:
             raise DataError(f"{path}: column {name!r} holds {column}, not text; choose a text column")
 
 
-def _table_documents(path: Path, batches, text_field: str, prompt_field: str | None) -> Iterator[Document]:
-    row = 0
-    for batch in batches:
+def _table_documents(path: Path, batches, text_field: str, prompt_field: str | None) -> Iterator[tuple[int, Document]]:
+    """(row index, document) of the rows with text."""
+    for first, batch in batches:
         texts = batch.column(text_field).to_pylist()
         prompts = batch.column(prompt_field).to_pylist() if prompt_field is not None else [None] * len(texts)
-        for text, prompt in zip(texts, prompts):
-            row += 1
+        for row, (text, prompt) in enumerate(zip(texts, prompts), start=first):
             if prompt_field is None:
                 text = (text or "").strip()
                 if text:
-                    yield Document(text, str(path), row)
+                    yield row, Document(text, str(path), row + 1)
             elif text or prompt:
-                yield Document(text or "", str(path), row, prompt=prompt or "")
+                yield row, Document(text or "", str(path), row + 1, prompt=prompt or "")
 
 
 def _block_documents(path: Path, lines) -> Iterator[Document]:

@@ -1,5 +1,6 @@
-"""Tokenizing one input as N parts (``data shard --part K/N``, e.g. a Slurm array) and the record a finished
-part leaves; ``data_pipeline.merge`` joins the parts into one dataset (docs/data.md).
+"""Tokenizing one input as N parts (``data shard --part K/N``, e.g. a Slurm array): which pieces of the input
+a part reads, and the record a finished part leaves; ``data_pipeline.merge`` joins the parts into one dataset
+(docs/data.md).
 
 Layout, under the dataset directory ``--out``::
 
@@ -16,6 +17,7 @@ import json
 from pathlib import Path
 
 from data_pipeline import DataError
+from data_pipeline.documents import Piece
 
 PART_RECORD = "part.json"
 
@@ -32,17 +34,46 @@ def part_name(part: tuple[int, int]) -> str:
     return f"part-{part[0]:05d}-of-{part[1]:05d}"
 
 
-def part_files(files: list[str], part: tuple[int, int]) -> tuple[int, list[str]]:
-    """Part K of N (from 1) of the input: the K-th of N runs of consecutive whole files, as even in count as
-    can be; with the index of its first file in the input."""
+def part_pieces(files: list[str], part: tuple[int, int]) -> list[Piece]:
+    """Part K of N (from 1) of the input: the K-th of N equal byte ranges of the files laid end to end. A file
+    belongs to the part its first byte falls in, except a .parquet file that spans parts: its row groups are
+    shared out by where each starts. Only such files' footers are read. A part may be empty."""
     k, n = part
-    if n > len(files):
-        raise DataError(
-            f"--part {k}/{n}: the input has {len(files)} files and a part is a run of whole files; "
-            f"split it into at most {len(files)} parts"
-        )
-    first, stop = (k - 1) * len(files) // n, k * len(files) // n
-    return first, files[first:stop]
+    sizes = [Path(name).stat().st_size for name in files]
+    total = sum(sizes)
+
+    def owner(position: int) -> int:
+        return min(n, position * n // total + 1) if total else 1
+
+    pieces, start = [], 0
+    for index, (name, size) in enumerate(zip(files, sizes)):
+        first, last = owner(start), owner(start + max(size, 1) - 1)
+        if first == last or not name.endswith(".parquet"):
+            if first == k:
+                pieces.append(Piece(name, index))
+        elif first <= k <= last:
+            owners = [owner(start + offset) for offset in _row_group_offsets(name)]
+            mine = [i for i, o in enumerate(owners) if o == k]
+            if mine:
+                pieces.append(Piece(name, index, (mine[0], mine[-1] + 1)))
+        start += size
+    return pieces
+
+
+def _row_group_offsets(name: str) -> list[int]:
+    """Where each row group of a .parquet file starts, in bytes from the file's start."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.ParquetFile(name).metadata
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{name}: not a readable .parquet file ({type(err).__name__}: {err})") from None
+    offsets = []
+    for i in range(metadata.num_row_groups):
+        column = metadata.row_group(i).column(0)
+        offsets.append(min(o for o in (column.dictionary_page_offset, column.data_page_offset) if o is not None))
+    return offsets
 
 
 def input_fingerprint(files: list[str]) -> dict:

@@ -32,7 +32,7 @@ import numpy as np
 
 from data_pipeline import DataError
 from data_pipeline.documents import DecodeStats, Document, read_documents
-from data_pipeline.parts import PART_RECORD, input_fingerprint, part_files, part_name, save_part
+from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_pieces, save_part
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
 from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
 
@@ -285,9 +285,9 @@ def write_shards(
     for name in files:  # fail before touching --out
         if not Path(name).is_file():
             raise DataError(f"input file {name} does not exist")
-    first_file, inputs = 0, files
+    inputs = files
     if part is not None:
-        first_file, files = part_files(inputs, part)
+        files = part_pieces(inputs, part)
         if out.is_dir() and any(out.glob("*.tar")):
             raise DataError(f"{out} holds the shards of a dataset written in one run; give the parts another --out")
         if (out / MANIFEST).exists() and not overwrite:
@@ -303,7 +303,7 @@ def write_shards(
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {split: ShardWriter(out, split, int(shard_mb * 2**20)) for split in ("train", "valid")}
     stats = DecodeStats()
-    docs = read_documents(files, text_field, doc_per, on_decode_error, stats, prompt_field, first_file)
+    docs = read_documents(files, text_field, doc_per, on_decode_error, stats, prompt_field)
     paired = prompt_field is not None
     try:
         n_docs = _write_documents(

@@ -92,8 +92,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=part_argument,
         default=None,
         metavar="K/N",
-        help="tokenize only the K-th of N runs of whole input files, into --out/part-K-of-N (e.g. one task of "
-        "a Slurm array); `data merge --out` joins the N parts",
+        help="tokenize only the K-th of N equal parts of the input (by bytes: whole files, .parquet files cut "
+        "between row groups) into --out/part-K-of-N, e.g. one task of a Slurm array; `data merge --out` joins "
+        "the N parts",
     )
     add_instruction_arguments(p)
     p.set_defaults(func=_shard)

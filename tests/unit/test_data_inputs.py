@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 
 import pyarrow as pa
@@ -16,7 +17,7 @@ from support.data import shard_documents
 from data_pipeline import DataError, documents
 from data_pipeline.documents import input_files, read_documents
 from data_pipeline.merge import merge_parts
-from data_pipeline.parts import PART_RECORD, parse_part, part_files, part_name
+from data_pipeline.parts import PART_RECORD, parse_part, part_name, part_pieces
 from data_pipeline.shard import MANIFEST, Manifest, write_shards
 from megatransformer.cli import main
 
@@ -50,7 +51,7 @@ def test_parquet_documents_come_row_group_by_row_group_from_the_chosen_column(tm
     docs = list(read_documents([str(path)], text_field="body"))
     assert [d.text for d in docs] == [t.strip() for t in texts if t and t.strip()]
     assert [d.line for d in docs] == [i + 1 for i in range(30) if i % 5]  # the row, from 1
-    assert [d.number for d in docs] == list(range(len(docs)))
+    assert [d.number for d in docs] == [d.line - 1 for d in docs]  # the row's index: the same in any part
 
 
 def test_parquet_instruction_examples(tmp_path):
@@ -126,14 +127,7 @@ def test_tokenizer_learns_from_a_parquet_column(tiny_data, tmp_path):
     assert len(learned) < len("the function returns") and len(other) == 4  # from "content" only
 
 
-def test_parts_are_disjoint_runs_of_whole_files_covering_the_input():
-    files = [f"f{i}" for i in range(7)]
-    for n in range(1, 8):
-        parts = [part_files(files, (k, n)) for k in range(1, n + 1)]
-        assert sum((p for _, p in parts), []) == files
-        assert all(p and files[first] == p[0] for first, p in parts)
-    with pytest.raises(DataError, match=r"--part 1/8: the input has 7 files .* at most 7 parts"):
-        part_files(files, (1, 8))
+def test_parse_part():
     assert parse_part("3/8") == (3, 8)
     for bad in ("0/2", "3/2", "2", "a/b", "1/0"):
         with pytest.raises(ValueError, match="is not K/N"):
@@ -161,7 +155,7 @@ def shard(inputs, tiny_data, out, **kw):
 
 def test_parts_merged_hold_the_documents_and_splits_of_one_run(inputs, tiny_data, tmp_path):
     one = shard(inputs, tiny_data, tmp_path / "one")
-    for n in (2, 5):
+    for n in (2, 7):  # 7: more parts than files
         out = tmp_path / f"in{n}"
         for k in range(1, n + 1):
             shard(inputs, tiny_data, out, part=(k, n))
@@ -193,14 +187,20 @@ def test_a_part_of_empty_files_is_finished_and_merged_with_the_others(tiny_data,
         merge_parts(tmp_path / "none")
 
 
-def test_document_numbers_do_not_depend_on_the_part(inputs):
-    whole = [d.number for d in read_documents(inputs)]
-    pieces = []
-    for k in (1, 2, 3):
-        first, files = part_files(inputs, (k, 3))
-        pieces += [d.number for d in read_documents(files, first_file=first)]
-    assert pieces == whole
-    assert whole[:3] == [0, 1, 2]
+def test_parts_share_out_the_input_by_bytes_splitting_parquet_files_by_row_groups(inputs):
+    whole = [(d.text, d.number) for d in read_documents(inputs)]
+    sizes = [os.path.getsize(name) for name in inputs]
+    split = 0
+    for n in (1, 2, 3, 7, 40):
+        parts = [part_pieces(inputs, (k, n)) for k in range(1, n + 1)]
+        assert [(d.text, d.number) for pieces in parts for d in read_documents(pieces)] == whole
+        split += sum(piece.row_groups is not None for pieces in parts for piece in pieces)
+        if n <= 3:  # as even in bytes as whole files (and row groups) allow
+            assert max(sum(sizes[p.index] for p in pieces if p.row_groups is None) for pieces in parts) < (
+                sum(sizes) / n + max(sizes)
+            )
+    assert split > 5  # the parquet files were cut between parts
+    assert whole[:2] == [(whole[0][0], 0), (whole[1][0], 1)]
 
 
 @pytest.fixture(scope="module")
