@@ -72,7 +72,7 @@ def _row_group_offsets(name: str) -> list[int]:
     offsets = []
     for i in range(metadata.num_row_groups):
         column = metadata.row_group(i).column(0)
-        offsets.append(min(o for o in (column.dictionary_page_offset, column.data_page_offset) if o is not None))
+        offsets.append(column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset)
     return offsets
 
 
