@@ -7,6 +7,9 @@ Layout of a shard directory::
     valid-000000.tar ...   the held-out split (deterministic: every N-th document, see ``held_out``)
     manifest.json          per-shard samples, tokens and sha256; tokenizer hash, dtype, vocab size
 
+A part of the input (``part``) is written to a subdirectory and finished by a part record instead of the
+manifest; ``data_pipeline.merge`` joins the parts (see ``data_pipeline.parts``).
+
 Each shard is written under a temporary name and renamed when complete; the manifest is written last,
 so a directory without a manifest (or a shard not listed in it) is never mistaken for data.
 """
@@ -29,6 +32,7 @@ import numpy as np
 
 from data_pipeline import DataError
 from data_pipeline.documents import DecodeStats, Document, read_documents
+from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_pieces, save_part
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
 from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
 
@@ -193,22 +197,25 @@ def _init_worker(path: str, dtype: str) -> None:
     _worker_tokenizer, _worker_dtype = load_tokenizer(path), np.dtype(dtype)
 
 
-def _tokenize(texts: list[str]) -> list[np.ndarray]:
+def _tokenize(batch: tuple[list[int], list[str]]) -> tuple[list[int], list[np.ndarray]]:
     """Compact arrays travel back to the writer faster than lists of ints."""
-    return [np.asarray(ids, dtype=_worker_dtype) for ids in _worker_tokenizer.encode_batch(texts)]
+    numbers, texts = batch
+    return numbers, [np.asarray(ids, dtype=_worker_dtype) for ids in _worker_tokenizer.encode_batch(texts)]
 
 
-def _batches(docs: Iterator[Document], size: int) -> Iterator[list[str]]:
-    """Texts to tokenize, ``size`` documents at a time; an instruction example is its prompt, then its
-    completion (tokenized apart, so the boundary between them is a token boundary)."""
+def _batches(docs: Iterator[Document], size: int) -> Iterator[tuple[list[int], list[str]]]:
+    """The documents' numbers and the texts to tokenize, ``size`` texts at a time; an instruction example is
+    its prompt, then its completion (tokenized apart, so the boundary between them is a token boundary)."""
+    numbers: list[int] = []
     batch: list[str] = []
     for doc in docs:
+        numbers.append(doc.number)
         batch += [doc.text] if doc.prompt is None else [doc.prompt, doc.text]
         if len(batch) >= size:
-            yield batch
-            batch = []
+            yield numbers, batch
+            numbers, batch = [], []
     if batch:
-        yield batch
+        yield numbers, batch
 
 
 def prepare_output(out: Path, overwrite: bool) -> None:
@@ -218,8 +225,8 @@ def prepare_output(out: Path, overwrite: bool) -> None:
         stale.unlink()
     existing = (
         sorted(
-            (p for p in out.glob("*") if p.name == MANIFEST or p.suffix == ".tar"),
-            key=lambda p: (p.name != MANIFEST, p.name),
+            (p for p in out.glob("*") if p.name in (MANIFEST, PART_RECORD) or p.suffix == ".tar"),
+            key=lambda p: (p.name not in (MANIFEST, PART_RECORD), p.name),
         )
         if out.exists()
         else []
@@ -230,7 +237,8 @@ def prepare_output(out: Path, overwrite: bool) -> None:
             "--overwrite to replace it"
         )
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # first, so a half-replaced directory never looks complete
+    for record in (MANIFEST, PART_RECORD):  # first, so a half-replaced directory never looks complete
+        (out / record).unlink(missing_ok=True)
     for path in existing:
         path.unlink(missing_ok=True)
 
@@ -239,9 +247,10 @@ SMALL_INPUT = 1000  # documents: of the first ones, the default holds out a tent
 
 
 def held_out(n: int, valid_every: int | None) -> bool:
-    """Whether document ``n`` (from 0) goes to the validation split: every ``valid_every``-th (0: none); by
-    default (None) every 10th of the first 1,000 documents and every 100th after, so that small inputs (a few
-    hundred examples) still get a validation split of some batches."""
+    """Whether document number ``n`` (``Document.number``; in one file, its index from 0) goes to the
+    validation split: every ``valid_every``-th (0: none); by default (None) every 10th of the first 1,000
+    and every 100th after, so that small inputs (a few hundred examples) still get a validation split of some
+    batches."""
     if valid_every is None:
         valid_every = 10 if n < SMALL_INPUT else 100
     return valid_every > 0 and n % valid_every == valid_every - 1
@@ -260,10 +269,13 @@ def write_shards(
     overwrite: bool = False,
     progress: bool = True,
     prompt_field: str | None = None,
+    part: tuple[int, int] | None = None,
 ) -> Manifest:
     """Tokenize ``files`` into ``out``; documents chosen by :func:`held_out` go to the validation split.
     ``workers`` tokenizer processes (default: all cores; 1: in this process). With
-    ``prompt_field``, the .jsonl records are (prompt, completion) examples, the completion in ``text_field``."""
+    ``prompt_field``, the .jsonl records are (prompt, completion) examples, the completion in ``text_field``.
+    With ``part`` (K, N): only the K-th of N parts of ``files``, into ``out``'s part directory (see
+    ``data_pipeline.parts``)."""
     if shard_mb <= 0:
         raise DataError(f"--shard-mb must be positive, got {shard_mb}")
     if valid_every is not None and (valid_every < 0 or valid_every == 1):
@@ -273,7 +285,21 @@ def write_shards(
     for name in files:  # fail before touching --out
         if not Path(name).is_file():
             raise DataError(f"input file {name} does not exist")
-    prepare_output(out, overwrite)
+    inputs = files
+    if part is not None:
+        files = part_pieces(inputs, part)
+        if out.is_dir() and any(out.glob("*.tar")):
+            raise DataError(f"{out} holds the shards of a dataset written in one run; give the parts another --out")
+        if (out / MANIFEST).exists() and not overwrite:
+            raise DataError(
+                f"{out} already holds a dataset ({MANIFEST}); pass --overwrite to re-make part "
+                f"{part[0]}/{part[1]} (then merge the parts again)"
+            )
+        prepare_output(out / part_name(part), overwrite)
+        (out / MANIFEST).unlink(missing_ok=True)  # its parts are about to change
+        out = out / part_name(part)
+    else:
+        prepare_output(out, overwrite)
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {split: ShardWriter(out, split, int(shard_mb * 2**20)) for split in ("train", "valid")}
     stats = DecodeStats()
@@ -283,7 +309,7 @@ def write_shards(
         n_docs = _write_documents(
             docs, paired, tokenizer, tokenizer_path, writers, dtype, valid_every, workers, progress
         )
-        if n_docs == 0:
+        if n_docs == 0 and part is None:  # (a part may be empty: merge checks the whole)
             raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
         for writer in writers.values():
             writer.close()
@@ -307,7 +333,12 @@ def write_shards(
         replaced_lines=stats.replaced_lines,
         kind=INSTRUCTIONS if paired else TEXT,
     )
-    manifest.save(out)  # last: the directory is a dataset from this moment on
+    # last: the directory is a dataset (or a finished part) from this moment on
+    if part is None:
+        manifest.save(out)
+    else:
+        settings = dict(text_field=text_field, doc_per=doc_per, prompt_field=prompt_field, valid_every=valid_every)
+        save_part(out, part, asdict(manifest), input_fingerprint(inputs), settings)
     return manifest
 
 
@@ -329,11 +360,11 @@ def _write_documents(
     n_docs = n_tokens = 0
     started = time.perf_counter()
     with _tokenize_pool(workers, tokenizer, tokenizer_path, dtype) as tokenize:
-        for batch in tokenize(_batches(docs, 256)):
+        for numbers, batch in tokenize(_batches(docs, 256)):
             examples = zip(batch[::2], batch[1::2]) if paired else ((None, ids) for ids in batch)
             before = n_docs
-            for prompt, ids in examples:
-                split = "valid" if held_out(n_docs, valid_every) else "train"
+            for number, (prompt, ids) in zip(numbers, examples):
+                split = "valid" if held_out(number, valid_every) else "train"
                 ids = np.asarray(ids, dtype=dtype)
                 if prompt is not None:
                     ids = np.concatenate([np.asarray(prompt, dtype=dtype), ids])
@@ -351,7 +382,7 @@ def _tokenize_pool(workers: int, tokenizer: TokenizerInfo, tokenizer_path: str, 
     """A function mapping batches of texts to token ids: in worker processes, or here when workers == 1
     (where ``tokenizers`` still spreads a batch over threads)."""
     if workers == 1:
-        yield lambda batches: (tokenizer.encode_batch(texts) for texts in batches)
+        yield lambda batches: ((numbers, tokenizer.encode_batch(texts)) for numbers, texts in batches)
         return
     with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path, dtype.name)) as pool:
         yield lambda batches: pool.imap(_tokenize, batches)

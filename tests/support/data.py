@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.loader import LoaderSettings
+from data_pipeline.loader import DocumentReader, LoaderSettings, Position, ShardOpener, resolve_datasets
+from data_pipeline.remote import Retry
 from data_pipeline.settings import DataSettings
 from megatransformer.config import RunConfig, validate
 
@@ -73,3 +74,11 @@ def global_rows(loaders: Iterable, per_rank: int, field: str | None = None) -> l
         per_rank_rows.append(local)
     dp = len(per_rank_rows)
     return [per_rank_rows[g % dp][g // dp] for g in range(per_rank * dp)]
+
+
+def shard_documents(directory: str | Path, split: str = "train") -> list[tuple[list[int], int | None]]:
+    """(token ids, prompt length or None) of every document of a shard directory's split, in manifest order
+    (read by the loader's document reader, unshuffled)."""
+    (shard_set,) = resolve_datasets(str(directory), split, Retry())
+    reader = DocumentReader(shard_set, 0, 0, 1, False, 1, ShardOpener("error", Retry()), epochs=1)
+    return [(ids.tolist(), prompt_len) for ids, prompt_len, _ in reader.documents(Position())]
