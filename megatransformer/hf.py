@@ -27,8 +27,6 @@ import torch
 from data_pipeline.tokenizer import load_tokenizer, write_transformers_files
 from megatransformer.config import ModelConfig, RopeScaling, validate
 
-# Our fields that change how the model is computed, never what: no family needs to carry them.
-HOW_NOT_WHAT = ("init_std", "depth_scaled_init", "activation_checkpointing", "mlp_tiles", "attention_backend")
 # transformers config keys that change nothing a forward pass computes: initialisation, caching, token ids.
 IGNORED_KEYS = ("initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id")
 # Tensors older transformers saved that are buffers, not weights: never carried, never refused.
@@ -48,9 +46,10 @@ class Family:
     """One ``transformers`` class our decoder maps onto exactly, as tables of both sides' fields.
 
     Export: ``requires`` names our config fields the class fixes and the value it needs (a callable of the config
-    for a relation); ``config`` maps the others; ``not_carried`` are our fields that act only in training mode and
-    have no place in the class (exported with a note). Import: ``model_config`` maps the keys of ``mapped``;
-    ``neutral`` holds those it cannot carry; ``ignored`` (and ``IGNORED_KEYS``) change nothing the class computes.
+    for a relation); ``config`` maps the others (but checkpoint.HOW_NOT_WHAT, which change nothing computed);
+    ``not_carried`` are our fields that act only in training mode and have no place in the class (exported with
+    a note). Import: ``model_config`` maps the keys of ``mapped``; ``neutral`` holds those it cannot carry;
+    ``ignored`` (and ``IGNORED_KEYS``) change nothing the class computes.
     tests/unit/test_hf_fields.py checks that every field of our config and of transformers' config class is in one
     of these tables.
     """

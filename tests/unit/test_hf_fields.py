@@ -10,8 +10,11 @@ import pytest
 import torch
 from support.models import randomized
 
-from megatransformer.config import ModelConfig
-from megatransformer.hf import FAMILIES, GPT2, HOW_NOT_WHAT, IGNORED_KEYS, LLAMA, MISTRAL, load_hf_dir, save_hf_dir
+from megatransformer.checkpoint import HOW_NOT_WHAT, write_weights_checkpoint
+from megatransformer.cli import main
+from megatransformer.config import ModelConfig, RunConfig
+from megatransformer.hf import FAMILIES, GPT2, IGNORED_KEYS, LLAMA, MISTRAL, load_hf_dir, save_hf_dir
+from megatransformer.inference import load_for_inference
 from megatransformer.model import build_model
 
 transformers = pytest.importorskip("transformers")  # a test dependency: `pip install -e .[test]`
@@ -102,10 +105,29 @@ def test_each_of_our_fields_exports_to_the_same_logits_or_is_refused_by_name(fam
     assert checked >= 12  # most alternatives are mapped, not refused
 
 
-def test_dropout_a_class_lacks_is_named_in_a_note():
-    cfg = ModelConfig(**{**OURS[LLAMA], "dropout": 0.1})
-    assert LLAMA.notes(cfg) == ["model.dropout=0.1 is not carried: LlamaForCausalLM has no such dropout"]
+def test_export_names_the_dropout_a_class_lacks(tmp_path, capsys):
+    cfg = RunConfig.model_validate({"model": {**OURS[LLAMA], "dropout": 0.1}, "data": {"seq_len": 32}})
+    write_weights_checkpoint(tmp_path / "ckpt", cfg, build_model(cfg.model).state_dict())
+    assert (
+        main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    )
+    assert "note: model.dropout=0.1 is not carried: LlamaForCausalLM has no such dropout" in capsys.readouterr().err
     assert GPT2.notes(ModelConfig(**{**OURS[GPT2], "dropout": 0.1})) == []  # (GPT-2's resid_pdrop)
+
+
+def test_safetensors_export_carries_every_field(tmp_path):
+    """Our own format: every field that changes the computation at once, and the same logits after export."""
+    model = {**OURS[LLAMA], "attention_window": 5, "scale_embeddings": True, "norm_eps": 1e-2, "rope_theta": 500.0}
+    model["rope_scaling"] = OUR_ALTERNATIVES["rope_scaling"][2]
+    cfg = RunConfig.model_validate({"model": model, "data": {"seq_len": 32}})
+    torch.manual_seed(0)
+    ours = randomized(build_model(cfg.model)).eval()
+    write_weights_checkpoint(tmp_path / "ckpt", cfg, ours.state_dict())
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 0
+    loaded = load_for_inference(tmp_path / "out")
+    assert loaded.cfg.model == cfg.model
+    with torch.no_grad():
+        assert torch.equal(loaded.model(IDS), ours(IDS))
 
 
 # ------------------------------------------------------------------------------------------ import
