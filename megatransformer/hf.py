@@ -216,8 +216,10 @@ def rope_scaling_from(rope: dict, max_positions: int) -> RopeScaling | None:
     if rope_type == "default":
         return None
     fields = {ours: rope[theirs] for theirs, ours in _ROPE_KEYS[rope_type] if rope.get(theirs) is not None}
-    if rope_type == "dynamic":
+    if rope_type == "dynamic":  # (its trained length is max_position_embeddings)
         fields["original_max_seq_len"] = max_positions
+    elif rope_type in ("yarn", "llama3"):  # (transformers' default where the key is absent)
+        fields.setdefault("original_max_seq_len", max_positions)
     return validate({"type": rope_type, **fields}, RopeScaling)
 
 

@@ -145,6 +145,7 @@ _ROPE_ALTERNATIVES = [
     {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 0.7, "rope_theta": 1e4},
+    {"rope_type": "yarn", "factor": 2.0, "beta_fast": 8.0, "rope_theta": 1e4},  # (original: max_position_embeddings)
     {
         "rope_type": "llama3",
         "factor": 4.0,
@@ -254,6 +255,7 @@ def test_each_field_of_transformers_imports_to_the_same_logits_or_is_refused_by_
                 difference = (ours(IDS) - theirs(IDS).logits).abs().max().item()
             assert difference < 1e-4, (key, value, difference)
     assert set(family.neutral) <= refused
+    assert refused - set(family.neutral) <= {"head_dim", "rope_parameters"}  # (values of mapped keys not ours)
 
 
 def test_the_refused_llama_fields_and_values_are_named(tmp_path):
