@@ -612,4 +612,19 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
-    return cfg, family.from_hf(state, cfg)
+    weights = family.from_hf(state, cfg)
+    _check_shapes(weights, cfg, path)
+    return cfg, weights
+
+
+def _check_shapes(weights: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> None:
+    """Weights of other shapes than the config describes are refused here, not when a run loads them."""
+    from megatransformer.model import build_model
+
+    with torch.device("meta"):
+        expected = build_model(cfg).state_dict()
+    for name, tensor in weights.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(
+                f"{path}: weight {name} is {list(tensor.shape)}, its config.json describes {list(expected[name].shape)}"
+            )

@@ -278,6 +278,14 @@ def test_weights_that_the_config_does_not_describe_are_refused(tmp_path):
         load_hf_dir(tmp_path / "hf")
 
 
+def test_weights_of_other_shapes_than_the_config_describes_are_refused(tmp_path):
+    save_theirs(LLAMA, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "intermediate_size": 40}))
+    with pytest.raises(ValueError, match=r"weight decoder.layers.0.ffn.gate_proj.weight is \[48, 32\], its config"):
+        load_hf_dir(tmp_path / "hf")
+
+
 def test_dynamic_ntk_imports_with_its_trained_length_and_factor_times_that_allowed(tmp_path):
     save_theirs(LLAMA, tmp_path / "hf", rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4})
     cfg, _ = load_hf_dir(tmp_path / "hf")
