@@ -269,6 +269,17 @@ def test_the_refused_llama_fields_and_values_are_named(tmp_path):
             load_hf_dir(tmp_path / key)
 
 
+def test_import_of_a_llama_with_attention_biases_exits_2_with_one_line(tmp_path, capsys):
+    save_theirs(LLAMA, tmp_path / "hf", attention_bias=True)
+    capsys.readouterr()  # (transformers' own progress bar)
+    assert main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"megatransformer import: error: {tmp_path / 'hf'}: Llama attention_bias=True is not supported (only False)\n"
+    )
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_weights_that_the_config_does_not_describe_are_refused(tmp_path):
     """A config.json that hides the biases its weights hold ("llamafied" checkpoints) is not silently dropped."""
     save_theirs(LLAMA, tmp_path / "hf", attention_bias=True)
