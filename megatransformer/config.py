@@ -76,13 +76,15 @@ class RopeScaling(Section):
 
     type: Literal["linear", "dynamic", "yarn", "llama3"]
     """linear: positions divided by factor (position interpolation); dynamic: NTK-aware base growth for
-    sequences beyond model.max_seq_len, computed per forward from the longest position (the trained length is
-    max_seq_len); yarn: YaRN's per-frequency blend of interpolation and extrapolation plus its attention
-    factor; llama3: Llama 3.1's wavelength bands (high frequencies kept, low ones divided by factor)."""
+    sequences beyond original_max_seq_len (the trained length), computed per forward from the longest position,
+    up to model.max_seq_len (the longest sequence allowed); yarn: YaRN's per-frequency blend of interpolation
+    and extrapolation plus its attention factor; llama3: Llama 3.1's wavelength bands (high frequencies kept, low
+    ones divided by factor)."""
     factor: Annotated[float, Field(ge=1.0)]
     """How many times longer the context becomes (1 leaves the frequencies unchanged)."""
     original_max_seq_len: PositiveInt | None = None
-    """yarn, llama3: the context length the model was trained with before extension (required)."""
+    """yarn, llama3, dynamic: the context length the model was trained with before extension (required; at most
+    model.max_seq_len, the longest sequence the extended model accepts)."""
     beta_fast: PositiveFloat | None = None
     """yarn (default 32): rotations per original context above which a frequency is extrapolated (kept)."""
     beta_slow: PositiveFloat | None = None
@@ -114,8 +116,13 @@ class RopeScaling(Section):
                 f"model.rope_scaling.{name} is for type {' or '.join(types)}, not type={self.type}",
             )
         _require(
-            self.type not in ("yarn", "llama3") or self.original_max_seq_len is not None,
+            self.original_max_seq_len is not None or self.type == "linear",
             f"model.rope_scaling.type={self.type} needs original_max_seq_len (the trained context length)",
+        )
+        _require(
+            self.type != "yarn" or self.beta_fast > self.beta_slow,
+            f"model.rope_scaling.beta_fast={self.beta_fast} must exceed beta_slow={self.beta_slow} (beta_fast "
+            "bounds the frequencies kept, beta_slow those interpolated)",
         )
         _require(
             self.type != "llama3" or self.high_freq_factor > self.low_freq_factor,
@@ -126,7 +133,7 @@ class RopeScaling(Section):
 
 
 _ROPE_SCALING_FIELDS = {
-    "original_max_seq_len": ("yarn", "llama3"),
+    "original_max_seq_len": ("yarn", "llama3", "dynamic"),
     "beta_fast": ("yarn",),
     "beta_slow": ("yarn",),
     "attention_factor": ("yarn",),
@@ -176,7 +183,8 @@ class ModelConfig(Section):
     """Local (sliding-window) self-attention, as in Mistral: causal query i sees keys j with
     i - window < j <= i; bidirectional (encoder) query i sees keys with |i - j| < window. Measured in
     positions of the row, within each packed document; cross-attention is never windowed; not with
-    prefix-LM attention. None: every allowed key."""
+    prefix-LM attention; at most max_seq_len (a wider window never narrows anything), except with ALiBi, which
+    runs beyond max_seq_len. None: every allowed key."""
     ffn: Literal["relu", "gelu", "swiglu"] = "swiglu"
     """Feed-forward activation; swiglu uses gate_proj * up_proj."""
     bias: bool = False
@@ -243,6 +251,17 @@ class ModelConfig(Section):
         _require(
             self.rope_scaling is None or self.position == "rope",
             f"model.rope_scaling needs model.position=rope, got model.position={self.position}",
+        )
+        original = self.rope_scaling and self.rope_scaling.original_max_seq_len
+        _require(
+            original is None or original <= self.max_seq_len,
+            f"model.rope_scaling.original_max_seq_len={original} exceeds model.max_seq_len={self.max_seq_len}: "
+            "the extended context must be the longer one (raise max_seq_len to the length you want to reach)",
+        )
+        _require(
+            self.attention_window is None or self.attention_window <= self.max_seq_len or self.position == "alibi",
+            f"model.attention_window={self.attention_window} exceeds model.max_seq_len={self.max_seq_len}, so it "
+            "never narrows attention; lower it, or unset it for full attention",
         )
         _require(
             self.mlp_tiles == 1 or self.dropout == 0,

@@ -47,6 +47,8 @@ SHAPE_FIELDS = (
     "share_embeddings",
     "final_norm",
 )
+# Fields that change how the model is computed, never what: the same function whatever their values.
+HOW_NOT_WHAT = ("init_std", "depth_scaled_init", "activation_checkpointing", "mlp_tiles", "attention_backend")
 
 
 class TrainerState(BaseModel):
@@ -95,11 +97,27 @@ def saved_config(path: Path) -> RunConfig:
     return read_file(path, CONFIG, lambda text: validate(yaml.safe_load(text)))
 
 
+def shape_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+    """The fields whose values differ and change the weights' shapes or names (max_seq_len: a learned table)."""
+    learned = "learned" in (saved.position, current.position)
+    fields = SHAPE_FIELDS + (("max_seq_len",) if learned else ())
+    return [f for f in fields if getattr(saved, f) != getattr(current, f)]
+
+
+def computation_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+    """``model.X=now (then there)`` for each other field whose values differ and change what the model computes."""
+    fields = [f for f in ModelConfig.model_fields if f not in HOW_NOT_WHAT]
+    return [
+        f"model.{f}={getattr(current, f)} ({getattr(saved, f)} there)"
+        for f in fields
+        if getattr(saved, f) != getattr(current, f)
+    ]
+
+
 def check_same_shapes(saved: ModelConfig, current: ModelConfig, what: str) -> None:
     diffs = [
         f"model.{f}: {getattr(saved, f)} in the checkpoint, {getattr(current, f)} now"
-        for f in SHAPE_FIELDS
-        if getattr(saved, f) != getattr(current, f)
+        for f in shape_differences(saved, current)
     ]
     if diffs:
         raise ConfigError(f"{what} has another model shape: " + "; ".join(diffs))

@@ -77,7 +77,8 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         for line in build_notes(ops):
             print(line, flush=True)
     host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
-    init_state = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}")[1] if cfg.init_from else None
+    init = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}") if cfg.init_from else None
+    init_state = init[1] if init else None
     import torch
 
     if torch.cuda.is_available():
@@ -93,6 +94,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
                 f"init_from={cfg.init_from}: starting from its weights ({len(init_state)} tensors); optimizer, "
                 "learning-rate schedule and data order start fresh"
             )
+            changed = ckpt.computation_differences(init[0].model, cfg.model)
+            if changed:
+                print(f"init_from={cfg.init_from}: this model differs from the checkpoint's: {', '.join(changed)}")
         code = trainer.run()
         teardown()  # (every collective of the run is behind it)
     except (ConfigError, DataError):  # found once the process group runs (a resume's checks): end it first
