@@ -89,6 +89,13 @@ class Manifest:
             if raw.get("version") != FORMAT_VERSION:
                 raise DataError(f"{path} has format version {raw.get('version')}, this code reads {FORMAT_VERSION}")
             splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}
+            for info in (info for shards in splits.values() for info in shards):
+                if not _is_plain_name(info.file):
+                    raise DataError(
+                        f"{path} lists shard {info.file!r}, which is not a file name inside the shard directory "
+                        "(refused: a manifest names only its own shards); re-create the directory with "
+                        "`megatransformer data shard`"
+                    )
             return cls(splits=splits, **raw)
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             if isinstance(err, DataError):
@@ -100,6 +107,12 @@ class Manifest:
 
     def tokens(self, split: str) -> int:
         return sum(s.tokens for s in self.splits.get(split, []))
+
+
+def _is_plain_name(name: object) -> bool:
+    """Whether a manifest's shard entry is a bare file name: no directory part (``..``, ``/``, ``\\``), so it
+    resolves inside the shard directory, local or remote."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
