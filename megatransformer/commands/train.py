@@ -53,11 +53,19 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer import checkpoint as ckpt
     from megatransformer.training.builds import build_notes, build_progress, ops_to_build
-    from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, leave, setup, teardown
+    from megatransformer.training.distributed import (
+        EXIT_COLLECTIVE_FAILED,
+        collective_failure,
+        leave,
+        on_first_rank,
+        setup,
+        teardown,
+    )
     from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer
     from megatransformer.training.preflight import check_before_start
     from megatransformer.training.resume import check_run_dir
+    from megatransformer.training.run_lock import lock_run_dir
     from megatransformer.training.watchdog import hang_dir, stack_dumps, switch_on_flight_recorder
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
@@ -82,9 +90,11 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
 
     if torch.cuda.is_available():
         switch_on_flight_recorder(cfg.run_dir)  # (before the process group starts)
+    held = []  # the run directory's lock, on the first rank (the job's ranks share it)
     try:
         with build_progress(ops, sys.stdout), quiet_engine(verbose):  # (quiet_engine holds back stdout)
             dist_info = setup(cfg.parallel.timeout_minutes)
+            on_first_rank(lambda: held.append(lock_run_dir(cfg.run_dir)))  # before the run writes anything
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
         if dist_info.is_main:
             print(host_memory)
@@ -97,6 +107,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         teardown()  # (every collective of the run is behind it)
     except (ConfigError, DataError):  # found once the process group runs (a resume's checks): end it first
         teardown()
+        release(held)
         raise
     except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
         line = collective_failure(err, cfg.parallel.timeout_minutes)
@@ -112,10 +123,18 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         if code == 0:
             print_sample(cfg, ckpt.checkpoints_dir(cfg.run_dir), tokenizer)
         print_summary(cfg, code, time.perf_counter() - started)
+    release(held)
     sys.stdout.flush()
     if dist_info.world_size > 1:
         leave(code)  # (everything the run writes is closed)
     return code
+
+
+def release(held: list) -> None:
+    """Release the run directory's lock where this process holds it."""
+    for lock in held:
+        if lock is not None:
+            lock.release()
 
 
 def print_summary(cfg: RunConfig, code: int, wall_seconds: float) -> None:
