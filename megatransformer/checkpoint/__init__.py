@@ -28,6 +28,7 @@ from megatransformer.checkpoint.directory import (
 )
 from megatransformer.checkpoint.files import (
     SHAPE_FIELDS,
+    SpikeState,
     TrainerState,
     check_same_shapes,
     load_safetensors,
@@ -65,6 +66,7 @@ __all__ = [
     "WEIGHTS_FILES",
     "CheckpointDamaged",
     "CheckpointUnsafe",
+    "SpikeState",
     "TrainerState",
     "atomic_write",
     "check_same_shapes",
