@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipeline import DataError
+from data_pipeline import STORAGE_ERRNOS, DataError, write_failed
 from data_pipeline.documents import DecodeStats, Document, read_documents
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
 from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
@@ -59,8 +59,11 @@ class Manifest:
 
     def save(self, directory: Path) -> None:
         tmp = directory / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(directory / MANIFEST)
+        try:
+            tmp.write_text(json.dumps(asdict(self), indent=2))
+            tmp.replace(directory / MANIFEST)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, directory: str | Path, retry: Retry | None = None) -> Manifest:
@@ -170,8 +173,10 @@ class ShardWriter:
     def abort(self) -> None:
         """Remove everything this writer wrote (a failed run leaves nothing that looks like data)."""
         if self._tar is not None:
-            self._tar.close()
-            self._stream.close()
+            with contextlib.suppress(OSError):  # (the disk that failed a write may fail the last flush too)
+                self._tar.close()
+            with contextlib.suppress(OSError):
+                self._stream.close()
             self._tmp.unlink(missing_ok=True)
             self._tar = None
         for shard in self.shards:
@@ -300,9 +305,11 @@ def write_shards(
             raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
         for writer in writers.values():
             writer.close()
-    except BaseException:
+    except BaseException as err:
         for writer in writers.values():
             writer.abort()
+        if _failed_writing(err, out):
+            raise write_failed(f"writing shards to {out}", out, err, "none of them is left") from None
         raise
     if stats.replaced_lines:
         print(
@@ -320,8 +327,20 @@ def write_shards(
         replaced_lines=stats.replaced_lines,
         kind=INSTRUCTIONS if paired else TEXT,
     )
-    manifest.save(out)  # last: the directory is a dataset from this moment on
+    try:
+        manifest.save(out)  # last: the directory is a dataset from this moment on
+    except OSError as err:
+        for writer in writers.values():
+            writer.abort()
+        raise write_failed(f"writing {out / MANIFEST}", out, err, "none of the shards is left") from None
     return manifest
+
+
+def _failed_writing(err: BaseException, out: Path) -> bool:
+    """Whether ``err`` is a failed write under ``out`` (a full disk), not a failure to read the input."""
+    if not isinstance(err, OSError):
+        return False
+    return err.errno in STORAGE_ERRNOS or (err.filename is not None and Path(err.filename).is_relative_to(out))
 
 
 def _write_documents(

@@ -42,14 +42,15 @@ def run(args: argparse.Namespace) -> int:
 
 def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     """Train; returns the exit code (0 done, 124 preempted and checkpointed, 3 diverged, 4 a collective
-    timed out or lost a peer: another rank stalled or died)."""
+    timed out or lost a peer: another rank stalled or died); a failed write (a full disk) raises WriteFailed,
+    exit 5."""
     from megatransformer.config import load_config
 
     started = time.perf_counter()
     cfg = load_config(config, overrides)  # config errors surface before any process group exists
     if os.environ.get("RANK", "0") == "0":  # a first line within seconds: importing PyTorch alone takes some
         print(f"training {cfg.run_dir} to step {cfg.train.max_steps:,}: starting PyTorch and DeepSpeed", flush=True)
-    from data_pipeline import DataError
+    from data_pipeline import DataError, WriteFailed
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer import checkpoint as ckpt
     from megatransformer.training.builds import build_notes, build_progress, ops_to_build
@@ -105,7 +106,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             )
         code = trainer.run()
         teardown()  # (every collective of the run is behind it)
-    except (ConfigError, DataError):  # found once the process group runs (a resume's checks): end it first
+    except (ConfigError, DataError, WriteFailed):  # found once the process group runs: end it first
         teardown()
         release(held)
         raise
