@@ -46,7 +46,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     exit 5."""
     from megatransformer.config import load_config
 
-    started = time.perf_counter()
+    started, began = time.perf_counter(), time.time()
     cfg = load_config(config, overrides)  # config errors surface before any process group exists
     if os.environ.get("RANK", "0") == "0":  # a first line within seconds: importing PyTorch alone takes some
         print(f"training {cfg.run_dir} to step {cfg.train.max_steps:,}: starting PyTorch and DeepSpeed", flush=True)
@@ -67,7 +67,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from megatransformer.training.preflight import check_before_start
     from megatransformer.training.resume import check_run_dir
     from megatransformer.training.run_lock import lock_run_dir
-    from megatransformer.training.watchdog import hang_dir, stack_dumps, switch_on_flight_recorder
+    from megatransformer.training.watchdog import dump_rank, hang_dir, stack_dumps, switch_on_flight_recorder
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
@@ -115,9 +115,17 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         if line is None:
             raise
         rank = os.environ.get("RANK", "0")
-        dumps = ", ".join(path.name for path in stack_dumps(cfg.run_dir))
+        dumps = [path for path in stack_dumps(cfg.run_dir) if path.stat().st_mtime >= began]  # (this run's)
         if dumps:
-            line += f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({dumps})"
+            line += (
+                f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({', '.join(d.name for d in dumps)})"
+            )
+        silent = sorted(set(range(int(os.environ.get("WORLD_SIZE", "1")))) - {dump_rank(d) for d in dumps})
+        if dumps and silent:
+            line += (
+                f"; rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} wrote no stacks (stopped or "
+                "gone: such a rank cannot answer)"
+            )
         print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:

@@ -97,6 +97,11 @@ def stack_dumps(run_dir: str | Path) -> list[Path]:
     return sorted(hang_dir(run_dir).glob("rank_*.txt"))
 
 
+def dump_rank(path: Path) -> int:
+    """The rank whose stacks a file of :func:`stack_dumps` holds."""
+    return int(path.stem.removeprefix("rank_"))
+
+
 def switch_on_flight_recorder(run_dir: str | Path, environ=os.environ) -> None:
     """NCCL's flight recorder (a ring of recent collectives per rank) on, dumped on a collective timeout to
     RUN_DIR/hangs/nccl_trace_rank_N; variables the user set are left as they are. Before the process group
