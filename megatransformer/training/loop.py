@@ -202,7 +202,8 @@ class Trainer:
                     batches = iter(self.train_loader)
                     continue
             if cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0:
-                report.log({"step": self.state.step, **self.evaluate()})
+                with watchdog.watching("validation"):
+                    report.log({"step": self.state.step, **self.evaluate()})
             if self.state.bad_steps >= cfg.train.max_bad_steps:
                 report.message(
                     f"stopping: {self.state.bad_steps} consecutive non-finite steps "
@@ -217,12 +218,15 @@ class Trainer:
                 exit_code = EXIT_PREEMPTED
                 break
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
-                self.save()
-        watchdog.close()
+                with watchdog.watching("a checkpoint"):
+                    self.save()
         evaluated_last = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
         if exit_code == 0 and not evaluated_last:
-            report.log({"step": self.state.step, **self.evaluate()})
-        self.save()
+            with watchdog.watching("validation"):
+                report.log({"step": self.state.step, **self.evaluate()})
+        with watchdog.watching("a checkpoint"):
+            self.save()
+        watchdog.close()
         report.close()
         return exit_code
 
