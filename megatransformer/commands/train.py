@@ -127,6 +127,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
                 "gone: such a rank cannot answer)"
             )
         print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        release(held)
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:
         if code == 0:

@@ -76,7 +76,7 @@ def lock_run_dir(run_dir: str | Path) -> RunDirLock | None:
         )
         return None
     previous = _read(fd)
-    if previous:
+    if previous and previous.get("pid") != os.getpid():  # (not a record this very process left)
         warn(f"{path}: taking over the lock of {describe_holder(previous)}, {_why_gone(previous)}")
     record = json.dumps(holder_record()).encode() + b"\n"
     os.ftruncate(fd, 0)
