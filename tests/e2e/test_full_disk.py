@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from support import assert_one_line
-from support.runs import CLI, metrics, tiny_run, train, train_command
+from support.runs import CLI, ONE_THREAD, metrics, tiny_run, torchrun, train, train_command
 
 from megatransformer.cli import EXIT_WRITE_FAILED
 
@@ -28,6 +28,21 @@ def save_safetensors(tensors, path, metadata=None):
         raise OSError(errno.ENOSPC, "No space left on device")
     return written(tensors, path, metadata)
 ckpt.save_safetensors = save_safetensors
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+# the same on two ranks, where only rank 1's own state file of the second checkpoint fails
+RANK_1_FILLS_UP_AT_STEP_8 = """
+import errno, sys
+import torch
+from megatransformer.cli import main
+written = torch.save
+def save(obj, path, *args, **kwargs):
+    if str(path).endswith("step_000008/rank_00001.pt"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return written(obj, path, *args, **kwargs)
+torch.save = save
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -60,6 +75,26 @@ def test_a_disk_full_while_checkpointing_ends_in_one_line_and_the_run_resumes(ti
     resumed = train([*overrides, "resume=auto"])
     assert f"resumed from {run / 'checkpoints' / 'step_000004'} at step 4" in resumed.stdout
     assert [r["step"] for r in metrics(run) if "loss" in r] == list(range(1, 13))
+
+
+def test_one_ranks_failed_write_ends_every_rank_in_one_line_without_waiting(tiny_data, tmp_path):
+    """The ranks agree on a failed write in place of the save's barrier: none waits for the timeout."""
+    run, script = tmp_path / "run", tmp_path / "fills_up.py"
+    script.write_text(RANK_1_FILLS_UP_AT_STEP_8)
+    result = subprocess.run(
+        [*torchrun(2), str(script), *train_command()[3:], *tiny_run(tiny_data, run, steps=12)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ONE_THREAD},
+        timeout=600,
+    )
+    lines = [line for line in result.stderr.splitlines() if "megatransformer train: error:" in line]
+    assert len(lines) == 2, result.stderr[-3000:]  # one per rank
+    for line in lines:
+        assert "writing checkpoint step_000008 failed on rank 1 (rank_00001.pt): No space left on device" in line
+        assert "the last intact checkpoint is step_000004" in line
+    assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_000004"]
+    assert (run / "checkpoints" / "latest").read_text() == "step_000004"
 
 
 def test_a_file_too_large_for_the_first_checkpoint_says_no_checkpoint_is_complete(tiny_data, tmp_path):
