@@ -29,6 +29,7 @@ from megatransformer.checkpoint.directory import (
 from megatransformer.checkpoint.files import (
     HOW_NOT_WHAT,
     SHAPE_FIELDS,
+    SpikeState,
     TrainerState,
     check_same_shapes,
     computation_differences,
@@ -69,6 +70,7 @@ __all__ = [
     "WEIGHTS_FILES",
     "CheckpointDamaged",
     "CheckpointUnsafe",
+    "SpikeState",
     "TrainerState",
     "atomic_write",
     "check_same_shapes",
