@@ -177,6 +177,10 @@ class ModelConfig(Section):
     i - window < j <= i; bidirectional (encoder) query i sees keys with |i - j| < window. Measured in
     positions of the row, within each packed document; cross-attention is never windowed; not with
     prefix-LM attention. None: every allowed key."""
+    qk_norm: bool = False
+    """QK-norm (Qwen3, OLMo 2, Gemma 3): an RMSNorm (eps norm_eps) over each head's queries and keys, with learned
+    weights of size head_dim, before RoPE, in self- and cross-attention: bounds the attention logits' growth. With
+    ALiBi too (the bias is added to the scores of the normed queries and keys). Exports as Qwen3ForCausalLM."""
     ffn: Literal["relu", "gelu", "swiglu"] = "swiglu"
     """Feed-forward activation; swiglu uses gate_proj * up_proj."""
     bias: bool = False

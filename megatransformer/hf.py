@@ -1,10 +1,11 @@
 """Mapping between our decoders and Hugging Face ``transformers`` classes (config and weight names).
 
-Three families map exactly, so ``transformers`` computes the same function with no custom code:
+Four families map exactly, so ``transformers`` computes the same function with no custom code:
 
 - ``LlamaForCausalLM``: pre-LN, rmsnorm, rope (scaled or not: ``rope_parameters``), swiglu, no biases (MHA, GQA
   or MQA);
 - ``MistralForCausalLM``: the same with a sliding window (``sliding_window``, Llama's weight names);
+- ``Qwen3ForCausalLM``: Llama with QK-norm (``q_norm``, ``k_norm``);
 - ``GPT2LMHeadModel``: pre-LN, layernorm, learned positions, (exact) gelu, biases, MHA, tied embeddings.
 
 Anything else is refused with the option that prevents each mapping.
@@ -36,6 +37,10 @@ _LAYER_NAMES = [
     ("decoder.layers.{i}.ffn.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
     ("decoder.layers.{i}.ffn.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
 ]
+_QK_NORM_NAMES = [
+    ("decoder.layers.{i}.self_attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("decoder.layers.{i}.self_attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+]
 _GLOBAL_NAMES = [
     ("embed_tokens.weight", "model.embed_tokens.weight"),
     ("decoder.norm.weight", "model.norm.weight"),
@@ -43,7 +48,7 @@ _GLOBAL_NAMES = [
 ]
 
 
-def _llama_like_incompatibility(cfg: ModelConfig, family: str) -> str | None:
+def _llama_like_incompatibility(cfg: ModelConfig, family: str, qk_norm: bool = False) -> str | None:
     required = {
         "arch": "decoder",
         "norm_position": "pre",
@@ -53,6 +58,7 @@ def _llama_like_incompatibility(cfg: ModelConfig, family: str) -> str | None:
         "bias": False,
         "scale_embeddings": False,
         "final_norm": True,
+        "qk_norm": qk_norm,
     }
     for field, value in required.items():
         if getattr(cfg, field) != value:
@@ -70,6 +76,13 @@ def llama_incompatibility(cfg: ModelConfig) -> str | None:
 def mistral_incompatibility(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot be a MistralForCausalLM, or None when it can."""
     return _llama_like_incompatibility(cfg, "Mistral")
+
+
+def qwen3_incompatibility(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be a Qwen3ForCausalLM, or None when it can."""
+    if cfg.attention_window is not None:
+        return f"model.attention_window={cfg.attention_window} (Qwen3 is exported without a sliding window)"
+    return _llama_like_incompatibility(cfg, "Qwen3", qk_norm=True)
 
 
 # transformers' rope_parameters keys of each scaled rope type: (their key, our RopeScaling field)
@@ -157,13 +170,21 @@ def mistral_config(cfg: ModelConfig) -> dict:
     return {**_llama_like_config(cfg), "sliding_window": cfg.attention_window}
 
 
-def model_config_from_llama(hf: dict) -> ModelConfig:
-    """Our ModelConfig for a Llama ``config.json`` dict."""
+def qwen3_config(cfg: ModelConfig) -> dict:
+    """``Qwen3Config`` keyword arguments equivalent to ``cfg``."""
+    reason = qwen3_incompatibility(cfg)
+    if reason:
+        raise ValueError(f"this model cannot be expressed as Qwen3ForCausalLM: {reason}")
+    return {**_llama_like_config(cfg), "attention_bias": False, "use_sliding_window": False}
+
+
+def model_config_from_llama(hf: dict, family: str = "Llama") -> ModelConfig:
+    """Our ModelConfig for a Llama ``config.json`` dict (``family``: the name its errors give)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if head_dim * heads != hf["hidden_size"]:
-        raise ValueError(f"Llama head_dim={head_dim} x heads={heads} != hidden_size={hf['hidden_size']}")
+        raise ValueError(f"{family} head_dim={head_dim} x heads={heads} != hidden_size={hf['hidden_size']}")
     return ModelConfig(
         arch="decoder",
         d_model=hf["hidden_size"],
@@ -189,6 +210,14 @@ def model_config_from_mistral(hf: dict) -> ModelConfig:
     return model_config_from_llama(hf).model_copy(update={"attention_window": hf.get("sliding_window", 4096)})
 
 
+def model_config_from_qwen3(hf: dict) -> ModelConfig:
+    """Our ModelConfig for a Qwen3 ``config.json`` dict."""
+    for flag in ("attention_bias", "use_sliding_window"):
+        if hf.get(flag):
+            raise ValueError(f"Qwen3 {flag}=true is not supported")
+    return model_config_from_llama(hf, "Qwen3").model_copy(update={"qk_norm": True})
+
+
 def _pairs(global_names: list, layer_names: list, n_layers: int) -> list[tuple[str, str]]:
     pairs = list(global_names)
     for i in range(n_layers):
@@ -196,12 +225,12 @@ def _pairs(global_names: list, layer_names: list, n_layers: int) -> list[tuple[s
     return pairs
 
 
-def _name_pairs(n_layers: int) -> list[tuple[str, str]]:
-    return _pairs(_GLOBAL_NAMES, _LAYER_NAMES, n_layers)
+def _name_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    return _pairs(_GLOBAL_NAMES, _LAYER_NAMES + (_QK_NORM_NAMES if cfg.qk_norm else []), cfg.n_layers)
 
 
 def to_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {theirs: state[ours] for ours, theirs in _name_pairs(cfg.n_layers)}
+    out = {theirs: state[ours] for ours, theirs in _name_pairs(cfg)}
     if cfg.tie_embeddings:
         out.pop("lm_head.weight")
     return out
@@ -211,10 +240,10 @@ def from_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     state = {re.sub(r"^model\.model\.", "model.", k): v for k, v in state.items()}
     if cfg.tie_embeddings:
         state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
-    missing = [theirs for _, theirs in _name_pairs(cfg.n_layers) if theirs not in state]
+    missing = [theirs for _, theirs in _name_pairs(cfg) if theirs not in state]
     if missing:
         raise ValueError(f"Llama checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
-    return {ours: state[theirs] for ours, theirs in _name_pairs(cfg.n_layers)}
+    return {ours: state[theirs] for ours, theirs in _name_pairs(cfg)}
 
 
 # ------------------------------------------------------------------------------------------------ GPT-2
@@ -253,6 +282,7 @@ def gpt2_incompatibility(cfg: ModelConfig) -> str | None:
         "tie_embeddings": True,
         "kv_heads": cfg.n_heads,
         "attention_window": None,
+        "qk_norm": False,
     }
     for field, value in required.items():
         if getattr(cfg, field) != value:
@@ -387,7 +417,23 @@ GPT2 = Family(
     from_gpt2_state_dict,
     model_config_from_gpt2,
 )
-FAMILIES = (LLAMA, MISTRAL, GPT2)
+QWEN3 = Family(
+    "Qwen3",
+    "qwen3",
+    "Qwen3ForCausalLM",
+    qwen3_incompatibility,
+    qwen3_config,
+    to_llama_state_dict,
+    from_llama_state_dict,
+    model_config_from_qwen3,
+)
+FAMILIES = (LLAMA, MISTRAL, GPT2, QWEN3)
+# transformers families close to ours that our blocks cannot express, and why
+UNEXPRESSIBLE = {
+    "olmo2": "OLMo 2 normalises each sub-layer's output inside the residual (x + norm(f(x))) and its QK-norm spans "
+    "all heads at once (one weight of heads x head_dim); our blocks normalise before (pre-LN) or after the sum "
+    "(post-LN) and QK-norm per head as Qwen3 does (model.qk_norm exports as Qwen3ForCausalLM)",
+}
 
 
 def hf_incompatibility(cfg: ModelConfig) -> str | None:
@@ -421,7 +467,8 @@ def save_hf_dir(
         "architectures": [family.architecture],
         "model_type": family.model_type,
         **family.config(cfg),
-        **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL) else {}),  # where older transformers read it
+        # (rope_theta where older transformers read it)
+        **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL, QWEN3) else {}),
         "bos_token_id": special_ids.get("bos"),
         "eos_token_id": special_ids.get("eos"),
         "pad_token_id": special_ids.get("pad"),
@@ -453,7 +500,8 @@ def save_hf_dir(
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Llama, Mistral or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our names."""
+    """Read a Llama, Mistral, Qwen3 or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our
+    names."""
     from safetensors.torch import load_file
 
     config_path = Path(path) / "config.json"
@@ -461,6 +509,8 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         raise ValueError(f"{path} has no config.json; expected a Hugging Face model directory")
     hf = json.loads(config_path.read_text())
     family = next((f for f in FAMILIES if f.model_type == hf.get("model_type")), None)
+    if hf.get("model_type") in UNEXPRESSIBLE:
+        raise ValueError(f"{path} holds model_type={hf['model_type']!r}: {UNEXPRESSIBLE[hf['model_type']]}")
     if family is None:
         raise ValueError(
             f"{path} holds model_type={hf.get('model_type')!r}; only "
