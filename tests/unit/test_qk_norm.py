@@ -13,7 +13,7 @@ from support.models import assert_exported_logits_match, llama_style, randomized
 from megatransformer.hf import GPT2, LLAMA, MISTRAL, QWEN3, hf_family, load_hf_dir, save_hf_dir
 from megatransformer.model import build_model, generate
 from megatransformer.model.masks import PAD_SEGMENT
-from megatransformer.model.tp_plan import partition_dim
+from megatransformer.model.tp_plan import has_partial_gradient, partition_dim
 
 transformers = pytest.importorskip("transformers")  # a test dependency: `pip install -e .[test]`
 
@@ -27,7 +27,10 @@ def test_every_attention_gets_a_query_and_a_key_norm_of_head_dim(arch):
     for attn in attentions:
         for norm in ("q_norm", "k_norm"):
             assert params[f"{attn}.{norm}.weight"].shape == (cfg.head_dim,)
-            assert partition_dim(f"{attn}.{norm}.weight") is None  # replicated under tensor parallelism
+            # replicated under tensor parallelism, each rank's gradient a part of the whole (summed in training)
+            assert partition_dim(f"{attn}.{norm}.weight") is None and has_partial_gradient(f"{attn}.{norm}.weight")
+    assert [name for name in params if has_partial_gradient(name) and "_norm." not in name] == []
+    assert not has_partial_gradient("decoder.layers.0.attn_norm.weight")
     plain = dict(build_model(tiny_config(arch=arch)).named_parameters())
     assert set(params) - set(plain) == {f"{a}.{n}.weight" for a in attentions for n in ("q_norm", "k_norm")}
 
