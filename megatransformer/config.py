@@ -342,6 +342,11 @@ class TrainConfig(Section):
     """Clip the global gradient norm to this value (0 disables)."""
     label_smoothing: Fraction = 0.0
     """Label smoothing of the cross-entropy loss (0.1 in the 2017 paper)."""
+    z_loss: NonNegativeFloat = 0.0
+    """z-loss coefficient (PaLM, OLMo): coefficient x log(Z)^2, the squared log of each loss token's softmax
+    normalizer (logsumexp of its logits), averaged over the loss tokens, is added to the training loss and keeps
+    the output logits from drifting; logged as z_loss beside the cross-entropy loss (PaLM: 1e-4). 0: off, not
+    computed."""
     log_every: PositiveInt = 10
     """Steps between metrics.jsonl lines."""
     eval_every: NonNegativeInt = 0
