@@ -180,3 +180,29 @@ def test_families_without_qk_norm_refuse_it_and_qwen3_requires_it():
     windowed = QWEN3.incompatibility(cfg.model_copy(update={"attention_window": 8}))
     assert windowed == "model.attention_window=8 (Qwen3 is exported without a sliding window)"
     assert hf_family(llama_style()) is LLAMA and hf_family(cfg) is QWEN3
+
+
+def test_the_activation_estimate_counts_what_qk_norm_keeps_for_the_backward_pass():
+    """The queries and keys before their norms: the estimate's difference is the activations autograd saves
+    more (tensors of the graph; like the other norms' statistics, the per-row 1/rms is left out)."""
+    from support.models import run_config
+
+    from megatransformer.activations import activation_estimate
+
+    def saved_bytes(cfg) -> int:
+        storages = {}
+
+        def pack(tensor):
+            if tensor.requires_grad and not isinstance(tensor, torch.nn.Parameter):
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        ids = torch.randint(0, 128, (2, 32))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            build_model(cfg.model).train()(ids, labels=ids)
+        return sum(storages.values())
+
+    plain = run_config()
+    normed = run_config(model=plain.model.model_dump() | {"qk_norm": True})
+    more = activation_estimate(normed, 2).bytes - activation_estimate(plain, 2).bytes
+    assert more == saved_bytes(normed) - saved_bytes(plain) == 2 * 32 * (32 + 16) * 4
