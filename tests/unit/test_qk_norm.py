@@ -5,11 +5,13 @@ the families that lack it."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from support.models import assert_exported_logits_match, llama_style, randomized, tiny_config
 
+from megatransformer.cli import main
 from megatransformer.hf import GPT2, LLAMA, MISTRAL, QWEN3, hf_family, load_hf_dir, save_hf_dir
 from megatransformer.model import build_model, generate
 from megatransformer.model.masks import PAD_SEGMENT
@@ -206,3 +208,19 @@ def test_the_activation_estimate_counts_what_qk_norm_keeps_for_the_backward_pass
     normed = run_config(model=plain.model.model_dump() | {"qk_norm": True})
     more = activation_estimate(normed, 2).bytes - activation_estimate(plain, 2).bytes
     assert more == saved_bytes(normed) - saved_bytes(plain) == 2 * 32 * (32 + 16) * 4
+
+
+def test_info_counts_the_norm_weights_and_no_flops_for_them(capsys):
+    """``megatransformer info``: 2 x head_dim parameters more per attention module (an encoder-decoder's
+    decoder layer has two), FLOPs per token unchanged (elementwise work, not counted, as for every norm)."""
+
+    def info(*overrides: str) -> dict:
+        model = ["objective=span_corruption", "model.arch=encoder_decoder", "model.d_model=64", "model.n_heads=4"]
+        model += ["model.n_layers=2", "model.n_decoder_layers=3"]
+        assert main(["info", "--config", os.devnull, "--json", *model, *overrides]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    plain, normed = info(), info("model.qk_norm=true")
+    assert normed["config"]["model"]["qk_norm"] and not plain["config"]["model"]["qk_norm"]
+    assert normed["params"] - plain["params"] == (2 + 3 * 2) * 2 * 16  # 2 encoder, 3 x 2 decoder attentions
+    assert normed["flops_per_token"] == plain["flops_per_token"]
