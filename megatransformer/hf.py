@@ -508,9 +508,9 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if not config_path.is_file():
         raise ValueError(f"{path} has no config.json; expected a Hugging Face model directory")
     hf = json.loads(config_path.read_text())
-    family = next((f for f in FAMILIES if f.model_type == hf.get("model_type")), None)
     if hf.get("model_type") in UNEXPRESSIBLE:
         raise ValueError(f"{path} holds model_type={hf['model_type']!r}: {UNEXPRESSIBLE[hf['model_type']]}")
+    family = next((f for f in FAMILIES if f.model_type == hf.get("model_type")), None)
     if family is None:
         raise ValueError(
             f"{path} holds model_type={hf.get('model_type')!r}; only "
