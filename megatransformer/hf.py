@@ -5,7 +5,7 @@ Four families map exactly, so ``transformers`` computes the same function with n
 - ``LlamaForCausalLM``: pre-LN, rmsnorm, rope (scaled or not: ``rope_parameters``), swiglu, no biases (MHA, GQA
   or MQA);
 - ``MistralForCausalLM``: the same with a sliding window (``sliding_window``, Llama's weight names);
-- ``Qwen3ForCausalLM``: Llama with QK-norm (``q_norm``, ``k_norm``);
+- ``Qwen3ForCausalLM``: Llama with QK-norm (``q_norm``, ``k_norm``), with or without a sliding window in every layer;
 - ``GPT2LMHeadModel``: pre-LN, layernorm, learned positions, (exact) gelu, biases, MHA, tied embeddings.
 
 Anything else is refused with the option that prevents each mapping.
@@ -80,8 +80,6 @@ def mistral_incompatibility(cfg: ModelConfig) -> str | None:
 
 def qwen3_incompatibility(cfg: ModelConfig) -> str | None:
     """Why ``cfg`` cannot be a Qwen3ForCausalLM, or None when it can."""
-    if cfg.attention_window is not None:
-        return f"model.attention_window={cfg.attention_window} (Qwen3 is exported without a sliding window)"
     return _llama_like_incompatibility(cfg, "Qwen3", qk_norm=True)
 
 
@@ -175,7 +173,15 @@ def qwen3_config(cfg: ModelConfig) -> dict:
     reason = qwen3_incompatibility(cfg)
     if reason:
         raise ValueError(f"this model cannot be expressed as Qwen3ForCausalLM: {reason}")
-    return {**_llama_like_config(cfg), "attention_bias": False, "use_sliding_window": False}
+    window = cfg.attention_window
+    return {
+        **_llama_like_config(cfg),
+        "attention_bias": False,
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "max_window_layers": 0,  # (the layers from this one on slide: all of them)
+        "layer_types": [("full_attention" if window is None else "sliding_attention")] * cfg.n_layers,
+    }
 
 
 def model_config_from_llama(hf: dict, family: str = "Llama") -> ModelConfig:
@@ -212,10 +218,31 @@ def model_config_from_mistral(hf: dict) -> ModelConfig:
 
 def model_config_from_qwen3(hf: dict) -> ModelConfig:
     """Our ModelConfig for a Qwen3 ``config.json`` dict."""
-    for flag in ("attention_bias", "use_sliding_window"):
-        if hf.get(flag):
-            raise ValueError(f"Qwen3 {flag}=true is not supported")
-    return model_config_from_llama(hf, "Qwen3").model_copy(update={"qk_norm": True})
+    if hf.get("attention_bias"):
+        raise ValueError("Qwen3 attention_bias=true is not supported")
+    cfg = model_config_from_llama(hf, "Qwen3")
+    return cfg.model_copy(update={"qk_norm": True, "attention_window": _qwen3_window(hf)})
+
+
+def _qwen3_window(hf: dict) -> int | None:
+    """The sliding window of a Qwen3 config whose every layer slides, None where none does (as transformers
+    derives the layers' kinds when ``layer_types`` is absent)."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    first_sliding = hf.get("max_window_layers", 28)
+    kinds = set(
+        hf.get("layer_types")
+        or [
+            "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
+    )
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and window is not None:
+        return window
+    raise ValueError(
+        "Qwen3 with sliding-window attention in some layers only (layer_types, max_window_layers) is not supported"
+    )
 
 
 def _pairs(global_names: list, layer_names: list, n_layers: int) -> list[tuple[str, str]]:

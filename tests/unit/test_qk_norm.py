@@ -93,13 +93,15 @@ def qwen3_style(**overrides):
     return llama_style(qk_norm=True, **overrides)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_qk_norm_exports_to_qwen3_with_the_same_logits_and_imports_back(tmp_path, tie):
-    assert_exported_logits_match(tmp_path / "hf", qwen3_style(tie_embeddings=tie), QWEN3)
+@pytest.mark.parametrize("tie,window", [(False, None), (True, None), (False, 7)])
+def test_qk_norm_exports_to_qwen3_with_the_same_logits_and_imports_back(tmp_path, tie, window):
+    assert_exported_logits_match(tmp_path / "hf", qwen3_style(tie_embeddings=tie, attention_window=window), QWEN3)
 
 
-def test_greedy_generation_of_64_tokens_equals_qwen3s_with_and_without_a_cache(tmp_path):
-    cfg = qwen3_style(n_layers=2, vocab_size=256, max_seq_len=96, init_std=0.2)
+@pytest.mark.parametrize("window", [None, 12])
+def test_greedy_generation_of_64_tokens_equals_qwen3s_with_and_without_a_cache(tmp_path, window):
+    """With a sliding window too: 72 positions, six windows."""
+    cfg = qwen3_style(n_layers=2, vocab_size=256, max_seq_len=96, init_std=0.2, attention_window=window)
     torch.manual_seed(0)
     ours = randomized(build_model(cfg)).eval()
     save_hf_dir(tmp_path / "hf", cfg, ours.state_dict())
@@ -152,7 +154,14 @@ def _qwen3_kwargs() -> dict:
     "change,message",
     [
         ({"attention_bias": True}, "Qwen3 attention_bias=true is not supported"),
-        ({"use_sliding_window": True, "sliding_window": 8}, "Qwen3 use_sliding_window=true is not supported"),
+        (
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
+            "Qwen3 with sliding-window attention in some layers only",
+        ),
+        (
+            {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+            "Qwen3 with sliding-window attention in some layers only",
+        ),
         ({"head_dim": 32}, "Qwen3 head_dim=32 x heads=4 != hidden_size=64"),
     ],
 )
@@ -184,8 +193,7 @@ def test_families_without_qk_norm_refuse_it_and_qwen3_requires_it():
     gpt2 = GPT2.incompatibility(cfg.model_copy(update=dict(norm="layernorm", position="learned")))
     assert gpt2 is not None and "GPT-2 needs" in gpt2
     assert QWEN3.incompatibility(llama_style()) == "model.qk_norm=False (Qwen3 needs True)"
-    windowed = QWEN3.incompatibility(cfg.model_copy(update={"attention_window": 8}))
-    assert windowed == "model.attention_window=8 (Qwen3 is exported without a sliding window)"
+    assert QWEN3.incompatibility(cfg.model_copy(update={"attention_window": 8})) is None
     assert hf_family(llama_style()) is LLAMA and hf_family(cfg) is QWEN3
 
 
