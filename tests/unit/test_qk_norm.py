@@ -156,7 +156,7 @@ def _qwen3_kwargs() -> dict:
         ({"attention_bias": True}, "Qwen3 attention_bias=True is not supported"),
         (
             {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
-            r"Qwen3 layer_types=\['full_attention', 'sliding_attention'.* \(a sliding window in every layer or in none\)",
+            r"Qwen3 layer_types=\['full_attention', 'sliding_attention'.* in every layer or in none",
         ),
         (
             {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention", "full_attention"]},
