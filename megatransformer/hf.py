@@ -1,11 +1,13 @@
 """Mapping between our decoders and Hugging Face ``transformers`` classes (config and weight names).
 
-Three families map exactly, so ``transformers`` computes the same function with no custom code:
+Four families map exactly, so ``transformers`` computes the same function with no custom code:
 
 - ``LlamaForCausalLM``: pre-LN, rmsnorm, rope (scaled or not: ``rope_parameters``), swiglu, no biases (MHA, GQA
   or MQA);
 - ``MistralForCausalLM``: the same with a sliding window (``sliding_window``, Llama's weight names);
-- ``GPT2LMHeadModel``: pre-LN, layernorm, learned positions, (exact) gelu, biases, MHA, tied embeddings.
+- ``GPT2LMHeadModel``: pre-LN, layernorm, learned positions, (exact) gelu, biases, MHA, tied embeddings;
+- ``DeepseekV3ForCausalLM``: Llama's layout with multi-head latent attention, every MLP dense
+  (``first_k_dense_replace`` = layers); mixture-of-experts layers are refused on import.
 
 Anything else is refused with the option that prevents each mapping.
 """
@@ -43,9 +45,10 @@ _GLOBAL_NAMES = [
 ]
 
 
-def _llama_like_incompatibility(cfg: ModelConfig, family: str) -> str | None:
+def _llama_like_incompatibility(cfg: ModelConfig, family: str, attention: str = "standard") -> str | None:
     required = {
         "arch": "decoder",
+        "attention": attention,
         "norm_position": "pre",
         "norm": "rmsnorm",
         "position": "rope",
@@ -253,6 +256,7 @@ def gpt2_incompatibility(cfg: ModelConfig) -> str | None:
         "tie_embeddings": True,
         "kv_heads": cfg.n_heads,
         "attention_window": None,
+        "attention": "standard",
     }
     for field, value in required.items():
         if getattr(cfg, field) != value:
@@ -340,6 +344,144 @@ def from_gpt2_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> di
     return out
 
 
+# ------------------------------------------------------------------------------------------ DeepSeek-V3
+
+_DEEPSEEK_LAYER_NAMES = [  # besides Llama's norms and MLP; the attention's (ours, DeepSeek) suffixes
+    ("q_proj", "q_proj"),
+    ("q_a_proj", "q_a_proj"),
+    ("q_a_norm", "q_a_layernorm"),
+    ("q_b_proj", "q_b_proj"),
+    ("kv_a_proj", "kv_a_proj_with_mqa"),
+    ("kv_a_norm", "kv_a_layernorm"),
+    ("kv_b_proj", "kv_b_proj"),
+    ("o_proj", "o_proj"),
+]
+
+
+def deepseek_incompatibility(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be a DeepseekV3ForCausalLM (dense MLP in every layer), or None when it can."""
+    if cfg.attention_window is not None:
+        return f"model.attention_window={cfg.attention_window} (DeepSeek-V3 has no sliding window)"
+    return _llama_like_incompatibility(cfg, "DeepSeek-V3", attention="mla")
+
+
+def deepseek_config(cfg: ModelConfig) -> dict:
+    """``DeepseekV3Config`` keyword arguments equivalent to ``cfg``: every layer's MLP dense
+    (``first_k_dense_replace`` = layers), RoPE in the half-split layout (``rope_interleave`` false)."""
+    reason = deepseek_incompatibility(cfg)
+    if reason:
+        raise ValueError(f"this model cannot be expressed as DeepseekV3ForCausalLM: {reason}")
+    return {
+        **_llama_like_config(cfg),
+        "head_dim": cfg.qk_rope_head_dim,  # (what DeepseekV3Config itself sets: the rotary width)
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "q_lora_rank": cfg.q_lora_rank,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "first_k_dense_replace": cfg.n_layers,
+        "rope_interleave": False,
+        "attention_bias": False,
+        "num_mtp_layers": 0,
+    }
+
+
+# DeepSeek-V3 config keys for what we do not build, with the value that leaves it out
+_DEEPSEEK_ABSENT = {"attention_bias": False, "pretraining_tp": 1}
+
+
+def model_config_from_deepseek(hf: dict) -> ModelConfig:
+    """Our ModelConfig for a DeepSeek-V3 ``config.json`` dict whose layers are all dense."""
+    layers = hf["num_hidden_layers"]
+    dense = hf.get("first_k_dense_replace", 3)
+    if dense < layers and hf.get("n_routed_experts", 256):
+        raise ValueError(
+            f"DeepSeek-V3 first_k_dense_replace={dense} < num_hidden_layers={layers}: layers {dense}-{layers - 1} "
+            "are mixture-of-experts layers, which megatransformer does not build"
+        )
+    for key, value in _DEEPSEEK_ABSENT.items():
+        if hf.get(key, value) != value:
+            raise ValueError(f"DeepSeek-V3 {key}={hf[key]} is not supported (only {value})")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"DeepSeek-V3 hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+    heads = hf["num_attention_heads"]
+    if hf.get("num_key_value_heads", heads) != heads:
+        raise ValueError(f"DeepSeek-V3 num_key_value_heads={hf['num_key_value_heads']} != num_attention_heads={heads}")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    try:
+        scaling = rope_scaling_from(rope)
+    except ValueError as err:
+        raise ValueError(f"DeepSeek-V3 {err}") from None
+    return ModelConfig(
+        arch="decoder",
+        d_model=hf["hidden_size"],
+        n_layers=layers,
+        n_heads=heads,
+        d_ff=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_seq_len=hf.get("max_position_embeddings", 4096),
+        norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        position="rope",
+        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        rope_scaling=scaling,
+        ffn="swiglu",
+        bias=False,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        attention="mla",
+        kv_lora_rank=hf.get("kv_lora_rank", 512),
+        q_lora_rank=hf.get("q_lora_rank", 1536),
+        qk_rope_head_dim=hf.get("qk_rope_head_dim", 64),
+        qk_nope_head_dim=hf.get("qk_nope_head_dim", 128),
+        v_head_dim=hf.get("v_head_dim", 128),
+    )
+
+
+def _deepseek_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    attention = [
+        (f"decoder.layers.{{i}}.self_attn.{ours}.weight", f"model.layers.{{i}}.self_attn.{theirs}.weight")
+        for ours, theirs in _DEEPSEEK_LAYER_NAMES
+        if (ours == "q_proj") == (cfg.q_lora_rank is None) or not ours.startswith("q_")
+    ]
+    mlp_and_norms = [pair for pair in _LAYER_NAMES if ".self_attn." not in pair[0]]
+    return _pairs(_GLOBAL_NAMES, mlp_and_norms + attention, cfg.n_layers)
+
+
+def to_deepseek_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {theirs: state[ours] for ours, theirs in _deepseek_pairs(cfg)}
+    if cfg.tie_embeddings:
+        out.pop("lm_head.weight")
+    return out
+
+
+def from_deepseek_state_dict(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, interleaved: bool = False
+) -> dict[str, torch.Tensor]:
+    """Our weights from DeepSeek-V3's; ``interleaved`` (``rope_interleave``): RoPE pairs (x0, x1), (x2, x3), ...
+    whose rotation equals the half-split one of (x0, x2, ..., x1, x3, ...), so the rows that make the RoPE
+    slice are reordered that way. The multi-token-prediction layers (beyond num_hidden_layers), which
+    transformers does not run either, are left out."""
+    if cfg.tie_embeddings:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    pairs = _deepseek_pairs(cfg)
+    missing = [theirs for _, theirs in pairs if theirs not in state]
+    if missing:
+        raise ValueError(f"DeepSeek-V3 checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+    out = {ours: state[theirs] for ours, theirs in pairs}
+    if interleaved:
+        rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+        half_split = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+        for i in range(cfg.n_layers):
+            attn = f"decoder.layers.{i}.self_attn."
+            q = f"{attn}q_proj.weight" if cfg.q_lora_rank is None else f"{attn}q_b_proj.weight"
+            heads = out[q].view(cfg.n_heads, nope + rope, -1)
+            out[q] = torch.cat([heads[:, :nope], heads[:, nope:][:, half_split]], dim=1).flatten(0, 1)
+            kv = out[f"{attn}kv_a_proj.weight"]
+            out[f"{attn}kv_a_proj.weight"] = torch.cat([kv[: cfg.kv_lora_rank], kv[cfg.kv_lora_rank :][half_split]])
+    return out
+
+
 # ------------------------------------------------------------------------------------------- families
 
 
@@ -387,7 +529,17 @@ GPT2 = Family(
     from_gpt2_state_dict,
     model_config_from_gpt2,
 )
-FAMILIES = (LLAMA, MISTRAL, GPT2)
+DEEPSEEK_V3 = Family(
+    "DeepSeek-V3",
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
+    deepseek_incompatibility,
+    deepseek_config,
+    to_deepseek_state_dict,
+    from_deepseek_state_dict,
+    model_config_from_deepseek,
+)
+FAMILIES = (LLAMA, MISTRAL, GPT2, DEEPSEEK_V3)
 
 
 def hf_incompatibility(cfg: ModelConfig) -> str | None:
@@ -421,7 +573,8 @@ def save_hf_dir(
         "architectures": [family.architecture],
         "model_type": family.model_type,
         **family.config(cfg),
-        **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL) else {}),  # where older transformers read it
+        # where older transformers read it
+        **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL, DEEPSEEK_V3) else {}),
         "bos_token_id": special_ids.get("bos"),
         "eos_token_id": special_ids.get("eos"),
         "pad_token_id": special_ids.get("pad"),
@@ -453,7 +606,8 @@ def save_hf_dir(
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Llama, Mistral or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our names."""
+    """Read a Llama, Mistral, GPT-2 or DeepSeek-V3 directory (config.json + *.safetensors, possibly sharded) into
+    our names."""
     from safetensors.torch import load_file
 
     config_path = Path(path) / "config.json"
@@ -473,4 +627,6 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for file in files:
         state.update(load_file(str(file)))
     cfg = family.model_config(hf)
+    if family is DEEPSEEK_V3:
+        return cfg, from_deepseek_state_dict(state, cfg, interleaved=hf.get("rope_interleave", True))
     return cfg, family.from_hf(state, cfg)
