@@ -27,8 +27,28 @@ TAKES_VALUE_DIM = ("sdpa", "eager", "flex")
 """Cores that take values of another width than queries and keys; the others get zero-padded values."""
 
 
+def unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def pads_values(backend: str) -> bool:
     return backend not in TAKES_VALUE_DIM
+
+
+def describe_value_width(cfg: ModelConfig) -> str:
+    """One line for the run log: how the attention cores take MLA's value heads."""
+    qk_dim, v_dim, backend = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.attention_backend
+    cached = f"cached decoding attends over the {cfg.kv_lora_rank}-wide latent as one key/value head"
+    widths = f"values {v_dim} wide beside queries/keys {qk_dim}"
+    if qk_dim == v_dim:
+        return f"attention: mla, query/key and value heads {qk_dim} wide; {cached}"
+    if not pads_values(backend):
+        return f"attention: mla, {widths}, taken as they are by {backend}; {cached}"
+    padded = "values zero-padded to" if v_dim < qk_dim else "queries/keys zero-padded to"
+    return (
+        f"attention: mla, {widths}: {padded} {max(qk_dim, v_dim)} for "
+        f"{backend} (its cores take one head width), the padding's outputs dropped; {cached}"
+    )
 
 
 class LatentAttention(nn.Module):
@@ -55,9 +75,9 @@ class LatentAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.core = BACKENDS[cfg.attention_backend]
         self.pad_values = pads_values(cfg.attention_backend)
-        # the RoPE key on its way to this shard's heads: the identity, or under tensor parallelism an op that sums
-        # its gradient over the shards (every shard's heads read it; set by the training engine)
-        self.shared_key = nn.Identity()
+        # the RoPE key on its way to this shard's heads: unchanged, or under tensor parallelism through an op that
+        # sums its gradient over the shards, whose heads all read it (set by the training engine)
+        self.shared_key = unchanged
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))

@@ -220,3 +220,26 @@ def test_unset_head_slices_come_from_the_head_dim():
     assert (cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim) == (8, 8, 16)
     cfg = ModelConfig(d_model=64, n_heads=4, attention="mla", kv_lora_rank=32, qk_rope_head_dim=4)
     assert cfg.qk_nope_head_dim == 12
+
+
+# ------------------------------------------------------------------------------------ megatransformer info
+
+
+def test_attention_costs_count_each_kinds_parameters_flops_and_cache():
+    from megatransformer.flops import attention_costs, model_size
+
+    (mla,) = attention_costs(mla_config(n_layers=2), seq_len=16)
+    assert mla.kind == "self (mla)" and mla.layers == 2
+    assert mla.kv_cache_values_per_token == 2 * (24 + 8)  # the latent and the RoPE key, per layer
+    one = LatentAttention(mla_config())
+    assert mla.params == 2 * sum(p.numel() for p in one.parameters())
+    linear = sum(p.numel() for name, p in one.named_parameters() if name.endswith("proj.weight"))
+    assert mla.flops_per_token == 2 * (6 * linear + 3 * 2 * 16 * 4 * (16 + 8 + 12))  # heads x (nope + rope + v)
+
+    (standard,) = attention_costs(tiny_config(), seq_len=16)
+    assert standard.kind == "self (standard)" and standard.kv_cache_values_per_token == 2 * 2 * 2 * 8  # k, v
+    assert model_size(tiny_config(), 16).flops_per_token > standard.flops_per_token
+
+    assert attention_costs(mla_config(arch="encoder"))[0].kv_cache_values_per_token is None
+    kinds = [cost.kind for cost in attention_costs(mla_config(arch="encoder_decoder"))]
+    assert kinds == ["self (mla)", "cross (standard)"]
