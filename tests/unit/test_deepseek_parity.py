@@ -41,7 +41,14 @@ def assert_same_greedy_tokens(ours, theirs, vocab_size: int, new: int = 64) -> N
     assert len(set(expected[0].tolist())) > 8  # (a varied continuation, not one token repeated)
 
 
-@pytest.mark.parametrize("fields", [{}, {"q_lora_rank": 24, "tie_embeddings": True}], ids=["q_proj", "q_lora"])
+YARN = {"type": "yarn", "factor": 4.0, "original_max_seq_len": 16}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"q_lora_rank": 24, "tie_embeddings": True}, {"rope_scaling": YARN}],
+    ids=["q_proj", "q_lora", "yarn"],
+)
 def test_export_loads_as_deepseek_v3_with_the_same_logits_and_imports_back(tmp_path, fields):
     cfg = mla_style(**fields)
     assert hf_family(cfg) is DEEPSEEK_V3
