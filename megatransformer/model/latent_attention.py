@@ -89,7 +89,7 @@ class LatentAttention(nn.Module):
         mask: AttentionMask,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache | None = None,
-        alibi: None = None,
+        alibi: None = None,  # (the block passes ALiBi's bias, which MLA never has: it needs position=rope)
     ) -> torch.Tensor:
         """``cache``: append this call's latent and RoPE key, attend over all held (the absorbed form)."""
         batch, length = x.shape[:2]
