@@ -97,22 +97,34 @@ def test_every_core_equals_eager_under_every_mask(reference_flash, reference_var
         torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_cores_without_a_value_width_of_their_own_get_padded_values(monkeypatch):
+@pytest.mark.parametrize("core", ["chunked", "flash"])
+def test_values_wider_than_queries_and_keys_pad_those_instead(reference_flash, core):
+    """Queries and keys zero-padded to the values' 40, the queries scaled to keep 1/sqrt(24): the same function."""
+    inputs = {"segment_ids": PACKED}
+    eager = mla_model(attention_backend="eager", v_head_dim=40)
+    want_logits, want_grads = logits_and_grads(eager, inputs)
+    got_logits, got_grads = logits_and_grads(with_backend(eager, core), inputs)
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "backend, widths",
+    [("chunked", (24, 24, 24)), ("auto", (24, 24, 24)), ("sdpa", (24, 24, 12)), ("flex", (24, 24, 12))],
+)
+def test_only_cores_without_a_value_width_of_their_own_get_padded_values(monkeypatch, backend, widths):
+    """Values 12 wide beside queries/keys of nope 16 + rope 8: padded to 24 where the core takes one width."""
     seen = []
-    model = mla_model(attention_backend="chunked", n_layers=1)
-    attention = model.decoder.layers[0].self_attn
 
     def core(q, k, v, mask, dropout, alibi):
         seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
         return torch.zeros(*q.shape[:-1], v.shape[-1])
 
-    monkeypatch.setattr(attention, "core", core)
+    model = mla_model(attention_backend=backend, n_layers=1)
+    monkeypatch.setattr(model.decoder.layers[0].self_attn, "core", core)
     model(torch.zeros(1, 5, dtype=torch.long))
-    assert seen == [(24, 24, 24)]  # values 12 wide, padded to nope 16 + rope 8
-    sdpa = with_backend(model, "sdpa")  # (takes the values as they are)
-    monkeypatch.setattr(sdpa.decoder.layers[0].self_attn, "core", core)
-    sdpa(torch.zeros(1, 5, dtype=torch.long))
-    assert seen[-1] == (24, 24, 12)
+    assert seen == [widths]
 
 
 @pytest.mark.parametrize("core", ["sdpa", "chunked", "eager"])
