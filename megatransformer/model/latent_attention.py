@@ -2,10 +2,10 @@
 
 Keys and values of all heads are up-projected (``kv_b_proj``) from one latent per token (``kv_a_proj``, then
 ``kv_a_norm``); RoPE rotates a separate slice of each head, whose key is one per token, shared by all heads.
-Training runs the up-projected form: a plain multi-head core call. A KV cache holds the latent and the RoPE
-key only, and cached calls run the absorbed form: ``kv_b_proj``'s key half folded into the queries, its value
-half applied after the core, which then attends over the latent as one key/value head. Both compute the same
-function (docs/attention.md).
+Training and prompts run the up-projected form: a plain multi-head core call. A KV cache holds the latent and
+the RoPE key only, and calls onto held tokens (decoding) run the absorbed form: ``kv_b_proj``'s key half folded
+into the queries, its value half applied after the core, which then attends over the latent as one key/value
+head. Both compute the same function (docs/attention.md).
 """
 
 from __future__ import annotations
@@ -91,17 +91,21 @@ class LatentAttention(nn.Module):
         cache: KVCache | None = None,
         alibi: None = None,  # (the block passes ALiBi's bias, which MLA never has: it needs position=rope)
     ) -> torch.Tensor:
-        """``cache``: append this call's latent and RoPE key, attend over all held (the absorbed form)."""
+        """``cache``: append this call's latent and RoPE key; a call onto tokens held before attends over
+        them all in the absorbed form."""
         batch, length = x.shape[:2]
         q_nope, q_rot = self._queries(x).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rot = self.kv_a_proj(x).split([self.latent_dim, self.rope_dim], dim=-1)
         latent = self.kv_a_norm(latent).unsqueeze(1)  # [B, 1, T, latent]: one key/value "head"
         k_rot = self.shared_key(k_rot).unsqueeze(1)  # [B, 1, T, rope]
         q_rot, k_rot = apply_rope(q_rot, *rope), apply_rope(k_rot, *rope)
-        if cache is None:
+        held = 0
+        if cache is not None:
+            held = cache.length
+            latent, k_rot, _ = cache.append(latent, k_rot)
+        if held == 0:  # (a prompt, or no cache: its many queries are cheaper against up-projected keys)
             out = self._expanded(q_nope, q_rot, latent, k_rot, mask)
         else:
-            latent, k_rot, _ = cache.append(latent, k_rot)
             out = self._absorbed(q_nope, q_rot, latent, k_rot, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 

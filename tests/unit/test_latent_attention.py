@@ -135,7 +135,9 @@ def test_the_cache_holds_the_latent_and_its_logits_equal_the_uncached_ones(core,
     with torch.no_grad():
         whole = model(ids)
         caches = model.new_caches(2, 20)
-        parts = [model(ids[:, :7], caches=caches)] + [model(ids[:, t : t + 1], caches=caches) for t in range(7, 20)]
+        # a prompt (the up-projected form), a chunk onto it and single tokens (the absorbed form)
+        parts = [model(ids[:, :7], caches=caches), model(ids[:, 7:11], caches=caches)]
+        parts += [model(ids[:, t : t + 1], caches=caches) for t in range(11, 20)]
     held = 5 if "attention_window" in fields else 20
     assert caches[0].k.shape == (2, 1, held, 24) and caches[0].v.shape == (2, 1, held, 8)  # latent, RoPE key
     torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=1e-5)
