@@ -387,7 +387,7 @@ def deepseek_config(cfg: ModelConfig) -> dict:
 
 
 # DeepSeek-V3 config keys for what we do not build, with the value that leaves it out
-_DEEPSEEK_ABSENT = {"attention_bias": False, "pretraining_tp": 1}
+_DEEPSEEK_ABSENT = {"attention_bias": False}
 
 
 def model_config_from_deepseek(hf: dict) -> ModelConfig:
