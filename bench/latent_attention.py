@@ -133,7 +133,7 @@ def main() -> None:
     cpu = platform.processor() or platform.machine()
     print(
         f"# {datetime.datetime.now():%Y-%m-%d %H:%M} {cpu}, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}"
+        f"threads {torch.get_num_threads()}, {args.clock} clock"
     )
     gqa, mla = cfgs["gqa"], cfgs["mla"]
     print(
