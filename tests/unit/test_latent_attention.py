@@ -153,6 +153,18 @@ def test_generation_with_the_latent_cache_equals_generation_without(arch):
     assert len(set(cached[0].tolist())) > 3  # (not one token repeated)
 
 
+def test_beam_search_reorders_the_latent_cache_like_any_other():
+    from megatransformer.model.beam import beam_search
+
+    model = mla_model(seed=1, init_std=1.0)
+    prompt = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(7))
+    cached = beam_search(model, prompt, 10, 4, None, 0.6)
+    uncached = beam_search(model, prompt, 10, 4, None, 0.6, use_cache=False)
+    assert [h.tokens for h in cached] == [h.tokens for h in uncached]
+    # (the absorbed and the up-projected form sum in other orders: fp32 rounding, over logits of this large init)
+    assert [h.score for h in cached] == pytest.approx([h.score for h in uncached], rel=1e-4)
+
+
 def test_an_encoder_decoder_keeps_standard_cross_attention():
     model = mla_model(arch="encoder_decoder")
     layer = model.decoder.layers[0]
