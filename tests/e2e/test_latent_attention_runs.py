@@ -1,7 +1,7 @@
 """Multi-head latent attention in real runs: tensor parallelism (heads split after the up-projections, latents
-whole) and Ulysses sequence parallelism train like one rank; a trained model exports as DeepseekV3ForCausalLM
-(same logits, same 64 greedy tokens) and imports back bit for bit; an HF directory with mixture-of-experts
-layers is refused with one line (exit 2)."""
+whole) and Ulysses sequence parallelism (causal and prefix-LM) train like one rank; a trained model exports as
+DeepseekV3ForCausalLM (same logits, same 64 greedy tokens) and imports back bit for bit; an HF directory with
+mixture-of-experts layers is refused with one line (exit 2)."""
 
 from __future__ import annotations
 
@@ -31,28 +31,47 @@ def grad_norms(run_dir) -> list[float]:
     return [r["grad_norm"] for r in metrics(run_dir) if "grad_norm" in r]
 
 
+CASES = {  # the objective, and the run's other options
+    "decoder": ["parallel.zero_stage=1"],
+    "prefix_lm": ["parallel.zero_stage=1", "objective=prefix_lm"],  # bidirectional prefixes, packed documents
+}
+
+
 @pytest.fixture(scope="module")
-def one_rank(tiny_data, tmp_path_factory):
-    run = tmp_path_factory.mktemp("mla") / "one"
-    said = train(mla_run(tiny_data, run, "parallel.zero_stage=1")).stdout
-    assert "attention: mla, values 12 wide beside queries/keys 24: values zero-padded to 24 for auto" in said
+def runs(tiny_data, tmp_path_factory):
+    """The one-rank run of a case (made once per case)."""
+    made = {}
+
+    def run(case: str):
+        if case not in made:
+            made[case] = tmp_path_factory.mktemp("mla") / case
+            said = train(mla_run(tiny_data, made[case], *CASES[case])).stdout
+            assert "attention: mla, values 12 wide beside queries/keys 24: values zero-padded to 24 for auto" in said
+        return made[case]
+
     return run
+
+
+@pytest.fixture(scope="module")
+def one_rank(runs):
+    return runs("decoder")
 
 
 def test_tensor_parallel_equals_one_rank(one_rank, tiny_data, tmp_path):
     run = tmp_path / "tp2"
-    train(mla_run(tiny_data, run, "parallel.zero_stage=1", "parallel.tensor_parallel=2"), nproc=2)
+    train(mla_run(tiny_data, run, *CASES["decoder"], "parallel.tensor_parallel=2"), nproc=2)
     assert losses(run) == pytest.approx(losses(one_rank), rel=1e-5)
     assert grad_norms(run) == pytest.approx(grad_norms(one_rank), rel=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["auto", "sdpa"])  # values padded (chunked) or exchanged at their own width
-def test_sequence_parallel_equals_one_rank(one_rank, tiny_data, tmp_path, backend):
+# values padded (chunked) or exchanged at their own width (sdpa); prefix-LM masks over the whole sequence
+@pytest.mark.parametrize("case, backend", [("decoder", "auto"), ("decoder", "sdpa"), ("prefix_lm", "auto")])
+def test_sequence_parallel_equals_one_rank(runs, tiny_data, tmp_path, case, backend):
     run = tmp_path / "sp2"
-    extra = ["parallel.zero_stage=1", "parallel.sequence_parallel=2", f"model.attention_backend={backend}"]
+    extra = [*CASES[case], "parallel.sequence_parallel=2", f"model.attention_backend={backend}"]
     train(mla_run(tiny_data, run, *extra), nproc=2)
-    assert losses(run) == pytest.approx(losses(one_rank), abs=1e-5, rel=0)
-    assert grad_norms(run) == pytest.approx(grad_norms(one_rank), rel=1e-4)
+    assert losses(run) == pytest.approx(losses(runs(case)), abs=1e-5, rel=0)
+    assert grad_norms(run) == pytest.approx(grad_norms(runs(case)), rel=1e-4)
 
 
 def test_export_to_transformers_and_import_back(one_rank, tmp_path):
