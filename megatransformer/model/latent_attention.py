@@ -35,6 +35,13 @@ def pads_values(backend: str) -> bool:
     return backend not in TAKES_VALUE_DIM
 
 
+def core_head_dim(cfg: ModelConfig) -> int:
+    """The head width the attention cores of a training forward see (after any padding)."""
+    if cfg.attention != "mla":
+        return cfg.head_dim
+    return max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+
+
 def describe_value_width(cfg: ModelConfig) -> str:
     """One line for the run log: how the attention cores take MLA's value heads."""
     qk_dim, v_dim, backend = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.attention_backend

@@ -269,3 +269,15 @@ def test_attention_costs_count_each_kinds_parameters_flops_and_cache():
     assert attention_costs(mla_config(arch="encoder"))[0].kv_cache_values_per_token is None
     kinds = [cost.kind for cost in attention_costs(mla_config(arch="encoder_decoder"))]
     assert kinds == ["self (mla)", "cross (standard)"]
+
+
+def test_the_run_log_judges_the_gpu_cores_by_the_width_they_see(monkeypatch):
+    from megatransformer.model import attention
+    from megatransformer.model.latent_attention import core_head_dim, describe_value_width
+
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
+    for v_head_dim, core in ((12, "flash"), (28, "sdpa")):  # padded to 24, or queries/keys to 28 (not a multiple of 8)
+        cfg = mla_config(v_head_dim=v_head_dim)
+        line = attention.describe_backend("auto", "cuda", torch.bfloat16, 0.0, core_head_dim(cfg))
+        assert line.startswith(f"attention: auto -> {core} for every mask"), line
+    assert "queries/keys zero-padded to 28 for auto" in describe_value_width(mla_config(v_head_dim=28))
