@@ -28,17 +28,28 @@ def mlp_hidden_values(cfg: ModelConfig) -> int:
     return 3 * cfg.d_ff if cfg.ffn == "swiglu" else 2 * cfg.d_ff
 
 
+def core_values(cfg: ModelConfig, latent: bool) -> int:
+    """q, k, v and the core's output per position; multi-head latent attention (``latent``) keeps its
+    latents and RoPE key besides, and all heads' keys and values, up-projected."""
+    if not latent:
+        return 2 * cfg.d_model + 2 * cfg.kv_heads * cfg.head_dim
+    qk, v = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.n_heads * cfg.v_head_dim
+    return 2 * qk + 2 * v + cfg.kv_lora_rank + cfg.qk_rope_head_dim + (cfg.q_lora_rank or 0)
+
+
 def block_values(cfg: ModelConfig, cross_attention: bool = False, exchanged: bool = False) -> int:
     """Values one block keeps per position: the attention sub-layer's norm input and output, q, k, v, the
     core's output (with QK-norm q and k before their norms too) and, ``exchanged`` (Ulysses), the
     whole-sequence q, k, v and output of this rank's heads, the same count again; the MLP's norm input and
     output and, untiled, its hidden activations."""
-    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    attention = 2 * d + (2 * d + 2 * kv) * (2 if exchanged else 1)  # norm in/out; q, out, k, v
+    d, copies = cfg.d_model, 2 if exchanged else 1
+    attention = 2 * d + core_values(cfg, cfg.attention == "mla") * copies  # norm in/out; q, out, k, v
     if cfg.qk_norm:  # the queries and keys before their norms
-        attention += d + kv
+        attention += d + cfg.kv_heads * cfg.head_dim
+    if cross_attention:
+        attention += 2 * d + core_values(cfg, latent=False) * copies
     hidden = mlp_hidden_values(cfg) if cfg.mlp_tiles == 1 else 0
-    return attention * (2 if cross_attention else 1) + 2 * d + hidden
+    return attention + 2 * d + hidden
 
 
 def activation_estimate(cfg: RunConfig, micro_batch: int) -> ActivationEstimate:

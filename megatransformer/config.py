@@ -253,6 +253,26 @@ class ModelConfig(Section):
     FlexAttention block masks; flash: flash-attn (CUDA); eager: plain matmul-softmax reference; chunked: exact
     attention in query chunks with recomputation (fastest for CPU training, memory linear in sequence length for
     every mask; see BENCHMARKS.md)."""
+    attention: Literal["standard", "mla"] = "standard"
+    """Self-attention kind. standard: q/k/v projections per head (MHA, GQA, MQA by model.n_kv_heads); mla:
+    multi-head latent attention (DeepSeek-V2/V3; docs/attention.md): keys and values are up-projected from one
+    latent of model.kv_lora_rank values per token, RoPE acts on a separate slice of every head whose key is
+    shared by all heads, and the KV cache holds only the latent and that key. Needs position=rope; the
+    cross-attention of an encoder_decoder stays standard."""
+    kv_lora_rank: PositiveInt | None = None
+    """attention=mla (required): width of the latent the keys and values of a token come from (DeepSeek-V3:
+    512)."""
+    q_lora_rank: PositiveInt | None = None
+    """attention=mla: width of the latent the queries come from (DeepSeek-V3: 1536); None: queries projected
+    directly from the hidden state."""
+    qk_rope_head_dim: PositiveInt | None = None
+    """attention=mla: the query/key slice of each head that RoPE rotates (even; DeepSeek-V3: 64); default:
+    half of d_model / n_heads."""
+    qk_nope_head_dim: PositiveInt | None = None
+    """attention=mla: the query/key slice of each head without positions (DeepSeek-V3: 128); default: d_model /
+    n_heads less qk_rope_head_dim."""
+    v_head_dim: PositiveInt | None = None
+    """attention=mla: value width of each head (DeepSeek-V3: 128); default d_model / n_heads."""
 
     @property
     def kv_heads(self) -> int:
@@ -266,8 +286,34 @@ class ModelConfig(Section):
     def decoder_layers(self) -> int:
         return self.n_decoder_layers or self.n_layers
 
+    @model_validator(mode="before")
+    @classmethod
+    def _latent_defaults(cls, data: Any) -> Any:
+        """attention=mla: the head slices the config leaves out, from the head dim d_model / n_heads."""
+        if not isinstance(data, dict) or data.get("attention") != "mla":
+            return data
+        fields = cls.model_fields
+        d_model, n_heads = (data.get(k, fields[k].default) for k in ("d_model", "n_heads"))
+        if not (isinstance(d_model, int) and isinstance(n_heads, int) and n_heads > 0):
+            return data  # (the fields' own checks report it)
+        head = d_model // n_heads
+        data = dict(data)
+        rope, nope = data.get("qk_rope_head_dim"), data.get("qk_nope_head_dim")
+        if rope is None:
+            rope = data["qk_rope_head_dim"] = max(2, head // 4 * 2)
+        if nope is None:
+            _require(
+                not isinstance(rope, int) or rope < head,
+                f"model.qk_rope_head_dim={rope} is not smaller than the head dim d_model/n_heads={head} it is a "
+                "slice of; lower it or set model.qk_nope_head_dim",
+            )
+            data["qk_nope_head_dim"] = head - rope if isinstance(rope, int) else None
+        data.setdefault("v_head_dim", head)
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
+        self._latent_consistent()
         _require(
             self.d_model % self.n_heads == 0,
             f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}",
@@ -277,7 +323,7 @@ class ModelConfig(Section):
             f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}",
         )
         _require(
-            self.position != "rope" or self.head_dim % 2 == 0,
+            self.position != "rope" or self.attention == "mla" or self.head_dim % 2 == 0,
             f"model.position=rope needs an even head dim, got d_model/n_heads={self.head_dim}",
         )
         _require(
@@ -305,6 +351,37 @@ class ModelConfig(Section):
             f"model.n_decoder_layers is only for arch=encoder_decoder, not arch={self.arch}",
         )
         return self
+
+    def _latent_consistent(self) -> None:
+        latent = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        if self.attention != "mla":
+            for name in latent:
+                _require(getattr(self, name) is None, f"model.{name} is for model.attention=mla, not {self.attention}")
+            return
+        _require(
+            not self.qk_norm,
+            "model.qk_norm=true with model.attention=mla: DeepSeek's MLA normalises its latents (q_a_norm, "
+            "kv_a_norm) and has no per-head query/key norm; set model.qk_norm=false",
+        )
+        _require(
+            self.kv_lora_rank is not None,
+            "model.attention=mla needs model.kv_lora_rank, the width of each token's key/value latent "
+            "(DeepSeek-V3: 512)",
+        )
+        _require(
+            self.qk_rope_head_dim % 2 == 0,
+            f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs of values)",
+        )
+        _require(
+            self.position == "rope",
+            f"model.attention=mla needs model.position=rope (its decoupled RoPE key is its position scheme), "
+            f"got model.position={self.position}",
+        )
+        _require(
+            self.n_kv_heads in (None, self.n_heads),
+            f"model.n_kv_heads={self.n_kv_heads} with model.attention=mla: its keys and values are up-projected "
+            "for every head from one shared latent; leave model.n_kv_heads unset",
+        )
 
 
 # ------------------------------------------------------------------------------------------ training

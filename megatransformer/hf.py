@@ -1,12 +1,14 @@
 """Mapping between our decoders and Hugging Face ``transformers`` classes (config and weight names).
 
-Four families map exactly, so ``transformers`` computes the same function with no custom code:
+Five families map exactly, so ``transformers`` computes the same function with no custom code:
 
 - ``LlamaForCausalLM``: pre-LN, rmsnorm, rope (scaled or not: ``rope_parameters``), swiglu, no biases (MHA, GQA
   or MQA);
 - ``MistralForCausalLM``: the same with a sliding window (``sliding_window``, Llama's weight names);
 - ``Qwen3ForCausalLM``: Llama with QK-norm (``q_norm``, ``k_norm``), with or without a sliding window in every layer;
-- ``GPT2LMHeadModel``: pre-LN, layernorm, learned positions, (exact) gelu, biases, MHA, tied embeddings.
+- ``GPT2LMHeadModel``: pre-LN, layernorm, learned positions, (exact) gelu, biases, MHA, tied embeddings;
+- ``DeepseekV3ForCausalLM``: Llama's layout with multi-head latent attention, every MLP dense
+  (``first_k_dense_replace`` = layers); mixture-of-experts layers are refused on import.
 
 Each family is a table (:class:`Family`) of what must hold on each side; a conversion either maps a field
 exactly or refuses it with one line naming the field and its value, in both directions (docs/conversions.md).
@@ -51,7 +53,8 @@ class Family:
     for a relation); ``config`` maps the others (but checkpoint.HOW_NOT_WHAT, which change nothing computed);
     ``not_carried`` are our fields that act only in training mode and have no place in the class (exported with
     a note). Import: ``model_config`` maps the keys of ``mapped``; ``neutral`` holds those it cannot carry;
-    ``ignored`` (and ``IGNORED_KEYS``) change nothing the class computes.
+    ``ignored`` (and ``IGNORED_KEYS``) change nothing the class computes; ``weight_options`` reads from a
+    ``config.json`` the keyword arguments ``from_hf`` needs besides (DeepSeek's RoPE layout).
     tests/unit/test_hf_fields.py checks that every field of our config and of transformers' config class is in one
     of these tables.
     """
@@ -68,6 +71,7 @@ class Family:
     neutral: dict[str, Neutral] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
     not_carried: tuple[str, ...] = ()
+    weight_options: Callable[[dict], dict] = lambda hf: {}
 
     def incompatibility(self, cfg: ModelConfig) -> str | None:
         """Why ``cfg`` cannot be this class, or None when it can."""
@@ -137,6 +141,7 @@ _GLOBAL_NAMES = [
 # Our fields a Llama-like class fixes (Llama: no window either; Qwen3: QK-norm)
 _LLAMA_LIKE = {
     "arch": "decoder",
+    "attention": "standard",
     "norm_position": "pre",
     "norm": "rmsnorm",
     "position": "rope",
@@ -409,6 +414,7 @@ _GPT2_REQUIRES = {
     "n_kv_heads": lambda cfg: cfg.n_heads if cfg.n_kv_heads is not None else None,
     "attention_window": None,
     "qk_norm": False,
+    "attention": "standard",
 }
 _GPT2_KEYS = (
     "vocab_size",
@@ -522,6 +528,117 @@ def from_gpt2_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> di
     return out
 
 
+# ------------------------------------------------------------------------------------------ DeepSeek-V3
+
+_DEEPSEEK_LAYER_NAMES = [  # besides Llama's norms and MLP; the attention's (ours, DeepSeek) suffixes
+    ("q_proj", "q_proj"),
+    ("q_a_proj", "q_a_proj"),
+    ("q_a_norm", "q_a_layernorm"),
+    ("q_b_proj", "q_b_proj"),
+    ("kv_a_proj", "kv_a_proj_with_mqa"),
+    ("kv_a_norm", "kv_a_layernorm"),
+    ("kv_b_proj", "kv_b_proj"),
+    ("o_proj", "o_proj"),
+]
+_LATENT_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # both sides'
+# DeepSeek-V3's mixture-of-experts settings: they act only in MoE layers, which are refused (first_k_dense_replace)
+_DEEPSEEK_MOE_KEYS = (
+    "moe_intermediate_size",
+    "n_group",
+    "n_routed_experts",
+    "n_shared_experts",
+    "norm_topk_prob",
+    "num_experts_per_tok",
+    "output_router_logits",
+    "routed_scaling_factor",
+    "topk_group",
+)
+
+
+def deepseek_config(cfg: ModelConfig) -> dict:
+    """``DeepseekV3Config`` keyword arguments equivalent to ``cfg``: every layer's MLP dense
+    (``first_k_dense_replace`` = layers), RoPE in the half-split layout (``rope_interleave`` false)."""
+    reason = DEEPSEEK_V3.incompatibility(cfg)
+    if reason:
+        raise ValueError(f"this model cannot be expressed as DeepseekV3ForCausalLM: {reason}")
+    return {
+        **_llama_like_config(cfg),
+        "head_dim": cfg.qk_rope_head_dim,  # (what DeepseekV3Config itself sets: the rotary width)
+        **{name: getattr(cfg, name) for name in _LATENT_FIELDS},
+        "first_k_dense_replace": cfg.n_layers,
+        "rope_interleave": False,
+        "attention_bias": False,
+        "num_mtp_layers": 0,
+    }
+
+
+def model_config_from_deepseek(hf: dict) -> ModelConfig:
+    """Our ModelConfig for a DeepSeek-V3 ``config.json`` dict whose layers are all dense."""
+    layers, dense = hf["num_hidden_layers"], hf.get("first_k_dense_replace", 3)
+    if dense < layers:
+        raise ValueError(
+            f"DeepSeek-V3 first_k_dense_replace={dense} < num_hidden_layers={layers}: layers {dense}-{layers - 1} "
+            "are mixture-of-experts layers, which megatransformer does not build"
+        )
+    heads = hf["num_attention_heads"]
+    if hf.get("num_key_value_heads", heads) != heads:
+        raise ValueError(f"DeepSeek-V3 num_key_value_heads={hf['num_key_value_heads']} != num_attention_heads={heads}")
+    rope = hf.get("qk_rope_head_dim", 64)
+    if hf.get("head_dim", rope) != rope:
+        raise ValueError(f"DeepSeek-V3 head_dim={hf['head_dim']} is not supported: it is the RoPE width, {rope}")
+    defaults = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128}
+    latent = {name: hf.get(name, defaults.get(name, 128)) for name in _LATENT_FIELDS}
+    llama = model_config_from_llama({**hf, "head_dim": None}).model_dump()  # (its head_dim: the rotary width)
+    return _model_config(**{**llama, "n_kv_heads": None, "attention": "mla", **latent})
+
+
+def _deepseek_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    attention = [
+        (f"decoder.layers.{{i}}.self_attn.{ours}.weight", f"model.layers.{{i}}.self_attn.{theirs}.weight")
+        for ours, theirs in _DEEPSEEK_LAYER_NAMES
+        if (ours == "q_proj") == (cfg.q_lora_rank is None) or not ours.startswith("q_")
+    ]
+    mlp_and_norms = [pair for pair in _LAYER_NAMES if ".self_attn." not in pair[0]]
+    return _pairs(_GLOBAL_NAMES, mlp_and_norms + attention, cfg.n_layers)
+
+
+def to_deepseek_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {theirs: state[ours] for ours, theirs in _deepseek_pairs(cfg)}
+    if cfg.tie_embeddings:
+        out.pop("lm_head.weight")
+    return out
+
+
+def from_deepseek_state_dict(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, interleaved: bool = False
+) -> dict[str, torch.Tensor]:
+    """Our weights from DeepSeek-V3's; ``interleaved`` (``rope_interleave``): RoPE pairs (x0, x1), (x2, x3), ...
+    whose rotation equals the half-split one of (x0, x2, ..., x1, x3, ...), so the rows that make the RoPE
+    slice are reordered that way. The multi-token-prediction layers (beyond num_hidden_layers), which
+    transformers does not run either, are left out."""
+    if cfg.tie_embeddings:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    pairs = _deepseek_pairs(cfg)
+    missing = [theirs for _, theirs in pairs if theirs not in state]
+    if missing:
+        raise ValueError(f"DeepSeek-V3 checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+    mtp = re.compile(r"^model\.layers\.(\d+)\.")  # (layers from num_hidden_layers on: multi-token prediction)
+    extra = {name for name in state if (m := mtp.match(name)) and int(m.group(1)) >= cfg.n_layers}
+    _leftover_check(state, {theirs for _, theirs in pairs} | extra, "DeepSeek-V3")
+    out = {ours: state[theirs] for ours, theirs in pairs}
+    if interleaved:
+        rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+        half_split = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+        for i in range(cfg.n_layers):
+            attn = f"decoder.layers.{i}.self_attn."
+            q = f"{attn}q_proj.weight" if cfg.q_lora_rank is None else f"{attn}q_b_proj.weight"
+            heads = out[q].view(cfg.n_heads, nope + rope, -1)
+            out[q] = torch.cat([heads[:, :nope], heads[:, nope:][:, half_split]], dim=1).flatten(0, 1)
+            kv = out[f"{attn}kv_a_proj.weight"]
+            out[f"{attn}kv_a_proj.weight"] = torch.cat([kv[: cfg.kv_lora_rank], kv[cfg.kv_lora_rank :][half_split]])
+    return out
+
+
 # ------------------------------------------------------------------------------------------- families
 
 
@@ -587,7 +704,26 @@ QWEN3 = Family(
     },
     not_carried=("dropout", "embedding_dropout"),
 )
-FAMILIES = (LLAMA, MISTRAL, GPT2, QWEN3)
+DEEPSEEK_V3 = Family(
+    "DeepSeek-V3",
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
+    requires={**_LLAMA_LIKE, "attention": "mla", "attention_window": None},
+    config=deepseek_config,
+    to_hf=to_deepseek_state_dict,
+    from_hf=from_deepseek_state_dict,
+    model_config=model_config_from_deepseek,
+    mapped=(*_LLAMA_LIKE_KEYS, *_LATENT_FIELDS, "first_k_dense_replace", "rope_interleave"),
+    neutral={
+        "hidden_act": _SILU,
+        "attention_bias": Neutral(False, (False,)),
+        "partial_rotary_factor": Neutral(1.0, (1.0,)),
+    },
+    ignored=(*_DEEPSEEK_MOE_KEYS, "num_mtp_layers", "pretraining_tp"),  # (transformers runs no MTP layer either)
+    not_carried=("dropout", "embedding_dropout"),
+    weight_options=lambda hf: {"interleaved": hf.get("rope_interleave", True)},
+)
+FAMILIES = (LLAMA, MISTRAL, GPT2, QWEN3, DEEPSEEK_V3)
 # transformers families close to ours that our blocks cannot express, and why
 UNEXPRESSIBLE = {
     "olmo2": "OLMo 2 normalises each sub-layer's output inside the residual (x + norm(f(x))) and its QK-norm spans "
@@ -630,7 +766,7 @@ def save_hf_dir(
         "model_type": family.model_type,
         **family.config(cfg),
         # (rope_theta where older transformers read it)
-        **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL, QWEN3) else {}),
+        **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL, QWEN3, DEEPSEEK_V3) else {}),
         "bos_token_id": special_ids.get("bos"),
         "eos_token_id": special_ids.get("eos"),
         "pad_token_id": special_ids.get("pad"),
@@ -662,8 +798,8 @@ def save_hf_dir(
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Llama, Mistral, Qwen3 or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our
-    names."""
+    """Read a Llama, Mistral, Qwen3, GPT-2 or DeepSeek-V3 directory (config.json + *.safetensors, possibly sharded)
+    into our names."""
     from safetensors.torch import load_file
 
     config_path = Path(path) / "config.json"
@@ -688,7 +824,7 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
-    weights = family.from_hf(state, cfg)
+    weights = family.from_hf(state, cfg, **family.weight_options(hf))
     _check_shapes(weights, cfg, path)
     return cfg, weights
 

@@ -226,15 +226,24 @@ class KVCache:
     With a sliding ``window`` (``model.attention_window``) it holds only the last ``window - 1`` keys, those the
     next query can still see, however long the generation: ``length`` counts the keys held, ``seen`` the
     positions decoded so far. Masks index the keys a call attends to from the first one held (``q_offset`` =
-    ``length``), positions count from the start (``seen``)."""
+    ``length``), positions count from the start (``seen``). ``value_dim``: the values' width where it is not
+    the keys' (multi-head latent attention holds its latent as the keys and its RoPE key as the values)."""
 
     def __init__(
-        self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, window: int | None = None
+        self,
+        batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype,
+        device,
+        window: int | None = None,
+        value_dim: int | None = None,
     ) -> None:
         self.window = window if window is not None and window - 1 < max_len else None  # (else everything fits)
         size = max_len if self.window is None else self.window - 1
         self.k = torch.empty(batch, kv_heads, size, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self.v = torch.empty(batch, kv_heads, size, value_dim or head_dim, dtype=dtype, device=device)
         self.positions = torch.zeros(batch, size, dtype=torch.long, device=device)
         self.length = 0  # keys held
         self.dropped = 0  # keys before them, out of the window

@@ -8,6 +8,7 @@ from torch import nn
 
 from megatransformer.config import ModelConfig
 from megatransformer.model.attention import Attention, KVCache
+from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.masks import AttentionMask
 from megatransformer.model.norms import RMSNorm
 from megatransformer.model.positions import Alibi
@@ -60,7 +61,7 @@ class Block(nn.Module):
             qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
         )
         self.attn_norm = make_norm(cfg)
-        self.self_attn = Attention(**attn)
+        self.self_attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(**attn)
         if cross_attention:
             self.cross_norm = make_norm(cfg)
             self.cross_attn = Attention(**attn)

@@ -42,10 +42,11 @@ class ScaledRotary(Rotary):
 
 
 def rotary(cfg: ModelConfig) -> Rotary:
-    """The rotary embedding a rope model's config describes."""
+    """The rotary embedding a rope model's config describes (of the RoPE slice of each head under MLA)."""
+    dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
     if cfg.rope_scaling is None:
-        return Rotary(cfg.head_dim, cfg.rope_theta)
-    return ScaledRotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return Rotary(dim, cfg.rope_theta)
+    return ScaledRotary(dim, cfg.rope_theta, cfg.rope_scaling)
 
 
 def _yarn_attention_factor(scaling: RopeScaling) -> float:

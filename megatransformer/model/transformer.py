@@ -72,6 +72,14 @@ class Stack(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
 
+def kv_cache_dims(cfg: ModelConfig) -> tuple[int, int, int]:
+    """What a layer's KV cache holds per token: (heads, key width, value width); under MLA one "head" of the
+    latent (as keys) and the shared RoPE key (as values)."""
+    if cfg.attention == "mla":
+        return 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    return cfg.kv_heads, cfg.head_dim, cfg.head_dim
+
+
 def default_positions(ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return torch.arange(offset, offset + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
 
@@ -106,8 +114,9 @@ class LanguageModel(nn.Module):
         cfg, weight = self.config, self.lm_head.weight
         n, device = len(self.decoder.layers), weight.device
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+        heads, key_dim, value_dim = kv_cache_dims(cfg)
         window = cfg.attention_window
-        return [KVCache(batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, device, window) for _ in range(n)]
+        return [KVCache(batch, heads, max_len, key_dim, dtype, device, window, value_dim) for _ in range(n)]
 
 
 class DecoderLM(LanguageModel):

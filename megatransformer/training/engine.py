@@ -30,6 +30,7 @@ from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.checkpoint import TrainerState
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
 from megatransformer.model import build_model
+from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
 from megatransformer.training import checkpointer
@@ -186,6 +187,7 @@ class TrainModule:
         if tp > 1:
             assign_head_offsets(self.engine.module, self.tp_rank, tp)
             sum_partial_gradients(self.engine.module, groups.get_tensor_model_parallel_group())
+            sum_shared_key_gradients(self.engine.module, groups.get_tensor_model_parallel_group())
         # the ranks DeepSpeed divides the summed gradients by: the data-parallel ones, except in ZeRO-3's
         # reduce-scatter, which divides by all ranks it partitions over, sequence-parallel peers included
         self.averaged_ranks = self.dp_size * (sp if self.zero_stage == 3 else 1)
@@ -457,6 +459,17 @@ def gated_update(engine, apply: Callable[[], bool]):
                 del obj.step
             else:
                 obj.step = own
+
+
+def sum_shared_key_gradients(model: torch.nn.Module, group) -> None:
+    """Multi-head latent attention's RoPE key is one per token for all heads, read by every tensor-parallel
+    shard's heads: its gradient is summed over the shards (DeepSpeed's ``ColumnParallel``, the identity forward
+    and an all-reduce backward, which its column-parallel layers apply to their inputs too)."""
+    from deepspeed.module_inject.layers import ColumnParallel
+
+    for module in model.modules():
+        if isinstance(module, LatentAttention):
+            module.shared_key = functools.partial(ColumnParallel.apply, group)
 
 
 def zero_grad_norm(engine) -> torch.Tensor | None:

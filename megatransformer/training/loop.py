@@ -17,6 +17,7 @@ from megatransformer import checkpoint as ckpt
 from megatransformer.config import RunConfig, dump_config, precision_dtype
 from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
+from megatransformer.model.latent_attention import core_head_dim, describe_value_width
 from megatransformer.training import cpu_bf16, spikes
 from megatransformer.training.data import build_run_loader, small_validation_warning
 from megatransformer.training.distributed import Dist
@@ -131,10 +132,12 @@ class Trainer:
                     torch.device(self.dist.device).type,
                     dtype,
                     cfg.model.attention_dropout,
-                    cfg.model.head_dim,
+                    core_head_dim(cfg.model),
                     cfg.model.position == "alibi",
                 )
             )
+            if cfg.model.attention == "mla":
+                print(describe_value_width(cfg.model))
             matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, cfg.train.compile)
             if matmuls is not None:
                 print(matmuls)

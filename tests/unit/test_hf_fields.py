@@ -13,7 +13,17 @@ from support.models import randomized
 from megatransformer.checkpoint import HOW_NOT_WHAT, write_weights_checkpoint
 from megatransformer.cli import main
 from megatransformer.config import ModelConfig, RunConfig
-from megatransformer.hf import FAMILIES, GPT2, IGNORED_KEYS, LLAMA, MISTRAL, QWEN3, load_hf_dir, save_hf_dir
+from megatransformer.hf import (
+    DEEPSEEK_V3,
+    FAMILIES,
+    GPT2,
+    IGNORED_KEYS,
+    LLAMA,
+    MISTRAL,
+    QWEN3,
+    load_hf_dir,
+    save_hf_dir,
+)
 from megatransformer.inference import load_for_inference
 from megatransformer.model import build_model
 
@@ -34,6 +44,9 @@ OURS = {  # a small model of each family
                position="learned", ffn="gelu", bias=True, tie_embeddings=True),
     QWEN3: dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97, max_seq_len=32,
                 norm="rmsnorm", position="rope", ffn="swiglu", bias=False, tie_embeddings=False, qk_norm=True),
+    DEEPSEEK_V3: dict(d_model=32, n_layers=2, n_heads=4, d_ff=48, vocab_size=97, max_seq_len=32, norm="rmsnorm",
+                      position="rope", ffn="swiglu", bias=False, tie_embeddings=False, attention="mla",
+                      kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8),
 }  # fmt: skip
 # Another value of each of our fields that changes the computation (HOW_NOT_WHAT: those that do not)
 OUR_ALTERNATIVES = {
@@ -68,6 +81,12 @@ OUR_ALTERNATIVES = {
     "embedding_dropout": [0.2],
     "final_norm": [False],
     "qk_norm": [True, False],
+    "attention": ["mla", "standard"],
+    "kv_lora_rank": [24],
+    "q_lora_rank": [16],
+    "qk_rope_head_dim": [6],
+    "qk_nope_head_dim": [4],
+    "v_head_dim": [12],
 }
 
 
@@ -143,6 +162,10 @@ THEIRS = {  # a small transformers config of each family
     GPT2: dict(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, activation_function="gelu"),
     QWEN3: dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=16, tie_word_embeddings=False),
+    DEEPSEEK_V3: dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=None, max_position_embeddings=16, tie_word_embeddings=False,
+                      kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                      first_k_dense_replace=4, rope_interleave=False),
 }  # fmt: skip
 _ROPE_ALTERNATIVES = [
     {"rope_type": "default", "rope_theta": 500.0},
@@ -194,6 +217,29 @@ THEIR_ALTERNATIVES = {
         "max_window_layers": [1],
         "layer_types": [["sliding_attention", "sliding_attention"], ["full_attention", "sliding_attention"]],
     },
+    DEEPSEEK_V3: {
+        **_LLAMA_LIKE_ALTERNATIVES,
+        "num_key_value_heads": [1],
+        "attention_bias": [True],
+        "pretraining_tp": [2],
+        "kv_lora_rank": [24],
+        "q_lora_rank": [12],
+        "qk_rope_head_dim": [6],
+        "qk_nope_head_dim": [4],
+        "v_head_dim": [12],
+        "first_k_dense_replace": [1, 2],
+        "rope_interleave": [True],
+        "moe_intermediate_size": [24],
+        "n_group": [2],
+        "n_routed_experts": [2],
+        "n_shared_experts": [2],
+        "norm_topk_prob": [False],
+        "num_experts_per_tok": [2],
+        "output_router_logits": [True],
+        "routed_scaling_factor": [2.0],
+        "topk_group": [2],
+        "num_mtp_layers": [1],
+    },
     GPT2: {
         "vocab_size": [101],
         "n_positions": [64],
@@ -225,9 +271,12 @@ THEIR_ALTERNATIVES = {
 }
 
 
-# Mapped keys of which some values are refused: Qwen3's windowed layers (all or none), and its explicit head_dim
-# (another hidden size is another head count)
-PARTLY_OURS = {QWEN3: ("layer_types", "hidden_size")}
+# Mapped keys of which some values are refused: Qwen3's windowed layers (all or none) and its explicit head_dim
+# (another hidden size is another head count); DeepSeek-V3's key/value heads (none but the heads) and its MoE layers
+PARTLY_OURS = {
+    QWEN3: ("layer_types", "hidden_size"),
+    DEEPSEEK_V3: ("num_key_value_heads", "first_k_dense_replace"),  # (MLA has no grouping; MoE layers)
+}
 
 
 def own_fields(config_class) -> set[str]:
