@@ -172,6 +172,8 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 @_guard
 def _shard(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from data_pipeline.documents import input_files
     from data_pipeline.shard import write_shards
 
@@ -193,9 +195,14 @@ def _shard(args: argparse.Namespace) -> int:
     unit = "examples" if args.prompt_field else "documents"
     for split, shards in manifest.splits.items():
         print(
-            f"{split}: {len(shards)} shards, {sum(s.samples for s in shards):,} {unit}, "
+            f"{split}: {len(shards)} shards, {sum(s.documents for s in shards):,} {unit}, "
             f"{manifest.tokens(split):,} tokens ({manifest.dtype})"
         )
+    payload = np.dtype(manifest.dtype).itemsize
+    print(
+        f"{manifest.bytes_per_token():.2f} bytes per token on disk ({manifest.bytes_per_token() / payload:.2f}x "
+        f"the {manifest.dtype} ids)"
+    )
     return 0
 
 

@@ -55,7 +55,7 @@ def test_a_400_example_file_gets_a_validation_split_of_several_batches(tmp_path,
         prompt_field="prompt",
         text_field="completion",
     )
-    assert sum(s.samples for s in manifest.splits["valid"]) == 40
+    assert sum(s.documents for s in manifest.splits["valid"]) == 40
     tok = load_tokenizer(tiny_data.tokenizer)
     loader = build_run_loader(loader_cfg(tmp_path / "sft", tiny_data), "valid", 4, 0, 1, tok)
     assert small_validation_warning(loader, 4) is None
