@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -291,6 +291,7 @@ class DocumentReader:
         self.shard_set, self.seed, self.stream, self.streams = shard_set, seed, stream, streams
         self.shuffle, self.block, self.opener, self.epochs = shuffle, block, opener, epochs
         self.eos = eos  # appended to every document (None: nothing)
+        self.served = 0  # documents read so far
 
     def shares(self, epoch: int) -> list[Share]:
         """This stream's shares of the epoch: whole shards k, k+S, ... of the permutation, or, with fewer
@@ -306,25 +307,22 @@ class DocumentReader:
         parts, part, docs = len(range(k % n, self.streams, n)), k // n, shards[shard].documents
         return [Share(shard, part * docs // parts, (part + 1) * docs // parts)]
 
-    def documents(self, start: Position) -> Iterator[tuple[np.ndarray, int | None, Position]]:
-        """Yield (document tokens as int64, EOS appended if asked; its prompt length or None; its Position)
-        from ``start`` on (the caller applies start.offset)."""
+    def documents(self, start: Position) -> Iterator[tuple[np.ndarray, int, Position]]:
+        """Yield (document tokens as int64, EOS appended if asked; its prompt length, 0 for text; its
+        Position) from ``start`` on (the caller applies start.offset)."""
         epoch, shard_pos, doc_pos = start.epoch, start.shard, start.doc
         empty_epochs = 0
         while self.epochs is None or epoch < self.epochs:
-            shares, found, whole_epoch = self.shares(epoch), False, shard_pos == 0 and doc_pos == 0
+            shares, served, whole_epoch = self.shares(epoch), self.served, shard_pos == 0 and doc_pos == 0
             while shard_pos < len(shares):
                 share = shares[shard_pos]
                 base = doc_pos // self.block * self.block  # where the permuted block holding doc_pos starts
-                for d, (tokens, prompt_len) in self._ordered(
-                    self._share_documents(share, base), epoch, share, base, doc_pos
-                ):
-                    found = True
-                    yield tokens, prompt_len, Position(epoch, shard_pos, d, 0)
+                docs = itertools.chain.from_iterable(self._share_documents(share, base))
+                yield from self._permuted(docs, epoch, shard_pos, share, base, doc_pos)
                 shard_pos, doc_pos = shard_pos + 1, 0
             # a stream whose shares were all skipped moves on to the next epoch (other shards), but never spins
             # through epochs without data
-            empty_epochs = empty_epochs + 1 if whole_epoch and not found else 0
+            empty_epochs = empty_epochs + 1 if whole_epoch and self.served == served else 0
             skipped = {self.shard_set.location(info) for info in self.shard_set.shards} <= set(self.opener.skipped)
             if empty_epochs and (skipped or empty_epochs > MAX_EMPTY_EPOCHS):
                 raise DataError(
@@ -333,41 +331,41 @@ class DocumentReader:
                 )
             epoch, shard_pos = epoch + 1, 0
 
-    def _share_documents(self, share: Share, start: int) -> Iterator[tuple[np.ndarray, int | None]]:
-        """(tokens, prompt length or None) of the share's documents from its ``start``-th on, in shard order:
-        slices of each block's ids, converted (and EOS inserted) once per block."""
+    def _share_documents(self, share: Share, start: int) -> Iterator[list[tuple[np.ndarray, int]]]:
+        """(tokens, prompt length) of the share's documents from its ``start``-th on, in shard order, a list per
+        block: slices of its ids, converted (and EOS inserted) once for the block's documents in the share."""
         first, stop = share.first + start, share.stop
         for index, block in self.opener.blocks(self.shard_set, share):
-            tokens, offsets = block.ids.astype(np.int64), block.offsets
+            lo, hi = max(first - index, 0), min(stop - index, len(block))
+            if lo >= hi:  # all before the resume point
+                continue
+            offsets = block.offsets[lo : hi + 1]
+            tokens = block.ids[offsets[0] : offsets[-1]].astype(np.int64)
+            offsets = offsets - offsets[0]
             if self.eos is not None:
                 tokens = np.insert(tokens, offsets[1:], self.eos)
                 offsets = offsets + np.arange(len(offsets))
             bounds = offsets.tolist()
-            prompts = None if block.prompt_lens is None else block.prompt_lens.tolist()
-            for i in range(max(first - index, 0), min(stop - index, len(block))):
-                yield tokens[bounds[i] : bounds[i + 1]], None if prompts is None else prompts[i]
+            prompts = itertools.repeat(0) if block.prompt_lens is None else block.prompt_lens[lo:hi].tolist()
+            yield list(zip([tokens[a:b] for a, b in zip(bounds, bounds[1:])], prompts))
 
-    def _ordered(self, docs: Iterator, epoch: int, share: Share, base: int, first: int) -> Iterator[tuple[int, Any]]:
-        """(index, document) from index ``first`` on, each block of ``self.block`` documents permuted; ``docs``
-        starts at index ``base``, the start of a block."""
-        block: list = []
-        for doc in docs:
-            block.append(doc)
-            if len(block) == self.block:
-                yield from self._emit(block, base, epoch, share, first)
-                base, block = base + len(block), []
-        yield from self._emit(block, base, epoch, share, first)
-
-    def _emit(self, block: list, base: int, epoch: int, share: Share, first: int):
-        if base + len(block) <= first:  # before the resume point
-            return
-        order = (
-            _rng(self.seed, epoch, share.shard, share.first + base).permutation(len(block))
-            if self.shuffle
-            else range(len(block))
-        )
-        for j in range(max(first - base, 0), len(block)):
-            yield base + j, block[order[j]]
+    def _permuted(
+        self, docs: Iterator, epoch: int, shard_pos: int, share: Share, base: int, first: int
+    ) -> Iterator[tuple[np.ndarray, int, Position]]:
+        """The documents from index ``first`` on with their Positions, each block of ``self.block`` documents
+        permuted; ``docs`` starts at index ``base``, the start of a block."""
+        while block := list(itertools.islice(docs, self.block)):
+            self.served += len(block)
+            if base + len(block) > first:  # (blocks before the resume point are passed over)
+                order = (
+                    _rng(self.seed, epoch, share.shard, share.first + base).permutation(len(block)).tolist()
+                    if self.shuffle
+                    else range(len(block))
+                )
+                for j in range(max(first - base, 0), len(block)):
+                    tokens, prompt_len = block[order[j]]
+                    yield tokens, prompt_len, Position(epoch, shard_pos, base + j, 0)
+            base += len(block)
 
 
 class WindowStream:
@@ -391,10 +389,13 @@ class WindowStream:
         current position; each Position's offset says where its unread part starts (non-zero only for the
         first one)."""
         start = self.position
-        for tokens, prompt_len, pos in self.docs.documents(start):
+        docs = self.docs.documents(start)
+        for tokens, prompt_len, pos in docs:
             if (pos.epoch, pos.shard, pos.doc) == (start.epoch, start.shard, start.doc):
                 pos.offset = start.offset
-            yield tokens, prompt_len or 0, pos
+            yield tokens, prompt_len, pos
+            break
+        yield from docs
 
     def _packed(self) -> Iterator[Window]:
         size = self.objective.window
@@ -406,11 +407,11 @@ class WindowStream:
             pending.append([tokens, pos, pos.offset, prompt_len])
             available += len(tokens) - pos.offset
             while available >= size:
-                chunks, segments, prompts, need = [], [], [], size
-                for k, (t, _, s, p) in enumerate(pending):
+                chunks, takes, prompts, need = [], [], [], size
+                for t, _, s, p in pending:
                     take = min(need, len(t) - s)
                     chunks.append(t[s : s + take])
-                    segments.append(np.full(take, k + 1, dtype=np.int64))
+                    takes.append(take)
                     if marks_prompts:
                         prompts.append(np.arange(s, s + take) < p)
                     need -= take
@@ -418,9 +419,8 @@ class WindowStream:
                         break
                 self._advance(pending, stride, pos)
                 available -= stride
-                yield Window(
-                    np.concatenate(chunks), np.concatenate(segments), np.concatenate(prompts) if marks_prompts else None
-                )
+                segments = np.repeat(np.arange(1, len(takes) + 1), takes)
+                yield Window(np.concatenate(chunks), segments, np.concatenate(prompts) if marks_prompts else None)
 
     def _advance(self, pending: deque, count: int, last: Position) -> None:
         while count:
