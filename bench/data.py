@@ -80,40 +80,48 @@ def bench_tokenizer(files: list[str], tokenizer: Path) -> list[dict]:
     return [{"stage": "tokenize", "workers": 1, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}]
 
 
-def bench_sharding(files: list[str], tokenizer: Path, work: Path, cores: int, version: int = 2) -> list[dict]:
+def bench_sharding(
+    files: list[str], tokenizer: Path, work: Path, cores: int, versions: tuple[int, ...] = (2,), shard_mb: float = 0.25
+) -> list[dict]:
+    """Shard writing into ``work/format-V/shards-W`` with W = 1 and ``cores`` tokenizer processes, the formats
+    side by side for each W."""
+    import webdataset  # noqa: F401 - imported before the first clock starts
+
     from data_pipeline.shard import write_shards
 
     rows = []
     for workers in sorted({1, cores}):
-        started = time.perf_counter()
-        manifest = write_shards(
-            files,
-            str(tokenizer),
-            work / f"shards-{workers}",
-            shard_mb=0.25,
-            valid_every=100,
-            workers=workers,
-            progress=False,
-            overwrite=True,
-            version=version,
-        )
-        elapsed = time.perf_counter() - started
-        tokens = sum(manifest.tokens(split) for split in manifest.splits)
-        rows.append(
-            {
-                "stage": "shard",
-                "workers": workers,
-                "tokens": tokens,
-                "seconds": elapsed,
-                "tokens_per_s": tokens / elapsed,
-                "bytes_per_token": manifest.bytes_per_token(),
-            }
-        )
+        for version in versions:
+            started = time.perf_counter()
+            manifest = write_shards(
+                files,
+                str(tokenizer),
+                work / f"format-{version}" / f"shards-{workers}",
+                shard_mb=shard_mb,
+                valid_every=100,
+                workers=workers,
+                progress=False,
+                overwrite=True,
+                version=version,
+            )
+            elapsed = time.perf_counter() - started
+            tokens = sum(manifest.tokens(split) for split in manifest.splits)
+            rows.append(
+                {
+                    "stage": "shard",
+                    "workers": workers,
+                    "tokens": tokens,
+                    "seconds": elapsed,
+                    "tokens_per_s": tokens / elapsed,
+                    "format": version,
+                    "bytes_per_token": manifest.bytes_per_token("train"),
+                }
+            )
     return rows
 
 
 def bench_loading(
-    shards: str,
+    shards: dict[int, str],
     tokenizer: Path,
     seq_len: int,
     micro: int,
@@ -122,6 +130,7 @@ def bench_loading(
     objectives: list[tuple[str, str]] = OBJECTIVES,
     where: str = "local",
 ) -> list[dict]:
+    """The loader on the shard directories of ``shards`` (format -> directory), the formats side by side."""
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import validate
     from megatransformer.training.data import build_run_loader
@@ -130,40 +139,42 @@ def bench_loading(
     rows = []
     for objective, arch in objectives:
         for workers in sorted({0, cores}):
-            cfg = validate(
-                {
-                    "model": {"arch": arch, "vocab_size": tok.vocab_size, "max_seq_len": seq_len},
-                    "data": {
-                        "train": str(shards),
-                        "tokenizer": str(tokenizer),
-                        "seq_len": seq_len,
-                        "num_workers": workers,
-                    },
-                    "objective": objective,
-                }
-            )
-            loader = build_run_loader(cfg, "train", micro, 0, 1, tok)
-            it = iter(loader)
-            for _ in range(max(2, workers)):  # warm-up: worker start, first shards
-                next(it)
-            started, tokens, real = time.perf_counter(), 0, 0
-            for _ in range(batches):
-                batch = next(it)
-                tokens += batch["input_ids"].numel()  # positions (encoder / decoder-only side), padding included
-                real += int((batch["segment_ids"] > 0).sum())
-            elapsed = time.perf_counter() - started
-            rows.append(
-                {
-                    "stage": "load",
-                    "objective": f"{objective} ({arch})",
-                    "workers": workers,
-                    "from": where,
-                    "tokens": tokens,
-                    "seconds": elapsed,
-                    "tokens_per_s": tokens / elapsed,
-                    "real_tokens_per_s": real / elapsed,
-                }
-            )
+            for version, directory in shards.items():
+                cfg = validate(
+                    {
+                        "model": {"arch": arch, "vocab_size": tok.vocab_size, "max_seq_len": seq_len},
+                        "data": {
+                            "train": str(directory),
+                            "tokenizer": str(tokenizer),
+                            "seq_len": seq_len,
+                            "num_workers": workers,
+                        },
+                        "objective": objective,
+                    }
+                )
+                loader = build_run_loader(cfg, "train", micro, 0, 1, tok)
+                it = iter(loader)
+                for _ in range(max(2, workers)):  # warm-up: worker start, first shards
+                    next(it)
+                started, tokens, real = time.perf_counter(), 0, 0
+                for _ in range(batches):
+                    batch = next(it)
+                    tokens += batch["input_ids"].numel()  # positions (encoder / decoder-only side), padding included
+                    real += int((batch["segment_ids"] > 0).sum())
+                elapsed = time.perf_counter() - started
+                rows.append(
+                    {
+                        "stage": "load",
+                        "objective": f"{objective} ({arch})",
+                        "workers": workers,
+                        "from": where,
+                        "tokens": tokens,
+                        "seconds": elapsed,
+                        "tokens_per_s": tokens / elapsed,
+                        "real_tokens_per_s": real / elapsed,
+                        "format": version,
+                    }
+                )
     return rows
 
 
@@ -252,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--set-tokens", type=int, default=600_000, help="tokens of each synthetic set")
     p.add_argument("--formats", default="2", help="shard formats to write and load, e.g. 1,2 (before and after)")
+    p.add_argument(
+        "--shard-mb", type=float, default=0.25, help="shard size (small: the loaders' streams get several shards)"
+    )
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=8)
@@ -283,19 +297,20 @@ def main(argv: list[str] | None = None) -> int:
         for label, inputs in sets:
             if args.doc_tokens:
                 (bare,) = bench_tokenizer(inputs, tokenizer)
-                bare.update(set=label, input_bytes_per_token=Path(inputs[0]).stat().st_size / bare["tokens"])
+                bare.update(input_bytes_per_token=Path(inputs[0]).stat().st_size / bare["tokens"])
                 rows.append(bare)
-            for version in map(int, args.formats.split(",")):
-                out = work / f"format-{version}-{len(rows)}"
-                shard_rows = bench_sharding(inputs, tokenizer, out, args.workers, version)
-                shards = out / f"shards-{args.workers}"
-                load_rows = bench_loading(
-                    str(shards), tokenizer, args.seq_len, args.micro_batch, args.batches, args.workers, objectives
-                )
-                if args.http:  # the same shards streamed from an HTTP server on this machine
-                    with http_server(shards) as url:
-                        load_rows += bench_loading(
-                            url,
+            out = work / f"set-{len(rows)}"
+            versions = tuple(map(int, args.formats.split(",")))
+            rows += bench_sharding(inputs, tokenizer, out, args.workers, versions, args.shard_mb)
+            shards = {v: str(out / f"format-{v}" / f"shards-{args.workers}") for v in versions}
+            rows += bench_loading(
+                shards, tokenizer, args.seq_len, args.micro_batch, args.batches, args.workers, objectives
+            )
+            if args.http:  # the same shards streamed from an HTTP server on this machine
+                for version, directory in shards.items():
+                    with http_server(Path(directory)) as url:
+                        rows += bench_loading(
+                            {version: url},
                             tokenizer,
                             args.seq_len,
                             args.micro_batch,
@@ -304,9 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                             OBJECTIVES[:1],
                             where="http",
                         )
-                for row in shard_rows + load_rows:
-                    row.update(format=version, set=label)
-                rows += shard_rows + load_rows
+            for row in rows:
+                row.setdefault("set", label)
         if args.train_steps:
             rows += bench_train_step(args.seq_len, args.micro_batch, args.train_steps, args.vocab_size)
     print(

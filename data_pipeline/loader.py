@@ -32,6 +32,7 @@ from data_pipeline.tokenizer import TokenizerInfo
 SPLIT_SALT = {"train": 0, "valid": 1}
 STATE_FORMAT = 2  # format 1 (before streams): per-reader positions, resumable on the same layout only
 MAX_EMPTY_EPOCHS = 100  # epochs in a row in which a stream's shares were all corrupt: then it fails
+GROUP_TOKENS = 1 << 16  # a block's documents are converted to int64 this many tokens at a time (memory per stream)
 
 
 @dataclass(frozen=True)
@@ -333,21 +334,27 @@ class DocumentReader:
 
     def _share_documents(self, share: Share, start: int) -> Iterator[list[tuple[np.ndarray, int]]]:
         """(tokens, prompt length) of the share's documents from its ``start``-th on, in shard order, a list per
-        block: slices of its ids, converted (and EOS inserted) once for the block's documents in the share."""
+        run of documents of about GROUP_TOKENS: slices of one array converted (and EOS inserted) at once."""
         first, stop = share.first + start, share.stop
         for index, block in self.opener.blocks(self.shard_set, share):
-            lo, hi = max(first - index, 0), min(stop - index, len(block))
-            if lo >= hi:  # all before the resume point
-                continue
-            offsets = block.offsets[lo : hi + 1]
-            tokens = block.ids[offsets[0] : offsets[-1]].astype(np.int64)
-            offsets = offsets - offsets[0]
-            if self.eos is not None:
-                tokens = np.insert(tokens, offsets[1:], self.eos)
-                offsets = offsets + np.arange(len(offsets))
-            bounds = offsets.tolist()
-            prompts = itertools.repeat(0) if block.prompt_lens is None else block.prompt_lens[lo:hi].tolist()
-            yield list(zip([tokens[a:b] for a, b in zip(bounds, bounds[1:])], prompts))
+            i, stop_here, offsets = max(first - index, 0), min(stop - index, len(block)), block.offsets
+            while i < stop_here:
+                j = int(np.searchsorted(offsets, offsets[i] + GROUP_TOKENS, side="right")) - 1
+                j = min(stop_here, max(i + 1, j))
+                yield self._converted(block, i, j)
+                i = j
+
+    def _converted(self, block: Block, i: int, j: int) -> list[tuple[np.ndarray, int]]:
+        """Documents i .. j - 1 of ``block``."""
+        offsets = block.offsets[i : j + 1]
+        tokens = block.ids[offsets[0] : offsets[-1]].astype(np.int64)
+        offsets = offsets - offsets[0]
+        if self.eos is not None:
+            tokens = np.insert(tokens, offsets[1:], self.eos)
+            offsets = offsets + np.arange(len(offsets))
+        bounds = offsets.tolist()
+        prompts = itertools.repeat(0) if block.prompt_lens is None else block.prompt_lens[i:j].tolist()
+        return list(zip([tokens[a:b] for a, b in zip(bounds, bounds[1:])], prompts))
 
     def _permuted(
         self, docs: Iterator, epoch: int, shard_pos: int, share: Share, base: int, first: int

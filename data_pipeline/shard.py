@@ -118,9 +118,9 @@ class Manifest:
     def tokens(self, split: str) -> int:
         return sum(s.tokens for s in self.splits.get(split, []))
 
-    def bytes_per_token(self) -> float | None:
-        """Shard bytes per token over all splits (None for format-1 manifests, which lack the sizes)."""
-        shards = [s for split in self.splits.values() for s in split]
+    def bytes_per_token(self, split: str | None = None) -> float | None:
+        """Shard bytes per token of ``split`` (None: all splits); None for manifests without the sizes."""
+        shards = [s for name, shards in self.splits.items() if split in (None, name) for s in shards]
         if any(s.bytes is None for s in shards):
             return None
         return sum(s.bytes for s in shards) / max(1, sum(s.tokens for s in shards))

@@ -358,3 +358,18 @@ def test_cli_prepares_a_dataset_end_to_end(tmp_path, capsys):
         == 2
     )
     assert "nope.txt does not exist" in capsys.readouterr().err
+
+
+def test_the_reader_in_docs_reads_the_shards(tiny_data, tok, capsys):
+    """docs/data.md's few-line reader (the webdataset package), run on a shard directory as written there."""
+    import re
+
+    from support import REPO
+
+    text = (REPO / "docs" / "data.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## The shard format") :], re.S).group(1)
+    exec(code, {"directory": str(tiny_data.shards)})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == Manifest.load(tiny_data.shards).splits["train"][0].documents
+    first = tok.encode(next(iter(read_documents([str(tiny_data.corpus)]))).text)
+    assert lines[0] == f"{len(first)} {np.array(first[:8], dtype=np.uint16)}"
