@@ -373,3 +373,13 @@ def test_the_reader_in_docs_reads_the_shards(tiny_data, tok, capsys):
     assert len(lines) == Manifest.load(tiny_data.shards).splits["train"][0].documents
     first = tok.encode(next(iter(read_documents([str(tiny_data.corpus)]))).text)
     assert lines[0] == f"{len(first)} {np.array(first[:8], dtype=np.uint16)}"
+
+
+def test_progress_bar_counts_input_bytes_documents_and_tokens(tmp_path, tiny_data, capsys):
+    text = tiny_data.corpus.read_text()[:40_000]
+    (tmp_path / "c.txt").write_text(text)
+    m = write_shards([str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "s", workers=1, progress=True)
+    bar = capsys.readouterr().err.split("\r")[-1]
+    size = (tmp_path / "c.txt").stat().st_size
+    assert "100%" in bar and f"{size / 1000:.1f}k/{size / 1000:.1f}k" in bar and "B/s" in bar
+    assert f"{m.documents:,} documents, {sum(m.tokens(s) for s in m.splits):,} tokens" in bar
