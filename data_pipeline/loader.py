@@ -74,9 +74,21 @@ class ShardSet:
         return join(self.directory, info.file)
 
     def missing(self) -> list[str]:
-        """The listed shards that are not in the (local) directory: one listing, not a stat per shard."""
-        present = {entry.name for entry in os.scandir(self.directory) if entry.is_file()}
-        return [self.location(info) for info in self.shards if info.file not in present]
+        """The listed shards that are not in the (local) directory (or its part directories): a listing per
+        directory, not a stat per shard."""
+        listings: dict[str, set[str]] = {}
+
+        def listing(folder: str) -> set[str]:
+            if folder not in listings:
+                path = Path(self.directory, folder)
+                listings[folder] = {e.name for e in os.scandir(path) if e.is_file()} if path.is_dir() else set()
+            return listings[folder]
+
+        return [
+            self.location(info)
+            for info in self.shards
+            if info.file.rpartition("/")[2] not in listing(info.file.rpartition("/")[0])
+        ]
 
 
 def resolve_datasets(datasets: Datasets, split: str, retry: Retry, fallback: Datasets = None) -> list[ShardSet]:

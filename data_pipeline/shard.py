@@ -11,6 +11,9 @@ Layout of a shard directory (format 2; docs/data.md shows a reader)::
                            tokenizer hash, dtype, vocab size
 
 Format 1 (still read) held one document per sample ("ids.npy", and "prompt_len" as text for instructions).
+A part of the input (``part``) is written to a subdirectory and finished by a part record instead of the
+manifest; ``data_pipeline.merge`` joins the parts (see ``data_pipeline.parts``).
+
 Each shard is written under a temporary name and renamed when complete; the manifest is written last,
 so a directory without a manifest (or a shard not listed in it) is never mistaken for data.
 """
@@ -34,7 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline import DataError
-from data_pipeline.documents import DecodeStats, Document, read_documents
+from data_pipeline.documents import DecodeStats, Document, Piece, read_documents
+from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_pieces, save_part
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
 from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
 
@@ -358,9 +362,9 @@ def _init_worker(path: str, dtype: str) -> None:
     _worker_tokenizer, _worker_dtype = load_tokenizer(path), np.dtype(dtype)
 
 
-def _tokenize(job: tuple[list[str], bool]) -> Tokenized:
-    texts, paired = job
-    return encode(_worker_tokenizer, texts, _worker_dtype, paired)
+def _tokenize(job: tuple[np.ndarray, list[str], bool]) -> tuple[np.ndarray, Tokenized]:
+    numbers, texts, paired = job
+    return numbers, encode(_worker_tokenizer, texts, _worker_dtype, paired)
 
 
 BATCH_TEXTS, BATCH_CHARS = 2048, 1 << 21  # a tokenizer batch: whichever is reached first
@@ -368,10 +372,13 @@ BATCH_TEXTS, BATCH_CHARS = 2048, 1 << 21  # a tokenizer batch: whichever is reac
 
 class _Reading:
     """How far into the inputs the reading is, in bytes, for the progress bar: finished files whole, the one
-    being read by the text taken from it (a compressed one when finished)."""
+    being read by the text taken from it (a compressed one, or a part of a .parquet file, when finished)."""
 
-    def __init__(self, files: list[str]) -> None:
-        self.sizes = {str(f): Path(f).stat().st_size for f in files}
+    def __init__(self, files: list[str | Piece]) -> None:
+        self.sizes: dict[str, int] = {}
+        for f in files:
+            path = f.path if isinstance(f, Piece) else str(f)
+            self.sizes[path] = Path(path).stat().st_size if Path(path).is_file() else 0
         self.total = sum(self.sizes.values())
         self.finished, self.file, self.text = 0, None, 0
 
@@ -387,19 +394,22 @@ class _Reading:
         return self.finished + (min(self.text, self.sizes.get(self.file, 0)) if plain else 0)
 
 
-def _batches(docs: Iterator[Document], reading: _Reading) -> Iterator[list[str]]:
-    """Texts to tokenize, a batch at a time; an instruction example is its prompt, then its completion."""
+def _batches(docs: Iterator[Document], reading: _Reading) -> Iterator[tuple[np.ndarray, list[str]]]:
+    """The documents' numbers and the texts to tokenize, a batch at a time; an instruction example is its
+    prompt, then its completion."""
+    numbers: list[int] = []
     batch: list[str] = []
     chars = 0
     for doc in docs:
         reading.add(doc)
+        numbers.append(doc.number)
         batch += [doc.text] if doc.prompt is None else [doc.prompt, doc.text]
         chars += len(doc.text)
         if len(batch) >= BATCH_TEXTS or chars >= BATCH_CHARS:
-            yield batch
-            batch, chars = [], 0
+            yield np.array(numbers, dtype=np.int64), batch
+            numbers, batch, chars = [], [], 0
     if batch:
-        yield batch
+        yield np.array(numbers, dtype=np.int64), batch
 
 
 def prepare_output(out: Path, overwrite: bool) -> None:
@@ -409,8 +419,8 @@ def prepare_output(out: Path, overwrite: bool) -> None:
         stale.unlink()
     existing = (
         sorted(
-            (p for p in out.glob("*") if p.name == MANIFEST or p.suffix == ".tar"),
-            key=lambda p: (p.name != MANIFEST, p.name),
+            (p for p in out.glob("*") if p.name in (MANIFEST, PART_RECORD) or p.suffix == ".tar"),
+            key=lambda p: (p.name not in (MANIFEST, PART_RECORD), p.name),
         )
         if out.exists()
         else []
@@ -421,7 +431,8 @@ def prepare_output(out: Path, overwrite: bool) -> None:
             "--overwrite to replace it"
         )
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # first, so a half-replaced directory never looks complete
+    for record in (MANIFEST, PART_RECORD):  # first, so a half-replaced directory never looks complete
+        (out / record).unlink(missing_ok=True)
     for path in existing:
         path.unlink(missing_ok=True)
 
@@ -430,9 +441,10 @@ SMALL_INPUT = 1000  # documents: of the first ones, the default holds out a tent
 
 
 def held_out(n: int | np.ndarray, valid_every: int | None) -> bool | np.ndarray:
-    """Whether document ``n`` (from 0; or each of an array of them) goes to the validation split: every
-    ``valid_every``-th (0: none); by default (None) every 10th of the first 1,000 documents and every 100th
-    after, so that small inputs (a few hundred examples) still get a validation split of some batches."""
+    """Whether document number ``n`` (``Document.number``; in one file, its index from 0; or each of an array
+    of them) goes to the validation split: every ``valid_every``-th (0: none); by default (None) every 10th of
+    the first 1,000 and every 100th after, so that small inputs (a few hundred examples) still get a
+    validation split of some batches."""
     n = np.asarray(n)
     every = np.where(n < SMALL_INPUT, 10, 100) if valid_every is None else np.full(n.shape, valid_every)
     return (every > 0) & (n % np.maximum(every, 1) == every - 1)
@@ -451,13 +463,16 @@ def write_shards(
     overwrite: bool = False,
     progress: bool = True,
     prompt_field: str | None = None,
+    part: tuple[int, int] | None = None,
     block_mb: float = BLOCK_BYTES / 2**20,
     version: int = FORMAT_VERSION,
 ) -> Manifest:
     """Tokenize ``files`` into ``out``; documents chosen by :func:`held_out` go to the validation split.
     ``workers`` tokenizer processes (default: all cores; 1: in this process). With
     ``prompt_field``, the .jsonl records are (prompt, completion) examples, the completion in ``text_field``.
-    ``block_mb``: token ids per tar sample; ``version`` 1 writes the older format, a sample per document."""
+    With ``part`` (K, N): only the K-th of N parts of ``files``, into ``out``'s part directory (see
+    ``data_pipeline.parts``). ``block_mb``: token ids per tar sample; ``version`` 1 writes the older format, a
+    sample per document."""
     if shard_mb <= 0 or block_mb <= 0:
         raise DataError(f"--shard-mb and the block size must be positive, got {shard_mb} and {block_mb}")
     if version not in READABLE_VERSIONS:
@@ -469,7 +484,21 @@ def write_shards(
     for name in files:  # fail before touching --out
         if not Path(name).is_file():
             raise DataError(f"input file {name} does not exist")
-    prepare_output(out, overwrite)
+    inputs = files
+    if part is not None:
+        files = part_pieces(inputs, part)
+        if out.is_dir() and any(out.glob("*.tar")):
+            raise DataError(f"{out} holds the shards of a dataset written in one run; give the parts another --out")
+        if (out / MANIFEST).exists() and not overwrite:
+            raise DataError(
+                f"{out} already holds a dataset ({MANIFEST}); pass --overwrite to re-make part "
+                f"{part[0]}/{part[1]} (then merge the parts again)"
+            )
+        prepare_output(out / part_name(part), overwrite)
+        (out / MANIFEST).unlink(missing_ok=True)  # its parts are about to change
+        out = out / part_name(part)
+    else:
+        prepare_output(out, overwrite)
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {
         split: ShardWriter(out, split, int(shard_mb * 2**20), int(block_mb * 2**20), version)
@@ -482,7 +511,7 @@ def write_shards(
         n_docs = _write_documents(
             docs, _Reading(files), paired, tokenizer, tokenizer_path, writers, dtype, valid_every, workers, progress
         )
-        if n_docs == 0:
+        if n_docs == 0 and part is None:  # (a part may be empty: merge checks the whole)
             raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
         for writer in writers.values():
             writer.close()
@@ -507,7 +536,12 @@ def write_shards(
         replaced_lines=stats.replaced_lines,
         kind=INSTRUCTIONS if paired else TEXT,
     )
-    manifest.save(out)  # last: the directory is a dataset from this moment on
+    # last: the directory is a dataset (or a finished part) from this moment on
+    if part is None:
+        manifest.save(out)
+    else:
+        settings = dict(text_field=text_field, doc_per=doc_per, prompt_field=prompt_field, valid_every=valid_every)
+        save_part(out, part, asdict(manifest), input_fingerprint(inputs), settings)
     return manifest
 
 
@@ -529,8 +563,8 @@ def _write_documents(
     bar = tqdm(total=reading.total, unit="B", unit_scale=True, disable=not progress, desc="sharding", file=sys.stderr)
     n_docs = n_tokens = 0
     with _tokenize_pool(workers, tokenizer, tokenizer_path, dtype) as tokenize:
-        for batch in tokenize((texts, paired) for texts in _batches(docs, reading)):
-            numbers = np.arange(n_docs, n_docs + len(batch.lengths))
+        jobs = ((numbers, texts, paired) for numbers, texts in _batches(docs, reading))
+        for numbers, batch in tokenize(jobs):
             valid = held_out(numbers, valid_every)
             for split, keep in (("train", ~valid), ("valid", valid)):
                 if keep.any():
@@ -550,7 +584,7 @@ def _tokenize_pool(workers: int, tokenizer: TokenizerInfo, tokenizer_path: str, 
     batches ahead, so that the input is read as fast as it is tokenized, not all at once), or here when
     workers == 1 (where ``tokenizers`` still spreads a batch over threads)."""
     if workers == 1:
-        yield lambda jobs: (encode(tokenizer, texts, dtype, paired) for texts, paired in jobs)
+        yield lambda jobs: ((numbers, encode(tokenizer, texts, dtype, paired)) for numbers, texts, paired in jobs)
         return
 
     def tokenize(jobs):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.loader import LoaderSettings
+from data_pipeline.loader import DocumentReader, LoaderSettings, Position, ShardOpener, resolve_datasets
+from data_pipeline.remote import Retry
 from data_pipeline.settings import DataSettings
 from megatransformer.config import RunConfig, validate
 
@@ -100,3 +101,11 @@ def reformat_shards(src: Path, out: Path, version: int, block_bytes: int = 4096)
         splits[split] = writer.shards
     dataclasses.replace(manifest, splits=splits, version=version).save(out)
     return out
+
+
+def shard_documents(directory: str | Path, split: str = "train") -> list[tuple[list[int], int]]:
+    """(token ids, prompt length: 0 for text) of every document of a shard directory's split, in manifest order
+    (read by the loader's document reader, unshuffled)."""
+    (shard_set,) = resolve_datasets(str(directory), split, Retry())
+    reader = DocumentReader(shard_set, 0, 0, 1, False, 1, ShardOpener("error", Retry()), epochs=1)
+    return [(ids.tolist(), prompt_len) for ids, prompt_len, _ in reader.documents(Position())]

@@ -61,7 +61,7 @@ def test_bad_records_name_the_line_and_the_fix(tmp_path, line, message):
 def test_prompt_field_on_plain_text_is_refused(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("hello\n")
-    with pytest.raises(DataError, match="from .jsonl and .tsv files only"):
+    with pytest.raises(DataError, match="from .jsonl, .tsv, .parquet and .arrow files only"):
         list(read_documents([str(path)], prompt_field="prompt"))
 
 
