@@ -13,7 +13,8 @@ set of synthetic documents per length (random runs of the corpus's words, ``--se
 2. the loader for every objective (with ``--doc-tokens``: autoregressive), in the main process
    (num_workers=0) and with all cores as workers; with ``--http`` also the autoregressive loader streaming the
    same shards from an http.server on loopback;
-3. a training step (forward + backward + AdamW) of a small decoder on this machine's CPU, for scale.
+3. with ``--manifest-shards N``, a loader over a manifest of N shards: to its first batch;
+4. a training step (forward + backward + AdamW) of a small decoder on this machine's CPU, for scale.
 
 ``tokenizers`` runs one thread per process here (TOKENIZERS_PARALLELISM=false), so that one process is one
 core. Results print as a table (and JSON with ``--json``); BENCHMARKS.md records them. Timings on shared
@@ -178,6 +179,54 @@ def bench_loading(
     return rows
 
 
+def bench_many_shards(shards: Path, tokenizer: Path, count: int, seq_len: int, micro: int, work: Path) -> list[dict]:
+    """A manifest of ``count`` shards (hard links to the copies of one shard of ``shards``): seconds to build the
+    loader (manifest, checks) and to its first batch."""
+    import dataclasses
+    import shutil
+
+    from data_pipeline.shard import Manifest
+    from data_pipeline.tokenizer import load_tokenizer
+    from megatransformer.config import validate
+    from megatransformer.training.data import build_run_loader
+
+    manifest = Manifest.load(shards)
+    info = manifest.splits["train"][0]
+    out = work / f"many-{count}"
+    out.mkdir()
+    copies = [out / f".copy-{i}" for i in range(-(-count // 60_000))]  # (a file takes ~65,000 hard links)
+    for copy in copies:
+        shutil.copyfile(shards / info.file, copy)
+    for i in range(count):
+        os.link(copies[i // 60_000], out / f"train-{i:06d}.tar")
+    listed = [dataclasses.replace(info, file=f"train-{i:06d}.tar") for i in range(count)]
+    dataclasses.replace(manifest, splits={"train": listed}).save(out)
+    tok = load_tokenizer(tokenizer)
+    started = time.perf_counter()
+    cfg = validate(
+        {
+            "model": {"arch": "decoder", "vocab_size": tok.vocab_size, "max_seq_len": seq_len},
+            "data": {"train": str(out), "tokenizer": str(tokenizer), "seq_len": seq_len, "num_workers": 0},
+            "objective": "autoregressive",
+        }
+    )
+    loader = build_run_loader(cfg, "train", micro, 0, 1, tok)
+    built = time.perf_counter()
+    batch = next(iter(loader))
+    first = time.perf_counter()
+    return [
+        {
+            "stage": "manifest",
+            "objective": f"{count:,} shards",
+            "workers": 0,
+            "tokens": batch["input_ids"].numel(),
+            "seconds": first - started,
+            "tokens_per_s": batch["input_ids"].numel() / (first - started),
+            "build_s": built - started,
+        }
+    ]
+
+
 @contextlib.contextmanager
 def http_server(directory: Path):
     """``directory`` served by ``python -m http.server`` on loopback (its own process, as a server would be);
@@ -273,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=3, help="0 skips the training-step measurement")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="'all cores' (default: os.cpu_count())")
     p.add_argument("--http", action="store_true", help="also load (autoregressive) from an HTTP server on loopback")
+    p.add_argument(
+        "--manifest-shards", type=int, default=0, help="also time a loader over a manifest of this many shards"
+    )
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process, one core
@@ -321,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                         )
             for row in rows:
                 row.setdefault("set", label)
+        if args.manifest_shards:
+            last = Path(shards[versions[-1]])
+            rows += bench_many_shards(last, tokenizer, args.manifest_shards, args.seq_len, args.micro_batch, work)
         if args.train_steps:
             rows += bench_train_step(args.seq_len, args.micro_batch, args.train_steps, args.vocab_size)
     print(
@@ -340,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(row["set"])
         if row.get("bytes_per_token"):
             notes.append(f"{row['bytes_per_token']:.2f} bytes/token")
+        if "build_s" in row:
+            notes.append(f"{row['build_s']:.2f} s to build the loader, the rest to its first batch")
         if row.get("input_bytes_per_token"):
             notes.append(f"bare encode_batch, one thread; the .jsonl: {row['input_bytes_per_token']:.2f} bytes/token")
         print(f"{row['stage']:10s} {what:36s} {detail:10s} {row['tokens_per_s']:>12,.0f} tokens/s ({'; '.join(notes)})")
