@@ -335,7 +335,7 @@ class DocumentReader:
             shares, served, whole_epoch = self.shares(epoch), self.served, shard_pos == 0 and doc_pos == 0
             while shard_pos < len(shares):
                 share = shares[shard_pos]
-                base = doc_pos // self.block * self.block  # where the permuted block holding doc_pos starts
+                base = doc_pos // self.block * self.block  # where the permuted run holding doc_pos starts
                 docs = itertools.chain.from_iterable(self._share_documents(share, base))
                 yield from self._permuted(docs, epoch, shard_pos, share, base, doc_pos)
                 shard_pos, doc_pos = shard_pos + 1, 0
@@ -377,20 +377,20 @@ class DocumentReader:
     def _permuted(
         self, docs: Iterator, epoch: int, shard_pos: int, share: Share, base: int, first: int
     ) -> Iterator[tuple[np.ndarray, int, Position]]:
-        """The documents from index ``first`` on with their Positions, each block of ``self.block`` documents
-        permuted; ``docs`` starts at index ``base``, the start of a block."""
-        while block := list(itertools.islice(docs, self.block)):
-            self.served += len(block)
-            if base + len(block) > first:  # (blocks before the resume point are passed over)
+        """The documents from index ``first`` on with their Positions, each run of ``self.block`` documents
+        permuted; ``docs`` starts at index ``base``, the start of a run."""
+        while run := list(itertools.islice(docs, self.block)):
+            self.served += len(run)
+            if base + len(run) > first:  # (runs before the resume point are passed over)
                 order = (
-                    _rng(self.seed, epoch, share.shard, share.first + base).permutation(len(block)).tolist()
+                    _rng(self.seed, epoch, share.shard, share.first + base).permutation(len(run)).tolist()
                     if self.shuffle
-                    else range(len(block))
+                    else range(len(run))
                 )
-                for j in range(max(first - base, 0), len(block)):
-                    tokens, prompt_len = block[order[j]]
+                for j in range(max(first - base, 0), len(run)):
+                    tokens, prompt_len = run[order[j]]
                     yield tokens, prompt_len, Position(epoch, shard_pos, base + j, 0)
-            base += len(block)
+            base += len(run)
 
 
 class WindowStream:
