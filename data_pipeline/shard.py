@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipeline import DataError
+from data_pipeline import STORAGE_ERRNOS, DataError, write_failed
 from data_pipeline.documents import DecodeStats, Document, Piece, read_documents
 from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_pieces, save_part
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
@@ -77,8 +77,11 @@ class Manifest:
 
     def save(self, directory: Path) -> None:
         tmp = directory / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(directory / MANIFEST)
+        try:
+            tmp.write_text(json.dumps(asdict(self), indent=2))
+            tmp.replace(directory / MANIFEST)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, directory: str | Path, retry: Retry | None = None) -> Manifest:
@@ -110,6 +113,13 @@ class Manifest:
                     f"{', '.join(map(str, READABLE_VERSIONS))}; re-create it with `megatransformer data shard`"
                 )
             splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}
+            for info in (info for shards in splits.values() for info in shards):
+                if not _is_inside(info.file):
+                    raise DataError(
+                        f"{path} lists shard {info.file!r}, which is not a path inside the shard directory "
+                        "(refused: a manifest names only its own shards); re-create the directory with "
+                        "`megatransformer data shard`"
+                    )
             return cls(splits=splits, **raw)
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             if isinstance(err, DataError):
@@ -128,6 +138,15 @@ class Manifest:
         if any(s.bytes is None for s in shards):
             return None
         return sum(s.bytes for s in shards) / max(1, sum(s.tokens for s in shards))
+
+
+def _is_inside(name: object) -> bool:
+    """Whether a manifest's shard entry stays inside the shard directory, local or remote: a relative path of
+    plain names (a merged dataset lists ``part-00001-of-00002/train-000000.tar``), never ``..``, absolute or
+    with backslashes."""
+    if not isinstance(name, str) or not name or name.startswith("/") or any(c in name for c in "\\\0"):
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -281,8 +300,10 @@ class ShardWriter:
     def abort(self) -> None:
         """Remove everything this writer wrote (a failed run leaves nothing that looks like data)."""
         if self._tar is not None:
-            self._tar.close()
-            self._stream.close()
+            with contextlib.suppress(OSError):  # (the disk that failed a write may fail the last flush too)
+                self._tar.close()
+            with contextlib.suppress(OSError):
+                self._stream.close()
             self._tmp.unlink(missing_ok=True)
             self._tar = None
         for shard in self.shards:
@@ -515,9 +536,11 @@ def write_shards(
             raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
         for writer in writers.values():
             writer.close()
-    except BaseException:
+    except BaseException as err:
         for writer in writers.values():
             writer.abort()
+        if _failed_writing(err, out):
+            raise write_failed(f"writing shards to {out}", out, err, "none of them is left") from None
         raise
     if stats.replaced_lines:
         print(
@@ -537,12 +560,25 @@ def write_shards(
         kind=INSTRUCTIONS if paired else TEXT,
     )
     # last: the directory is a dataset (or a finished part) from this moment on
-    if part is None:
-        manifest.save(out)
-    else:
-        settings = dict(text_field=text_field, doc_per=doc_per, prompt_field=prompt_field, valid_every=valid_every)
-        save_part(out, part, asdict(manifest), input_fingerprint(inputs), settings)
+    try:
+        if part is None:
+            manifest.save(out)
+        else:
+            settings = dict(text_field=text_field, doc_per=doc_per, prompt_field=prompt_field, valid_every=valid_every)
+            save_part(out, part, asdict(manifest), input_fingerprint(inputs), settings)
+    except OSError as err:
+        for writer in writers.values():
+            writer.abort()
+        record = MANIFEST if part is None else PART_RECORD
+        raise write_failed(f"writing {out / record}", out, err, "none of the shards is left") from None
     return manifest
+
+
+def _failed_writing(err: BaseException, out: Path) -> bool:
+    """Whether ``err`` is a failed write under ``out`` (a full disk), not a failure to read the input."""
+    if not isinstance(err, OSError):
+        return False
+    return err.errno in STORAGE_ERRNOS or (err.filename is not None and Path(err.filename).is_relative_to(out))
 
 
 def _write_documents(

@@ -24,9 +24,13 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 from pydantic.dataclasses import is_pydantic_dataclass
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 from data_pipeline import DataError
 from data_pipeline.settings import DataSettings, ObjectiveArgs
@@ -45,12 +49,32 @@ def _require(ok: bool, message: str) -> None:
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, docstrings document fields, and no float
-    may be NaN or infinite (a NaN passes every ``<``/``>`` range check, then trains to NaN)."""
+    """Base of every config section: unknown keys are errors, docstrings document fields, no float may be
+    NaN or infinite (a NaN passes every ``<``/``>`` range check, then trains to NaN), and no number may be a
+    boolean (pydantic reads ``optim.lr=true`` as 1.0)."""
 
     model_config = ConfigDict(
         extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, bool) for v in values) and not _takes_booleans(cls.model_fields[info.field_name]):
+            raise PydanticCustomError(BOOLEAN_NUMBER, "a boolean where a number is meant")
+        return value
+
+
+def _takes_booleans(field: FieldInfo) -> bool:
+    """Whether a field's annotation admits a boolean anywhere (``bool``, ``bool | None``, ``Literal[True]``, Any)."""
+
+    def admits(annotation: Any) -> bool:
+        if annotation is bool or annotation is Any or isinstance(annotation, bool):
+            return True
+        return any(admits(arg) for arg in typing.get_args(annotation))
+
+    return admits(field.annotation)
 
 
 # Ranges of the schema's values: one out of range is refused with a line naming the key and the value.
@@ -62,6 +86,10 @@ MAX_VOCAB = 1 << 22
 """Largest model.vocab_size accepted: the largest vocabularies in use hold about 256k tokens (Gemma's
 262,144); 2**22 leaves 16x headroom and still refuses a typo such as 1e9, whose embedding table alone would
 need terabytes (the run would die allocating it, with a traceback)."""
+MIN_LR = 1e-10
+"""Smallest optim.lr accepted: fine-tuning rates go down to about 1e-7; a rate of 1e-10 moves a weight of 0.02 by
+one part in a few hundred million a step, below fp32's resolution, so anything smaller (a typo such as 3e-40, or
+5e-324) would train nothing while looking like a run."""
 MAX_STEPS = 10**9
 """Largest train.max_steps accepted: the longest published pretraining runs take a few million optimizer steps;
 a billion is decades at ten steps a second, and still refuses a typo such as 1e30."""
@@ -76,13 +104,15 @@ class RopeScaling(Section):
 
     type: Literal["linear", "dynamic", "yarn", "llama3"]
     """linear: positions divided by factor (position interpolation); dynamic: NTK-aware base growth for
-    sequences beyond model.max_seq_len, computed per forward from the longest position (the trained length is
-    max_seq_len); yarn: YaRN's per-frequency blend of interpolation and extrapolation plus its attention
-    factor; llama3: Llama 3.1's wavelength bands (high frequencies kept, low ones divided by factor)."""
+    sequences beyond original_max_seq_len (the trained length), computed per forward from the longest position,
+    up to model.max_seq_len (the longest sequence allowed); yarn: YaRN's per-frequency blend of interpolation
+    and extrapolation plus its attention factor; llama3: Llama 3.1's wavelength bands (high frequencies kept, low
+    ones divided by factor)."""
     factor: Annotated[float, Field(ge=1.0)]
     """How many times longer the context becomes (1 leaves the frequencies unchanged)."""
     original_max_seq_len: PositiveInt | None = None
-    """yarn, llama3: the context length the model was trained with before extension (required)."""
+    """yarn, llama3, dynamic: the context length the model was trained with before extension (required; at most
+    model.max_seq_len, the longest sequence the extended model accepts)."""
     beta_fast: PositiveFloat | None = None
     """yarn (default 32): rotations per original context above which a frequency is extrapolated (kept)."""
     beta_slow: PositiveFloat | None = None
@@ -114,8 +144,13 @@ class RopeScaling(Section):
                 f"model.rope_scaling.{name} is for type {' or '.join(types)}, not type={self.type}",
             )
         _require(
-            self.type not in ("yarn", "llama3") or self.original_max_seq_len is not None,
+            self.original_max_seq_len is not None or self.type == "linear",
             f"model.rope_scaling.type={self.type} needs original_max_seq_len (the trained context length)",
+        )
+        _require(
+            self.type != "yarn" or self.beta_fast > self.beta_slow,
+            f"model.rope_scaling.beta_fast={self.beta_fast} must exceed beta_slow={self.beta_slow} (beta_fast "
+            "bounds the frequencies kept, beta_slow those interpolated)",
         )
         _require(
             self.type != "llama3" or self.high_freq_factor > self.low_freq_factor,
@@ -126,7 +161,7 @@ class RopeScaling(Section):
 
 
 _ROPE_SCALING_FIELDS = {
-    "original_max_seq_len": ("yarn", "llama3"),
+    "original_max_seq_len": ("yarn", "llama3", "dynamic"),
     "beta_fast": ("yarn",),
     "beta_slow": ("yarn",),
     "attention_factor": ("yarn",),
@@ -176,7 +211,8 @@ class ModelConfig(Section):
     """Local (sliding-window) self-attention, as in Mistral: causal query i sees keys j with
     i - window < j <= i; bidirectional (encoder) query i sees keys with |i - j| < window. Measured in
     positions of the row, within each packed document; cross-attention is never windowed; not with
-    prefix-LM attention. None: every allowed key."""
+    prefix-LM attention; at most max_seq_len (a wider window never narrows anything), except with ALiBi, which
+    runs beyond max_seq_len. None: every allowed key."""
     ffn: Literal["relu", "gelu", "swiglu"] = "swiglu"
     """Feed-forward activation; swiglu uses gate_proj * up_proj."""
     bias: bool = False
@@ -243,6 +279,17 @@ class ModelConfig(Section):
         _require(
             self.rope_scaling is None or self.position == "rope",
             f"model.rope_scaling needs model.position=rope, got model.position={self.position}",
+        )
+        original = self.rope_scaling and self.rope_scaling.original_max_seq_len
+        _require(
+            original is None or original <= self.max_seq_len,
+            f"model.rope_scaling.original_max_seq_len={original} exceeds model.max_seq_len={self.max_seq_len}: "
+            "the extended context must be the longer one (raise max_seq_len to the length you want to reach)",
+        )
+        _require(
+            self.attention_window is None or self.attention_window <= self.max_seq_len or self.position == "alibi",
+            f"model.attention_window={self.attention_window} exceeds model.max_seq_len={self.max_seq_len}, so it "
+            "never narrows attention; lower it, or unset it for full attention",
         )
         _require(
             self.mlp_tiles == 1 or self.dropout == 0,
@@ -374,7 +421,7 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     name: Literal["adamw", "adam"] = "adamw"
     """adamw: decoupled weight decay; adam: the 2017 paper's Adam (use weight_decay=0)."""
-    lr: PositiveFloat = 3e-4
+    lr: Annotated[float, Field(ge=MIN_LR)] = 3e-4
     """Peak learning rate (the multiplier of the inverse_sqrt schedule)."""
     betas: tuple[Fraction, Fraction] = (0.9, 0.95)
     """Adam beta1, beta2 (the 2017 paper: 0.9, 0.98)."""
@@ -614,9 +661,15 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
     if path is not None:
         path = resolve_config(path)
         try:
-            raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
+            raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if raw is None and path.is_file():  # (a file cut short or the wrong one; /dev/null is no file: no settings)
+            raise ConfigError(
+                f"config file {path} is empty: every setting would be its default; write the settings to change "
+                "in it, or `{}` to mean the defaults"
+            )
+        raw = {} if raw is None else raw
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
     raw = apply_overrides(raw, list(overrides))
@@ -699,6 +752,8 @@ def _describe(err: ValidationError, schema: type[Section]) -> str:
         return f"{where}={first['input']} must be {_BOUNDS[first['type']]} {_number(bound)}"
     if first["type"] == "finite_number":
         return f"{where}={first['input']} must be a finite number"
+    if first["type"] == BOOLEAN_NUMBER:
+        return f"{where}={str(first['input']).lower()} must be a number, not a boolean"
     if first["type"] == "string_too_short":
         return f"{where} must not be empty"
     return f"config key {where!r}: {first['msg']} (got {first.get('input')!r})"
@@ -706,6 +761,8 @@ def _describe(err: ValidationError, schema: type[Section]) -> str:
 
 _UNKNOWN_KEY = ("extra_forbidden", "unexpected_keyword_argument")
 """pydantic's errors for a key a section does not have (a model's, a dataclass's)."""
+BOOLEAN_NUMBER = "boolean_number"
+"""The error of a boolean given where a number is meant (:class:`Section`)."""
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 """pydantic's range errors, as the comparison the value failed."""
 

@@ -47,7 +47,7 @@ def export(args: argparse.Namespace) -> int:
 
     from megatransformer.checkpoint import find_checkpoint, load_weights, write_weights_checkpoint
     from megatransformer.config import ConfigError
-    from megatransformer.hf import hf_incompatibility, save_hf_dir
+    from megatransformer.hf import hf_family, hf_incompatibility, save_hf_dir
 
     checkpoint = find_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
     cfg, weights = load_weights(checkpoint)
@@ -65,6 +65,8 @@ def export(args: argparse.Namespace) -> int:
                 "generate`",
                 file=sys.stderr,
             )
+        for note in hf_family(cfg.model).notes(cfg.model):
+            print(f"note: {note} (the same outputs in evaluation mode)", file=sys.stderr)
         special = _special_ids(tokenizer)
         family = save_hf_dir(out, cfg.model, weights, tokenizer if tokenizer.is_file() else None, special, dtype)
         print(f"wrote a {family.architecture} directory")

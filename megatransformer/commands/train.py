@@ -42,23 +42,32 @@ def run(args: argparse.Namespace) -> int:
 
 def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     """Train; returns the exit code (0 done, 124 preempted and checkpointed, 3 diverged, 4 a collective
-    timed out or lost a peer: another rank stalled or died)."""
+    timed out or lost a peer: another rank stalled or died); a failed write (a full disk) raises WriteFailed,
+    exit 5."""
     from megatransformer.config import load_config
 
-    started = time.perf_counter()
+    started, began = time.perf_counter(), time.time()
     cfg = load_config(config, overrides)  # config errors surface before any process group exists
     if os.environ.get("RANK", "0") == "0":  # a first line within seconds: importing PyTorch alone takes some
         print(f"training {cfg.run_dir} to step {cfg.train.max_steps:,}: starting PyTorch and DeepSpeed", flush=True)
-    from data_pipeline import DataError
+    from data_pipeline import DataError, WriteFailed
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer import checkpoint as ckpt
     from megatransformer.training.builds import build_notes, build_progress, ops_to_build
-    from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, leave, setup, teardown
+    from megatransformer.training.distributed import (
+        EXIT_COLLECTIVE_FAILED,
+        collective_failure,
+        leave,
+        on_first_rank,
+        setup,
+        teardown,
+    )
     from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer
     from megatransformer.training.preflight import check_before_start
     from megatransformer.training.resume import check_run_dir
-    from megatransformer.training.watchdog import hang_dir, stack_dumps, switch_on_flight_recorder
+    from megatransformer.training.run_lock import lock_run_dir
+    from megatransformer.training.watchdog import dump_rank, hang_dir, stack_dumps, switch_on_flight_recorder
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
@@ -77,14 +86,17 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         for line in build_notes(ops):
             print(line, flush=True)
     host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
-    init_state = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}")[1] if cfg.init_from else None
+    init = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}") if cfg.init_from else None
+    init_state = init[1] if init else None
     import torch
 
     if torch.cuda.is_available():
         switch_on_flight_recorder(cfg.run_dir)  # (before the process group starts)
+    held = []  # the run directory's lock, on the first rank (the job's ranks share it)
     try:
         with build_progress(ops, sys.stdout), quiet_engine(verbose):  # (quiet_engine holds back stdout)
             dist_info = setup(cfg.parallel.timeout_minutes)
+            on_first_rank(lambda: held.append(lock_run_dir(cfg.run_dir)))  # before the run writes anything
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
         if dist_info.is_main:
             print(host_memory)
@@ -93,29 +105,50 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
                 f"init_from={cfg.init_from}: starting from its weights ({len(init_state)} tensors); optimizer, "
                 "learning-rate schedule and data order start fresh"
             )
+            changed = ckpt.computation_differences(init[0].model, cfg.model)
+            if changed:
+                print(f"init_from={cfg.init_from}: this model differs from the checkpoint's: {', '.join(changed)}")
         code = trainer.run()
         teardown()  # (every collective of the run is behind it)
-    except (ConfigError, DataError):  # found once the process group runs (a resume's checks): end it first
+    except (ConfigError, DataError, WriteFailed):  # found once the process group runs: end it first
         teardown()
+        release(held)
         raise
     except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
         line = collective_failure(err, cfg.parallel.timeout_minutes)
         if line is None:
             raise
         rank = os.environ.get("RANK", "0")
-        dumps = ", ".join(path.name for path in stack_dumps(cfg.run_dir))
+        dumps = [path for path in stack_dumps(cfg.run_dir) if path.stat().st_mtime >= began]  # (this run's)
         if dumps:
-            line += f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({dumps})"
+            line += (
+                f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({', '.join(d.name for d in dumps)})"
+            )
+        silent = sorted(set(range(int(os.environ.get("WORLD_SIZE", "1")))) - {dump_rank(d) for d in dumps})
+        if dumps and silent:
+            line += (
+                f"; rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} wrote no stacks (stopped or "
+                "gone: such a rank cannot answer)"
+            )
         print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        release(held)
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:
         if code == 0:
             print_sample(cfg, ckpt.checkpoints_dir(cfg.run_dir), tokenizer)
         print_summary(cfg, code, time.perf_counter() - started)
+    release(held)
     sys.stdout.flush()
     if dist_info.world_size > 1:
         leave(code)  # (everything the run writes is closed)
     return code
+
+
+def release(held: list) -> None:
+    """Release the run directory's lock where this process holds it."""
+    for lock in held:
+        if lock is not None:
+            lock.release()
 
 
 def print_summary(cfg: RunConfig, code: int, wall_seconds: float) -> None:

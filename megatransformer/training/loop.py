@@ -103,7 +103,8 @@ class Trainer:
         elif self.dist.is_main and cfg.resume == "auto":
             print(f"resume=auto: no complete checkpoint in {ckpt.checkpoints_dir(cfg.run_dir)}, starting fresh")
         if self.resume is not None:
-            self.spikes = spikes.SpikeLadder(cfg.train.spikes, spikes.resume_state(self.state.spikes, cfg.run_dir))
+            state = spikes.resume_state(self.resume.path, self.state.spikes, cfg.run_dir)
+            self.spikes = spikes.SpikeLadder(cfg.train.spikes, state)
             for rows in self.spikes.skip_rows:
                 self.train_loader.skip_rows(*rows)
         if self.dist.is_main:
@@ -201,7 +202,8 @@ class Trainer:
                     batches = iter(self.train_loader)
                     continue
             if cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0:
-                report.log({"step": self.state.step, **self.evaluate()})
+                with watchdog.watching("validation"):
+                    report.log({"step": self.state.step, **self.evaluate()})
             if self.state.bad_steps >= cfg.train.max_bad_steps:
                 report.message(
                     f"stopping: {self.state.bad_steps} consecutive non-finite steps "
@@ -216,12 +218,15 @@ class Trainer:
                 exit_code = EXIT_PREEMPTED
                 break
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
-                self.save()
-        watchdog.close()
+                with watchdog.watching("a checkpoint"):
+                    self.save()
         evaluated_last = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
         if exit_code == 0 and not evaluated_last:
-            report.log({"step": self.state.step, **self.evaluate()})
-        self.save()
+            with watchdog.watching("validation"):
+                report.log({"step": self.state.step, **self.evaluate()})
+        with watchdog.watching("a checkpoint"):
+            self.save()
+        watchdog.close()
         report.close()
         return exit_code
 
@@ -234,7 +239,7 @@ class Trainer:
         return {**resolved_config(self.cfg, sizes), "run": facts}
 
     def save(self) -> Path:
-        self.state.spikes = self.spikes.state_dict()
+        self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         began = self.spikes.protect_before()  # (a rollback in the making needs the checkpoint before it)
         needed = ckpt.complete_before(ckpt.checkpoints_dir(self.cfg.run_dir), began) if began is not None else []
         return self.module.save(self.state, self.train_loader.state_dict(), tuple(p.name for p in needed[:1]))
@@ -269,7 +274,7 @@ class Trainer:
             )
             if self.dist.is_main:  # (last: a run killed before this resumes to the same answer)
                 ckpt.rewind_to(target)
-                spikes.write_log(self.cfg.run_dir, self.state.spikes)
+                spikes.write_log(self.cfg.run_dir, self.state.spikes.ladder_state(), target)
         if event.action == spikes.STOP:
             limit = self.cfg.train.spikes.max_rollbacks
             why = (
@@ -290,10 +295,10 @@ class Trainer:
         stop = (self.train_loader.rows + self.cfg.train.spikes.margin_steps * sizes.micro * sizes.accum) * sizes.dp
         self.restore(path)
         rows = (self.train_loader.rows * sizes.dp, stop)
-        self.spikes.rolled_back(rows, self.state.spikes)
+        self.spikes.rolled_back(rows, self.state.spikes.ladder_state())
         for skipped in self.spikes.skip_rows:
             self.train_loader.skip_rows(*skipped)
-        self.state.spikes = self.spikes.state_dict()
+        self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         return rows
 
     def evaluate(self) -> dict[str, float]:

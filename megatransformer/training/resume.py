@@ -149,6 +149,11 @@ def rollback_target(cfg: RunConfig, before_step: int) -> Path | None:
 
 
 def check_tokenizer(path: Path, state: ckpt.TrainerState, cfg: RunConfig, tokenizer_sha256: str | None) -> None:
+    if state.tokenizer_sha256 is None:
+        ckpt.warn(
+            f"checkpoint {path} records no tokenizer hash: that data.tokenizer={cfg.data.tokenizer} is the one it "
+            "was trained with cannot be checked"
+        )
     if tokenizer_sha256 and state.tokenizer_sha256 and tokenizer_sha256 != state.tokenizer_sha256:
         raise ConfigError(
             f"checkpoint {path} was trained with another tokenizer (sha256 "

@@ -7,15 +7,15 @@ every rank reads anyway in one transfer, so detection adds no wait for the devic
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from megatransformer import checkpoint as ckpt
 from megatransformer.config import SpikesConfig
 from megatransformer.training.metrics import finite_or_none
 
@@ -23,7 +23,7 @@ ROBUST_SIGMA = 1.4826  # the MAD of normally distributed values times this is th
 SKIP, ROLLBACK, STOP = "skip", "rollback", "stop"
 LOSS, GRAD_NORM = "loss", "grad_norm"  # the quantities judged
 NAMES = {LOSS: "loss", GRAD_NORM: "gradient norm"}
-LOG = "spikes.json"  # RUN_DIR/spikes.json: the ladder's state right after the last rollback
+LOG = "spikes.json"  # RUN_DIR/spikes.json: the ladder's state right after the last rollback (RollbackLog)
 
 
 class SpikeDetector:
@@ -193,20 +193,55 @@ class SpikeLadder:
         return state
 
 
-def resume_state(checkpoint: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
-    """The ladder state to resume with: the checkpoint's, unless the run's rollback log records more
-    rollbacks, taken after that checkpoint was saved (a run killed after a rollback skips the data again)."""
-    path = Path(run_dir) / LOG
-    logged = json.loads(path.read_text()) if path.is_file() else {}
-    return logged if logged.get("rollbacks", 0) > checkpoint.get("rollbacks", 0) else checkpoint
+class RollbackLog(BaseModel):
+    """RUN_DIR/spikes.json: the ladder's state right after a rollback, tied to the checkpoint rolled back to
+    (its name and the sha256 of its manifest, which no other run's checkpoint shares)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    checkpoint: str
+    manifest_sha256: str
+    state: ckpt.SpikeState
 
 
-def write_log(run_dir: str | Path, state: dict[str, Any]) -> None:
-    """Record the ladder's state after a rollback in RUN_DIR/spikes.json (replaced atomically)."""
+def resume_state(checkpoint: Path, saved: ckpt.SpikeState, run_dir: str | Path) -> dict[str, Any]:
+    """The ladder state to resume from ``checkpoint`` with: its own (``saved``), or the run's rollback log when
+    the log was written by a rollback to this very checkpoint (a run killed after a rollback skips the data
+    again). A log of an older checkpoint is superseded by this one's state; a damaged log, or one of a
+    checkpoint this one is not, is ignored with one line."""
     path = Path(run_dir) / LOG
-    tmp = path.with_name(f".{LOG}.tmp")
-    tmp.write_text(json.dumps(state) + "\n")
-    os.replace(tmp, path)
+    if not path.is_file():
+        return saved.ladder_state()
+    try:
+        log = RollbackLog.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError) as err:
+        reason = err.errors()[0]["msg"] if isinstance(err, ValidationError) else err.__class__.__name__
+        ckpt.warn(f"{path} is damaged ({reason}): ignored; resuming with the loss-spike state of {checkpoint.name}")
+        return saved.ladder_state()
+    if log.checkpoint == checkpoint.name and log.manifest_sha256 == manifest_sha256(checkpoint):
+        return log.state.ladder_state() if log.state.rollbacks > saved.rollbacks else saved.ladder_state()
+    logged, resumed = ckpt.step_of(Path(log.checkpoint)), ckpt.step_of(checkpoint)
+    if logged is None or resumed is None or logged >= resumed:  # (older: a rollback this checkpoint's state holds)
+        ckpt.warn(
+            f"{path} records a rollback to {log.checkpoint}, not to this run's {checkpoint.name} (another run's, "
+            f"or a checkpoint skipped): ignored; resuming with the loss-spike state of {checkpoint.name}"
+        )
+    return saved.ladder_state()
+
+
+def write_log(run_dir: str | Path, state: dict[str, Any], checkpoint: Path) -> None:
+    """Record the ladder's state after a rollback to ``checkpoint`` in RUN_DIR/spikes.json (replaced
+    atomically)."""
+    log = RollbackLog(
+        checkpoint=checkpoint.name,
+        manifest_sha256=manifest_sha256(checkpoint),
+        state=ckpt.SpikeState.model_validate(state),
+    )
+    ckpt.atomic_write(Path(run_dir) / LOG, log.model_dump_json() + "\n")
+
+
+def manifest_sha256(checkpoint: Path) -> str:
+    return ckpt.file_entry(checkpoint / ckpt.COMPLETE)["sha256"]
 
 
 def describe(

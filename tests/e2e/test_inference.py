@@ -241,7 +241,7 @@ def test_fine_tune_on_instructions_then_eval_generate_and_export(pretrained, tmp
         "1",
     )
     run = tmp_path / "finetune"
-    cli(
+    trained = cli(
         "train",
         "--config",
         str(pretrained["config"]),
@@ -252,7 +252,9 @@ def test_fine_tune_on_instructions_then_eval_generate_and_export(pretrained, tmp
         "data.seq_len=128",
         "train.max_steps=4",
         "parallel.zero_stage=2",
+        "model.dropout=0.05",
     )  # packed: several examples per row, each with its prompt as prefix
+    assert "this model differs from the checkpoint's: model.dropout=0.05 (0.0 there)" in trained.stdout
     weights_before = load_for_inference(pretrained["run"]).model.state_dict()
     tuned = load_for_inference(run)
     assert tuned.cfg.objective == "prefix_lm"

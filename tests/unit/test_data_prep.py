@@ -230,6 +230,18 @@ def test_format_1_directories_still_load(tmp_path, tiny_data):
     assert len(documents(tmp_path / "v1")) == old.documents
 
 
+@pytest.mark.parametrize(
+    "name", ["../../../../etc/passwd", "/etc/passwd", "part-00001-of-00002/../../x.tar", "a\\b.tar", "a//b", "..", ""]
+)
+def test_a_manifest_entry_outside_the_shard_directory_is_refused(tmp_path, tiny_data, name):
+    raw = json.loads((tiny_data.shards / "manifest.json").read_text())
+    raw["splits"]["train"][0]["file"] = name
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(DataError, match="not a path inside the shard directory") as err:
+        Manifest.load(tmp_path)
+    assert len(str(err.value).splitlines()) == 1 and repr(name) in str(err.value)
+
+
 def test_large_vocab_shards_are_uint32(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

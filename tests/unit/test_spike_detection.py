@@ -21,8 +21,6 @@ from megatransformer.training.spikes import (
     SpikeDetector,
     SpikeLadder,
     describe,
-    resume_state,
-    write_log,
 )
 
 
@@ -177,7 +175,7 @@ def test_a_checkpoint_of_an_older_version_without_gradient_norms_loads_and_warms
             "spikes": spikes,
         }
     )
-    ladder = SpikeLadder(SpikesConfig(window=50, warmup=10, grad_norm=True), state.spikes)
+    ladder = SpikeLadder(SpikesConfig(window=50, warmup=10, grad_norm=True), state.spikes.ladder_state())
     assert ladder.detector.values == spikes["losses"] and ladder.rollbacks == 1
     assert ladder.grad_norm_detector.values == [] and ladder.grad_norm_detector.threshold() is None
     assert not ladder.rejects(3.0, 50.0)  # warming up: no finite norm is a spike yet
@@ -187,15 +185,6 @@ def test_a_checkpoint_of_an_older_version_without_gradient_norms_loads_and_warms
 def test_a_disabled_ladder_rejects_nothing():
     ladder = spiking_ladder(enabled=False)
     assert not ladder.rejects(100.0)
-
-
-def test_resume_takes_the_rollback_log_when_it_is_newer_than_the_checkpoint(tmp_path):
-    checkpoint = {"losses": [1.0], "recent": [5], "rollbacks": 0, "skip_rows": []}
-    assert resume_state(checkpoint, tmp_path) == checkpoint
-    after = {"losses": [1.0], "recent": [], "rollbacks": 1, "skip_rows": [[8, 96]]}
-    write_log(tmp_path, after)
-    assert resume_state(checkpoint, tmp_path) == after
-    assert resume_state({**after, "rollbacks": 1, "losses": [2.0]}, tmp_path)["losses"] == [2.0]
 
 
 @pytest.mark.parametrize(
