@@ -30,10 +30,13 @@ def mlp_hidden_values(cfg: ModelConfig) -> int:
 
 def block_values(cfg: ModelConfig, cross_attention: bool = False, exchanged: bool = False) -> int:
     """Values one block keeps per position: the attention sub-layer's norm input and output, q, k, v, the
-    core's output and, ``exchanged`` (Ulysses), the whole-sequence q, k, v and output of this rank's heads,
-    the same count again; the MLP's norm input and output and, untiled, its hidden activations."""
+    core's output (with QK-norm q and k before their norms too) and, ``exchanged`` (Ulysses), the
+    whole-sequence q, k, v and output of this rank's heads, the same count again; the MLP's norm input and
+    output and, untiled, its hidden activations."""
     d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
     attention = 2 * d + (2 * d + 2 * kv) * (2 if exchanged else 1)  # norm in/out; q, out, k, v
+    if cfg.qk_norm:  # the queries and keys before their norms
+        attention += d + kv
     hidden = mlp_hidden_values(cfg) if cfg.mlp_tiles == 1 else 0
     return attention * (2 if cross_attention else 1) + 2 * d + hidden
 

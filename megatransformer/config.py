@@ -213,6 +213,10 @@ class ModelConfig(Section):
     positions of the row, within each packed document; cross-attention is never windowed; not with
     prefix-LM attention; at most max_seq_len (a wider window never narrows anything), except with ALiBi, which
     runs beyond max_seq_len. None: every allowed key."""
+    qk_norm: bool = False
+    """QK-norm (Qwen3, OLMo 2, Gemma 3): an RMSNorm (eps norm_eps) over each head's queries and keys, with learned
+    weights of size head_dim, before RoPE, in self- and cross-attention: bounds the attention logits' growth. With
+    ALiBi too (the bias is added to the scores of the normed queries and keys). Exports as Qwen3ForCausalLM."""
     ffn: Literal["relu", "gelu", "swiglu"] = "swiglu"
     """Feed-forward activation; swiglu uses gate_proj * up_proj."""
     bias: bool = False
@@ -385,6 +389,11 @@ class TrainConfig(Section):
     """Clip the global gradient norm to this value (0 disables)."""
     label_smoothing: Fraction = 0.0
     """Label smoothing of the cross-entropy loss (0.1 in the 2017 paper)."""
+    z_loss: NonNegativeFloat = 0.0
+    """z-loss coefficient (PaLM, OLMo): coefficient x log(Z)^2, the squared log of each loss token's softmax
+    normalizer (logsumexp of its logits), averaged over the loss tokens, is added to the training loss and keeps
+    the output logits from drifting; logged as z_loss beside the cross-entropy loss (PaLM: 1e-4). 0: off, not
+    computed."""
     log_every: PositiveInt = 10
     """Steps between metrics.jsonl lines."""
     eval_every: NonNegativeInt = 0

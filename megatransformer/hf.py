@@ -1,14 +1,16 @@
 """Mapping between our decoders and Hugging Face ``transformers`` classes (config and weight names).
 
-Three families map exactly, so ``transformers`` computes the same function with no custom code:
+Four families map exactly, so ``transformers`` computes the same function with no custom code:
 
 - ``LlamaForCausalLM``: pre-LN, rmsnorm, rope (scaled or not: ``rope_parameters``), swiglu, no biases (MHA, GQA
   or MQA);
 - ``MistralForCausalLM``: the same with a sliding window (``sliding_window``, Llama's weight names);
+- ``Qwen3ForCausalLM``: Llama with QK-norm (``q_norm``, ``k_norm``), with or without a sliding window in every layer;
 - ``GPT2LMHeadModel``: pre-LN, layernorm, learned positions, (exact) gelu, biases, MHA, tied embeddings.
 
 Each family is a table (:class:`Family`) of what must hold on each side; a conversion either maps a field
 exactly or refuses it with one line naming the field and its value, in both directions (docs/conversions.md).
+Close relatives our blocks cannot express are refused with the reason (``UNEXPRESSIBLE``).
 """
 
 from __future__ import annotations
@@ -122,13 +124,17 @@ _LAYER_NAMES = [
     ("decoder.layers.{i}.ffn.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
     ("decoder.layers.{i}.ffn.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
 ]
+_QK_NORM_NAMES = [
+    ("decoder.layers.{i}.self_attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("decoder.layers.{i}.self_attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+]
 _GLOBAL_NAMES = [
     ("embed_tokens.weight", "model.embed_tokens.weight"),
     ("decoder.norm.weight", "model.norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
 ]
 
-# Our fields a Llama-like class fixes (Llama: no window either)
+# Our fields a Llama-like class fixes (Llama: no window either; Qwen3: QK-norm)
 _LLAMA_LIKE = {
     "arch": "decoder",
     "norm_position": "pre",
@@ -138,6 +144,7 @@ _LLAMA_LIKE = {
     "bias": False,
     "scale_embeddings": False,
     "final_norm": True,
+    "qk_norm": False,
 }
 # transformers keys a Llama-like config.json maps onto ours (model_config_from_llama reads them)
 _LLAMA_LIKE_KEYS = (
@@ -257,6 +264,22 @@ def mistral_config(cfg: ModelConfig) -> dict:
     return {**_llama_like_config(cfg), "sliding_window": cfg.attention_window}
 
 
+def qwen3_config(cfg: ModelConfig) -> dict:
+    """``Qwen3Config`` keyword arguments equivalent to ``cfg``."""
+    reason = QWEN3.incompatibility(cfg)
+    if reason:
+        raise ValueError(f"this model cannot be expressed as Qwen3ForCausalLM: {reason}")
+    window = cfg.attention_window
+    return {
+        **_llama_like_config(cfg),
+        "attention_bias": False,
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "max_window_layers": 0,  # (the layers from this one on slide: all of them)
+        "layer_types": [("full_attention" if window is None else "sliding_attention")] * cfg.n_layers,
+    }
+
+
 def model_config_from_llama(hf: dict) -> ModelConfig:
     """Our ModelConfig for a Llama ``config.json`` dict. Dynamic NTK starts beyond max_position_embeddings
     (our rope_scaling.original_max_seq_len) and is allowed up to factor times that (our max_seq_len)."""
@@ -296,6 +319,31 @@ def model_config_from_mistral(hf: dict) -> ModelConfig:
     return _model_config(**{**cfg, "attention_window": hf.get("sliding_window", 4096)})
 
 
+def model_config_from_qwen3(hf: dict) -> ModelConfig:
+    """Our ModelConfig for a Qwen3 ``config.json`` dict."""
+    cfg = model_config_from_llama(hf).model_dump()
+    return _model_config(**{**cfg, "qk_norm": True, "attention_window": _qwen3_window(hf)})
+
+
+def _qwen3_window(hf: dict) -> int | None:
+    """The sliding window of a Qwen3 config whose every layer slides, None where none does (as transformers
+    derives the layers' kinds when ``layer_types`` is absent)."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    first_sliding = hf.get("max_window_layers", 28)
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+        for i in range(hf["num_hidden_layers"])
+    ]
+    if set(layer_types) == {"full_attention"}:
+        return None
+    if set(layer_types) == {"sliding_attention"} and window is not None:
+        return window
+    raise ValueError(
+        f"Qwen3 layer_types={layer_types!r} with use_sliding_window={hf.get('use_sliding_window', False)} is not "
+        "supported (a sliding window in every layer or in none)"
+    )
+
+
 def _pairs(global_names: list, layer_names: list, n_layers: int) -> list[tuple[str, str]]:
     pairs = list(global_names)
     for i in range(n_layers):
@@ -303,12 +351,12 @@ def _pairs(global_names: list, layer_names: list, n_layers: int) -> list[tuple[s
     return pairs
 
 
-def _name_pairs(n_layers: int) -> list[tuple[str, str]]:
-    return _pairs(_GLOBAL_NAMES, _LAYER_NAMES, n_layers)
+def _name_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    return _pairs(_GLOBAL_NAMES, _LAYER_NAMES + (_QK_NORM_NAMES if cfg.qk_norm else []), cfg.n_layers)
 
 
 def to_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {theirs: state[ours] for ours, theirs in _name_pairs(cfg.n_layers)}
+    out = {theirs: state[ours] for ours, theirs in _name_pairs(cfg)}
     if cfg.tie_embeddings:
         out.pop("lm_head.weight")
     return out
@@ -318,7 +366,7 @@ def from_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     state = {re.sub(r"^model\.model\.", "model.", k): v for k, v in state.items()}
     if cfg.tie_embeddings:
         state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
-    pairs = _name_pairs(cfg.n_layers)
+    pairs = _name_pairs(cfg)
     missing = [theirs for _, theirs in pairs if theirs not in state]
     if missing:
         raise ValueError(f"Llama checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
@@ -360,6 +408,7 @@ _GPT2_REQUIRES = {
     "tie_embeddings": True,
     "n_kv_heads": lambda cfg: cfg.n_heads if cfg.n_kv_heads is not None else None,
     "attention_window": None,
+    "qk_norm": False,
 }
 _GPT2_KEYS = (
     "vocab_size",
@@ -521,7 +570,30 @@ GPT2 = Family(
     neutral=_GPT2_NEUTRAL,
     ignored=_GPT2_HEADS_OF_OTHER_CLASSES,
 )
-FAMILIES = (LLAMA, MISTRAL, GPT2)
+QWEN3 = Family(
+    "Qwen3",
+    "qwen3",
+    "Qwen3ForCausalLM",
+    requires={**_LLAMA_LIKE, "qk_norm": True},
+    config=qwen3_config,
+    to_hf=to_llama_state_dict,
+    from_hf=from_llama_state_dict,
+    model_config=model_config_from_qwen3,
+    mapped=(*_LLAMA_LIKE_KEYS, "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+    neutral={
+        "hidden_act": _SILU,
+        "attention_bias": Neutral(False, (False,)),
+        "partial_rotary_factor": Neutral(1.0, (1.0,)),
+    },
+    not_carried=("dropout", "embedding_dropout"),
+)
+FAMILIES = (LLAMA, MISTRAL, GPT2, QWEN3)
+# transformers families close to ours that our blocks cannot express, and why
+UNEXPRESSIBLE = {
+    "olmo2": "OLMo 2 normalises each sub-layer's output inside the residual (x + norm(f(x))) and its QK-norm spans "
+    "all heads at once (one weight of heads x head_dim); our blocks normalise before (pre-LN) or after the sum "
+    "(post-LN) and QK-norm per head as Qwen3 does (model.qk_norm exports as Qwen3ForCausalLM)",
+}
 
 
 def hf_incompatibility(cfg: ModelConfig) -> str | None:
@@ -557,7 +629,8 @@ def save_hf_dir(
         "architectures": [family.architecture],
         "model_type": family.model_type,
         **family.config(cfg),
-        **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL) else {}),  # where older transformers read it
+        # (rope_theta where older transformers read it)
+        **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL, QWEN3) else {}),
         "bos_token_id": special_ids.get("bos"),
         "eos_token_id": special_ids.get("eos"),
         "pad_token_id": special_ids.get("pad"),
@@ -589,13 +662,16 @@ def save_hf_dir(
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Llama, Mistral or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our names."""
+    """Read a Llama, Mistral, Qwen3 or GPT-2 directory (config.json + *.safetensors, possibly sharded) into our
+    names."""
     from safetensors.torch import load_file
 
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{path} has no config.json; expected a Hugging Face model directory")
     hf = json.loads(config_path.read_text())
+    if hf.get("model_type") in UNEXPRESSIBLE:
+        raise ValueError(f"{path} holds model_type={hf['model_type']!r}: {UNEXPRESSIBLE[hf['model_type']]}")
     family = next((f for f in FAMILIES if f.model_type == hf.get("model_type")), None)
     if family is None:
         raise ValueError(

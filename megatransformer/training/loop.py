@@ -176,6 +176,7 @@ class Trainer:
                     {
                         "step": self.state.step,
                         "loss": finite_or_none(result.loss),
+                        **({"z_loss": finite_or_none(result.z_loss)} if cfg.train.z_loss else {}),
                         "lr": result.lr,
                         "grad_norm": finite_or_none(result.grad_norm),
                         "tokens": self.state.tokens,

@@ -221,8 +221,11 @@ class Reporter:
         loss = "nan" if record["loss"] is None else f"{record['loss']:.4f}"
         pace = (time.perf_counter() - self._started) / max(step - self._start_step, 1)
         mfu = "" if record.get("mfu") is None else f" | MFU {record['mfu']:.2%}"
+        z_loss = ""
+        if "z_loss" in record:
+            z_loss = " | z-loss " + ("nan" if record["z_loss"] is None else f"{record['z_loss']:.3g}")
         return (
-            f"step {step}/{total} | loss {loss} | lr {record['lr']:.3g} | {record['tokens_per_s']:,.0f} tok/s"
+            f"step {step}/{total} | loss {loss}{z_loss} | lr {record['lr']:.3g} | {record['tokens_per_s']:,.0f} tok/s"
             f"{mfu} | ETA {format_duration((total - step) * pace)}"
         )
 

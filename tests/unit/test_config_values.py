@@ -59,6 +59,7 @@ BAD_VALUES = [
     ("train.grad_clip=-1", "train.grad_clip=-1 must be >= 0"),
     ("train.label_smoothing=1.5", "train.label_smoothing=1.5 must be < 1"),
     ("train.label_smoothing=-0.1", "train.label_smoothing=-0.1 must be >= 0"),
+    ("train.z_loss=-1e-4", "train.z_loss=-1e-4 must be >= 0"),
     ("train.log_every=0", "train.log_every=0"),
     ("train.eval_every=-1", "train.eval_every=-1 must be >= 0"),  # accepted, it would evaluate every step
     ("train.eval_batches=0", "train.eval_batches=0"),

@@ -13,7 +13,7 @@ from support.models import randomized
 from megatransformer.checkpoint import HOW_NOT_WHAT, write_weights_checkpoint
 from megatransformer.cli import main
 from megatransformer.config import ModelConfig, RunConfig
-from megatransformer.hf import FAMILIES, GPT2, IGNORED_KEYS, LLAMA, MISTRAL, load_hf_dir, save_hf_dir
+from megatransformer.hf import FAMILIES, GPT2, IGNORED_KEYS, LLAMA, MISTRAL, QWEN3, load_hf_dir, save_hf_dir
 from megatransformer.inference import load_for_inference
 from megatransformer.model import build_model
 
@@ -32,6 +32,8 @@ OURS = {  # a small model of each family
                   attention_window=6),
     GPT2: dict(d_model=32, n_layers=2, n_heads=4, d_ff=48, vocab_size=97, max_seq_len=32, norm="layernorm",
                position="learned", ffn="gelu", bias=True, tie_embeddings=True),
+    QWEN3: dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, vocab_size=97, max_seq_len=32,
+                norm="rmsnorm", position="rope", ffn="swiglu", bias=False, tie_embeddings=False, qk_norm=True),
 }  # fmt: skip
 # Another value of each of our fields that changes the computation (HOW_NOT_WHAT: those that do not)
 OUR_ALTERNATIVES = {
@@ -65,6 +67,7 @@ OUR_ALTERNATIVES = {
     "attention_dropout": [0.1],
     "embedding_dropout": [0.2],
     "final_norm": [False],
+    "qk_norm": [True, False],
 }
 
 
@@ -138,6 +141,8 @@ THEIRS = {  # a small transformers config of each family
     MISTRAL: dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False, sliding_window=6),
     GPT2: dict(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, activation_function="gelu"),
+    QWEN3: dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=16, tie_word_embeddings=False),
 }  # fmt: skip
 _ROPE_ALTERNATIVES = [
     {"rope_type": "default", "rope_theta": 500.0},
@@ -180,6 +185,15 @@ _LLAMA_LIKE_ALTERNATIVES = {
 THEIR_ALTERNATIVES = {
     LLAMA: {**_LLAMA_LIKE_ALTERNATIVES, "attention_bias": [True], "mlp_bias": [True], "pretraining_tp": [2]},
     MISTRAL: {**_LLAMA_LIKE_ALTERNATIVES, "sliding_window": [3, None]},
+    QWEN3: {
+        **_LLAMA_LIKE_ALTERNATIVES,
+        "num_attention_heads": [],  # (head_dim is explicit: other heads need another hidden size, see PARTLY_OURS)
+        "attention_bias": [True],
+        "use_sliding_window": [True],
+        "sliding_window": [3],
+        "max_window_layers": [1],
+        "layer_types": [["sliding_attention", "sliding_attention"], ["full_attention", "sliding_attention"]],
+    },
     GPT2: {
         "vocab_size": [101],
         "n_positions": [64],
@@ -209,6 +223,11 @@ THEIR_ALTERNATIVES = {
         "eos_token_id": [5],
     },
 }
+
+
+# Mapped keys of which some values are refused: Qwen3's windowed layers (all or none), and its explicit head_dim
+# (another hidden size is another head count)
+PARTLY_OURS = {QWEN3: ("layer_types", "hidden_size")}
 
 
 def own_fields(config_class) -> set[str]:
@@ -255,7 +274,8 @@ def test_each_field_of_transformers_imports_to_the_same_logits_or_is_refused_by_
                 difference = (ours(IDS) - theirs(IDS).logits).abs().max().item()
             assert difference < 1e-4, (key, value, difference)
     assert set(family.neutral) <= refused
-    assert refused - set(family.neutral) <= {"head_dim", "rope_parameters"}  # (values of mapped keys not ours)
+    # (values of mapped keys that are not ours)
+    assert refused - set(family.neutral) <= {"head_dim", "rope_parameters", *PARTLY_OURS.get(family, ())}
 
 
 def test_the_refused_llama_fields_and_values_are_named(tmp_path):

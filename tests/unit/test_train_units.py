@@ -273,7 +273,7 @@ def test_the_fused_loss_chunks_by_the_device_it_runs_on(monkeypatch):
     from megatransformer.model import head
 
     asked = []
-    monkeypatch.setattr(head, "chunked_loss_and_grads", lambda *args: asked.append(args[4]) or (None,))
+    monkeypatch.setattr(head, "chunked_loss_and_grads", lambda *args: asked.append(args[4]) or (None, None))
     fake = FakeTensorMode()
     cuda = [FakeTensor(fake, torch.empty(shape, device="meta"), torch.device("cuda")) for shape in ((4, 8), (16, 8))]
     with torch.no_grad():
