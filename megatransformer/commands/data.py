@@ -236,10 +236,18 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _print_splits(manifest, unit: str) -> None:
+    import numpy as np
+
     for split, shards in manifest.splits.items():
         print(
-            f"{split}: {len(shards)} shards, {sum(s.samples for s in shards):,} {unit}, "
+            f"{split}: {len(shards)} shards, {sum(s.documents for s in shards):,} {unit}, "
             f"{manifest.tokens(split):,} tokens ({manifest.dtype})"
+        )
+    if manifest.splits and manifest.bytes_per_token() is not None:
+        payload = np.dtype(manifest.dtype).itemsize
+        print(
+            f"{manifest.bytes_per_token():.2f} bytes per token on disk ({manifest.bytes_per_token() / payload:.2f}x "
+            f"the {manifest.dtype} ids)"
         )
 
 

@@ -166,7 +166,7 @@ def test_parts_merged_hold_the_documents_and_splits_of_one_run(inputs, tiny_data
         assert merged.documents == one.documents and merged.tokenizer_sha256 == one.tokenizer_sha256
         for split in ("train", "valid"):
             docs = shard_documents(tmp_path / "one", split)
-            assert len(docs) == sum(s.samples for s in one.splits[split]) > 40
+            assert len(docs) == sum(s.documents for s in one.splits[split]) > 40
             assert shard_documents(out, split) == docs
             assert merged.tokens(split) == one.tokens(split)
         assert all(s.file.startswith(f"part-00001-of-0000{n}/") for s in merged.splits["train"][:1])
