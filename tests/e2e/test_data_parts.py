@@ -71,8 +71,12 @@ def test_part_killed_mid_run_is_refused_until_re_made(corpus, tiny_data, one_run
     out = tmp_path / "shards"
     cli(*shard_args(corpus, tiny_data, out, "--part", "2/2", "--workers", "1"))
     part = out / "part-00001-of-00002"
+    large = tmp_path / "large"  # (an input that takes seconds, so the part is surely killed before it ends)
+    large.mkdir()
+    table = pq.read_table(corpus / "train-00000.parquet")
+    pq.write_table(pa.concat_tables([table] * 200), large / "train-00000.parquet", row_group_size=25)
     process = subprocess.Popen(
-        [*CLI, *shard_args(corpus, tiny_data, out, "--part", "1/2", "--workers", "1", "--shard-mb", "0.005")],
+        [*CLI, *shard_args(large, tiny_data, out, "--part", "1/2", "--workers", "1", "--shard-mb", "0.005")],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
