@@ -91,6 +91,7 @@ class Trainer:
         )
         self.preemption = preemption or Preemption()
         self.spikes = spikes.SpikeLadder(cfg.train.spikes)
+        self.checkpoint: Path | None = None  # the run's state on disk: the one resumed from, then the last saved
 
     # ------------------------------------------------------------------------------------ the run
 
@@ -99,6 +100,7 @@ class Trainer:
         if self.resume is not None:
             self.state, loader_state = self.module.load(self.resume)
             self.train_loader.load_state_dict(loader_state)
+            self.checkpoint = self.resume.path
             if self.dist.is_main:
                 print(self.resume.describe(cfg, self.dist.world_size))
         elif self.dist.is_main and cfg.resume == "auto":
@@ -246,7 +248,9 @@ class Trainer:
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         began = self.spikes.protect_before()  # (a rollback in the making needs the checkpoint before it)
         needed = ckpt.complete_before(ckpt.checkpoints_dir(self.cfg.run_dir), began) if began is not None else []
-        return self.module.save(self.state, self.train_loader.state_dict(), tuple(p.name for p in needed[:1]))
+        keep = tuple(p.name for p in needed[:1])
+        self.checkpoint = self.module.save(self.state, self.train_loader.state_dict(), keep)
+        return self.checkpoint
 
     def restore(self, path: Path) -> None:
         """Load checkpoint ``path`` (verified: rollback_target's) into the running engine, trainer state and
