@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write a checkpoint as consolidated safetensors or a HF model",
         description="Write a checkpoint's weights in one piece, whatever layout trained "
         "them: our safetensors format, or a directory that transformers loads "
-        "with from_pretrained (Llama or GPT-2 architecture).",
+        "with from_pretrained (Llama, Mistral or GPT-2 architecture).",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--out", required=True, help="output directory")
