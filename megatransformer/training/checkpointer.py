@@ -77,6 +77,7 @@ def save_checkpoint(
     if rank == 0 and path.exists():  # a leftover from a run killed while saving this step
         shutil.rmtree(path)
     dist.barrier()
+    engine._copy_recovery_script = _no_recovery_scripts
     writes = Writes()
     writes.attempt("DeepSpeed's states", lambda: engine.save_checkpoint(str(root), tag=tag, save_latest=False))
     writes.attempt(
@@ -154,6 +155,12 @@ class Writes:
         raise WriteFailed(
             f"writing checkpoint {path.name} failed{where} ({name}): {reason} ({free_space(path.parent)}); {intact}"
         )
+
+
+def _no_recovery_scripts(save_path: str) -> None:
+    """In place of DeepSpeed's copy of its zero_to_fp32.py / zero_to_torch.py into every ZeRO checkpoint: the
+    whole model is model.safetensors already (``megatransformer export`` writes it out), and a checkpoint
+    holds no code."""
 
 
 def full_state_dict(engine, cfg: RunConfig) -> dict[str, torch.Tensor] | None:
