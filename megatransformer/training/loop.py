@@ -76,9 +76,8 @@ class Trainer:
             cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer, pin_memory=pin
         )
         self.valid_loader = build_run_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
-        warning = small_validation_warning(self.valid_loader, micro)
-        if warning and dist_info.is_main:
-            print(warning)
+        # (read now: an empty split fails before training; said in run(), outside the engine's quiet start-up)
+        self.validation_warning = small_validation_warning(self.valid_loader, micro)
         self.state = ckpt.TrainerState(
             step=0,
             tokens=0,
@@ -145,9 +144,9 @@ class Trainer:
                 print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
-            warning = warmup_warning(cfg)
-            if warning:
-                print(warning)
+            for warning in (warmup_warning(cfg), self.validation_warning):
+                if warning:
+                    print(warning)
         size = model_size(cfg.model, cfg.data.seq_len)
         report = Reporter(
             cfg,
@@ -160,6 +159,7 @@ class Trainer:
         flops = size.flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
         peak_flops = peak * 1e12 * self.dist.world_size if peak else None
+        report.message(first_step_note(cfg, self.state.step))
         batches = iter(self.train_loader)
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
@@ -313,6 +313,17 @@ class Trainer:
         """Validation loss over the first train.eval_batches batches of the validation split (every rank
         reads the same batches; the train module deals them across data-parallel ranks)."""
         return self.module.evaluate([batch for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader)])
+
+
+def first_step_note(cfg: RunConfig, step: int) -> str:
+    """What the seconds before the first step line are spent on."""
+    work = ["the data loader starts", "the first batches are read", "memory is allocated"]
+    if cfg.train.compile:
+        work.append("torch.compile compiles the model")
+    return (
+        f"step {step + 1}: first step of this process ({', '.join(work)}): slower than the rest; "
+        f"a line every {cfg.train.log_every} step{'s' * (cfg.train.log_every != 1)}"
+    )
 
 
 def device_memory(device: str) -> dict[str, float]:
