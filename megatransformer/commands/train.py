@@ -68,6 +68,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from megatransformer.training.preflight import check_before_start
     from megatransformer.training.resume import check_run_dir
     from megatransformer.training.run_lock import lock_run_dir
+    from megatransformer.training.threads import set_threads_for_machine
     from megatransformer.training.watchdog import dump_rank, hang_dir, stack_dumps, switch_on_flight_recorder
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
@@ -87,6 +88,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         for line in build_notes(ops):
             print(line, flush=True)
     host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
+    busy = set_threads_for_machine()
+    if busy and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(busy, flush=True)
     init = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}") if cfg.init_from else None
     init_state = init[1] if init else None
     import torch
