@@ -103,6 +103,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             dist_info = setup(cfg.parallel.timeout_minutes)
             on_first_rank(lambda: held.append(lock_run_dir(cfg.run_dir)))  # before the run writes anything
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
+        preemption.starting = False
         if dist_info.is_main:
             print(host_memory)
         if init_state is not None and dist_info.is_main:

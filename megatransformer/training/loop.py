@@ -36,10 +36,13 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: stopped at once, no c
 
 class Preemption:
     """Remembers SIGUSR1 / SIGTERM and a first SIGINT (Ctrl-C); the loop checks it between steps (all ranks
-    agree before stopping). A second SIGINT ends the process at once."""
+    agree before stopping). A second SIGINT ends the process at once, and so does a first one while the run is
+    ``starting`` (DeepSpeed starting up, perhaps waiting for another process's build of an op: nothing trained
+    to save, and the first step may be minutes away)."""
 
     def __init__(self) -> None:
         self.requested = self.interrupted = False
+        self.starting = True  # until the trainer is built
         self.pid = os.getpid()  # (DataLoader workers inherit the handlers: Ctrl-C there is the main process's)
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
@@ -48,6 +51,10 @@ class Preemption:
         if os.getpid() != self.pid:
             return
         if signum == signal.SIGINT:
+            if self.starting:
+                if os.environ.get("LOCAL_RANK", "0") == "0":
+                    os.write(2, b"\nCtrl-C while starting (nothing trained yet to checkpoint): exiting now\n")
+                os._exit(EXIT_INTERRUPTED)
             if self.interrupted:
                 os.write(2, b"\nmegatransformer train: interrupted again: exiting now, without a checkpoint\n")
                 os._exit(EXIT_INTERRUPTED)
