@@ -127,6 +127,18 @@ def input_files(names: list[str]) -> list[str]:
     return files
 
 
+def files_not_read(names: list[str]) -> list[str]:
+    """The files of ``--input`` directories that :func:`input_files` leaves out (not of a kind read here), in
+    name order; a ``datasets`` directory's own files are read through its state, not left out."""
+    return [
+        str(p)
+        for name in names
+        if Path(name).is_dir() and not (Path(name) / "state.json").is_file()
+        for p in sorted(Path(name).iterdir())
+        if p.is_file() and not _is_input(p)
+    ]
+
+
 def _saved_dataset_files(directory: Path) -> list[str]:
     """The .arrow files of a ``datasets.Dataset.save_to_disk`` directory, in the dataset's row order."""
     state = directory / "state.json"

@@ -389,31 +389,33 @@ class ModelConfig(Section):
 
 class SpikesConfig(Section):
     """Loss spikes (training/spikes.py): a step whose loss or gradient norm is non-finite or far above the
-    running median of its recent values does not update the model; several within a short span roll the run
+    level of its recent values does not update the model; several within a short span roll the run
     back to the newest intact checkpoint before them and skip the data read since, plus a margin; too many
     rollbacks stop it."""
 
     enabled: bool = True
     """Detect spikes and respond (off: only non-finite steps are skipped, train.max_bad_steps stops)."""
-    window: Annotated[int, Field(ge=2)] = 200
-    """Recent accepted steps whose losses make the running statistic (median and MAD)."""
+    window: Annotated[int, Field(ge=2)] = 50
+    """Recent accepted steps whose step-to-step differences measure the noise (their MAD: a trend, such as the
+    run's early descent, moves them all alike and is not counted as noise)."""
     warmup: Annotated[int, Field(ge=2)] = 50
     """Accepted steps of history before a finite loss can be a spike (at most window)."""
     threshold: Annotated[float, Field(gt=0)] = 6.0
-    """A spike lies this many robust standard deviations (1.4826 x MAD) above the median..."""
+    """A spike lies this many robust standard deviations of the noise above the level (the median of the last
+    20 accepted values)..."""
     min_rise: Annotated[float, Field(gt=0)] = 0.1
-    """...and at least this fraction of the median above it (a flat curve has a MAD near zero)."""
+    """...and at least this fraction of the level above it (a flat curve has a noise near zero)."""
     grad_norm: bool = False
-    """Judge the global gradient norm (before clipping) too, against its own running median and MAD over the
-    same window: a step spikes when its loss or its gradient norm lies beyond its threshold. Off by default:
+    """Judge the global gradient norm (before clipping) too, against its own level and noise over the same
+    window: a step spikes when its loss or its gradient norm lies beyond its threshold. Off by default:
     a healthy run's norm may rise several times over within a window (the paper recipe's toy translation
     model: four times its median in 100 steps), and judged, that rise would skip updates and stop the run. A
     non-finite norm always spikes."""
     grad_norm_threshold: Annotated[float, Field(gt=0)] = 6.0
-    """A gradient-norm spike lies this many robust standard deviations above the median of recent norms..."""
+    """A gradient-norm spike lies this many robust standard deviations of its noise above its level..."""
     grad_norm_min_rise: Annotated[float, Field(gt=0)] = 3.0
-    """...and at least this fraction of that median above it (norms are far noisier than losses: 3.0 is four
-    times the median)."""
+    """...and at least this fraction of that level above it (norms are far noisier than losses: 3.0 is four
+    times the level)."""
     rollback_after: PositiveInt = 3
     """Spikes within ``within`` steps that roll the run back."""
     within: PositiveInt = 50

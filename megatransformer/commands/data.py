@@ -178,13 +178,28 @@ def _guard(fn):
     return run
 
 
+def _input_files(names: list[str]) -> list[str]:
+    """``--input`` as files; a note on stderr names the files of its directories that are not read."""
+    from data_pipeline.documents import files_not_read, input_files
+
+    files = input_files(names)
+    skipped = files_not_read(names)
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        print(
+            f"note: not reading {shown}: --input reads .txt, .jsonl, .json and .tsv files (plain, .gz or .zst), "
+            ".parquet and .arrow files of a directory; name other files one by one",
+            file=sys.stderr,
+        )
+    return files
+
+
 @_guard
 def _tokenizer(args: argparse.Namespace) -> int:
-    from data_pipeline.documents import input_files
     from data_pipeline.tokenizer import train_tokenizer
 
     info = train_tokenizer(
-        input_files(args.input), args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per
+        _input_files(args.input), args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per
     )
     asked = "" if info.vocab_size == args.vocab_size else f" of {args.vocab_size} asked"
     print(
@@ -196,12 +211,11 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 @_guard
 def _shard(args: argparse.Namespace) -> int:
-    from data_pipeline.documents import input_files
     from data_pipeline.shard import write_shards
 
     text_field = args.completion_field if args.prompt_field else args.text_field
     manifest = write_shards(
-        input_files(args.input),
+        _input_files(args.input),
         args.tokenizer,
         args.out,
         args.shard_mb,

@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         # one stream: every document once, in order, however few there are
         raw["data"] = {**raw["data"], "train": shards, "valid": shards, "num_workers": 0, "streams": 1}
         cfg = validate(raw)
+        limit = f", at most {args.max_batches} batches" if args.max_batches else ""
+        say(f"evaluating {loaded.path} on {' '.join(args.data)} ({cfg.objective}, batches of {args.batch_size}{limit})")
         result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
     result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
     if args.json:
@@ -180,6 +182,10 @@ def bleu_of(
         references.append(pair.text)
     if not sources:
         raise ConfigError(f"no translation pairs in {', '.join(files)}")
+    say(
+        f"translating {len(sources):,} sentences of {', '.join(files)} with {loaded.path}: beam {num_beams}, "
+        f"batches of {batch_size}"
+    )
     outputs = [
         tok.decode(tokens, skip_special=True).strip()
         for tokens in beam_decode(loaded, sources, num_beams, alpha, form, batch_size=batch_size)
@@ -211,6 +217,11 @@ def empty_hypotheses_warning(outputs: list[str]) -> str | None:
         f"warning: {empty:,} of {len(outputs):,} hypotheses are empty (the model ends them at once: trained "
         "too little, or not a translation model?); the scores count them as empty translations"
     )
+
+
+def say(line: str) -> None:
+    """What the command is doing, on stderr (stdout holds the result, JSON with --json)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str, str]:

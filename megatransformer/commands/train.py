@@ -18,6 +18,7 @@ from megatransformer.config import ConfigError
 from megatransformer.training.metrics import format_duration, read_metrics
 
 if TYPE_CHECKING:
+    from megatransformer.checkpoint import TrainerState
     from megatransformer.config import RunConfig
 
 
@@ -67,6 +68,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from megatransformer.training.preflight import check_before_start
     from megatransformer.training.resume import check_run_dir
     from megatransformer.training.run_lock import lock_run_dir
+    from megatransformer.training.threads import set_threads_for_machine
     from megatransformer.training.watchdog import dump_rank, hang_dir, stack_dumps, switch_on_flight_recorder
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
@@ -86,6 +88,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         for line in build_notes(ops):
             print(line, flush=True)
     host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
+    busy = set_threads_for_machine()
+    if busy and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(busy, flush=True)
     init = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}") if cfg.init_from else None
     init_state = init[1] if init else None
     import torch
@@ -98,6 +103,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             dist_info = setup(cfg.parallel.timeout_minutes)
             on_first_rank(lambda: held.append(lock_run_dir(cfg.run_dir)))  # before the run writes anything
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
+        preemption.starting = False
         if dist_info.is_main:
             print(host_memory)
         if init_state is not None and dist_info.is_main:
@@ -135,8 +141,8 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:
         if code == 0:
-            print_sample(cfg, ckpt.checkpoints_dir(cfg.run_dir), tokenizer)
-        print_summary(cfg, code, time.perf_counter() - started)
+            print_sample(cfg, trainer.checkpoint, tokenizer)
+        print_summary(cfg, code, time.perf_counter() - started, trainer.checkpoint, trainer.state)
     release(held)
     sys.stdout.flush()
     if dist_info.world_size > 1:
@@ -151,18 +157,17 @@ def release(held: list) -> None:
             lock.release()
 
 
-def print_summary(cfg: RunConfig, code: int, wall_seconds: float) -> None:
-    """The run's closing summary, after drawing its curves next to metrics.jsonl."""
-    from megatransformer import checkpoint as ckpt
+def print_summary(cfg: RunConfig, code: int, wall_seconds: float, checkpoint: Path | None, state: TrainerState) -> None:
+    """The run's closing summary, after drawing its curves next to metrics.jsonl; ``checkpoint`` and ``state``:
+    where the run stands (the checkpoint it saved last or resumed from, never a damaged one it skipped)."""
     from megatransformer.commands.plot import default_out, draw
 
     has_metrics = (Path(cfg.run_dir) / "metrics.jsonl").is_file()
     plot = draw([cfg.run_dir], default_out([cfg.run_dir])) if has_metrics else None
-    checkpoint = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
-    print(summary(cfg, code, wall_seconds, checkpoint, plot))
+    print(summary(cfg, code, wall_seconds, checkpoint, plot, state))
 
 
-def print_sample(cfg: RunConfig, checkpoints: Path, tokenizer, max_new_tokens: int = 40) -> None:
+def print_sample(cfg: RunConfig, checkpoint: Path, tokenizer, max_new_tokens: int = 40) -> None:
     """Greedy continuation of train.sample_prompt with the final weights (decoder models)."""
     import torch
 
@@ -171,7 +176,7 @@ def print_sample(cfg: RunConfig, checkpoints: Path, tokenizer, max_new_tokens: i
 
     if not cfg.train.sample_prompt or cfg.model.arch != "decoder":
         return
-    model = load_for_inference(checkpoints).model
+    model = load_for_inference(checkpoint).model
     prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)])
     new = generate(model, prompt, max_new_tokens, temperature=0.0, eos_id=tokenizer.eos_id)
     print(format_sample(cfg.train.sample_prompt, tokenizer.decode(new[0].tolist(), skip_special=True)))
@@ -205,17 +210,28 @@ def quiet_engine(verbose: bool) -> Iterator[None]:
         raise
 
 
-def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Path | None, plot: Path | None) -> str:
-    """The closing lines of a run: how far it got (its last checkpoint's step), how it did (metrics.jsonl), where
-    the results are, what to run next."""
+def summary(
+    cfg: RunConfig,
+    exit_code: int,
+    wall_seconds: float,
+    checkpoint: Path | None,
+    plot: Path | None,
+    state: TrainerState | None = None,
+) -> str:
+    """The closing lines of a run: how far it got (``state``, else ``checkpoint``'s: a stop between two logged
+    steps is saved at its own step), how it did (metrics.jsonl up to that step), where the results are, what to
+    run next."""
     from megatransformer import checkpoint as ckpt
 
     run_dir = Path(cfg.run_dir)
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    if state is None and checkpoint is not None:
+        state = ckpt.read_trainer_state(checkpoint)
+    if state is not None:  # (records past it belong to a newer checkpoint this run did not take: a damaged one)
+        records = [r for r in records if r["step"] <= state.step]
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "val_loss" in r]
-    if checkpoint is not None:  # a stop between two logged steps is saved at its own step
-        state = ckpt.read_trainer_state(checkpoint)
+    if state is not None:
         step, tokens = state.step, state.tokens
     else:
         step, tokens = max((r["step"] for r in records), default=0), train[-1]["tokens"] if train else 0
@@ -243,15 +259,18 @@ def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Pat
         if path is not None:
             lines.append(f"  {name + ':':22s} {path}")
     if exit_code == 0:
-        lines += ["next:", *(f"  {command}" for command in next_commands(cfg))]
+        latest = ckpt.latest_checkpoint(ckpt.checkpoints_dir(run_dir))
+        named = checkpoint if checkpoint is not None and checkpoint != latest else None
+        lines += ["next:", *(f"  {command}" for command in next_commands(cfg, named))]
     return "\n".join(lines)
 
 
-def next_commands(cfg: RunConfig) -> list[str]:
-    """Evaluate, sample from and export the run just finished, as commands to copy."""
+def next_commands(cfg: RunConfig, checkpoint: Path | None = None) -> list[str]:
+    """Evaluate, sample from and export the run just finished, as commands to copy; ``checkpoint``: the one to
+    name when the run directory's latest is another (a damaged one the resume skipped)."""
     from megatransformer.hf import hf_incompatibility
 
-    run = shlex.quote(cfg.run_dir)
+    run = shlex.quote(str(checkpoint or cfg.run_dir))
     data = cfg.data.valid or cfg.data.train
     data = data if isinstance(data, str) or data is None else data[0].path
     commands = []

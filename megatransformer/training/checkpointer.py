@@ -77,6 +77,7 @@ def save_checkpoint(
     if rank == 0 and path.exists():  # a leftover from a run killed while saving this step
         shutil.rmtree(path)
     dist.barrier()
+    engine._copy_recovery_script = _no_recovery_scripts
     writes = Writes()
     writes.attempt("DeepSpeed's states", lambda: engine.save_checkpoint(str(root), tag=tag, save_latest=False))
     writes.attempt(
@@ -154,6 +155,12 @@ class Writes:
         raise WriteFailed(
             f"writing checkpoint {path.name} failed{where} ({name}): {reason} ({free_space(path.parent)}); {intact}"
         )
+
+
+def _no_recovery_scripts(save_path: str) -> None:
+    """In place of DeepSpeed's copy of its zero_to_fp32.py / zero_to_torch.py into every ZeRO checkpoint: the
+    whole model is model.safetensors already (``megatransformer export`` writes it out), and a checkpoint
+    holds no code."""
 
 
 def full_state_dict(engine, cfg: RunConfig) -> dict[str, torch.Tensor] | None:
@@ -288,6 +295,7 @@ def load_exact(engine, path: Path) -> dict:
     )
     if loaded is None:
         raise ConfigError(f"DeepSpeed could not load checkpoint {path}")
+    apply_schedule(engine.lr_scheduler)
     set_rng_state(own["rng"])
     return own["loader"]
 
@@ -328,10 +336,21 @@ def load_elastic(
     scheduler = json.loads(meta["lr_scheduler"])
     if engine.lr_scheduler is not None and scheduler is not None:
         engine.lr_scheduler.load_state_dict(scheduler)
-        for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
-            group["lr"] = lr  # (a scheduler's load sets its own fields, not the optimizer's)
+        apply_schedule(engine.lr_scheduler)
     set_rng_state(old_ranks[0]["rng"])
     return [r["loader"] for r in old_ranks]
+
+
+def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR | None) -> None:
+    """The learning rate of the next step from this run's schedule (a resume that changes train.max_steps
+    changes it), not the one the saved run computed with its own: a scheduler's load restores its step count and
+    last rates, never the optimizer's, and the rate function is never saved."""
+    if scheduler is None:
+        return
+    rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = lr
+    scheduler._last_lr = rates  # (what get_last_lr() answers; torch keeps it in this field)
 
 
 def _ensure_adam_state(engine, inner: torch.optim.Optimizer, step: int) -> None:

@@ -36,10 +36,13 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: stopped at once, no c
 
 class Preemption:
     """Remembers SIGUSR1 / SIGTERM and a first SIGINT (Ctrl-C); the loop checks it between steps (all ranks
-    agree before stopping). A second SIGINT ends the process at once."""
+    agree before stopping). A second SIGINT ends the process at once, and so does a first one while the run is
+    ``starting`` (DeepSpeed starting up, perhaps waiting for another process's build of an op: nothing trained
+    to save, and the first step may be minutes away)."""
 
     def __init__(self) -> None:
         self.requested = self.interrupted = False
+        self.starting = True  # until the trainer is built
         self.pid = os.getpid()  # (DataLoader workers inherit the handlers: Ctrl-C there is the main process's)
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
@@ -48,6 +51,10 @@ class Preemption:
         if os.getpid() != self.pid:
             return
         if signum == signal.SIGINT:
+            if self.starting:
+                if os.environ.get("LOCAL_RANK", "0") == "0":
+                    os.write(2, b"\nCtrl-C while starting (nothing trained yet to checkpoint): exiting now\n")
+                os._exit(EXIT_INTERRUPTED)
             if self.interrupted:
                 os.write(2, b"\nmegatransformer train: interrupted again: exiting now, without a checkpoint\n")
                 os._exit(EXIT_INTERRUPTED)
@@ -76,9 +83,8 @@ class Trainer:
             cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer, pin_memory=pin
         )
         self.valid_loader = build_run_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
-        warning = small_validation_warning(self.valid_loader, micro)
-        if warning and dist_info.is_main:
-            print(warning)
+        # (read now: an empty split fails before training; said in run(), outside the engine's quiet start-up)
+        self.validation_warning = small_validation_warning(self.valid_loader, micro)
         self.state = ckpt.TrainerState(
             step=0,
             tokens=0,
@@ -91,6 +97,7 @@ class Trainer:
         )
         self.preemption = preemption or Preemption()
         self.spikes = spikes.SpikeLadder(cfg.train.spikes)
+        self.checkpoint: Path | None = None  # the run's state on disk: the one resumed from, then the last saved
 
     # ------------------------------------------------------------------------------------ the run
 
@@ -99,6 +106,7 @@ class Trainer:
         if self.resume is not None:
             self.state, loader_state = self.module.load(self.resume)
             self.train_loader.load_state_dict(loader_state)
+            self.checkpoint = self.resume.path
             if self.dist.is_main:
                 print(self.resume.describe(cfg, self.dist.world_size))
         elif self.dist.is_main and cfg.resume == "auto":
@@ -143,9 +151,9 @@ class Trainer:
                 print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
-            warning = warmup_warning(cfg)
-            if warning:
-                print(warning)
+            for warning in (warmup_warning(cfg), self.validation_warning):
+                if warning:
+                    print(warning)
         size = model_size(cfg.model, cfg.data.seq_len)
         report = Reporter(
             cfg,
@@ -158,6 +166,7 @@ class Trainer:
         flops = size.flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
         peak_flops = peak * 1e12 * self.dist.world_size if peak else None
+        report.message(first_step_note(cfg, self.state.step))
         batches = iter(self.train_loader)
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
@@ -246,7 +255,9 @@ class Trainer:
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         began = self.spikes.protect_before()  # (a rollback in the making needs the checkpoint before it)
         needed = ckpt.complete_before(ckpt.checkpoints_dir(self.cfg.run_dir), began) if began is not None else []
-        return self.module.save(self.state, self.train_loader.state_dict(), tuple(p.name for p in needed[:1]))
+        keep = tuple(p.name for p in needed[:1])
+        self.checkpoint = self.module.save(self.state, self.train_loader.state_dict(), keep)
+        return self.checkpoint
 
     def restore(self, path: Path) -> None:
         """Load checkpoint ``path`` (verified: rollback_target's) into the running engine, trainer state and
@@ -309,6 +320,17 @@ class Trainer:
         """Validation loss over the first train.eval_batches batches of the validation split (every rank
         reads the same batches; the train module deals them across data-parallel ranks)."""
         return self.module.evaluate([batch for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader)])
+
+
+def first_step_note(cfg: RunConfig, step: int) -> str:
+    """What the seconds before the first step line are spent on."""
+    work = ["the data loader starts", "the first batches are read", "memory is allocated"]
+    if cfg.train.compile:
+        work.append("torch.compile compiles the model")
+    return (
+        f"step {step + 1}: first step of this process ({', '.join(work)}): slower than the rest; "
+        f"a line every {cfg.train.log_every} step{'s' * (cfg.train.log_every != 1)}"
+    )
 
 
 def device_memory(device: str) -> dict[str, float]:

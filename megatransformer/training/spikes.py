@@ -20,6 +20,7 @@ from megatransformer.config import SpikesConfig
 from megatransformer.training.metrics import finite_or_none
 
 ROBUST_SIGMA = 1.4826  # the MAD of normally distributed values times this is their standard deviation
+RECENT_STEPS = 20  # the newest accepted values: their median is the level a spike rises from
 SKIP, ROLLBACK, STOP = "skip", "rollback", "stop"
 LOSS, GRAD_NORM = "loss", "grad_norm"  # the quantities judged
 NAMES = {LOSS: "loss", GRAD_NORM: "gradient norm"}
@@ -27,8 +28,8 @@ LOG = "spikes.json"  # RUN_DIR/spikes.json: the ladder's state right after the l
 
 
 class SpikeDetector:
-    """A running median and MAD of one quantity's recent accepted values (a ring of ``window`` of them); a value
-    is a spike when it is non-finite or lies above :meth:`threshold`."""
+    """One quantity's recent accepted values (a ring of ``window`` of them) and the threshold they give
+    (:func:`robust_threshold`); a value is a spike when it is non-finite or lies above :meth:`threshold`."""
 
     def __init__(self, cfg: SpikesConfig, values: list[float] = (), quantity: str = LOSS) -> None:
         self.cfg = cfg
@@ -44,8 +45,11 @@ class SpikeDetector:
     @property
     def values(self) -> list[float]:
         """The values of the statistic, oldest first."""
+        return self._ordered().tolist()
+
+    def _ordered(self) -> np.ndarray:
         n, at = min(self.count, self.cfg.window), self.count % self.cfg.window
-        return (np.concatenate([self.ring[at:], self.ring[:at]]) if n == self.cfg.window else self.ring[:n]).tolist()
+        return np.concatenate([self.ring[at:], self.ring[:at]]) if n == self.cfg.window else self.ring[:n]
 
     def threshold(self) -> float | None:
         """The value above which a step spikes; None while fewer than ``warmup`` values are known."""
@@ -67,15 +71,22 @@ class SpikeDetector:
         self.count += 1
         n = min(self.count, self.cfg.window)
         self._threshold = (
-            robust_threshold(self.ring[:n], self.threshold_sigmas, self.min_rise) if n >= self.cfg.warmup else None
+            robust_threshold(self._ordered(), self.threshold_sigmas, self.min_rise) if n >= self.cfg.warmup else None
         )
 
 
 def robust_threshold(values: np.ndarray, sigmas: float, min_rise: float) -> float:
-    """median + max(sigmas x robust sigma, min_rise x median) of ``values``."""
-    median = _median(values)
-    spread = ROBUST_SIGMA * _median(np.abs(values - median))
-    return median + max(sigmas * spread, min_rise * abs(median))
+    """level + max(sigmas x noise, min_rise x level) of ``values`` (oldest first). The level is the median of
+    the newest :data:`RECENT_STEPS`; the noise a robust sigma that a trend does not inflate: the larger of the
+    step-to-step differences' (a trend, such as the run's early descent, moves them all alike; the MAD of the
+    values themselves would count it as noise) and the newest values' own spread around the level (data that
+    changes over a few steps, as data read in order does)."""
+    recent = values[-RECENT_STEPS:]
+    level = _median(recent)
+    steps = np.diff(values)
+    around_trend = ROBUST_SIGMA * _median(np.abs(steps - _median(steps))) / math.sqrt(2) if len(steps) else 0.0
+    noise = max(around_trend, ROBUST_SIGMA * _median(np.abs(recent - level)))
+    return level + max(sigmas * noise, min_rise * abs(level))
 
 
 def _median(values: np.ndarray) -> float:

@@ -227,6 +227,24 @@ def test_resume_auto_skips_damaged_newest_and_continues_exactly(tiny_data, train
     assert losses_by_step(run) == losses_by_step(trained)
 
 
+def test_nothing_left_to_train_is_summed_up_from_the_checkpoint_resumed(tiny_data, run):
+    """The newest checkpoint's trainer.json damaged, the run already at train.max_steps once resumed from the older
+    one: the summary counts that one's steps and names it in the commands it suggests (the damaged one is still
+    `latest`), and the suggested eval runs."""
+    (run / "checkpoints" / NEW / "trainer.json").write_text('{"step": 4, "tok')
+    result = train(overrides(tiny_data, run, "resume=auto", "train.max_steps=2"), expect=None, env=ONE_THREAD)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "nothing to do: the run is at step 2 of train.max_steps=2" in result.stdout
+    summary = result.stdout[result.stdout.index("done: ") :]
+    assert summary.startswith("done: 2 of 2 steps"), summary
+    assert f"checkpoint:            {run / 'checkpoints' / OLD}\n" in summary
+    eval_line = next(line.strip() for line in summary.splitlines() if "megatransformer eval" in line)
+    assert eval_line.startswith(f"megatransformer eval --checkpoint {run / 'checkpoints' / OLD} --data ")
+    assert "final train loss" in summary and f"{losses_by_step(run)[2]:.4f}" in summary
+    evaluated = cli(*eval_line.split()[1:], env=ONE_THREAD)
+    assert "loss" in evaluated.stdout
+
+
 def test_resume_path_of_a_damaged_checkpoint_exits_2_naming_the_file(tiny_data, run):
     truncate(run / "checkpoints" / NEW / OPTIM_STATES)
     result = train(overrides(tiny_data, run, f"resume={run / 'checkpoints' / NEW}"), expect=None, env=ONE_THREAD)

@@ -99,10 +99,12 @@ def test_an_input_directory_stands_for_its_text_and_jsonl_files(tmp_path, tiny_d
         )
         == 0
     )
-    out = capsys.readouterr().out
-    assert "train: 1 shards, 270 documents" in out
+    said = capsys.readouterr()
+    assert "train: 1 shards, 270 documents" in said.out
     bytes_per_token = Manifest.load(tmp_path / "shards").bytes_per_token()
-    assert f"{bytes_per_token:.2f} bytes per token on disk ({bytes_per_token / 2:.2f}x the uint16 ids)" in out
+    assert f"{bytes_per_token:.2f} bytes per token on disk ({bytes_per_token / 2:.2f}x the uint16 ids)" in said.out
+    assert said.err.startswith(f"note: not reading {corpus / 'notes.md'}: --input reads .txt, .jsonl, .json and .tsv")
+    assert said.err.count("\n") == 1
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"input directory .*empty holds no \.txt"):
         input_files([str(tmp_path / "empty")])
