@@ -8,6 +8,7 @@ the profiler's allocator events on CPU, ``max_memory_allocated`` on CUDA). Cases
 
     python bench/loss.py                                    # fp32, 2048 tokens, d 512, vocab 2048 and 32000
     python bench/loss.py --precision bf16 --tokens 8192 --d-model 2048 --vocab 32000,128256 --device cuda
+    python bench/loss.py --z-loss 1e-4                      # both heads with the z-loss (train.z_loss)
 """
 
 from __future__ import annotations
@@ -30,24 +31,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import peak_bytes  # noqa: E402
 
 from megatransformer.config import precision_dtype  # noqa: E402
-from megatransformer.model.head import linear_cross_entropy  # noqa: E402
+from megatransformer.model.head import linear_cross_entropy, plain_cross_entropy  # noqa: E402
 
 
-def plain(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+def plain(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0):
+    return plain_cross_entropy(F.linear(hidden, weight), labels, z_loss=z_loss)
 
 
-def heads(chunk_logits: list[int]) -> dict:
-    """The plain head, and the fused one at each chunk size (its default where none is given)."""
+def heads(chunk_logits: list[int], z_loss: float = 0.0) -> dict:
+    """The plain head, and the fused one at each chunk size (its default where none is given), with the
+    z-loss ``z_loss``."""
+    compared = {"plain": functools.partial(plain, z_loss=z_loss)}
     if not chunk_logits:
-        return {"plain": plain, "fused": linear_cross_entropy}
-    fused = {f"fused {c >> 20}M": functools.partial(linear_cross_entropy, chunk_logits=c) for c in chunk_logits}
-    return {"plain": plain, **fused}
+        return compared | {"fused": functools.partial(linear_cross_entropy, z_loss=z_loss)}
+    for c in chunk_logits:
+        compared[f"fused {c >> 20}M"] = functools.partial(linear_cross_entropy, chunk_logits=c, z_loss=z_loss)
+    return compared
 
 
 def step(head, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    head(h, w, labels).backward()
+    loss = head(h, w, labels)
+    (loss[0] if isinstance(loss, tuple) else loss).backward()  # (with a z-loss: the loss and its z-loss part)
 
 
 def sync(device: str) -> None:
@@ -64,13 +69,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--chunk-logits", default="", help="comma-separated logits per chunk of the fused head, e.g. 8M,64M")
+    p.add_argument("--z-loss", type=float, default=0.0, help="z-loss coefficient of both heads (train.z_loss)")
     args = p.parse_args()
-    compared = heads([int(c.rstrip("M")) << 20 for c in args.chunk_logits.split(",") if c])
+    compared = heads([int(c.rstrip("M")) << 20 for c in args.chunk_logits.split(",") if c], args.z_loss)
     dtype, device = precision_dtype(args.precision), args.device
     print(
         f"# bench/loss.py {datetime.date.today()}: {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}, device {device}, {args.precision}, "
-        f"{args.tokens} tokens, d_model {args.d_model}"
+        f"{args.tokens} tokens, d_model {args.d_model}, z_loss {args.z_loss}"
     )
     print("| vocab | head | s/step median (min-max) | peak memory above inputs | vs plain |")
     print("|---|---|---|---|---|")

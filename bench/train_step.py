@@ -127,6 +127,7 @@ class Runner:
     ``adamw``: keyword arguments for ``torch.optim.AdamW`` over the defaults (lr 1e-4, weight decay 0.1,
     torch's default implementation), e.g. a run config's betas and ``fused=True`` as the trainer uses them.
     ``cpu_bf16_matmul``: how bf16 GEMMs run on a CPU, as the trainer's ``train.cpu_bf16_matmul``.
+    ``z_loss``: our head's z-loss coefficient, as the trainer's ``train.z_loss``.
     """
 
     def __init__(
@@ -138,8 +139,10 @@ class Runner:
         compile_: bool,
         adamw: dict | None = None,
         cpu_bf16_matmul: str = "auto",
+        z_loss: float = 0.0,
     ) -> None:
         self.name, self.mode, self.device = name, mode, device
+        self.objective = {"z_loss": z_loss} if z_loss else {}
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
         self.matmuls = matmul_context(gemms_as_fp32(cpu_bf16_matmul, device, dtype, compile_))
         model = model.to(device)
@@ -170,7 +173,8 @@ class Runner:
                 if self.is_hf:
                     loss = F.cross_entropy(self.logits(input_ids, **inputs).float().flatten(0, 1), labels.flatten())
                 else:  # the loss fused into our head, as the trainer computes it (model.head.linear_cross_entropy)
-                    loss = self.forward(input_ids=input_ids, labels=labels, **inputs) / (labels != IGNORE_INDEX).sum()
+                    loss = self.forward(input_ids=input_ids, labels=labels, **inputs, **self.objective)
+                    loss = (loss[0] if self.objective else loss) / (labels != IGNORE_INDEX).sum()
             loss.backward()
         if self.master is not None:  # DeepSpeed bf16: fp32 grads -> fp32 AdamW -> copy weights back to bf16
             for p, m in zip(self.params, self.master):

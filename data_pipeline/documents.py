@@ -1,11 +1,17 @@
 """Reading raw documents: .txt (one document per blank-line-separated block, or per file) and .jsonl
-(one document per line, from a configurable field), optionally .gz / .zst compressed.
+(one document per line, from a configurable field), optionally .gz / .zst compressed; .parquet and .arrow
+(a Hugging Face ``datasets`` directory written by ``save_to_disk``): one document per row, from the column
+named like a .jsonl field, streamed a record batch at a time.
 
 Instruction data: with ``prompt_field`` set, every .jsonl record is one (prompt, completion) example; the
 completion comes from ``text_field``. Neither is stripped: the whitespace between them is the user's choice.
 Translation pairs are such examples (source = prompt, target = completion); they may also come from .tsv
 files: one pair per line, tab-separated, no quoting. If the first line's columns include both field names, it
 is a header and those columns are read; otherwise every line has exactly two columns, source then target.
+
+Every document has a number that does not depend on how the input is split (``--part``): its index in its
+file (for .parquet and .arrow: its row's) plus the file's index in the input (docs/data.md). The held-out
+split is decided on it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,16 @@ class Document:
     file: str  # the input file it was read from
     line: int
     prompt: str | None = None  # the prompt of an instruction example (loss on `text` only)
+    number: int = 0  # the file's index in the input + the document's (row's) index in its file
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Some of the input: a file, or row groups [first, stop) of a .parquet file (``row_groups``)."""
+
+    path: str
+    index: int  # the file's index in the whole input
+    row_groups: tuple[int, int] | None = None
 
 
 @dataclass
@@ -62,7 +78,13 @@ def _lines(path: Path, on_decode_error: str, stats: DecodeStats) -> Iterator[tup
                 yield number, line.decode("utf-8", errors="replace")
 
 
+COLUMNAR = (".parquet", ".arrow")  # read by pyarrow; never .gz / .zst (compressed inside)
+INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".tsv")  # plain, .gz or .zst
+
+
 def _kind(path: Path) -> str:
+    if path.name.endswith(COLUMNAR):
+        return path.suffix.removeprefix(".")
     name = path.name.removesuffix(".gz").removesuffix(".zst")
     if name.endswith(".jsonl") or name.endswith(".json"):
         return "jsonl"
@@ -71,62 +93,185 @@ def _kind(path: Path) -> str:
     return "txt"
 
 
-INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".tsv")
+def _is_input(path: Path) -> bool:
+    return path.is_file() and (
+        path.name.endswith(COLUMNAR) or path.name.removesuffix(".gz").removesuffix(".zst").endswith(INPUT_SUFFIXES)
+    )
 
 
 def input_files(names: list[str]) -> list[str]:
     """``--input`` as files: a directory stands for its files of the kinds read here (.txt, .jsonl, .json,
-    .tsv, plain or .gz / .zst), in name order; a file is kept as given."""
+    .tsv, plain or .gz / .zst; .parquet, .arrow), in name order, and a ``datasets`` directory written by
+    ``save_to_disk`` for its .arrow files; a file is kept as given."""
     files: list[str] = []
     for name in names:
         path = Path(name)
         if not path.is_dir():
             files.append(name)
-            continue
-        found = sorted(
-            str(p)
-            for p in path.iterdir()
-            if p.is_file() and p.name.removesuffix(".gz").removesuffix(".zst").endswith(INPUT_SUFFIXES)
-        )
-        if not found:
-            raise DataError(f"input directory {path} holds no .txt, .jsonl, .json or .tsv files (plain, .gz or .zst)")
-        files += found
+        elif (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+            files += _saved_dataset_files(path)
+        elif (path / "dataset_dict.json").is_file():
+            splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+            raise DataError(
+                f"input directory {path} is a datasets DatasetDict (splits: {', '.join(splits)}); give one "
+                f"split's directory, e.g. {path / (splits[0] if splits else 'train')}"
+            )
+        else:
+            found = sorted(str(p) for p in path.iterdir() if _is_input(p))
+            if not found:
+                raise DataError(
+                    f"input directory {path} holds no .txt, .jsonl, .json or .tsv files (plain, .gz or .zst), "
+                    ".parquet or .arrow files"
+                )
+            files += found
     return files
 
 
+def files_not_read(names: list[str]) -> list[str]:
+    """The files of ``--input`` directories that :func:`input_files` leaves out (not of a kind read here), in
+    name order; a ``datasets`` directory's own files are read through its state, not left out."""
+    return [
+        str(p)
+        for name in names
+        if Path(name).is_dir() and not (Path(name) / "state.json").is_file()
+        for p in sorted(Path(name).iterdir())
+        if p.is_file() and not _is_input(p)
+    ]
+
+
+def _saved_dataset_files(directory: Path) -> list[str]:
+    """The .arrow files of a ``datasets.Dataset.save_to_disk`` directory, in the dataset's row order."""
+    state = directory / "state.json"
+    try:
+        names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{state} is not a datasets state file ({type(err).__name__}: {err})") from None
+    return [str(directory / name) for name in names]
+
+
 def read_documents(
-    files: list[str | Path],
+    files: list[str | Path | Piece],
     text_field: str = "text",
     doc_per: str = "block",
     on_decode_error: str = "replace",
     stats: DecodeStats | None = None,
     prompt_field: str | None = None,
 ) -> Iterator[Document]:
-    """Yield documents from the files in order; empty documents are dropped. With ``prompt_field``, yield
-    instruction examples (``.jsonl`` or ``.tsv``)."""
+    """Yield documents from the files (or the ``Piece`` s of the input) in order; empty documents are dropped.
+    With ``prompt_field``, yield instruction examples (``.jsonl``, ``.tsv``, ``.parquet`` or ``.arrow``)."""
     stats = stats or DecodeStats()
-    for name in files:
-        path = Path(name)
+    for position, entry in enumerate(files):
+        piece = entry if isinstance(entry, Piece) else Piece(str(entry), position)
+        path = Path(piece.path)
         if not path.is_file():
             raise DataError(f"input file {path} does not exist")
-        lines = _lines(path, on_decode_error, stats)
-        if prompt_field is not None:
-            if _kind(path) == "tsv":
-                yield from _tsv_examples(path, lines, prompt_field, text_field)
-                continue
-            if _kind(path) != "jsonl":
-                raise DataError(
-                    f"{path}: prompt/completion (source/target) examples are read from .jsonl and .tsv files only"
-                )
-            yield from _instruction_examples(path, lines, prompt_field, text_field)
-        elif _kind(path) == "jsonl":
-            yield from _jsonl_documents(path, lines, text_field)
-        elif doc_per == "file":
-            text = "".join(line for _, line in lines).strip()
-            if text:
-                yield Document(text, str(path), 1)
+        kind = _kind(path)
+        if kind in ("parquet", "arrow"):
+            batches = _record_batches(path, kind, [text_field, prompt_field], piece.row_groups)
+            docs = _table_documents(path, batches, text_field, prompt_field)
         else:
-            yield from _block_documents(path, lines)
+            docs = enumerate(_text_documents(path, kind, text_field, doc_per, on_decode_error, stats, prompt_field))
+        for number, doc in docs:
+            doc.number = piece.index + number
+            yield doc
+
+
+def _text_documents(
+    path: Path,
+    kind: str,
+    text_field: str,
+    doc_per: str,
+    on_decode_error: str,
+    stats: DecodeStats,
+    prompt_field: str | None,
+) -> Iterator[Document]:
+    lines = _lines(path, on_decode_error, stats)
+    if prompt_field is not None:
+        if kind == "tsv":
+            yield from _tsv_examples(path, lines, prompt_field, text_field)
+            return
+        if kind != "jsonl":
+            raise DataError(
+                f"{path}: prompt/completion (source/target) examples are read from .jsonl, .tsv, .parquet and "
+                ".arrow files only"
+            )
+        yield from _instruction_examples(path, lines, prompt_field, text_field)
+    elif kind == "jsonl":
+        yield from _jsonl_documents(path, lines, text_field)
+    elif doc_per == "file":
+        text = "".join(line for _, line in lines).strip()
+        if text:
+            yield Document(text, str(path), 1)
+    else:
+        yield from _block_documents(path, lines)
+
+
+BATCH_ROWS = 1024  # rows per record batch read from .parquet / .arrow files
+
+
+def _record_batches(path: Path, kind: str, fields: list[str | None], row_groups: tuple[int, int] | None):
+    """(index of the first row, record batch) of the columns ``fields`` of a .parquet file (of its
+    ``row_groups``, or all) or a .arrow file (Arrow IPC, the stream format of ``datasets``, or the file format),
+    a record batch at a time."""
+    import pyarrow as pa
+
+    columns = [f for f in fields if f is not None]
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            parquet = pq.ParquetFile(path)
+            _check_columns(path, parquet.schema_arrow, columns)
+            first, stop = row_groups or (0, parquet.num_row_groups)
+            row = sum(parquet.metadata.row_group(i).num_rows for i in range(first))
+            for batch in parquet.iter_batches(BATCH_ROWS, row_groups=list(range(first, stop)), columns=columns):
+                yield row, batch
+                row += len(batch)
+            return
+        source = pa.memory_map(str(path))
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            _check_columns(path, reader.schema, columns)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            _check_columns(path, reader.schema, columns)
+            batches = reader
+        row = 0
+        for batch in batches:
+            yield row, batch.select(columns)
+            row += len(batch)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: not a readable .{kind} file ({type(err).__name__}: {err})") from None
+
+
+def _check_columns(path: Path, schema, columns: list[str]) -> None:
+    import pyarrow as pa
+
+    for name in columns:
+        if name not in schema.names:
+            raise DataError(
+                f"{path}: no column {name!r} (it has {', '.join(schema.names)}); choose one with --text-field "
+                "(or --prompt-field / --completion-field)"
+            )
+        column = schema.field(name).type
+        if not (pa.types.is_string(column) or pa.types.is_large_string(column) or pa.types.is_string_view(column)):
+            raise DataError(f"{path}: column {name!r} holds {column}, not text; choose a text column")
+
+
+def _table_documents(path: Path, batches, text_field: str, prompt_field: str | None) -> Iterator[tuple[int, Document]]:
+    """(row index, document) of the rows with text."""
+    for first, batch in batches:
+        texts = batch.column(text_field).to_pylist()
+        prompts = batch.column(prompt_field).to_pylist() if prompt_field is not None else [None] * len(texts)
+        for row, (text, prompt) in enumerate(zip(texts, prompts), start=first):
+            if prompt_field is None:
+                text = (text or "").strip()
+                if text:
+                    yield row, Document(text, str(path), row + 1)
+            elif text or prompt:
+                yield row, Document(text or "", str(path), row + 1, prompt=prompt or "")
 
 
 def _block_documents(path: Path, lines) -> Iterator[Document]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import os
 import tarfile
 import warnings
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -26,12 +27,13 @@ from data_pipeline import DataError
 from data_pipeline.objectives import Objective, Window, build_objective
 from data_pipeline.remote import Retry, ShardStream, check_location, is_remote, join
 from data_pipeline.settings import Dataset, Datasets, DataSettings, ObjectiveArgs
-from data_pipeline.shard import INSTRUCTIONS, Manifest, ShardInfo, decode_ids
+from data_pipeline.shard import INSTRUCTIONS, Block, Manifest, ShardInfo
 from data_pipeline.tokenizer import TokenizerInfo
 
 SPLIT_SALT = {"train": 0, "valid": 1}
 STATE_FORMAT = 2  # format 1 (before streams): per-reader positions, resumable on the same layout only
 MAX_EMPTY_EPOCHS = 100  # epochs in a row in which a stream's shares were all corrupt: then it fails
+GROUP_TOKENS = 1 << 16  # a block's documents are converted to int64 this many tokens at a time (memory per stream)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,23 @@ class ShardSet:
 
     def location(self, info: ShardInfo) -> str:
         return join(self.directory, info.file)
+
+    def missing(self) -> list[str]:
+        """The listed shards that are not in the (local) directory (or its part directories): a listing per
+        directory, not a stat per shard."""
+        listings: dict[str, set[str]] = {}
+
+        def listing(folder: str) -> set[str]:
+            if folder not in listings:
+                path = Path(self.directory, folder)
+                listings[folder] = {e.name for e in os.scandir(path) if e.is_file()} if path.is_dir() else set()
+            return listings[folder]
+
+        return [
+            self.location(info)
+            for info in self.shards
+            if info.file.rpartition("/")[2] not in listing(info.file.rpartition("/")[0])
+        ]
 
 
 def resolve_datasets(datasets: Datasets, split: str, retry: Retry, fallback: Datasets = None) -> list[ShardSet]:
@@ -142,7 +161,7 @@ def check_streams(shard_sets: list[ShardSet], streams: int, dp_size: int, worker
         )
     for shard_set in shard_sets:
         n = len(shard_set.shards)
-        fewest = min(s.samples for s in shard_set.shards)
+        fewest = min(s.documents for s in shard_set.shards)
         if n < streams and fewest < math.ceil(streams / n):
             raise DataError(
                 f"{shard_set.directory}: {n} {shard_set.split} shard(s) with as few as {fewest} documents "
@@ -167,7 +186,7 @@ class Position:
 
 @dataclass(frozen=True)
 class Share:
-    """What one stream reads of one shard: samples [first, stop) (the whole shard unless split)."""
+    """What one stream reads of one shard: documents [first, stop) (the whole shard unless split)."""
 
     shard: int  # index into ShardSet.shards
     first: int
@@ -187,8 +206,9 @@ class ShardOpener:
     retry: Retry
     skipped: list[str] = field(default_factory=list)
 
-    def samples(self, shard_set: ShardSet, share: Share) -> Iterator[tuple[bytes, bytes | None]]:
-        """The samples of ``share`` in shard order; nothing if the shard is (found) corrupt and skipped."""
+    def blocks(self, shard_set: ShardSet, share: Share) -> Iterator[tuple[int, Block]]:
+        """(index of its first document in the shard, block) of the blocks holding documents of ``share``, in
+        shard order; nothing if the shard is (found) corrupt and skipped."""
         info = shard_set.shards[share.shard]
         where = shard_set.location(info)
         if where in self.skipped:
@@ -197,14 +217,14 @@ class ShardOpener:
             if shard_set.remote:
                 stream = ShardStream(where, info.sha256, self.retry)
                 try:
-                    yield from _tar_samples(stream, info, share, where)
+                    yield from _tar_blocks(stream, info, share, where)
                     stream.verify_rest()
                 finally:
                     stream.close()
             else:
                 verify_shard(Path(where), info)
                 with open(where, "rb") as f:
-                    yield from _tar_samples(f, info, share, where)
+                    yield from _tar_blocks(f, info, share, where)
         except (OSError, DataError, tarfile.TarError) as err:
             message = (
                 f"missing shard {where} (listed in the manifest)"
@@ -232,26 +252,40 @@ def verify_shard(path: Path, info: ShardInfo) -> None:
     _VERIFIED.add(key)
 
 
-def _tar_samples(fileobj: BinaryIO, info: ShardInfo, share: Share, where: str) -> Iterator[tuple[bytes, bytes | None]]:
-    """(ids.npy bytes, prompt_len bytes or None) of samples [share.first, share.stop) of a shard written by
-    ShardWriter (a sample's files are consecutive members ``<key>.<ext>``), read as a stream: samples before
-    the share are passed over unread."""
-    index, key, sample = -1, None, {}
+def _tar_blocks(fileobj: BinaryIO, info: ShardInfo, share: Share, where: str) -> Iterator[tuple[int, Block]]:
+    """(index of its first document, block) of the samples of a shard that hold documents [share.first,
+    share.stop), read as a stream; the samples after the share are left unread (remote: the caller checks
+    the sha256)."""
+    samples = documents = 0
     with tarfile.open(fileobj=fileobj, mode="r|") as tar:
-        for member in tar:
-            name, _, ext = member.name.rpartition("/")[2].partition(".")
-            if name != key:
-                if share.first <= index < share.stop:
-                    yield sample["ids.npy"], sample.get("prompt_len")
-                index, key, sample = index + 1, name, {}
-                if index >= share.stop and share.stop < info.samples:
-                    return  # the rest belongs to other streams (remote: the caller checks the sha256)
-            if share.first <= index < share.stop and member.isfile():
-                sample[ext] = tar.extractfile(member).read()
-    if share.first <= index < share.stop:
-        yield sample["ids.npy"], sample.get("prompt_len")
-    if index + 1 != info.samples:
-        raise DataError(f"shard {where} holds {index + 1} samples, its manifest says {info.samples}")
+        for sample in _tar_samples(tar):
+            block = Block.from_sample(sample)
+            if documents + len(block) > share.first:
+                yield documents, block
+            samples, documents = samples + 1, documents + len(block)
+            if documents >= share.stop and share.stop < info.documents:
+                return
+    if (samples, documents) != (info.samples, info.documents):
+        raise DataError(
+            f"shard {where} holds {samples} samples of {documents} documents, its manifest says "
+            f"{info.samples} of {info.documents}"
+        )
+
+
+def _tar_samples(tar: tarfile.TarFile) -> Iterator[dict[str, bytes]]:
+    """The samples of a tar written by ShardWriter (a sample's files are consecutive members ``<key>.<ext>``)
+    as {ext: bytes}."""
+    key, sample = None, {}
+    for member in tar:
+        name, _, ext = member.name.rpartition("/")[2].partition(".")
+        if name != key and key is not None:
+            yield sample
+            sample = {}
+        key = name
+        if member.isfile():
+            sample[ext] = tar.extractfile(member).read()
+    if key is not None:
+        yield sample
 
 
 def _rng(*key: int) -> np.random.Generator:
@@ -271,9 +305,12 @@ class DocumentReader:
         block: int,
         opener: ShardOpener,
         epochs: int | None,
+        eos: int | None = None,
     ) -> None:
         self.shard_set, self.seed, self.stream, self.streams = shard_set, seed, stream, streams
         self.shuffle, self.block, self.opener, self.epochs = shuffle, block, opener, epochs
+        self.eos = eos  # appended to every document (None: nothing)
+        self.served = 0  # documents read so far
 
     def shares(self, epoch: int) -> list[Share]:
         """This stream's shares of the epoch: whole shards k, k+S, ... of the permutation, or, with fewer
@@ -284,30 +321,27 @@ class DocumentReader:
             order = _rng(self.seed, epoch).permutation(order)
         n, k = len(shards), self.stream
         if n >= self.streams:
-            return [Share(int(i), 0, shards[i].samples) for i in order[k :: self.streams]]
+            return [Share(int(i), 0, shards[i].documents) for i in order[k :: self.streams]]
         shard = int(order[k % n])
-        parts, part, samples = len(range(k % n, self.streams, n)), k // n, shards[shard].samples
-        return [Share(shard, part * samples // parts, (part + 1) * samples // parts)]
+        parts, part, docs = len(range(k % n, self.streams, n)), k // n, shards[shard].documents
+        return [Share(shard, part * docs // parts, (part + 1) * docs // parts)]
 
-    def documents(self, start: Position) -> Iterator[tuple[np.ndarray, int | None, Position]]:
-        """Yield (document tokens, its prompt length or None, its Position) from ``start`` on (the caller
-        applies start.offset)."""
+    def documents(self, start: Position) -> Iterator[tuple[np.ndarray, int, Position]]:
+        """Yield (document tokens as int64, EOS appended if asked; its prompt length, 0 for text; its
+        Position) from ``start`` on (the caller applies start.offset)."""
         epoch, shard_pos, doc_pos = start.epoch, start.shard, start.doc
         empty_epochs = 0
         while self.epochs is None or epoch < self.epochs:
-            shares, found, whole_epoch = self.shares(epoch), False, shard_pos == 0 and doc_pos == 0
+            shares, served, whole_epoch = self.shares(epoch), self.served, shard_pos == 0 and doc_pos == 0
             while shard_pos < len(shares):
                 share = shares[shard_pos]
-                for d, (data, prompt_len) in self._ordered(
-                    self.opener.samples(self.shard_set, share), epoch, share, doc_pos
-                ):
-                    found = True
-                    prompt_len = None if prompt_len is None else int(prompt_len)
-                    yield decode_ids(data), prompt_len, Position(epoch, shard_pos, d, 0)
+                base = doc_pos // self.block * self.block  # where the permuted run holding doc_pos starts
+                docs = itertools.chain.from_iterable(self._share_documents(share, base))
+                yield from self._permuted(docs, epoch, shard_pos, share, base, doc_pos)
                 shard_pos, doc_pos = shard_pos + 1, 0
             # a stream whose shares were all skipped moves on to the next epoch (other shards), but never spins
             # through epochs without data
-            empty_epochs = empty_epochs + 1 if whole_epoch and not found else 0
+            empty_epochs = empty_epochs + 1 if whole_epoch and self.served == served else 0
             skipped = {self.shard_set.location(info) for info in self.shard_set.shards} <= set(self.opener.skipped)
             if empty_epochs and (skipped or empty_epochs > MAX_EMPTY_EPOCHS):
                 raise DataError(
@@ -316,27 +350,47 @@ class DocumentReader:
                 )
             epoch, shard_pos = epoch + 1, 0
 
-    def _ordered(self, samples: Iterator, epoch: int, share: Share, first: int) -> Iterator[tuple[int, Any]]:
-        """(index, sample) from index ``first`` on, each block of ``self.block`` samples permuted."""
-        block: list = []
-        base = 0
-        for data in samples:
-            block.append(data)
-            if len(block) == self.block:
-                yield from self._emit(block, base, epoch, share, first)
-                base, block = base + len(block), []
-        yield from self._emit(block, base, epoch, share, first)
+    def _share_documents(self, share: Share, start: int) -> Iterator[list[tuple[np.ndarray, int]]]:
+        """(tokens, prompt length) of the share's documents from its ``start``-th on, in shard order, a list per
+        run of documents of about GROUP_TOKENS: slices of one array converted (and EOS inserted) at once."""
+        first, stop = share.first + start, share.stop
+        for index, block in self.opener.blocks(self.shard_set, share):
+            i, stop_here, offsets = max(first - index, 0), min(stop - index, len(block)), block.offsets
+            while i < stop_here:
+                j = int(np.searchsorted(offsets, offsets[i] + GROUP_TOKENS, side="right")) - 1
+                j = min(stop_here, max(i + 1, j))
+                yield self._converted(block, i, j)
+                i = j
 
-    def _emit(self, block: list, base: int, epoch: int, share: Share, first: int):
-        if base + len(block) <= first:  # before the resume point: skipped without decoding
-            return
-        order = (
-            _rng(self.seed, epoch, share.shard, share.first + base).permutation(len(block))
-            if self.shuffle
-            else range(len(block))
-        )
-        for j in range(max(first - base, 0), len(block)):
-            yield base + j, block[order[j]]
+    def _converted(self, block: Block, i: int, j: int) -> list[tuple[np.ndarray, int]]:
+        """Documents i .. j - 1 of ``block``."""
+        offsets = block.offsets[i : j + 1]
+        tokens = block.ids[offsets[0] : offsets[-1]].astype(np.int64)
+        offsets = offsets - offsets[0]
+        if self.eos is not None:
+            tokens = np.insert(tokens, offsets[1:], self.eos)
+            offsets = offsets + np.arange(len(offsets))
+        bounds = offsets.tolist()
+        prompts = itertools.repeat(0) if block.prompt_lens is None else block.prompt_lens[i:j].tolist()
+        return list(zip([tokens[a:b] for a, b in zip(bounds, bounds[1:])], prompts))
+
+    def _permuted(
+        self, docs: Iterator, epoch: int, shard_pos: int, share: Share, base: int, first: int
+    ) -> Iterator[tuple[np.ndarray, int, Position]]:
+        """The documents from index ``first`` on with their Positions, each run of ``self.block`` documents
+        permuted; ``docs`` starts at index ``base``, the start of a run."""
+        while run := list(itertools.islice(docs, self.block)):
+            self.served += len(run)
+            if base + len(run) > first:  # (runs before the resume point are passed over)
+                order = (
+                    _rng(self.seed, epoch, share.shard, share.first + base).permutation(len(run)).tolist()
+                    if self.shuffle
+                    else range(len(run))
+                )
+                for j in range(max(first - base, 0), len(run)):
+                    tokens, prompt_len = run[order[j]]
+                    yield tokens, prompt_len, Position(epoch, shard_pos, base + j, 0)
+            base += len(run)
 
 
 class WindowStream:
@@ -360,12 +414,13 @@ class WindowStream:
         current position; each Position's offset says where its unread part starts (non-zero only for the
         first one)."""
         start = self.position
-        for tokens, prompt_len, pos in self.docs.documents(start):
-            if self.objective.doc_eos:
-                tokens = np.append(tokens, self.eos)
+        docs = self.docs.documents(start)
+        for tokens, prompt_len, pos in docs:
             if (pos.epoch, pos.shard, pos.doc) == (start.epoch, start.shard, start.doc):
                 pos.offset = start.offset
-            yield tokens.astype(np.int64), prompt_len or 0, pos
+            yield tokens, prompt_len, pos
+            break
+        yield from docs
 
     def _packed(self) -> Iterator[Window]:
         size = self.objective.window
@@ -377,11 +432,11 @@ class WindowStream:
             pending.append([tokens, pos, pos.offset, prompt_len])
             available += len(tokens) - pos.offset
             while available >= size:
-                chunks, segments, prompts, need = [], [], [], size
-                for k, (t, _, s, p) in enumerate(pending):
+                chunks, takes, prompts, need = [], [], [], size
+                for t, _, s, p in pending:
                     take = min(need, len(t) - s)
                     chunks.append(t[s : s + take])
-                    segments.append(np.full(take, k + 1, dtype=np.int64))
+                    takes.append(take)
                     if marks_prompts:
                         prompts.append(np.arange(s, s + take) < p)
                     need -= take
@@ -389,9 +444,8 @@ class WindowStream:
                         break
                 self._advance(pending, stride, pos)
                 available -= stride
-                yield Window(
-                    np.concatenate(chunks), np.concatenate(segments), np.concatenate(prompts) if marks_prompts else None
-                )
+                segments = np.repeat(np.arange(1, len(takes) + 1), takes)
+                yield Window(np.concatenate(chunks), segments, np.concatenate(prompts) if marks_prompts else None)
 
     def _advance(self, pending: deque, count: int, last: Position) -> None:
         while count:
@@ -531,7 +585,17 @@ class StreamSamples:
         self.weights = np.array([s.weight for s in shard_sets]) / sum(s.weight for s in shard_sets)
         self.windows = [
             WindowStream(
-                DocumentReader(s, spec.seed, stream, spec.streams, spec.shuffle, spec.block, opener, spec.epochs),
+                DocumentReader(
+                    s,
+                    spec.seed,
+                    stream,
+                    spec.streams,
+                    spec.shuffle,
+                    spec.block,
+                    opener,
+                    spec.epochs,
+                    spec.eos if spec.objective.doc_eos else None,
+                ),
                 spec.objective,
                 spec.eos,
                 Position(**p),
@@ -926,13 +990,7 @@ def build_loader(
     check_compatible(shard_sets, tokenizer, s.vocab_size)
     check_instructions(shard_sets, s.objective)
     if data.on_corrupt == "error":  # a missing local shard fails now, not hours into the run (checksums: when read)
-        missing = [
-            src.location(i)
-            for src in shard_sets
-            if not src.remote
-            for i in src.shards
-            if not Path(src.location(i)).is_file()
-        ]
+        missing = [path for src in shard_sets if not src.remote for path in src.missing()]
         if missing:
             raise DataError(
                 f"{len(missing)} shard(s) listed in the manifest are missing, e.g. {missing[0]} "

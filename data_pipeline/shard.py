@@ -1,11 +1,18 @@
 """Tokenize documents in parallel and write WebDataset shards plus a manifest.
 
-Layout of a shard directory::
+Layout of a shard directory (format 2; docs/data.md shows a reader)::
 
-    train-000000.tar ...   samples {"__key__": "<doc id>", "ids.npy": uint16|uint32 token ids}; instruction
-                           examples also carry "prompt_len": the first prompt_len ids are the prompt
+    train-000000.tar ...   samples of whole documents, ~1 MiB each: "ids.npy" (uint16|uint32) their token ids
+                           concatenated, "offsets.npy" (uint32, n + 1) where document i is ids[offsets[i] :
+                           offsets[i + 1]]; instruction examples also "prompt_lens.npy" (uint32, n): the first
+                           prompt_lens[i] ids of example i are its prompt
     valid-000000.tar ...   the held-out split (deterministic: every N-th document, see ``held_out``)
-    manifest.json          per-shard samples, tokens and sha256; tokenizer hash, dtype, vocab size
+    manifest.json          format version; per shard its samples, documents, tokens, bytes and sha256;
+                           tokenizer hash, dtype, vocab size
+
+Format 1 (still read) held one document per sample ("ids.npy", and "prompt_len" as text for instructions).
+A part of the input (``part``) is written to a subdirectory and finished by a part record instead of the
+manifest; ``data_pipeline.merge`` joins the parts (see ``data_pipeline.parts``).
 
 Each shard is written under a temporary name and renamed when complete; the manifest is written last,
 so a directory without a manifest (or a shard not listed in it) is never mistaken for data.
@@ -16,33 +23,44 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import multiprocessing as mp
 import os
 import sys
-import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
 
-from data_pipeline import DataError
-from data_pipeline.documents import DecodeStats, Document, read_documents
+from data_pipeline import STORAGE_ERRNOS, DataError, write_failed
+from data_pipeline.documents import DecodeStats, Document, Piece, read_documents
+from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_pieces, save_part
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
 from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written; format 1 (a sample per document) is still read
+READABLE_VERSIONS = (1, 2)
+BLOCK_BYTES = 1 << 20  # token ids per sample (format 2): large next to its headers, small for the shuffle
 TEXT, INSTRUCTIONS = "text", "prompt_completion"  # Manifest.kind
 
 
 @dataclass
 class ShardInfo:
     file: str
-    samples: int
+    samples: int  # tar samples: blocks of documents (format 1: one per document)
     tokens: int
     sha256: str
+    documents: int | None = None  # (None in format-1 manifests: as many as samples)
+    bytes: int | None = None  # the file's size (None in format-1 manifests)
+
+    def __post_init__(self) -> None:
+        if self.documents is None:
+            self.documents = self.samples
 
 
 @dataclass
@@ -59,8 +77,11 @@ class Manifest:
 
     def save(self, directory: Path) -> None:
         tmp = directory / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(directory / MANIFEST)
+        try:
+            tmp.write_text(json.dumps(asdict(self), indent=2))
+            tmp.replace(directory / MANIFEST)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, directory: str | Path, retry: Retry | None = None) -> Manifest:
@@ -86,9 +107,19 @@ class Manifest:
             data = path.read_bytes()
         try:
             raw = json.loads(data)  # (bytes that are not UTF-8 raise UnicodeDecodeError, a ValueError)
-            if raw.get("version") != FORMAT_VERSION:
-                raise DataError(f"{path} has format version {raw.get('version')}, this code reads {FORMAT_VERSION}")
+            if raw.get("version") not in READABLE_VERSIONS:
+                raise DataError(
+                    f"{path} has format version {raw.get('version')}, this code reads versions "
+                    f"{', '.join(map(str, READABLE_VERSIONS))}; re-create it with `megatransformer data shard`"
+                )
             splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}
+            for info in (info for shards in splits.values() for info in shards):
+                if not _is_inside(info.file):
+                    raise DataError(
+                        f"{path} lists shard {info.file!r}, which is not a path inside the shard directory "
+                        "(refused: a manifest names only its own shards); re-create the directory with "
+                        "`megatransformer data shard`"
+                    )
             return cls(splits=splits, **raw)
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             if isinstance(err, DataError):
@@ -101,23 +132,30 @@ class Manifest:
     def tokens(self, split: str) -> int:
         return sum(s.tokens for s in self.splits.get(split, []))
 
+    def bytes_per_token(self, split: str | None = None) -> float | None:
+        """Shard bytes per token of ``split`` (None: all splits); None for manifests without the sizes."""
+        shards = [s for name, shards in self.splits.items() if split in (None, name) for s in shards]
+        if any(s.bytes is None for s in shards):
+            return None
+        return sum(s.bytes for s in shards) / max(1, sum(s.tokens for s in shards))
+
+
+def _is_inside(name: object) -> bool:
+    """Whether a manifest's shard entry stays inside the shard directory, local or remote: a relative path of
+    plain names (a merged dataset lists ``part-00001-of-00002/train-000000.tar``), never ``..``, absolute or
+    with backslashes."""
+    if not isinstance(name, str) or not name or name.startswith("/") or any(c in name for c in "\\\0"):
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
+
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def encode_sample(key: str, ids: np.ndarray, prompt_len: int | None = None) -> dict:
-    buffer = io.BytesIO()
-    np.save(buffer, ids, allow_pickle=False)
-    sample = {"__key__": key, "ids.npy": buffer.getvalue()}
-    if prompt_len is not None:
-        sample["prompt_len"] = str(prompt_len).encode()
-    return sample
-
-
 def decode_ids(data: bytes) -> np.ndarray:
-    """The token ids of a sample's ``ids.npy``; the common case (our own 1-D uint16/uint32 arrays) without
-    numpy's header parser, which dominates the cost for short documents."""
+    """The array of an ``.npy`` member; the common case (our own 1-D uint16/uint32 arrays) without numpy's
+    header parser."""
     if data[:8] == b"\x93NUMPY\x01\x00":
         header_len = int.from_bytes(data[8:10], "little")
         header = data[10 : 10 + header_len]
@@ -127,23 +165,128 @@ def decode_ids(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-class ShardWriter:
-    """Rolls over to a new tar once ``max_bytes`` is reached; each tar appears only when closed."""
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
 
-    def __init__(self, directory: Path, prefix: str, max_bytes: int) -> None:
-        self.directory, self.prefix, self.max_bytes = directory, prefix, max_bytes
+
+@dataclass
+class Block:
+    """Whole documents of one tar sample: document i is ``ids[offsets[i] : offsets[i + 1]]``, and for
+    instruction examples its first ``prompt_lens[i]`` ids are the prompt."""
+
+    ids: np.ndarray
+    offsets: np.ndarray  # n + 1 ascending, from 0 to len(ids)
+    prompt_lens: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def sample(self, key: str, version: int = FORMAT_VERSION) -> dict[str, bytes]:
+        """The block as a WebDataset sample (format 1: a block must hold one document)."""
+        sample = {"__key__": key, "ids.npy": _npy(self.ids)}
+        if version == 1:
+            if self.prompt_lens is not None:
+                sample["prompt_len"] = str(int(self.prompt_lens[0])).encode()
+            return sample
+        sample["offsets.npy"] = _npy(self.offsets.astype(np.uint32))
+        if self.prompt_lens is not None:
+            sample["prompt_lens.npy"] = _npy(self.prompt_lens.astype(np.uint32))
+        return sample
+
+    @classmethod
+    def from_sample(cls, sample: dict[str, bytes]) -> Block:
+        """A sample of either format (format 1: a block of one document); DataError if it is malformed."""
+        try:
+            ids = decode_ids(sample["ids.npy"])
+            if "offsets.npy" not in sample:  # format 1
+                prompt = sample.get("prompt_len")
+                prompt_lens = None if prompt is None else np.array([int(prompt)])
+                return cls(ids, np.array([0, len(ids)]), prompt_lens)
+            offsets = decode_ids(sample["offsets.npy"]).astype(np.int64)
+            prompt_lens = decode_ids(sample["prompt_lens.npy"]) if "prompt_lens.npy" in sample else None
+        except (KeyError, ValueError) as err:
+            raise DataError(f"a sample is malformed ({type(err).__name__}: {err})") from None
+        if (
+            ids.ndim != 1
+            or len(offsets) < 2
+            or offsets[0] != 0
+            or offsets[-1] != len(ids)
+            or (np.diff(offsets) < 0).any()
+            or (prompt_lens is not None and len(prompt_lens) != len(offsets) - 1)
+        ):
+            raise DataError("a sample's offsets or prompt lengths do not match its token ids")
+        return cls(ids, offsets, prompt_lens)
+
+
+class ShardWriter:
+    """Packs documents into blocks of whole documents (the first ones whose ids reach ``block_bytes``) and
+    blocks into tars, rolling over to a new tar once one reaches ``max_bytes``; each tar appears only when
+    closed. The cuts depend on the documents alone, not on how they arrive."""
+
+    def __init__(
+        self,
+        directory: Path,
+        prefix: str,
+        max_bytes: int,
+        block_bytes: int = BLOCK_BYTES,
+        version: int = FORMAT_VERSION,
+    ) -> None:
+        self.directory, self.prefix, self.max_bytes, self.version = directory, prefix, max_bytes, version
+        self.block_bytes = min(block_bytes, max_bytes)
         self.shards: list[ShardInfo] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
+        self._pending_bytes = 0
         self._tar = None
 
-    def write(self, key: str, ids: np.ndarray, prompt_len: int | None = None) -> None:
+    def write(
+        self, ids: np.ndarray, lengths: np.ndarray, numbers: np.ndarray, prompt_lens: np.ndarray | None = None
+    ) -> None:
+        """Documents: their ids concatenated, their lengths, their numbers in the input (for the sample keys)
+        and, for instruction examples, their prompt lengths."""
+        if not len(lengths):
+            return
+        self._pending.append((ids, lengths, numbers, prompt_lens))
+        self._pending_bytes += ids.nbytes
+        if self._pending_bytes >= self.block_bytes or self.version == 1:
+            self._write_blocks(final=False)
+
+    def _write_blocks(self, final: bool) -> None:
+        ids, lengths, numbers = (np.concatenate([p[i] for p in self._pending]) for i in range(3))
+        prompts = None if self._pending[0][3] is None else np.concatenate([p[3] for p in self._pending])
+        ends = np.cumsum(lengths)
+        block_tokens = -(-self.block_bytes // ids.itemsize)
+        first = 0
+        while first < len(lengths):
+            start = ends[first - 1] if first else 0
+            # the block: documents first .. stop - 1, the fewest whose tokens reach block_tokens
+            stop = first + 1 if self.version == 1 else int(np.searchsorted(ends, start + block_tokens)) + 1
+            if stop > len(lengths):
+                if not final:
+                    break
+                stop = len(lengths)
+            offsets = np.concatenate([[0], ends[first:stop] - start])
+            block = Block(ids[start : ends[stop - 1]], offsets, None if prompts is None else prompts[first:stop])
+            self._write_block(f"{numbers[first]:012d}", block)
+            first = stop
+        rest = ends[first - 1] if first else 0
+        self._pending = (
+            [(ids[rest:], lengths[first:], numbers[first:], None if prompts is None else prompts[first:])]
+            if first < len(lengths)
+            else []
+        )
+        self._pending_bytes = ids[rest:].nbytes
+
+    def _write_block(self, key: str, block: Block) -> None:
         if self._tar is None:
             self._open()
-        self._tar.write(encode_sample(key, ids, prompt_len))
+        self._tar.write(block.sample(key, self.version))
         self._samples += 1
-        self._tokens += len(ids)
-        self._bytes += ids.nbytes + 1024
-        if self._bytes >= self.max_bytes:
-            self.close()
+        self._documents += len(block)
+        self._tokens += len(block.ids)
+        if self._stream.tell() >= self.max_bytes:
+            self._close_tar()
 
     def _open(self) -> None:
         import webdataset as wds
@@ -152,26 +295,43 @@ class ShardWriter:
         self._final, self._tmp = self.directory / name, self.directory / f".{name}.tmp"
         self._stream = open(self._tmp, "wb")
         self._tar = wds.TarWriter(self._stream, mtime=0)  # fixed mtime: same input, same bytes, same sha256
-        self._samples = self._tokens = self._bytes = 0
+        self._samples = self._documents = self._tokens = 0
 
     def abort(self) -> None:
         """Remove everything this writer wrote (a failed run leaves nothing that looks like data)."""
         if self._tar is not None:
-            self._tar.close()
-            self._stream.close()
+            with contextlib.suppress(OSError):  # (the disk that failed a write may fail the last flush too)
+                self._tar.close()
+            with contextlib.suppress(OSError):
+                self._stream.close()
             self._tmp.unlink(missing_ok=True)
             self._tar = None
         for shard in self.shards:
             (self.directory / shard.file).unlink(missing_ok=True)
-        self.shards = []
+        self.shards, self._pending = [], []
 
     def close(self) -> None:
+        """Write the documents still pending and close the last tar."""
+        if self._pending:
+            self._write_blocks(final=True)
+        self._close_tar()
+
+    def _close_tar(self) -> None:
         if self._tar is None:
             return
         self._tar.close()
         self._stream.close()
         self._tmp.replace(self._final)
-        self.shards.append(ShardInfo(self._final.name, self._samples, self._tokens, _sha256(self._final)))
+        self.shards.append(
+            ShardInfo(
+                self._final.name,
+                self._samples,
+                self._tokens,
+                _sha256(self._final),
+                self._documents,
+                self._final.stat().st_size,
+            )
+        )
         self._tar = None
 
 
@@ -181,6 +341,36 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+@dataclass
+class Tokenized:
+    """Documents as arrays: their token ids concatenated, each one's length and (instruction examples) prompt
+    length."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    prompt_lens: np.ndarray | None = None
+
+    def select(self, keep: np.ndarray) -> Tokenized:
+        """The documents where ``keep`` (a boolean per document) is true."""
+        if keep.all():
+            return self
+        ids = self.ids[np.repeat(keep, self.lengths)]
+        return Tokenized(ids, self.lengths[keep], None if self.prompt_lens is None else self.prompt_lens[keep])
+
+
+def encode(tokenizer: TokenizerInfo, texts: list[str], dtype: np.dtype, paired: bool) -> Tokenized:
+    """``texts`` tokenized in one batch, the id lists moved into numpy without a Python loop over the
+    documents. ``paired``: the texts alternate prompt and completion of instruction examples (tokenized
+    apart, so the boundary between them is a token boundary)."""
+    encodings = tokenizer.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    lists = list(map(attrgetter("ids"), encodings))
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    ids = np.fromiter(itertools.chain.from_iterable(lists), dtype, int(lengths.sum()))
+    if not paired:
+        return Tokenized(ids, lengths)
+    return Tokenized(ids, lengths[0::2] + lengths[1::2], lengths[0::2])
 
 
 _worker_tokenizer: TokenizerInfo | None = None
@@ -193,22 +383,54 @@ def _init_worker(path: str, dtype: str) -> None:
     _worker_tokenizer, _worker_dtype = load_tokenizer(path), np.dtype(dtype)
 
 
-def _tokenize(texts: list[str]) -> list[np.ndarray]:
-    """Compact arrays travel back to the writer faster than lists of ints."""
-    return [np.asarray(ids, dtype=_worker_dtype) for ids in _worker_tokenizer.encode_batch(texts)]
+def _tokenize(job: tuple[np.ndarray, list[str], bool]) -> tuple[np.ndarray, Tokenized]:
+    numbers, texts, paired = job
+    return numbers, encode(_worker_tokenizer, texts, _worker_dtype, paired)
 
 
-def _batches(docs: Iterator[Document], size: int) -> Iterator[list[str]]:
-    """Texts to tokenize, ``size`` documents at a time; an instruction example is its prompt, then its
-    completion (tokenized apart, so the boundary between them is a token boundary)."""
+BATCH_TEXTS, BATCH_CHARS = 2048, 1 << 21  # a tokenizer batch: whichever is reached first
+
+
+class _Reading:
+    """How far into the inputs the reading is, in bytes, for the progress bar: finished files whole, the one
+    being read by the text taken from it (a compressed one, or a part of a .parquet file, when finished)."""
+
+    def __init__(self, files: list[str | Piece]) -> None:
+        self.sizes: dict[str, int] = {}
+        for f in files:
+            path = f.path if isinstance(f, Piece) else str(f)
+            self.sizes[path] = Path(path).stat().st_size if Path(path).is_file() else 0
+        self.total = sum(self.sizes.values())
+        self.finished, self.file, self.text = 0, None, 0
+
+    def add(self, doc: Document) -> None:
+        if doc.file != self.file:
+            self.finished += self.sizes.get(self.file, 0)
+            self.file, self.text = doc.file, 0
+        self.text += len(doc.text) + (len(doc.prompt) if doc.prompt else 0)
+
+    @property
+    def position(self) -> int:
+        plain = Path(self.file or "").suffix in (".txt", ".jsonl", ".json", ".tsv")
+        return self.finished + (min(self.text, self.sizes.get(self.file, 0)) if plain else 0)
+
+
+def _batches(docs: Iterator[Document], reading: _Reading) -> Iterator[tuple[np.ndarray, list[str]]]:
+    """The documents' numbers and the texts to tokenize, a batch at a time; an instruction example is its
+    prompt, then its completion."""
+    numbers: list[int] = []
     batch: list[str] = []
+    chars = 0
     for doc in docs:
+        reading.add(doc)
+        numbers.append(doc.number)
         batch += [doc.text] if doc.prompt is None else [doc.prompt, doc.text]
-        if len(batch) >= size:
-            yield batch
-            batch = []
+        chars += len(doc.text)
+        if len(batch) >= BATCH_TEXTS or chars >= BATCH_CHARS:
+            yield np.array(numbers, dtype=np.int64), batch
+            numbers, batch, chars = [], [], 0
     if batch:
-        yield batch
+        yield np.array(numbers, dtype=np.int64), batch
 
 
 def prepare_output(out: Path, overwrite: bool) -> None:
@@ -218,8 +440,8 @@ def prepare_output(out: Path, overwrite: bool) -> None:
         stale.unlink()
     existing = (
         sorted(
-            (p for p in out.glob("*") if p.name == MANIFEST or p.suffix == ".tar"),
-            key=lambda p: (p.name != MANIFEST, p.name),
+            (p for p in out.glob("*") if p.name in (MANIFEST, PART_RECORD) or p.suffix == ".tar"),
+            key=lambda p: (p.name not in (MANIFEST, PART_RECORD), p.name),
         )
         if out.exists()
         else []
@@ -230,7 +452,8 @@ def prepare_output(out: Path, overwrite: bool) -> None:
             "--overwrite to replace it"
         )
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # first, so a half-replaced directory never looks complete
+    for record in (MANIFEST, PART_RECORD):  # first, so a half-replaced directory never looks complete
+        (out / record).unlink(missing_ok=True)
     for path in existing:
         path.unlink(missing_ok=True)
 
@@ -238,13 +461,14 @@ def prepare_output(out: Path, overwrite: bool) -> None:
 SMALL_INPUT = 1000  # documents: of the first ones, the default holds out a tenth
 
 
-def held_out(n: int, valid_every: int | None) -> bool:
-    """Whether document ``n`` (from 0) goes to the validation split: every ``valid_every``-th (0: none); by
-    default (None) every 10th of the first 1,000 documents and every 100th after, so that small inputs (a few
-    hundred examples) still get a validation split of some batches."""
-    if valid_every is None:
-        valid_every = 10 if n < SMALL_INPUT else 100
-    return valid_every > 0 and n % valid_every == valid_every - 1
+def held_out(n: int | np.ndarray, valid_every: int | None) -> bool | np.ndarray:
+    """Whether document number ``n`` (``Document.number``; in one file, its index from 0; or each of an array
+    of them) goes to the validation split: every ``valid_every``-th (0: none); by default (None) every 10th of
+    the first 1,000 and every 100th after, so that small inputs (a few hundred examples) still get a
+    validation split of some batches."""
+    n = np.asarray(n)
+    every = np.where(n < SMALL_INPUT, 10, 100) if valid_every is None else np.full(n.shape, valid_every)
+    return (every > 0) & (n % np.maximum(every, 1) == every - 1)
 
 
 def write_shards(
@@ -260,12 +484,20 @@ def write_shards(
     overwrite: bool = False,
     progress: bool = True,
     prompt_field: str | None = None,
+    part: tuple[int, int] | None = None,
+    block_mb: float = BLOCK_BYTES / 2**20,
+    version: int = FORMAT_VERSION,
 ) -> Manifest:
     """Tokenize ``files`` into ``out``; documents chosen by :func:`held_out` go to the validation split.
     ``workers`` tokenizer processes (default: all cores; 1: in this process). With
-    ``prompt_field``, the .jsonl records are (prompt, completion) examples, the completion in ``text_field``."""
-    if shard_mb <= 0:
-        raise DataError(f"--shard-mb must be positive, got {shard_mb}")
+    ``prompt_field``, the .jsonl records are (prompt, completion) examples, the completion in ``text_field``.
+    With ``part`` (K, N): only the K-th of N parts of ``files``, into ``out``'s part directory (see
+    ``data_pipeline.parts``). ``block_mb``: token ids per tar sample; ``version`` 1 writes the older format, a
+    sample per document."""
+    if shard_mb <= 0 or block_mb <= 0:
+        raise DataError(f"--shard-mb and the block size must be positive, got {shard_mb} and {block_mb}")
+    if version not in READABLE_VERSIONS:
+        raise DataError(f"shard format version {version} does not exist (versions: {READABLE_VERSIONS})")
     if valid_every is not None and (valid_every < 0 or valid_every == 1):
         raise DataError(f"--valid-every must be 0 (no validation split) or >= 2, got {valid_every}")
     out = Path(out)
@@ -273,23 +505,42 @@ def write_shards(
     for name in files:  # fail before touching --out
         if not Path(name).is_file():
             raise DataError(f"input file {name} does not exist")
-    prepare_output(out, overwrite)
+    inputs = files
+    if part is not None:
+        files = part_pieces(inputs, part)
+        if out.is_dir() and any(out.glob("*.tar")):
+            raise DataError(f"{out} holds the shards of a dataset written in one run; give the parts another --out")
+        if (out / MANIFEST).exists() and not overwrite:
+            raise DataError(
+                f"{out} already holds a dataset ({MANIFEST}); pass --overwrite to re-make part "
+                f"{part[0]}/{part[1]} (then merge the parts again)"
+            )
+        prepare_output(out / part_name(part), overwrite)
+        (out / MANIFEST).unlink(missing_ok=True)  # its parts are about to change
+        out = out / part_name(part)
+    else:
+        prepare_output(out, overwrite)
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {split: ShardWriter(out, split, int(shard_mb * 2**20)) for split in ("train", "valid")}
+    writers = {
+        split: ShardWriter(out, split, int(shard_mb * 2**20), int(block_mb * 2**20), version)
+        for split in ("train", "valid")
+    }
     stats = DecodeStats()
     docs = read_documents(files, text_field, doc_per, on_decode_error, stats, prompt_field)
     paired = prompt_field is not None
     try:
         n_docs = _write_documents(
-            docs, paired, tokenizer, tokenizer_path, writers, dtype, valid_every, workers, progress
+            docs, _Reading(files), paired, tokenizer, tokenizer_path, writers, dtype, valid_every, workers, progress
         )
-        if n_docs == 0:
+        if n_docs == 0 and part is None:  # (a part may be empty: merge checks the whole)
             raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
         for writer in writers.values():
             writer.close()
-    except BaseException:
+    except BaseException as err:
         for writer in writers.values():
             writer.abort()
+        if _failed_writing(err, out):
+            raise write_failed(f"writing shards to {out}", out, err, "none of them is left") from None
         raise
     if stats.replaced_lines:
         print(
@@ -303,16 +554,36 @@ def write_shards(
         dtype.name,
         tokenizer.eos_id,
         {split: w.shards for split, w in writers.items() if w.shards},
+        version=version,
         documents=n_docs,
         replaced_lines=stats.replaced_lines,
         kind=INSTRUCTIONS if paired else TEXT,
     )
-    manifest.save(out)  # last: the directory is a dataset from this moment on
+    # last: the directory is a dataset (or a finished part) from this moment on
+    try:
+        if part is None:
+            manifest.save(out)
+        else:
+            settings = dict(text_field=text_field, doc_per=doc_per, prompt_field=prompt_field, valid_every=valid_every)
+            save_part(out, part, asdict(manifest), input_fingerprint(inputs), settings)
+    except OSError as err:
+        for writer in writers.values():
+            writer.abort()
+        record = MANIFEST if part is None else PART_RECORD
+        raise write_failed(f"writing {out / record}", out, err, "none of the shards is left") from None
     return manifest
+
+
+def _failed_writing(err: BaseException, out: Path) -> bool:
+    """Whether ``err`` is a failed write under ``out`` (a full disk), not a failure to read the input."""
+    if not isinstance(err, OSError):
+        return False
+    return err.errno in STORAGE_ERRNOS or (err.filename is not None and Path(err.filename).is_relative_to(out))
 
 
 def _write_documents(
     docs: Iterator[Document],
+    reading: _Reading,
     paired: bool,
     tokenizer: TokenizerInfo,
     tokenizer_path: str,
@@ -325,33 +596,41 @@ def _write_documents(
     from tqdm import tqdm
 
     workers = workers or max(1, (os.cpu_count() or 1) - 1)  # the main process reads and writes
-    bar = tqdm(unit=" docs", disable=not progress, desc="sharding", file=sys.stderr)
+    bar = tqdm(total=reading.total, unit="B", unit_scale=True, disable=not progress, desc="sharding", file=sys.stderr)
     n_docs = n_tokens = 0
-    started = time.perf_counter()
     with _tokenize_pool(workers, tokenizer, tokenizer_path, dtype) as tokenize:
-        for batch in tokenize(_batches(docs, 256)):
-            examples = zip(batch[::2], batch[1::2]) if paired else ((None, ids) for ids in batch)
-            before = n_docs
-            for prompt, ids in examples:
-                split = "valid" if held_out(n_docs, valid_every) else "train"
-                ids = np.asarray(ids, dtype=dtype)
-                if prompt is not None:
-                    ids = np.concatenate([np.asarray(prompt, dtype=dtype), ids])
-                writers[split].write(f"{n_docs:012d}", ids, None if prompt is None else len(prompt))
-                n_docs += 1
-                n_tokens += len(ids)
-            bar.update(n_docs - before)
-            bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - started, 1e-9):,.0f} tokens/s")
+        jobs = ((numbers, texts, paired) for numbers, texts in _batches(docs, reading))
+        for numbers, batch in tokenize(jobs):
+            valid = held_out(numbers, valid_every)
+            for split, keep in (("train", ~valid), ("valid", valid)):
+                if keep.any():
+                    part = batch.select(keep)
+                    writers[split].write(part.ids, part.lengths, numbers[keep], part.prompt_lens)
+            n_docs, n_tokens = n_docs + len(numbers), n_tokens + len(batch.ids)
+            bar.update(reading.position - bar.n)
+            bar.set_postfix_str(f"{n_docs:,} documents, {n_tokens:,} tokens", refresh=False)
+    bar.update(reading.total - bar.n)
     bar.close()
     return n_docs
 
 
 @contextlib.contextmanager
 def _tokenize_pool(workers: int, tokenizer: TokenizerInfo, tokenizer_path: str, dtype: np.dtype):
-    """A function mapping batches of texts to token ids: in worker processes, or here when workers == 1
-    (where ``tokenizers`` still spreads a batch over threads)."""
+    """A function mapping (texts, paired) jobs to Tokenized batches, in order: in worker processes (a few
+    batches ahead, so that the input is read as fast as it is tokenized, not all at once), or here when
+    workers == 1 (where ``tokenizers`` still spreads a batch over threads)."""
     if workers == 1:
-        yield lambda batches: (tokenizer.encode_batch(texts) for texts in batches)
+        yield lambda jobs: ((numbers, encode(tokenizer, texts, dtype, paired)) for numbers, texts, paired in jobs)
         return
+
+    def tokenize(jobs):
+        pending: deque = deque()
+        for job in jobs:
+            pending.append(pool.apply_async(_tokenize, (job,)))
+            if len(pending) > 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
     with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path, dtype.name)) as pool:
-        yield lambda batches: pool.imap(_tokenize, batches)
+        yield tokenize

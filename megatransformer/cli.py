@@ -13,8 +13,10 @@ import os
 import signal
 import sys
 
-from data_pipeline import DataError
+from data_pipeline import DataError, WriteFailed
 from megatransformer.config import ConfigError
+
+EXIT_WRITE_FAILED = 5  # a file could not be written (disk full, quota, I/O error); what was intact stays so
 
 COMMANDS = (
     "megatransformer.commands.info",
@@ -115,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         if reports_errors():
             print(f"megatransformer {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except WriteFailed as err:  # (each rank its own: which rank's disk filled up matters)
+        print(f"megatransformer {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     except KeyboardInterrupt:  # (train checkpoints on Ctrl-C once it has started: training/loop.py)
         print(f"\nmegatransformer {args.command}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT  # as a shell reports a process ended by Ctrl-C

@@ -24,9 +24,13 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 from pydantic.dataclasses import is_pydantic_dataclass
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 from data_pipeline import DataError
 from data_pipeline.settings import DataSettings, ObjectiveArgs
@@ -45,12 +49,32 @@ def _require(ok: bool, message: str) -> None:
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, docstrings document fields, and no float
-    may be NaN or infinite (a NaN passes every ``<``/``>`` range check, then trains to NaN)."""
+    """Base of every config section: unknown keys are errors, docstrings document fields, no float may be
+    NaN or infinite (a NaN passes every ``<``/``>`` range check, then trains to NaN), and no number may be a
+    boolean (pydantic reads ``optim.lr=true`` as 1.0)."""
 
     model_config = ConfigDict(
         extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, bool) for v in values) and not _takes_booleans(cls.model_fields[info.field_name]):
+            raise PydanticCustomError(BOOLEAN_NUMBER, "a boolean where a number is meant")
+        return value
+
+
+def _takes_booleans(field: FieldInfo) -> bool:
+    """Whether a field's annotation admits a boolean anywhere (``bool``, ``bool | None``, ``Literal[True]``, Any)."""
+
+    def admits(annotation: Any) -> bool:
+        if annotation is bool or annotation is Any or isinstance(annotation, bool):
+            return True
+        return any(admits(arg) for arg in typing.get_args(annotation))
+
+    return admits(field.annotation)
 
 
 # Ranges of the schema's values: one out of range is refused with a line naming the key and the value.
@@ -62,6 +86,10 @@ MAX_VOCAB = 1 << 22
 """Largest model.vocab_size accepted: the largest vocabularies in use hold about 256k tokens (Gemma's
 262,144); 2**22 leaves 16x headroom and still refuses a typo such as 1e9, whose embedding table alone would
 need terabytes (the run would die allocating it, with a traceback)."""
+MIN_LR = 1e-10
+"""Smallest optim.lr accepted: fine-tuning rates go down to about 1e-7; a rate of 1e-10 moves a weight of 0.02 by
+one part in a few hundred million a step, below fp32's resolution, so anything smaller (a typo such as 3e-40, or
+5e-324) would train nothing while looking like a run."""
 MAX_STEPS = 10**9
 """Largest train.max_steps accepted: the longest published pretraining runs take a few million optimizer steps;
 a billion is decades at ten steps a second, and still refuses a typo such as 1e30."""
@@ -76,13 +104,15 @@ class RopeScaling(Section):
 
     type: Literal["linear", "dynamic", "yarn", "llama3"]
     """linear: positions divided by factor (position interpolation); dynamic: NTK-aware base growth for
-    sequences beyond model.max_seq_len, computed per forward from the longest position (the trained length is
-    max_seq_len); yarn: YaRN's per-frequency blend of interpolation and extrapolation plus its attention
-    factor; llama3: Llama 3.1's wavelength bands (high frequencies kept, low ones divided by factor)."""
+    sequences beyond original_max_seq_len (the trained length), computed per forward from the longest position,
+    up to model.max_seq_len (the longest sequence allowed); yarn: YaRN's per-frequency blend of interpolation
+    and extrapolation plus its attention factor; llama3: Llama 3.1's wavelength bands (high frequencies kept, low
+    ones divided by factor)."""
     factor: Annotated[float, Field(ge=1.0)]
     """How many times longer the context becomes (1 leaves the frequencies unchanged)."""
     original_max_seq_len: PositiveInt | None = None
-    """yarn, llama3: the context length the model was trained with before extension (required)."""
+    """yarn, llama3, dynamic: the context length the model was trained with before extension (required; at most
+    model.max_seq_len, the longest sequence the extended model accepts)."""
     beta_fast: PositiveFloat | None = None
     """yarn (default 32): rotations per original context above which a frequency is extrapolated (kept)."""
     beta_slow: PositiveFloat | None = None
@@ -114,8 +144,13 @@ class RopeScaling(Section):
                 f"model.rope_scaling.{name} is for type {' or '.join(types)}, not type={self.type}",
             )
         _require(
-            self.type not in ("yarn", "llama3") or self.original_max_seq_len is not None,
+            self.original_max_seq_len is not None or self.type == "linear",
             f"model.rope_scaling.type={self.type} needs original_max_seq_len (the trained context length)",
+        )
+        _require(
+            self.type != "yarn" or self.beta_fast > self.beta_slow,
+            f"model.rope_scaling.beta_fast={self.beta_fast} must exceed beta_slow={self.beta_slow} (beta_fast "
+            "bounds the frequencies kept, beta_slow those interpolated)",
         )
         _require(
             self.type != "llama3" or self.high_freq_factor > self.low_freq_factor,
@@ -126,7 +161,7 @@ class RopeScaling(Section):
 
 
 _ROPE_SCALING_FIELDS = {
-    "original_max_seq_len": ("yarn", "llama3"),
+    "original_max_seq_len": ("yarn", "llama3", "dynamic"),
     "beta_fast": ("yarn",),
     "beta_slow": ("yarn",),
     "attention_factor": ("yarn",),
@@ -176,7 +211,12 @@ class ModelConfig(Section):
     """Local (sliding-window) self-attention, as in Mistral: causal query i sees keys j with
     i - window < j <= i; bidirectional (encoder) query i sees keys with |i - j| < window. Measured in
     positions of the row, within each packed document; cross-attention is never windowed; not with
-    prefix-LM attention. None: every allowed key."""
+    prefix-LM attention; at most max_seq_len (a wider window never narrows anything), except with ALiBi, which
+    runs beyond max_seq_len. None: every allowed key."""
+    qk_norm: bool = False
+    """QK-norm (Qwen3, OLMo 2, Gemma 3): an RMSNorm (eps norm_eps) over each head's queries and keys, with learned
+    weights of size head_dim, before RoPE, in self- and cross-attention: bounds the attention logits' growth. With
+    ALiBi too (the bias is added to the scores of the normed queries and keys). Exports as Qwen3ForCausalLM."""
     ffn: Literal["relu", "gelu", "swiglu"] = "swiglu"
     """Feed-forward activation; swiglu uses gate_proj * up_proj."""
     bias: bool = False
@@ -213,6 +253,26 @@ class ModelConfig(Section):
     FlexAttention block masks; flash: flash-attn (CUDA); eager: plain matmul-softmax reference; chunked: exact
     attention in query chunks with recomputation (fastest for CPU training, memory linear in sequence length for
     every mask; see BENCHMARKS.md)."""
+    attention: Literal["standard", "mla"] = "standard"
+    """Self-attention kind. standard: q/k/v projections per head (MHA, GQA, MQA by model.n_kv_heads); mla:
+    multi-head latent attention (DeepSeek-V2/V3; docs/attention.md): keys and values are up-projected from one
+    latent of model.kv_lora_rank values per token, RoPE acts on a separate slice of every head whose key is
+    shared by all heads, and the KV cache holds only the latent and that key. Needs position=rope; the
+    cross-attention of an encoder_decoder stays standard."""
+    kv_lora_rank: PositiveInt | None = None
+    """attention=mla (required): width of the latent the keys and values of a token come from (DeepSeek-V3:
+    512)."""
+    q_lora_rank: PositiveInt | None = None
+    """attention=mla: width of the latent the queries come from (DeepSeek-V3: 1536); None: queries projected
+    directly from the hidden state."""
+    qk_rope_head_dim: PositiveInt | None = None
+    """attention=mla: the query/key slice of each head that RoPE rotates (even; DeepSeek-V3: 64); default:
+    half of d_model / n_heads."""
+    qk_nope_head_dim: PositiveInt | None = None
+    """attention=mla: the query/key slice of each head without positions (DeepSeek-V3: 128); default: d_model /
+    n_heads less qk_rope_head_dim."""
+    v_head_dim: PositiveInt | None = None
+    """attention=mla: value width of each head (DeepSeek-V3: 128); default d_model / n_heads."""
 
     @property
     def kv_heads(self) -> int:
@@ -226,8 +286,34 @@ class ModelConfig(Section):
     def decoder_layers(self) -> int:
         return self.n_decoder_layers or self.n_layers
 
+    @model_validator(mode="before")
+    @classmethod
+    def _latent_defaults(cls, data: Any) -> Any:
+        """attention=mla: the head slices the config leaves out, from the head dim d_model / n_heads."""
+        if not isinstance(data, dict) or data.get("attention") != "mla":
+            return data
+        fields = cls.model_fields
+        d_model, n_heads = (data.get(k, fields[k].default) for k in ("d_model", "n_heads"))
+        if not (isinstance(d_model, int) and isinstance(n_heads, int) and n_heads > 0):
+            return data  # (the fields' own checks report it)
+        head = d_model // n_heads
+        data = dict(data)
+        rope, nope = data.get("qk_rope_head_dim"), data.get("qk_nope_head_dim")
+        if rope is None:
+            rope = data["qk_rope_head_dim"] = max(2, head // 4 * 2)
+        if nope is None:
+            _require(
+                not isinstance(rope, int) or rope < head,
+                f"model.qk_rope_head_dim={rope} is not smaller than the head dim d_model/n_heads={head} it is a "
+                "slice of; lower it or set model.qk_nope_head_dim",
+            )
+            data["qk_nope_head_dim"] = head - rope if isinstance(rope, int) else None
+        data.setdefault("v_head_dim", head)
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
+        self._latent_consistent()
         _require(
             self.d_model % self.n_heads == 0,
             f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}",
@@ -237,12 +323,23 @@ class ModelConfig(Section):
             f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}",
         )
         _require(
-            self.position != "rope" or self.head_dim % 2 == 0,
+            self.position != "rope" or self.attention == "mla" or self.head_dim % 2 == 0,
             f"model.position=rope needs an even head dim, got d_model/n_heads={self.head_dim}",
         )
         _require(
             self.rope_scaling is None or self.position == "rope",
             f"model.rope_scaling needs model.position=rope, got model.position={self.position}",
+        )
+        original = self.rope_scaling and self.rope_scaling.original_max_seq_len
+        _require(
+            original is None or original <= self.max_seq_len,
+            f"model.rope_scaling.original_max_seq_len={original} exceeds model.max_seq_len={self.max_seq_len}: "
+            "the extended context must be the longer one (raise max_seq_len to the length you want to reach)",
+        )
+        _require(
+            self.attention_window is None or self.attention_window <= self.max_seq_len or self.position == "alibi",
+            f"model.attention_window={self.attention_window} exceeds model.max_seq_len={self.max_seq_len}, so it "
+            "never narrows attention; lower it, or unset it for full attention",
         )
         _require(
             self.mlp_tiles == 1 or self.dropout == 0,
@@ -255,37 +352,70 @@ class ModelConfig(Section):
         )
         return self
 
+    def _latent_consistent(self) -> None:
+        latent = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        if self.attention != "mla":
+            for name in latent:
+                _require(getattr(self, name) is None, f"model.{name} is for model.attention=mla, not {self.attention}")
+            return
+        _require(
+            not self.qk_norm,
+            "model.qk_norm=true with model.attention=mla: DeepSeek's MLA normalises its latents (q_a_norm, "
+            "kv_a_norm) and has no per-head query/key norm; set model.qk_norm=false",
+        )
+        _require(
+            self.kv_lora_rank is not None,
+            "model.attention=mla needs model.kv_lora_rank, the width of each token's key/value latent "
+            "(DeepSeek-V3: 512)",
+        )
+        _require(
+            self.qk_rope_head_dim % 2 == 0,
+            f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs of values)",
+        )
+        _require(
+            self.position == "rope",
+            f"model.attention=mla needs model.position=rope (its decoupled RoPE key is its position scheme), "
+            f"got model.position={self.position}",
+        )
+        _require(
+            self.n_kv_heads in (None, self.n_heads),
+            f"model.n_kv_heads={self.n_kv_heads} with model.attention=mla: its keys and values are up-projected "
+            "for every head from one shared latent; leave model.n_kv_heads unset",
+        )
+
 
 # ------------------------------------------------------------------------------------------ training
 
 
 class SpikesConfig(Section):
     """Loss spikes (training/spikes.py): a step whose loss or gradient norm is non-finite or far above the
-    running median of its recent values does not update the model; several within a short span roll the run
+    level of its recent values does not update the model; several within a short span roll the run
     back to the newest intact checkpoint before them and skip the data read since, plus a margin; too many
     rollbacks stop it."""
 
     enabled: bool = True
     """Detect spikes and respond (off: only non-finite steps are skipped, train.max_bad_steps stops)."""
-    window: Annotated[int, Field(ge=2)] = 200
-    """Recent accepted steps whose losses make the running statistic (median and MAD)."""
+    window: Annotated[int, Field(ge=2)] = 50
+    """Recent accepted steps whose step-to-step differences measure the noise (their MAD: a trend, such as the
+    run's early descent, moves them all alike and is not counted as noise)."""
     warmup: Annotated[int, Field(ge=2)] = 50
     """Accepted steps of history before a finite loss can be a spike (at most window)."""
     threshold: Annotated[float, Field(gt=0)] = 6.0
-    """A spike lies this many robust standard deviations (1.4826 x MAD) above the median..."""
+    """A spike lies this many robust standard deviations of the noise above the level (the median of the last
+    20 accepted values)..."""
     min_rise: Annotated[float, Field(gt=0)] = 0.1
-    """...and at least this fraction of the median above it (a flat curve has a MAD near zero)."""
+    """...and at least this fraction of the level above it (a flat curve has a noise near zero)."""
     grad_norm: bool = False
-    """Judge the global gradient norm (before clipping) too, against its own running median and MAD over the
-    same window: a step spikes when its loss or its gradient norm lies beyond its threshold. Off by default:
+    """Judge the global gradient norm (before clipping) too, against its own level and noise over the same
+    window: a step spikes when its loss or its gradient norm lies beyond its threshold. Off by default:
     a healthy run's norm may rise several times over within a window (the paper recipe's toy translation
     model: four times its median in 100 steps), and judged, that rise would skip updates and stop the run. A
     non-finite norm always spikes."""
     grad_norm_threshold: Annotated[float, Field(gt=0)] = 6.0
-    """A gradient-norm spike lies this many robust standard deviations above the median of recent norms..."""
+    """A gradient-norm spike lies this many robust standard deviations of its noise above its level..."""
     grad_norm_min_rise: Annotated[float, Field(gt=0)] = 3.0
-    """...and at least this fraction of that median above it (norms are far noisier than losses: 3.0 is four
-    times the median)."""
+    """...and at least this fraction of that level above it (norms are far noisier than losses: 3.0 is four
+    times the level)."""
     rollback_after: PositiveInt = 3
     """Spikes within ``within`` steps that roll the run back."""
     within: PositiveInt = 50
@@ -338,6 +468,11 @@ class TrainConfig(Section):
     """Clip the global gradient norm to this value (0 disables)."""
     label_smoothing: Fraction = 0.0
     """Label smoothing of the cross-entropy loss (0.1 in the 2017 paper)."""
+    z_loss: NonNegativeFloat = 0.0
+    """z-loss coefficient (PaLM, OLMo): coefficient x log(Z)^2, the squared log of each loss token's softmax
+    normalizer (logsumexp of its logits), averaged over the loss tokens, is added to the training loss and keeps
+    the output logits from drifting; logged as z_loss beside the cross-entropy loss (PaLM: 1e-4). 0: off, not
+    computed."""
     log_every: PositiveInt = 10
     """Steps between metrics.jsonl lines."""
     eval_every: NonNegativeInt = 0
@@ -377,7 +512,7 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     name: Literal["adamw", "adam"] = "adamw"
     """adamw: decoupled weight decay; adam: the 2017 paper's Adam (use weight_decay=0)."""
-    lr: PositiveFloat = 3e-4
+    lr: Annotated[float, Field(ge=MIN_LR)] = 3e-4
     """Peak learning rate (the multiplier of the inverse_sqrt schedule)."""
     betas: tuple[Fraction, Fraction] = (0.9, 0.95)
     """Adam beta1, beta2 (the 2017 paper: 0.9, 0.98)."""
@@ -617,9 +752,15 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
     if path is not None:
         path = resolve_config(path)
         try:
-            raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
+            raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader)
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if raw is None and path.is_file():  # (a file cut short or the wrong one; /dev/null is no file: no settings)
+            raise ConfigError(
+                f"config file {path} is empty: every setting would be its default; write the settings to change "
+                "in it, or `{}` to mean the defaults"
+            )
+        raw = {} if raw is None else raw
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
     raw = apply_overrides(raw, list(overrides))
@@ -702,6 +843,8 @@ def _describe(err: ValidationError, schema: type[Section]) -> str:
         return f"{where}={first['input']} must be {_BOUNDS[first['type']]} {_number(bound)}"
     if first["type"] == "finite_number":
         return f"{where}={first['input']} must be a finite number"
+    if first["type"] == BOOLEAN_NUMBER:
+        return f"{where}={str(first['input']).lower()} must be a number, not a boolean"
     if first["type"] == "string_too_short":
         return f"{where} must not be empty"
     return f"config key {where!r}: {first['msg']} (got {first.get('input')!r})"
@@ -709,6 +852,8 @@ def _describe(err: ValidationError, schema: type[Section]) -> str:
 
 _UNKNOWN_KEY = ("extra_forbidden", "unexpected_keyword_argument")
 """pydantic's errors for a key a section does not have (a model's, a dataclass's)."""
+BOOLEAN_NUMBER = "boolean_number"
+"""The error of a boolean given where a number is meant (:class:`Section`)."""
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 """pydantic's range errors, as the comparison the value failed."""
 

@@ -2,7 +2,9 @@
 
 FLOPs follow the usual convention (Kaplan et al.; PaLM appendix B): a matmul with a weight of N elements
 costs 2N FLOPs per token forward and 4N backward, so 6N in training; attention scores and the weighted sum
-add 2 * 2 * seq_len * d per layer and token forward (x3 for training), counted for the full L x L square;
+add 2 * seq_len * (query/key + value width of all heads: 2 * d for standard attention, heads x (qk_nope + qk_rope
++ v) for multi-head latent attention) per layer and token forward (x3 for training), counted for the full
+L x L square;
 a sliding window narrows self-attention's square to a band of min(L, window) keys per query (causal) or
 min(L, 2 * window - 1) (bidirectional).
 For an encoder-decoder model "a token" is one position of either stack (source and target lengths equal).
@@ -47,18 +49,83 @@ def model_size(cfg: ModelConfig, seq_len: int | None = None) -> ModelSize:
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     window = cfg.attention_window or seq_len
     causal_keys, bidirectional_keys = min(seq_len, window), min(seq_len, 2 * window - 1)
+    self_width = score_width(cfg)
     if cfg.arch == "encoder_decoder":  # encoder self, decoder self + cross
-        keys = cfg.n_layers * bidirectional_keys + cfg.decoder_layers * (causal_keys + seq_len)
+        scores = (cfg.n_layers * bidirectional_keys + cfg.decoder_layers * causal_keys) * self_width
+        scores += cfg.decoder_layers * seq_len * 2 * cfg.d_model
         stacks = 2
     else:
-        keys = cfg.n_layers * (causal_keys if cfg.arch == "decoder" else bidirectional_keys)
+        scores = cfg.n_layers * (causal_keys if cfg.arch == "decoder" else bidirectional_keys) * self_width
         stacks = 1
-    # per position: each stack's matmuls see its own positions; attention: 4 * keys * d per layer forward
+    # per position: each stack's matmuls see its own positions; attention: 2 * keys * width per layer forward
     matmul = 6 * linear / stacks
-    attention = 3 * 4 * keys * cfg.d_model / stacks
+    attention = 3 * 2 * scores / stacks
     return ModelSize(
         params=sum(params.values()),
         non_embedding_params=sum(params.values()) - sum(embeddings.values()),
         flops_per_token=matmul + attention,
         seq_len=seq_len,
     )
+
+
+def score_width(cfg: ModelConfig) -> int:
+    """The query/key plus value width of all heads of self-attention, which scores and the weighted sum run over."""
+    if cfg.attention == "mla":
+        return cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    return 2 * cfg.n_heads * cfg.head_dim
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """One kind of attention of a model, over all its layers."""
+
+    kind: str
+    """"self (standard)", "self (mla)" or "cross (standard)"."""
+    layers: int
+    params: int
+    flops_per_token: float
+    """Training FLOPs per position of the stack it runs in (projections and the L x L square)."""
+    kv_cache_values_per_token: int | None
+    """Values a KV cache holds per generated token, all layers (None: no cache, as for an encoder); cross-
+    attention's are per source token, computed once."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def attention_costs(cfg: ModelConfig, seq_len: int | None = None) -> list[AttentionCost]:
+    """Parameters, training FLOPs per token and KV-cache size of each kind of attention ``cfg`` builds."""
+    from megatransformer.model import build_model
+    from megatransformer.model.transformer import kv_cache_dims
+
+    seq_len = seq_len or cfg.max_seq_len
+    with torch.device("meta"):
+        model = build_model(cfg)
+    window = cfg.attention_window or seq_len
+    generates = cfg.arch != "encoder"
+    heads, key_dim, value_dim = kv_cache_dims(cfg)
+    stacks = [("encoder", model.encoder)] if hasattr(model, "encoder") else []
+    stacks += [("decoder", model.decoder)] if hasattr(model, "decoder") else []
+    costs = []
+    for attribute, kind in (("self_attn", f"self ({cfg.attention})"), ("cross_attn", "cross (standard)")):
+        modules = [
+            (name, getattr(layer, attribute))
+            for name, stack in stacks
+            for layer in stack.layers
+            if hasattr(layer, attribute)
+        ]
+        if not modules:
+            continue
+        params = sum(p.numel() for _, module in modules for p in module.parameters())
+        linear = sum(m.weight.numel() for _, module in modules for m in module.modules() if isinstance(m, nn.Linear))
+        if attribute == "cross_attn":
+            keys, width, cached = seq_len, 2 * cfg.d_model, 2 * cfg.d_model * len(modules)
+        else:
+            causal = [name == "decoder" for name, _ in modules]
+            keys = sum(min(seq_len, window) if c else min(seq_len, 2 * window - 1) for c in causal) / len(modules)
+            width = score_width(cfg)
+            cached = heads * (key_dim + value_dim) * sum(causal) if generates else None
+        stack_count = len({name for name, _ in modules})
+        flops = (6 * linear + 3 * 2 * keys * width * len(modules)) / stack_count
+        costs.append(AttentionCost(kind, len(modules), params, flops, cached))
+    return costs

@@ -19,17 +19,57 @@ class Loaded:
     path: Path
 
 
-def load_for_inference(path: str | Path, device: str = "cpu") -> Loaded:
+# Model fields that act only in training: an override of one would change nothing in evaluation or generation.
+TRAINING_ONLY = (
+    "dropout",
+    "attention_dropout",
+    "embedding_dropout",
+    "init_std",
+    "depth_scaled_init",
+    "activation_checkpointing",
+    "mlp_tiles",
+)
+
+
+def load_for_inference(path: str | Path, device: str = "cpu", model_overrides: list[str] = ()) -> Loaded:
+    """The checkpoint's model, with ``model.*`` overrides applied (see :func:`with_model_overrides`)."""
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.checkpoint import find_checkpoint, load_weights
 
     directory = find_checkpoint(path, f"--checkpoint {path}")
     cfg, weights = load_weights(directory)
+    cfg = with_model_overrides(cfg, model_overrides)
     model = build_model(cfg.model)
     model.load_state_dict(weights)
     tokenizer_path = directory / "tokenizer.json"
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path.is_file() else None
     return Loaded(cfg, model.to(device).eval(), tokenizer, directory)
+
+
+def with_model_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """``cfg`` with ``model.*`` overrides that keep the weights' shapes (a window, a RoPE scaling, a longer
+    max_seq_len, another attention core...); one that would change a shape or that acts only in training is
+    refused in one line, as is any other key."""
+    from megatransformer.checkpoint import shape_differences
+    from megatransformer.config import apply_overrides, validate
+
+    for item in overrides:
+        key = item.partition("=")[0]
+        field = key.split(".")[1] if key.startswith("model.") else None
+        if field is None:
+            raise ConfigError(f"{item}: only model.* overrides apply to a trained model here")
+        if field in TRAINING_ONLY:
+            raise ConfigError(f"{item}: model.{field} acts only in training; it would change nothing here")
+    if not overrides:
+        return cfg
+    new = validate(apply_overrides(cfg.model_dump(mode="json"), list(overrides)))
+    changed = shape_differences(cfg.model, new.model)
+    if changed:
+        raise ConfigError(
+            f"model.{changed[0]}={getattr(new.model, changed[0])} would change the shapes of the checkpoint's weights "
+            f"(model.{changed[0]}={getattr(cfg.model, changed[0])} there); only model fields that keep them apply"
+        )
+    return new
 
 
 def decoder_start_id(cfg: RunConfig, tokenizer) -> int | None:

@@ -62,7 +62,7 @@ GPUS: tuple[Device, ...] = (
 )
 
 MFU = 0.40  # the fraction of the peak a step's arithmetic reaches (Megatron-LM 41-47%, torchtitan 33-39% on H100)
-CPU_STEP_EFFICIENCY = 0.55  # a CPU training step against its GEMM speed (stated; BENCHMARKS.md 5r compares)
+CPU_STEP_EFFICIENCY = 0.55  # a CPU training step against its GEMM speed (stated; BENCHMARKS.md 5v compares)
 HOST_ADAM_GBPS = 2.0  # states an offloaded optimizer step streams per second through DeepSpeed's CPU Adam
 # what a micro batch costs per layer besides its arithmetic (kernel launches, the engine's bookkeeping): a few
 # hundred microseconds on a GPU, so that fewer, larger micro batches win where they fit
@@ -105,25 +105,38 @@ class Layout:
 # --------------------------------------------------------------------------------------------- memory
 
 
+_COUNTS: dict[str, tuple[int, int]] = {}
+
+
 def parameter_counts(m: ModelConfig) -> tuple[int, int]:
-    """(parameters tensor parallelism splits, parameters every rank keeps whole), counted from the config."""
-    d, kv, f = m.d_model, m.kv_heads * m.head_dim, m.d_ff
-    attention = d * (d + 2 * kv) + d * d + (2 * d + 2 * kv if m.bias else 0)  # q, k, v, o (+ biases)
-    mlp = (3 if m.ffn == "swiglu" else 2) * d * f + ((2 if m.ffn == "swiglu" else 1) * f + d if m.bias else 0)
-    norm = d * (2 if m.norm == "layernorm" and m.bias else 1)
-    split = m.n_layers * (attention + mlp)
-    whole = m.n_layers * 2 * norm
-    if m.arch == "encoder_decoder":
-        split += m.decoder_layers * (2 * attention + mlp)
-        whole += m.decoder_layers * 3 * norm
-    stacks = 2 if m.arch == "encoder_decoder" else 1
-    if m.norm_position == "pre" and m.final_norm:
-        whole += stacks * norm
-    embeddings = m.vocab_size * d * (1 if m.share_embeddings or m.arch != "encoder_decoder" else 2)
-    whole += embeddings + (0 if m.tie_embeddings else m.vocab_size * d)
-    if m.position == "learned":
-        whole += stacks * m.max_seq_len * d
-    return split, whole
+    """(parameters tensor parallelism splits, parameters every rank keeps whole): the model built on the meta
+    device, its parameters (tied ones once) sorted by the tensor-parallel plan."""
+    key = m.model_dump_json()
+    if key not in _COUNTS:
+        import torch
+
+        from megatransformer.model import build_model
+        from megatransformer.model.tp_plan import partition_dim
+
+        with torch.device("meta"):
+            model = build_model(m)
+        split = whole = 0
+        for name, param in model.named_parameters():
+            if partition_dim(name) is None:
+                whole += param.numel()
+            else:
+                split += param.numel()
+        _COUNTS[key] = split, whole
+    return _COUNTS[key]
+
+
+def core_values(m: ModelConfig, latent: bool) -> int:
+    """q, k, v and the core's output per position; multi-head latent attention (``latent``) keeps its latents
+    and RoPE key besides, and all heads' keys and values, up-projected."""
+    if not latent:
+        return 2 * m.d_model + 2 * m.kv_heads * m.head_dim
+    qk, v = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.n_heads * m.v_head_dim
+    return 2 * qk + 2 * v + m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank or 0)
 
 
 def ffn_kept(m: ModelConfig) -> int:
@@ -139,12 +152,18 @@ def block_kept(m: ModelConfig, layout: Layout, cross: bool) -> int:
     output of this rank's heads again (kv heads replicated up to the degree); the MLP's hidden values
     unless it runs in tiles (then its input only, which its recomputation needs)."""
     d, hd, tp, sp = m.d_model, m.head_dim, layout.tp, layout.sp
-    kv = m.kv_heads * hd
-    attention = 2 * d + (2 * d + 2 * kv) // tp
+    latent = m.attention == "mla"
+    attention = 2 * d + core_values(m, latent) // tp
+    if m.qk_norm:  # the queries and keys before their norms
+        attention += (d + m.kv_heads * hd) // tp
     if sp > 1:
-        attention += 2 * d + 2 * max(m.kv_heads, sp) * hd
+        attention += core_values(m, latent) - 2 * m.kv_heads * hd + 2 * max(m.kv_heads, sp) * hd
+    if cross:  # cross-attention is standard attention
+        attention += 2 * d + core_values(m, False) // tp
+        if sp > 1:
+            attention += 2 * d + 2 * max(m.kv_heads, sp) * hd
     mlp = 2 * d + (ffn_kept(m) // tp if layout.mlp_tiles == 1 else 0)
-    return attention * (2 if cross else 1) + mlp
+    return attention + mlp
 
 
 def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int]:

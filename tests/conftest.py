@@ -24,7 +24,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 TINY_VOCAB = 512
 TINY_CORPUS_BYTES = 300_000
-TINY_SHARD_MB = 0.03  # ~25 train shards
+TINY_SHARD_MB = 0.012  # ~25 train shards
+TINY_BLOCK_MB = 0.004  # a few documents a block, a few blocks a shard
 TINY_VALID_EVERY = 10
 
 
@@ -57,6 +58,7 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> TinyData:
         valid_every=TINY_VALID_EVERY,
         workers=1,
         progress=False,
+        block_mb=TINY_BLOCK_MB,
     )
     return TinyData(tokenizer, shards)
 
@@ -110,6 +112,7 @@ def tiny_instructions(tiny_data: TinyData) -> TinyInstructions:
         progress=False,
         prompt_field="prompt",
         text_field="completion",
+        block_mb=0.002,
     )
     return TinyInstructions(jsonl, shards)
 

@@ -128,9 +128,14 @@ def rewind_to(path: Path) -> None:
 
 
 def atomic_write(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` whole, or (a failed write) leave it as it was."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @functools.cache

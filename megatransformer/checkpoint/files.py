@@ -8,11 +8,20 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from megatransformer.checkpoint.directory import (
     COMPLETE,
@@ -47,6 +56,44 @@ SHAPE_FIELDS = (
     "share_embeddings",
     "final_norm",
 )
+# Fields that change how the model is computed, never what: the same function whatever their values.
+HOW_NOT_WHAT = ("init_std", "depth_scaled_init", "activation_checkpointing", "mlp_tiles", "attention_backend")
+
+
+RowRange = Annotated[list[NonNegativeInt], Field(min_length=2, max_length=2)]
+"""Global rows [start, stop)."""
+
+
+class SpikeState(BaseModel):
+    """The loss-spike ladder's state (training/spikes.py): the detectors' recent accepted values, the steps of
+    recent spikes, the rollbacks so far and the global rows each of them skips."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    losses: list[float] = []
+    grad_norms: list[float] | None = None  # None: the gradient norm is not judged
+    recent: list[NonNegativeInt] = []
+    rollbacks: NonNegativeInt = 0
+    skip_rows: list[RowRange] = []
+
+    @model_validator(mode="after")
+    def _one_row_range_per_rollback(self) -> SpikeState:
+        if any(start >= stop for start, stop in self.skip_rows):
+            raise ValueError("skip_rows holds a range [start, stop) with start >= stop")
+        if len(self.skip_rows) != self.rollbacks:
+            raise ValueError(f"{self.rollbacks} rollbacks but {len(self.skip_rows)} skipped row ranges")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _unjudged_norms_left_out(self, dump: Callable[[SpikeState], dict[str, Any]]) -> dict[str, Any]:
+        record = dump(self)
+        if self.grad_norms is None:
+            del record["grad_norms"]
+        return record
+
+    def ladder_state(self) -> dict[str, Any]:
+        """As ``SpikeLadder`` takes and gives it."""
+        return self.model_dump()
 
 
 class TrainerState(BaseModel):
@@ -62,7 +109,13 @@ class TrainerState(BaseModel):
     tensor_parallel: PositiveInt
     sequence_parallel: PositiveInt = 1
     zero_stage: Literal[0, 1, 2, 3]
-    spikes: dict[str, Any] = Field(default_factory=dict)  # the loss-spike ladder's (training/spikes.py)
+    spikes: SpikeState = Field(default_factory=SpikeState)
+
+    @model_validator(mode="after")
+    def _spikes_before_this_step(self) -> TrainerState:
+        if any(step > self.step for step in self.spikes.recent):
+            raise ValueError(f"spikes.recent names steps after step {self.step}")
+        return self
 
 
 def read_file(path: Path, name: str, parse: Callable[[str], Any]) -> Any:
@@ -95,11 +148,27 @@ def saved_config(path: Path) -> RunConfig:
     return read_file(path, CONFIG, lambda text: validate(yaml.safe_load(text)))
 
 
+def shape_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+    """The fields whose values differ and change the weights' shapes or names (max_seq_len: a learned table)."""
+    learned = "learned" in (saved.position, current.position)
+    fields = SHAPE_FIELDS + (("max_seq_len",) if learned else ())
+    return [f for f in fields if getattr(saved, f) != getattr(current, f)]
+
+
+def computation_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+    """``model.X=now (then there)`` for each other field whose values differ and change what the model computes."""
+    fields = [f for f in ModelConfig.model_fields if f not in HOW_NOT_WHAT]
+    return [
+        f"model.{f}={getattr(current, f)} ({getattr(saved, f)} there)"
+        for f in fields
+        if getattr(saved, f) != getattr(current, f)
+    ]
+
+
 def check_same_shapes(saved: ModelConfig, current: ModelConfig, what: str) -> None:
     diffs = [
         f"model.{f}: {getattr(saved, f)} in the checkpoint, {getattr(current, f)} now"
-        for f in SHAPE_FIELDS
-        if getattr(saved, f) != getattr(current, f)
+        for f in shape_differences(saved, current)
     ]
     if diffs:
         raise ConfigError(f"{what} has another model shape: " + "; ".join(diffs))

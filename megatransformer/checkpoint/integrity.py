@@ -89,12 +89,12 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]] | None:
     a manifest, is damage."""
     raw = (path / COMPLETE).read_bytes()
     if not raw.strip():
-        if (path / "optimizer.safetensors").is_file():  # (written only by versions that write manifests)
+        later = _written_after_manifests(path)
+        if later is not None:
             raise CheckpointDamaged(
                 path,
                 COMPLETE,
-                "empty, but the checkpoint was written by a version that "
-                "writes a manifest: its files cannot be verified",
+                f"empty, but {later}: written by a version that writes a manifest, so its files cannot be verified",
             )
         return None
     try:
@@ -107,6 +107,36 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]] | None:
     except (ValueError, KeyError, TypeError, AttributeError) as err:  # (UnicodeDecodeError is a ValueError)
         raise CheckpointDamaged(path, COMPLETE, f"not a readable manifest ({err.__class__.__name__})") from None
     return files
+
+
+# What the versions before manifests wrote: trainer.json with exactly these fields beside DeepSpeed's and the
+# per-rank .pt states, model.safetensors, config.yaml and tokenizer.json; export and import wrote only the last
+# three. Never optimizer.safetensors, nor any field added to trainer.json since (sequence_parallel, spikes).
+EARLIER_TRAINER_FIELDS = frozenset(
+    {"step", "tokens", "bad_steps", "tokenizer_sha256", "world_size", "tensor_parallel", "zero_stage"}
+)
+EARLIER_WEIGHTS_FILES = frozenset({"model.safetensors", "config.yaml", "tokenizer.json"})
+
+
+def _written_after_manifests(path: Path) -> str | None:
+    """Why a checkpoint with an empty COMPLETE cannot be one of the versions before manifests (None: it can)."""
+    if (path / "optimizer.safetensors").exists():
+        return "it holds optimizer.safetensors"
+    trainer = path / "trainer.json"
+    if not trainer.is_file():
+        extra = sorted(set(checkpoint_files(path)) - EARLIER_WEIGHTS_FILES)
+        return f"it holds {extra[0]} without a trainer.json" if extra else None
+    try:
+        fields = json.loads(trainer.read_bytes())
+        later = sorted(set(fields) - EARLIER_TRAINER_FIELDS)
+        missing = sorted(EARLIER_TRAINER_FIELDS - set(fields))
+    except (ValueError, TypeError):
+        return "its trainer.json is unreadable"
+    if later:
+        return f"its trainer.json has fields of later versions ({', '.join(later)})"
+    if missing:
+        return f"its trainer.json lacks {', '.join(missing)}"
+    return None
 
 
 def verify_checkpoint(path: Path, only: Sequence[str] | None = None) -> None:

@@ -58,10 +58,23 @@ def last_checkpoints(n: str, run_dir: str) -> list[Path]:
     complete = complete_checkpoints(root)[::-1]
     if len(complete) < int(n):
         raise ConfigError(
-            f"--last {n} {run_dir}: only {len(complete)} complete checkpoints in {root} (raise "
-            "checkpoint.keep to keep more of them)"
+            f"--last {n} {run_dir}: only {len(complete)} complete checkpoints in {root}"
+            + (f" ({_fewer_why(complete[-1], int(n))})" if complete else "")
         )
     return complete[-int(n) :]
+
+
+def _fewer_why(newest: Path, wanted: int) -> str:
+    """Why a run holds fewer checkpoints than ``wanted``, from its newest checkpoint's config."""
+    from megatransformer.checkpoint import saved_config
+
+    saved = saved_config(newest).checkpoint
+    if saved.keep < wanted:
+        return f"the run kept its last checkpoint.keep={saved.keep}; raise checkpoint.keep to keep more of them"
+    return (
+        f"the run wrote no more: one every checkpoint.every={saved.every} steps and one at its end; lower "
+        "checkpoint.every or train longer"
+    )
 
 
 def average_checkpoints(paths: list[Path]):

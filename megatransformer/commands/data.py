@@ -1,14 +1,18 @@
-"""``megatransformer data tokenizer | shard | inspect | demo-corpus``."""
+"""``megatransformer data tokenizer | shard | merge | inspect | demo-corpus``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from data_pipeline import DataError
 from megatransformer.commands.arguments import add_config_argument
 
-INPUT_HELP = ".txt / .jsonl / .tsv files (.gz/.zst too), or directories of them"
+INPUT_HELP = (
+    ".txt / .jsonl / .tsv files (.gz/.zst too), .parquet / .arrow files, directories of them, or a "
+    "`datasets` save_to_disk directory"
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,8 +87,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="invalid UTF-8 in the input: replace the bad bytes (warned about) or stop",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+    p.add_argument(
+        "--part",
+        type=part_argument,
+        default=None,
+        metavar="K/N",
+        help="tokenize only the K-th of N equal parts of the input (by bytes: whole files, .parquet files cut "
+        "between row groups) into --out/part-K-of-N, e.g. one task of a Slurm array; `data merge --out` joins "
+        "the N parts",
+    )
     add_instruction_arguments(p)
     p.set_defaults(func=_shard)
+
+    p = commands.add_parser(
+        "merge",
+        help="join the parts written by `data shard --part K/N` into one dataset",
+        description="Check that every part of --out is finished, intact and made from the same input, "
+        "settings and tokenizer, then write the manifest that makes --out one dataset (the shards stay "
+        "where the parts wrote them).",
+    )
+    p.add_argument("--out", required=True, help="the --out of the `data shard --part` runs")
+    p.add_argument("--overwrite", action="store_true", help="replace a different manifest already in --out")
+    p.set_defaults(func=_merge)
 
     p = commands.add_parser(
         "inspect",
@@ -154,13 +178,28 @@ def _guard(fn):
     return run
 
 
+def _input_files(names: list[str]) -> list[str]:
+    """``--input`` as files; a note on stderr names the files of its directories that are not read."""
+    from data_pipeline.documents import files_not_read, input_files
+
+    files = input_files(names)
+    skipped = files_not_read(names)
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        print(
+            f"note: not reading {shown}: --input reads .txt, .jsonl, .json and .tsv files (plain, .gz or .zst), "
+            ".parquet and .arrow files of a directory; name other files one by one",
+            file=sys.stderr,
+        )
+    return files
+
+
 @_guard
 def _tokenizer(args: argparse.Namespace) -> int:
-    from data_pipeline.documents import input_files
     from data_pipeline.tokenizer import train_tokenizer
 
     info = train_tokenizer(
-        input_files(args.input), args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per
+        _input_files(args.input), args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per
     )
     asked = "" if info.vocab_size == args.vocab_size else f" of {args.vocab_size} asked"
     print(
@@ -172,12 +211,11 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 @_guard
 def _shard(args: argparse.Namespace) -> int:
-    from data_pipeline.documents import input_files
     from data_pipeline.shard import write_shards
 
     text_field = args.completion_field if args.prompt_field else args.text_field
     manifest = write_shards(
-        input_files(args.input),
+        _input_files(args.input),
         args.tokenizer,
         args.out,
         args.shard_mb,
@@ -189,14 +227,51 @@ def _shard(args: argparse.Namespace) -> int:
         args.overwrite,
         progress=sys.stderr.isatty(),
         prompt_field=args.prompt_field,
+        part=args.part,
     )
-    unit = "examples" if args.prompt_field else "documents"
-    for split, shards in manifest.splits.items():
+    _print_splits(manifest, "examples" if args.prompt_field else "documents")
+    if args.part:
+        k, n = args.part
         print(
-            f"{split}: {len(shards)} shards, {sum(s.samples for s in shards):,} {unit}, "
-            f"{manifest.tokens(split):,} tokens ({manifest.dtype})"
+            f"part {k}/{n} is finished; once all {n} are, join them with `megatransformer data merge --out {args.out}`"
         )
     return 0
+
+
+@_guard
+def _merge(args: argparse.Namespace) -> int:
+    from data_pipeline.merge import merge_parts
+    from data_pipeline.shard import INSTRUCTIONS, MANIFEST
+
+    manifest = merge_parts(args.out, args.overwrite)
+    _print_splits(manifest, "examples" if manifest.kind == INSTRUCTIONS else "documents")
+    print(f"wrote {Path(args.out) / MANIFEST}: data.train={args.out} reads the merged dataset")
+    return 0
+
+
+def _print_splits(manifest, unit: str) -> None:
+    import numpy as np
+
+    for split, shards in manifest.splits.items():
+        print(
+            f"{split}: {len(shards)} shards, {sum(s.documents for s in shards):,} {unit}, "
+            f"{manifest.tokens(split):,} tokens ({manifest.dtype})"
+        )
+    if manifest.splits and manifest.bytes_per_token() is not None:
+        payload = np.dtype(manifest.dtype).itemsize
+        print(
+            f"{manifest.bytes_per_token():.2f} bytes per token on disk ({manifest.bytes_per_token() / payload:.2f}x "
+            f"the {manifest.dtype} ids)"
+        )
+
+
+def part_argument(text: str) -> tuple[int, int]:
+    from data_pipeline.parts import parse_part
+
+    try:
+        return parse_part(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def row_range(text: str) -> tuple[int, int]:

@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "eval",
         help="loss and perplexity of a checkpoint on held-out data",
         description="Token-level loss and perplexity of a checkpoint on shards or text files; "
-        "key.path=value overrides (e.g. data.seq_len=256) may follow the options.",
+        "key.path=value overrides may follow the options: data.*, objective, objective_args.*, seed, and model.* "
+        "fields that keep the weights' shapes (e.g. data.seq_len=4096 model.max_seq_len=4096 "
+        "model.rope_scaling='{type: dynamic, factor: 2, original_max_seq_len: 2048}').",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument(
@@ -45,7 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--hypotheses", default=None, help="with --bleu: write the hypotheses here, one per line")
     add_beam_arguments(p)
-    p.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. data.seq_len=256")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key.path=value", help="e.g. data.seq_len=256 model.attention_window=64"
+    )
     p.set_defaults(func=run)
 
 
@@ -57,17 +61,20 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--batch-size must be >= 1")
     if args.bleu or args.hypotheses:
         _check_bleu_arguments(args)
-    loaded = load_for_inference(args.checkpoint)
+    model_overrides, run_overrides = _split_overrides(args.overrides)
+    loaded = load_for_inference(args.checkpoint, model_overrides=model_overrides)
     if loaded.tokenizer is None:
         raise ConfigError(f"{loaded.path} has no tokenizer.json")
     if args.bleu:
         return _bleu(args, loaded)
-    raw = apply_overrides(loaded.cfg.model_dump(mode="json"), args.overrides)
+    raw = apply_overrides(loaded.cfg.model_dump(mode="json"), run_overrides)
     with tempfile.TemporaryDirectory() as tmp:
         shards, split = _as_shards(args, loaded.tokenizer.path, Path(tmp))
         # one stream: every document once, in order, however few there are
         raw["data"] = {**raw["data"], "train": shards, "valid": shards, "num_workers": 0, "streams": 1}
         cfg = validate(raw)
+        limit = f", at most {args.max_batches} batches" if args.max_batches else ""
+        say(f"evaluating {loaded.path} on {' '.join(args.data)} ({cfg.objective}, batches of {args.batch_size}{limit})")
         result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
     result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
     if args.json:
@@ -78,6 +85,30 @@ def run(args: argparse.Namespace) -> int:
             f"over {result['tokens']:,} tokens ({result['sequences']:,} sequences)"
         )
     return 0
+
+
+# What eval reads of a run config besides the model; --data sets the data files and their reading itself.
+_EVAL_SECTIONS = ("data", "objective", "objective_args", "seed")
+_SET_BY_EVAL = ("data.train", "data.valid", "data.num_workers", "data.streams")
+
+
+def _split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(model.* overrides, the others eval applies); any other one is refused: it would change nothing."""
+    from megatransformer.config import ConfigError
+
+    model, run = [], []
+    for item in overrides:
+        key = item.partition("=")[0]
+        if key.split(".")[0] == "model":
+            model.append(item)
+        elif key.split(".")[0] in _EVAL_SECTIONS and key not in _SET_BY_EVAL:
+            run.append(item)
+        else:
+            raise ConfigError(
+                f"{item} would change nothing in eval (it applies model.*, data.*, objective, objective_args.* and "
+                "seed; --data sets the files)"
+            )
+    return model, run
 
 
 def _check_bleu_arguments(args: argparse.Namespace) -> None:
@@ -92,8 +123,9 @@ def _check_bleu_arguments(args: argparse.Namespace) -> None:
         raise ConfigError("--bleu translates text: give --data .jsonl/.tsv files, not a shard directory")
     if args.num_beams < 1:
         raise ConfigError("--num-beams must be >= 1")
-    if args.overrides:
-        raise ConfigError(f"--bleu takes no key.path=value overrides (got {' '.join(args.overrides)})")
+    other = [item for item in args.overrides if not item.startswith("model.")]
+    if other:
+        raise ConfigError(f"--bleu takes only model.* overrides (got {' '.join(other)})")
 
 
 def _bleu(args: argparse.Namespace, loaded) -> int:
@@ -150,6 +182,10 @@ def bleu_of(
         references.append(pair.text)
     if not sources:
         raise ConfigError(f"no translation pairs in {', '.join(files)}")
+    say(
+        f"translating {len(sources):,} sentences of {', '.join(files)} with {loaded.path}: beam {num_beams}, "
+        f"batches of {batch_size}"
+    )
     outputs = [
         tok.decode(tokens, skip_special=True).strip()
         for tokens in beam_decode(loaded, sources, num_beams, alpha, form, batch_size=batch_size)
@@ -181,6 +217,11 @@ def empty_hypotheses_warning(outputs: list[str]) -> str | None:
         f"warning: {empty:,} of {len(outputs):,} hypotheses are empty (the model ends them at once: trained "
         "too little, or not a translation model?); the scores count them as empty translations"
     )
+
+
+def say(line: str) -> None:
+    """What the command is doing, on stderr (stdout holds the result, JSON with --json)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str, str]:

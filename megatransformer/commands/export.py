@@ -1,8 +1,8 @@
 """``megatransformer export`` and ``megatransformer import``: hand models to and from the ecosystem.
 
 Formats: ``safetensors`` (our consolidated weights + config + tokenizer, readable without DeepSpeed) and
-``hf`` (a ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``GPT2LMHeadModel`` directory that ``transformers``
-loads with no custom code; see megatransformer.hf).
+``hf`` (a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM``, ``DeepseekV3ForCausalLM`` or
+``GPT2LMHeadModel`` directory that ``transformers`` loads with no custom code; see megatransformer.hf).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write a checkpoint as consolidated safetensors or a HF model",
         description="Write a checkpoint's weights in one piece, whatever layout trained "
         "them: our safetensors format, or a directory that transformers loads "
-        "with from_pretrained (Llama or GPT-2 architecture).",
+        "with from_pretrained (Llama, Mistral, Qwen3, DeepSeek-V3 or GPT-2 architecture).",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--out", required=True, help="output directory")
@@ -26,15 +26,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--format",
         choices=["safetensors", "hf"],
         default="safetensors",
-        help="safetensors: our weights + config + tokenizer; hf: a transformers Llama, Mistral or GPT-2 directory",
+        help="safetensors: our weights + config + tokenizer; hf: a transformers Llama, Mistral, Qwen3, "
+        "DeepSeek-V3 or GPT-2 directory",
     )
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written weights")
     p.set_defaults(func=export)
 
     p = subparsers.add_parser(
         "import",
-        help="turn a Hugging Face Llama, Mistral or GPT-2 directory into a checkpoint for init_from=",
-        description="Convert a Hugging Face Llama, Mistral or GPT-2 model directory into a "
+        help="turn a Hugging Face Llama, Mistral, Qwen3, DeepSeek-V3 or GPT-2 directory into a checkpoint for "
+        "init_from=",
+        description="Convert a Hugging Face Llama, Mistral, Qwen3, DeepSeek-V3 or GPT-2 model directory into a "
         "weights-only checkpoint that init_from=, eval and generate accept.",
     )
     p.add_argument("--hf", required=True, help="directory with config.json and *.safetensors")
@@ -47,7 +49,7 @@ def export(args: argparse.Namespace) -> int:
 
     from megatransformer.checkpoint import find_checkpoint, load_weights, write_weights_checkpoint
     from megatransformer.config import ConfigError
-    from megatransformer.hf import hf_incompatibility, save_hf_dir
+    from megatransformer.hf import hf_family, hf_incompatibility, save_hf_dir
 
     checkpoint = find_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
     cfg, weights = load_weights(checkpoint)
@@ -65,6 +67,8 @@ def export(args: argparse.Namespace) -> int:
                 "generate`",
                 file=sys.stderr,
             )
+        for note in hf_family(cfg.model).notes(cfg.model):
+            print(f"note: {note} (the same outputs in evaluation mode)", file=sys.stderr)
         special = _special_ids(tokenizer)
         family = save_hf_dir(out, cfg.model, weights, tokenizer if tokenizer.is_file() else None, special, dtype)
         print(f"wrote a {family.architecture} directory")

@@ -10,7 +10,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
         help="continue a prompt with a trained model (KV-cached)",
-        description="Continue --prompt with a checkpoint's model, streaming the text, or beam-search it (--num-beams).",
+        description="Continue --prompt with a checkpoint's model, streaming the text, or beam-search it (--num-beams); "
+        "model.* overrides that keep the weights' shapes may follow the options (e.g. model.max_seq_len=4096 "
+        "model.rope_scaling='{type: dynamic, factor: 2, original_max_seq_len: 2048}').",
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument("--prompt", required=True, help="text to continue (encoder input for encoder-decoder models)")
@@ -31,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same text)")
     add_beam_arguments(p)
+    p.add_argument("overrides", nargs="*", metavar="model.key=value", help="e.g. model.attention_window=64")
     p.set_defaults(func=run)
 
 
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--num-beams must be >= 1 and does not combine with --top-k / --top-p (beam search does not sample)"
         )
-    loaded = load_for_inference(args.checkpoint)
+    loaded = load_for_inference(args.checkpoint, model_overrides=args.overrides)
     tok = loaded.tokenizer
     if tok is None:
         raise ConfigError(f"{loaded.path} has no tokenizer.json to encode the prompt with")

@@ -33,19 +33,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatransformer.flops import model_size
+    from megatransformer.flops import attention_costs, model_size
+    from megatransformer.planner import BYTES
 
     cfg = load_config(args.config, args.overrides)
     size = model_size(cfg.model, cfg.data.seq_len)
+    attention = attention_costs(cfg.model, cfg.data.seq_len)
     layout = describe(cfg, args.world_size or cfg.parallel.tensor_parallel * cfg.parallel.sequence_parallel)
     if args.json:
-        print(json.dumps({"config": cfg.model_dump(mode="json"), **size.as_dict(), "layout": layout}, indent=2))
+        kinds = [
+            {**cost.as_dict(), "kv_cache_bytes_per_token": _cache_bytes(cost, BYTES[cfg.precision])}
+            for cost in attention
+        ]
+        print(
+            json.dumps(
+                {"config": cfg.model_dump(mode="json"), **size.as_dict(), "attention": kinds, "layout": layout},
+                indent=2,
+            )
+        )
         return 0
     print(dump_config(cfg), end="")
     print("---")
     print(f"parameters:               {size.params:,} ({size.params / 1e6:.2f} M)")
     print(f"non-embedding parameters: {size.non_embedding_params:,} ({size.non_embedding_params / 1e6:.2f} M)")
     print(f"training FLOPs per token: {size.flops_per_token:.4g} (seq_len {size.seq_len})")
+    for cost in attention:
+        cache = _cache_bytes(cost, BYTES[cfg.precision])
+        per = "source token, once" if cost.kind.startswith("cross") else "token"
+        held = "no KV cache" if cache is None else f"KV cache {cache:,} bytes per {per} ({cfg.precision})"
+        print(
+            f"{'attention ' + cost.kind + ':':<25} {cost.params:,} parameters in {cost.layers} layers, "
+            f"{cost.flops_per_token:.4g} training FLOPs per token, {held}"
+        )
     world = layout["world_size"]
     micro = layout["micro_batch"]
     print(f"layout:                   {layout['layout']} on {world} rank{'s' if world != 1 else ''}")
@@ -102,3 +121,7 @@ def describe(cfg: RunConfig, world_size: int) -> dict:
         "sequence_ranks": ranks,
         "activation_bytes": activation_parts(cfg, layout, "cpu")["activations"],
     }
+
+
+def _cache_bytes(cost, value_bytes: int) -> int | None:
+    return None if cost.kv_cache_values_per_token is None else cost.kv_cache_values_per_token * value_bytes

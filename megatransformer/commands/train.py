@@ -18,6 +18,7 @@ from megatransformer.config import ConfigError
 from megatransformer.training.metrics import format_duration, read_metrics
 
 if TYPE_CHECKING:
+    from megatransformer.checkpoint import TrainerState
     from megatransformer.config import RunConfig
 
 
@@ -42,23 +43,33 @@ def run(args: argparse.Namespace) -> int:
 
 def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     """Train; returns the exit code (0 done, 124 preempted and checkpointed, 3 diverged, 4 a collective
-    timed out or lost a peer: another rank stalled or died)."""
+    timed out or lost a peer: another rank stalled or died); a failed write (a full disk) raises WriteFailed,
+    exit 5."""
     from megatransformer.config import load_config
 
-    started = time.perf_counter()
+    started, began = time.perf_counter(), time.time()
     cfg = load_config(config, overrides)  # config errors surface before any process group exists
     if os.environ.get("RANK", "0") == "0":  # a first line within seconds: importing PyTorch alone takes some
         print(f"training {cfg.run_dir} to step {cfg.train.max_steps:,}: starting PyTorch and DeepSpeed", flush=True)
-    from data_pipeline import DataError
+    from data_pipeline import DataError, WriteFailed
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer import checkpoint as ckpt
     from megatransformer.training.builds import build_notes, build_progress, ops_to_build
-    from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED, collective_failure, leave, setup, teardown
+    from megatransformer.training.distributed import (
+        EXIT_COLLECTIVE_FAILED,
+        collective_failure,
+        leave,
+        on_first_rank,
+        setup,
+        teardown,
+    )
     from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer
     from megatransformer.training.preflight import check_before_start
     from megatransformer.training.resume import check_run_dir
-    from megatransformer.training.watchdog import hang_dir, stack_dumps, switch_on_flight_recorder
+    from megatransformer.training.run_lock import lock_run_dir
+    from megatransformer.training.threads import set_threads_for_machine
+    from megatransformer.training.watchdog import dump_rank, hang_dir, stack_dumps, switch_on_flight_recorder
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
@@ -82,15 +93,22 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         for line in build_notes(ops):
             print(line, flush=True)
     host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
-    init_state = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}")[1] if cfg.init_from else None
+    busy = set_threads_for_machine()
+    if busy and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(busy, flush=True)
+    init = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}") if cfg.init_from else None
+    init_state = init[1] if init else None
     import torch
 
     if torch.cuda.is_available():
         switch_on_flight_recorder(cfg.run_dir)  # (before the process group starts)
+    held = []  # the run directory's lock, on the first rank (the job's ranks share it)
     try:
         with build_progress(ops, sys.stdout), quiet_engine(verbose):  # (quiet_engine holds back stdout)
             dist_info = setup(cfg.parallel.timeout_minutes)
+            on_first_rank(lambda: held.append(lock_run_dir(cfg.run_dir)))  # before the run writes anything
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
+        preemption.starting = False
         if dist_info.is_main:
             print(host_memory)
         if init_state is not None and dist_info.is_main:
@@ -98,43 +116,63 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
                 f"init_from={cfg.init_from}: starting from its weights ({len(init_state)} tensors); optimizer, "
                 "learning-rate schedule and data order start fresh"
             )
+            changed = ckpt.computation_differences(init[0].model, cfg.model)
+            if changed:
+                print(f"init_from={cfg.init_from}: this model differs from the checkpoint's: {', '.join(changed)}")
         code = trainer.run()
         teardown()  # (every collective of the run is behind it)
-    except (ConfigError, DataError):  # found once the process group runs (a resume's checks): end it first
+    except (ConfigError, DataError, WriteFailed):  # found once the process group runs: end it first
         teardown()
+        release(held)
         raise
     except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
         line = collective_failure(err, cfg.parallel.timeout_minutes)
         if line is None:
             raise
         rank = os.environ.get("RANK", "0")
-        dumps = ", ".join(path.name for path in stack_dumps(cfg.run_dir))
+        dumps = [path for path in stack_dumps(cfg.run_dir) if path.stat().st_mtime >= began]  # (this run's)
         if dumps:
-            line += f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({dumps})"
+            line += (
+                f"; Python stacks of the stalled step: {hang_dir(cfg.run_dir)}/ ({', '.join(d.name for d in dumps)})"
+            )
+        silent = sorted(set(range(int(os.environ.get("WORLD_SIZE", "1")))) - {dump_rank(d) for d in dumps})
+        if dumps and silent:
+            line += (
+                f"; rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} wrote no stacks (stopped or "
+                "gone: such a rank cannot answer)"
+            )
         print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        release(held)
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:
         if code == 0:
-            print_sample(cfg, ckpt.checkpoints_dir(cfg.run_dir), tokenizer)
-        print_summary(cfg, code, time.perf_counter() - started)
+            print_sample(cfg, trainer.checkpoint, tokenizer)
+        print_summary(cfg, code, time.perf_counter() - started, trainer.checkpoint, trainer.state)
+    release(held)
     sys.stdout.flush()
     if dist_info.world_size > 1:
         leave(code)  # (everything the run writes is closed)
     return code
 
 
-def print_summary(cfg: RunConfig, code: int, wall_seconds: float) -> None:
-    """The run's closing summary, after drawing its curves next to metrics.jsonl."""
-    from megatransformer import checkpoint as ckpt
+def release(held: list) -> None:
+    """Release the run directory's lock where this process holds it."""
+    for lock in held:
+        if lock is not None:
+            lock.release()
+
+
+def print_summary(cfg: RunConfig, code: int, wall_seconds: float, checkpoint: Path | None, state: TrainerState) -> None:
+    """The run's closing summary, after drawing its curves next to metrics.jsonl; ``checkpoint`` and ``state``:
+    where the run stands (the checkpoint it saved last or resumed from, never a damaged one it skipped)."""
     from megatransformer.commands.plot import default_out, draw
 
     has_metrics = (Path(cfg.run_dir) / "metrics.jsonl").is_file()
     plot = draw([cfg.run_dir], default_out([cfg.run_dir])) if has_metrics else None
-    checkpoint = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
-    print(summary(cfg, code, wall_seconds, checkpoint, plot))
+    print(summary(cfg, code, wall_seconds, checkpoint, plot, state))
 
 
-def print_sample(cfg: RunConfig, checkpoints: Path, tokenizer, max_new_tokens: int = 40) -> None:
+def print_sample(cfg: RunConfig, checkpoint: Path, tokenizer, max_new_tokens: int = 40) -> None:
     """Greedy continuation of train.sample_prompt with the final weights (decoder models)."""
     import torch
 
@@ -143,7 +181,7 @@ def print_sample(cfg: RunConfig, checkpoints: Path, tokenizer, max_new_tokens: i
 
     if not cfg.train.sample_prompt or cfg.model.arch != "decoder":
         return
-    model = load_for_inference(checkpoints).model
+    model = load_for_inference(checkpoint).model
     prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)])
     new = generate(model, prompt, max_new_tokens, temperature=0.0, eos_id=tokenizer.eos_id)
     print(format_sample(cfg.train.sample_prompt, tokenizer.decode(new[0].tolist(), skip_special=True)))
@@ -177,17 +215,28 @@ def quiet_engine(verbose: bool) -> Iterator[None]:
         raise
 
 
-def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Path | None, plot: Path | None) -> str:
-    """The closing lines of a run: how far it got (its last checkpoint's step), how it did (metrics.jsonl), where
-    the results are, what to run next."""
+def summary(
+    cfg: RunConfig,
+    exit_code: int,
+    wall_seconds: float,
+    checkpoint: Path | None,
+    plot: Path | None,
+    state: TrainerState | None = None,
+) -> str:
+    """The closing lines of a run: how far it got (``state``, else ``checkpoint``'s: a stop between two logged
+    steps is saved at its own step), how it did (metrics.jsonl up to that step), where the results are, what to
+    run next."""
     from megatransformer import checkpoint as ckpt
 
     run_dir = Path(cfg.run_dir)
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    if state is None and checkpoint is not None:
+        state = ckpt.read_trainer_state(checkpoint)
+    if state is not None:  # (records past it belong to a newer checkpoint this run did not take: a damaged one)
+        records = [r for r in records if r["step"] <= state.step]
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "val_loss" in r]
-    if checkpoint is not None:  # a stop between two logged steps is saved at its own step
-        state = ckpt.read_trainer_state(checkpoint)
+    if state is not None:
         step, tokens = state.step, state.tokens
     else:
         step, tokens = max((r["step"] for r in records), default=0), train[-1]["tokens"] if train else 0
@@ -215,15 +264,18 @@ def summary(cfg: RunConfig, exit_code: int, wall_seconds: float, checkpoint: Pat
         if path is not None:
             lines.append(f"  {name + ':':22s} {path}")
     if exit_code == 0:
-        lines += ["next:", *(f"  {command}" for command in next_commands(cfg))]
+        latest = ckpt.latest_checkpoint(ckpt.checkpoints_dir(run_dir))
+        named = checkpoint if checkpoint is not None and checkpoint != latest else None
+        lines += ["next:", *(f"  {command}" for command in next_commands(cfg, named))]
     return "\n".join(lines)
 
 
-def next_commands(cfg: RunConfig) -> list[str]:
-    """Evaluate, sample from and export the run just finished, as commands to copy."""
+def next_commands(cfg: RunConfig, checkpoint: Path | None = None) -> list[str]:
+    """Evaluate, sample from and export the run just finished, as commands to copy; ``checkpoint``: the one to
+    name when the run directory's latest is another (a damaged one the resume skipped)."""
     from megatransformer.hf import hf_incompatibility
 
-    run = shlex.quote(cfg.run_dir)
+    run = shlex.quote(str(checkpoint or cfg.run_dir))
     data = cfg.data.valid or cfg.data.train
     data = data if isinstance(data, str) or data is None else data[0].path
     commands = []

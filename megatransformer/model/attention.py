@@ -19,6 +19,7 @@ from torch import nn
 
 from megatransformer.model.chunked_attention import chunked_core
 from megatransformer.model.masks import AttentionMask, VarlenProblem
+from megatransformer.model.norms import RMSNorm
 from megatransformer.model.positions import Alibi, apply_rope
 from megatransformer.model.varlen import torch_varlen_available, torch_varlen_core, varlen_attention, window_size
 
@@ -225,15 +226,24 @@ class KVCache:
     With a sliding ``window`` (``model.attention_window``) it holds only the last ``window - 1`` keys, those the
     next query can still see, however long the generation: ``length`` counts the keys held, ``seen`` the
     positions decoded so far. Masks index the keys a call attends to from the first one held (``q_offset`` =
-    ``length``), positions count from the start (``seen``)."""
+    ``length``), positions count from the start (``seen``). ``value_dim``: the values' width where it is not
+    the keys' (multi-head latent attention holds its latent as the keys and its RoPE key as the values)."""
 
     def __init__(
-        self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, window: int | None = None
+        self,
+        batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype,
+        device,
+        window: int | None = None,
+        value_dim: int | None = None,
     ) -> None:
         self.window = window if window is not None and window - 1 < max_len else None  # (else everything fits)
         size = max_len if self.window is None else self.window - 1
         self.k = torch.empty(batch, kv_heads, size, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self.v = torch.empty(batch, kv_heads, size, value_dim or head_dim, dtype=dtype, device=device)
         self.positions = torch.zeros(batch, size, dtype=torch.long, device=device)
         self.length = 0  # keys held
         self.dropped = 0  # keys before them, out of the window
@@ -279,7 +289,19 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float, backend: str) -> None:
+    """``qk_norm_eps``: with a value, QK-norm: an RMSNorm over each head's queries (``q_norm``) and keys
+    (``k_norm``), weights of size head_dim shared by all heads, before RoPE (as Qwen3)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        bias: bool,
+        dropout: float,
+        backend: str,
+        qk_norm_eps: float | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = d_model // n_heads
         self.total_heads = n_heads  # all heads, of which a tensor-parallel shard holds a slice (not "n_heads":
@@ -288,14 +310,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.dropout = dropout
         self.core = BACKENDS[backend]
         # the first of all heads that q_proj holds: 0, or a tensor-parallel shard's first head (set by
         # tp_plan.assign_head_offsets); picks this module's ALiBi slopes
         self.head_offset = 0
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(x.shape[0], x.shape[1], -1, self.head_dim).transpose(1, 2)
+    def _heads(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        x = x.view(x.shape[0], x.shape[1], -1, self.head_dim)
+        return (x if norm is None else norm(x)).transpose(1, 2)
 
     def forward(
         self,
@@ -313,12 +341,12 @@ class Attention(nn.Module):
         precomputed cross-attention keys/values (see :meth:`project_memory`). ``alibi``: the bias of all
         heads, of which this module takes its own.
         """
-        q = self._heads(self.q_proj(x))
+        q = self._heads(self.q_proj(x), self.q_norm)
         if memory_kv is not None:
             k, v = memory_kv
         else:
             source = x if memory is None else memory
-            k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))
+            k, v = self._heads(self.k_proj(source), self.k_norm), self._heads(self.v_proj(source))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
@@ -332,4 +360,4 @@ class Attention(nn.Module):
 
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cross-attention keys/values of the encoder output, computed once per generation."""
-        return self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))
+        return self._heads(self.k_proj(memory), self.k_norm), self._heads(self.v_proj(memory))

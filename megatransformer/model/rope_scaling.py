@@ -16,12 +16,11 @@ from megatransformer.model.positions import Rotary
 
 
 class ScaledRotary(Rotary):
-    """Rotary angles with scaled frequencies; ``trained_len`` is the context the unscaled model was trained
-    with where the type has none of its own (dynamic: model.max_seq_len)."""
+    """Rotary angles with scaled frequencies."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling, trained_len: int) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__(head_dim, theta)
-        self.scaling, self.trained_len = scaling, trained_len
+        self.scaling = scaling
 
     def frequencies(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
         scaling, inv_freq = self.scaling, self.inv_freq(position_ids.device)
@@ -35,18 +34,19 @@ class ScaledRotary(Rotary):
 
     def _dynamic(self, position_ids: torch.Tensor) -> torch.Tensor:
         """NTK-aware: the base grows with the longest position of the call beyond the trained length."""
-        factor, dim = self.scaling.factor, self.head_dim
-        length = (position_ids.max() + 1).clamp(min=self.trained_len).float()
-        base = self.theta * (factor * length / self.trained_len - (factor - 1)) ** (dim / (dim - 2))
+        factor, dim, trained = self.scaling.factor, self.head_dim, self.scaling.original_max_seq_len
+        length = (position_ids.max() + 1).clamp(min=trained).float()
+        base = self.theta * (factor * length / trained - (factor - 1)) ** (dim / (dim - 2))
         exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=position_ids.device) / dim
         return 1.0 / base**exponents
 
 
 def rotary(cfg: ModelConfig) -> Rotary:
-    """The rotary embedding a rope model's config describes."""
+    """The rotary embedding a rope model's config describes (of the RoPE slice of each head under MLA)."""
+    dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
     if cfg.rope_scaling is None:
-        return Rotary(cfg.head_dim, cfg.rope_theta)
-    return ScaledRotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_seq_len)
+        return Rotary(dim, cfg.rope_theta)
+    return ScaledRotary(dim, cfg.rope_theta, cfg.rope_scaling)
 
 
 def _yarn_attention_factor(scaling: RopeScaling) -> float:

@@ -72,6 +72,14 @@ class Stack(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
 
+def kv_cache_dims(cfg: ModelConfig) -> tuple[int, int, int]:
+    """What a layer's KV cache holds per token: (heads, key width, value width); under MLA one "head" of the
+    latent (as keys) and the shared RoPE key (as values)."""
+    if cfg.attention == "mla":
+        return 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    return cfg.kv_heads, cfg.head_dim, cfg.head_dim
+
+
 def default_positions(ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return torch.arange(offset, offset + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
 
@@ -106,8 +114,9 @@ class LanguageModel(nn.Module):
         cfg, weight = self.config, self.lm_head.weight
         n, device = len(self.decoder.layers), weight.device
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+        heads, key_dim, value_dim = kv_cache_dims(cfg)
         window = cfg.attention_window
-        return [KVCache(batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, device, window) for _ in range(n)]
+        return [KVCache(batch, heads, max_len, key_dim, dtype, device, window, value_dim) for _ in range(n)]
 
 
 class DecoderLM(LanguageModel):
@@ -128,15 +137,17 @@ class DecoderLM(LanguageModel):
         masks: ModelMasks | None = None,
         labels: torch.Tensor | None = None,
         label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
     ) -> torch.Tensor:
         """``masks``: built once per batch on the host (training); else built here from the inputs.
-        ``labels``: return the summed token loss instead of the logits."""
+        ``labels``: return the summed token loss instead of the logits (``z_loss`` > 0: the pair of it with the
+        z-loss added and the z-loss, see ``head.linear_cross_entropy``)."""
         held, seen = (caches[0].length, caches[0].seen) if caches else (0, 0)
         if position_ids is None:
             position_ids = default_positions(input_ids, seen)
         mask = masks.decoder if masks is not None else self_attention_mask(True, segment_ids, prefix_len, held)
         hidden = self.decoder(self.embed_tokens(input_ids), position_ids, mask, caches=caches)
-        return self.lm_head(hidden, labels, label_smoothing)
+        return self.lm_head(hidden, labels, label_smoothing, z_loss)
 
 
 class EncoderLM(LanguageModel):
@@ -155,11 +166,13 @@ class EncoderLM(LanguageModel):
         masks: ModelMasks | None = None,
         labels: torch.Tensor | None = None,
         label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
     ) -> torch.Tensor:
         if position_ids is None:
             position_ids = default_positions(input_ids)
         mask = masks.encoder if masks is not None else self_attention_mask(False, segment_ids)
-        return self.lm_head(self.encoder(self.embed_tokens(input_ids), position_ids, mask), labels, label_smoothing)
+        hidden = self.encoder(self.embed_tokens(input_ids), position_ids, mask)
+        return self.lm_head(hidden, labels, label_smoothing, z_loss)
 
 
 class EncoderDecoderLM(LanguageModel):
@@ -196,6 +209,7 @@ class EncoderDecoderLM(LanguageModel):
         masks: ModelMasks | None = None,
         labels: torch.Tensor | None = None,
         label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
     ) -> torch.Tensor:
         held, seen = (caches[0].length, caches[0].seen) if caches else (0, 0)
         if decoder_position_ids is None:
@@ -215,7 +229,7 @@ class EncoderDecoderLM(LanguageModel):
             caches=caches,
             memory_kvs=memory_kvs,
         )
-        return self.lm_head(hidden, labels, label_smoothing)
+        return self.lm_head(hidden, labels, label_smoothing, z_loss)
 
     def project_memory(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Cross-attention keys/values of every decoder layer, computed once for generation."""
@@ -232,6 +246,7 @@ class EncoderDecoderLM(LanguageModel):
         masks: ModelMasks | None = None,
         labels: torch.Tensor | None = None,
         label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
     ) -> torch.Tensor:
         memory = self.encode(input_ids, position_ids, segment_ids, masks.encoder if masks is not None else None)
         return self.decode(
@@ -243,6 +258,7 @@ class EncoderDecoderLM(LanguageModel):
             masks=masks,
             labels=labels,
             label_smoothing=label_smoothing,
+            z_loss=z_loss,
         )
 
 

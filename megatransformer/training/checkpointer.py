@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import re
 import shutil
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from data_pipeline import WriteFailed, free_space, write_reason
 from megatransformer import checkpoint as ckpt
 from megatransformer.config import ConfigError, RunConfig, dump_config
 from megatransformer.model.tp_plan import partition_dim
@@ -66,7 +68,8 @@ def save_checkpoint(
     """Write step ``state.step``'s checkpoint: DeepSpeed's per-rank states, each rank's loader and RNG state,
     the consolidated weights and Adam state, trainer state, config and tokenizer, and last the manifest and
     `latest`. Older checkpoints beyond ``checkpoint.keep`` are removed, except those named in ``keep``.
-    A collective: every rank calls it."""
+    A write that fails on any rank (a full disk) removes the new checkpoint and raises :class:`WriteFailed`
+    on every rank; the previous checkpoints are untouched. A collective: every rank calls it."""
     root = ckpt.checkpoints_dir(cfg.run_dir)
     tag = ckpt.step_name(state.step)
     path = root / tag
@@ -74,27 +77,90 @@ def save_checkpoint(
     if rank == 0 and path.exists():  # a leftover from a run killed while saving this step
         shutil.rmtree(path)
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
-    torch.save({"loader": loader_state, "rng": rng_state()}, path / ckpt.rank_file(rank))
+    engine._copy_recovery_script = _no_recovery_scripts
+    writes = Writes()
+    writes.attempt("DeepSpeed's states", lambda: engine.save_checkpoint(str(root), tag=tag, save_latest=False))
+    writes.attempt(
+        ckpt.rank_file(rank),
+        lambda: torch.save({"loader": loader_state, "rng": rng_state()}, path / ckpt.rank_file(rank)),
+    )
     weights = full_state_dict(engine, cfg)
     moments, optimizer_meta = full_optimizer_state(engine, cfg)
     if rank == 0:
-        ckpt.save_safetensors(weights, path / ckpt.WEIGHTS)
-        ckpt.save_safetensors(moments, path / ckpt.OPTIMIZER, optimizer_meta)
-        ckpt.write_trainer_state(path, state)
-        (path / ckpt.CONFIG).write_text(dump_config(cfg))
+        writes.attempt(ckpt.WEIGHTS, lambda: ckpt.save_safetensors(weights, path / ckpt.WEIGHTS))
+        writes.attempt(ckpt.OPTIMIZER, lambda: ckpt.save_safetensors(moments, path / ckpt.OPTIMIZER, optimizer_meta))
+        writes.attempt(ckpt.TRAINER_STATE, lambda: ckpt.write_trainer_state(path, state))
+        writes.attempt(ckpt.CONFIG, lambda: (path / ckpt.CONFIG).write_text(dump_config(cfg)))
         if cfg.data.tokenizer:
-            shutil.copyfile(cfg.data.tokenizer, path / ckpt.TOKENIZER)
-    dist.barrier()
+            writes.attempt(ckpt.TOKENIZER, lambda: shutil.copyfile(cfg.data.tokenizer, path / ckpt.TOKENIZER))
+    writes.agree(path)  # (in place of a barrier)
     names = [ckpt.checkpoint_files(path) if rank == 0 else None]  # one listing, so every rank hashes its share
     dist.broadcast_object_list(names, src=0)
     entries = shared_work(names[0], lambda name: ckpt.file_entry(path / name))
     if rank == 0:
-        ckpt.write_manifest(path, entries)
-        ckpt.atomic_write(root / ckpt.LATEST, tag)
+        writes.attempt(ckpt.COMPLETE, lambda: ckpt.write_manifest(path, entries))
+        writes.attempt(ckpt.LATEST, lambda: ckpt.atomic_write(root / ckpt.LATEST, tag))
+    writes.agree(path)
+    if rank == 0:
         ckpt.prune(root, cfg.checkpoint.keep, keep={tag, *keep})
     dist.barrier()
     return path
+
+
+# torch.save reports a failed write as a RuntimeError of its zip writer, without the OS's reason
+_TORCH_WRITE_FAILED = re.compile(r"PytorchStreamWriter failed|file write failed|unexpected pos", re.IGNORECASE)
+
+
+class Writes:
+    """The writes of one rank during a save: the first one that fails (a full disk, a quota, an I/O error) is
+    remembered and the rank's later writes are left out, while it still takes part in every collective;
+    :meth:`agree` then tells every rank whether any failed."""
+
+    def __init__(self) -> None:
+        self.failed: tuple[str, str] | None = None  # (the file, the reason)
+
+    def attempt(self, name: str, write: Callable[[], object]) -> None:
+        from safetensors import SafetensorError
+
+        if self.failed is not None:
+            return
+        try:
+            write()
+        except (OSError, SafetensorError) as err:
+            self.failed = (name, write_reason(err))
+        except RuntimeError as err:
+            if not _TORCH_WRITE_FAILED.search(str(err)):
+                raise
+            self.failed = (name, "the file could not be written (torch.save)")
+
+    def agree(self, path: Path) -> None:
+        """A collective: on every rank, if any rank's write failed, remove checkpoint ``path`` (rank 0) and raise
+        :class:`WriteFailed` naming the file, the free space and the last intact checkpoint."""
+        failures: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, self.failed)
+        failed = next(((rank, f) for rank, f in enumerate(failures) if f is not None), None)
+        if failed is None:
+            return
+        rank, (name, reason) = failed
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)  # (nothing half-written stays; `latest` still names the last)
+        dist.barrier()
+        last = ckpt.latest_checkpoint(path.parent)
+        intact = (
+            f"the last intact checkpoint is {last.name} (resume=auto continues from it)"
+            if last is not None
+            else "no checkpoint of this run is complete yet"
+        )
+        where = f" on rank {rank}" if len(failures) > 1 else ""
+        raise WriteFailed(
+            f"writing checkpoint {path.name} failed{where} ({name}): {reason} ({free_space(path.parent)}); {intact}"
+        )
+
+
+def _no_recovery_scripts(save_path: str) -> None:
+    """In place of DeepSpeed's copy of its zero_to_fp32.py / zero_to_torch.py into every ZeRO checkpoint: the
+    whole model is model.safetensors already (``megatransformer export`` writes it out), and a checkpoint
+    holds no code."""
 
 
 def full_state_dict(engine, cfg: RunConfig) -> dict[str, torch.Tensor] | None:
@@ -229,6 +295,7 @@ def load_exact(engine, path: Path) -> dict:
     )
     if loaded is None:
         raise ConfigError(f"DeepSpeed could not load checkpoint {path}")
+    apply_schedule(engine.lr_scheduler)
     set_rng_state(own["rng"])
     return own["loader"]
 
@@ -269,10 +336,21 @@ def load_elastic(
     scheduler = json.loads(meta["lr_scheduler"])
     if engine.lr_scheduler is not None and scheduler is not None:
         engine.lr_scheduler.load_state_dict(scheduler)
-        for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
-            group["lr"] = lr  # (a scheduler's load sets its own fields, not the optimizer's)
+        apply_schedule(engine.lr_scheduler)
     set_rng_state(old_ranks[0]["rng"])
     return [r["loader"] for r in old_ranks]
+
+
+def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR | None) -> None:
+    """The learning rate of the next step from this run's schedule (a resume that changes train.max_steps
+    changes it), not the one the saved run computed with its own: a scheduler's load restores its step count and
+    last rates, never the optimizer's, and the rate function is never saved."""
+    if scheduler is None:
+        return
+    rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = lr
+    scheduler._last_lr = rates  # (what get_last_lr() answers; torch keeps it in this field)
 
 
 def _ensure_adam_state(engine, inner: torch.optim.Optimizer, step: int) -> None:

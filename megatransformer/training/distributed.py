@@ -8,6 +8,7 @@ import re
 import socket
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,6 +57,10 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
     import torch.distributed as dist
 
     from megatransformer.training.builds import skip_collective_build
+
+    # DeepSpeed gathers ZeRO and bf16 partitions with all_gather_into_tensor, which torch deprecates: a
+    # FutureWarning on every rank that is DeepSpeed's to act on, not the user's
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.all_gather_into_tensor` is deprecated", FutureWarning)
 
     if os.environ["WORLD_SIZE"] == "1":
         skip_collective_build()

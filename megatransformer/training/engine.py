@@ -30,8 +30,9 @@ from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.checkpoint import TrainerState
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
 from megatransformer.model import build_model
+from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
-from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, partition_dim
+from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
 from megatransformer.training import checkpointer
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
@@ -112,6 +113,7 @@ class StepResult:
     lr: float  # the learning rate this step's update used
     rejected: bool = False  # the step was finite, but ``reject`` refused it: the update was skipped
     grad_norm: float | None = None  # global gradient norm before clipping (NaN: non-finite; None: not computed)
+    z_loss: float | None = None  # mean z-loss term per loss token, beside ``loss`` (None: train.z_loss is 0)
 
 
 @dataclass
@@ -124,6 +126,7 @@ class Verdict:
     rejected: bool
     stop: bool
     real_tokens: float
+    z_loss: float | None = None
 
     @property
     def apply(self) -> bool:
@@ -183,6 +186,8 @@ class TrainModule:
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
         if tp > 1:
             assign_head_offsets(self.engine.module, self.tp_rank, tp)
+            sum_partial_gradients(self.engine.module, groups.get_tensor_model_parallel_group())
+            sum_shared_key_gradients(self.engine.module, groups.get_tensor_model_parallel_group())
         # the ranks DeepSpeed divides the summed gradients by: the data-parallel ones, except in ZeRO-3's
         # reduce-scatter, which divides by all ranks it partitions over, sequence-parallel peers included
         self.averaged_ranks = self.dp_size * (sp if self.zero_stage == 3 else 1)
@@ -228,12 +233,19 @@ class TrainModule:
         dist.all_reduce(global_targets)  # tensor-parallel peers count the same batches: tp copies
         scale = (accum * self.averaged_ranks * self.tp) / global_targets.clamp(min=1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        z_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # (the z-loss's part of loss_sum)
+        objective = {"label_smoothing": self.cfg.train.label_smoothing}
+        if self.cfg.train.z_loss:
+            objective["z_loss"] = self.cfg.train.z_loss
         bad = torch.zeros((), dtype=torch.float64, device=self.device)
         lr = engine.get_lr()[0]  # (the schedule moves on in step())
         for i, (whole, local) in enumerate(parts):
             inputs, labels, masks = self.to_device(local, whole)
             with self.matmuls():
-                loss = engine(**inputs, masks=masks, labels=labels, label_smoothing=self.cfg.train.label_smoothing)
+                loss = engine(**inputs, masks=masks, labels=labels, **objective)
+                if "z_loss" in objective:
+                    loss, z = loss
+                    z_sum += z
                 loss_sum += loss.detach()
                 bad += (~torch.isfinite(loss.detach())).double()
                 engine.backward(loss * scale)
@@ -241,7 +253,7 @@ class TrainModule:
                 engine.step()  # (not a boundary: DeepSpeed only counts the micro step)
         # the boundary: one reduction of the step's statistics, the one wait for the device in the step, once
         # the gradient norm is known: here without ZeRO, inside DeepSpeed's step (before the update) with it
-        stats = torch.cat([torch.stack([loss_sum, bad]), self._on_device([float(stop_requested()), real])])
+        stats = torch.cat([torch.stack([loss_sum, bad, z_sum]), self._on_device([float(stop_requested()), real])])
         verdicts: list[Verdict] = []
 
         def judge(norm: torch.Tensor | None) -> bool:
@@ -272,6 +284,7 @@ class TrainModule:
             lr,
             verdict.rejected,
             verdict.grad_norm,
+            verdict.z_loss,
         )
 
     def _judge(
@@ -281,7 +294,7 @@ class TrainModule:
         norm: torch.Tensor | None,
         reject: Callable[[float, float | None], bool] | None,
     ) -> Verdict:
-        """All-reduce this rank's ``stats`` (loss sum, non-finite losses, stop flag, real tokens) with the
+        """All-reduce this rank's ``stats`` (loss sum, non-finite losses, z-loss sum, stop flag, real tokens) with the
         gradient norm ``norm`` (a device scalar, rank 0's: every rank holds the same; None: none computed) and
         read them in one transfer; then the verdict on the update, the same on every rank."""
         slot = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -290,14 +303,18 @@ class TrainModule:
             slot = torch.where(norm >= 0, norm.double(), math.nan).reshape(1).to(self.device)
         stats = torch.cat([stats, slot])
         dist.all_reduce(stats)
-        loss_total, n_bad, stop, real_total, grad_norm, targets_total = torch.cat([stats, global_targets]).tolist()
-        loss = loss_total / max(targets_total, 1.0)
+        loss_total, n_bad, z_total, stop, real_total, grad_norm, targets_total = torch.cat(
+            [stats, global_targets]
+        ).tolist()
+        # the cross-entropy and the z-loss apart (the loss optimised is their sum)
+        loss = (loss_total - z_total) / max(targets_total, 1.0)
+        z_loss = z_total / max(targets_total, 1.0) if self.cfg.train.z_loss else None
         grad_norm = None if norm is None else grad_norm
         norm_finite = grad_norm is None or math.isfinite(grad_norm)
         # (fp16: non-finite gradients are the loss scaler's to skip)
         finite = n_bad == 0 and (norm_finite or self.cfg.precision == "fp16")
         rejected = finite and reject is not None and reject(loss, grad_norm if norm_finite else None)
-        return Verdict(loss, grad_norm, finite, rejected, stop > 0, real_total)
+        return Verdict(loss, grad_norm, finite, rejected, stop > 0, real_total, z_loss)
 
     # ---------------------------------------------------------------------------------- checkpoints
 
@@ -444,6 +461,17 @@ def gated_update(engine, apply: Callable[[], bool]):
                 obj.step = own
 
 
+def sum_shared_key_gradients(model: torch.nn.Module, group) -> None:
+    """Multi-head latent attention's RoPE key is one per token for all heads, read by every tensor-parallel
+    shard's heads: its gradient is summed over the shards (DeepSpeed's ``ColumnParallel``, the identity forward
+    and an all-reduce backward, which its column-parallel layers apply to their inputs too)."""
+    from deepspeed.module_inject.layers import ColumnParallel
+
+    for module in model.modules():
+        if isinstance(module, LatentAttention):
+            module.shared_key = functools.partial(ColumnParallel.apply, group)
+
+
 def zero_grad_norm(engine) -> torch.Tensor | None:
     """The global gradient norm before clipping that DeepSpeed's ZeRO (or bf16) optimizer computed in this
     step, once it is about to update: a device scalar (-1 where non-finite), or None if it computes none."""
@@ -470,6 +498,21 @@ def unclipped_grad_norm(module: torch.nn.Module, tensor_parallel: int) -> torch.
 
         dist.all_reduce(squares[0], group=groups.get_tensor_model_parallel_group())
     return (squares[0] + squares[1]).sqrt()
+
+
+def sum_partial_gradients(module: torch.nn.Module, group) -> None:
+    """Sum the gradients of the replicated weights that each tensor-parallel rank applies to its own heads only
+    (``tp_plan.PARTIAL_GRADIENTS``: QK-norm's) over the tensor-parallel ``group`` as autograd computes them, before
+    DeepSpeed accumulates them: every rank then holds the whole gradient and takes the same update."""
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for name, param in module.named_parameters():
+        if has_partial_gradient(name):
+            param.register_hook(summed)
 
 
 def check_tensor_parallel_shards(module: torch.nn.Module, full_shapes: Mapping[str, torch.Size], tp: int) -> None:

@@ -49,6 +49,18 @@ def resolve_batch_sizes(train: TrainConfig, dp: int) -> BatchSizes:
     return sizes
 
 
+def exact_batch_overrides(train: TrainConfig, global_batch: int, dp: int) -> list[str] | None:
+    """The ``train.*`` overrides that give ``global_batch`` on ``dp`` data-parallel ranks: the micro batch kept
+    where it divides the rows of a rank (else the largest below it that does), every field that then differs
+    from ``train``'s; None when ``dp`` does not divide ``global_batch``."""
+    if global_batch % dp:
+        return None
+    rows = global_batch // dp
+    micro = max(m for m in range(1, min(train.micro_batch_size or rows, rows) + 1) if rows % m == 0)
+    values = {"micro_batch_size": micro, "grad_accum": rows // micro, "global_batch_size": global_batch}
+    return [f"train.{name}={value}" for name, value in values.items() if getattr(train, name) != value]
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)

@@ -17,6 +17,7 @@ from megatransformer import checkpoint as ckpt
 from megatransformer.config import RunConfig, dump_config, precision_dtype
 from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
+from megatransformer.model.latent_attention import core_head_dim, describe_value_width
 from megatransformer.training import cpu_bf16, spikes
 from megatransformer.training.data import build_run_loader, small_validation_warning
 from megatransformer.training.distributed import Dist
@@ -35,10 +36,13 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: stopped at once, no c
 
 class Preemption:
     """Remembers SIGUSR1 / SIGTERM and a first SIGINT (Ctrl-C); the loop checks it between steps (all ranks
-    agree before stopping). A second SIGINT ends the process at once."""
+    agree before stopping). A second SIGINT ends the process at once, and so does a first one while the run is
+    ``starting`` (DeepSpeed starting up, perhaps waiting for another process's build of an op: nothing trained
+    to save, and the first step may be minutes away)."""
 
     def __init__(self) -> None:
         self.requested = self.interrupted = False
+        self.starting = True  # until the trainer is built
         self.pid = os.getpid()  # (DataLoader workers inherit the handlers: Ctrl-C there is the main process's)
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
@@ -47,6 +51,10 @@ class Preemption:
         if os.getpid() != self.pid:
             return
         if signum == signal.SIGINT:
+            if self.starting:
+                if os.environ.get("LOCAL_RANK", "0") == "0":
+                    os.write(2, b"\nCtrl-C while starting (nothing trained yet to checkpoint): exiting now\n")
+                os._exit(EXIT_INTERRUPTED)
             if self.interrupted:
                 os.write(2, b"\nmegatransformer train: interrupted again: exiting now, without a checkpoint\n")
                 os._exit(EXIT_INTERRUPTED)
@@ -75,9 +83,8 @@ class Trainer:
             cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer, pin_memory=pin
         )
         self.valid_loader = build_run_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
-        warning = small_validation_warning(self.valid_loader, micro)
-        if warning and dist_info.is_main:
-            print(warning)
+        # (read now: an empty split fails before training; said in run(), outside the engine's quiet start-up)
+        self.validation_warning = small_validation_warning(self.valid_loader, micro)
         self.state = ckpt.TrainerState(
             step=0,
             tokens=0,
@@ -90,6 +97,7 @@ class Trainer:
         )
         self.preemption = preemption or Preemption()
         self.spikes = spikes.SpikeLadder(cfg.train.spikes)
+        self.checkpoint: Path | None = None  # the run's state on disk: the one resumed from, then the last saved
 
     # ------------------------------------------------------------------------------------ the run
 
@@ -98,12 +106,14 @@ class Trainer:
         if self.resume is not None:
             self.state, loader_state = self.module.load(self.resume)
             self.train_loader.load_state_dict(loader_state)
+            self.checkpoint = self.resume.path
             if self.dist.is_main:
                 print(self.resume.describe(cfg, self.dist.world_size))
         elif self.dist.is_main and cfg.resume == "auto":
             print(f"resume=auto: no complete checkpoint in {ckpt.checkpoints_dir(cfg.run_dir)}, starting fresh")
         if self.resume is not None:
-            self.spikes = spikes.SpikeLadder(cfg.train.spikes, spikes.resume_state(self.state.spikes, cfg.run_dir))
+            state = spikes.resume_state(self.resume.path, self.state.spikes, cfg.run_dir)
+            self.spikes = spikes.SpikeLadder(cfg.train.spikes, state)
             for rows in self.spikes.skip_rows:
                 self.train_loader.skip_rows(*rows)
         if self.dist.is_main:
@@ -130,18 +140,20 @@ class Trainer:
                     torch.device(self.dist.device).type,
                     dtype,
                     cfg.model.attention_dropout,
-                    cfg.model.head_dim,
+                    core_head_dim(cfg.model),
                     cfg.model.position == "alibi",
                 )
             )
+            if cfg.model.attention == "mla":
+                print(describe_value_width(cfg.model))
             matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, cfg.train.compile)
             if matmuls is not None:
                 print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
-            warning = warmup_warning(cfg)
-            if warning:
-                print(warning)
+            for warning in (warmup_warning(cfg), self.validation_warning):
+                if warning:
+                    print(warning)
         size = model_size(cfg.model, cfg.data.seq_len)
         report = Reporter(
             cfg,
@@ -154,6 +166,7 @@ class Trainer:
         flops = size.flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
         peak_flops = peak * 1e12 * self.dist.world_size if peak else None
+        report.message(first_step_note(cfg, self.state.step))
         batches = iter(self.train_loader)
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
@@ -175,6 +188,7 @@ class Trainer:
                     {
                         "step": self.state.step,
                         "loss": finite_or_none(result.loss),
+                        **({"z_loss": finite_or_none(result.z_loss)} if cfg.train.z_loss else {}),
                         "lr": result.lr,
                         "grad_norm": finite_or_none(result.grad_norm),
                         "tokens": self.state.tokens,
@@ -201,7 +215,8 @@ class Trainer:
                     batches = iter(self.train_loader)
                     continue
             if cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0:
-                report.log({"step": self.state.step, **self.evaluate()})
+                with watchdog.watching("validation"):
+                    report.log({"step": self.state.step, **self.evaluate()})
             if self.state.bad_steps >= cfg.train.max_bad_steps:
                 report.message(
                     f"stopping: {self.state.bad_steps} consecutive non-finite steps "
@@ -216,12 +231,15 @@ class Trainer:
                 exit_code = EXIT_PREEMPTED
                 break
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
-                self.save()
-        watchdog.close()
+                with watchdog.watching("a checkpoint"):
+                    self.save()
         evaluated_last = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
         if exit_code == 0 and not evaluated_last:
-            report.log({"step": self.state.step, **self.evaluate()})
-        self.save()
+            with watchdog.watching("validation"):
+                report.log({"step": self.state.step, **self.evaluate()})
+        with watchdog.watching("a checkpoint"):
+            self.save()
+        watchdog.close()
         report.close()
         return exit_code
 
@@ -234,10 +252,12 @@ class Trainer:
         return {**resolved_config(self.cfg, sizes), "run": facts}
 
     def save(self) -> Path:
-        self.state.spikes = self.spikes.state_dict()
+        self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         began = self.spikes.protect_before()  # (a rollback in the making needs the checkpoint before it)
         needed = ckpt.complete_before(ckpt.checkpoints_dir(self.cfg.run_dir), began) if began is not None else []
-        return self.module.save(self.state, self.train_loader.state_dict(), tuple(p.name for p in needed[:1]))
+        keep = tuple(p.name for p in needed[:1])
+        self.checkpoint = self.module.save(self.state, self.train_loader.state_dict(), keep)
+        return self.checkpoint
 
     def restore(self, path: Path) -> None:
         """Load checkpoint ``path`` (verified: rollback_target's) into the running engine, trainer state and
@@ -269,7 +289,7 @@ class Trainer:
             )
             if self.dist.is_main:  # (last: a run killed before this resumes to the same answer)
                 ckpt.rewind_to(target)
-                spikes.write_log(self.cfg.run_dir, self.state.spikes)
+                spikes.write_log(self.cfg.run_dir, self.state.spikes.ladder_state(), target)
         if event.action == spikes.STOP:
             limit = self.cfg.train.spikes.max_rollbacks
             why = (
@@ -290,16 +310,27 @@ class Trainer:
         stop = (self.train_loader.rows + self.cfg.train.spikes.margin_steps * sizes.micro * sizes.accum) * sizes.dp
         self.restore(path)
         rows = (self.train_loader.rows * sizes.dp, stop)
-        self.spikes.rolled_back(rows, self.state.spikes)
+        self.spikes.rolled_back(rows, self.state.spikes.ladder_state())
         for skipped in self.spikes.skip_rows:
             self.train_loader.skip_rows(*skipped)
-        self.state.spikes = self.spikes.state_dict()
+        self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         return rows
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss over the first train.eval_batches batches of the validation split (every rank
         reads the same batches; the train module deals them across data-parallel ranks)."""
         return self.module.evaluate([batch for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader)])
+
+
+def first_step_note(cfg: RunConfig, step: int) -> str:
+    """What the seconds before the first step line are spent on."""
+    work = ["the data loader starts", "the first batches are read", "memory is allocated"]
+    if cfg.train.compile:
+        work.append("torch.compile compiles the model")
+    return (
+        f"step {step + 1}: first step of this process ({', '.join(work)}): slower than the rest; "
+        f"a line every {cfg.train.log_every} step{'s' * (cfg.train.log_every != 1)}"
+    )
 
 
 def device_memory(device: str) -> dict[str, float]:

@@ -6,6 +6,7 @@ progress bar on a terminal, and a closing summary; DeepSpeed's start-up chatter 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from data_pipeline import write_failed
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
 from megatransformer.planner import GPUS
 from megatransformer.training.trackers import TensorBoard, unreachable
@@ -96,7 +98,27 @@ def truncate_metrics(path: Path, after_step: int, rollbacks: int = 0) -> None:
             ) from None
         if record.get("step", 0) <= after_step or record.get("rollbacks", rollbacks) < rollbacks:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
+    from megatransformer.checkpoint import atomic_write
+
+    try:
+        atomic_write(path, "".join(line + "\n" for line in kept))
+    except OSError as err:
+        raise write_failed(f"rewriting {path}", path.parent, err, "it is unchanged") from None
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One line onto metrics.jsonl, whole or not at all: a write that fails (a full disk) is cut back off, and
+    raised as WriteFailed."""
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise write_failed(
+            f"writing {path}", path.parent, err, "its earlier lines and the checkpoints are intact (resume=auto)"
+        ) from None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -150,8 +172,7 @@ class Reporter:
             "time": round(time.time(), 3),
             **record,
         }
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_record(self.path, record)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k not in ("step", "kind", "time")}, step=record["step"])
         if self.tensorboard is not None:
@@ -170,8 +191,7 @@ class Reporter:
         if not self.is_main:
             return
         record = {"step": record["step"], "kind": "spike", "time": round(time.time(), 3), **record}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_record(self.path, record)
         self.message(line)
         if self.wandb is not None:
             points = ("spike_loss", "threshold", "spike_grad_norm", "grad_norm_threshold")
@@ -193,8 +213,11 @@ class Reporter:
         loss = "nan" if record["loss"] is None else f"{record['loss']:.4f}"
         pace = (time.perf_counter() - self._started) / max(step - self._start_step, 1)
         mfu = "" if record.get("mfu") is None else f" | MFU {record['mfu']:.2%}"
+        z_loss = ""
+        if "z_loss" in record:
+            z_loss = " | z-loss " + ("nan" if record["z_loss"] is None else f"{record['z_loss']:.3g}")
         return (
-            f"step {step}/{total} | loss {loss} | lr {record['lr']:.3g} | {record['tokens_per_s']:,.0f} tok/s"
+            f"step {step}/{total} | loss {loss}{z_loss} | lr {record['lr']:.3g} | {record['tokens_per_s']:,.0f} tok/s"
             f"{mfu} | ETA {format_duration((total - step) * pace)}"
         )
 

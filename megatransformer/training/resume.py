@@ -11,7 +11,13 @@ import torch
 from megatransformer import checkpoint as ckpt
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.training.distributed import on_first_rank
-from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
+from megatransformer.training.layout import (
+    BatchSizes,
+    data_parallel_size,
+    engine_zero_stage,
+    exact_batch_overrides,
+    resolve_batch_sizes,
+)
 
 
 @dataclass
@@ -109,11 +115,16 @@ def plan_resume(
     )
     sizes = resolve_batch_sizes(cfg.train, data_parallel_size(cfg, world_size))
     if sizes.global_batch != saved_sizes.global_batch and cfg.resume_elastic != "allow_batch_change":
+        exact = exact_batch_overrides(cfg.train, saved_sizes.global_batch, sizes.dp)
+        how = (
+            f"set {' '.join(exact)} to continue exactly, or "
+            if exact
+            else f"it does not divide among {sizes.dp} data-parallel ranks; "
+        )
         raise ConfigError(
             f"checkpoint {path} was trained with global batch {saved_sizes.global_batch} (micro "
             f"{saved_sizes.micro} x accum {saved_sizes.accum} x dp {saved_sizes.dp}), this run's is "
-            f"{sizes.global_batch} (micro {sizes.micro} x accum {sizes.accum} x dp {sizes.dp}); set "
-            f"train.global_batch_size={saved_sizes.global_batch} to continue exactly, or "
+            f"{sizes.global_batch} (micro {sizes.micro} x accum {sizes.accum} x dp {sizes.dp}); {how}"
             "resume_elastic=allow_batch_change to continue with the new batch"
         )
     zero_stage = engine_zero_stage(cfg, sizes.dp, device_type)
@@ -149,6 +160,11 @@ def rollback_target(cfg: RunConfig, before_step: int) -> Path | None:
 
 
 def check_tokenizer(path: Path, state: ckpt.TrainerState, cfg: RunConfig, tokenizer_sha256: str | None) -> None:
+    if state.tokenizer_sha256 is None:
+        ckpt.warn(
+            f"checkpoint {path} records no tokenizer hash: that data.tokenizer={cfg.data.tokenizer} is the one it "
+            "was trained with cannot be checked"
+        )
     if tokenizer_sha256 and state.tokenizer_sha256 and tokenizer_sha256 != state.tokenizer_sha256:
         raise ConfigError(
             f"checkpoint {path} was trained with another tokenizer (sha256 "

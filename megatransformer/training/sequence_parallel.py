@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.model.attention import Attention
+from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.positions import Alibi
 
 # the batch keys along each sequence axis of an architecture's batches, the axis's segment key first
@@ -156,5 +157,5 @@ def all_gather_sequence(x: torch.Tensor, group, size: int) -> torch.Tensor:
 def apply_ulysses(model: torch.nn.Module, group, rank: int, size: int) -> None:
     """Run every attention module's core through :class:`UlyssesCore` (the model's code is unchanged)."""
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, LatentAttention)):
             module.core = UlyssesCore(module.core, group, rank, size)

@@ -7,28 +7,29 @@ every rank reads anyway in one transfer, so detection adds no wait for the devic
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from megatransformer import checkpoint as ckpt
 from megatransformer.config import SpikesConfig
 from megatransformer.training.metrics import finite_or_none
 
 ROBUST_SIGMA = 1.4826  # the MAD of normally distributed values times this is their standard deviation
+RECENT_STEPS = 20  # the newest accepted values: their median is the level a spike rises from
 SKIP, ROLLBACK, STOP = "skip", "rollback", "stop"
 LOSS, GRAD_NORM = "loss", "grad_norm"  # the quantities judged
 NAMES = {LOSS: "loss", GRAD_NORM: "gradient norm"}
-LOG = "spikes.json"  # RUN_DIR/spikes.json: the ladder's state right after the last rollback
+LOG = "spikes.json"  # RUN_DIR/spikes.json: the ladder's state right after the last rollback (RollbackLog)
 
 
 class SpikeDetector:
-    """A running median and MAD of one quantity's recent accepted values (a ring of ``window`` of them); a value
-    is a spike when it is non-finite or lies above :meth:`threshold`."""
+    """One quantity's recent accepted values (a ring of ``window`` of them) and the threshold they give
+    (:func:`robust_threshold`); a value is a spike when it is non-finite or lies above :meth:`threshold`."""
 
     def __init__(self, cfg: SpikesConfig, values: list[float] = (), quantity: str = LOSS) -> None:
         self.cfg = cfg
@@ -44,8 +45,11 @@ class SpikeDetector:
     @property
     def values(self) -> list[float]:
         """The values of the statistic, oldest first."""
+        return self._ordered().tolist()
+
+    def _ordered(self) -> np.ndarray:
         n, at = min(self.count, self.cfg.window), self.count % self.cfg.window
-        return (np.concatenate([self.ring[at:], self.ring[:at]]) if n == self.cfg.window else self.ring[:n]).tolist()
+        return np.concatenate([self.ring[at:], self.ring[:at]]) if n == self.cfg.window else self.ring[:n]
 
     def threshold(self) -> float | None:
         """The value above which a step spikes; None while fewer than ``warmup`` values are known."""
@@ -67,15 +71,22 @@ class SpikeDetector:
         self.count += 1
         n = min(self.count, self.cfg.window)
         self._threshold = (
-            robust_threshold(self.ring[:n], self.threshold_sigmas, self.min_rise) if n >= self.cfg.warmup else None
+            robust_threshold(self._ordered(), self.threshold_sigmas, self.min_rise) if n >= self.cfg.warmup else None
         )
 
 
 def robust_threshold(values: np.ndarray, sigmas: float, min_rise: float) -> float:
-    """median + max(sigmas x robust sigma, min_rise x median) of ``values``."""
-    median = _median(values)
-    spread = ROBUST_SIGMA * _median(np.abs(values - median))
-    return median + max(sigmas * spread, min_rise * abs(median))
+    """level + max(sigmas x noise, min_rise x level) of ``values`` (oldest first). The level is the median of
+    the newest :data:`RECENT_STEPS`; the noise a robust sigma that a trend does not inflate: the larger of the
+    step-to-step differences' (a trend, such as the run's early descent, moves them all alike; the MAD of the
+    values themselves would count it as noise) and the newest values' own spread around the level (data that
+    changes over a few steps, as data read in order does)."""
+    recent = values[-RECENT_STEPS:]
+    level = _median(recent)
+    steps = np.diff(values)
+    around_trend = ROBUST_SIGMA * _median(np.abs(steps - _median(steps))) / math.sqrt(2) if len(steps) else 0.0
+    noise = max(around_trend, ROBUST_SIGMA * _median(np.abs(recent - level)))
+    return level + max(sigmas * noise, min_rise * abs(level))
 
 
 def _median(values: np.ndarray) -> float:
@@ -193,20 +204,55 @@ class SpikeLadder:
         return state
 
 
-def resume_state(checkpoint: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
-    """The ladder state to resume with: the checkpoint's, unless the run's rollback log records more
-    rollbacks, taken after that checkpoint was saved (a run killed after a rollback skips the data again)."""
-    path = Path(run_dir) / LOG
-    logged = json.loads(path.read_text()) if path.is_file() else {}
-    return logged if logged.get("rollbacks", 0) > checkpoint.get("rollbacks", 0) else checkpoint
+class RollbackLog(BaseModel):
+    """RUN_DIR/spikes.json: the ladder's state right after a rollback, tied to the checkpoint rolled back to
+    (its name and the sha256 of its manifest, which no other run's checkpoint shares)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    checkpoint: str
+    manifest_sha256: str
+    state: ckpt.SpikeState
 
 
-def write_log(run_dir: str | Path, state: dict[str, Any]) -> None:
-    """Record the ladder's state after a rollback in RUN_DIR/spikes.json (replaced atomically)."""
+def resume_state(checkpoint: Path, saved: ckpt.SpikeState, run_dir: str | Path) -> dict[str, Any]:
+    """The ladder state to resume from ``checkpoint`` with: its own (``saved``), or the run's rollback log when
+    the log was written by a rollback to this very checkpoint (a run killed after a rollback skips the data
+    again). A log of an older checkpoint is superseded by this one's state; a damaged log, or one of a
+    checkpoint this one is not, is ignored with one line."""
     path = Path(run_dir) / LOG
-    tmp = path.with_name(f".{LOG}.tmp")
-    tmp.write_text(json.dumps(state) + "\n")
-    os.replace(tmp, path)
+    if not path.is_file():
+        return saved.ladder_state()
+    try:
+        log = RollbackLog.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError) as err:
+        reason = err.errors()[0]["msg"] if isinstance(err, ValidationError) else err.__class__.__name__
+        ckpt.warn(f"{path} is damaged ({reason}): ignored; resuming with the loss-spike state of {checkpoint.name}")
+        return saved.ladder_state()
+    if log.checkpoint == checkpoint.name and log.manifest_sha256 == manifest_sha256(checkpoint):
+        return log.state.ladder_state() if log.state.rollbacks > saved.rollbacks else saved.ladder_state()
+    logged, resumed = ckpt.step_of(Path(log.checkpoint)), ckpt.step_of(checkpoint)
+    if logged is None or resumed is None or logged >= resumed:  # (older: a rollback this checkpoint's state holds)
+        ckpt.warn(
+            f"{path} records a rollback to {log.checkpoint}, not to this run's {checkpoint.name} (another run's, "
+            f"or a checkpoint skipped): ignored; resuming with the loss-spike state of {checkpoint.name}"
+        )
+    return saved.ladder_state()
+
+
+def write_log(run_dir: str | Path, state: dict[str, Any], checkpoint: Path) -> None:
+    """Record the ladder's state after a rollback to ``checkpoint`` in RUN_DIR/spikes.json (replaced
+    atomically)."""
+    log = RollbackLog(
+        checkpoint=checkpoint.name,
+        manifest_sha256=manifest_sha256(checkpoint),
+        state=ckpt.SpikeState.model_validate(state),
+    )
+    ckpt.atomic_write(Path(run_dir) / LOG, log.model_dump_json() + "\n")
+
+
+def manifest_sha256(checkpoint: Path) -> str:
+    return ckpt.file_entry(checkpoint / ckpt.COMPLETE)["sha256"]
 
 
 def describe(

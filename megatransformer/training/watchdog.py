@@ -9,12 +9,14 @@ a collective (or in any call that releases the GIL) does not hold.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 from megatransformer.config import RunConfig
@@ -40,7 +42,7 @@ class Watchdog:
         self.cap = TIMEOUT_SHARE * cfg.parallel.timeout_minutes * 60
         self.path = hang_dir(cfg.run_dir) / f"rank_{rank:05d}.txt"
         self.seconds: deque[float] = deque(maxlen=50)
-        self.armed: tuple[float, float] | None = None  # (start, deadline) of the step under way
+        self.armed: tuple[float, float, str] | None = None  # (start, deadline, what) of the work under way
         self.closing = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -53,14 +55,24 @@ class Watchdog:
             return self.cap
         return min(max(w.min_seconds, w.factor * statistics.median(self.seconds)), self.cap)
 
-    def arm(self) -> None:
+    def arm(self, limit: float | None = None, what: str = "a step") -> None:
         if not self.settings.enabled:
             return
         if self.thread is None:
             self.thread = threading.Thread(target=self._watch, name="megatransformer-watchdog", daemon=True)
             self.thread.start()
         now = time.monotonic()
-        self.armed = (now, now + self.limit())
+        self.armed = (now, now + (self.limit() if limit is None else limit), what)
+
+    @contextlib.contextmanager
+    def watching(self, what: str) -> Iterator[None]:
+        """Around collective work that is not a step (a checkpoint, validation): its stacks once it has run for
+        0.8 x the collective timeout, so that a peer stalled there leaves them too."""
+        self.arm(self.cap, what)
+        try:
+            yield
+        finally:
+            self.armed = None
 
     def disarm(self, seconds: float) -> None:
         """After a step that took ``seconds``."""
@@ -78,14 +90,14 @@ class Watchdog:
         while not self.closing.wait(POLL_SECONDS):
             armed = self.armed
             if armed is not None and armed != written and time.monotonic() > armed[1]:
-                self._write(time.monotonic() - armed[0], armed[1] - armed[0])
+                self._write(armed[2], time.monotonic() - armed[0], armed[1] - armed[0])
                 written = armed
 
-    def _write(self, seconds: float, limit: float) -> None:
+    def _write(self, what: str, seconds: float, limit: float) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(
-                f"a step has run for {seconds:.1f} s (watchdog limit {limit:.1f} s, "
+                f"{what} has run for {seconds:.1f} s (watchdog limit {limit:.1f} s, "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}); every thread's stack, most recent call first:\n"
             )
             f.flush()
@@ -95,6 +107,11 @@ class Watchdog:
 def stack_dumps(run_dir: str | Path) -> list[Path]:
     """The stack files the watchdogs of a run wrote."""
     return sorted(hang_dir(run_dir).glob("rank_*.txt"))
+
+
+def dump_rank(path: Path) -> int:
+    """The rank whose stacks a file of :func:`stack_dumps` holds."""
+    return int(path.stem.removeprefix("rank_"))
 
 
 def switch_on_flight_recorder(run_dir: str | Path, environ=os.environ) -> None:

@@ -145,20 +145,43 @@ def test_a_bad_latest_pointer_is_ignored_for_a_scan(run, capsys, pointer):
     assert ckpt.latest_checkpoint(run / "checkpoints") == run / "checkpoints" / NEW
 
 
+def as_before_manifests(checkpoint: Path) -> None:
+    """``checkpoint`` as the versions before manifests wrote it: an empty COMPLETE, no optimizer.safetensors,
+    and a trainer.json of their fields only."""
+    (checkpoint / ckpt.COMPLETE).write_bytes(b"")
+    (checkpoint / ckpt.OPTIMIZER).unlink()
+    state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
+    earlier = ("step", "tokens", "bad_steps", "tokenizer_sha256", "world_size", "tensor_parallel", "zero_stage")
+    (checkpoint / ckpt.TRAINER_STATE).write_text(json.dumps({key: state[key] for key in earlier}))
+
+
 def test_a_checkpoint_without_manifest_is_accepted_with_a_warning(run, capsys):
-    (run / "checkpoints" / NEW / ckpt.COMPLETE).write_bytes(b"")  # as versions before manifests wrote it,
-    (run / "checkpoints" / NEW / ckpt.OPTIMIZER).unlink()  # which wrote no optimizer.safetensors either
+    as_before_manifests(run / "checkpoints" / NEW)
     assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / NEW
     assert "has no manifest" in capsys.readouterr().err
 
 
-def test_an_emptied_manifest_of_a_new_checkpoint_is_damage(run, capsys):
-    (run / "checkpoints" / NEW / ckpt.COMPLETE).write_bytes(b"")
+@pytest.mark.parametrize(
+    "damage,why",
+    [
+        (lambda path: None, "it holds optimizer.safetensors"),
+        (lambda path: (path / ckpt.OPTIMIZER).unlink(), "its trainer.json has fields of later versions"),
+        (
+            lambda path: ((path / ckpt.OPTIMIZER).unlink(), (path / ckpt.TRAINER_STATE).write_text("{")),
+            "its trainer.json is unreadable",
+        ),
+    ],
+    ids=["emptied", "emptied-and-optimizer-deleted", "emptied-and-trainer-state-damaged"],
+)
+def test_an_emptied_manifest_of_a_new_checkpoint_is_damage(run, capsys, damage, why):
+    """Only a checkpoint that holds what the versions before manifests wrote, and nothing they never wrote,
+    is read unverified: deleting the files a manifest-writing version adds does not make it one."""
+    newest = run / "checkpoints" / NEW
+    (newest / ckpt.COMPLETE).write_bytes(b"")
+    damage(newest)
     assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
-    assert (
-        f"{NEW}: COMPLETE: empty, but the checkpoint was written by a version that writes a manifest"
-        in capsys.readouterr().err
-    )
+    said = capsys.readouterr().err
+    assert f"{NEW}: COMPLETE: empty, but {why}" in said and "written by a version that writes a manifest" in said
 
 
 def test_weights_readers_verify_what_they_read(run):
@@ -202,6 +225,24 @@ def test_resume_auto_skips_damaged_newest_and_continues_exactly(tiny_data, train
     assert "metrics.jsonl: the last line" in warnings[1]
     assert f"resumed from {run / 'checkpoints' / OLD} at step 2" in result.stdout
     assert losses_by_step(run) == losses_by_step(trained)
+
+
+def test_nothing_left_to_train_is_summed_up_from_the_checkpoint_resumed(tiny_data, run):
+    """The newest checkpoint's trainer.json damaged, the run already at train.max_steps once resumed from the older
+    one: the summary counts that one's steps and names it in the commands it suggests (the damaged one is still
+    `latest`), and the suggested eval runs."""
+    (run / "checkpoints" / NEW / "trainer.json").write_text('{"step": 4, "tok')
+    result = train(overrides(tiny_data, run, "resume=auto", "train.max_steps=2"), expect=None, env=ONE_THREAD)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "nothing to do: the run is at step 2 of train.max_steps=2" in result.stdout
+    summary = result.stdout[result.stdout.index("done: ") :]
+    assert summary.startswith("done: 2 of 2 steps"), summary
+    assert f"checkpoint:            {run / 'checkpoints' / OLD}\n" in summary
+    eval_line = next(line.strip() for line in summary.splitlines() if "megatransformer eval" in line)
+    assert eval_line.startswith(f"megatransformer eval --checkpoint {run / 'checkpoints' / OLD} --data ")
+    assert "final train loss" in summary and f"{losses_by_step(run)[2]:.4f}" in summary
+    evaluated = cli(*eval_line.split()[1:], env=ONE_THREAD)
+    assert "loss" in evaluated.stdout
 
 
 def test_resume_path_of_a_damaged_checkpoint_exits_2_naming_the_file(tiny_data, run):
@@ -342,3 +383,15 @@ def test_trainer_state_values_are_checked(run, field, value, error):
     assert resolve_resume(cfg) == state.parent  # (the files are intact)
     with pytest.raises(ConfigError, match=re.escape(error)):
         plan_resume(cfg, world_size=1, device_type="cpu", tokenizer_sha256=None)
+
+
+def test_a_checkpoint_without_a_tokenizer_hash_is_warned_about_at_resume(run, capsys):
+    state = run / "checkpoints" / NEW / "trainer.json"
+    tokenizer = json.loads(state.read_text())["tokenizer_sha256"]
+    assert plan_resume(saved_run_config(run, "auto"), 1, "cpu", tokenizer).path == state.parent
+    assert "tokenizer hash" not in capsys.readouterr().err
+    state.write_text(json.dumps({**json.loads(state.read_text()), "tokenizer_sha256": None}))
+    ckpt.write_manifest(state.parent)
+    assert plan_resume(saved_run_config(run, "auto"), 1, "cpu", tokenizer).path == state.parent
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"checkpoint {state.parent} records no tokenizer hash" in line and "cannot be checked" in line

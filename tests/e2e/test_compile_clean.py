@@ -1,4 +1,5 @@
-"""``train.compile`` traces the model's forward as one graph: no graph break in any attention core.
+"""``train.compile`` traces the model's forward as one graph: no graph break in any attention core (nor in
+multi-head latent attention's).
 
 Each case is a training forward (loss head included) with the masks the trainer builds once per batch
 (:func:`masks.batch_masks`): plain, packed documents, prefix-LM per document, and packed encoder-decoder
@@ -61,9 +62,14 @@ FLASH_OPS = type(flash_reference.MODULE)(flash_attn_func=flash_dense_op, flash_a
 
 
 def graph_breaks(
-    arch: str, backend: str, batch: dict[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype = torch.float32
+    arch: str,
+    backend: str,
+    batch: dict[str, torch.Tensor],
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **fields,
 ) -> int:
-    cfg = tiny_config(arch=arch, position="rope", attention_backend=backend)
+    cfg = tiny_config(arch=arch, position="rope", attention_backend=backend, **fields)
     torch.manual_seed(0)
     model = build_model(cfg).to(device, dtype)
     ids = torch.randint(0, 97, (2, T))
@@ -100,6 +106,15 @@ def test_flash_core_around_the_kernel_compiles_without_graph_breaks(flash_ops, k
 @pytest.mark.parametrize("backend", ["chunked", "sdpa", "flash"])
 def test_packed_encoder_decoder_compiles_without_graph_breaks(flash_ops, backend):
     assert graph_breaks("encoder_decoder", backend, BATCHES["packed"]) == 0
+
+
+# multi-head latent attention, values narrower than queries and keys (padded for chunked and flash-attn)
+LATENT = dict(attention="mla", n_kv_heads=None, kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=4, v_head_dim=6)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "sdpa", "flash"])
+def test_latent_attention_compiles_without_graph_breaks(flash_ops, backend):
+    assert graph_breaks("decoder", backend, BATCHES["prefix"], **LATENT) == 0
 
 
 @pytest.mark.gpu

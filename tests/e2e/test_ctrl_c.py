@@ -1,5 +1,6 @@
 """Ctrl-C: the first one checkpoints at the end of the step and exits 124 (as preemption does), resume=auto
-continues from that step, a second one exits at once; one line each, never a traceback. The summary counts the
+continues from that step, a second one exits at once, and so does one while DeepSpeed starts; one line each,
+never a traceback. The summary counts the
 steps the checkpoint holds."""
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def test_a_second_ctrl_c_exits_at_once_with_one_line():
         "import os, signal, time\n"
         "from megatransformer.training.loop import Preemption\n"
         "preemption = Preemption()\n"
+        "preemption.starting = False\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "assert preemption.requested\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
@@ -132,6 +134,41 @@ def test_a_second_ctrl_c_exits_at_once_with_one_line():
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == "megatransformer train: interrupted again: exiting now, without a checkpoint"
     assert "Traceback" not in result.stderr
+
+
+def test_ctrl_c_while_a_rank_waits_on_a_build_lock_exits_at_once_with_one_line(tiny_data, tmp_path):
+    """Rank 0 of a two-rank run that waits on another process's build of DeepSpeed's CPU collective (a lock file
+    left in its build directory): a Ctrl-C exits at once, one line, no traceback, nothing saved."""
+    from megatransformer.training.builds import COLLECTIVE
+
+    lock = tmp_path / "torch_extensions" / COLLECTIVE / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": str(lock.parent.parent),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        run_command(tiny_data, run), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    for line in process.stdout:
+        if line.startswith("waiting for another process's build"):
+            break
+    process.send_signal(signal.SIGINT)
+    output = process.communicate(timeout=600)[0]
+    assert process.returncode == 130, output[-3000:]
+    assert output.strip().splitlines() == ["Ctrl-C while starting (nothing trained yet to checkpoint): exiting now"]
+    assert not (run / "checkpoints").exists()
 
 
 def test_ctrl_c_before_training_starts_is_one_line(monkeypatch, capsys):

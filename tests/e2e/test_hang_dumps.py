@@ -1,5 +1,6 @@
 """A stalled rank of two (SIGSTOP) leaves a Python stack dump per rank, each naming where its rank waited,
-and every rank exits non-zero, the exit lines naming the dumps. Real `megatransformer train` ranks."""
+and every rank exits non-zero, the exit lines naming the dumps and the ranks that wrote none (a stopped rank
+cannot answer). Real `megatransformer train` ranks."""
 
 from __future__ import annotations
 
@@ -51,4 +52,5 @@ def test_a_stalled_rank_leaves_a_stack_dump_per_rank_and_every_rank_exits_non_ze
     for dump in dumps:  # each names where its rank waited: a step of the training loop
         assert "in step" in dump.read_text() and "loop.py" in dump.read_text(), dump.read_text()
     line = next(line for line in said[0].splitlines() if "error: rank 0:" in line)
-    assert "timed out" in line and f"{run / 'hangs'}/ (rank_00000.txt" in line
+    assert "timed out" in line and f"{run / 'hangs'}/ (rank_00000.txt)" in line
+    assert "rank 1 wrote no stacks (stopped or gone" in line  # (it was stopped when rank 0 exited)

@@ -141,21 +141,12 @@ def test_import_of_export_is_bit_identical(pretrained, exported):
 
 
 def test_eval_does_not_depend_on_batch_size(pretrained):
-    results = [
-        json.loads(
-            cli(
-                "eval",
-                "--checkpoint",
-                str(pretrained["run"]),
-                "--data",
-                str(pretrained["shards"]),
-                "--batch-size",
-                str(b),
-                "--json",
-            ).stdout
-        )
+    runs = [
+        cli("eval", "--checkpoint", pretrained["run"], "--data", pretrained["shards"], "--batch-size", b, "--json")
         for b in (1, 3)
     ]
+    results = [json.loads(run.stdout) for run in runs]
+    assert runs[1].stderr.startswith(f"evaluating {results[1]['checkpoint']} on {pretrained['shards']} (")
     assert results[0]["tokens"] == results[1]["tokens"] > 0
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5)
 
@@ -241,7 +232,7 @@ def test_fine_tune_on_instructions_then_eval_generate_and_export(pretrained, tmp
         "1",
     )
     run = tmp_path / "finetune"
-    cli(
+    trained = cli(
         "train",
         "--config",
         str(pretrained["config"]),
@@ -252,7 +243,9 @@ def test_fine_tune_on_instructions_then_eval_generate_and_export(pretrained, tmp
         "data.seq_len=128",
         "train.max_steps=4",
         "parallel.zero_stage=2",
+        "model.dropout=0.05",
     )  # packed: several examples per row, each with its prompt as prefix
+    assert "this model differs from the checkpoint's: model.dropout=0.05 (0.0 there)" in trained.stdout
     weights_before = load_for_inference(pretrained["run"]).model.state_dict()
     tuned = load_for_inference(run)
     assert tuned.cfg.objective == "prefix_lm"

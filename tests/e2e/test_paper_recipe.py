@@ -176,7 +176,7 @@ def test_trained_translation_model_beats_copying(toy_run):
     lines = hypotheses.read_text().splitlines()
     assert len(lines) == len(pairs)
     assert BLEU().corpus_score(lines, [[p["tgt"] for p in pairs]]).score == pytest.approx(beam["bleu"])
-    text = cli(
+    said = cli(
         "eval",
         "--checkpoint",
         averaged,
@@ -189,8 +189,10 @@ def test_trained_translation_model_beats_copying(toy_run):
         "--bleu",
         "--num-beams",
         "4",
-    ).stdout
+    )
+    text = said.stdout
     assert text.startswith("BLEU = ") and "chrF2 = " in text and "BLEU signature: nrefs:1" in text
+    assert said.stderr.startswith(f"translating {len(pairs)} sentences of {toy_run['test']} with {averaged}: beam 4")
 
 
 def test_generate_translates_with_beams(toy_run):

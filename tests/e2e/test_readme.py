@@ -218,3 +218,21 @@ def test_readme_commands_work_as_written(tmp_path):
     assert "next:" in quickstart and "megatransformer eval --checkpoint runs/quickstart" in quickstart
     from_hf = next(out for c, out in ran if "init_from=ckpt" in c.text)
     assert "init_from=ckpt: starting from its weights" in from_hf
+
+
+def test_the_remote_shards_block_serves_the_shards_the_data_block_wrote():
+    """The remote-shards block is not run (a server in the background), so its paths are checked here: the
+    directory served plus the URL's path is where a `data shard --out` wrote shards, on the port served."""
+    found = [command.text for command in commands(README.read_text())]
+    shards = [shlex.split(text) for text in found if text.startswith("megatransformer data shard ")]
+    written = {Path(words[words.index("--out") + 1]) for words in shards}
+    [server] = [shlex.split(text, comments=True) for text in found if text.startswith("python -m http.server ")]
+    [url] = [
+        word.removeprefix("data.train=")
+        for text in found
+        for word in shlex.split(text, comments=True)
+        if word.startswith("data.train=http")
+    ]
+    served = Path(server[server.index("--directory") + 1])
+    assert url.startswith(f"http://127.0.0.1:{server[3]}/"), (url, server)
+    assert served / url.split("/", 3)[3] in written, (served, url, written)

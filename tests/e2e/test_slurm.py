@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 from support import REPO
 from support.runs import clean_env, losses_by_step, write_tiny_config
+from support.slurm import JOB_TIMEOUT, Job, cluster_problem
 
 from launch.env import slurm_port
 
@@ -31,28 +31,9 @@ pytestmark = pytest.mark.slurm
 
 MAX_STEPS = 150
 SIGNAL_AFTER_STEP = 15  # the warning is sent once this many steps are logged
-JOB_TIMEOUT = 600  # s; the first job on a bare machine also JIT-builds DeepSpeed's shm op (~70 s)
 
 
 # ------------------------------------------------------------------------------------------- helpers
-
-
-def cluster_problem() -> str | None:
-    """None when the local cluster answers with two usable nodes, else what is wrong."""
-    if shutil.which("sbatch") is None:
-        return "sbatch not found: start the cluster with `bash slurm/local-cluster.sh start` (root)"
-    try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        return "sinfo timed out: is slurmctld running? (`bash slurm/local-cluster.sh start`)"
-    states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
-    usable = [n for n, s in states.items() if s.rstrip("*") in ("idle", "mix", "alloc", "comp")]
-    if out.returncode != 0 or len(usable) < 2:
-        return (
-            f"the local Slurm cluster is not up (sinfo: {out.stdout.strip() or out.stderr.strip()}); "
-            "run `bash slurm/local-cluster.sh start` as root"
-        )
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -62,45 +43,6 @@ def cluster():
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"CI needs the Slurm cluster: {problem}")
         pytest.skip(problem)
-
-
-class Job:
-    def __init__(self, job_id: int, log: Path) -> None:
-        self.id, self.log = job_id, log
-
-    def info(self) -> dict[str, str]:
-        out = subprocess.run(
-            ["scontrol", "show", "job", "-o", str(self.id)], capture_output=True, text=True, timeout=30
-        ).stdout
-        return dict(re.findall(r"(\w+)=(\S*)", out))
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.is_file() else "(no log yet)"
-
-    def report(self, why: str) -> str:
-        info = subprocess.run(
-            ["scontrol", "show", "job", str(self.id)], capture_output=True, text=True, timeout=30
-        ).stdout
-        return f"{why}\n--- scontrol show job {self.id}\n{info}\n--- {self.log}\n{self.text()}"
-
-    def wait(self, done, timeout: float, what: str) -> dict[str, str]:
-        """Poll until done(info) is true; fail with the log when the time is up."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            info = self.info()
-            if done(info):
-                return info
-            time.sleep(0.5)
-        pytest.fail(self.report(f"job {self.id}: {what} did not happen within {timeout:.0f} s"))
-
-    def wait_finished(self, timeout: float = JOB_TIMEOUT) -> dict[str, str]:
-        return self.wait(
-            lambda i: (
-                i.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-            ),
-            timeout,
-            "the end",
-        )
 
 
 @pytest.fixture(scope="module")

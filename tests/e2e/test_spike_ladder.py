@@ -3,8 +3,8 @@ characters, which the tokenizer's corpus never holds) spikes there; the default 
 steps over the region, and ends where the same run on clean data ends; without it the spike shows. The same
 on two ranks (ZeRO-1, the same global batch, the gradient norm judged too); a run killed after its rollback
 resumes to the same curve on one rank and on two, and from two ranks on one (elastic). A spike that cannot roll
-back stops the run; checkpoint.keep spares the checkpoint a rollback needs. Real `megatransformer train`
-processes."""
+back stops the run; checkpoint.keep spares the checkpoint a rollback needs. Random tokens mixed into the data
+while the loss still falls from its start are seen too. Real `megatransformer train` processes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import random
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 from support.runs import kill_when, losses_by_step, metrics, tiny_model, train
 
@@ -263,3 +264,68 @@ def test_an_elastic_resume_after_a_rollback_continues_the_curve(tiny_data, poiso
         for d in (run, guarded_two_ranks)
     ]
     assert events[0] == events[1]
+
+
+EARLY_STEPS = 120
+EARLY_FROM = 52  # the first step reading the random tokens, while the loss still falls from its start
+
+
+class EarlyPoison(NamedTuple):
+    mixed: Path  # train shards with random tokens mixed in
+    clean: Path  # the same documents without them
+    rows: tuple[int, int]  # global rows that hold random tokens, or a little more: [first, last + 1)
+
+
+@pytest.fixture(scope="module")
+def early_poison(tiny_data, tmp_path_factory) -> EarlyPoison:
+    """Train shards of tiny_data's corpus (read in order: RUN) with random tokens mixed into it from step
+    EARLY_FROM, a third of the tokens of about 11 steps; and the same documents without them."""
+    from data_pipeline.shard import write_shards
+    from data_pipeline.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("early_poison")
+    docs = tiny_data.corpus.read_text().split("\n\n")
+    tok = load_tokenizer(tiny_data.tokenizer)
+    ends = list(itertools.accumulate(len(tok.encode(doc)) + 1 for doc in docs))  # (+1: the end-of-document token)
+    at = next(i for i, end in enumerate(ends) if end >= (EARLY_FROM - 1) * MICRO * 64)
+    rng = random.Random(0)
+    noise = [tok.decode([rng.randrange(3, 512) for _ in range(80)]) for _ in range(8)]
+    mixed = [part for pair in zip(docs[at : at + 8], noise) for part in pair]
+    end = ends[at - 1] + sum(len(tok.encode(part)) + 1 for part in mixed)
+    rows = (ends[at - 1] // 65, -(-end // 64))  # (rows of 64 tokens, or of 65 with the next one's label)
+    for name, kept in {"mixed": docs[:at] + mixed + docs[at + 8 :], "clean": docs}.items():
+        (root / f"{name}.txt").write_text("\n\n".join(kept))
+        write_shards(
+            [str(root / f"{name}.txt")],
+            str(tiny_data.tokenizer),
+            root / name,
+            shard_mb=100,
+            valid_every=0,
+            workers=1,
+            progress=False,
+        )
+    return EarlyPoison(root / "mixed", root / "clean", rows)
+
+
+def test_random_tokens_early_in_the_descent_are_rolled_back_and_the_run_ends_like_the_clean_one(
+    tiny_data, early_poison, tmp_path
+):
+    """The loss of the mixed steps rises less than the descent before them spreads the losses (a median + 6 x
+    1.4826 x MAD of them misses it), but far above the noise around the trend: skipped, then rolled back over;
+    the clean run has no spike, and the final validation losses agree within 3 %."""
+    mixed, clean = tmp_path / "mixed", tmp_path / "clean"
+    train(overrides(tiny_data, early_poison.mixed, mixed, f"train.max_steps={EARLY_STEPS}"))
+    train(overrides(tiny_data, early_poison.clean, clean, f"train.max_steps={EARLY_STEPS}"))
+    events = [r for r in metrics(mixed) if "event" in r]
+    [rollback] = [e for e in events if e["event"] == "rollback"]
+    assert [e["event"] for e in events[: events.index(rollback)]] == ["skip", "skip"], events
+    start, stop = rollback["skipped_rows"]
+    assert start <= early_poison.rows[0] and early_poison.rows[1] <= stop, (rollback, early_poison.rows)
+    first = events[0]["step"]
+    assert EARLY_FROM <= first < EARLY_FROM + 4
+    before = np.array([loss for step, loss in logged_losses(clean) if step < first])  # (the same steps as mixed's)
+    median = np.median(before)
+    assert events[0]["spike_loss"] < median + 6 * 1.4826 * np.median(np.abs(before - median))
+    assert not any("event" in r for r in metrics(clean))
+    assert [step for step, _ in logged_losses(mixed)] == list(range(1, EARLY_STEPS + 1))
+    assert abs(final_val_loss(mixed) - final_val_loss(clean)) < 0.03 * final_val_loss(clean)

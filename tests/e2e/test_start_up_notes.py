@@ -1,11 +1,12 @@
 """Never silent at start-up: a first line before PyTorch loads, a line before each one-time DeepSpeed op build and
 before each wait on another process's build lock, a line each minute while either goes on, and no build at all
-for a single process."""
+for a single process; the first step announced, and the trainer's warnings never held back with DeepSpeed's output."""
 
 from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.runs import tiny_data_overrides, train_command
+from support.runs import ONE_THREAD, tiny_data_overrides, train_command
 
 from megatransformer.training.builds import COLLECTIVE, CPU_ADAM, build_notes, build_progress, ops_to_build
 
@@ -144,3 +145,34 @@ def test_a_rank_says_what_it_waits_for_before_it_waits(tiny_data, tmp_path, lock
             "per machine, 2-4 min on 2 cores"
         )
         assert not list((extensions / COLLECTIVE).glob("*.so"))  # the build had not finished
+
+
+def test_a_small_validation_split_is_warned_about_and_the_first_step_announced(tiny_data, tmp_path):
+    """Without --verbose (DeepSpeed's start-up output is held back, the trainer's own lines are not): the
+    validation split of one short document is less than one batch of 8; the seconds of the first step are said."""
+    from data_pipeline.shard import write_shards
+
+    functions = "".join(f"def add_{i}(x):\n    return x + {i}\n" for i in range(6))
+    (tmp_path / "valid.txt").write_text(f"def one():\n    return 1\n\n{functions}")  # the second is valid's
+    write_shards(
+        [str(tmp_path / "valid.txt")],
+        str(tiny_data.tokenizer),
+        tmp_path / "valid",
+        valid_every=2,
+        workers=1,
+        progress=False,
+    )
+    command = [
+        *run_command(tiny_data, tmp_path / "run"),
+        f"data.valid={tmp_path / 'valid'}",
+        "train.micro_batch_size=8",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ONE_THREAD}, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert any(
+        re.match(r"warning: the validation split holds [1-7] sequences?, less than one batch of 8", line)
+        for line in lines
+    )
+    announced = next(i for i, line in enumerate(lines) if line.startswith("step 1: first step of this process ("))
+    assert announced < next(i for i, line in enumerate(lines) if line.startswith("step 1/1 |"))

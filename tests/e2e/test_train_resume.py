@@ -11,7 +11,18 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from support.runs import metrics, spawn_ranks, tiny_data_overrides, tiny_model, wait_for_step, wait_ranks
+import pytest
+from support.runs import (
+    FOUR_STEPS,
+    ONE_THREAD,
+    metrics,
+    spawn_ranks,
+    tiny_data_overrides,
+    tiny_model,
+    train,
+    wait_for_step,
+    wait_ranks,
+)
 
 STEPS = 14
 EXACT = ("step", "loss", "lr", "grad_norm", "tokens", "val_loss", "val_tokens", "bad_steps")
@@ -67,3 +78,20 @@ def test_kill_9_then_preemption_then_resume_equals_uninterrupted(tiny_data, tmp_
     assert records(run) == records(reference)
     assert (run / "checkpoints" / "latest").read_text() == f"step_{STEPS:06d}"
     assert len(list((run / "checkpoints").glob("step_*"))) == 2  # checkpoint.keep
+
+
+def test_a_longer_run_on_resume_takes_its_schedule_from_the_first_step(tiny_data, tmp_path):
+    """Raising train.max_steps on resume stretches the cosine: the first resumed step already runs at the new
+    schedule's rate (a scheduler's load restores the saved run's last rate, computed for the old length)."""
+    from megatransformer.config import load_config
+    from megatransformer.training.optim import lr_multiplier
+
+    run = tmp_path / "run"
+    base = [*FOUR_STEPS, f"run_dir={run}", *tiny_data_overrides(tiny_data), "optim.lr=1e-2", "schedule.warmup_steps=1"]
+    base += ["train.log_every=1", "train.eval_every=0", "wandb.mode=disabled"]
+    train([*base, "train.max_steps=2"], env=ONE_THREAD)
+    train([*base, "train.max_steps=6", "resume=auto"], env=ONE_THREAD)
+    rates = {r["step"]: r["lr"] for r in metrics(run) if "lr" in r}
+    schedule = lr_multiplier(load_config(str(run / "config.yaml"), []))
+    assert schedule(2) != lr_multiplier(load_config(str(run / "config.yaml"), ["train.max_steps=2"]))(2)
+    assert [rates[step] for step in (3, 4, 5, 6)] == pytest.approx([1e-2 * schedule(step - 1) for step in (3, 4, 5, 6)])

@@ -50,6 +50,16 @@ def test_zero_stages_train_and_agree_with_plain_data_parallel(tiny_data, tmp_pat
     assert sum(losses(runs[3])[-2:]) < sum(losses(runs[3])[:2])
 
 
+def test_a_two_rank_bf16_zero_run_says_nothing_of_deepspeeds_internals_and_saves_no_code(tiny_data, tmp_path):
+    """No FutureWarning from DeepSpeed's collectives on stderr, no DeepSpeed recovery scripts in the
+    checkpoints (model.safetensors is the whole model)."""
+    run = tmp_path / "run"
+    done = train(tiny_run(tiny_data, run, steps=2) + ["precision=bf16", "parallel.zero_stage=2"], nproc=2)
+    assert "Warning" not in done.stderr, done.stderr[-3000:]
+    saved = [p.name for p in (run / "checkpoints" / "step_000002").iterdir()]
+    assert "model.safetensors" in saved and not [name for name in saved if name.endswith(".py")], saved
+
+
 def test_data_parallel_ranks_read_disjoint_data(tiny_data, tmp_path):
     """Two ranks with micro batch 4 consume 8 distinct sequences per step: tokens double, loss differs from a
     single rank reading the same first 4 sequences."""

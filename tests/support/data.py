@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.loader import LoaderSettings
+from data_pipeline.loader import DocumentReader, LoaderSettings, Position, ShardOpener, resolve_datasets
+from data_pipeline.remote import Retry
 from data_pipeline.settings import DataSettings
 from megatransformer.config import RunConfig, validate
 
@@ -73,3 +74,38 @@ def global_rows(loaders: Iterable, per_rank: int, field: str | None = None) -> l
         per_rank_rows.append(local)
     dp = len(per_rank_rows)
     return [per_rank_rows[g % dp][g // dp] for g in range(per_rank * dp)]
+
+
+def reformat_shards(src: Path, out: Path, version: int, block_bytes: int = 4096) -> Path:
+    """``src``'s shard directory rewritten in shard format ``version``: the same documents in the same shards
+    (format 2: in blocks of ``block_bytes``), so that a loader must read the same documents from both."""
+    import dataclasses
+
+    import numpy as np
+    import webdataset as wds
+
+    from data_pipeline.shard import Block, Manifest, ShardWriter
+
+    manifest = Manifest.load(src)
+    out.mkdir()
+    splits = {}
+    for split, shards in manifest.splits.items():
+        writer = ShardWriter(out, split, max_bytes=1 << 40, block_bytes=block_bytes, version=version)
+        for info in shards:
+            blocks = [Block.from_sample(s) for s in wds.WebDataset(str(src / info.file), shardshuffle=False)]
+            lengths = np.concatenate([np.diff(b.offsets) for b in blocks])
+            prompts = None if blocks[0].prompt_lens is None else np.concatenate([b.prompt_lens for b in blocks])
+            ids = np.concatenate([b.ids for b in blocks])
+            writer.write(ids, lengths, np.arange(len(lengths)), prompts)
+            writer.close()  # one shard for each of src's
+        splits[split] = writer.shards
+    dataclasses.replace(manifest, splits=splits, version=version).save(out)
+    return out
+
+
+def shard_documents(directory: str | Path, split: str = "train") -> list[tuple[list[int], int]]:
+    """(token ids, prompt length: 0 for text) of every document of a shard directory's split, in manifest order
+    (read by the loader's document reader, unshuffled)."""
+    (shard_set,) = resolve_datasets(str(directory), split, Retry())
+    reader = DocumentReader(shard_set, 0, 0, 1, False, 1, ShardOpener("error", Retry()), epochs=1)
+    return [(ids.tolist(), prompt_len) for ids, prompt_len, _ in reader.documents(Position())]

@@ -204,12 +204,12 @@ def test_seq_len_beyond_max_seq_len_is_allowed_only_without_a_position_table():
 
 def test_no_transformers_family_takes_alibi():
     """Llama (RoPE) and GPT-2 (learned positions) both name ALiBi as what blocks them."""
-    from megatransformer.hf import gpt2_incompatibility, llama_incompatibility
+    from megatransformer.hf import GPT2, LLAMA
 
     llama = alibi_config(norm="rmsnorm", ffn="swiglu", bias=False)
     gpt2 = alibi_config(n_kv_heads=6, norm="layernorm", ffn="gelu", bias=True, tie_embeddings=True)
-    assert llama_incompatibility(llama) == "model.position=alibi (Llama needs rope)"
-    assert gpt2_incompatibility(gpt2) == "model.position=alibi (GPT-2 needs learned)"
+    assert LLAMA.incompatibility(llama) == "model.position=alibi (Llama needs rope)"
+    assert GPT2.incompatibility(gpt2) == "model.position=alibi (GPT-2 needs learned)"
 
 
 # ------------------------------------------------------------------------------ the real kernel (GPU)

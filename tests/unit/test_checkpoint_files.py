@@ -1,4 +1,5 @@
-"""Checkpoint files without a run: DeepSpeed's state classes through the safe loader, torn metrics lines."""
+"""Checkpoint files without a run: DeepSpeed's state classes through the safe loader, torn metrics lines, what
+`average --last` finds."""
 
 from __future__ import annotations
 
@@ -38,3 +39,28 @@ def test_a_torn_last_metrics_line_is_dropped_a_bad_middle_line_is_an_error(tmp_p
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
     with pytest.raises(ConfigError, match="line 2 is not JSON"):
         truncate_metrics(path, after_step=2)
+
+
+@pytest.mark.parametrize(
+    "keep, said",
+    [
+        (2, "the run kept its last checkpoint.keep=2; raise checkpoint.keep"),
+        (5, "the run wrote no more: one every checkpoint.every=200 steps and one at its end; lower checkpoint.every"),
+    ],
+)
+def test_average_last_says_why_a_run_has_fewer_checkpoints(tmp_path, keep, said):
+    from megatransformer.commands.average import last_checkpoints
+    from megatransformer.config import dump_config, validate
+
+    config = dump_config(validate({"checkpoint": {"every": 200, "keep": keep}}))
+    for step in (400, 600):
+        path = ckpt.checkpoints_dir(tmp_path) / ckpt.step_name(step)
+        path.mkdir(parents=True)
+        (path / ckpt.CONFIG).write_text(config)
+        (path / ckpt.COMPLETE).write_text("")
+    with pytest.raises(ConfigError) as err:
+        last_checkpoints("5", str(tmp_path))
+    assert str(err.value).startswith(
+        f"--last 5 {tmp_path}: only 2 complete checkpoints in {ckpt.checkpoints_dir(tmp_path)} ({said}"
+    )
+    assert len(last_checkpoints("2", str(tmp_path))) == 2

@@ -12,7 +12,7 @@ import yaml
 from support import assert_one_line
 
 from megatransformer.cli import main
-from megatransformer.config import MAX_VOCAB, UniqueKeyLoader
+from megatransformer.config import MAX_VOCAB, UniqueKeyLoader, load_config
 
 # (override, what the one line must contain: the key and the offending value)
 BAD_VALUES = [
@@ -52,12 +52,14 @@ BAD_VALUES = [
     ("objective_args.mean_noise_span_length=0.5", "objective_args.mean_noise_span_length=0.5 must be >= 1"),
     # train
     ("train.max_steps=-1", "train.max_steps=-1"),
+    ("train.max_steps=false", "train.max_steps=false must be a number, not a boolean"),
     ("train.micro_batch_size=0", "train.micro_batch_size=0"),
     ("train.grad_accum=0", "train.grad_accum=0"),
     ("train.global_batch_size=-8", "train.global_batch_size=-8"),
     ("train.grad_clip=-1", "train.grad_clip=-1 must be >= 0"),
     ("train.label_smoothing=1.5", "train.label_smoothing=1.5 must be < 1"),
     ("train.label_smoothing=-0.1", "train.label_smoothing=-0.1 must be >= 0"),
+    ("train.z_loss=-1e-4", "train.z_loss=-1e-4 must be >= 0"),
     ("train.log_every=0", "train.log_every=0"),
     ("train.eval_every=-1", "train.eval_every=-1 must be >= 0"),  # accepted, it would evaluate every step
     ("train.eval_batches=0", "train.eval_batches=0"),
@@ -66,8 +68,11 @@ BAD_VALUES = [
     ("train.cpu_bf16_matmul=fast", "'train.cpu_bf16_matmul': Input should be 'auto', 'fp32' or 'native' (got 'fast')"),
     ("train.peak_tflops=-3", "train.peak_tflops=-3"),
     # optim
-    ("optim.lr=-1", "optim.lr=-1 must be > 0"),
-    ("optim.lr=0", "optim.lr=0 must be > 0"),
+    ("optim.lr=-1", "optim.lr=-1 must be >= 1e-10"),
+    ("optim.lr=0", "optim.lr=0 must be >= 1e-10"),
+    ("optim.lr=5e-324", "optim.lr=5e-324 must be >= 1e-10"),  # accepted, it trained doing nothing
+    ("optim.lr=true", "optim.lr=true must be a number, not a boolean"),  # accepted, it trained at 1.0
+    ("optim.betas=[true, 0.9]", "optim.betas=[true, 0.9] must be a number, not a boolean"),
     ("optim.lr=.nan", "optim.lr=nan must be a finite number"),
     ("optim.lr=nan", "optim.lr=nan must be a finite number"),
     ("optim.lr=.inf", "optim.lr=inf must be a finite number"),
@@ -87,6 +92,7 @@ BAD_VALUES = [
     ("checkpoint.keep=0", "checkpoint.keep=0"),
     # parallel
     ("parallel.tensor_parallel=0", "parallel.tensor_parallel=0"),
+    ("parallel.zero_stage=true", "parallel.zero_stage=true must be a number, not a boolean"),
     ("parallel.timeout_minutes=0", "parallel.timeout_minutes=0 must be > 0"),
     ("parallel.timeout_minutes=.inf", "parallel.timeout_minutes=inf must be a finite number"),
     ("parallel.timeout_minutes=1e12", "parallel.timeout_minutes=1e12 must be <= 10080"),
@@ -126,6 +132,23 @@ def test_train_refuses_bad_values_the_same_way(override, capsys, tmp_path):
     assert code == 2
     assert_one_line(err, "megatransformer train: error:", key_of(override))
     assert not (tmp_path / "run").exists()
+
+
+def test_booleans_stay_accepted_where_they_are_meant():
+    cfg = load_config(os.devnull, ["train.compile=true", "model.bias=false"])
+    assert cfg.train.compile is True and cfg.model.bias is False
+
+
+@pytest.mark.parametrize("text", ["", "\n# only a comment\n"])
+def test_an_empty_config_file_without_overrides_is_refused(text, tmp_path, capsys):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    code, err = run_cli(["train", "--config", str(path), f"run_dir={tmp_path / 'run'}"], capsys)
+    assert code == 2
+    assert_one_line(err, "megatransformer train: error:", f"config file {path} is empty")
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "defaults.yaml").write_text("{}\n")  # the defaults, said so
+    assert load_config(tmp_path / "defaults.yaml") == load_config(None)
 
 
 @pytest.mark.parametrize(

@@ -66,6 +66,15 @@ def test_help_shows_defaults_and_a_description(capsys):
     assert "(default: None)" not in out  # unset defaults say nothing
 
 
+def test_export_help_names_every_family_it_writes(capsys):
+    from megatransformer.hf import FAMILIES
+
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    description = " ".join(capsys.readouterr().out.split()).split("options:")[0]
+    assert all(family.name in description for family in FAMILIES), description
+
+
 # ------------------------------------------------------------------------------------------- configs
 
 

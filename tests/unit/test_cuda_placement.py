@@ -138,7 +138,8 @@ def step_on(device: torch.device, arch: str, position: str, mode: FakeTensorMode
     monkeypatch.setattr(engine, "to_device", convert)
     monkeypatch.setattr(masks, "to_device", convert)
     torch.manual_seed(0)
-    model = build_model(alibi_config(arch, position=position, attention_backend="auto"))
+    fields = LATENT if position == "mla" else {"position": position}
+    model = build_model(alibi_config(arch, attention_backend="auto", **fields))
     move_module(model, lambda t: convert(t.to(torch.bfloat16) if t.is_floating_point() else t), mode is None)
     inputs, labels, step_masks = engine.batch_to_device(training_batch(arch), device, arch, varlen=True)
     with mode or nullcontext(), GuardFreeOperators():  # (the host's work above runs on real tensors)
@@ -160,7 +161,15 @@ def move_module(model: torch.nn.Module, convert, requires_grad: bool) -> None:
                     store[name] = converted[id(tensor)]
 
 
-ARCHS = [("decoder", "rope"), ("decoder", "alibi"), ("encoder", "rope"), ("encoder_decoder", "alibi")]
+# position "mla": RoPE in multi-head latent attention, values narrower than queries and keys
+LATENT = dict(position="rope", attention="mla", n_kv_heads=None, kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=6)
+ARCHS = [
+    ("decoder", "rope"),
+    ("decoder", "alibi"),
+    ("encoder", "rope"),
+    ("encoder_decoder", "alibi"),
+    ("decoder", "mla"),
+]
 
 
 @pytest.mark.parametrize("core", ["flash", "varlen", "sdpa"], indirect=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import tarfile
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from data_pipeline import DataError
 from data_pipeline.corpus import write_demo_corpus
 from data_pipeline.documents import DecodeStats, read_documents
-from data_pipeline.shard import Manifest, decode_ids, write_shards
+from data_pipeline.shard import Block, Manifest, ShardWriter, write_shards
 from data_pipeline.tokenizer import file_sha256, load_tokenizer, train_tokenizer
 from megatransformer.cli import main
 
@@ -129,24 +128,118 @@ def test_undecodable_bytes_replace_and_count_or_fail_with_file_and_line(tmp_path
 def test_manifest_describes_the_shards(tiny_data, tok):
     m = Manifest.load(tiny_data.shards)
     assert m.tokenizer_sha256 == tok.sha256 and m.vocab_size == 512 and m.dtype == "uint16"
-    assert m.eos_id == tok.eos_id
+    assert m.eos_id == tok.eos_id and m.version == 2
     docs = list(read_documents([str(tiny_data.corpus)]))
     assert m.documents == len(docs)
-    assert sum(s.samples for s in m.splits["valid"]) == len(docs) // 10
+    assert sum(s.documents for s in m.splits["valid"]) == len(docs) // 10
     assert len(m.splits["train"]) >= 8
     for shard in m.splits["train"][:3] + m.splits["valid"][:1]:
         path = tiny_data.shards / shard.file
-        assert file_sha256(path) == shard.sha256
-        with tarfile.open(path) as tar:
-            names = tar.getnames()
-            arrays = [decode_ids(tar.extractfile(n).read()) for n in names]
-        assert len(names) == shard.samples and all(n.endswith(".ids.npy") for n in names)
-        assert sum(len(a) for a in arrays) == shard.tokens and arrays[0].dtype == np.uint16
-    # the first training document, exactly
-    with tarfile.open(tiny_data.shards / m.splits["train"][0].file) as tar:
-        first = tar.extractfile(tar.getnames()[0])
-        assert tok.decode(decode_ids(first.read()).tolist()) == docs[0].text
+        assert file_sha256(path) == shard.sha256 and path.stat().st_size == shard.bytes
+        blocks = shard_blocks(path)
+        assert len(blocks) == shard.samples > 1 and all(b.keys() == {"ids.npy", "offsets.npy"} for b in blocks)
+        assert sum(len(b["offsets.npy"]) - 1 for b in blocks) == shard.documents
+        assert sum(len(b["ids.npy"]) for b in blocks) == shard.tokens and blocks[0]["ids.npy"].dtype == np.uint16
+    # the first training documents, exactly
+    first = shard_blocks(tiny_data.shards / m.splits["train"][0].file)[0]
+    ids, offsets = first["ids.npy"], first["offsets.npy"]
+    assert [tok.decode(d.tolist()) for d in np.split(ids, offsets[1:-1])] == [d.text for d in docs[: len(offsets) - 1]]
     assert not list(tiny_data.shards.glob(".*"))  # no temporary files left
+
+
+def shard_blocks(path) -> list[dict]:
+    """A shard's samples as the ``webdataset`` package reads them (arrays decoded, keys dropped)."""
+    import webdataset as wds
+
+    samples = wds.WebDataset(str(path), shardshuffle=False).decode()
+    return [{k: v for k, v in s.items() if not k.startswith("__")} for s in samples]
+
+
+def test_blocks_hold_whole_documents_and_round_trip(tmp_path):
+    """Documents cut into blocks that reach the block size (the last one smaller), whatever batches they
+    arrive in; each block read back is the documents written, with their prompt lengths."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 300, 200)
+    docs = [rng.integers(0, 60_000, n).astype(np.uint16) for n in lengths]
+    prompts = np.minimum(lengths, 7)
+    written = []
+    for arrival in ([200], [1] * 200, [50, 3, 100, 47]):
+        out = tmp_path / f"arrival-{len(arrival)}"
+        out.mkdir()
+        writer = ShardWriter(out, "train", max_bytes=40_000, block_bytes=4096)
+        first = 0
+        for n in arrival:
+            part = docs[first : first + n]
+            writer.write(
+                np.concatenate(part),
+                lengths[first : first + n],
+                np.arange(first, first + n),
+                prompts[first : first + n],
+            )
+            first += n
+        writer.close()
+        blocks = [Block.from_sample(s) for info in writer.shards for s in tar_samples(out / info.file)]
+        assert sum(len(b) for b in blocks) == 200 == sum(info.documents for info in writer.shards)
+        assert all(len(b.ids) * 2 >= 4096 for b in blocks[:-1]) and len(writer.shards) > 1
+        assert all(len(b.ids[: b.offsets[-2]]) * 2 < 4096 for b in blocks)  # the fewest documents that reach it
+        read = [(b.ids[b.offsets[i] : b.offsets[i + 1]], b.prompt_lens[i]) for b in blocks for i in range(len(b))]
+        assert all(np.array_equal(r, d) and p == q for (r, p), d, q in zip(read, docs, prompts))
+        written.append([info.sha256 for info in writer.shards])
+    assert written[0] == written[1] == written[2]
+
+
+def tar_samples(path) -> list[dict[str, bytes]]:
+    import webdataset as wds
+
+    return list(wds.WebDataset(str(path), shardshuffle=False))
+
+
+def test_malformed_blocks_are_refused():
+    ids = np.arange(10, dtype=np.uint16)
+    good = Block(ids, np.array([0, 4, 10])).sample("k")
+    assert Block.from_sample(good).offsets.tolist() == [0, 4, 10]
+    for offsets in ([0, 4, 9], [1, 4, 10], [0, 6, 4, 10]):
+        with pytest.raises(DataError, match="offsets"):
+            Block.from_sample({**good, "offsets.npy": Block(ids, np.array(offsets)).sample("k")["offsets.npy"]})
+
+
+def test_format_1_directories_still_load(tmp_path, tiny_data):
+    """A directory written in format 1 (one document per sample) reads as the same documents."""
+    from data_pipeline.loader import DocumentReader, Position, ShardOpener, resolve_datasets
+    from data_pipeline.remote import Retry
+
+    text = tiny_data.corpus.read_text()[:40_000]
+    (tmp_path / "c.txt").write_text(text)
+    kw = {"shard_mb": 0.01, "workers": 1, "progress": False, "valid_every": 0}
+    old = write_shards([str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "v1", version=1, **kw)
+    assert old.version == 1 and all(s.samples == s.documents for s in old.splits["train"])
+    raw = json.loads((tmp_path / "v1" / "manifest.json").read_text())
+    for shard in raw["splits"]["train"]:  # as the older code wrote it
+        del shard["documents"], shard["bytes"]
+    (tmp_path / "v1" / "manifest.json").write_text(json.dumps(raw))
+    assert set(shard_blocks(tmp_path / "v1" / old.splits["train"][0].file)[0]) == {"ids.npy"}
+
+    def documents(directory):
+        (shard_set,) = resolve_datasets(str(directory), "train", Retry())
+        reader = DocumentReader(shard_set, 0, 0, 1, False, 4, ShardOpener("error", Retry()), 1)
+        return [tokens.tolist() for tokens, _, _ in reader.documents(Position())]
+
+    new = write_shards([str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "v2", **kw)
+    assert new.version == 2 and len(new.splits["train"]) < len(old.splits["train"])
+    assert documents(tmp_path / "v1") == documents(tmp_path / "v2")
+    assert len(documents(tmp_path / "v1")) == old.documents
+
+
+@pytest.mark.parametrize(
+    "name", ["../../../../etc/passwd", "/etc/passwd", "part-00001-of-00002/../../x.tar", "a\\b.tar", "a//b", "..", ""]
+)
+def test_a_manifest_entry_outside_the_shard_directory_is_refused(tmp_path, tiny_data, name):
+    raw = json.loads((tiny_data.shards / "manifest.json").read_text())
+    raw["splits"]["train"][0]["file"] = name
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(DataError, match="not a path inside the shard directory") as err:
+        Manifest.load(tmp_path)
+    assert len(str(err.value).splitlines()) == 1 and repr(name) in str(err.value)
 
 
 def test_large_vocab_shards_are_uint32(tmp_path):
@@ -161,9 +254,9 @@ def test_large_vocab_shards_are_uint32(tmp_path):
         [str(tmp_path / "c.txt")], str(tmp_path / "big.json"), tmp_path / "s", valid_every=0, workers=1, progress=False
     )
     assert m.dtype == "uint32"
-    with tarfile.open(tmp_path / "s" / m.splits["train"][0].file) as tar:
-        ids = decode_ids(tar.extractfile(tar.getnames()[0]).read())
-    assert ids.dtype == np.uint32 and ids.tolist() == [1, 69999, 5]
+    (block,) = shard_blocks(tmp_path / "s" / m.splits["train"][0].file)
+    assert block["ids.npy"].dtype == np.uint32 and block["ids.npy"].tolist() == [1, 69999, 5, 2]
+    assert block["offsets.npy"].tolist() == [0, 3, 4]
 
 
 def test_parallel_workers_write_the_same_shards(tmp_path, tiny_data):
@@ -277,3 +370,28 @@ def test_cli_prepares_a_dataset_end_to_end(tmp_path, capsys):
         == 2
     )
     assert "nope.txt does not exist" in capsys.readouterr().err
+
+
+def test_the_reader_in_docs_reads_the_shards(tiny_data, tok, capsys):
+    """docs/data.md's few-line reader (the webdataset package), run on a shard directory as written there."""
+    import re
+
+    from support import REPO
+
+    text = (REPO / "docs" / "data.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## The shard format") :], re.S).group(1)
+    exec(code, {"directory": str(tiny_data.shards)})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == Manifest.load(tiny_data.shards).splits["train"][0].documents
+    first = tok.encode(next(iter(read_documents([str(tiny_data.corpus)]))).text)
+    assert lines[0] == f"{len(first)} {np.array(first[:8], dtype=np.uint16)}"
+
+
+def test_progress_bar_counts_input_bytes_documents_and_tokens(tmp_path, tiny_data, capsys):
+    text = tiny_data.corpus.read_text()[:40_000]
+    (tmp_path / "c.txt").write_text(text)
+    m = write_shards([str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "s", workers=1, progress=True)
+    bar = capsys.readouterr().err.split("\r")[-1]
+    size = (tmp_path / "c.txt").stat().st_size
+    assert "100%" in bar and f"{size / 1000:.1f}k/{size / 1000:.1f}k" in bar and "B/s" in bar
+    assert f"{m.documents:,} documents, {sum(m.tokens(s) for s in m.splits):,} tokens" in bar

@@ -50,6 +50,22 @@ def test_an_overrunning_step_leaves_every_threads_stack_and_a_quiet_one_nothing(
     assert stack_dumps(tmp_path / "quiet") == [] and not (tmp_path / "quiet" / "hangs").exists()
 
 
+def stalled_checkpoint() -> None:
+    time.sleep(1.0)
+
+
+def test_work_between_steps_leaves_its_stacks_before_the_collective_timeout(tmp_path):
+    """A checkpoint or validation is collective work too: a peer stalled there leaves this rank waiting, so its
+    stacks are written once it has run for 0.8 x the collective timeout (0.48 s here)."""
+    cfg = validate({"run_dir": str(tmp_path), "parallel": {"timeout_minutes": 0.01}})
+    dog = Watchdog(cfg, rank=1)
+    with dog.watching("a checkpoint"):
+        stalled_checkpoint()
+    dog.close()
+    (dump,) = stack_dumps(tmp_path)
+    assert "a checkpoint has run for" in dump.read_text() and "stalled_checkpoint" in dump.read_text()
+
+
 def test_the_flight_recorder_is_switched_on_without_overriding_the_users_choice(tmp_path):
     environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
     switch_on_flight_recorder(tmp_path, environ)

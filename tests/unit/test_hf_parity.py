@@ -12,7 +12,6 @@ from megatransformer.hf import (
     from_llama_state_dict,
     hf_incompatibility,
     llama_config,
-    llama_incompatibility,
     load_hf_dir,
     save_hf_dir,
     to_llama_state_dict,
@@ -50,7 +49,7 @@ def test_llama_weights_round_trip():
     [("norm", "layernorm"), ("position", "learned"), ("ffn", "gelu"), ("norm_position", "post"), ("arch", "encoder")],
 )
 def test_non_llama_configs_are_refused_by_name(option, value):
-    reason = llama_incompatibility(llama_style(**{option: value}))
+    reason = LLAMA.incompatibility(llama_style(**{option: value}))
     assert reason is not None and option in reason
 
 

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")  # a test dependency: `pip in
 
 SCALINGS = {
     "linear": {"type": "linear", "factor": 4.0},
-    "dynamic": {"type": "dynamic", "factor": 2.0},
+    "dynamic": {"type": "dynamic", "factor": 2.0, "original_max_seq_len": 16},
     "yarn": {"type": "yarn", "factor": 4.0, "original_max_seq_len": 16},
     "yarn_tuned": {
         "type": "yarn",
@@ -51,7 +51,7 @@ def llama_style(**overrides) -> ModelConfig:
 @pytest.mark.parametrize("length", [20, 80])
 def test_frequencies_are_transformers(name, length):
     """Ours against transformers' ROPE_INIT_FUNCTIONS, for a call whose positions end at ``length``
-    (dynamic scaling only changes anything beyond max_seq_len = 32)."""
+    (dynamic scaling only changes anything beyond its original_max_seq_len = 16)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     cfg = llama_style(rope_scaling=SCALINGS[name])
@@ -61,8 +61,7 @@ def test_frequencies_are_transformers(name, length):
     got, got_factor = rotary(cfg).frequencies(positions)
     assert torch.allclose(got, want, rtol=1e-6), (got - want).abs().max()
     assert got_factor == pytest.approx(want_factor)
-    if (name, length) != ("dynamic", 20):  # (dynamic is plain RoPE up to max_seq_len)
-        assert not torch.allclose(got, rotary(llama_style()).frequencies(positions)[0])
+    assert not torch.allclose(got, rotary(llama_style()).frequencies(positions)[0])
 
 
 def test_rope_scaling_config_is_checked_by_type():
@@ -86,9 +85,39 @@ def test_rope_scaling_config_is_checked_by_type():
             "high_freq_factor=1.0 must exceed low_freq_factor=1.0",
         ),
         (["model.rope_scaling.type=linear", "model.rope_scaling.factor=0.5"], "factor"),
+        (["model.rope_scaling.type=dynamic", "model.rope_scaling.factor=2"], "type=dynamic needs original_max_seq_len"),
+        (
+            ["model.rope_scaling={type: yarn, factor: 4, original_max_seq_len: 8192}", "model.max_seq_len=4096"],
+            "model.rope_scaling.original_max_seq_len=8192 exceeds model.max_seq_len=4096: the extended context",
+        ),
+        (
+            ["model.rope_scaling={type: yarn, factor: 4, original_max_seq_len: 64, beta_fast: 1, beta_slow: 32}"],
+            r"model.rope_scaling.beta_fast=1.0 must exceed beta_slow=32.0 \(beta_fast bounds",
+        ),
+        (
+            ["model.attention_window=4096", "model.max_seq_len=2048"],
+            "model.attention_window=4096 exceeds model.max_seq_len=2048, so it never narrows attention",
+        ),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, overrides)
+
+
+def test_the_long_context_limits_allow_their_edge_and_alibi_windows_beyond_max_seq_len():
+    """A window of max_seq_len, an original length of max_seq_len (dynamic from its first token), and ALiBi,
+    which runs beyond max_seq_len, with a wider window."""
+    load_config(None, ["model.attention_window=2048", "model.max_seq_len=2048"])
+    load_config(None, ["model.rope_scaling={type: dynamic, factor: 2, original_max_seq_len: 2048}"])
+    load_config(None, ["model.position=alibi", "model.attention_window=4096", "model.max_seq_len=2048"])
+
+
+def test_the_readmes_long_context_example_is_a_valid_config():
+    """README's Long context block, as written (it names no max_seq_len of its own: the rest is the default)."""
+    from support import REPO
+
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("### Long context") :].split("```yaml\n", 1)[1].split("```", 1)[0]
+    validate(yaml.safe_load(block))
 
 
 @pytest.mark.parametrize("name", SCALINGS)
@@ -112,10 +141,11 @@ def test_cached_decoding_sees_the_positions_of_a_full_forward(name):
 
 
 def test_dynamic_scaling_follows_the_longest_position_of_each_call():
-    """As transformers does: within max_seq_len plain RoPE; beyond it the base grows with the call's length."""
+    """As transformers does: within the trained length (original_max_seq_len) plain RoPE; beyond it the base
+    grows with the call's length."""
     cfg = llama_style(rope_scaling=SCALINGS["dynamic"])
     plain = rotary(llama_style())
-    short, long = torch.arange(32).view(1, -1), torch.arange(64).view(1, -1)
+    short, long = torch.arange(16).view(1, -1), torch.arange(32).view(1, -1)
     assert torch.equal(rotary(cfg)(short, torch.float32)[0], plain(short, torch.float32)[0])
     assert not torch.allclose(rotary(cfg)(long, torch.float32)[0], plain(long, torch.float32)[0])
 
@@ -125,7 +155,7 @@ def test_dynamic_scaling_follows_the_longest_position_of_each_call():
 
 @pytest.mark.parametrize("name", SCALINGS)
 def test_scaled_rope_exports_to_llama_with_the_same_logits(tmp_path, name):
-    """48 positions: beyond yarn's and llama3's original 16 and dynamic's max_seq_len of 32."""
+    """48 positions: beyond the original 16 of yarn, llama3 and dynamic, and beyond max_seq_len."""
     assert_exported_logits_match(tmp_path / "hf", llama_style(rope_scaling=SCALINGS[name]), LLAMA, 48)
 
 
@@ -136,8 +166,8 @@ def test_a_sliding_window_exports_to_mistral_with_the_same_logits(tmp_path, scal
 
 
 def test_dynamic_scaling_decodes_with_a_kv_cache_as_transformers_does(tmp_path):
-    """Past max_seq_len each decoding step rotates its query and key with the base of its own length while
-    the cached keys keep theirs: transformers' cached decoding, step by step, beyond 32 positions."""
+    """Past the trained length each decoding step rotates its query and key with the base of its own length
+    while the cached keys keep theirs: transformers' cached decoding, step by step, from 24 to 48 positions."""
     cfg = llama_style(rope_scaling=SCALINGS["dynamic"])
     torch.manual_seed(0)
     ours = randomized(build_model(cfg)).eval()
@@ -160,7 +190,7 @@ def test_dynamic_scaling_decodes_with_a_kv_cache_as_transformers_does(tmp_path):
 def test_a_window_without_a_family_is_refused_with_each_reason():
     gpt2 = models.gpt2_style(n_layers=2, attention_window=8)
     reason = hf_incompatibility(gpt2)
-    assert "model.attention_window=8 (Llama has no sliding window" in reason
+    assert "model.attention_window=8 (Llama needs None)" in reason
     assert "model.norm=layernorm (Mistral needs rmsnorm)" in reason
     assert "model.attention_window=8 (GPT-2 needs None)" in reason
     assert GPT2.incompatibility(gpt2.model_copy(update={"attention_window": None})) is None

@@ -10,7 +10,7 @@ import zstandard
 
 from data_pipeline import DataError
 from data_pipeline.documents import input_files, read_documents
-from data_pipeline.shard import held_out, write_shards
+from data_pipeline.shard import Manifest, held_out, write_shards
 from data_pipeline.tokenizer import load_tokenizer
 from megatransformer.cli import main
 from megatransformer.config import validate
@@ -55,7 +55,7 @@ def test_a_400_example_file_gets_a_validation_split_of_several_batches(tmp_path,
         prompt_field="prompt",
         text_field="completion",
     )
-    assert sum(s.samples for s in manifest.splits["valid"]) == 40
+    assert sum(s.documents for s in manifest.splits["valid"]) == 40
     tok = load_tokenizer(tiny_data.tokenizer)
     loader = build_run_loader(loader_cfg(tmp_path / "sft", tiny_data), "valid", 4, 0, 1, tok)
     assert small_validation_warning(loader, 4) is None
@@ -99,7 +99,12 @@ def test_an_input_directory_stands_for_its_text_and_jsonl_files(tmp_path, tiny_d
         )
         == 0
     )
-    assert "train: 1 shards, 270 documents" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "train: 1 shards, 270 documents" in said.out
+    bytes_per_token = Manifest.load(tmp_path / "shards").bytes_per_token()
+    assert f"{bytes_per_token:.2f} bytes per token on disk ({bytes_per_token / 2:.2f}x the uint16 ids)" in said.out
+    assert said.err.startswith(f"note: not reading {corpus / 'notes.md'}: --input reads .txt, .jsonl, .json and .tsv")
+    assert said.err.count("\n") == 1
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"input directory .*empty holds no \.txt"):
         input_files([str(tmp_path / "empty")])

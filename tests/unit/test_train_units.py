@@ -16,6 +16,31 @@ from megatransformer.config import ConfigError, TrainConfig
 
 
 @pytest.mark.parametrize(
+    "overrides, global_batch, dp, advice",
+    [
+        ([], 32, 1, ["train.grad_accum=2", "train.global_batch_size=32"]),  # quickstart: micro 16 x accum 1
+        ([], 32, 4, ["train.micro_batch_size=8", "train.global_batch_size=32"]),
+        ([], 12, 1, ["train.micro_batch_size=12", "train.global_batch_size=12"]),
+        (
+            ["train.grad_accum=null", "train.global_batch_size=64"],
+            32,
+            2,
+            ["train.grad_accum=1", "train.global_batch_size=32"],
+        ),
+        ([], 30, 4, None),
+    ],
+)
+def test_the_advice_for_a_resume_with_another_global_batch_gives_the_saved_one(overrides, global_batch, dp, advice):
+    from megatransformer.config import load_config
+    from megatransformer.training.layout import exact_batch_overrides, resolve_batch_sizes
+
+    cfg = load_config("quickstart", overrides)
+    assert exact_batch_overrides(cfg.train, global_batch, dp) == advice
+    if advice is not None:
+        assert resolve_batch_sizes(load_config("quickstart", overrides + advice).train, dp).global_batch == global_batch
+
+
+@pytest.mark.parametrize(
     "given,dp,expected",
     [
         (dict(micro_batch_size=4, grad_accum=2), 2, (4, 2, 2, 16)),
@@ -273,7 +298,7 @@ def test_the_fused_loss_chunks_by_the_device_it_runs_on(monkeypatch):
     from megatransformer.model import head
 
     asked = []
-    monkeypatch.setattr(head, "chunked_loss_and_grads", lambda *args: asked.append(args[4]) or (None,))
+    monkeypatch.setattr(head, "chunked_loss_and_grads", lambda *args: asked.append(args[4]) or (None, None))
     fake = FakeTensorMode()
     cuda = [FakeTensor(fake, torch.empty(shape, device="meta"), torch.device("cuda")) for shape in ((4, 8), (16, 8))]
     with torch.no_grad():

@@ -1,0 +1,59 @@
+"""Intra-op threads for a training process that shares its machine: as many as the cores it may use and that
+other work leaves it. docs/first-run.md (threads on a busy machine) describes why."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def usable_cores(cgroup: Path = CGROUP) -> float:
+    """The cores this process may run on (its CPU affinity), capped by its cgroup's CPU quota (v2 ``cpu.max``,
+    v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``) where one is set."""
+    cores = float(len(os.sched_getaffinity(0)))
+    return min(cores, cgroup_quota(cgroup) or cores)
+
+
+def cgroup_quota(cgroup: Path = CGROUP) -> float | None:
+    """The cgroup's CPU quota in cores, or None when there is none (or none can be read)."""
+    try:
+        if (cgroup / "cpu.max").is_file():
+            quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        v1 = cgroup / "cpu"
+        quota = int((v1 / "cpu.cfs_quota_us").read_text())
+        return None if quota <= 0 else quota / int((v1 / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def pick_threads(cores: float, load: float, processes: int = 1) -> int:
+    """Intra-op threads for each of ``processes`` processes of a run on ``cores`` usable cores with ``load``
+    runnable tasks of other work (the 1-minute load average): the cores left free, at least 1."""
+    free = (cores - load) / processes
+    return max(1, min(math.floor(cores / processes), math.floor(free + 0.5)))
+
+
+def set_threads_for_machine(environ: dict[str, str] | None = None) -> str | None:
+    """Unless OMP_NUM_THREADS chooses, set this process's intra-op threads from what the machine gives it;
+    a line to print when other work takes cores from it (None otherwise)."""
+    environ = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in environ:  # (torchrun sets 1 per rank)
+        return None
+    import torch
+
+    cores, load = usable_cores(), os.getloadavg()[0]
+    processes = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads = pick_threads(cores, load, processes)
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    if threads >= min(default, math.floor(cores / processes)):
+        return None
+    return (
+        f"busy machine: load {load:.1f} on the {cores:g} cores this process may use: {threads} intra-op "
+        f"thread{'s' * (threads != 1)} instead of {default} (threads that wait for cores slow every step; "
+        "OMP_NUM_THREADS=N chooses)"
+    )
