@@ -20,6 +20,7 @@ EXIT_WRITE_FAILED = 5  # a file could not be written (disk full, quota, I/O erro
 
 COMMANDS = (
     "megatransformer.commands.info",
+    "megatransformer.commands.plan",
     "megatransformer.commands.data",
     "megatransformer.commands.train",
     "megatransformer.commands.quickstart",

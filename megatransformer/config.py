@@ -504,6 +504,9 @@ class TrainConfig(Section):
     none: MFU is logged only when this is set, a CPU's measured speed being too unsteady to divide by)."""
     sample_prompt: str | None = None
     """Text to continue with a short generated sample at the end of training (decoder models)."""
+    check_memory: bool = True
+    """Before the first step, stop with one line when the planner's estimate of a rank's memory exceeds the
+    device's (what overflows, by how much, the best layout that fits: ``megatransformer plan``)."""
 
 
 class OptimConfig(Section):

@@ -33,8 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatransformer.activations import BYTES
     from megatransformer.flops import attention_costs, model_size
+    from megatransformer.planner import BYTES
 
     cfg = load_config(args.config, args.overrides)
     size = model_size(cfg.model, cfg.data.seq_len)
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         )
     rows = f"micro batch of {micro} rows" if micro else "row (the micro batch depends on the launch)"
     print(f"activations per rank:     ~{layout['activation_bytes'] / 2**20:,.1f} MiB per {rows} (estimate)")
+    print("                          (megatransformer plan: all of a rank's memory, by part, for each layout)")
     return 0
 
 
@@ -84,7 +85,7 @@ def describe(cfg: RunConfig, world_size: int) -> dict:
     """The layout on ``world_size`` ranks: data-parallel x tensor x sequence degrees, the positions and attention
     heads each rank of a sequence group holds (the same on every group), and the activation memory of a micro
     batch per rank (of one row when the train section leaves the micro batch to the launch)."""
-    from megatransformer.activations import activation_estimate
+    from megatransformer.planner import Layout, activation_parts
     from megatransformer.training.layout import data_parallel_size, describe_layout, resolve_batch_sizes
 
     p, length = cfg.parallel, cfg.data.seq_len
@@ -102,12 +103,23 @@ def describe(cfg: RunConfig, world_size: int) -> dict:
         }
         for r in range(sp)
     ]
+    layout = Layout(
+        dp,
+        p.tensor_parallel,
+        sp,
+        p.zero_stage,
+        cfg.model.activation_checkpointing,
+        cfg.model.mlp_tiles,
+        p.offload_optimizer,
+        micro or 1,
+        1,
+    )
     return {
         "layout": describe_layout(dp, p.tensor_parallel, sp),
         "world_size": world_size,
         "micro_batch": micro,
         "sequence_ranks": ranks,
-        "activation_bytes": activation_estimate(cfg, micro or 1).bytes,
+        "activation_bytes": activation_parts(cfg, layout, "cpu")["activations"],
     }
 
 

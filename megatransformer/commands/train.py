@@ -78,6 +78,11 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     check_run_dir(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_before_start(cfg, tokenizer)  # device and files: seconds, not after DeepSpeed's start-up
+    if cfg.train.check_memory:  # an out-of-memory layout: one line now, not an error minutes in
+        from megatransformer.commands.plan import check_layout_fits
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_layout_fits(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
     ops = []  # the DeepSpeed ops this node builds or waits for, said by one rank (the build directory is per node)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         import torch

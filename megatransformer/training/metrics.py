@@ -17,24 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 from data_pipeline import write_failed
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
+from megatransformer.planner import GPUS
 from megatransformer.training.trackers import TensorBoard, unreachable
 
 if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
     import torch
 
-# Dense (no sparsity) bf16 = fp16 tensor-core peaks per GPU, TFLOP/s, from NVIDIA's datasheets. The first
-# name contained in torch.cuda.get_device_name() wins, so the more specific names come first. fp32 runs are
-# measured against TF32, half of these.
-GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("GH200", 989.0),
-    ("H100 NVL", 835.0),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),  # H100 SXM
-    ("H200 NVL", 835.0),
-    ("H200", 989.0),
-    ("B200", 2250.0),
-    ("A100", 312.0),  # A100 40/80 GB, SXM and PCIe
-)
+# Dense (no sparsity) bf16 = fp16 tensor-core peaks per GPU, TFLOP/s: the planner's table (planner.GPUS, from
+# NVIDIA's datasheets). The first name contained in torch.cuda.get_device_name() wins, so the more specific names
+# come first. fp32 runs are measured against TF32, half of these.
+GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = tuple((gpu.name, gpu.peak_tflops) for gpu in GPUS)
 
 
 def finite_or_none(value: float | None) -> float | None:

@@ -12,12 +12,12 @@ import torch
 from support import assert_one_line
 from support.models import assert_exported_logits_match, llama_style, randomized, run_config, tiny_config
 
-from megatransformer.activations import activation_estimate
 from megatransformer.cli import main
 from megatransformer.hf import GPT2, LLAMA, MISTRAL, QWEN3, hf_family, load_hf_dir, save_hf_dir
 from megatransformer.model import build_model, generate
 from megatransformer.model.masks import PAD_SEGMENT
 from megatransformer.model.tp_plan import has_partial_gradient, partition_dim
+from megatransformer.planner import Layout, activation_parts
 
 transformers = pytest.importorskip("transformers")  # a test dependency: `pip install -e .[test]`
 
@@ -216,7 +216,11 @@ def test_the_activation_estimate_counts_what_qk_norm_keeps_for_the_backward_pass
 
     plain = run_config()
     normed = run_config(model=plain.model.model_dump() | {"qk_norm": True})
-    more = activation_estimate(normed, 2).bytes - activation_estimate(plain, 2).bytes
+
+    def estimate(cfg) -> int:
+        return activation_parts(cfg, Layout(1, 1, 1, 0, False, 1, False, 2, 1), "cpu")["activations"]
+
+    more = estimate(normed) - estimate(plain)
     assert more == saved_bytes(normed) - saved_bytes(plain) == 2 * 32 * (32 + 16) * 4
 
 

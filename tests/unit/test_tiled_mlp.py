@@ -86,13 +86,19 @@ def test_tile_counts_that_cannot_work_give_one_precise_line(overrides, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_the_estimate_counts_one_tile_of_the_hidden_activations():
-    from megatransformer.activations import activation_estimate, mlp_hidden_values
+def test_the_estimate_keeps_no_hidden_activations_of_tiled_mlps():
+    from megatransformer.planner import Layout, activation_parts, ffn_kept
 
     base = ["data.seq_len=128", "model.d_ff=2048", "model.n_layers=6"]
-    for extra in ([], ["model.activation_checkpointing=true"]):
-        plain, tiled = (load_config(None, [*base, *extra, f"model.mlp_tiles={k}"]) for k in (1, 4))
-        layers = 1 if extra else 6  # blocks whose hidden activations are kept at once
-        hidden = mlp_hidden_values(plain.model) * 128 * 4  # values of the row, fp32 bytes
-        drop = activation_estimate(plain, 1).bytes - activation_estimate(tiled, 1).bytes
-        assert drop == layers * hidden - hidden // 4
+    for checkpointing in (False, True):
+        plain, tiled = (load_config(None, [*base, f"model.mlp_tiles={k}"]) for k in (1, 4))
+        parts = [
+            activation_parts(c, Layout(1, 1, 1, 0, checkpointing, c.model.mlp_tiles, False, 1, 1), "cpu")
+            for c in (plain, tiled)
+        ]
+        hidden = ffn_kept(plain.model) * 128 * 4  # values of the row, fp32 bytes
+        if checkpointing:  # only the block recomputed in the backward holds them
+            assert parts[0]["recomputed"] - parts[1]["recomputed"] == hidden
+            assert parts[0]["activations"] == parts[1]["activations"]
+        else:
+            assert parts[0]["activations"] - parts[1]["activations"] == 6 * hidden

@@ -1,0 +1,536 @@
+"""Per-rank memory and step time of a training layout, and the layouts to choose from (``megatransformer plan``).
+
+Model arithmetic from the config: every term is derived in docs/planner.md, and checked against the measured
+peak of live tensor bytes of real steps on CPU (``bench/plan_memory.py``, BENCHMARKS.md). Nothing here
+imports DeepSpeed: what its engine keeps per ZeRO stage is written down below as arithmetic.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+from megatransformer.config import ModelConfig, RunConfig
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GIB = 1 << 30
+
+PARTS = (
+    "weights",
+    "master_weights",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "loss_chunk",
+    "attention_transients",
+    "communication_buffers",
+    "overheads",
+)
+
+# DeepSpeed's ZeRO defaults (runtime/zero/config.py): elements per reduction / gather bucket, and ZeRO-3's
+# prefetch bucket (parameters gathered ahead of their use)
+REDUCE_BUCKET = 500_000_000
+CORE_CHUNK = 64  # query positions per chunk of the CPU's attention core (model/chunked_attention.py's CHUNK)
+ZERO3_PREFETCH = 50_000_000
+
+
+@dataclass(frozen=True)
+class Device:
+    """An accelerator as the planner sees it: memory, dense peak in bf16, link bandwidths per device."""
+
+    name: str
+    memory_gib: float
+    peak_tflops: float  # dense bf16 / fp16 (fp32 runs at half of it on tensor cores via TF32: see step_seconds)
+    intra_node_gbps: float  # GB/s one way per device (NVLink / NVSwitch)
+    inter_node_gbps: float  # GB/s per device across nodes (InfiniBand / RoCE)
+    kind: str = "cuda"
+    reserved_gib: float = 2.0  # CUDA context, cuBLAS workspaces, the caching allocator's fragmentation
+
+
+# matched by substring in order (the first match wins: NVL / PCIe before their SXM names); peaks are the
+# vendors' dense bf16 figures, links NVLink 4 (450 GB/s one way) and 400 Gb/s InfiniBand per GPU (50 GB/s)
+GPUS: tuple[Device, ...] = (
+    Device("GH200", 96, 989.0, 450, 50),
+    Device("H100 NVL", 94, 835.0, 300, 50),
+    Device("H100 PCIe", 80, 756.0, 64, 50),
+    Device("H100", 80, 989.0, 450, 50),
+    Device("H200 NVL", 141, 835.0, 450, 50),
+    Device("H200", 141, 989.0, 450, 50),
+    Device("B200", 180, 2250.0, 900, 50),
+    Device("A100-40", 40, 312.0, 300, 25),
+    Device("A100", 80, 312.0, 300, 25),
+)
+
+MFU = 0.40  # the fraction of the peak a step's arithmetic reaches (Megatron-LM 41-47%, torchtitan 33-39% on H100)
+CPU_STEP_EFFICIENCY = 0.55  # a CPU training step against its GEMM speed (stated; BENCHMARKS.md 5v compares)
+HOST_ADAM_GBPS = 2.0  # states an offloaded optimizer step streams per second through DeepSpeed's CPU Adam
+# what a micro batch costs per layer besides its arithmetic (kernel launches, the engine's bookkeeping): a few
+# hundred microseconds on a GPU, so that fewer, larger micro batches win where they fit
+MICRO_STEP_SECONDS = {"cuda": 3e-4, "cpu": 1e-3}
+
+
+def find_gpu(name: str) -> Device | None:
+    """The table's entry for a GPU name (``h100``, ``NVIDIA H100 80GB HBM3``), or None."""
+    key = name.lower().replace(" ", "").replace("_", "-")
+    for gpu in GPUS:
+        if gpu.name.lower().replace(" ", "") in key:
+            return gpu
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    sp: int
+    zero: int
+    activation_checkpointing: bool
+    mlp_tiles: int
+    offload: bool
+    micro_batch: int
+    accum: int
+
+    def describe(self) -> str:
+        degrees = " x ".join([f"dp{self.dp}"] + [f"{n}{d}" for n, d in (("tp", self.tp), ("sp", self.sp)) if d > 1])
+        extras = [f"ZeRO-{self.zero}", f"mb {self.micro_batch} x {self.accum}"]
+        if self.activation_checkpointing:
+            extras.append("ckpt")
+        if self.mlp_tiles > 1:
+            extras.append(f"tiles {self.mlp_tiles}")
+        if self.offload:
+            extras.append("offload")
+        return f"{degrees}, {', '.join(extras)}"
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+_COUNTS: dict[str, tuple[int, int]] = {}
+
+
+def parameter_counts(m: ModelConfig) -> tuple[int, int]:
+    """(parameters tensor parallelism splits, parameters every rank keeps whole): the model built on the meta
+    device, its parameters (tied ones once) sorted by the tensor-parallel plan."""
+    key = m.model_dump_json()
+    if key not in _COUNTS:
+        import torch
+
+        from megatransformer.model import build_model
+        from megatransformer.model.tp_plan import partition_dim
+
+        with torch.device("meta"):
+            model = build_model(m)
+        split = whole = 0
+        for name, param in model.named_parameters():
+            if partition_dim(name) is None:
+                whole += param.numel()
+            else:
+                split += param.numel()
+        _COUNTS[key] = split, whole
+    return _COUNTS[key]
+
+
+def core_values(m: ModelConfig, latent: bool) -> int:
+    """q, k, v and the core's output per position; multi-head latent attention (``latent``) keeps its latents
+    and RoPE key besides, and all heads' keys and values, up-projected."""
+    if not latent:
+        return 2 * m.d_model + 2 * m.kv_heads * m.head_dim
+    qk, v = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.n_heads * m.v_head_dim
+    return 2 * qk + 2 * v + m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank or 0)
+
+
+def ffn_kept(m: ModelConfig) -> int:
+    """Values per position an untiled MLP keeps for its backward: swiglu its gate, silu(gate), up and their
+    product; gelu the input and output of the activation; relu its output."""
+    return {"swiglu": 4, "gelu": 2, "relu": 1}[m.ffn] * m.d_ff
+
+
+def block_kept(m: ModelConfig, layout: Layout, cross: bool) -> int:
+    """Values one block keeps per position this rank holds (docs/planner.md counts them from the code):
+    each sub-layer's norm input and output (whole under tensor parallelism), the rotated q, k, v the core
+    keeps and the core's output as o_proj's input (split by tp); under Ulysses the whole-sequence q, k, v and
+    output of this rank's heads again (kv heads replicated up to the degree); the MLP's hidden values
+    unless it runs in tiles (then its input only, which its recomputation needs)."""
+    d, hd, tp, sp = m.d_model, m.head_dim, layout.tp, layout.sp
+    latent = m.attention == "mla"
+    attention = 2 * d + core_values(m, latent) // tp
+    if m.qk_norm:  # the queries and keys before their norms
+        attention += (d + m.kv_heads * hd) // tp
+    if sp > 1:
+        attention += core_values(m, latent) - 2 * m.kv_heads * hd + 2 * max(m.kv_heads, sp) * hd
+    if cross:  # cross-attention is standard attention
+        attention += 2 * d + core_values(m, False) // tp
+        if sp > 1:
+            attention += 2 * d + 2 * max(m.kv_heads, sp) * hd
+    mlp = 2 * d + (ffn_kept(m) // tp if layout.mlp_tiles == 1 else 0)
+    return attention + mlp
+
+
+def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int]:
+    """Bytes of the activations kept through a micro batch's forward (``activations``), of the block that
+    activation checkpointing recomputes in the backward (``recomputed``), and the largest transients on top of
+    them: the fused loss's chunk of logits (``loss_chunk``, in the forward) and the backward's buffers of one
+    block (``attention_transients``: the attention core's and the MLP's gradients)."""
+    m, w = cfg.model, BYTES[cfg.precision]
+    tp, sp = layout.tp, layout.sp
+    local = layout.micro_batch * cfg.data.seq_len // sp
+    stacks = [(m.n_layers, False)] + ([(m.decoder_layers, True)] if m.arch == "encoder_decoder" else [])
+    per_block = [block_kept(m, layout, cross) for _, cross in stacks]
+    recomputed = 0
+    if layout.activation_checkpointing:  # each block's input; in the backward, one block recomputed at a time
+        blocks = sum(n for n, _ in stacks) * m.d_model
+        recomputed = local * max(per_block) * w
+    else:
+        blocks = sum(n * v for (n, _), v in zip(stacks, per_block))
+    rope = 2 * m.head_dim if m.position == "rope" else 0  # cos and sin, shared by the layers of a stack
+    final_norm = m.d_model if m.norm_position == "pre" and m.final_norm else 0
+    model_level = len(stacks) * (final_norm + rope) + m.d_model  # + the loss's gradient of the hidden states
+    if m.arch == "encoder_decoder":
+        model_level += m.d_model  # the encoder's output, which every cross-attention projects
+    kept = local * (blocks + model_level) * w + rendered_masks(cfg, layout, kind)
+    # the fused loss: a chunk's fp32 logits and logsumexp's same-sized temporary; from the second chunk on, the
+    # previous chunk's logits (and their gradient in the compute dtype) live until the new ones exist
+    rows = max(1, chunk_logits(kind) // m.vocab_size)
+    per_logit = 8 if rows >= local else 12 + (w if w != 4 else 0)
+    loss_chunk = min(rows, local) * m.vocab_size * per_logit
+    # the backward of the last block's attention: the gradient arriving at the core and the residual stream's,
+    # the gradients of q, k, v (k and v summed in fp32 by the chunked core, with contiguous copies of the keys
+    # and values a query chunk sees) and that chunk's scores, probabilities and their gradients; flash / SDPA
+    # keep an fp32 accumulator of dq instead. Under Ulysses the core sees the whole sequence of its heads.
+    heads = max(1, m.n_heads // (tp * sp)) * layout.micro_batch
+    kv_local = max(m.kv_heads, sp) * m.head_dim // (tp * sp) if sp > 1 else m.kv_heads * m.head_dim // tp
+    q_local = m.d_model // (tp * sp)
+    whole = layout.micro_batch * cfg.data.seq_len if sp > 1 else local
+    arriving = local * 2 * m.d_model * w
+    if kind == "cpu":
+        scores = heads * CORE_CHUNK * cfg.data.seq_len * 4 * 4
+        attention = arriving + whole * ((q_local + 2 * kv_local) * (w + 4) + 2 * kv_local * w) + scores
+    else:
+        attention = arriving + whole * ((q_local + 2 * kv_local) * w + q_local * 4)
+    hidden = m.d_ff // tp
+    if layout.mlp_tiles > 1:
+        tile = -(-local // layout.mlp_tiles)
+        mlp = tile * (ffn_kept(m) // tp + 3 * hidden) * w  # one tile recomputed, and its gradients
+    else:
+        mlp = local * 3 * hidden * w
+    # the MLP's backward comes first, with every value of the block alive; by the attention's backward, the
+    # MLP's kept values are gone
+    last_mlp = local * (2 * m.d_model + (ffn_kept(m) // tp if layout.mlp_tiles == 1 else 0)) * w
+    return {
+        "activations": kept,
+        "recomputed": recomputed,
+        "loss_chunk": loss_chunk,
+        "attention_transients": max(mlp, attention - last_mlp, 0),
+    }
+
+
+def rendered_masks(cfg: RunConfig, layout: Layout, kind: str) -> int:
+    """Bytes of the boolean mask chunks the CPU's attention core renders once per batch and keeps for every
+    layer (``AttentionMask.blocked``, at most ``RENDERED_LIMIT`` a mask): for each mask of the model that is not
+    plain causal or full, i.e. rows of packed documents (the loader packs), prefixes, windows, and
+    cross-attention; each query chunk against the keys it may see, over the whole sequence (Ulysses' core sees
+    all of it)."""
+    from megatransformer.model.masks import RENDERED_LIMIT
+
+    if kind != "cpu":
+        return 0
+    m, length = cfg.model, cfg.data.seq_len
+    window = m.attention_window
+
+    def chunks(causal: bool, windowed: bool) -> int:
+        if windowed and window:
+            keys = min(length, (window + CORE_CHUNK) * (1 if causal else 2))
+        else:
+            keys = (length + CORE_CHUNK) // 2 if causal else length
+        return min(RENDERED_LIMIT, layout.micro_batch * length * min(keys, length))
+
+    masks = {
+        "decoder": [chunks(True, True)],
+        "encoder": [chunks(False, True)],
+        "encoder_decoder": [chunks(False, True), chunks(True, True), chunks(False, False)],
+    }[m.arch]
+    return sum(masks)
+
+
+def chunk_logits(kind: str) -> int:
+    from megatransformer.model.head import CHUNK_LOGITS
+
+    return CHUNK_LOGITS.get(kind, CHUNK_LOGITS["cpu"])
+
+
+def state_parts(cfg: RunConfig, layout: Layout, engine: bool) -> tuple[dict[str, int], dict[str, int], int]:
+    """What a rank holds besides activations: between steps (weights, master weights, optimizer states and
+    the gradients and buffers DeepSpeed keeps), from the backward's start to the step's end (ZeRO-1/2's
+    reduction bucket, allocated in every backward), and the gradients' bytes that come and go at the end of
+    the backward. ``engine``: DeepSpeed's engine at ``layout.zero`` (docs/planner.md: which optimizer wrapper
+    keeps what); else a plain loop (the model, torch's AdamW; bf16 with fp32 masters and their fp32 grads)."""
+    split, whole = parameter_counts(cfg.model)
+    params = split // layout.tp + whole
+    w, lp = BYTES[cfg.precision], cfg.precision != "fp32"
+    shards = layout.dp * layout.sp if layout.zero > 0 else 1  # ZeRO partitions over sequence peers too
+    part = -(-params // shards)
+    held = {name: 0 for name in PARTS}
+    in_backward = {name: 0 for name in PARTS}
+    held["optimizer_states"] = 0 if layout.offload else 8 * part
+    held["weights"] = w * params
+    if not engine:
+        held["master_weights"] = 8 * params if lp else 0
+        return held, in_backward, w * params
+    if layout.zero == 0:  # torch's AdamW (fp32), or DeepSpeed's FP16_UnfusedOptimizer: fp32 copies and grads
+        held["master_weights"] = 4 * params if lp else 0
+        if layout.dp * layout.sp > 1:  # the flat copy of the gradients it all-reduces (kept between steps)
+            held["communication_buffers"] = 4 * params
+        return held, in_backward, w * params + (4 * params if lp else 0)
+    held["master_weights"] = 0 if layout.offload else 4 * part
+    if layout.zero == 3:  # its fp32 reduction bucket, allocated once; up to two prefetch buckets of weights
+        held["weights"] = w * part
+        held["gradients"] = 4 * part
+        held["communication_buffers"] = 4 * REDUCE_BUCKET + w * min(params, 2 * ZERO3_PREFETCH)
+        return held, in_backward, 0
+    if layout.zero == 1 and lp and not layout.offload:  # BF16_Optimizer: fp32 gradients of every parameter
+        held["gradients"] = 4 * params
+        return held, in_backward, w * params
+    # DeepSpeedZeroOptimizer: a reduction bucket of REDUCE_BUCKET elements in every backward (fp32 for ZeRO-1's
+    # accumulation, the model's dtype for ZeRO-2's staging) and fp32 gradient partitions (ZeRO-1 keeps the
+    # model's full gradients until they are reduced)
+    in_backward["communication_buffers"] = (4 if layout.zero == 1 else w) * REDUCE_BUCKET
+    held["gradients"] = 4 * part
+    return held, in_backward, w * params if layout.zero == 1 else 0
+
+
+def memory_parts(cfg: RunConfig, layout: Layout, device: Device, engine: bool = True) -> dict[str, int]:
+    """Each rank's memory at its peak, by part, and ``total``: the largest of three moments, the last micro
+    batch's loss (every activation kept, the loss's chunk of logits), the last block's backward (its
+    transients, and the buffers the backward allocates) and the backward's end (every gradient)."""
+    held, in_backward, step_grads = state_parts(cfg, layout, engine)
+    acts = activation_parts(cfg, layout, device.kind)
+    # the head's fp32 weight gradient, which the fused loss computes in the forward
+    head_grad = cfg.model.vocab_size * cfg.model.d_model * 4
+    buffers = sum(in_backward.values())
+    loss = acts["activations"] + acts["loss_chunk"] + head_grad
+    backward = buffers + acts["activations"] + acts["recomputed"] + acts["attention_transients"] + head_grad
+    parts = dict(held)
+    if buffers + step_grads > max(loss, backward):  # the peak: the backward's end
+        parts["gradients"] += step_grads
+        parts["communication_buffers"] += buffers
+    elif loss >= backward:  # the peak: the loss
+        parts |= {"activations": acts["activations"], "loss_chunk": acts["loss_chunk"]}
+        parts["gradients"] += head_grad
+    else:  # the peak: the last block's backward
+        parts["activations"] = acts["activations"] + acts["recomputed"]
+        parts["attention_transients"] = acts["attention_transients"]
+        parts["gradients"] += head_grad
+        parts["communication_buffers"] += buffers
+    parts["overheads"] = int(device.reserved_gib * GIB)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# ------------------------------------------------------------------------------------------------ time
+
+
+def cpu_device(ranks: int = 1) -> Device:
+    """This machine's CPU as the device of ``ranks`` ranks: its memory shared among them."""
+    import os
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return Device("CPU", memory / ranks, 0.0, 10.0, 10.0, kind="cpu", reserved_gib=0.0)
+
+
+# ------------------------------------------------------------------------------------------------ time
+
+PCIE_GBPS = 25.0  # host <-> device per GPU (PCIe 4 x16 in practice), for an offloaded optimizer's traffic
+ZERO3_GATHER_EXPOSED = 0.5  # the share of ZeRO-3's parameter gathers its prefetching does not hide
+
+
+def step_seconds(cfg: RunConfig, layout: Layout, device: Device, gpus_per_node: int, flops_per_token: float) -> float:
+    """One optimizer step: the rank's FLOPs over the device's peak at a stated efficiency (``MFU``, on a CPU
+    ``CPU_STEP_EFFICIENCY`` of its measured GEMM speed), plus the collectives that do not overlap (all of the
+    gradient reduction, ZeRO-3's unhidden gathers, tensor parallelism's all-reduces and Ulysses' all-to-alls)
+    at the link bandwidths, plus an offloaded optimizer's host work."""
+    m, w = cfg.model, BYTES[cfg.precision]
+    tokens = layout.micro_batch * layout.accum * cfg.data.seq_len
+    flops = flops_per_token * tokens / (layout.tp * layout.sp)
+    mlp_share = ffn_params(m) * 6 / max(flops_per_token, 1.0)  # the MLPs' part of the FLOPs per token
+    if layout.activation_checkpointing:
+        flops *= 4 / 3  # one more forward
+    if layout.mlp_tiles > 1:
+        flops *= 1 + mlp_share / 3 * (2 if layout.activation_checkpointing else 1)  # one more MLP forward each
+    if device.kind == "cpu":
+        rate = device.peak_tflops * 1e12 * CPU_STEP_EFFICIENCY
+    else:
+        rate = device.peak_tflops * 1e12 * MFU * (0.5 if cfg.precision == "fp32" else 1.0)  # fp32: TF32
+    seconds = flops / rate + layout.accum * MICRO_STEP_SECONDS[device.kind] * len_layers(m)
+    world = layout.dp * layout.tp * layout.sp
+    nodes = -(-world // gpus_per_node)
+    inner = device.intra_node_gbps * 1e9
+    outer = (device.inter_node_gbps if nodes > 1 else device.intra_node_gbps) * 1e9
+    split, whole = parameter_counts(m)
+    params = split // layout.tp + whole
+    shards = layout.dp * layout.sp
+    if shards > 1:  # gradients reduced in fp32 (communication_data_type), params gathered in the model's dtype
+        ring = (shards - 1) / shards
+        volume = 2 * ring * 4 * params if layout.zero < 3 else ring * 4 * params
+        if layout.zero in (1, 2):
+            volume = ring * 4 * params + ring * w * params  # reduce-scatter, then all-gather of updated weights
+        seconds += volume / (outer if layout.dp > 1 else inner)
+        if layout.zero == 3:
+            seconds += ZERO3_GATHER_EXPOSED * 2 * ring * w * params * layout.accum / outer
+    local = layout.micro_batch * cfg.data.seq_len // layout.sp
+    sublayers = m.n_layers * 2 + (m.decoder_layers * 3 if m.arch == "encoder_decoder" else 0)
+    attentions = m.n_layers + (m.decoder_layers * 2 if m.arch == "encoder_decoder" else 0)
+    if layout.tp > 1:  # forward and backward all-reduce of each sub-layer's output
+        ring = 2 * (layout.tp - 1) / layout.tp
+        seconds += layout.accum * sublayers * 2 * ring * local * m.d_model * w / inner
+    if layout.sp > 1:  # q, k, v and the output there and back, forward and backward
+        ring = (layout.sp - 1) / layout.sp
+        values = 2 * m.d_model + 2 * max(m.kv_heads, layout.sp) * m.head_dim
+        seconds += layout.accum * attentions * 2 * ring * local * values * w / inner
+    if layout.offload:
+        part = params / shards
+        seconds += part * (4 + w) / (PCIE_GBPS * 1e9) + part * 16 / (HOST_ADAM_GBPS * 1e9)
+    return seconds
+
+
+def len_layers(m: ModelConfig) -> int:
+    return m.n_layers + (m.decoder_layers if m.arch == "encoder_decoder" else 0)
+
+
+def ffn_params(m: ModelConfig) -> int:
+    layers = m.n_layers + (m.decoder_layers if m.arch == "encoder_decoder" else 0)
+    return layers * (3 if m.ffn == "swiglu" else 2) * m.d_model * m.d_ff
+
+
+# ------------------------------------------------------------------------------------------- choosing
+
+
+@dataclass(frozen=True)
+class Planned:
+    layout: Layout
+    memory: dict[str, int]
+    step_seconds: float
+    fits: bool
+
+    def as_dict(self) -> dict:
+        return {
+            **asdict(self.layout),
+            "memory_bytes": self.memory,
+            "step_seconds": self.step_seconds,
+            "fits": self.fits,
+            "describe": self.layout.describe(),
+        }
+
+
+@dataclass
+class Plan:
+    device: Device
+    world: int
+    layouts: list[Planned]  # ranked: what fits, fastest first, then the rest, smallest first
+    skipped: list[tuple[str, str]]  # (layout, why it cannot exist)
+    current: int | None
+    global_batch: int
+
+    def why(self) -> str:
+        """One line on the first choice: why it wins, or what would fit when nothing does."""
+        memory = f"{self.device.memory_gib:.1f} GiB"
+        fitting = [p for p in self.layouts if p.fits]
+        if not fitting:
+            smallest = min(self.layouts, key=lambda p: p.memory["total"])
+            return (
+                f"nothing fits in {memory} per device: the smallest need is {smallest.memory['total'] / GIB:.1f} "
+                f"GiB ({smallest.layout.describe()})"
+            )
+        best = fitting[0]
+        line = f"{best.layout.describe()} wins: the fastest of {len(fitting)} layouts that fit in {memory}"
+        if len(fitting) > 1:
+            line += (
+                f" (next: {fitting[1].layout.describe()}, {fitting[1].step_seconds / best.step_seconds - 1:.0%} slower)"
+            )
+        faster = [p for p in self.layouts if not p.fits and p.step_seconds < best.step_seconds]
+        if faster:
+            quickest = min(faster, key=lambda p: p.step_seconds)
+            line += (
+                f"; {len(faster)} faster ones do not fit (the fastest, {quickest.layout.describe()}, needs "
+                f"{quickest.memory['total'] / GIB:.1f} GiB)"
+            )
+        return line
+
+    def as_dict(self, top: int | None = None) -> dict:
+        shown = self.shown(top)
+        return {
+            "device": asdict(self.device),
+            "world_size": self.world,
+            "global_batch": self.global_batch,
+            "layouts": [self.layouts[i].as_dict() for i in shown],
+            "current": shown.index(self.current) if self.current is not None else None,
+            "why": self.why(),
+            "skipped": [{"layout": name, "reason": reason} for name, reason in self.skipped],
+        }
+
+    def shown(self, top: int | None) -> list[int]:
+        """Indices of the first ``top`` layouts (all: None), and the config's own after them if it is not
+        among them."""
+        shown = list(range(len(self.layouts) if top is None else min(top, len(self.layouts))))
+        if self.current is not None and self.current not in shown:
+            shown.append(self.current)
+        return shown
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def plan(
+    cfg: RunConfig, device: Device, world: int, gpus_per_node: int, current: Layout | None, global_batch: int
+) -> Plan:
+    """Every layout of ``world`` ranks for the config's model and data shape that can exist (the others in
+    ``skipped``, with the reason), with its memory and step time, ranked; ``current``: the config's own."""
+    from megatransformer.config import ConfigError, validate
+    from megatransformer.flops import model_size
+
+    flops_per_token = model_size(cfg.model, cfg.data.seq_len).flops_per_token
+    skipped: list[tuple[str, str]] = []
+    layouts: list[Layout] = []
+    tiles = sorted({1, 4, cfg.model.mlp_tiles})
+    for tp, sp in itertools.product(divisors(world), divisors(world)):
+        if world % (tp * sp):
+            continue
+        name = " x ".join([f"dp{world // (tp * sp)}"] + [f"{k}{d}" for k, d in (("tp", tp), ("sp", sp)) if d > 1])
+        if tp * sp > gpus_per_node:
+            skipped.append((name, f"tp x sp = {tp * sp} spans more than the {gpus_per_node} devices of a node"))
+            continue
+        dp = world // (tp * sp)
+        if global_batch % dp:
+            skipped.append((name, f"the global batch of {global_batch} rows does not divide over dp={dp}"))
+            continue
+        for tile in tiles:
+            try:
+                validate(
+                    cfg.model_dump()
+                    | {
+                        "model": cfg.model.model_dump() | {"mlp_tiles": tile},
+                        "parallel": cfg.parallel.model_dump() | {"tensor_parallel": tp, "sequence_parallel": sp},
+                    }
+                )
+            except ConfigError as err:
+                skipped.append((f"{name}, tiles {tile}", str(err)))
+                continue
+            per_rank = global_batch // dp
+            for zero, ckpt, offload, micro in itertools.product(
+                range(4), (False, True), (False, True), divisors(per_rank)
+            ):
+                if zero and dp * sp == 1 and not offload and cfg.precision == "fp32":
+                    continue  # ZeRO over one rank partitions nothing: the engine runs stage 0
+                if offload and zero == 0:
+                    continue
+                layouts.append(Layout(dp, tp, sp, zero, ckpt, tile, offload, micro, per_rank // micro))
+    if current is not None and current not in layouts:
+        layouts.append(current)
+    planned = []
+    for layout in layouts:
+        memory = memory_parts(cfg, layout, device)
+        seconds = step_seconds(cfg, layout, device, gpus_per_node, flops_per_token)
+        planned.append(Planned(layout, memory, seconds, memory["total"] <= device.memory_gib * GIB))
+    planned.sort(key=lambda p: (not p.fits, p.step_seconds if p.fits else p.memory["total"], p.memory["total"]))
+    index = next((i for i, p in enumerate(planned) if p.layout == current), None)
+    return Plan(device, world, planned, skipped, index, global_batch)

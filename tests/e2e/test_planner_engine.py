@@ -1,0 +1,53 @@
+"""The planner's memory estimate against the trainer's own step (``TrainModule.step``: DeepSpeed's engine) on two
+gloo ranks: the measured peak of live tensor bytes per rank (``bench/plan_memory.py``) within 10% of the plan;
+``train`` stops before its first step when its layout cannot fit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from plan_memory import engine_peak, planned  # noqa: E402
+
+MODEL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=512, attention_backend="chunked")
+
+
+@pytest.mark.parametrize(
+    "zero, precision",
+    [
+        (0, "fp32"),  # torch AdamW, the flat all-reduce copy
+        (1, "fp32"),  # DeepSpeed's 5e8-element reduction bucket, allocated in every backward
+    ],
+)
+def test_engine_peak_on_two_ranks_is_the_plan_within_ten_percent(zero: int, precision: str) -> None:
+    point = {
+        "model": MODEL | {"max_seq_len": 256},
+        "seq_len": 256,
+        "micro_batch": 2,
+        "precision": precision,
+        "zero": zero,
+        "ranks": 2,
+        "runner": "engine",
+    }
+    measured = engine_peak(point)
+    total = planned(point)["total"]
+    assert 0.9 < total / measured < 1.1, f"plan {total / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB"
+
+
+def test_train_stops_before_the_first_step_when_its_layout_cannot_fit(tiny_data, tmp_path):
+    """A micro batch whose activations exceed this machine's memory: one line, exit 2, nothing trained."""
+    from support.runs import cli, tiny_run
+
+    run_dir = tmp_path / "run"
+    words = [*tiny_run(tiny_data, run_dir, 2), "model.d_model=1024", "model.d_ff=4096", "model.n_heads=8"]
+    words += ["model.n_kv_heads=4", "train.micro_batch_size=16384", "train.grad_accum=1"]
+    result = cli("train", "--config", "quickstart", *words, check=False)
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("megatransformer train: error: this run's layout (dp1, ZeRO-0, mb 16384 x 1) needs ")
+    assert "largest part: activations" in line and "the best layout that fits: dp1, ZeRO-0, mb " in line
+    assert not (run_dir / "checkpoints").exists()

@@ -1,0 +1,154 @@
+"""The planner's memory estimate against the measured peak of live tensor bytes of real one-rank steps (the bare
+model step: fused loss, backward, fused AdamW), and its choices."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from plan_memory import bare_peak, planned, run_config  # noqa: E402
+
+from megatransformer.planner import GIB, GPUS, Layout, find_gpu, memory_parts, plan  # noqa: E402
+
+SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=512, attention_backend="chunked")
+POINTS = {
+    "decoder-gqa": ({}, 256, "fp32"),
+    "decoder-mha-gelu": ({"n_kv_heads": None, "ffn": "gelu"}, 512, "fp32"),
+    "encoder": ({"arch": "encoder", "ffn": "gelu"}, 256, "fp32"),
+    "encoder-decoder": ({"arch": "encoder_decoder", "ffn": "relu"}, 256, "fp32"),
+    "checkpointing": ({"activation_checkpointing": True}, 512, "fp32"),
+    "mlp-tiles": ({"mlp_tiles": 4}, 512, "fp32"),
+    "bf16": ({}, 256, "bf16"),
+    "two-loss-chunks": ({"vocab_size": 8192}, 2048, "fp32"),
+}
+
+
+@pytest.mark.parametrize("name", list(POINTS))
+def test_plan_total_is_the_measured_peak_within_ten_percent(name: str) -> None:
+    fields, seq_len, precision = POINTS[name]
+    point = {
+        "model": SMALL | fields | {"max_seq_len": seq_len},
+        "seq_len": seq_len,
+        "micro_batch": 2,
+        "precision": precision,
+        "runner": "bare",
+    }
+    measured = bare_peak(run_config(point))
+    total = planned(point)["total"]
+    assert 0.9 < total / measured < 1.1, f"{name}: plan {total / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB"
+
+
+def llama(**model) -> object:
+    from megatransformer.config import load_config
+
+    return load_config("llama-style", [f"model.{k}={v}" for k, v in model.items()])
+
+
+def layout(**fields) -> Layout:
+    base = dict(dp=8, tp=1, sp=1, zero=1, activation_checkpointing=False, mlp_tiles=1, offload=False)
+    return Layout(**(base | {"micro_batch": 1, "accum": 32} | fields))
+
+
+def test_zero_stages_partition_states_over_the_data_parallel_ranks() -> None:
+    cfg, h100 = llama(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336), find_gpu("H100")
+    parts = {z: memory_parts(cfg, layout(zero=z), h100) for z in range(4)}
+    assert parts[1]["optimizer_states"] * 8 == pytest.approx(parts[0]["optimizer_states"], rel=1e-3)
+    assert parts[3]["weights"] * 8 == pytest.approx(parts[0]["weights"], rel=1e-3)
+    assert parts[0]["total"] > parts[1]["total"] > parts[3]["total"]
+    offloaded = memory_parts(cfg, layout(zero=2, offload=True), h100)
+    assert offloaded["optimizer_states"] == 0 and offloaded["total"] < parts[2]["total"]
+
+
+def test_the_first_layout_fits_and_is_the_fastest_that_does() -> None:
+    cfg = llama(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192)
+    result = plan(cfg, find_gpu("H100"), 8, 8, None, 256)
+    fitting = [p for p in result.layouts if p.fits]
+    assert fitting and result.layouts[0] is fitting[0]
+    assert result.layouts[0].step_seconds == min(p.step_seconds for p in fitting)
+    assert all(p.memory["total"] <= 80 * GIB for p in fitting)
+    assert result.why().startswith(result.layouts[0].layout.describe() + " wins")
+
+
+def test_layouts_that_cannot_exist_are_skipped_with_their_reason() -> None:
+    cfg = llama(n_heads=12, n_kv_heads=4)  # 12 heads: tp 8 does not divide them
+    result = plan(cfg, GPUS[0], 8, 8, None, 256)
+    reasons = dict(result.skipped)
+    assert reasons["dp1 x tp8, tiles 1"] == "parallel.tensor_parallel=8 does not divide model.n_heads=12"
+    assert all(p.layout.tp != 8 for p in result.layouts)
+
+
+def test_nothing_fits_says_the_smallest_memory_that_would() -> None:
+    cfg = llama(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672)
+    result = plan(cfg, find_gpu("A100-40"), 1, 1, None, 8)
+    assert not any(p.fits for p in result.layouts)
+    assert result.why().startswith("nothing fits in 40.0 GiB per device: the smallest need is ")
+
+
+def test_plan_json_has_the_layouts_and_the_config_own_index(capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from megatransformer.cli import main
+
+    assert main(["plan", "--config", "llama-style", "--gpu", "H100", "--gpus-per-node", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    first, current = out["layouts"][0], out["layouts"][out["current"]]
+    keys = {"dp", "tp", "sp", "zero", "activation_checkpointing", "mlp_tiles", "offload", "micro_batch"}
+    assert keys | {"memory_bytes", "step_seconds", "fits"} <= first.keys()
+    assert first["fits"] and first["memory_bytes"]["total"] == sum(
+        v for k, v in first["memory_bytes"].items() if k != "total"
+    )
+    # llama-style: ZeRO-1, 8 rows per rank of a 256-row global batch
+    assert (current["dp"], current["zero"], current["micro_batch"], current["accum"]) == (8, 1, 8, 4)
+
+
+def test_an_unknown_gpu_asks_for_its_memory_and_peak(capsys: pytest.CaptureFixture) -> None:
+    from megatransformer.cli import main
+
+    assert main(["plan", "--config", "llama-style", "--gpu", "MI300X"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatransformer plan: error: --gpu MI300X is not one the planner knows")
+    assert err.endswith("give its --gpu-memory GiB and --peak-tflops (dense bf16 TFLOP/s per device)")
+    assert (
+        main(["plan", "--config", "llama-style", "--gpu", "MI300X", "--gpu-memory", "192", "--peak-tflops", "1307"])
+        == 0
+    )
+
+
+def test_train_check_names_the_overflow_and_the_best_layout_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatransformer.commands import plan as command
+    from megatransformer.config import ConfigError, load_config
+
+    small = command.local_device(load_config("llama-style"), 1, need_peak=False)[0]
+    monkeypatch.setattr("megatransformer.planner.cpu_device", lambda ranks: replace(small, memory_gib=4.0))
+    monkeypatch.setattr(command, "cpu_tflops", lambda precision: 0.1)
+    cfg = load_config("llama-style", ["train.micro_batch_size=16", "train.global_batch_size=64"])
+    with pytest.raises(ConfigError) as err:
+        command.check_layout_fits(cfg, 1, 1)
+    line = str(err.value)
+    assert line.startswith("this run's layout (dp1, ZeRO-1, mb 16 x 4) needs ")
+    assert "GiB more than the 4.0 GiB of its CPU (largest part: activations" in line
+    assert "the best layout that fits: dp1" in line and line.endswith("train.check_memory=false skips this check")
+    command.check_layout_fits(load_config("llama-style", ["train.micro_batch_size=1", "train.grad_accum=1"]), 1, 1)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"arch": "encoder", "ffn": "gelu", "position": "learned", "norm": "layernorm", "bias": True},
+        {"arch": "encoder_decoder", "ffn": "relu", "tie_embeddings": False, "share_embeddings": False},
+        {"norm_position": "post", "position": "sinusoidal"},
+    ],
+)
+def test_parameter_counts_are_the_model_s(fields: dict) -> None:
+    from megatransformer.config import ModelConfig
+    from megatransformer.flops import model_size
+    from megatransformer.planner import parameter_counts
+
+    cfg = ModelConfig(**(SMALL | fields))
+    assert sum(parameter_counts(cfg)) == model_size(cfg).params
