@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -61,18 +62,26 @@ class Section(BaseModel):
     @classmethod
     def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         values = value if isinstance(value, (list, tuple)) else [value]
-        if any(isinstance(v, bool) for v in values) and not _takes_booleans(cls.model_fields[info.field_name]):
+        field = cls.model_fields[info.field_name]
+        number = _admits(field, _number_type) and not _admits(field, _boolean_type)
+        if number and any(isinstance(v, bool) for v in values):
             raise PydanticCustomError(BOOLEAN_NUMBER, "a boolean where a number is meant")
         return value
 
 
-def _takes_booleans(field: FieldInfo) -> bool:
-    """Whether a field's annotation admits a boolean anywhere (``bool``, ``bool | None``, ``Literal[True]``, Any)."""
+def _boolean_type(annotation: Any) -> bool:
+    return annotation is bool or annotation is Any or isinstance(annotation, bool)
+
+
+def _number_type(annotation: Any) -> bool:
+    return annotation in (int, float) or (isinstance(annotation, (int, float)) and not isinstance(annotation, bool))
+
+
+def _admits(field: FieldInfo, kind: Callable[[Any], bool]) -> bool:
+    """Whether a field's annotation admits a value of ``kind`` anywhere (in a union, a list, a ``Literal``)."""
 
     def admits(annotation: Any) -> bool:
-        if annotation is bool or annotation is Any or isinstance(annotation, bool):
-            return True
-        return any(admits(arg) for arg in typing.get_args(annotation))
+        return kind(annotation) or any(admits(arg) for arg in typing.get_args(annotation))
 
     return admits(field.annotation)
 
