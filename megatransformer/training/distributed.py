@@ -40,6 +40,8 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
     longer than ``timeout_minutes`` for the other ranks fails (parallel.timeout_minutes)."""
     import torch
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        end_with_launcher()
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "WORLD_SIZE" not in os.environ:  # a plain single process: a world of one
@@ -78,6 +80,23 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
         distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, f"cuda:{local_rank}" if cuda else "cpu")
+
+
+def end_with_launcher() -> None:
+    """A rank torchrun started ends with it: torchrun starts each rank in a session of its own, so a launcher
+    killed outright (SIGKILL, the OOM killer) would leave its ranks training on, writing into the run directory
+    and holding its lock, while a restarted run waits for them. Linux ends them then (PR_SET_PDEATHSIG);
+    elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != launcher:  # (the launcher ended before the signal was asked for)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def teardown() -> None:

@@ -7,10 +7,11 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from support import REPO
-from support.runs import ONE_THREAD, clean_env, launch_command, losses, metrics, run_launch, write_tiny_config
+from support.runs import ONE_THREAD, alive, clean_env, launch_command, losses, metrics, run_launch, write_tiny_config
 
 
 def test_inconsistent_environment_is_one_line_and_exit_2():
@@ -85,3 +86,33 @@ def test_torchrun_two_processes_zero2(tmp_path, tiny_data):
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
+
+
+def test_a_rank_ends_when_its_launcher_is_killed(tmp_path):
+    """torchrun starts each rank in a session of its own; a rank must not train on once its launcher is killed
+    outright (SIGKILL), or it keeps writing into the run directory and holding its lock."""
+    ready = tmp_path / "ready"
+    rank = (
+        "from megatransformer.training.distributed import end_with_launcher; end_with_launcher(); "
+        f"open({str(ready)!r}, 'w').close(); import time; time.sleep(120)"
+    )
+    launcher = textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {rank!r}], start_new_session=True)
+        print(child.pid, flush=True)
+        time.sleep(120)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    child = int(process.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # (the rank has asked to end with its launcher)
+            assert time.monotonic() < deadline, "the rank did not start"
+            time.sleep(0.05)
+    finally:
+        process.kill()
+        process.wait()
+    deadline = time.monotonic() + 30
+    while alive(child):
+        assert time.monotonic() < deadline, "the rank outlived its launcher"
+        time.sleep(0.05)

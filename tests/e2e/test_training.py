@@ -73,7 +73,7 @@ def test_validation_is_split_across_data_parallel_ranks_with_one_rank_numbers(ti
     """Three validation batches over two ZeRO-3 ranks (2 + 1, the second rank runs a dropped forward to keep
     the parameter gathers in step) give the loss and token count of one rank evaluating all three."""
     two, one = tmp_path / "two", tmp_path / "one"
-    frozen = ["train.max_steps=1", "optim.lr=1e-12", "train.eval_batches=3"]  # the same weights in both runs
+    frozen = ["train.max_steps=1", "optim.lr=1e-10", "train.eval_batches=3"]  # the same weights in both runs
     train(tiny_run(tiny_data, two) + frozen + ["parallel.zero_stage=3"], nproc=2)
     train(tiny_run(tiny_data, one) + frozen)
     (val_two,), (val_one,) = ([r for r in metrics(run) if "val_loss" in r] for run in (two, one))

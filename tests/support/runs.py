@@ -143,8 +143,9 @@ def train(
 
 
 def kill_when(path: Path, overrides: list[str], nproc: int = 1) -> None:
-    """``megatransformer train`` on ``nproc`` ranks, killed with SIGKILL (launcher and ranks: its whole process
-    group) as soon as ``path`` exists; an error if it ends before."""
+    """``megatransformer train`` on ``nproc`` ranks, killed with SIGKILL as soon as ``path`` exists (the launcher's
+    process group; torchrun's ranks, each in a session of its own, end with it), returning once every rank has
+    ended; an error if the run ends before."""
     process = subprocess.Popen(
         train_command(nproc) + overrides, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -153,9 +154,32 @@ def kill_when(path: Path, overrides: list[str], nproc: int = 1) -> None:
             assert process.poll() is None, f"the run ended (exit {process.returncode}) before {path} was written"
             time.sleep(0.01)
     finally:
+        ranks = children(process.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+        deadline = time.monotonic() + 60
+        while any(alive(pid) for pid in ranks):
+            assert time.monotonic() < deadline, f"ranks {ranks} outlived their killed launcher"
+            time.sleep(0.05)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rsplit(") ", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has ended: its locks and files are released)."""
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z")
+    except OSError:
+        return False
 
 
 def free_port() -> str:
