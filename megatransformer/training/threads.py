@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
+import time
 from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
@@ -30,9 +32,24 @@ def cgroup_quota(cgroup: Path = CGROUP) -> float | None:
         return None
 
 
+def other_load(readings: int = 9, interval: float = 0.02) -> float:
+    """Runnable tasks of other work now: the median of a few readings of /proc/loadavg's running count, less this
+    process. (The 1-minute load average remembers the last minute, this process's own work and a run that just
+    ended included; it is the answer only where there is no /proc.)"""
+    counts = []
+    for _ in range(readings):
+        try:
+            running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return os.getloadavg()[0]
+        counts.append(max(0, running - 1))
+        time.sleep(interval)
+    return float(statistics.median(counts))
+
+
 def pick_threads(cores: float, load: float, processes: int = 1) -> int:
     """Intra-op threads for each of ``processes`` processes of a run on ``cores`` usable cores with ``load``
-    runnable tasks of other work (the 1-minute load average): the cores left free, at least 1."""
+    runnable tasks of other work (:func:`other_load`): the cores left free, at least 1."""
     free = (cores - load) / processes
     return max(1, min(math.floor(cores / processes), math.floor(free + 0.5)))
 
@@ -45,7 +62,7 @@ def set_threads_for_machine(environ: dict[str, str] | None = None) -> str | None
         return None
     import torch
 
-    cores, load = usable_cores(), os.getloadavg()[0]
+    cores, load = usable_cores(), other_load()
     processes = int(environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = pick_threads(cores, load, processes)
     default = torch.get_num_threads()
