@@ -305,3 +305,16 @@ def run_launch(args: list[str], env: dict[str, str], timeout: float = 60) -> sub
     return subprocess.run(
         [sys.executable, "-m", "launch", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def trainer_state_record(**changes) -> dict:
+    """A checkpoint's trainer.json record (step 40 of a one-rank ZeRO-0 run, no tokenizer hash), with ``changes``."""
+    return {
+        "step": 40,
+        "tokens": 1,
+        "bad_steps": 0,
+        "tokenizer_sha256": None,
+        "world_size": 1,
+        "tensor_parallel": 1,
+        "zero_stage": 0,
+    } | changes

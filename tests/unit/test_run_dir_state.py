@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.runs import trainer_state_record
 
 from data_pipeline import WriteFailed
 from megatransformer import checkpoint as ckpt
@@ -20,16 +21,7 @@ AFTER = {"losses": [3.0], "recent": [], "rollbacks": 1, "skip_rows": [[8, 96]]}
 
 
 def trainer_state(**changes) -> dict:
-    return {
-        "step": 40,
-        "tokens": 1,
-        "bad_steps": 0,
-        "tokenizer_sha256": None,
-        "world_size": 1,
-        "tensor_parallel": 1,
-        "zero_stage": 0,
-        "spikes": BEFORE,
-    } | changes
+    return trainer_state_record(spikes=BEFORE) | changes
 
 
 def checkpoint_of(run_dir, step: int, manifest: bytes = b'{"format": 1}') -> ckpt.TrainerState:

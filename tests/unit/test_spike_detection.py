@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 from support import assert_one_line
+from support.runs import trainer_state_record
 
 from megatransformer.config import SpikesConfig
 from megatransformer.training.spikes import (
@@ -166,18 +167,7 @@ def test_a_checkpoint_of_an_older_version_without_gradient_norms_loads_and_warms
     from megatransformer.checkpoint import TrainerState
 
     spikes = {"losses": noisy_losses(40), "recent": [], "rollbacks": 1, "skip_rows": [[8, 96]]}
-    state = TrainerState.model_validate(
-        {
-            "step": 40,
-            "tokens": 1,
-            "bad_steps": 0,
-            "tokenizer_sha256": None,
-            "world_size": 1,
-            "tensor_parallel": 1,
-            "zero_stage": 0,
-            "spikes": spikes,
-        }
-    )
+    state = TrainerState.model_validate(trainer_state_record(spikes=spikes))
     ladder = SpikeLadder(SpikesConfig(window=50, warmup=10, grad_norm=True), state.spikes.ladder_state())
     assert ladder.detector.values == spikes["losses"] and ladder.rollbacks == 1
     assert ladder.grad_norm_detector.values == [] and ladder.grad_norm_detector.threshold() is None
