@@ -7,6 +7,7 @@ shards: docs/data.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -33,7 +34,7 @@ from data_pipeline.tokenizer import TokenizerInfo
 SPLIT_SALT = {"train": 0, "valid": 1}
 STATE_FORMAT = 2  # format 1 (before streams): per-reader positions, resumable on the same layout only
 MAX_EMPTY_EPOCHS = 100  # epochs in a row in which a stream's shares were all corrupt: then it fails
-GROUP_TOKENS = 1 << 16  # a block's documents are converted to int64 this many tokens at a time (memory per stream)
+RUN_TOKENS = 1 << 16  # documents are served in runs of whole shuffle blocks of at least this many tokens
 
 
 @dataclass(frozen=True)
@@ -292,8 +293,43 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([k & 0xFFFFFFFF for k in key])
 
 
+@dataclass
+class Run:
+    """Consecutive documents of one share in the order they are served (after the shuffle): document k is
+    ``tokens[bounds[k] : bounds[k + 1]]`` (EOS appended if asked) at Position(epoch, shard, first + k)."""
+
+    epoch: int
+    shard: int  # index into the stream's shares of the epoch
+    first: int
+    tokens: np.ndarray  # the shard's id dtype (widened for EOS if needed)
+    bounds: np.ndarray  # int64, n + 1 ascending from 0
+    prompt_lens: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def starting_at(self, doc: int) -> Run:
+        """The run from its document ``doc`` (a Position's index) on."""
+        k = doc - self.first
+        if k <= 0:
+            return self
+        bounds = self.bounds[k:]
+        prompts = None if self.prompt_lens is None else self.prompt_lens[k:]
+        return Run(self.epoch, self.shard, doc, self.tokens[bounds[0] :], bounds - bounds[0], prompts)
+
+    def position(self, cursor: int) -> Position:
+        """The Position of the run's token ``cursor``."""
+        k = int(np.searchsorted(self.bounds, cursor, side="right")) - 1
+        return Position(self.epoch, self.shard, self.first + k, cursor - int(self.bounds[k]))
+
+    def end(self) -> Position:
+        """The Position right after the run."""
+        return Position(self.epoch, self.shard, self.first + len(self), 0)
+
+
 class DocumentReader:
-    """The documents of one stream and one dataset, in the deterministic order described above."""
+    """The documents of one stream and one dataset, in the deterministic order described above, served as
+    runs: the ``block`` documents shuffled together, concatenated once (no work per document)."""
 
     def __init__(
         self,
@@ -326,18 +362,18 @@ class DocumentReader:
         parts, part, docs = len(range(k % n, self.streams, n)), k // n, shards[shard].documents
         return [Share(shard, part * docs // parts, (part + 1) * docs // parts)]
 
-    def documents(self, start: Position) -> Iterator[tuple[np.ndarray, int, Position]]:
-        """Yield (document tokens as int64, EOS appended if asked; its prompt length, 0 for text; its
-        Position) from ``start`` on (the caller applies start.offset)."""
+    def runs(self, start: Position) -> Iterator[Run]:
+        """The runs of documents from ``start`` on (the caller applies start.offset)."""
         epoch, shard_pos, doc_pos = start.epoch, start.shard, start.doc
         empty_epochs = 0
         while self.epochs is None or epoch < self.epochs:
             shares, served, whole_epoch = self.shares(epoch), self.served, shard_pos == 0 and doc_pos == 0
             while shard_pos < len(shares):
-                share = shares[shard_pos]
-                base = doc_pos // self.block * self.block  # where the permuted run holding doc_pos starts
-                docs = itertools.chain.from_iterable(self._share_documents(share, base))
-                yield from self._permuted(docs, epoch, shard_pos, share, base, doc_pos)
+                base = doc_pos // self.block * self.block  # the start of the run holding doc_pos
+                for run in self._share_runs(epoch, shard_pos, shares[shard_pos], base):
+                    self.served += len(run)
+                    if run.first + len(run) > doc_pos:  # (runs before the resume point are passed over)
+                        yield run.starting_at(doc_pos)
                 shard_pos, doc_pos = shard_pos + 1, 0
             # a stream whose shares were all skipped moves on to the next epoch (other shards), but never spins
             # through epochs without data
@@ -350,47 +386,86 @@ class DocumentReader:
                 )
             epoch, shard_pos = epoch + 1, 0
 
-    def _share_documents(self, share: Share, start: int) -> Iterator[list[tuple[np.ndarray, int]]]:
-        """(tokens, prompt length) of the share's documents from its ``start``-th on, in shard order, a list per
-        run of documents of about GROUP_TOKENS: slices of one array converted (and EOS inserted) at once."""
-        first, stop = share.first + start, share.stop
+    def documents(self, start: Position) -> Iterator[tuple[np.ndarray, int, Position]]:
+        """Yield (document tokens as int64, EOS appended if asked; its prompt length, 0 for text; its
+        Position) from ``start`` on (the caller applies start.offset)."""
+        for run in self.runs(start):
+            bounds = run.bounds.tolist()
+            prompts = itertools.repeat(0) if run.prompt_lens is None else run.prompt_lens.tolist()
+            for k, (a, b, prompt_len) in enumerate(zip(bounds, bounds[1:], prompts)):
+                yield run.tokens[a:b].astype(np.int64), prompt_len, Position(run.epoch, run.shard, run.first + k, 0)
+
+    def _share_runs(self, epoch: int, shard_pos: int, share: Share, base: int) -> Iterator[Run]:
+        """The share's documents from its ``base``-th (the start of a shuffle block) on, in runs of whole
+        shuffle blocks holding at least RUN_TOKENS tokens (the last run: what is left)."""
+        held: list[Block] = []  # documents read and not yet served
+        tokens, first = 0, base
         for index, block in self.opener.blocks(self.shard_set, share):
-            i, stop_here, offsets = max(first - index, 0), min(stop - index, len(block)), block.offsets
-            while i < stop_here:
-                j = int(np.searchsorted(offsets, offsets[i] + GROUP_TOKENS, side="right")) - 1
-                j = min(stop_here, max(i + 1, j))
-                yield self._converted(block, i, j)
-                i = j
+            i, j = max(share.first + base - index, 0), min(share.stop - index, len(block))
+            if i >= j:  # (before the resume point)
+                continue
+            piece = _documents(block, i, j)
+            held.append(piece)
+            tokens += len(piece.ids)
+            if tokens >= RUN_TOKENS:
+                docs = _joined(held)
+                n = len(docs) // self.block * self.block
+                if n:
+                    yield self._run(epoch, shard_pos, share, first, _documents(docs, 0, n))
+                    held, tokens, first = [_documents(docs, n, len(docs))], len(docs.ids) - docs.offsets[n], first + n
+        docs = _joined(held) if held else None
+        if docs is not None and len(docs):
+            yield self._run(epoch, shard_pos, share, first, docs)
 
-    def _converted(self, block: Block, i: int, j: int) -> list[tuple[np.ndarray, int]]:
-        """Documents i .. j - 1 of ``block``."""
-        offsets = block.offsets[i : j + 1]
-        tokens = block.ids[offsets[0] : offsets[-1]].astype(np.int64)
-        offsets = offsets - offsets[0]
-        if self.eos is not None:
-            tokens = np.insert(tokens, offsets[1:], self.eos)
-            offsets = offsets + np.arange(len(offsets))
-        bounds = offsets.tolist()
-        prompts = itertools.repeat(0) if block.prompt_lens is None else block.prompt_lens[i:j].tolist()
-        return list(zip([tokens[a:b] for a, b in zip(bounds, bounds[1:])], prompts))
+    def _run(self, epoch: int, shard_pos: int, share: Share, first: int, docs: Block) -> Run:
+        """``docs`` as a run: each shuffle block permuted if shuffling, EOS appended if asked."""
+        ids, starts, lengths, prompt_lens = docs.ids, docs.offsets[:-1], np.diff(docs.offsets), docs.prompt_lens
+        if self.shuffle:
+            order = np.concatenate(
+                [
+                    _rng(self.seed, epoch, share.shard, share.first + first + s).permutation(
+                        min(self.block, len(docs) - s)
+                    )
+                    + s
+                    for s in range(0, len(docs), self.block)
+                ]
+            )
+            starts, lengths = starts[order], lengths[order]
+            prompt_lens = None if prompt_lens is None else prompt_lens[order]
+            ids = ids[np.arange(len(ids)) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)]
+        prompt_lens = None if prompt_lens is None else prompt_lens.astype(np.int64)
+        extra = int(self.eos is not None)
+        bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths + extra, out=bounds[1:])
+        if not extra:
+            return Run(epoch, shard_pos, first, ids, bounds, prompt_lens)
+        tokens = np.empty(bounds[-1], dtype=_holding(ids.dtype, self.eos))
+        tokens[bounds[1:] - 1] = self.eos
+        tokens[np.arange(len(ids)) + np.repeat(np.arange(len(lengths)), lengths)] = ids
+        return Run(epoch, shard_pos, first, tokens, bounds, prompt_lens)
 
-    def _permuted(
-        self, docs: Iterator, epoch: int, shard_pos: int, share: Share, base: int, first: int
-    ) -> Iterator[tuple[np.ndarray, int, Position]]:
-        """The documents from index ``first`` on with their Positions, each run of ``self.block`` documents
-        permuted; ``docs`` starts at index ``base``, the start of a run."""
-        while run := list(itertools.islice(docs, self.block)):
-            self.served += len(run)
-            if base + len(run) > first:  # (runs before the resume point are passed over)
-                order = (
-                    _rng(self.seed, epoch, share.shard, share.first + base).permutation(len(run)).tolist()
-                    if self.shuffle
-                    else range(len(run))
-                )
-                for j in range(max(first - base, 0), len(run)):
-                    tokens, prompt_len = run[order[j]]
-                    yield tokens, prompt_len, Position(epoch, shard_pos, base + j, 0)
-            base += len(run)
+
+def _documents(block: Block, i: int, j: int) -> Block:
+    """Documents [i, j) of ``block``."""
+    offsets = block.offsets[i : j + 1]
+    prompt_lens = None if block.prompt_lens is None else block.prompt_lens[i:j]
+    return Block(block.ids[offsets[0] : offsets[-1]], offsets - offsets[0], prompt_lens)
+
+
+def _joined(blocks: list[Block]) -> Block:
+    """The documents of ``blocks`` in order, as one block."""
+    if len(blocks) == 1:
+        return blocks[0]
+    ends = np.cumsum([len(b.ids) for b in blocks])
+    offsets = np.concatenate([[0]] + [b.offsets[1:] + end - len(b.ids) for b, end in zip(blocks, ends)])
+    prompt_lens = None if blocks[0].prompt_lens is None else np.concatenate([b.prompt_lens for b in blocks])
+    return Block(np.concatenate([b.ids for b in blocks]), offsets, prompt_lens)
+
+
+@functools.cache
+def _holding(dtype: np.dtype, value: int) -> np.dtype:
+    """The smallest integer type holding ``dtype``'s values and ``value``."""
+    return np.promote_types(dtype, np.min_scalar_type(value))
 
 
 class WindowStream:
@@ -423,43 +498,53 @@ class WindowStream:
         yield from docs
 
     def _packed(self) -> Iterator[Window]:
+        """Windows cut from the documents laid end to end, ``overlap`` tokens shared by neighbours; a window
+        reads across runs (and shards and epochs) where one ends."""
         size = self.objective.window
         stride = size - self.objective.overlap
-        marks_prompts = self.docs.shard_set.manifest.kind == INSTRUCTIONS
-        pending: deque[list] = deque()  # [tokens, Position, first unread offset, prompt length]
-        available = 0
-        for tokens, prompt_len, pos in self._pieces():
-            pending.append([tokens, pos, pos.offset, prompt_len])
-            available += len(tokens) - pos.offset
+        start = self.position
+        pending: deque[Run] = deque()
+        cursor = 0  # where the next window starts in pending[0].tokens
+        available = 0  # tokens in pending from the cursor on
+        for run in self.docs.runs(start):
+            if not pending and (run.epoch, run.shard, run.first) == (start.epoch, start.shard, start.doc):
+                cursor, available = start.offset, -start.offset
+            pending.append(run)
+            available += len(run.tokens)
             while available >= size:
-                chunks, takes, prompts, need = [], [], [], size
-                for t, _, s, p in pending:
-                    take = min(need, len(t) - s)
-                    chunks.append(t[s : s + take])
-                    takes.append(take)
-                    if marks_prompts:
-                        prompts.append(np.arange(s, s + take) < p)
-                    need -= take
-                    if need == 0:
-                        break
-                self._advance(pending, stride, pos)
-                available -= stride
-                segments = np.repeat(np.arange(1, len(takes) + 1), takes)
-                yield Window(np.concatenate(chunks), segments, np.concatenate(prompts) if marks_prompts else None)
+                window = self._window(pending, cursor, size)
+                cursor, available = cursor + stride, available - stride
+                while pending and cursor >= len(pending[0].tokens):
+                    cursor -= len(pending[0].tokens)
+                    last = pending.popleft()
+                self.position = pending[0].position(cursor) if pending else last.end()
+                yield window
 
-    def _advance(self, pending: deque, count: int, last: Position) -> None:
-        while count:
-            t, _, s, _ = pending[0]
-            take = min(count, len(t) - s)
-            pending[0][2] += take
-            count -= take
-            if pending[0][2] == len(t):
-                pending.popleft()
-        if pending:
-            _, p, s, _ = pending[0]
-            self.position = Position(p.epoch, p.shard, p.doc, s)
-        else:  # the next window starts with the next document
-            self.position = Position(last.epoch, last.shard, last.doc + 1, 0)
+    def _window(self, pending: deque[Run], cursor: int, size: int) -> Window:
+        """The ``size`` tokens from ``cursor`` of pending[0] on; segments number the documents (pieces) in it."""
+        tokens, segments, prompts = [], [], []
+        numbered = 0
+        for run in pending:
+            stop = min(cursor + size, len(run.tokens))
+            doc = int(np.searchsorted(run.bounds, cursor, side="right")) - 1  # the document at the cursor
+            later = run.bounds[doc + 1 : int(np.searchsorted(run.bounds, stop, side="left"))] - cursor
+            starts = np.bincount(later, minlength=stop - cursor)  # documents starting at each token
+            starts[0] += 1
+            number = np.cumsum(starts)
+            tokens.append(run.tokens[cursor:stop])
+            segments.append(number + numbered)
+            if run.prompt_lens is not None:
+                docs = doc + number - 1
+                prompts.append(np.arange(cursor, stop) - run.bounds[docs] < run.prompt_lens[docs])
+            size -= stop - cursor
+            if size == 0:
+                break
+            cursor, numbered = 0, numbered + int(number[-1])
+        return Window(
+            np.concatenate(tokens).astype(np.int64),
+            np.concatenate(segments),
+            np.concatenate(prompts) if prompts else None,
+        )
 
     def _rows(self) -> Iterator[Window]:
         size, overlap, shortest = self.objective.window, self.objective.overlap, self.objective.min_tokens
@@ -605,8 +690,9 @@ class StreamSamples:
 
     def __next__(self) -> dict[str, np.ndarray]:
         """The next sample; StopIteration when a finite stream ends (when its first dataset does)."""
-        rng = _rng(self.seed, self.salt, self.stream, self.samples)
-        choice = int(rng.choice(len(self.windows), p=self.weights)) if len(self.windows) > 1 else 0
+        mixed = len(self.windows) > 1
+        rng = _rng(self.seed, self.salt, self.stream, self.samples) if mixed or self.objective.random else None
+        choice = int(rng.choice(len(self.windows), p=self.weights)) if mixed else 0
         window = next(self.windows[choice])
         self.samples += 1
         return self.objective.build(window, rng)

@@ -33,6 +33,8 @@ def doc_positions(segments: np.ndarray) -> np.ndarray:
 
 
 def pad_to(array: np.ndarray, length: int, value: int) -> np.ndarray:
+    if len(array) == length:
+        return array.astype(np.int64, copy=False)
     out = np.full(length, value, dtype=np.int64)
     out[: len(array)] = array
     return out
@@ -63,6 +65,7 @@ class Objective:
     doc_eos: bool = True  # append EOS to every document before cutting it
     packed: bool = True  # examples layout: several examples per row
     capacity: tuple[int, int] = (0, 0)  # examples layout: (encoder, decoder) tokens per row
+    random: bool = True  # build() draws from its generator
 
     def cost(self, n: int) -> tuple[int, int]:
         """examples layout: the (encoder, decoder) tokens an example of n raw tokens takes, at most."""
@@ -80,6 +83,7 @@ class Autoregressive(Objective):
     """Next-token prediction, loss on every real token but prompts; labels never cross a document boundary."""
 
     overlap = 1  # the last token of a window is the first input of the next: every token gets predicted
+    random = False
 
     def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool) -> None:
         self.seq_len, self.window, self.min_tokens = seq_len, seq_len + 1, 2

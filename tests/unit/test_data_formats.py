@@ -34,12 +34,12 @@ def rows(s, tok, dp: int, micro: int, per_rank: int, state=None, skip=None):
 
     def ranks():
         for rank in range(dp):
-            loader = build_loader(s, "train", micro, rank, dp, tok)
+            reader = build_loader(s, "train", micro, rank, dp, tok)
             if state is not None:
-                loader.load_state_dict(state)
+                reader.load_state_dict(state)
             if skip is not None:
-                loader.skip_rows(*skip)
-            yield loader
+                reader.skip_rows(*skip)
+            yield reader
 
     return data.global_rows(ranks(), per_rank)
 
@@ -65,11 +65,12 @@ def test_the_pairs_hold_the_same_documents_in_the_same_shards(formats):
         ("instructions", "prefix_lm", "encoder_decoder"),
     ],
 )
-def test_both_formats_give_the_same_global_rows(formats, tok, name, objective, arch, monkeypatch):
-    one, two = (settings(formats[name, v], objective, arch) for v in (1, 2))
+@pytest.mark.parametrize("shuffle_buffer", [64, 3])  # documents shuffled together: many blocks' worth, part of one
+def test_both_formats_give_the_same_global_rows(formats, tok, name, objective, arch, shuffle_buffer, monkeypatch):
+    one, two = (settings(formats[name, v], objective, arch, shuffle_buffer=shuffle_buffer) for v in (1, 2))
     expected = rows(one, tok, 2, 4, 16)
     assert_same_batches(rows(two, tok, 2, 4, 16), expected)
-    monkeypatch.setattr(loader, "GROUP_TOKENS", 64)  # a block's documents converted a few at a time
+    monkeypatch.setattr(loader, "RUN_TOKENS", 40)  # runs of one or a few shuffle blocks, cut inside tar samples
     assert_same_batches(rows(two, tok, 2, 4, 16), expected)
 
 
@@ -81,12 +82,12 @@ def test_resume_exact_and_elastic_on_format_2_continues_format_1s_rows(formats, 
     loaders = [build_loader(two, "train", 2, rank, 2, tok) for rank in range(2)]
     first = data.global_rows(loaders, 6)
     assert_same_batches(first, reference[:12])
-    states = [loader.state_dict() for loader in loaders]
+    states = [reader.state_dict() for reader in loaders]
     resumed = []
     for rank, state in enumerate(states):
-        loader = build_loader(two, "train", 2, rank, 2, tok)
-        loader.load_state_dict(state)
-        resumed.append(loader)
+        reader = build_loader(two, "train", 2, rank, 2, tok)
+        reader.load_state_dict(state)
+        resumed.append(reader)
     assert_same_batches(data.global_rows(resumed, 6), reference[12:24])
     elastic = rows(settings(formats["text", 2]), tok, 1, 4, 24, state=merge_states(states))
     assert_same_batches(elastic, reference[12:36])
