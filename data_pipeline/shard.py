@@ -248,6 +248,20 @@ class Block:
             raise DataError("a sample's offsets or prompt lengths do not match its token ids")
         return cls(ids, offsets, prompt_lens)
 
+    @staticmethod
+    def documents_in(sample: dict[str, bytes]) -> int:
+        """The documents of a sample of either format, from its offsets alone (its ids neither decompressed
+        nor decoded)."""
+        offsets = {name: data for name, data in sample.items() if name in ("offsets.npy", "offsets.npy.zst")}
+        if not offsets:
+            return 1  # format 1
+        try:
+            return len(decode_ids(next(data for _, data in _decompressed(offsets)))) - 1
+        except ValueError as err:
+            if isinstance(err, DataError):
+                raise
+            raise DataError(f"a sample is malformed ({type(err).__name__}: {err})") from None
+
 
 class ShardWriter:
     """Packs documents into blocks of whole documents (the first ones whose ids reach ``block_bytes``) and

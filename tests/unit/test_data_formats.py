@@ -137,3 +137,26 @@ def test_resume_on_compressed_shards_continues_the_rows(formats, tok):
     resumed = build_loader(packed, "train", 4, 0, 1, tok)
     resumed.load_state_dict(first.state_dict())
     assert_same_batches(data.global_rows([resumed], 12), reference[12:])
+
+
+def test_a_stream_reading_part_of_a_compressed_shard_decompresses_its_part_only(tiny_data, tmp_path, monkeypatch):
+    """A one-shard dataset read by 8 streams (each a part of the shard): together they read every document once,
+    in order, and each decompresses the blocks of its own part only (those before it are only counted)."""
+    from data_pipeline.loader import DocumentReader, Position, ShardOpener, resolve_datasets
+    from data_pipeline.remote import Retry
+    from data_pipeline.shard import Block, write_shards
+
+    out = tmp_path / "one-shard"
+    kw = {"shard_mb": 64, "block_mb": 0.004, "valid_every": 0, "workers": 1, "progress": False}
+    write_shards([str(tiny_data.corpus)], str(tiny_data.tokenizer), out, compression="zstd", **kw)
+    (info,) = Manifest.load(out).splits["train"]
+    read_blocks = []
+    from_sample = Block.from_sample
+    monkeypatch.setattr(Block, "from_sample", staticmethod(lambda s: read_blocks.append(1) or from_sample(s)))
+    (shard_set,) = resolve_datasets(str(out), "train", Retry())
+    streams = [
+        [ids.tolist() for ids, _, _ in DocumentReader(shard_set, 0, k, 8, False, 1, opener, 1).documents(Position())]
+        for k, opener in ((k, ShardOpener("error", Retry())) for k in range(8))
+    ]
+    assert [doc for stream in streams for doc in stream] == [ids for ids, _ in data.shard_documents(out)]
+    assert info.samples > 40 and len(read_blocks) <= 2 * info.samples + 8  # (from the start each: 5x)

@@ -236,6 +236,7 @@ def test_compression_refusals_and_a_corrupt_member():
     assert set(sample) == {"__key__", "ids.npy.zst", "offsets.npy.zst", "prompt_lens.npy.zst"}
     block = Block.from_sample(sample)
     assert block.ids.tolist() == ids.tolist() and block.prompt_lens.tolist() == [1, 2]
+    assert Block.documents_in(sample) == 2 and Block.documents_in(Block(ids, np.array([0, 10])).sample("k", 1)) == 1
     with pytest.raises(DataError, match=r"a sample's ids\.npy\.zst is not valid zstd"):
         Block.from_sample({**sample, "ids.npy.zst": sample["ids.npy.zst"][:-5]})
     with pytest.raises(DataError, match=r"--compress lz4 is not a compression this code writes \(none, zstd\)"):
