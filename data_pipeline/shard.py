@@ -52,7 +52,7 @@ READABLE_VERSIONS = (1, 2)
 BLOCK_BYTES = 1 << 20  # token ids per sample (format 2): large next to its headers, small for the shuffle
 TEXT, INSTRUCTIONS = "text", "prompt_completion"  # Manifest.kind
 COMPRESSIONS = ("zstd",)  # Manifest.compression, besides None: each member of a sample compressed
-ZSTD_LEVEL = 3  # most of level 19's saving at ~50x its speed (BENCHMARKS.md 5t)
+ZSTD_LEVEL = 3  # most of level 19's saving at ~100x its speed (BENCHMARKS.md 5t)
 
 
 @dataclass

@@ -111,6 +111,7 @@ def test_mixtures_of_either_format_give_the_same_rows(formats, tok):
     reference = rows(mixture(1, 1), tok, 2, 4, 16)
     assert_same_batches(rows(mixture(2, 2), tok, 2, 4, 16), reference)
     assert_same_batches(rows(mixture(2, 1), tok, 2, 4, 16), reference)  # the formats may be mixed
+    assert_same_batches(rows(mixture("zstd", 1), tok, 2, 4, 16), reference)  # and compressed with plain
 
 
 def test_compressed_shards_are_smaller_and_give_the_same_rows_locally_and_over_http(formats, tok):
