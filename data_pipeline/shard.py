@@ -217,7 +217,9 @@ class Block:
         sample["offsets.npy"] = _npy(self.offsets.astype(np.uint32))
         if self.prompt_lens is not None:
             sample["prompt_lens.npy"] = _npy(self.prompt_lens.astype(np.uint32))
-        if compression == "zstd":
+        if compression is not None:
+            if compression not in COMPRESSIONS:
+                raise DataError(f"unknown compression {compression!r} (known: {', '.join(COMPRESSIONS)})")
             compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
             sample = {f"{name}.zst": compressor.compress(data) for name, data in sample.items()}
         return {"__key__": key, **sample}
@@ -252,14 +254,13 @@ class Block:
     def documents_in(sample: dict[str, bytes]) -> int:
         """The documents of a sample of either format, from its offsets alone (its ids neither decompressed
         nor decoded)."""
-        offsets = {name: data for name, data in sample.items() if name in ("offsets.npy", "offsets.npy.zst")}
-        if not offsets:
+        name = next((name for name in ("offsets.npy", "offsets.npy.zst") if name in sample), None)
+        if name is None:
             return 1  # format 1
+        offsets = dict(_decompressed({name: sample[name]}))[name]
         try:
-            return len(decode_ids(next(data for _, data in _decompressed(offsets)))) - 1
+            return len(decode_ids(offsets)) - 1
         except ValueError as err:
-            if isinstance(err, DataError):
-                raise
             raise DataError(f"a sample is malformed ({type(err).__name__}: {err})") from None
 
 

@@ -239,6 +239,8 @@ def test_compression_refusals_and_a_corrupt_member():
     assert Block.documents_in(sample) == 2 and Block.documents_in(Block(ids, np.array([0, 10])).sample("k", 1)) == 1
     with pytest.raises(DataError, match=r"a sample's ids\.npy\.zst is not valid zstd"):
         Block.from_sample({**sample, "ids.npy.zst": sample["ids.npy.zst"][:-5]})
+    with pytest.raises(DataError, match=r"a sample's offsets\.npy\.zst is not valid zstd"):
+        Block.documents_in({**sample, "offsets.npy.zst": b"not zstd"})
     with pytest.raises(DataError, match=r"--compress lz4 is not a compression this code writes \(none, zstd\)"):
         write_shards(["x.txt"], "tok.json", "out", compression="lz4")
     with pytest.raises(DataError, match="compressed shards are format 2"):
