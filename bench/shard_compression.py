@@ -16,7 +16,8 @@ of documents:
 
 the documents are cut into the blocks a ShardWriter writes (~1 MiB of ids each) and measured per block, on
 one core: the sample's bytes (ids, offsets, .npy headers) plain and zstd at each level, the ids split into
-byte planes (the high bytes, then the low ones) at the writer's level; compressing in tokens/s (the members
+byte planes (the high bytes, then the low ones) at the writer's level, the same ids stored as uint32 (as a
+vocabulary over 65,536 stores them) plain and at the writer's level; compressing in tokens/s (the members
 with ``zstandard``, as ``Block.sample`` does) and reading a block back with ``Block.from_sample`` (the loader's
 own path: decompress and decode) in tokens/s, plain and compressed. With ``--load-streams``, the ``corpus``
 set is also sharded both ways (``--load-shard-mb``) and read by the loader (autoregressive, main process) with
@@ -117,6 +118,10 @@ def measure(blocks: list[Block], levels: list[int], repeat: int) -> dict:
         for b, m in zip(blocks, members)
     )
     row[f"planes zstd {ZSTD_LEVEL}"] = planes / tokens
+    wide = [Block(b.ids.astype(np.uint32), b.offsets).sample("k") for b in blocks]  # as a >65,536 vocabulary's
+    row["uint32"] = sum(len(d) for s in wide for n, d in s.items() if n != "__key__") / tokens
+    packed = [Block(b.ids.astype(np.uint32), b.offsets).sample("k", compression="zstd") for b in blocks]
+    row[f"uint32 zstd {ZSTD_LEVEL}"] = sum(len(d) for s in packed for n, d in s.items() if n != "__key__") / tokens
     return row
 
 
@@ -211,9 +216,11 @@ def table_line(row: dict, levels: list[int]) -> str:
     compress = " ".join(f"{row[f'zstd {level} compress_tokens_per_s'] / 1e6:,.1f}" for level in levels)
     read = " ".join(f"{row[f'zstd {level} read_tokens_per_s'] / 1e6:,.0f}" for level in levels)
     planes = next(v for k, v in row.items() if k.startswith("planes"))
+    wide = next(v for k, v in row.items() if k.startswith("uint32 zstd"))
     return (
         f"vocab {row['vocab']:>6,} {row['set']:12s} {row['tokens']:>9,} tokens in {row['blocks']:>2} blocks: "
-        f"bytes/token plain {row['plain']:.2f}, zstd {sizes} (planes {planes:.2f}); "
+        f"bytes/token plain {row['plain']:.2f}, zstd {sizes} (planes {planes:.2f}; uint32 {row['uint32']:.2f}, "
+        f"zstd {wide:.2f}); "
         f"compress {compress} M tokens/s; read plain {row['read_plain_tokens_per_s'] / 1e6:,.0f}, zstd {read} "
         "M tokens/s"
     )
