@@ -2,11 +2,12 @@
 
     python bench/data.py [--input FILES...] [--seq-len 1024] [--batches 50] [--http] [--json OUT]
     python bench/data.py --doc-tokens 100,500,1500 --formats 1,2 --train-steps 0
+    python bench/data.py --doc-tokens 100,1500 --compress none,zstd --train-steps 0
 
 Without ``--input`` the corpus is the standard library's docstrings (``megatransformer data demo-corpus``),
 repeated ``--repeat`` times so that sharding runs long enough to time; with ``--doc-tokens`` it is instead one
 set of synthetic documents per length (random runs of the corpus's words, ``--set-tokens`` tokens a set, as
-.jsonl). Measures, for each shard format of ``--formats``:
+.jsonl). Measures, for each shard format of ``--formats`` and each of ``--compress`` (format 2):
 
 1. shard writing (read + tokenize + write tars) with 1 tokenizer process and with all cores, the shards' bytes
    per token, and (with ``--doc-tokens``) the bare tokenizer (``encode_batch`` on the same texts);
@@ -81,29 +82,45 @@ def bench_tokenizer(files: list[str], tokenizer: Path) -> list[dict]:
     return [{"stage": "tokenize", "workers": 1, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}]
 
 
+def shard_formats(versions: tuple[int, ...], compressions: tuple[str | None, ...]) -> list[tuple[int, str | None]]:
+    """The (format version, compression) pairs to write: format 1 is never compressed."""
+    return [(v, c) for v in versions for c in compressions if v == 2 or c is None]
+
+
+def format_directory(work: Path, version: int, compression: str | None, workers: int) -> Path:
+    return work / f"format-{version}{'-' + compression if compression else ''}" / f"shards-{workers}"
+
+
 def bench_sharding(
-    files: list[str], tokenizer: Path, work: Path, cores: int, versions: tuple[int, ...] = (2,), shard_mb: float = 0.25
+    files: list[str],
+    tokenizer: Path,
+    work: Path,
+    cores: int,
+    versions: tuple[int, ...] = (2,),
+    shard_mb: float = 0.25,
+    compressions: tuple[str | None, ...] = (None,),
 ) -> list[dict]:
-    """Shard writing into ``work/format-V/shards-W`` with W = 1 and ``cores`` tokenizer processes, the formats
-    side by side for each W."""
+    """Shard writing into ``format_directory`` with 1 and ``cores`` tokenizer processes, the formats (and
+    compressions) side by side for each."""
     import webdataset  # noqa: F401 - imported before the first clock starts
 
     from data_pipeline.shard import write_shards
 
     rows = []
     for workers in sorted({1, cores}):
-        for version in versions:
+        for version, compression in shard_formats(versions, compressions):
             started = time.perf_counter()
             manifest = write_shards(
                 files,
                 str(tokenizer),
-                work / f"format-{version}" / f"shards-{workers}",
+                format_directory(work, version, compression, workers),
                 shard_mb=shard_mb,
                 valid_every=100,
                 workers=workers,
                 progress=False,
                 overwrite=True,
                 version=version,
+                compression=compression,
             )
             elapsed = time.perf_counter() - started
             tokens = sum(manifest.tokens(split) for split in manifest.splits)
@@ -115,6 +132,7 @@ def bench_sharding(
                     "seconds": elapsed,
                     "tokens_per_s": tokens / elapsed,
                     "format": version,
+                    "compression": compression,
                     "bytes_per_token": manifest.bytes_per_token("train"),
                 }
             )
@@ -122,7 +140,7 @@ def bench_sharding(
 
 
 def bench_loading(
-    shards: dict[int, str],
+    shards: dict[tuple[int, str | None], str],
     tokenizer: Path,
     seq_len: int,
     micro: int,
@@ -130,8 +148,9 @@ def bench_loading(
     cores: int,
     objectives: list[tuple[str, str]] = OBJECTIVES,
     where: str = "local",
+    streams: int | None = None,
 ) -> list[dict]:
-    """The loader on the shard directories of ``shards`` (format -> directory), the formats side by side."""
+    """The loader on the shard directories of ``shards`` ((format, compression) -> directory), side by side."""
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import validate
     from megatransformer.training.data import build_run_loader
@@ -140,7 +159,7 @@ def bench_loading(
     rows = []
     for objective, arch in objectives:
         for workers in sorted({0, cores}):
-            for version, directory in shards.items():
+            for (version, compression), directory in shards.items():
                 cfg = validate(
                     {
                         "model": {"arch": arch, "vocab_size": tok.vocab_size, "max_seq_len": seq_len},
@@ -149,7 +168,8 @@ def bench_loading(
                             "tokenizer": str(tokenizer),
                             "seq_len": seq_len,
                             "num_workers": workers,
-                        },
+                        }
+                        | ({"streams": streams} if streams else {}),
                         "objective": objective,
                     }
                 )
@@ -174,6 +194,7 @@ def bench_loading(
                         "tokens_per_s": tokens / elapsed,
                         "real_tokens_per_s": real / elapsed,
                         "format": version,
+                        "compression": compression,
                     }
                 )
     return rows
@@ -312,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--set-tokens", type=int, default=600_000, help="tokens of each synthetic set")
     p.add_argument("--formats", default="2", help="shard formats to write and load, e.g. 1,2 (before and after)")
+    p.add_argument("--compress", default="none", help="compressions of format 2 to write and load, e.g. none,zstd")
     p.add_argument(
         "--shard-mb", type=float, default=0.25, help="shard size (small: the loaders' streams get several shards)"
     )
@@ -321,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=50)
     p.add_argument("--train-steps", type=int, default=3, help="0 skips the training-step measurement")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="'all cores' (default: os.cpu_count())")
+    p.add_argument("--streams", type=int, help="the loader's data.streams (default: the config's default)")
     p.add_argument("--http", action="store_true", help="also load (autoregressive) from an HTTP server on loopback")
     p.add_argument(
         "--manifest-shards", type=int, default=0, help="also time a loader over a manifest of this many shards"
@@ -353,16 +376,26 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(bare)
             out = work / f"set-{len(rows)}"
             versions = tuple(map(int, args.formats.split(",")))
-            rows += bench_sharding(inputs, tokenizer, out, args.workers, versions, args.shard_mb)
-            shards = {v: str(out / f"format-{v}" / f"shards-{args.workers}") for v in versions}
+            compressions = tuple(None if c == "none" else c for c in args.compress.split(","))
+            rows += bench_sharding(inputs, tokenizer, out, args.workers, versions, args.shard_mb, compressions)
+            shards = {
+                (v, c): str(format_directory(out, v, c, args.workers)) for v, c in shard_formats(versions, compressions)
+            }
             rows += bench_loading(
-                shards, tokenizer, args.seq_len, args.micro_batch, args.batches, args.workers, objectives
+                shards,
+                tokenizer,
+                args.seq_len,
+                args.micro_batch,
+                args.batches,
+                args.workers,
+                objectives,
+                streams=args.streams,
             )
             if args.http:  # the same shards streamed from an HTTP server on this machine
-                for version, directory in shards.items():
+                for key, directory in shards.items():
                     with http_server(Path(directory)) as url:
                         rows += bench_loading(
-                            {version: url},
+                            {key: url},
                             tokenizer,
                             args.seq_len,
                             args.micro_batch,
@@ -370,11 +403,12 @@ def main(argv: list[str] | None = None) -> int:
                             args.workers,
                             OBJECTIVES[:1],
                             where="http",
+                            streams=args.streams,
                         )
             for row in rows:
                 row.setdefault("set", label)
         if args.manifest_shards:
-            last = Path(shards[versions[-1]])
+            last = Path(list(shards.values())[-1])
             rows += bench_many_shards(last, tokenizer, args.manifest_shards, args.seq_len, args.micro_batch, work)
         if args.train_steps:
             rows += bench_train_step(args.seq_len, args.micro_batch, args.train_steps, args.vocab_size)
@@ -390,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         if "real_tokens_per_s" in row:
             notes.append(f"{row['real_tokens_per_s']:,.0f} without padding")
         if "format" in row:
-            notes.append(f"format {row['format']}")
+            notes.append(f"format {row['format']}" + (f" {row['compression']}" if row.get("compression") else ""))
         if row.get("set"):
             notes.append(row["set"])
         if row.get("bytes_per_token"):

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from data_pipeline.loader import LoaderSettings
+from data_pipeline.loader import LoaderSettings, ShardSet
 from megatransformer.batch import IGNORE_INDEX
 
 
@@ -39,6 +39,18 @@ def batch_stats(
         if spans:
             stats["mean_noise_span_length"] = noise / spans
     return stats
+
+
+def describe(shard_set: ShardSet) -> dict:
+    """How a dataset's shards of one split are stored: the manifest's format and compression, bytes per
+    token."""
+    m = shard_set.manifest
+    return {
+        "directory": shard_set.directory,
+        "format": m.version,
+        "compression": m.compression,
+        "bytes_per_token": m.bytes_per_token(shard_set.split),
+    }
 
 
 def show_row(batch: dict[str, torch.Tensor], row: int, tok, objective: str) -> str:
@@ -98,13 +110,17 @@ def inspect_batches(
     per_batch = [batch_stats(b, objective, tok.mask_id, tok.eos_id, set(tok.sentinel_ids)) for b in batches]
     stats = {key: sum(s[key] for s in per_batch) / len(per_batch) for key in per_batch[0]}
     stats["tokens_per_second"] = tokens / max(elapsed, 1e-9)
+    datasets = [describe(src) for src in loader.spec.shard_sets]
     if as_json:
-        print(json.dumps({"objective": objective, "batches": len(batches), **stats}, indent=2))
+        print(json.dumps({"objective": objective, "batches": len(batches), **stats, "datasets": datasets}, indent=2))
         return 0
     for b, batch in enumerate(batches):
         print(f"batch {b}: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items()))
         for row in range(min(2, batch["input_ids"].shape[0])):
             print(f" row {row}:\n{show_row(batch, row, tok, objective)}")
+    for d in datasets:
+        size = "" if d["bytes_per_token"] is None else f", {d['bytes_per_token']:.2f} bytes per token"
+        print(f"{split} data {d['directory']}: format {d['format']}, {d['compression'] or 'uncompressed'}{size}")
     print(f"objective {objective}, {len(batches)} batches of {micro}")
     for key, value in stats.items():
         print(f"  {key:26s} {value:,.4f}")

@@ -260,9 +260,13 @@ def _tar_blocks(fileobj: BinaryIO, info: ShardInfo, share: Share, where: str) ->
     samples = documents = 0
     with tarfile.open(fileobj=fileobj, mode="r|") as tar:
         for sample in _tar_samples(tar):
+            if documents < share.first:  # before the share: only counted (compressed ids stay compressed)
+                count = Block.documents_in(sample)
+                if documents + count <= share.first:
+                    samples, documents = samples + 1, documents + count
+                    continue
             block = Block.from_sample(sample)
-            if documents + len(block) > share.first:
-                yield documents, block
+            yield documents, block
             samples, documents = samples + 1, documents + len(block)
             if documents >= share.stop and share.stop < info.documents:
                 return

@@ -114,7 +114,7 @@ def _merged_manifest(directory: Path, parts: list[tuple[Path, dict]]) -> dict:
             elif key != "splits" and manifest.get(key) != merged.get(key):
                 raise DataError(
                     f"{first_path} and {path} differ in {key} ({merged.get(key)} vs {manifest.get(key)}): "
-                    "made with another tokenizer or format; re-make the parts alike"
+                    "made with another tokenizer, format or --compress; re-make the parts alike"
                 )
         for split, shards in manifest["splits"].items():
             splits.setdefault(split, []).extend({**s, "file": f"{path.name}/{s['file']}"} for s in shards)

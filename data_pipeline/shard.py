@@ -8,7 +8,10 @@ Layout of a shard directory (format 2; docs/data.md shows a reader)::
                            prompt_lens[i] ids of example i are its prompt
     valid-000000.tar ...   the held-out split (deterministic: every N-th document, see ``held_out``)
     manifest.json          format version; per shard its samples, documents, tokens, bytes and sha256;
-                           tokenizer hash, dtype, vocab size
+                           tokenizer hash, dtype, vocab size, compression
+
+With ``compression="zstd"`` every member of a sample is zstd-compressed and named ``<member>.zst``
+(``ids.npy.zst``, ...); the tars themselves stay plain.
 
 Format 1 (still read) held one document per sample ("ids.npy", and "prompt_len" as text for instructions).
 A part of the input (``part``) is written to a subdirectory and finished by a part record instead of the
@@ -35,6 +38,7 @@ from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
+import zstandard
 
 from data_pipeline import STORAGE_ERRNOS, DataError, write_failed
 from data_pipeline.documents import DecodeStats, Document, Piece, read_documents
@@ -47,6 +51,8 @@ FORMAT_VERSION = 2  # written; format 1 (a sample per document) is still read
 READABLE_VERSIONS = (1, 2)
 BLOCK_BYTES = 1 << 20  # token ids per sample (format 2): large next to its headers, small for the shuffle
 TEXT, INSTRUCTIONS = "text", "prompt_completion"  # Manifest.kind
+COMPRESSIONS = ("zstd",)  # Manifest.compression, besides None: each member of a sample compressed
+ZSTD_LEVEL = 3  # most of level 19's saving at ~100x its speed (BENCHMARKS.md 5t)
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Manifest:
     documents: int = 0
     replaced_lines: int = 0  # input lines whose undecodable bytes were replaced
     kind: str = TEXT  # TEXT documents or INSTRUCTIONS (prompt, completion) examples
+    compression: str | None = None  # one of COMPRESSIONS, or None: the samples' members as they are
 
     def save(self, directory: Path) -> None:
         tmp = directory / f".{MANIFEST}.tmp"
@@ -111,6 +118,11 @@ class Manifest:
                 raise DataError(
                     f"{path} has format version {raw.get('version')}, this code reads versions "
                     f"{', '.join(map(str, READABLE_VERSIONS))}; re-create it with `megatransformer data shard`"
+                )
+            if raw.get("compression") not in (None, *COMPRESSIONS):
+                raise DataError(
+                    f"{path} lists shards compressed with {raw.get('compression')!r}, this code reads "
+                    f"{', '.join(COMPRESSIONS)} or uncompressed ones; re-create it with `megatransformer data shard`"
                 )
             splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}
             for info in (info for shards in splits.values() for info in shards):
@@ -165,6 +177,17 @@ def decode_ids(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
+def _decompressed(sample: dict[str, bytes]) -> Iterator[tuple[str, bytes]]:
+    """A sample's members, those named ``*.zst`` decompressed."""
+    for name, data in sample.items():
+        if name.endswith(".zst"):
+            try:
+                data = zstandard.ZstdDecompressor().decompress(data)
+            except zstandard.ZstdError as err:
+                raise DataError(f"a sample's {name} is not valid zstd ({err})") from None
+        yield name, data
+
+
 def _npy(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
@@ -183,21 +206,29 @@ class Block:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def sample(self, key: str, version: int = FORMAT_VERSION) -> dict[str, bytes]:
-        """The block as a WebDataset sample (format 1: a block must hold one document)."""
-        sample = {"__key__": key, "ids.npy": _npy(self.ids)}
+    def sample(self, key: str, version: int = FORMAT_VERSION, compression: str | None = None) -> dict[str, bytes]:
+        """The block as a WebDataset sample (format 1: a block must hold one document), its members
+        compressed with ``compression`` (format 2 only)."""
+        sample = {"ids.npy": _npy(self.ids)}
         if version == 1:
             if self.prompt_lens is not None:
                 sample["prompt_len"] = str(int(self.prompt_lens[0])).encode()
-            return sample
+            return {"__key__": key, **sample}
         sample["offsets.npy"] = _npy(self.offsets.astype(np.uint32))
         if self.prompt_lens is not None:
             sample["prompt_lens.npy"] = _npy(self.prompt_lens.astype(np.uint32))
-        return sample
+        if compression is not None:
+            if compression not in COMPRESSIONS:
+                raise DataError(f"unknown compression {compression!r} (known: {', '.join(COMPRESSIONS)})")
+            compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+            sample = {f"{name}.zst": compressor.compress(data) for name, data in sample.items()}
+        return {"__key__": key, **sample}
 
     @classmethod
     def from_sample(cls, sample: dict[str, bytes]) -> Block:
-        """A sample of either format (format 1: a block of one document); DataError if it is malformed."""
+        """A sample of either format, compressed or not (format 1: a block of one document); DataError if it
+        is malformed."""
+        sample = {name.removesuffix(".zst"): data for name, data in _decompressed(sample)}
         try:
             ids = decode_ids(sample["ids.npy"])
             if "offsets.npy" not in sample:  # format 1
@@ -219,6 +250,19 @@ class Block:
             raise DataError("a sample's offsets or prompt lengths do not match its token ids")
         return cls(ids, offsets, prompt_lens)
 
+    @staticmethod
+    def documents_in(sample: dict[str, bytes]) -> int:
+        """The documents of a sample of either format, from its offsets alone (its ids neither decompressed
+        nor decoded)."""
+        name = next((name for name in ("offsets.npy", "offsets.npy.zst") if name in sample), None)
+        if name is None:
+            return 1  # format 1
+        offsets = dict(_decompressed({name: sample[name]}))[name]
+        try:
+            return len(decode_ids(offsets)) - 1
+        except ValueError as err:
+            raise DataError(f"a sample is malformed ({type(err).__name__}: {err})") from None
+
 
 class ShardWriter:
     """Packs documents into blocks of whole documents (the first ones whose ids reach ``block_bytes``) and
@@ -232,8 +276,10 @@ class ShardWriter:
         max_bytes: int,
         block_bytes: int = BLOCK_BYTES,
         version: int = FORMAT_VERSION,
+        compression: str | None = None,
     ) -> None:
         self.directory, self.prefix, self.max_bytes, self.version = directory, prefix, max_bytes, version
+        self.compression = compression
         self.block_bytes = min(block_bytes, max_bytes)
         self.shards: list[ShardInfo] = []
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] = []
@@ -281,7 +327,7 @@ class ShardWriter:
     def _write_block(self, key: str, block: Block) -> None:
         if self._tar is None:
             self._open()
-        self._tar.write(block.sample(key, self.version))
+        self._tar.write(block.sample(key, self.version, self.compression))
         self._samples += 1
         self._documents += len(block)
         self._tokens += len(block.ids)
@@ -487,17 +533,24 @@ def write_shards(
     part: tuple[int, int] | None = None,
     block_mb: float = BLOCK_BYTES / 2**20,
     version: int = FORMAT_VERSION,
+    compression: str | None = None,
 ) -> Manifest:
     """Tokenize ``files`` into ``out``; documents chosen by :func:`held_out` go to the validation split.
     ``workers`` tokenizer processes (default: all cores; 1: in this process). With
     ``prompt_field``, the .jsonl records are (prompt, completion) examples, the completion in ``text_field``.
     With ``part`` (K, N): only the K-th of N parts of ``files``, into ``out``'s part directory (see
     ``data_pipeline.parts``). ``block_mb``: token ids per tar sample; ``version`` 1 writes the older format, a
-    sample per document."""
+    sample per document. ``compression``: one of COMPRESSIONS, each sample's members compressed (format 2)."""
     if shard_mb <= 0 or block_mb <= 0:
         raise DataError(f"--shard-mb and the block size must be positive, got {shard_mb} and {block_mb}")
     if version not in READABLE_VERSIONS:
         raise DataError(f"shard format version {version} does not exist (versions: {READABLE_VERSIONS})")
+    if compression not in (None, *COMPRESSIONS):
+        raise DataError(
+            f"--compress {compression} is not a compression this code writes (none, {', '.join(COMPRESSIONS)})"
+        )
+    if compression and version == 1:
+        raise DataError("compressed shards are format 2; format 1 is written uncompressed only")
     if valid_every is not None and (valid_every < 0 or valid_every == 1):
         raise DataError(f"--valid-every must be 0 (no validation split) or >= 2, got {valid_every}")
     out = Path(out)
@@ -522,7 +575,7 @@ def write_shards(
         prepare_output(out, overwrite)
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {
-        split: ShardWriter(out, split, int(shard_mb * 2**20), int(block_mb * 2**20), version)
+        split: ShardWriter(out, split, int(shard_mb * 2**20), int(block_mb * 2**20), version, compression)
         for split in ("train", "valid")
     }
     stats = DecodeStats()
@@ -558,6 +611,7 @@ def write_shards(
         documents=n_docs,
         replaced_lines=stats.replaced_lines,
         kind=INSTRUCTIONS if paired else TEXT,
+        compression=compression,
     )
     # last: the directory is a dataset (or a finished part) from this moment on
     try:

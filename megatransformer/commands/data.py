@@ -86,6 +86,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="replace",
         help="invalid UTF-8 in the input: replace the bad bytes (warned about) or stop",
     )
+    p.add_argument(
+        "--compress",
+        choices=["none", "zstd"],
+        default="none",
+        help="zstd: compress each sample's arrays on their own (members named *.npy.zst; docs/data.md)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     p.add_argument(
         "--part",
@@ -228,6 +234,7 @@ def _shard(args: argparse.Namespace) -> int:
         progress=sys.stderr.isatty(),
         prompt_field=args.prompt_field,
         part=args.part,
+        compression=None if args.compress == "none" else args.compress,
     )
     _print_splits(manifest, "examples" if args.prompt_field else "documents")
     if args.part:
@@ -259,9 +266,10 @@ def _print_splits(manifest, unit: str) -> None:
         )
     if manifest.splits and manifest.bytes_per_token() is not None:
         payload = np.dtype(manifest.dtype).itemsize
+        compressed = f", {manifest.compression}-compressed" if manifest.compression else ""
         print(
             f"{manifest.bytes_per_token():.2f} bytes per token on disk ({manifest.bytes_per_token() / payload:.2f}x "
-            f"the {manifest.dtype} ids)"
+            f"the {manifest.dtype} ids{compressed})"
         )
 
 

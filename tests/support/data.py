@@ -76,9 +76,12 @@ def global_rows(loaders: Iterable, per_rank: int, field: str | None = None) -> l
     return [per_rank_rows[g % dp][g // dp] for g in range(per_rank * dp)]
 
 
-def reformat_shards(src: Path, out: Path, version: int, block_bytes: int = 4096) -> Path:
+def reformat_shards(
+    src: Path, out: Path, version: int, block_bytes: int = 4096, compression: str | None = None
+) -> Path:
     """``src``'s shard directory rewritten in shard format ``version``: the same documents in the same shards
-    (format 2: in blocks of ``block_bytes``), so that a loader must read the same documents from both."""
+    (format 2: in blocks of ``block_bytes``, compressed with ``compression``), so that a loader must read the
+    same documents from both."""
     import dataclasses
 
     import numpy as np
@@ -90,7 +93,7 @@ def reformat_shards(src: Path, out: Path, version: int, block_bytes: int = 4096)
     out.mkdir()
     splits = {}
     for split, shards in manifest.splits.items():
-        writer = ShardWriter(out, split, max_bytes=1 << 40, block_bytes=block_bytes, version=version)
+        writer = ShardWriter(out, split, 1 << 40, block_bytes, version, compression)
         for info in shards:
             blocks = [Block.from_sample(s) for s in wds.WebDataset(str(src / info.file), shardshuffle=False)]
             lengths = np.concatenate([np.diff(b.offsets) for b in blocks])
@@ -99,7 +102,7 @@ def reformat_shards(src: Path, out: Path, version: int, block_bytes: int = 4096)
             writer.write(ids, lengths, np.arange(len(lengths)), prompts)
             writer.close()  # one shard for each of src's
         splits[split] = writer.shards
-    dataclasses.replace(manifest, splits=splits, version=version).save(out)
+    dataclasses.replace(manifest, splits=splits, version=version, compression=compression).save(out)
     return out
 
 

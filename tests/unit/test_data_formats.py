@@ -1,5 +1,6 @@
-"""Shard format 2 (blocks of documents) against format 1 (a sample per document): the same documents in the
-same shards give the same global rows, resumed exactly or elastically, with skipped rows and in mixtures."""
+"""Shard format 2 (blocks of documents, plain or zstd-compressed) against format 1 (a sample per document): the
+same documents in the same shards give the same global rows, resumed exactly or elastically, with skipped rows,
+in mixtures and over HTTP."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import functools
 import pytest
 from support import data
 from support.data import assert_same_batches, loader_settings, reformat_shards
+from support.shard_server import ShardServer
 
 from data_pipeline import loader
 from data_pipeline.loader import LoaderSettings, build_loader, merge_states
@@ -19,13 +21,14 @@ settings = functools.partial(loader_settings, seed=11, shuffle_buffer=64, stream
 
 @pytest.fixture(scope="module")
 def formats(tiny_data, tiny_instructions, tmp_path_factory):
-    """tiny_data's and tiny_instructions' shards in format 1 and in format 2 (blocks of other sizes than the
-    session fixtures'), each pair holding the same documents in the same shards."""
+    """tiny_data's and tiny_instructions' shards in format 1, in format 2 (blocks of other sizes than the
+    session fixtures') and in format 2 compressed, each holding the same documents in the same shards."""
     root = tmp_path_factory.mktemp("formats")
     made = {}
     for name, src in (("text", tiny_data.shards), ("instructions", tiny_instructions.shards)):
         made[name, 1] = reformat_shards(src, root / f"{name}-1", 1)
         made[name, 2] = reformat_shards(src, root / f"{name}-2", 2, block_bytes=1500)
+        made[name, "zstd"] = reformat_shards(src, root / f"{name}-zstd", 2, block_bytes=1500, compression="zstd")
     return made
 
 
@@ -109,3 +112,53 @@ def test_mixtures_of_either_format_give_the_same_rows(formats, tok):
     reference = rows(mixture(1, 1), tok, 2, 4, 16)
     assert_same_batches(rows(mixture(2, 2), tok, 2, 4, 16), reference)
     assert_same_batches(rows(mixture(2, 1), tok, 2, 4, 16), reference)  # the formats may be mixed
+    assert_same_batches(rows(mixture("zstd", 1), tok, 2, 4, 16), reference)  # and compressed with plain
+
+
+def test_compressed_shards_are_smaller_and_give_the_same_rows_locally_and_over_http(formats, tok):
+    for name, objective, arch in (("text", "autoregressive", "decoder"), ("instructions", "prefix_lm", "decoder")):
+        plain, packed = (Manifest.load(formats[name, v]) for v in (2, "zstd"))
+        assert (plain.compression, packed.compression) == (None, "zstd")
+        assert packed.bytes_per_token("train") < 0.8 * plain.bytes_per_token("train")
+        expected = rows(settings(formats[name, 2], objective, arch), tok, 2, 4, 16)
+        assert_same_batches(rows(settings(formats[name, "zstd"], objective, arch), tok, 2, 4, 16), expected)
+    server = ShardServer(formats["text", "zstd"])
+    try:
+        remote = rows(settings(server.url, num_workers=2), tok, 1, 4, 24)
+    finally:
+        server.stop()
+    assert_same_batches(remote, rows(settings(formats["text", 2]), tok, 1, 4, 24))
+
+
+def test_resume_on_compressed_shards_continues_the_rows(formats, tok):
+    reference = rows(settings(formats["text", "zstd"]), tok, 1, 4, 24)
+    assert_same_batches(reference, rows(settings(formats["text", 2]), tok, 1, 4, 24))
+    packed = settings(formats["text", "zstd"], num_workers=2)
+    first = build_loader(packed, "train", 4, 0, 1, tok)
+    assert_same_batches(data.global_rows([first], 12), reference[:12])
+    resumed = build_loader(packed, "train", 4, 0, 1, tok)
+    resumed.load_state_dict(first.state_dict())
+    assert_same_batches(data.global_rows([resumed], 12), reference[12:])
+
+
+def test_a_stream_reading_part_of_a_compressed_shard_decompresses_its_part_only(tiny_data, tmp_path, monkeypatch):
+    """A one-shard dataset read by 8 streams (each a part of the shard): together they read every document once,
+    in order, and each decompresses the blocks of its own part only (those before it are only counted)."""
+    from data_pipeline.loader import DocumentReader, Position, ShardOpener, resolve_datasets
+    from data_pipeline.remote import Retry
+    from data_pipeline.shard import Block, write_shards
+
+    out = tmp_path / "one-shard"
+    kw = {"shard_mb": 64, "block_mb": 0.004, "valid_every": 0, "workers": 1, "progress": False}
+    write_shards([str(tiny_data.corpus)], str(tiny_data.tokenizer), out, compression="zstd", **kw)
+    (info,) = Manifest.load(out).splits["train"]
+    read_blocks = []
+    from_sample = Block.from_sample
+    monkeypatch.setattr(Block, "from_sample", staticmethod(lambda s: read_blocks.append(1) or from_sample(s)))
+    (shard_set,) = resolve_datasets(str(out), "train", Retry())
+    streams = [
+        [ids.tolist() for ids, _, _ in DocumentReader(shard_set, 0, k, 8, False, 1, opener, 1).documents(Position())]
+        for k, opener in ((k, ShardOpener("error", Retry())) for k in range(8))
+    ]
+    assert [doc for stream in streams for doc in stream] == [ids for ids, _ in data.shard_documents(out)]
+    assert info.samples > 40 and len(read_blocks) <= 2 * info.samples + 8  # (from the start each: 5x)

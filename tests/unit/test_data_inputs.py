@@ -275,6 +275,20 @@ def test_merge_refuses_parts_made_differently_naming_both(two_parts, tmp_path):
     assert not (out / MANIFEST).exists()
 
 
+def test_merge_refuses_parts_compressed_differently_naming_both(inputs, two_parts, tiny_data, tmp_path):
+    out = copy_of(two_parts, tmp_path)
+    shard(inputs, tiny_data, out, part=(2, 2), compression="zstd", overwrite=True)
+    with pytest.raises(
+        DataError, match=r"part-00001-of-00002 and .*part-00002-of-00002 differ in compression \(None vs zstd\)"
+    ):
+        merge_parts(out)
+    assert not (out / MANIFEST).exists()
+    shard(inputs, tiny_data, out, part=(1, 2), compression="zstd", overwrite=True)
+    plain = shutil.copytree(two_parts, tmp_path / "plain")
+    assert merge_parts(out).compression == "zstd" and merge_parts(plain).compression is None
+    assert shard_documents(out) == shard_documents(plain)
+
+
 def test_nothing_written_is_lost_or_silently_replaced(inputs, two_parts, tiny_data, tmp_path):
     out = copy_of(two_parts, tmp_path)
     merged = merge_parts(out)

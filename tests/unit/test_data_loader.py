@@ -317,9 +317,12 @@ def test_inspect_cli_json(tmp_path, tiny_data, capsys):
     assert abs(stats["selected_fraction"] - 0.15) < 0.03
     assert abs(stats["masked_fraction"] - 0.8) < 0.06
     assert stats["tokens_per_second"] > 0 and stats["padding_fraction"] == 0.0
+    (dataset,) = stats["datasets"]
+    assert dataset["directory"] == str(tiny_data.shards) and (dataset["format"], dataset["compression"]) == (2, None)
     assert main(["data", "inspect", "--config", str(config), "--batches", "1"]) == 0
     text = capsys.readouterr().out
     assert "->" in text and "selected_fraction" in text
+    assert f"train data {tiny_data.shards}: format 2, uncompressed, {dataset['bytes_per_token']:.2f} bytes" in text
     assert (
         main(
             [

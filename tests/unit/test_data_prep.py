@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from support.data import shard_documents
 
 from data_pipeline import DataError
 from data_pipeline.corpus import write_demo_corpus
@@ -203,6 +204,56 @@ def test_malformed_blocks_are_refused():
             Block.from_sample({**good, "offsets.npy": Block(ids, np.array(offsets)).sample("k")["offsets.npy"]})
 
 
+def test_compressed_shards_hold_the_same_documents_in_fewer_bytes(tmp_path, tiny_data):
+    """--compress zstd: every member of a sample compressed (``*.npy.zst``), recorded in the manifest; the
+    documents read back are the uncompressed directory's, and the tars stay plain WebDataset."""
+    text = tiny_data.corpus.read_text()[:60_000]
+    (tmp_path / "c.txt").write_text(text)
+    kw = {"shard_mb": 0.02, "block_mb": 0.005, "workers": 1, "progress": False}
+    plain = write_shards([str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "plain", **kw)
+    packed = write_shards(
+        [str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "zstd", compression="zstd", **kw
+    )
+    assert (plain.compression, packed.compression) == (None, "zstd")
+    assert Manifest.load(tmp_path / "zstd").compression == "zstd"
+    for split in ("train", "valid"):  # the same blocks (cut by the ids' size), fewer shards (cut by their size)
+        totals = [
+            [sum(getattr(s, n) for s in m.splits[split]) for n in ("samples", "documents", "tokens")]
+            for m in (plain, packed)
+        ]
+        assert totals[0] == totals[1]
+    assert len(packed.splits["train"]) < len(plain.splits["train"])
+    assert packed.bytes_per_token() < 0.8 * plain.bytes_per_token()
+    samples = tar_samples(tmp_path / "zstd" / packed.splits["train"][0].file)
+    assert {name for name in samples[0] if not name.startswith("__")} == {"ids.npy.zst", "offsets.npy.zst"}
+    for split in ("train", "valid"):
+        assert shard_documents(tmp_path / "zstd", split) == shard_documents(tmp_path / "plain", split)
+
+
+def test_compression_refusals_and_a_corrupt_member():
+    ids = np.arange(10, dtype=np.uint16)
+    sample = Block(ids, np.array([0, 4, 10]), np.array([1, 2])).sample("k", compression="zstd")
+    assert set(sample) == {"__key__", "ids.npy.zst", "offsets.npy.zst", "prompt_lens.npy.zst"}
+    block = Block.from_sample(sample)
+    assert block.ids.tolist() == ids.tolist() and block.prompt_lens.tolist() == [1, 2]
+    assert Block.documents_in(sample) == 2 and Block.documents_in(Block(ids, np.array([0, 10])).sample("k", 1)) == 1
+    with pytest.raises(DataError, match=r"a sample's ids\.npy\.zst is not valid zstd"):
+        Block.from_sample({**sample, "ids.npy.zst": sample["ids.npy.zst"][:-5]})
+    with pytest.raises(DataError, match=r"a sample's offsets\.npy\.zst is not valid zstd"):
+        Block.documents_in({**sample, "offsets.npy.zst": b"not zstd"})
+    with pytest.raises(DataError, match=r"--compress lz4 is not a compression this code writes \(none, zstd\)"):
+        write_shards(["x.txt"], "tok.json", "out", compression="lz4")
+    with pytest.raises(DataError, match="compressed shards are format 2"):
+        write_shards(["x.txt"], "tok.json", "out", compression="zstd", version=1)
+
+
+def test_a_manifest_of_an_unknown_compression_is_refused(tmp_path, tiny_data):
+    raw = json.loads((tiny_data.shards / "manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps({**raw, "compression": "brotli"}))
+    with pytest.raises(DataError, match="compressed with 'brotli', this code reads zstd or uncompressed ones"):
+        Manifest.load(tmp_path)
+
+
 def test_format_1_directories_still_load(tmp_path, tiny_data):
     """A directory written in format 1 (one document per sample) reads as the same documents."""
     from data_pipeline.loader import DocumentReader, Position, ShardOpener, resolve_datasets
@@ -372,17 +423,25 @@ def test_cli_prepares_a_dataset_end_to_end(tmp_path, capsys):
     assert "nope.txt does not exist" in capsys.readouterr().err
 
 
-def test_the_reader_in_docs_reads_the_shards(tiny_data, tok, capsys):
-    """docs/data.md's few-line reader (the webdataset package), run on a shard directory as written there."""
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_the_reader_in_docs_reads_the_shards(tiny_data, tok, capsys, tmp_path, compression):
+    """docs/data.md's few-line reader (the webdataset package), run on a shard directory as written there,
+    plain and compressed."""
     import re
 
     from support import REPO
+    from support.data import reformat_shards
 
+    shards = (
+        tiny_data.shards
+        if compression is None
+        else reformat_shards(tiny_data.shards, tmp_path / "s", 2, 4096, compression)
+    )
     text = (REPO / "docs" / "data.md").read_text()
     code = re.search(r"```python\n(.*?)```", text[text.index("## The shard format") :], re.S).group(1)
-    exec(code, {"directory": str(tiny_data.shards)})
+    exec(code, {"directory": str(shards)})
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == Manifest.load(tiny_data.shards).splits["train"][0].documents
+    assert len(lines) == Manifest.load(shards).splits["train"][0].documents
     first = tok.encode(next(iter(read_documents([str(tiny_data.corpus)]))).text)
     assert lines[0] == f"{len(first)} {np.array(first[:8], dtype=np.uint16)}"
 
