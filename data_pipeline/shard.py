@@ -85,7 +85,10 @@ class Manifest:
     def save(self, directory: Path) -> None:
         tmp = directory / f".{MANIFEST}.tmp"
         try:
-            tmp.write_text(json.dumps(asdict(self), indent=2))
+            fields = asdict(self)
+            if self.compression is None:  # (a plain dataset stays readable by versions without compression)
+                del fields["compression"]
+            tmp.write_text(json.dumps(fields, indent=2))
             tmp.replace(directory / MANIFEST)
         finally:
             tmp.unlink(missing_ok=True)
