@@ -417,23 +417,14 @@ class DocumentReader:
                 if n:
                     yield self._run(epoch, shard_pos, share, first, _documents(docs, 0, n))
                     held, tokens, first = [_documents(docs, n, len(docs))], len(docs.ids) - docs.offsets[n], first + n
-        docs = _joined(held) if held else None
-        if docs is not None and len(docs):
+        if held and len(docs := _joined(held)):
             yield self._run(epoch, shard_pos, share, first, docs)
 
     def _run(self, epoch: int, shard_pos: int, share: Share, first: int, docs: Block) -> Run:
         """``docs`` as a run: each shuffle block permuted if shuffling, EOS appended if asked."""
         ids, starts, lengths, prompt_lens = docs.ids, docs.offsets[:-1], np.diff(docs.offsets), docs.prompt_lens
         if self.shuffle:
-            order = np.concatenate(
-                [
-                    _rng(self.seed, epoch, share.shard, share.first + first + s).permutation(
-                        min(self.block, len(docs) - s)
-                    )
-                    + s
-                    for s in range(0, len(docs), self.block)
-                ]
-            )
+            order = self._order(epoch, share, first, len(docs))
             starts, lengths = starts[order], lengths[order]
             prompt_lens = None if prompt_lens is None else prompt_lens[order]
             ids = ids[np.arange(len(ids)) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)]
@@ -447,6 +438,13 @@ class DocumentReader:
         tokens[bounds[1:] - 1] = self.eos
         tokens[np.arange(len(ids)) + np.repeat(np.arange(len(lengths)), lengths)] = ids
         return Run(epoch, shard_pos, first, tokens, bounds, prompt_lens)
+
+    def _order(self, epoch: int, share: Share, first: int, n: int) -> np.ndarray:
+        """The order in which documents [first, first + n) of the share are served: each shuffle block of them
+        permuted on its own."""
+        blocks = range(0, n, self.block)
+        keys = [(self.seed, epoch, share.shard, share.first + first + s) for s in blocks]
+        return np.concatenate([_rng(*key).permutation(min(self.block, n - s)) + s for key, s in zip(keys, blocks)])
 
 
 def _documents(block: Block, i: int, j: int) -> Block:

@@ -52,9 +52,18 @@ def poison_documents(n: int, chars: int) -> list[str]:
     return ["".join(chr(rng.randrange(0x4E00, 0x9FA5)) for _ in range(chars)) for _ in range(n)]
 
 
+def shard_texts(root: Path, datasets: dict[str, list[str]], tokenizer: Path) -> None:
+    """Each dataset's documents into train shards ``root / name`` (one shard, no validation split)."""
+    from data_pipeline.shard import write_shards
+
+    for name, docs in datasets.items():
+        text = root / f"{name}.txt"
+        text.write_text("\n\n".join(docs))
+        write_shards([str(text)], str(tokenizer), root / name, shard_mb=100, valid_every=0, workers=1, progress=False)
+
+
 @pytest.fixture(scope="module")
 def poisoned(tiny_data, tmp_path_factory) -> Poisoned:
-    from data_pipeline.shard import write_shards
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.config import validate
     from megatransformer.training.data import build_run_loader
@@ -82,17 +91,7 @@ def poisoned(tiny_data, tmp_path_factory) -> Poisoned:
         + second[at_second:],
         "clean": docs,
     }
-    for name, kept in datasets.items():
-        (root / f"{name}.txt").write_text("\n\n".join(kept))
-        write_shards(
-            [str(root / f"{name}.txt")],
-            str(tiny_data.tokenizer),
-            root / name,
-            shard_mb=100,
-            valid_every=0,
-            workers=1,
-            progress=False,
-        )
+    shard_texts(root, datasets, tiny_data.tokenizer)
 
     def poisoned_rows(name: str, streams: int) -> tuple[int, int]:
         data = {"train": str(root / name), "tokenizer": str(tiny_data.tokenizer), "seq_len": 64}
@@ -280,7 +279,6 @@ class EarlyPoison(NamedTuple):
 def early_poison(tiny_data, tmp_path_factory) -> EarlyPoison:
     """Train shards of tiny_data's corpus (read in order: RUN) with random tokens mixed into it from step
     EARLY_FROM, a third of the tokens of about 11 steps; and the same documents without them."""
-    from data_pipeline.shard import write_shards
     from data_pipeline.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("early_poison")
@@ -293,17 +291,7 @@ def early_poison(tiny_data, tmp_path_factory) -> EarlyPoison:
     mixed = [part for pair in zip(docs[at : at + 8], noise) for part in pair]
     end = ends[at - 1] + sum(len(tok.encode(part)) + 1 for part in mixed)
     rows = (ends[at - 1] // 65, -(-end // 64))  # (rows of 64 tokens, or of 65 with the next one's label)
-    for name, kept in {"mixed": docs[:at] + mixed + docs[at + 8 :], "clean": docs}.items():
-        (root / f"{name}.txt").write_text("\n\n".join(kept))
-        write_shards(
-            [str(root / f"{name}.txt")],
-            str(tiny_data.tokenizer),
-            root / name,
-            shard_mb=100,
-            valid_every=0,
-            workers=1,
-            progress=False,
-        )
+    shard_texts(root, {"mixed": docs[:at] + mixed + docs[at + 8 :], "clean": docs}, tiny_data.tokenizer)
     return EarlyPoison(root / "mixed", root / "clean", rows)
 
 
