@@ -333,7 +333,8 @@ class Run:
 
 class DocumentReader:
     """The documents of one stream and one dataset, in the deterministic order described above, served as
-    runs: the ``block`` documents shuffled together, concatenated once (no work per document)."""
+    runs: whole shuffle blocks (``block`` documents permuted together) laid end to end once, no work per
+    document."""
 
     def __init__(
         self,
