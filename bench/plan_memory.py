@@ -142,7 +142,8 @@ def bare_peak(cfg: RunConfig) -> int:
     return live_peak(build)
 
 
-def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None:
+def join(rank: int, ranks: int, port: int):
+    """This process as gloo rank ``rank`` of ``ranks`` (one thread), through the trainer's own set-up."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(ranks),
@@ -153,13 +154,24 @@ def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None
         DS_ACCELERATOR="cpu",
     )
     torch.set_num_threads(1)
+    from megatransformer.training.distributed import setup
+
+    return setup()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None:
     import torch.distributed as dist
 
-    from megatransformer.training.distributed import setup
     from megatransformer.training.engine import TrainModule
 
     cfg = run_config(point)
-    dist_info = setup()
+    dist_info = join(rank, ranks, port)
 
     def build() -> Callable[[], None]:
         module = TrainModule(cfg, dist_info, zero_stage=cfg.parallel.zero_stage)
@@ -181,12 +193,9 @@ def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None
 
 
 def engine_peak(point: dict) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "peak.json")
-        mp.spawn(engine_rank, args=(point.get("ranks", 1), port, point, out), nprocs=point.get("ranks", 1))
+        mp.spawn(engine_rank, args=(point.get("ranks", 1), free_port(), point, out), nprocs=point.get("ranks", 1))
         return json.loads(Path(out).read_text())
 
 

@@ -27,8 +27,8 @@ PARTS = (
     "overheads",
 )
 
-# DeepSpeed's ZeRO defaults (runtime/zero/config.py): elements per reduction / gather bucket, and ZeRO-3's
-# prefetch bucket (parameters gathered ahead of their use)
+# DeepSpeed's ZeRO defaults (runtime/zero/config.py): elements of the gradient reduction bucket, and of
+# ZeRO-3's prefetch bucket (parameters gathered ahead of their use)
 REDUCE_BUCKET = 500_000_000
 CORE_CHUNK = 64  # query positions per chunk of the CPU's attention core (model/chunked_attention.py's CHUNK)
 ZERO3_PREFETCH = 50_000_000
@@ -128,6 +128,14 @@ def parameter_counts(m: ModelConfig) -> tuple[int, int]:
                 split += param.numel()
         _COUNTS[key] = split, whole
     return _COUNTS[key]
+
+
+def reduce_bucket_elements(m: ModelConfig, tp: int) -> int:
+    """Elements of ZeRO's gradient reduction bucket (DeepSpeed's ``reduce_bucket_size``): its default, or the
+    gradients of every parameter a rank holds where they are fewer. DeepSpeed allocates the whole bucket
+    whatever the model's size; one that holds every gradient reduces them all at once either way."""
+    split, whole = parameter_counts(m)
+    return min(REDUCE_BUCKET, -(-split // tp) + whole)
 
 
 def core_values(m: ModelConfig, latent: bool) -> int:
@@ -282,18 +290,19 @@ def state_parts(cfg: RunConfig, layout: Layout, engine: bool) -> tuple[dict[str,
             held["communication_buffers"] = 4 * params
         return held, in_backward, w * params + (4 * params if lp else 0)
     held["master_weights"] = 0 if layout.offload else 4 * part
+    bucket = reduce_bucket_elements(cfg.model, layout.tp)
     if layout.zero == 3:  # its fp32 reduction bucket, allocated once; up to two prefetch buckets of weights
         held["weights"] = w * part
         held["gradients"] = 4 * part
-        held["communication_buffers"] = 4 * REDUCE_BUCKET + w * min(params, 2 * ZERO3_PREFETCH)
+        held["communication_buffers"] = 4 * bucket + w * min(params, 2 * ZERO3_PREFETCH)
         return held, in_backward, 0
     if layout.zero == 1 and lp and not layout.offload:  # BF16_Optimizer: fp32 gradients of every parameter
         held["gradients"] = 4 * params
         return held, in_backward, w * params
-    # DeepSpeedZeroOptimizer: a reduction bucket of REDUCE_BUCKET elements in every backward (fp32 for ZeRO-1's
-    # accumulation, the model's dtype for ZeRO-2's staging) and fp32 gradient partitions (ZeRO-1 keeps the
-    # model's full gradients until they are reduced)
-    in_backward["communication_buffers"] = (4 if layout.zero == 1 else w) * REDUCE_BUCKET
+    # DeepSpeedZeroOptimizer: a reduction bucket in every backward (fp32 for ZeRO-1's accumulation, the model's
+    # dtype for ZeRO-2's staging) and fp32 gradient partitions (ZeRO-1 keeps the model's full gradients until
+    # they are reduced)
+    in_backward["communication_buffers"] = (4 if layout.zero == 1 else w) * bucket
     held["gradients"] = 4 * part
     return held, in_backward, w * params if layout.zero == 1 else 0
 
