@@ -65,21 +65,23 @@ def live_peak(build: Callable[[], Callable[[], None]], warmup: int = 2) -> int:
     return peak
 
 
+OBJECTIVES = {"decoder": "autoregressive", "encoder": "masked_lm", "encoder_decoder": "span_corruption"}
+
+
 def run_config(point: dict) -> RunConfig:
     """The run config of a grid point: {"model": {...}, "seq_len", "micro_batch", "precision", "zero", "tp",
-    "sp", "ranks"}."""
+    "sp", "offload", "objective", "ranks"}."""
     return RunConfig.model_validate(
         {
             "model": point["model"],
-            "objective": {"decoder": "autoregressive", "encoder": "masked_lm", "encoder_decoder": "span_corruption"}[
-                point["model"].get("arch", "decoder")
-            ],
+            "objective": point.get("objective", OBJECTIVES[point["model"].get("arch", "decoder")]),
             "data": {"seq_len": point["seq_len"]},
             "train": {"micro_batch_size": point["micro_batch"], "grad_accum": 1},
             "parallel": {
                 "zero_stage": point.get("zero", 0),
                 "tensor_parallel": point.get("tp", 1),
                 "sequence_parallel": point.get("sp", 1),
+                "offload_optimizer": point.get("offload", False),
             },
             "precision": point.get("precision", "fp32"),
             "run_dir": tempfile.gettempdir(),
@@ -89,10 +91,11 @@ def run_config(point: dict) -> RunConfig:
 
 def host_batch(cfg: RunConfig) -> dict[str, torch.Tensor]:
     """One micro batch as the loader delivers it: rows packed with documents of 300-700 tokens (positions
-    restart, segments count them), every position a loss target (the masked-LM encoder: 15% of them)."""
+    restart, segments count them), every position a loss target (the masked-LM encoder: 15% of them; prefix-LM:
+    the positions after a prefix of half of each document, which every position of it carries)."""
     gen = torch.Generator().manual_seed(0)
     rows, length, vocab = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.vocab_size
-    segments, positions = [], []
+    segments, positions, prefixes = [], [], []
     for _ in range(rows):
         lengths = []
         while sum(lengths) < length:
@@ -100,6 +103,8 @@ def host_batch(cfg: RunConfig) -> dict[str, torch.Tensor]:
         lengths[-1] -= sum(lengths) - length
         segments.append(torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)]))
         positions.append(torch.cat([torch.arange(n) for n in lengths]))
+        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+        prefixes.append(torch.cat([torch.full((n,), int(s) + n // 2) for s, n in zip(starts, lengths)]))
     ids = torch.randint(0, vocab, (rows, length + 1), generator=gen)
     batch = {
         "input_ids": ids[:, :-1].contiguous(),
@@ -110,6 +115,10 @@ def host_batch(cfg: RunConfig) -> dict[str, torch.Tensor]:
     if cfg.model.arch == "encoder":
         drop = torch.rand(rows, length, generator=gen) > 0.15
         batch["labels"] = batch["labels"].masked_fill(drop, IGNORE_INDEX)
+    if cfg.objective == "prefix_lm":
+        batch["prefix_len"] = torch.stack(prefixes)
+        inside = torch.arange(length) < batch["prefix_len"] - 1
+        batch["labels"] = batch["labels"].masked_fill(inside, IGNORE_INDEX)
     if cfg.model.arch == "encoder_decoder":
         batch["decoder_input_ids"] = batch["input_ids"].clone()
         batch["decoder_segment_ids"] = batch["segment_ids"].clone()
@@ -135,7 +144,7 @@ def bare_peak(cfg: RunConfig) -> int:
         labels = batch.pop("labels")
         input_ids = batch.pop("input_ids")
         batch.pop("segment_ids")  # (the masks carry them)
-        for key in ("decoder_segment_ids",):
+        for key in ("decoder_segment_ids", "prefix_len"):
             batch.pop(key, None)
         return lambda: runner.step(input_ids, labels, masks=masks, **batch)
 
@@ -212,7 +221,7 @@ def planned(point: dict) -> dict[str, int]:
         zero=p.zero_stage if point["runner"] == "engine" else 0,
         activation_checkpointing=cfg.model.activation_checkpointing,
         mlp_tiles=cfg.model.mlp_tiles,
-        offload=False,
+        offload=p.offload_optimizer,
         micro_batch=cfg.train.micro_batch_size,
         accum=1,
     )
@@ -234,15 +243,22 @@ MODELS = {
         arch="encoder_decoder", d_model=128, n_layers=2, n_heads=4, d_ff=512, vocab_size=2048, ffn="relu"
     ),
 }
+# the attention kinds and terms the grid above leaves out, on the decoder
+VARIANTS = {
+    "decoder-mla": dict(MODELS["decoder-gqa"], n_kv_heads=None, attention="mla", kv_lora_rank=64, q_lora_rank=96),
+    "decoder-qk-norm": dict(MODELS["decoder-gqa"], qk_norm=True),
+    "decoder-window": dict(MODELS["decoder-gqa"], attention_window=256),
+}
 
 
 def grid(quick: bool) -> list[dict]:
     points = []
 
     def add(model: str, seq_len: int, runner: str = "bare", **extra) -> None:
-        fields = dict(MODELS[model], max_seq_len=seq_len, attention_backend="chunked")
+        fields = dict((MODELS | VARIANTS)[model], max_seq_len=seq_len, attention_backend="chunked")
         fields |= {k: extra.pop(k) for k in ("activation_checkpointing", "mlp_tiles") if k in extra}
-        points.append({"name": model, "model": fields, "seq_len": seq_len, "micro_batch": 1, "runner": runner, **extra})
+        name = " ".join([model, *([extra["objective"]] if "objective" in extra else [])])
+        points.append({"name": name, "model": fields, "seq_len": seq_len, "micro_batch": 1, "runner": runner, **extra})
 
     if quick:
         add("decoder-gqa", 512)
@@ -263,6 +279,20 @@ def grid(quick: bool) -> list[dict]:
     add("decoder-gqa", 2048, runner="engine", sp=2, ranks=2)
     add("decoder-gqa", 4096, runner="engine", sp=2, ranks=2, mlp_tiles=4)
     add("encoder-decoder", 1024, runner="engine", zero=2, ranks=2, precision="bf16")
+    for model in VARIANTS:
+        for seq_len in (512, 2048):
+            add(model, seq_len)
+    add("decoder-gqa", 2048, objective="prefix_lm")
+    add("decoder-window", 8192)
+    add("decoder-mla", 2048, runner="engine", tp=2, ranks=2)
+    add("decoder-qk-norm", 2048, runner="engine", tp=2, ranks=2)
+    add("decoder-gqa", 1024, runner="engine", objective="prefix_lm", zero=2, ranks=2)
+    for precision in ("fp32", "bf16"):
+        add("decoder-gqa", 2048, runner="engine", precision=precision, zero=3, tp=2, ranks=2)
+        for zero in (1, 2, 3):
+            add("decoder-gqa", 1024, runner="engine", precision=precision, zero=zero, ranks=2, offload=True)
+    add("decoder-gqa", 1024, runner="engine", zero=3, tp=2, ranks=4)
+    add("decoder-gqa", 2048, runner="engine", zero=2, offload=True)
     for model in MODELS:  # (the slowest last)
         add(model, 8192)
     return points
@@ -275,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, one thread per rank")
-    columns = ["model", "seq_len", "runner", "ranks", "precision", "zero", "tp", "sp", "ckpt", "tiles"]
+    columns = ["model", "seq_len", "runner", "ranks", "precision", "zero", "tp", "sp", "ckpt", "tiles", "offload"]
     columns += ["measured MiB", "plan MiB", "plan / measured"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
@@ -289,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['name']} | {r['seq_len']} | {r['runner']} | {r.get('ranks', 1)} | {r.get('precision', 'fp32')} | "
             f"{r.get('zero', 0)} | {r.get('tp', 1)} | {r.get('sp', 1)} | "
             f"{'on' if m.get('activation_checkpointing') else 'off'} | {m.get('mlp_tiles', 1)} | "
+            f"{'on' if r.get('offload') else 'off'} | "
             f"{r['measured'] / 2**20:.2f} | {r['planned'] / 2**20:.2f} | {r['planned'] / r['measured']:.3f} |",
             flush=True,
         )
