@@ -144,12 +144,18 @@ def reduce_bucket_elements(m: ModelConfig, tp: int) -> int:
 
 
 def core_values(m: ModelConfig, latent: bool) -> int:
-    """q, k, v and the core's output per position; multi-head latent attention (``latent``) keeps its latents
-    and RoPE key besides, and all heads' keys and values, up-projected."""
+    """q, k, v and the core's output per position; under multi-head latent attention (``latent``) every head's,
+    up-projected."""
     if not latent:
         return 2 * m.d_model + 2 * m.kv_heads * m.head_dim
-    qk, v = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.n_heads * m.v_head_dim
-    return 2 * qk + 2 * v + m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank or 0)
+    return m.n_heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim)
+
+
+def latent_values(m: ModelConfig) -> tuple[int, int]:
+    """Values per position multi-head latent attention keeps besides its core's: (split by tensor parallelism,
+    whole on every rank). Split: the keys' part of kv_b_proj's output, which the values are a view of; whole:
+    the query and key/value latents before their norms (the latter with the RoPE key beside it) and after."""
+    return m.n_heads * m.qk_nope_head_dim, 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim
 
 
 def ffn_kept(m: ModelConfig) -> int:
@@ -167,6 +173,9 @@ def block_kept(m: ModelConfig, layout: Layout, cross: bool) -> int:
     d, hd, tp, sp = m.d_model, m.head_dim, layout.tp, layout.sp
     latent = m.attention == "mla"
     attention = 2 * d + core_values(m, latent) // tp
+    if latent:
+        split, whole = latent_values(m)
+        attention += split // tp + whole
     if m.qk_norm:  # the queries and keys before their norms
         attention += (d + m.kv_heads * hd) // tp
     if sp > 1:
@@ -195,7 +204,8 @@ def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int
         recomputed = local * max(per_block) * w
     else:
         blocks = sum(n * v for (n, _), v in zip(stacks, per_block))
-    rope = 2 * m.head_dim if m.position == "rope" else 0  # cos and sin, shared by the layers of a stack
+    # cos and sin, shared by the layers of a stack
+    rope = 2 * (m.qk_rope_head_dim if m.attention == "mla" else m.head_dim) if m.position == "rope" else 0
     final_norm = m.d_model if m.norm_position == "pre" and m.final_norm else 0
     model_level = len(stacks) * (final_norm + rope) + m.d_model  # + the loss's gradient of the hidden states
     if m.arch == "encoder_decoder":

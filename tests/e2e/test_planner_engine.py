@@ -22,20 +22,23 @@ MODEL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=176, vocab_si
 
 
 @pytest.mark.parametrize(
-    "zero, precision",
+    "zero, precision, layout",
     [
-        (0, "fp32"),  # torch AdamW, the flat all-reduce copy
-        (1, "fp32"),  # the reduction bucket, allocated in every backward
-        (3, "bf16"),  # partitioned weights, gradients and states, the fp32 bucket, the gathered weights
+        (0, "fp32", {}),  # torch AdamW, the flat all-reduce copy
+        (1, "fp32", {}),  # the reduction bucket, allocated in every backward
+        (3, "bf16", {}),  # partitioned weights, gradients and states, the fp32 bucket, the gathered weights
+        (3, "fp32", {"tp": 2}),  # ZeRO-3 over AutoTP's shards
+        (0, "fp32", {"tp": 2, "model": {"attention": "mla", "n_kv_heads": None, "kv_lora_rank": 32}}),
     ],
 )
-def test_engine_peak_on_two_ranks_is_the_plan_within_ten_percent(zero: int, precision: str) -> None:
+def test_engine_peak_on_two_ranks_is_the_plan_within_ten_percent(zero: int, precision: str, layout: dict) -> None:
     point = {
-        "model": MODEL | {"max_seq_len": 256},
+        "model": MODEL | {"max_seq_len": 256} | layout.get("model", {}),
         "seq_len": 256,
         "micro_batch": 2,
         "precision": precision,
         "zero": zero,
+        "tp": layout.get("tp", 1),
         "ranks": 2,
         "runner": "engine",
     }

@@ -25,6 +25,10 @@ POINTS = {
     "mlp-tiles": ({"mlp_tiles": 4}, 512, "fp32"),
     "bf16": ({}, 256, "bf16"),
     "two-loss-chunks": ({"vocab_size": 8192}, 2048, "fp32"),
+    "latent-attention": ({"attention": "mla", "n_kv_heads": None, "kv_lora_rank": 32, "q_lora_rank": 48}, 512, "fp32"),
+    "qk-norm": ({"qk_norm": True}, 512, "fp32"),
+    "window": ({"attention_window": 64}, 512, "fp32"),
+    "prefix-lm": ({}, 512, "fp32"),
 }
 
 
@@ -38,6 +42,8 @@ def test_plan_total_is_the_measured_peak_within_ten_percent(name: str) -> None:
         "precision": precision,
         "runner": "bare",
     }
+    if name == "prefix-lm":
+        point["objective"] = "prefix_lm"
     measured = bare_peak(run_config(point))
     total = planned(point)["total"]
     assert 0.9 < total / measured < 1.1, f"{name}: plan {total / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB"
