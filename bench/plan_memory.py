@@ -28,6 +28,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
@@ -37,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatransformer.batch import IGNORE_INDEX  # noqa: E402
 from megatransformer.config import RunConfig  # noqa: E402
+
+if TYPE_CHECKING:
+    from megatransformer.training.distributed import Dist
 
 MARK = "plan_memory.measured_step"
 
@@ -151,7 +155,7 @@ def bare_peak(cfg: RunConfig) -> int:
     return live_peak(build)
 
 
-def join(rank: int, ranks: int, port: int):
+def join(rank: int, ranks: int, port: int) -> Dist:
     """This process as gloo rank ``rank`` of ``ranks`` (one thread), through the trainer's own set-up."""
     os.environ.update(
         RANK=str(rank),
