@@ -45,9 +45,16 @@ if TYPE_CHECKING:
 MARK = "plan_memory.measured_step"
 
 
-def live_peak(build: Callable[[], Callable[[], None]], warmup: int = 2) -> int:
+def live_peak(build: Callable[[], Callable[[], None]], warmup: int = 2, by_address: bool = False) -> int:
     """Peak live tensor bytes of one call of the step ``build()`` returns, after ``warmup`` calls, counting
-    everything allocated since ``build`` began (the profiler sees every allocation from there on)."""
+    everything allocated since ``build`` began (the profiler sees every allocation from there on): the running
+    sum of the profiler's allocations and frees.
+
+    ``by_address``: blocks told apart by address instead. Some frees on the engine's path reach neither the
+    profiler nor the CPU allocator's own total, so the running sum (and that total) keeps counting a block whose
+    address has since been handed out again (BENCHMARKS.md 5v); an address allocated anew ends the block it
+    held. It reads the profiler's experimental event tree, with which a rank of the engine's runs now and then
+    aborted at its end ("terminate called without an active exception"), so it is not the default."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -56,6 +63,8 @@ def live_peak(build: Callable[[], Callable[[], None]], warmup: int = 2) -> int:
             step()
         with record_function(MARK):
             step()
+    if by_address:
+        return peak_by_address(prof)
     events = list(prof.profiler.kineto_results.events())
     mark = next(e for e in events if e.name() == MARK)
     end = mark.start_ns() + mark.duration_ns()
@@ -65,6 +74,31 @@ def live_peak(build: Callable[[], Callable[[], None]], warmup: int = 2) -> int:
             break
         live += nbytes
         if start >= mark.start_ns():
+            peak = max(peak, live)
+    return peak
+
+
+def peak_by_address(prof) -> int:
+    from torch._C._profiler import _EventType
+
+    allocations, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        elif node.name == MARK:
+            start, end = node.start_time_ns, node.end_time_ns
+    blocks: dict[int, int] = {}
+    live = peak = 0
+    for time, address, nbytes in sorted(allocations):
+        if time > end:
+            break
+        live -= blocks.pop(address, 0)
+        if nbytes > 0:
+            blocks[address] = nbytes
+            live += nbytes
+        if time >= start:
             peak = max(peak, live)
     return peak
 
@@ -130,7 +164,7 @@ def host_batch(cfg: RunConfig) -> dict[str, torch.Tensor]:
     return batch
 
 
-def bare_peak(cfg: RunConfig) -> int:
+def bare_peak(cfg: RunConfig, by_address: bool = False) -> int:
     import train_step
 
     from megatransformer.model import build_model
@@ -152,7 +186,7 @@ def bare_peak(cfg: RunConfig) -> int:
             batch.pop(key, None)
         return lambda: runner.step(input_ids, labels, masks=masks, **batch)
 
-    return live_peak(build)
+    return live_peak(build, by_address=by_address)
 
 
 def join(rank: int, ranks: int, port: int) -> Dist:
@@ -197,7 +231,7 @@ def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None
         stream = batches()
         return lambda: module.step(stream)
 
-    peak = live_peak(build)
+    peak = live_peak(build, by_address=point.get("by_address", False))
     peaks = [None] * ranks
     dist.all_gather_object(peaks, peak)
     if rank == 0:
@@ -234,7 +268,7 @@ def planned(point: dict) -> dict[str, int]:
 
 def measure(point: dict) -> dict:
     cfg = run_config(point)
-    measured = bare_peak(cfg) if point["runner"] == "bare" else engine_peak(point)
+    measured = bare_peak(cfg, point.get("by_address", False)) if point["runner"] == "bare" else engine_peak(point)
     parts = planned(point)
     return {**point, "measured": measured, "planned": parts["total"], "parts": parts}
 
@@ -306,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few points only")
     parser.add_argument("--only", default=None, help="run the points whose description contains this")
+    parser.add_argument("--by-address", action="store_true", help="tell blocks apart by address (live_peak)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, one thread per rank")
@@ -317,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         label = json.dumps(point)
         if args.only and args.only not in label:
             continue
+        point["by_address"] = args.by_address
         r = measure(point)
         m = r["model"]
         print(
