@@ -70,6 +70,23 @@ def test_zero_stages_partition_states_over_the_data_parallel_ranks() -> None:
     assert offloaded["optimizer_states"] == 0 and offloaded["total"] < parts[2]["total"]
 
 
+def test_an_offloaded_optimizer_leaves_a_gpu_but_not_a_cpu() -> None:
+    """DeepSpeedCPUAdam keeps the fp32 masters, their gradient partitions and Adam's moments in the host's
+    memory: off a GPU, still in a CPU's; ZeRO-2's staging buffers of the largest parameter on both sides."""
+    from megatransformer.planner import largest_parameter, parameter_counts, state_parts
+
+    cfg = llama(d_model=512, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=1024)
+    offloaded = layout(zero=2, offload=True)
+    part = -(-sum(parameter_counts(cfg.model)) // 8)
+    largest = largest_parameter(cfg.model, 1)
+    on_gpu, _, _ = state_parts(cfg, offloaded, engine=True, host=False)
+    on_cpu, _, _ = state_parts(cfg, offloaded, engine=True, host=True)
+    assert on_gpu["master_weights"] == on_gpu["gradients"] == on_gpu["optimizer_states"] == 0
+    assert (on_cpu["master_weights"], on_cpu["gradients"], on_cpu["optimizer_states"]) == (4 * part, 4 * part, 8 * part)
+    assert on_gpu["communication_buffers"] == 2 * largest  # (bf16)
+    assert on_cpu["communication_buffers"] == 2 * largest + 2 * part + 2 * largest
+
+
 def test_the_first_layout_fits_and_is_the_fastest_that_does() -> None:
     cfg = llama(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192)
     result = plan(cfg, find_gpu("H100"), 8, 8, None, 256)
