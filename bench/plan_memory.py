@@ -28,6 +28,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
@@ -38,12 +39,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatransformer.batch import IGNORE_INDEX  # noqa: E402
 from megatransformer.config import RunConfig  # noqa: E402
 
+if TYPE_CHECKING:
+    from megatransformer.training.distributed import Dist
+
 MARK = "plan_memory.measured_step"
 
 
-def live_peak(build: Callable[[], Callable[[], None]], warmup: int = 2) -> int:
+def live_peak(build: Callable[[], Callable[[], None]], warmup: int = 2, by_address: bool = False) -> int:
     """Peak live tensor bytes of one call of the step ``build()`` returns, after ``warmup`` calls, counting
-    everything allocated since ``build`` began (the profiler sees every allocation from there on)."""
+    everything allocated since ``build`` began (the profiler sees every allocation from there on): the running
+    sum of the profiler's allocations and frees.
+
+    ``by_address``: blocks told apart by address instead. Some frees on the engine's path reach neither the
+    profiler nor the CPU allocator's own total, so the running sum (and that total) keeps counting a block whose
+    address has since been handed out again (BENCHMARKS.md 5v); an address allocated anew ends the block it
+    held. It reads the profiler's experimental event tree, with which a rank of the engine's runs now and then
+    aborted at its end ("terminate called without an active exception"), so it is not the default."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -52,6 +63,8 @@ def live_peak(build: Callable[[], Callable[[], None]], warmup: int = 2) -> int:
             step()
         with record_function(MARK):
             step()
+    if by_address:
+        return peak_by_address(prof)
     events = list(prof.profiler.kineto_results.events())
     mark = next(e for e in events if e.name() == MARK)
     end = mark.start_ns() + mark.duration_ns()
@@ -65,21 +78,48 @@ def live_peak(build: Callable[[], Callable[[], None]], warmup: int = 2) -> int:
     return peak
 
 
+def peak_by_address(prof) -> int:
+    from torch._C._profiler import _EventType
+
+    allocations, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        elif node.name == MARK:
+            start, end = node.start_time_ns, node.end_time_ns
+    blocks: dict[int, int] = {}
+    live = peak = 0
+    for time, address, nbytes in sorted(allocations):
+        if time > end:
+            break
+        live -= blocks.pop(address, 0)
+        if nbytes > 0:
+            blocks[address] = nbytes
+            live += nbytes
+        if time >= start:
+            peak = max(peak, live)
+    return peak
+
+
+OBJECTIVES = {"decoder": "autoregressive", "encoder": "masked_lm", "encoder_decoder": "span_corruption"}
+
+
 def run_config(point: dict) -> RunConfig:
     """The run config of a grid point: {"model": {...}, "seq_len", "micro_batch", "precision", "zero", "tp",
-    "sp", "ranks"}."""
+    "sp", "offload", "objective", "ranks"}."""
     return RunConfig.model_validate(
         {
             "model": point["model"],
-            "objective": {"decoder": "autoregressive", "encoder": "masked_lm", "encoder_decoder": "span_corruption"}[
-                point["model"].get("arch", "decoder")
-            ],
+            "objective": point.get("objective", OBJECTIVES[point["model"].get("arch", "decoder")]),
             "data": {"seq_len": point["seq_len"]},
             "train": {"micro_batch_size": point["micro_batch"], "grad_accum": 1},
             "parallel": {
                 "zero_stage": point.get("zero", 0),
                 "tensor_parallel": point.get("tp", 1),
                 "sequence_parallel": point.get("sp", 1),
+                "offload_optimizer": point.get("offload", False),
             },
             "precision": point.get("precision", "fp32"),
             "run_dir": tempfile.gettempdir(),
@@ -89,10 +129,11 @@ def run_config(point: dict) -> RunConfig:
 
 def host_batch(cfg: RunConfig) -> dict[str, torch.Tensor]:
     """One micro batch as the loader delivers it: rows packed with documents of 300-700 tokens (positions
-    restart, segments count them), every position a loss target (the masked-LM encoder: 15% of them)."""
+    restart, segments count them), every position a loss target (the masked-LM encoder: 15% of them; prefix-LM:
+    the positions after a prefix of half of each document, which every position of it carries)."""
     gen = torch.Generator().manual_seed(0)
     rows, length, vocab = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.vocab_size
-    segments, positions = [], []
+    segments, positions, prefixes = [], [], []
     for _ in range(rows):
         lengths = []
         while sum(lengths) < length:
@@ -100,6 +141,8 @@ def host_batch(cfg: RunConfig) -> dict[str, torch.Tensor]:
         lengths[-1] -= sum(lengths) - length
         segments.append(torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)]))
         positions.append(torch.cat([torch.arange(n) for n in lengths]))
+        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+        prefixes.append(torch.cat([torch.full((n,), int(s) + n // 2) for s, n in zip(starts, lengths)]))
     ids = torch.randint(0, vocab, (rows, length + 1), generator=gen)
     batch = {
         "input_ids": ids[:, :-1].contiguous(),
@@ -110,6 +153,10 @@ def host_batch(cfg: RunConfig) -> dict[str, torch.Tensor]:
     if cfg.model.arch == "encoder":
         drop = torch.rand(rows, length, generator=gen) > 0.15
         batch["labels"] = batch["labels"].masked_fill(drop, IGNORE_INDEX)
+    if cfg.objective == "prefix_lm":
+        batch["prefix_len"] = torch.stack(prefixes)
+        inside = torch.arange(length) < batch["prefix_len"] - 1
+        batch["labels"] = batch["labels"].masked_fill(inside, IGNORE_INDEX)
     if cfg.model.arch == "encoder_decoder":
         batch["decoder_input_ids"] = batch["input_ids"].clone()
         batch["decoder_segment_ids"] = batch["segment_ids"].clone()
@@ -117,7 +164,7 @@ def host_batch(cfg: RunConfig) -> dict[str, torch.Tensor]:
     return batch
 
 
-def bare_peak(cfg: RunConfig) -> int:
+def bare_peak(cfg: RunConfig, by_address: bool = False) -> int:
     import train_step
 
     from megatransformer.model import build_model
@@ -135,14 +182,15 @@ def bare_peak(cfg: RunConfig) -> int:
         labels = batch.pop("labels")
         input_ids = batch.pop("input_ids")
         batch.pop("segment_ids")  # (the masks carry them)
-        for key in ("decoder_segment_ids",):
+        for key in ("decoder_segment_ids", "prefix_len"):
             batch.pop(key, None)
         return lambda: runner.step(input_ids, labels, masks=masks, **batch)
 
-    return live_peak(build)
+    return live_peak(build, by_address=by_address)
 
 
-def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None:
+def join(rank: int, ranks: int, port: int) -> Dist:
+    """This process as gloo rank ``rank`` of ``ranks`` (one thread), through the trainer's own set-up."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(ranks),
@@ -153,13 +201,24 @@ def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None
         DS_ACCELERATOR="cpu",
     )
     torch.set_num_threads(1)
+    from megatransformer.training.distributed import setup
+
+    return setup()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None:
     import torch.distributed as dist
 
-    from megatransformer.training.distributed import setup
     from megatransformer.training.engine import TrainModule
 
     cfg = run_config(point)
-    dist_info = setup()
+    dist_info = join(rank, ranks, port)
 
     def build() -> Callable[[], None]:
         module = TrainModule(cfg, dist_info, zero_stage=cfg.parallel.zero_stage)
@@ -172,7 +231,7 @@ def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None
         stream = batches()
         return lambda: module.step(stream)
 
-    peak = live_peak(build)
+    peak = live_peak(build, by_address=point.get("by_address", False))
     peaks = [None] * ranks
     dist.all_gather_object(peaks, peak)
     if rank == 0:
@@ -181,12 +240,9 @@ def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None
 
 
 def engine_peak(point: dict) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "peak.json")
-        mp.spawn(engine_rank, args=(point.get("ranks", 1), port, point, out), nprocs=point.get("ranks", 1))
+        mp.spawn(engine_rank, args=(point.get("ranks", 1), free_port(), point, out), nprocs=point.get("ranks", 1))
         return json.loads(Path(out).read_text())
 
 
@@ -203,7 +259,7 @@ def planned(point: dict) -> dict[str, int]:
         zero=p.zero_stage if point["runner"] == "engine" else 0,
         activation_checkpointing=cfg.model.activation_checkpointing,
         mlp_tiles=cfg.model.mlp_tiles,
-        offload=False,
+        offload=p.offload_optimizer,
         micro_batch=cfg.train.micro_batch_size,
         accum=1,
     )
@@ -212,7 +268,7 @@ def planned(point: dict) -> dict[str, int]:
 
 def measure(point: dict) -> dict:
     cfg = run_config(point)
-    measured = bare_peak(cfg) if point["runner"] == "bare" else engine_peak(point)
+    measured = bare_peak(cfg, point.get("by_address", False)) if point["runner"] == "bare" else engine_peak(point)
     parts = planned(point)
     return {**point, "measured": measured, "planned": parts["total"], "parts": parts}
 
@@ -225,15 +281,22 @@ MODELS = {
         arch="encoder_decoder", d_model=128, n_layers=2, n_heads=4, d_ff=512, vocab_size=2048, ffn="relu"
     ),
 }
+# the attention kinds and terms the grid above leaves out, on the decoder
+VARIANTS = {
+    "decoder-mla": dict(MODELS["decoder-gqa"], n_kv_heads=None, attention="mla", kv_lora_rank=64, q_lora_rank=96),
+    "decoder-qk-norm": dict(MODELS["decoder-gqa"], qk_norm=True),
+    "decoder-window": dict(MODELS["decoder-gqa"], attention_window=256),
+}
 
 
 def grid(quick: bool) -> list[dict]:
     points = []
 
     def add(model: str, seq_len: int, runner: str = "bare", **extra) -> None:
-        fields = dict(MODELS[model], max_seq_len=seq_len, attention_backend="chunked")
+        fields = dict((MODELS | VARIANTS)[model], max_seq_len=seq_len, attention_backend="chunked")
         fields |= {k: extra.pop(k) for k in ("activation_checkpointing", "mlp_tiles") if k in extra}
-        points.append({"name": model, "model": fields, "seq_len": seq_len, "micro_batch": 1, "runner": runner, **extra})
+        name = " ".join([model, *([extra["objective"]] if "objective" in extra else [])])
+        points.append({"name": name, "model": fields, "seq_len": seq_len, "micro_batch": 1, "runner": runner, **extra})
 
     if quick:
         add("decoder-gqa", 512)
@@ -254,6 +317,20 @@ def grid(quick: bool) -> list[dict]:
     add("decoder-gqa", 2048, runner="engine", sp=2, ranks=2)
     add("decoder-gqa", 4096, runner="engine", sp=2, ranks=2, mlp_tiles=4)
     add("encoder-decoder", 1024, runner="engine", zero=2, ranks=2, precision="bf16")
+    for model in VARIANTS:
+        for seq_len in (512, 2048):
+            add(model, seq_len)
+    add("decoder-gqa", 2048, objective="prefix_lm")
+    add("decoder-window", 8192)
+    add("decoder-mla", 2048, runner="engine", tp=2, ranks=2)
+    add("decoder-qk-norm", 2048, runner="engine", tp=2, ranks=2)
+    add("decoder-gqa", 1024, runner="engine", objective="prefix_lm", zero=2, ranks=2)
+    for precision in ("fp32", "bf16"):
+        add("decoder-gqa", 2048, runner="engine", precision=precision, zero=3, tp=2, ranks=2)
+        for zero in (1, 2, 3):
+            add("decoder-gqa", 1024, runner="engine", precision=precision, zero=zero, ranks=2, offload=True)
+    add("decoder-gqa", 1024, runner="engine", zero=3, tp=2, ranks=4)
+    add("decoder-gqa", 2048, runner="engine", zero=2, offload=True)
     for model in MODELS:  # (the slowest last)
         add(model, 8192)
     return points
@@ -263,10 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few points only")
     parser.add_argument("--only", default=None, help="run the points whose description contains this")
+    parser.add_argument("--by-address", action="store_true", help="tell blocks apart by address (live_peak)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, one thread per rank")
-    columns = ["model", "seq_len", "runner", "ranks", "precision", "zero", "tp", "sp", "ckpt", "tiles"]
+    columns = ["model", "seq_len", "runner", "ranks", "precision", "zero", "tp", "sp", "ckpt", "tiles", "offload"]
     columns += ["measured MiB", "plan MiB", "plan / measured"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
@@ -274,12 +352,14 @@ def main(argv: list[str] | None = None) -> int:
         label = json.dumps(point)
         if args.only and args.only not in label:
             continue
+        point["by_address"] = args.by_address
         r = measure(point)
         m = r["model"]
         print(
             f"| {r['name']} | {r['seq_len']} | {r['runner']} | {r.get('ranks', 1)} | {r.get('precision', 'fp32')} | "
             f"{r.get('zero', 0)} | {r.get('tp', 1)} | {r.get('sp', 1)} | "
             f"{'on' if m.get('activation_checkpointing') else 'off'} | {m.get('mlp_tiles', 1)} | "
+            f"{'on' if r.get('offload') else 'off'} | "
             f"{r['measured'] / 2**20:.2f} | {r['planned'] / 2**20:.2f} | {r['planned'] / r['measured']:.3f} |",
             flush=True,
         )

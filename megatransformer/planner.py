@@ -27,8 +27,8 @@ PARTS = (
     "overheads",
 )
 
-# DeepSpeed's ZeRO defaults (runtime/zero/config.py): elements per reduction / gather bucket, and ZeRO-3's
-# prefetch bucket (parameters gathered ahead of their use)
+# DeepSpeed's ZeRO defaults (runtime/zero/config.py): elements of the gradient reduction bucket, and of
+# ZeRO-3's prefetch bucket (parameters gathered ahead of their use)
 REDUCE_BUCKET = 500_000_000
 CORE_CHUNK = 64  # query positions per chunk of the CPU's attention core (model/chunked_attention.py's CHUNK)
 ZERO3_PREFETCH = 50_000_000
@@ -105,14 +105,14 @@ class Layout:
 # --------------------------------------------------------------------------------------------- memory
 
 
-_COUNTS: dict[str, tuple[int, int]] = {}
+_SIZES: dict[str, list[tuple[int, bool]]] = {}
 
 
-def parameter_counts(m: ModelConfig) -> tuple[int, int]:
-    """(parameters tensor parallelism splits, parameters every rank keeps whole): the model built on the meta
-    device, its parameters (tied ones once) sorted by the tensor-parallel plan."""
+def parameter_sizes(m: ModelConfig) -> list[tuple[int, bool]]:
+    """(elements, whether tensor parallelism splits it) of each parameter (tied ones once): the model built on
+    the meta device, its parameters sorted by the tensor-parallel plan."""
     key = m.model_dump_json()
-    if key not in _COUNTS:
+    if key not in _SIZES:
         import torch
 
         from megatransformer.model import build_model
@@ -120,23 +120,42 @@ def parameter_counts(m: ModelConfig) -> tuple[int, int]:
 
         with torch.device("meta"):
             model = build_model(m)
-        split = whole = 0
-        for name, param in model.named_parameters():
-            if partition_dim(name) is None:
-                whole += param.numel()
-            else:
-                split += param.numel()
-        _COUNTS[key] = split, whole
-    return _COUNTS[key]
+        _SIZES[key] = [(p.numel(), partition_dim(name) is not None) for name, p in model.named_parameters()]
+    return _SIZES[key]
+
+
+def parameter_counts(m: ModelConfig) -> tuple[int, int]:
+    """(parameters tensor parallelism splits, parameters every rank keeps whole)."""
+    sizes = parameter_sizes(m)
+    return sum(n for n, split in sizes if split), sum(n for n, split in sizes if not split)
+
+
+def largest_parameter(m: ModelConfig, tp: int) -> int:
+    """Elements of the largest parameter a tensor-parallel rank holds."""
+    return max(-(-n // tp) if split else n for n, split in parameter_sizes(m))
+
+
+def reduce_bucket_elements(m: ModelConfig, tp: int) -> int:
+    """Elements of ZeRO's gradient reduction bucket (DeepSpeed's ``reduce_bucket_size``): its default, or the
+    gradients of every parameter a rank holds where they are fewer. DeepSpeed allocates the whole bucket
+    whatever the model's size; one that holds every gradient reduces them all at once either way."""
+    split, whole = parameter_counts(m)
+    return min(REDUCE_BUCKET, -(-split // tp) + whole)
 
 
 def core_values(m: ModelConfig, latent: bool) -> int:
-    """q, k, v and the core's output per position; multi-head latent attention (``latent``) keeps its latents
-    and RoPE key besides, and all heads' keys and values, up-projected."""
+    """q, k, v and the core's output per position; under multi-head latent attention (``latent``) every head's,
+    up-projected."""
     if not latent:
         return 2 * m.d_model + 2 * m.kv_heads * m.head_dim
-    qk, v = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.n_heads * m.v_head_dim
-    return 2 * qk + 2 * v + m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank or 0)
+    return m.n_heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim)
+
+
+def latent_values(m: ModelConfig) -> tuple[int, int]:
+    """Values per position multi-head latent attention keeps besides its core's: (split by tensor parallelism,
+    whole on every rank). Split: the keys' part of kv_b_proj's output, which the values are a view of; whole:
+    the query and key/value latents before their norms (the latter with the RoPE key beside it) and after."""
+    return m.n_heads * m.qk_nope_head_dim, 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim
 
 
 def ffn_kept(m: ModelConfig) -> int:
@@ -154,6 +173,9 @@ def block_kept(m: ModelConfig, layout: Layout, cross: bool) -> int:
     d, hd, tp, sp = m.d_model, m.head_dim, layout.tp, layout.sp
     latent = m.attention == "mla"
     attention = 2 * d + core_values(m, latent) // tp
+    if latent:
+        split, whole = latent_values(m)
+        attention += split // tp + whole
     if m.qk_norm:  # the queries and keys before their norms
         attention += (d + m.kv_heads * hd) // tp
     if sp > 1:
@@ -182,7 +204,8 @@ def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int
         recomputed = local * max(per_block) * w
     else:
         blocks = sum(n * v for (n, _), v in zip(stacks, per_block))
-    rope = 2 * m.head_dim if m.position == "rope" else 0  # cos and sin, shared by the layers of a stack
+    # cos and sin, shared by the layers of a stack
+    rope = 2 * (m.qk_rope_head_dim if m.attention == "mla" else m.head_dim) if m.position == "rope" else 0
     final_norm = m.d_model if m.norm_position == "pre" and m.final_norm else 0
     model_level = len(stacks) * (final_norm + rope) + m.d_model  # + the loss's gradient of the hidden states
     if m.arch == "encoder_decoder":
@@ -258,12 +281,15 @@ def chunk_logits(kind: str) -> int:
     return CHUNK_LOGITS.get(kind, CHUNK_LOGITS["cpu"])
 
 
-def state_parts(cfg: RunConfig, layout: Layout, engine: bool) -> tuple[dict[str, int], dict[str, int], int]:
+def state_parts(
+    cfg: RunConfig, layout: Layout, engine: bool, host: bool = False
+) -> tuple[dict[str, int], dict[str, int], int]:
     """What a rank holds besides activations: between steps (weights, master weights, optimizer states and
     the gradients and buffers DeepSpeed keeps), from the backward's start to the step's end (ZeRO-1/2's
     reduction bucket, allocated in every backward), and the gradients' bytes that come and go at the end of
     the backward. ``engine``: DeepSpeed's engine at ``layout.zero`` (docs/planner.md: which optimizer wrapper
-    keeps what); else a plain loop (the model, torch's AdamW; bf16 with fp32 masters and their fp32 grads)."""
+    keeps what); else a plain loop (the model, torch's AdamW; bf16 with fp32 masters and their fp32 grads).
+    ``host``: the device's memory is the host's (a CPU), where an offloaded optimizer keeps its part."""
     split, whole = parameter_counts(cfg.model)
     params = split // layout.tp + whole
     w, lp = BYTES[cfg.precision], cfg.precision != "fp32"
@@ -271,7 +297,7 @@ def state_parts(cfg: RunConfig, layout: Layout, engine: bool) -> tuple[dict[str,
     part = -(-params // shards)
     held = {name: 0 for name in PARTS}
     in_backward = {name: 0 for name in PARTS}
-    held["optimizer_states"] = 0 if layout.offload else 8 * part
+    held["optimizer_states"] = 8 * part
     held["weights"] = w * params
     if not engine:
         held["master_weights"] = 8 * params if lp else 0
@@ -281,28 +307,36 @@ def state_parts(cfg: RunConfig, layout: Layout, engine: bool) -> tuple[dict[str,
         if layout.dp * layout.sp > 1:  # the flat copy of the gradients it all-reduces (kept between steps)
             held["communication_buffers"] = 4 * params
         return held, in_backward, w * params + (4 * params if lp else 0)
-    held["master_weights"] = 0 if layout.offload else 4 * part
+    held["master_weights"] = 4 * part
+    held["gradients"] = 4 * part  # fp32 gradient partitions
+    bucket = reduce_bucket_elements(cfg.model, layout.tp)
+    step_grads = 0
     if layout.zero == 3:  # its fp32 reduction bucket, allocated once; up to two prefetch buckets of weights
         held["weights"] = w * part
-        held["gradients"] = 4 * part
-        held["communication_buffers"] = 4 * REDUCE_BUCKET + w * min(params, 2 * ZERO3_PREFETCH)
-        return held, in_backward, 0
-    if layout.zero == 1 and lp and not layout.offload:  # BF16_Optimizer: fp32 gradients of every parameter
+        held["communication_buffers"] = 4 * bucket + w * min(params, 2 * ZERO3_PREFETCH)
+        if layout.offload:  # the fp32 partitions' own gradients, besides the reduced ones
+            held["gradients"] += 4 * part
+    elif layout.zero == 1 and lp and not layout.offload:  # BF16_Optimizer: fp32 gradients of every parameter
         held["gradients"] = 4 * params
-        return held, in_backward, w * params
-    # DeepSpeedZeroOptimizer: a reduction bucket of REDUCE_BUCKET elements in every backward (fp32 for ZeRO-1's
-    # accumulation, the model's dtype for ZeRO-2's staging) and fp32 gradient partitions (ZeRO-1 keeps the
-    # model's full gradients until they are reduced)
-    in_backward["communication_buffers"] = (4 if layout.zero == 1 else w) * REDUCE_BUCKET
-    held["gradients"] = 4 * part
-    return held, in_backward, w * params if layout.zero == 1 else 0
+        step_grads = w * params
+    else:
+        # DeepSpeedZeroOptimizer: a reduction bucket in every backward (fp32 for ZeRO-1's accumulation, the
+        # model's dtype for ZeRO-2's staging); ZeRO-1 keeps the model's full gradients until they are reduced
+        in_backward["communication_buffers"] = (4 if layout.zero == 1 else w) * bucket
+        step_grads = w * params if layout.zero == 1 else 0
+        if layout.offload:  # staging for the gradients' copy to the host, on the device and on the host
+            largest = largest_parameter(cfg.model, layout.tp)
+            held["communication_buffers"] = w * largest + (w * part + w * largest if host else 0)
+    if layout.offload and not host:  # the fp32 masters, their gradients and Adam's moments live on the host
+        held["master_weights"] = held["optimizer_states"] = held["gradients"] = 0
+    return held, in_backward, step_grads
 
 
 def memory_parts(cfg: RunConfig, layout: Layout, device: Device, engine: bool = True) -> dict[str, int]:
     """Each rank's memory at its peak, by part, and ``total``: the largest of three moments, the last micro
     batch's loss (every activation kept, the loss's chunk of logits), the last block's backward (its
     transients, and the buffers the backward allocates) and the backward's end (every gradient)."""
-    held, in_backward, step_grads = state_parts(cfg, layout, engine)
+    held, in_backward, step_grads = state_parts(cfg, layout, engine, host=device.kind == "cpu")
     acts = activation_parts(cfg, layout, device.kind)
     # the head's fp32 weight gradient, which the fused loss computes in the forward
     head_grad = cfg.model.vocab_size * cfg.model.d_model * 4

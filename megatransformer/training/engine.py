@@ -33,6 +33,7 @@ from megatransformer.model import build_model
 from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
+from megatransformer.planner import reduce_bucket_elements
 from megatransformer.training import checkpointer
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
@@ -87,6 +88,9 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "optimizer": optimizer,
     }
+    if ds["zero_optimization"]["stage"] > 0:
+        # DeepSpeed allocates the whole bucket, 5e8 elements by default, whatever the model's size
+        ds["zero_optimization"]["reduce_bucket_size"] = reduce_bucket_elements(cfg.model, p.tensor_parallel)
     if cfg.precision == "bf16":
         ds["communication_data_type"] = "fp32"
         if ds["zero_optimization"]["stage"] > 0:

@@ -1,41 +1,80 @@
 """The planner's memory estimate against the trainer's own step (``TrainModule.step``: DeepSpeed's engine) on two
 gloo ranks: the measured peak of live tensor bytes per rank (``bench/plan_memory.py``) within 10% of the plan;
+ZeRO's reduction bucket capped at the model's gradients, with the losses of DeepSpeed's default bucket;
 ``train`` stops before its first step when its layout cannot fit."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from plan_memory import engine_peak, planned  # noqa: E402
+from plan_memory import engine_peak, free_port, host_batch, join, planned, run_config  # noqa: E402
 
 MODEL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=176, vocab_size=512, attention_backend="chunked")
 
 
 @pytest.mark.parametrize(
-    "zero, precision",
+    "zero, precision, layout",
     [
-        (0, "fp32"),  # torch AdamW, the flat all-reduce copy
-        (1, "fp32"),  # DeepSpeed's 5e8-element reduction bucket, allocated in every backward
+        (0, "fp32", {}),  # torch AdamW, the flat all-reduce copy
+        (1, "fp32", {}),  # the reduction bucket, allocated in every backward
+        (3, "bf16", {}),  # partitioned weights, gradients and states, the fp32 bucket, the gathered weights
+        (3, "fp32", {"tp": 2}),  # ZeRO-3 over AutoTP's shards
+        (0, "fp32", {"tp": 2, "model": {"attention": "mla", "n_kv_heads": None, "kv_lora_rank": 32}}),
     ],
 )
-def test_engine_peak_on_two_ranks_is_the_plan_within_ten_percent(zero: int, precision: str) -> None:
+def test_engine_peak_on_two_ranks_is_the_plan_within_ten_percent(zero: int, precision: str, layout: dict) -> None:
     point = {
-        "model": MODEL | {"max_seq_len": 256},
+        "model": MODEL | {"max_seq_len": 256} | layout.get("model", {}),
         "seq_len": 256,
         "micro_batch": 2,
         "precision": precision,
         "zero": zero,
+        "tp": layout.get("tp", 1),
         "ranks": 2,
         "runner": "engine",
     }
     measured = engine_peak(point)
     total = planned(point)["total"]
     assert 0.9 < total / measured < 1.1, f"plan {total / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB"
+
+
+def _bucket_rank(rank: int, port: int, point: dict, out: str) -> None:
+    from megatransformer.planner import REDUCE_BUCKET
+    from megatransformer.training import engine
+
+    cfg, dist_info = run_config(point), join(rank, 2, port)
+    batches = itertools.repeat(host_batch(cfg))
+    capped = engine.TrainModule(cfg, dist_info)
+    seen = {
+        "bucket": capped.engine.optimizer.reduce_bucket_size,
+        "gradients": sum(p.numel() for p in capped.engine.module.parameters()),
+        "capped": [capped.step(batches).loss for _ in range(3)],
+    }
+    with mock.patch.object(engine, "reduce_bucket_elements", lambda model, tp: REDUCE_BUCKET):
+        default = engine.TrainModule(cfg, dist_info)
+    seen["default"] = [default.step(batches).loss for _ in range(3)]
+    if rank == 0:
+        Path(out).write_text(json.dumps(seen))
+
+
+def test_zero_2_reduces_through_a_bucket_of_the_models_gradients_with_the_default_buckets_losses(tmp_path):
+    """DeepSpeed gets a reduction bucket that holds every gradient and no more (its default, 5e8 elements, is
+    allocated whatever the model's size), and two data-parallel ranks train to the same losses with it."""
+    point = {"model": MODEL | {"max_seq_len": 128}, "seq_len": 128, "micro_batch": 2, "zero": 2, "ranks": 2}
+    out = tmp_path / "seen.json"
+    mp.spawn(_bucket_rank, args=(free_port(), point, str(out)), nprocs=2)
+    seen = json.loads(out.read_text())
+    assert seen["bucket"] == seen["gradients"]
+    assert seen["capped"] == seen["default"]
 
 
 def test_train_stops_before_the_first_step_when_its_layout_cannot_fit(tiny_data, tmp_path):

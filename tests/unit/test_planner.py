@@ -25,6 +25,10 @@ POINTS = {
     "mlp-tiles": ({"mlp_tiles": 4}, 512, "fp32"),
     "bf16": ({}, 256, "bf16"),
     "two-loss-chunks": ({"vocab_size": 8192}, 2048, "fp32"),
+    "latent-attention": ({"attention": "mla", "n_kv_heads": None, "kv_lora_rank": 32, "q_lora_rank": 48}, 512, "fp32"),
+    "qk-norm": ({"qk_norm": True}, 512, "fp32"),
+    "window": ({"attention_window": 64}, 512, "fp32"),
+    "prefix-lm": ({}, 512, "fp32"),
 }
 
 
@@ -38,6 +42,8 @@ def test_plan_total_is_the_measured_peak_within_ten_percent(name: str) -> None:
         "precision": precision,
         "runner": "bare",
     }
+    if name == "prefix-lm":
+        point["objective"] = "prefix_lm"
     measured = bare_peak(run_config(point))
     total = planned(point)["total"]
     assert 0.9 < total / measured < 1.1, f"{name}: plan {total / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB"
@@ -62,6 +68,23 @@ def test_zero_stages_partition_states_over_the_data_parallel_ranks() -> None:
     assert parts[0]["total"] > parts[1]["total"] > parts[3]["total"]
     offloaded = memory_parts(cfg, layout(zero=2, offload=True), h100)
     assert offloaded["optimizer_states"] == 0 and offloaded["total"] < parts[2]["total"]
+
+
+def test_an_offloaded_optimizer_leaves_a_gpu_but_not_a_cpu() -> None:
+    """DeepSpeedCPUAdam keeps the fp32 masters, their gradient partitions and Adam's moments in the host's
+    memory: off a GPU, still in a CPU's; ZeRO-2's staging buffers of the largest parameter on both sides."""
+    from megatransformer.planner import largest_parameter, parameter_counts, state_parts
+
+    cfg = llama(d_model=512, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=1024)
+    offloaded = layout(zero=2, offload=True)
+    part = -(-sum(parameter_counts(cfg.model)) // 8)
+    largest = largest_parameter(cfg.model, 1)
+    on_gpu, _, _ = state_parts(cfg, offloaded, engine=True, host=False)
+    on_cpu, _, _ = state_parts(cfg, offloaded, engine=True, host=True)
+    assert on_gpu["master_weights"] == on_gpu["gradients"] == on_gpu["optimizer_states"] == 0
+    assert (on_cpu["master_weights"], on_cpu["gradients"], on_cpu["optimizer_states"]) == (4 * part, 4 * part, 8 * part)
+    assert on_gpu["communication_buffers"] == 2 * largest  # (bf16)
+    assert on_cpu["communication_buffers"] == 2 * largest + 2 * part + 2 * largest
 
 
 def test_the_first_layout_fits_and_is_the_fastest_that_does() -> None:

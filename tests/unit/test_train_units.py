@@ -173,6 +173,24 @@ def test_deepspeed_config_from_run_config():
         deepspeed_config(run_config(parallel=dict(zero_stage=0, offload_optimizer=True)), BatchSizes(4, 1, 1), "cpu")
 
 
+def test_zero_reduces_through_a_bucket_of_the_ranks_gradients_at_most_deepspeeds_default():
+    """What the engine gives DeepSpeed is the bucket the planner counts: every gradient a tensor-parallel rank
+    holds, and DeepSpeed's default 5e8 elements for models above that; no bucket without ZeRO."""
+    from megatransformer.planner import REDUCE_BUCKET, Layout, parameter_counts, reduce_bucket_elements, state_parts
+    from megatransformer.training.engine import deepspeed_config
+    from megatransformer.training.layout import BatchSizes
+
+    cfg = run_config(parallel=dict(zero_stage=2, tensor_parallel=2))
+    split, whole = parameter_counts(cfg.model)
+    zero = deepspeed_config(cfg, BatchSizes(4, 1, 2), "cpu")["zero_optimization"]
+    assert zero["reduce_bucket_size"] == reduce_bucket_elements(cfg.model, 2) == split // 2 + whole
+    _, in_backward, _ = state_parts(cfg, Layout(2, 2, 1, 2, False, 1, False, 4, 1), engine=True)
+    assert in_backward["communication_buffers"] == 4 * zero["reduce_bucket_size"]  # (fp32)
+    assert "reduce_bucket_size" not in deepspeed_config(cfg, BatchSizes(4, 1, 2), "cpu", 0)["zero_optimization"]
+    large = run_config(model=dict(d_model=4096, n_layers=32, n_heads=32, d_ff=16384, vocab_size=32000))
+    assert sum(parameter_counts(large.model)) > REDUCE_BUCKET == reduce_bucket_elements(large.model, 1)
+
+
 @pytest.mark.parametrize(
     "stage,dp,precision,device,offload,runs",
     [
