@@ -13,11 +13,16 @@ rounds. On a machine shared with other work, only the ratios mean anything, and 
 
     python bench/threads.py                       # 3 rounds of 6 steps, variants default omp=1 omp=2 set=1 set=2 picked
     python bench/threads.py --rounds 5 --steps 10
+    python bench/threads.py --background 1 --variants set=2,set=1,picked   # beside 1 busy process of other work
+
+``--background K`` keeps K processes busy (a Python loop each, no threads of their own) for the whole run: a
+known load instead of whatever else runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -68,25 +73,42 @@ def run(variant: str, steps: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """``count`` processes spinning on a core each until the block ends."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--background", type=int, default=0, help="busy processes of other work beside the runs")
     args = parser.parse_args()
     variants = args.variants.split(",")
     seconds = {v: [] for v in variants}
     threads = {}
     loads = []
-    for round_ in range(args.rounds):
-        loads.append(os.getloadavg()[0])
-        for variant in variants if round_ % 2 == 0 else variants[::-1]:
-            result = run(variant, args.steps)
-            seconds[variant].append(statistics.median(result["seconds"]))
-            threads[variant] = result["threads"]
+    with busy_processes(args.background):
+        for round_ in range(args.rounds):
+            loads.append(os.getloadavg()[0])
+            for variant in variants if round_ % 2 == 0 else variants[::-1]:
+                result = run(variant, args.steps)
+                seconds[variant].append(statistics.median(result["seconds"]))
+                threads[variant] = result["threads"]
     base = statistics.median(seconds[variants[0]])
     cores = len(os.sched_getaffinity(0))
-    print(f"cores usable {cores}, load average during the rounds {min(loads):.1f}-{max(loads):.1f}")
+    print(
+        f"cores usable {cores}, {args.background} busy processes beside the runs, load average during the rounds "
+        f"{min(loads):.1f}-{max(loads):.1f}"
+    )
     print(f"{'variant':10s} {'threads':>7s} {'s/step':>8s} {'vs ' + variants[0]:>12s}")
     for variant in variants:
         median = statistics.median(seconds[variant])
