@@ -151,6 +151,8 @@ class Trainer:
                 print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
+            if self.module.optimizer_line:
+                print(self.module.optimizer_line)
             for warning in (warmup_warning(cfg), self.validation_warning):
                 if warning:
                     print(warning)
