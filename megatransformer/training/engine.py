@@ -117,15 +117,10 @@ def check_muon_layout(cfg: RunConfig, engine_stage: int) -> None:
     sequence-parallel degrees."""
     if engine_stage > 0:
         raise ConfigError(
-            f"optim.name=muon with parallel.zero_stage={cfg.parallel.zero_stage} over several data-parallel ranks: "
-            "ZeRO partitions gradients and optimizer state as flat slices, which Muon cannot orthogonalise (and "
-            "DeepSpeed's own ZeRO Muon clips the orthogonalised update and has no nesterov, ns_steps or "
-            "adjust_lr_fn); set parallel.zero_stage=0"
-        )
-    if cfg.precision != "fp32":
-        raise ConfigError(
-            f"optim.name=muon with precision={cfg.precision}: DeepSpeed's ZeRO-0 {cfg.precision} optimizer keeps "
-            "its fp32 masters as flat buffers, which Muon cannot orthogonalise; use precision=fp32"
+            f"optim.name=muon with parallel.zero_stage={cfg.parallel.zero_stage} (DeepSpeed runs ZeRO-{engine_stage} "
+            "on this layout): ZeRO keeps gradients and optimizer state as flat slices, which Muon cannot "
+            "orthogonalise (DeepSpeed's own ZeRO Muon clips the orthogonalised update and has no nesterov, ns_steps "
+            "or adjust_lr_fn); set parallel.zero_stage=0"
         )
 
 

@@ -72,7 +72,10 @@ def muon_param_groups(model: nn.Module, o: OptimConfig, tensor_parallel: int) ->
     }
     groups = [{"params": ps, "tp_dim": dim, **muon_settings} for dim, ps in sorted(muon.items(), key=str)]
     adam = {"use_muon": False, "lr": o.lr, "betas": tuple(o.betas), "eps": o.eps}
-    groups += [{"params": decay, "weight_decay": o.weight_decay, **adam}, {"params": no_decay, "weight_decay": 0.0, **adam}]
+    groups += [
+        {"params": decay, "weight_decay": o.weight_decay, **adam},
+        {"params": no_decay, "weight_decay": 0.0, **adam},
+    ]
     n_muon = sum(len(g["params"]) for g in groups if g["use_muon"])
     line = (
         f"optimizer: Muon on {n_muon} matrices ({muon_elements:,} parameters, linear layers' weights), "
