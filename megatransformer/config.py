@@ -541,6 +541,9 @@ class OptimConfig(Section):
     """Nesterov momentum in Muon."""
     muon_ns_steps: Annotated[int, Field(ge=1, le=99)] = 5
     """Newton-Schulz iterations per Muon update."""
+    muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
+    """dtype of the Newton-Schulz iterations: bf16 as torch.optim.Muon, or fp32 (on CPUs without bf16 matrix
+    units, or to reproduce a run on another layout to fp32 rounding)."""
     muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
     """Muon's learning rate per matrix shape (A x B), as torch.optim.Muon's adjust_lr_fn: original scales it by
     sqrt(max(1, A/B)) (Keller Jordan), match_rms_adamw by 0.2 sqrt(max(A, B)) (Moonshot: AdamW's update RMS)."""

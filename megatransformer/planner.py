@@ -575,6 +575,8 @@ def plan(
                     continue  # ZeRO over one rank partitions nothing: the engine runs stage 0
                 if offload and zero == 0:
                     continue
+                if zero and cfg.optim.name == "muon":
+                    continue  # Muon runs at ZeRO-0 (training/engine.py check_muon_layout)
                 layouts.append(Layout(dp, tp, sp, zero, ckpt, tile, offload, micro, per_rank // micro))
     if current is not None and current not in layouts:
         layouts.append(current)

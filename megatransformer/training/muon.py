@@ -68,6 +68,7 @@ def muon_param_groups(model: nn.Module, o: OptimConfig, tensor_parallel: int) ->
         "momentum": o.muon_momentum,
         "nesterov": o.muon_nesterov,
         "ns_steps": o.muon_ns_steps,
+        "ns_dtype": o.muon_ns_dtype,
         "adjust_lr_fn": o.muon_adjust_lr_fn,
     }
     groups = [{"params": ps, "tp_dim": dim, **muon_settings} for dim, ps in sorted(muon.items(), key=str)]
@@ -138,22 +139,40 @@ class MuonWithAdamW(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - beta)
             update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
-            update, shape = self._orthogonalize_whole(update, group["tp_dim"], group["ns_steps"])
+            update, shape = self._orthogonalize_whole(update, group["tp_dim"], group["ns_steps"], group["ns_dtype"])
             p.mul_(1 - lr * wd)
             p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
 
-    def _orthogonalize_whole(self, shard: torch.Tensor, dim: int | None, steps: int) -> tuple[torch.Tensor, torch.Size]:
+    def _orthogonalize_whole(
+        self, shard: torch.Tensor, dim: int | None, steps: int, dtype: str
+    ) -> tuple[torch.Tensor, torch.Size]:
         """Newton-Schulz of the whole matrix whose tensor-parallel shard (along ``dim``) this rank holds; this
         rank's part of the result, and the whole matrix's shape."""
         if dim is None or self.tp_group is None:
-            return self.orthogonalize(shard, steps), shard.shape
+            return self.orthogonalize(shard, steps, dtype), shard.shape
         size = dist.get_world_size(self.tp_group)
         parts = [torch.empty_like(shard) for _ in range(size)]
         dist.all_gather(parts, shard.contiguous(), group=self.tp_group)
         whole = torch.cat(parts, dim)
-        mine = self.orthogonalize(whole, steps).chunk(size, dim)[dist.get_rank(self.tp_group)]
+        mine = self.orthogonalize(whole, steps, dtype).chunk(size, dim)[dist.get_rank(self.tp_group)]
         return mine, whole.shape
 
-    def orthogonalize(self, update: torch.Tensor, steps: int) -> torch.Tensor:
+    def orthogonalize(self, update: torch.Tensor, steps: int, dtype: str) -> torch.Tensor:
         self.ns_calls += 1
-        return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, steps, NS_EPS)
+        if dtype == "bf16":
+            return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, steps, NS_EPS)
+        return newton_schulz_fp32(update, steps)
+
+
+def newton_schulz_fp32(update: torch.Tensor, steps: int) -> torch.Tensor:
+    """``torch.optim.Muon``'s Newton-Schulz iteration in fp32 instead of bf16."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x

@@ -146,6 +146,14 @@ def plan_resume(
     saved_layout = (state.world_size, state.tensor_parallel, state.sequence_parallel, state.zero_stage)
     if saved_layout == (world_size, tp, sp, zero_stage):
         return ResumePlan(path, state, saved, None)
+    if cfg.optim.name == "muon" or saved.optim.name == "muon":
+        was = _layout(saved_sizes.dp, state.tensor_parallel, state.sequence_parallel, state.zero_stage)
+        raise ConfigError(
+            f"checkpoint {path} ({was}, {_ranks(state.world_size)}) and this run "
+            f"({_layout(sizes.dp, tp, sp, zero_stage)}, "
+            f"{_ranks(world_size)}) differ, and optim.name=muon resumes only on its own layout ({ckpt.OPTIMIZER} "
+            "holds no Muon momentum); resume on that layout, or start a new run from its weights with init_from="
+        )
     if not (path / ckpt.OPTIMIZER).is_file():
         raise ConfigError(
             f"checkpoint {path} has no {ckpt.OPTIMIZER} (written before elastic resume existed), so it resumes "

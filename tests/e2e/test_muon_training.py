@@ -63,7 +63,10 @@ def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_zero_1_2_3_ar
 
 @pytest.mark.parametrize("layout", [["parallel.zero_stage=0"], ["parallel.tensor_parallel=2"]], ids=["dp2", "tp2"])
 def test_two_ranks_train_the_losses_of_one(tiny_data, tmp_path, layout):
-    changes = MUON | {"train.max_steps": 10, "checkpoint.every": 100}
+    """fp32 Newton-Schulz: in bf16 the gradients' fp32 rounding, which differs by layout, moves a few bf16
+    roundings (about 2e-5 of the loss in ten steps)."""
+    batch = {"train.global_batch_size": 8, "train.grad_accum": None, "optim.muon_ns_dtype": "fp32"}
+    changes = MUON | batch | {"train.max_steps": 10, "checkpoint.every": 100}
     one = train(tiny_run(tiny_data, tmp_path / "one", steps=10, changes=changes))
     assert "optimizer: Muon on 14 matrices" in one.stdout
     train(tiny_run(tiny_data, tmp_path / "two", steps=10, changes=changes) + layout, nproc=2)
@@ -94,7 +97,7 @@ def test_a_decay_branched_off_a_stable_checkpoint_continues_it_in_its_own_run_di
         tiny_run(tiny_data, branch, steps=9, changes=wsd | {"schedule.decay_steps": None})
         + [f"schedule.decay_from={checkpoint(stable, 6)}", "schedule.decay_shape=linear"]
     )
-    ran, base = metrics(branch), losses_by_step(stable)
+    ran, base = [r for r in metrics(branch) if r["kind"] == "train"], losses_by_step(stable)
     assert [r["step"] for r in ran] == [7, 8, 9] and not (branch / "checkpoints" / "step_000006").exists()
     assert ran[0]["loss"] == base[7]  # the same weights, optimizer and data as the stable run's step 7
     lrs = [r["lr"] for r in ran]

@@ -112,6 +112,20 @@ def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
     assert set(optimizer.state_dict()["state"][0]) == {"momentum_buffer"}
 
 
+def test_fp32_newton_schulz_is_torchs_iteration_at_fp32_precision():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from megatransformer.training.muon import NS_COEFFICIENTS, NS_EPS, newton_schulz_fp32
+
+    for shape in ((24, 40), (40, 24)):
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        ours, torchs = newton_schulz_fp32(g, 5), _zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, NS_EPS)
+        assert ours.dtype == torch.float32 and ours.shape == g.shape
+        torch.testing.assert_close(ours, torchs.float(), atol=0.03, rtol=0)  # bf16's rounding apart
+        singular = torch.linalg.svdvals(ours)
+        assert singular.min() > 0.5 and singular.max() < 1.5  # near-orthogonal, as the quintic leaves it
+
+
 def test_a_flattened_muon_parameter_is_refused():
     flat = torch.nn.Parameter(torch.zeros(12))
     with pytest.raises(ConfigError, match="flat tensor"):
