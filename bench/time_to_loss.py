@@ -73,6 +73,8 @@ def train(args: argparse.Namespace, optimizer: str, schedule: str, lr: float) ->
     ]
     if optimizer == "muon":
         overrides.append("parallel.zero_stage=0")  # (Muon runs at ZeRO-0: docs/optimizers.md)
+        if args.muon_adam_lr is not None:
+            overrides.append(f"optim.lr={args.muon_adam_lr}")
     command = [sys.executable, "-m", "megatransformer.cli", "train", "--config", args.config, *overrides]
     if run_dir.exists():
         raise SystemExit(f"{run_dir} exists: choose another --out")
@@ -141,6 +143,12 @@ def main() -> None:
     parser.add_argument("--pairs", default="adamw:cosine,muon:wsd", help="optimizer:schedule, comma-separated")
     parser.add_argument("--adamw-lrs", default=SWEEPS["adamw"], help="optim.lr values of AdamW runs")
     parser.add_argument("--muon-lrs", default=SWEEPS["muon"], help="optim.muon_lr values of Muon runs")
+    parser.add_argument(
+        "--muon-adam-lr",
+        type=float,
+        help="optim.lr of Muon runs' AdamW part (default: the best AdamW run's lr when AdamW pairs ran, which run "
+        "first; else the config's)",
+    )
     parser.add_argument("--target", type=float, help="validation loss to reach (default: the best baseline's final)")
     parser.add_argument("--baseline", default="adamw:cosine", help="the pair the target and the ratios refer to")
     parser.add_argument("--out", default="runs/time_to_loss", help="directory of the runs, the plot and the table")
@@ -153,10 +161,13 @@ def main() -> None:
         parser.error(f"--pairs {args.pairs} must be optimizer:schedule pairs (adamw or muon) including --baseline")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     runs = []
-    for optimizer, schedule in pairs:
+    for optimizer, schedule in sorted(pairs, key=lambda p: p[0] != "adamw"):
         lrs = [float(x) for x in sweeps[optimizer].split(",")]
         if len(lrs) < 4:
             parser.error(f"--{optimizer}-lrs: a sweep of at least 4 learning rates, got {len(lrs)}")
+        if optimizer == "muon" and args.muon_adam_lr is None and any(r.optimizer == "adamw" for r in runs):
+            args.muon_adam_lr = min((r for r in runs if r.optimizer == "adamw"), key=lambda r: r.final).lr
+            print(f"  (Muon runs' AdamW part: optim.lr={args.muon_adam_lr:g}, the best AdamW run's)")
         for lr in lrs:
             runs.append(train(args, optimizer, schedule, lr))
     baseline = args.baseline.replace(":", "+")

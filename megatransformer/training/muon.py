@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from megatransformer.config import ConfigError, OptimConfig
+from megatransformer.model.head import LMHead
 from megatransformer.model.tp_plan import partition_dim
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
@@ -26,11 +27,8 @@ NS_EPS = 1e-7
 
 def muon_parameter_names(model: nn.Module) -> set[str]:
     """Names of the parameters Muon updates: the weights of the model's ``nn.Linear`` modules (attention and
-    feed-forward projections), except one shared with an embedding (a tied output head)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for module in model.modules():  # the model's own embedding and head classes hold their tables directly
-        if type(module).__name__ in ("TokenEmbedding", "LMHead", "PositionEmbedding"):
-            embeddings.update(id(p) for p in module.parameters(recurse=False))
+    feed-forward projections), except the output head's and any shared with an embedding."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, LMHead))}
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     return {
         name

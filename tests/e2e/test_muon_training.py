@@ -61,7 +61,11 @@ def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_zero_1_2_3_ar
         assert f"optim.name=muon with parallel.zero_stage={stage}" in refused and "zero_stage=0" in refused
 
 
-@pytest.mark.parametrize("layout", [["parallel.zero_stage=0"], ["parallel.tensor_parallel=2"]], ids=["dp2", "tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.zero_stage=0"], ["parallel.tensor_parallel=2"], ["parallel.sequence_parallel=2"]],
+    ids=["dp2", "tp2", "sp2"],
+)
 def test_two_ranks_train_the_losses_of_one(tiny_data, tmp_path, layout):
     """fp32 Newton-Schulz: in bf16 the gradients' fp32 rounding, which differs by layout, moves a few bf16
     roundings (about 2e-5 of the loss in ten steps)."""
@@ -87,6 +91,10 @@ def test_kill_9_and_resume_equals_uninterrupted_with_muon(tiny_data, tmp_path):
     train(tiny_run(tiny_data, reference, steps=20, changes=changes))
     assert [r["step"] for r in metrics(crashed)] == [r["step"] for r in metrics(reference)]
     assert losses(crashed) == losses(reference)
+    elastic = train(
+        overrides + ["resume=auto", "train.max_steps=24", "parallel.tensor_parallel=2"], nproc=2, expect=None
+    )
+    assert elastic.returncode != 0 and "optim.name=muon resumes only on its own layout" in elastic.stderr
 
 
 def test_a_decay_branched_off_a_stable_checkpoint_continues_it_in_its_own_run_dir(tiny_data, tmp_path):

@@ -41,6 +41,15 @@ def test_an_untied_output_head_and_the_embeddings_stay_with_adamw():
     assert len(chosen) == 14
 
 
+def test_latent_attention_and_cross_attention_matrices_get_muon_too():
+    mla = muon_parameter_names(model(attention="mla", kv_lora_rank=16, n_kv_heads=None))
+    assert {"decoder.layers.0.self_attn.kv_a_proj.weight", "decoder.layers.0.self_attn.kv_b_proj.weight"} <= mla
+    seq2seq = model(arch="encoder_decoder")
+    chosen = muon_parameter_names(seq2seq)
+    assert any(".cross_attn." in n for n in chosen)
+    assert [n for n, p in seq2seq.named_parameters() if p.ndim == 2 and n not in chosen] == ["embed_tokens.weight"]
+
+
 def test_groups_count_every_parameter_once_and_say_so():
     m = model()
     groups, line = muon_param_groups(m, OptimConfig(name="muon"), tensor_parallel=1)
@@ -144,3 +153,11 @@ def test_planner_counts_one_buffer_for_muons_matrices():
         p.numel() for n, p in build_model(muon.model).named_parameters() if n.endswith("proj.weight")
     )
     assert held_adamw - held_muon == 4 * matrices
+
+
+def test_the_planner_offers_muon_only_the_zero_0_layouts():
+    from megatransformer.planner import find_gpu, plan
+
+    result = plan(run_config(optim={"name": "muon"}), find_gpu("H100"), 4, 4, None, 16)
+    assert result.layouts and {p.layout.zero for p in result.layouts} == {0}
+    assert {p.layout.tp for p in result.layouts} > {1}  # tensor parallelism stays offered
