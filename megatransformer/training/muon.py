@@ -44,6 +44,7 @@ def muon_param_groups(model: nn.Module, o: OptimConfig, tensor_parallel: int) ->
     follow :func:`optim.param_groups`' weight-decay rule (matrices decayed; norms, biases, embeddings not)."""
     chosen = muon_parameter_names(model)
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    linear -= {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # (a tied head's table)
     muon: dict[int | None, list[nn.Parameter]] = {}
     decay, no_decay, seen = [], [], set()
     muon_elements = adam_elements = 0

@@ -58,6 +58,8 @@ def test_groups_count_every_parameter_once_and_say_so():
     muon = sum(p.numel() for g in groups if g["use_muon"] for p in g["params"])
     assert line.startswith(f"optimizer: Muon on 14 matrices ({muon:,} parameters")
     assert {g["tp_dim"] for g in groups if g["use_muon"]} == {None}
+    (decayed,) = [g for g in groups if not g["use_muon"] and g["weight_decay"] > 0] or [{"params": []}]
+    assert decayed["params"] == []  # the tied embedding, norms: AdamW without decay
 
 
 def test_tensor_parallel_groups_know_each_matrix_split():
@@ -82,7 +84,7 @@ def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
         muon_weight_decay=0.1,
         weight_decay=0.05,
     )
-    ours, ref = model(), model()
+    ours, ref = model(tie_embeddings=False), model(tie_embeddings=False)  # (an output head AdamW decays)
     groups, _ = muon_param_groups(ours, o, 1)
     optimizer = MuonWithAdamW(groups)
     ref_params = dict(ref.named_parameters())
@@ -96,7 +98,7 @@ def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
         ns_steps=o.muon_ns_steps,
         adjust_lr_fn=adjust,
     )
-    linear = {id(m.weight) for m in ref.modules() if isinstance(m, torch.nn.Linear)}
+    linear = {id(m.weight) for m in ref.modules() if isinstance(m, torch.nn.Linear)} - {id(ref.embed_tokens.weight)}
     rest = [p for n, p in ref.named_parameters() if n not in chosen]
     adamw = torch.optim.AdamW(
         [
