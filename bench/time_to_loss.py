@@ -86,11 +86,17 @@ def train(args: argparse.Namespace, optimizer: str, schedule: str, lr: float) ->
     return run
 
 
-def table(runs: list[Run], target: float, baseline: str) -> str:
-    best = {}
+def best_runs(runs: list[Run]) -> dict[str, Run]:
+    """The run of each pair with the lowest final validation loss."""
+    best: dict[str, Run] = {}
     for run in runs:
         if run.pair not in best or run.final < best[run.pair].final:
             best[run.pair] = run
+    return best
+
+
+def table(runs: list[Run], target: float, baseline: str) -> str:
+    best = best_runs(runs)
     reference = best[baseline].reach(target)
     lines = [
         f"target: validation loss {target:.4f} (the best {baseline} run's final)",
@@ -98,12 +104,22 @@ def table(runs: list[Run], target: float, baseline: str) -> str:
         "| optimizer + schedule | best lr | final val loss | steps to target | wall s to target | x baseline's time |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
+    edges = False
     for pair, run in best.items():
         reached = run.reach(target)
         steps, wall = reached if reached else ("not reached", None)
         ratio = f"{wall / reference[1]:.2f}x" if reached and reference else "-"
         wall_text = f"{wall:.1f}" if wall is not None else "-"
-        lines.append(f"| {pair} | {run.lr:g} | {run.final:.4f} | {steps} | {wall_text} | {ratio} |")
+        swept = [r.lr for r in runs if r.pair == pair]
+        edge = run.lr in (min(swept), max(swept))
+        edges = edges or edge
+        lr = f"{run.lr:g}" + (" (edge)" if edge else "")
+        lines.append(f"| {pair} | {lr} | {run.final:.4f} | {steps} | {wall_text} | {ratio} |")
+    if edges:
+        lines += [
+            "",
+            "(edge): the best rate is the sweep's smallest or largest; widen the sweep before reading its row",
+        ]
     return "\n".join(lines)
 
 
@@ -113,10 +129,7 @@ def plot(runs: list[Run], target: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    best = {}
-    for run in runs:
-        if run.pair not in best or run.final < best[run.pair].final:
-            best[run.pair] = run
+    best = best_runs(runs)
     colors = {pair: f"C{i}" for i, pair in enumerate(best)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for run in runs:
