@@ -113,8 +113,8 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
 
 def check_muon_layout(cfg: RunConfig, engine_stage: int) -> None:
     """Refuse the layouts :class:`MuonWithAdamW` cannot orthogonalise whole matrices in: it runs where each
-    rank holds its parameters and gradients as matrices (ZeRO-0 in fp32), whatever the data-, tensor- and
-    sequence-parallel degrees."""
+    rank holds its parameters and gradients as matrices (ZeRO-0; in bf16/fp16 DeepSpeed's unfused optimizer keeps
+    an fp32 master per parameter), whatever the data-, tensor- and sequence-parallel degrees."""
     if engine_stage > 0:
         raise ConfigError(
             f"optim.name=muon with parallel.zero_stage={cfg.parallel.zero_stage} (DeepSpeed runs ZeRO-{engine_stage} "

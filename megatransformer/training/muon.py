@@ -99,12 +99,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
-                    if p.ndim != 2:
-                        raise ConfigError(
-                            f"optim.name=muon: a Muon parameter of shape {tuple(p.shape)} reached the optimizer "
-                            "as a flat tensor (a ZeRO or precision wrapper flattened it), so it cannot be "
-                            "orthogonalised; run precision=fp32 with parallel.zero_stage=0"
-                        )
+                    _check_matrix(p)
         adam_groups = [g for g in self.param_groups if not g["use_muon"]]
         self._adamw = torch.optim.AdamW(adam_groups, fused=fused) if adam_groups else None
 
@@ -132,6 +127,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
+            _check_matrix(p)  # (a wrapper may have put its own copies of the parameters into the groups)
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
@@ -161,6 +157,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if dtype == "bf16":
             return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, steps, NS_EPS)
         return newton_schulz_fp32(update, steps)
+
+
+def _check_matrix(p: torch.Tensor) -> None:
+    if p.ndim != 2:
+        raise ConfigError(
+            f"optim.name=muon: a Muon parameter reached the optimizer as a tensor of shape {tuple(p.shape)} (a ZeRO "
+            "or precision wrapper flattened it), which cannot be orthogonalised; run parallel.zero_stage=0"
+        )
 
 
 def newton_schulz_fp32(update: torch.Tensor, steps: int) -> torch.Tensor:
