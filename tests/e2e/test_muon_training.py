@@ -25,12 +25,14 @@ MATRICES = 7  # one layer: q, k, v, o, gate, up, down
 MUON = {"optim.name": "muon", "optim.muon_lr": "0.02", "parallel.zero_stage": "0"}
 
 
-def _stage_rank(rank: int, ranks: int, port: int, stage: int, out: str) -> None:
+def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, out: str) -> None:
     from megatransformer.config import ConfigError
     from megatransformer.training.checkpointer import innermost_optimizer
     from megatransformer.training.engine import TrainModule
 
-    cfg = run_config(optim={"name": "muon"}, parallel={"zero_stage": stage}, train={"micro_batch_size": 2})
+    cfg = run_config(
+        optim={"name": "muon"}, parallel={"zero_stage": stage}, train={"micro_batch_size": 2}, precision=precision
+    )
     dist_info = join(rank, ranks, port)
     try:
         module = TrainModule(cfg, dist_info, zero_stage=stage)
@@ -44,9 +46,9 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, out: str) -> None:
         Path(out).write_text(json.dumps(seen))
 
 
-def stage_run(ranks: int, stage: int, tmp_path: Path) -> dict:
-    out = tmp_path / f"seen_{ranks}_{stage}.json"
-    mp.spawn(_stage_rank, args=(ranks, free_port(), stage, str(out)), nprocs=ranks)
+def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32") -> dict:
+    out = tmp_path / f"seen_{ranks}_{stage}_{precision}.json"
+    mp.spawn(_stage_rank, args=(ranks, free_port(), stage, precision, str(out)), nprocs=ranks)
     return json.loads(out.read_text())
 
 
@@ -56,6 +58,9 @@ def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_zero_1_2_3_ar
     two = stage_run(2, 0, tmp_path)
     assert two["ns_calls"] == MATRICES * STEPS  # on each rank, on the all-reduced gradients
     assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    bf16 = stage_run(1, 0, tmp_path, "bf16")  # (DeepSpeed's unfused bf16 optimizer: fp32 masters as matrices)
+    assert bf16["ns_calls"] == MATRICES * STEPS
+    assert bf16["losses"] == pytest.approx(one["losses"], rel=2e-2)
     for stage in (1, 2, 3):
         refused = stage_run(2, stage, tmp_path)["refused"]
         assert f"optim.name=muon with parallel.zero_stage={stage}" in refused and "zero_stage=0" in refused
