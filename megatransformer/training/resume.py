@@ -62,7 +62,12 @@ def check_run_dir(cfg: RunConfig) -> None:
     if cfg.resume not in (None, "auto"):
         ckpt.find_checkpoint(cfg.resume, f"resume={cfg.resume}")
     if cfg.schedule.decay_from is not None:
-        ckpt.find_checkpoint(cfg.schedule.decay_from, f"schedule.decay_from={cfg.schedule.decay_from}")
+        branch = ckpt.find_checkpoint(cfg.schedule.decay_from, f"schedule.decay_from={cfg.schedule.decay_from}")
+        if branch.resolve().is_relative_to(Path(cfg.run_dir).resolve()):
+            raise ConfigError(
+                f"schedule.decay_from={cfg.schedule.decay_from} is a checkpoint of run_dir={cfg.run_dir}: give the "
+                "decay a run_dir of its own"
+            )
     existing = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
     if cfg.resume is None and existing is not None:
         raise ConfigError(

@@ -79,3 +79,16 @@ def test_decay_from_starts_a_run_that_has_no_checkpoint_and_resume_auto_continue
     own.mkdir(parents=True)
     (own / COMPLETE).touch()
     assert resolve_resume(auto) == own
+
+
+def test_a_decay_needs_a_run_dir_of_its_own(tmp_path):
+    from megatransformer.checkpoint import COMPLETE
+    from megatransformer.training.resume import check_run_dir
+
+    stable = tmp_path / "checkpoints" / "step_000010"
+    stable.mkdir(parents=True)
+    (stable / COMPLETE).touch()
+    same = wsd(20, decay_from=str(stable)).model_copy(update={"run_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="give the decay a run_dir of its own"):
+        check_run_dir(same)
+    check_run_dir(same.model_copy(update={"run_dir": str(tmp_path / "decay")}))
