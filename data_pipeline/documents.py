@@ -131,10 +131,9 @@ def _lines(path: Path, on_decode_error: str, stats: DecodeStats) -> Iterator[tup
                     stats.replaced_lines += 1
                     yield number, line.decode("utf-8", errors="replace")
     except (EOFError, OSError, zlib.error, zstandard.ZstdError) as err:
-        kind = path.suffix if path.suffix in (".gz", ".zst") else "input"
+        damaged = f"a truncated or damaged {path.suffix} file, " if path.suffix in (".gz", ".zst") else ""
         raise DataError(
-            f"{path}: unreadable after line {number}: a truncated or damaged {kind} file ({type(err).__name__}: "
-            f"{err}); fix or re-download it"
+            f"{path}: unreadable after line {number} ({damaged}{type(err).__name__}: {err}); fix or re-download it"
         ) from None
 
 

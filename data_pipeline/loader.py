@@ -264,51 +264,32 @@ class ShardOpener:
 
 
 def verify_shard(path: Path, manifest: Manifest, info: ShardInfo) -> None:
-    """Size-and-checksum check against the manifest, and in the same pass its samples, documents and tokens
-    counted (from the offsets alone) against the manifest's: before any of its documents is served (once per
-    file version and process)."""
+    """Size-and-checksum check against the manifest, then its samples, documents and tokens counted (from the
+    offsets alone, the ids passed over) against the manifest's: before any of its documents is served (once
+    per file version and process)."""
     stat = path.stat()
     key = (str(path), stat.st_size, stat.st_mtime_ns, info.sha256, info.samples, info.documents, info.tokens)
     if key in _VERIFIED:
         return
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        hashed = _Hashed(f, digest)
-        try:
-            counted, unreadable = _counts(hashed, manifest, info), None
-        except (DataError, tarfile.TarError) as err:
-            counted, unreadable = None, err
-        while hashed.read(1 << 22):
-            pass
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
     if digest.hexdigest() != info.sha256:
         raise DataError("its sha256 differs from the manifest's (truncated or modified after writing)")
-    if unreadable is not None:
-        raise unreadable
-    _check_counts_of(counted, info)
+    with tarfile.open(path, mode="r:") as tar:  # (random access: the members not read are seeked over)
+        _check_counts_of(_counts(tar, manifest, info), info)
     _VERIFIED.add(key)
 
 
-class _Hashed:
-    """A file read through a hash."""
-
-    def __init__(self, f: BinaryIO, digest) -> None:
-        self.f, self.digest = f, digest
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.f.read(size)
-        self.digest.update(data)
-        return data
-
-
-def _counts(fileobj, manifest: Manifest, info: ShardInfo) -> tuple[int, int, int]:
+def _counts(tar: tarfile.TarFile, manifest: Manifest, info: ShardInfo) -> tuple[int, int, int]:
     """(samples, documents, tokens) of a shard, its ids left unread (format 2)."""
     samples = documents = tokens = 0
-    with tarfile.open(fileobj=fileobj, mode="r|", bufsize=1 << 20) as tar:
-        wanted = ("offsets.npy", "offsets.npy.zst") if manifest.version > 1 else ("ids.npy",)
-        for sample in _tar_samples(tar, lambda: _expected(manifest, info, tokens, documents), wanted):
-            n, t = Block.counts(sample, _expected(manifest, info, tokens, documents))
-            samples, documents, tokens = samples + 1, documents + n, tokens + t
-            _check_counts_of((samples, documents, tokens), info, partial=True)
+    wanted = ("offsets.npy", "offsets.npy.zst") if manifest.version > 1 else ("ids.npy",)
+    for sample in _tar_samples(tar, lambda: _expected(manifest, info, tokens, documents), wanted):
+        n, t = Block.counts(sample, _expected(manifest, info, tokens, documents))
+        samples, documents, tokens = samples + 1, documents + n, tokens + t
+        _check_counts_of((samples, documents, tokens), info, partial=True)
     return samples, documents, tokens
 
 

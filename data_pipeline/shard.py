@@ -331,7 +331,7 @@ class Block:
             else:
                 offsets = decode_ids(offsets_data).astype(np.int64)
                 block = cls(ids, offsets, None if prompts_data is None else decode_ids(prompts_data))
-        except (KeyError, ValueError) as err:
+        except (KeyError, ValueError, EOFError) as err:
             raise DataError(f"a sample is malformed ({type(err).__name__}: {err})") from None
         offsets, prompt_lens = block.offsets, block.prompt_lens
         if (
@@ -355,10 +355,13 @@ class Block:
         offsets = _member(sample, "offsets.npy", expected)
         try:
             if offsets is None:  # format 1
-                return 1, len(decode_ids(_member(sample, "ids.npy", expected) or b""))
+                ids = _member(sample, "ids.npy", expected)
+                if ids is None:
+                    raise KeyError("ids.npy")
+                return 1, len(decode_ids(ids))
             offsets = decode_ids(offsets)
             return len(offsets) - 1, int(offsets[-1]) if len(offsets) else 0
-        except ValueError as err:
+        except (KeyError, ValueError, EOFError) as err:
             raise DataError(f"a sample is malformed ({type(err).__name__}: {err})") from None
 
     @staticmethod
@@ -826,20 +829,24 @@ def _write_documents(
 @contextlib.contextmanager
 def _tokenize_pool(workers: int, tokenizer: TokenizerInfo, tokenizer_path: str, dtype: np.dtype):
     """A function mapping (texts, paired) jobs to Tokenized batches, in order: in worker processes (a few
-    batches ahead, so that the input is read as fast as it is tokenized, not all at once), or here when
-    workers == 1 (where ``tokenizers`` still spreads a batch over threads)."""
+    batches, or their characters, ahead, so that the input is read as fast as it is tokenized, not all at once),
+    or here when workers == 1 (where ``tokenizers`` still spreads a batch over threads)."""
     if workers == 1:
         yield lambda jobs: ((numbers, encode(tokenizer, texts, dtype, paired)) for numbers, texts, paired in jobs)
         return
 
     def tokenize(jobs):
-        pending: deque = deque()
+        pending: deque = deque()  # (result, characters of its texts)
+        chars, most = 0, 2 * workers * BATCH_CHARS  # (a batch of long documents counts for more than one)
         for job in jobs:
-            pending.append(pool.apply_async(_tokenize, (job,)))
-            if len(pending) > 2 * workers:
-                yield pending.popleft().get()
+            pending.append((pool.apply_async(_tokenize, (job,)), sum(map(len, job[1]))))
+            chars += pending[-1][1]
+            while len(pending) > 2 * workers or (len(pending) > 1 and chars > most):
+                result, size = pending.popleft()
+                chars -= size
+                yield result.get()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft()[0].get()
 
     with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path, dtype.name)) as pool:
         yield tokenize
