@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
-from data_pipeline import DataError
+from data_pipeline import DataError, schema_error
 from data_pipeline.parts import PART_RECORD, part_name
 from data_pipeline.shard import MANIFEST, Manifest
 
@@ -115,9 +115,7 @@ def _load_record(path: Path) -> dict:
         k, n = record["part"]
         listed = [s["file"] for split in record["manifest"]["splits"].values() for s in split]
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(map(str, first["loc"])) or "the record"
-        raise DataError(f"{file} is not a valid part record ({where}: {first['msg']}); re-run that part") from None
+        raise DataError(f"{file} is not a valid part record ({schema_error(err)}); re-run that part") from None
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise DataError(f"{file} is not a valid part record ({type(err).__name__}: {err}); re-run that part") from None
     sizes = record["shard_bytes"]

@@ -43,7 +43,7 @@ import zstandard
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as validated_dataclass
 
-from data_pipeline import STORAGE_ERRNOS, DataError, write_failed
+from data_pipeline import STORAGE_ERRNOS, DataError, schema_error, write_failed
 from data_pipeline.documents import DecodeStats, Document, Piece, read_documents
 from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_pieces, save_part
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
@@ -144,9 +144,7 @@ class Manifest:
         try:
             manifest = _MANIFEST.validate_json(data)
         except ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(map(str, first["loc"])) or "the record"
-            raise DataError(f"{invalid} ({where}: {first['msg']}); {redo}") from None
+            raise DataError(f"{invalid} ({schema_error(err)}); {redo}") from None
         for info in (info for shards in manifest.splits.values() for info in shards):
             if not _is_inside(info.file):
                 raise DataError(
