@@ -35,6 +35,7 @@ from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
 from megatransformer.planner import reduce_bucket_elements
 from megatransformer.training import checkpointer
+from megatransformer.training.bf16_step import install_device_step, squared_norm
 from megatransformer.training.compiled import compile_blocks, compile_enabled
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
@@ -187,6 +188,7 @@ class TrainModule:
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
             check_batch_without_masks(self.engine)
+        install_device_step(self.engine.optimizer)  # (bf16 ZeRO-1: the norm and clipping without host reads)
         self.compiled = compile_enabled(cfg, self.device.type)
         if self.compiled:
             compile_blocks(self.engine.module)
@@ -498,10 +500,7 @@ def unclipped_grad_norm(module: torch.nn.Module, tensor_parallel: int) -> torch.
             split = tensor_parallel > 1 and partition_dim(name) is not None
             (sharded if split else replicated).append(param.grad.detach())
     device = next(module.parameters()).device
-    squares = [
-        sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads), torch.zeros((), device=device))
-        for grads in (sharded, replicated)
-    ]
+    squares = [squared_norm(grads, device).to(device) for grads in (sharded, replicated)]
     if tensor_parallel > 1:
         from deepspeed.utils import groups
 
