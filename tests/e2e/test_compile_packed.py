@@ -14,6 +14,7 @@ import pytest
 import torch
 from support.flash_ops import FLASH_OPS
 from support.models import tiny_config
+from support.runs import losses, tiny_run, train
 
 from megatransformer.model import attention, build_model
 from megatransformer.model.masks import batch_masks
@@ -89,3 +90,17 @@ def test_a_recompile_after_warmup_is_reported():
     layer(torch.ones(3, 4))  # a new shape, with dynamic=False: compiled again
     line = watch.after_step()
     assert line is not None and "1 recompile(s), 0 graph break(s) in step 4" in line
+
+
+def test_a_compiled_cpu_run_trains_as_the_eager_one_and_says_so(tiny_data, tmp_path):
+    """``train.compile=true`` on CPU: each block compiled behind DeepSpeed's engine, the run log says so and reports
+    no recompilation after warm-up, and the losses are the eager run's (the compiler may reorder float sums)."""
+    runs = {}
+    for compiled in (False, True):
+        run = tmp_path / f"compile-{compiled}"
+        result = train(tiny_run(tiny_data, run, steps=6) + [f"train.compile={str(compiled).lower()}"])
+        runs[compiled] = losses(run)
+        expected = "torch.compile: each Transformer block (train.compile)" if compiled else "torch.compile: off"
+        assert expected in result.stdout
+        assert "after warm-up" not in result.stdout
+    assert runs[True] == pytest.approx(runs[False], rel=1e-3)
