@@ -248,8 +248,10 @@ class ModelConfig(Section):
     """Standard deviation of the normal weight init."""
     depth_scaled_init: bool = True
     """Scale residual output projections (o_proj, down_proj) by 1/sqrt(2 * n_layers)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward pass to save memory."""
+    activation_checkpointing: bool | Literal["selective"] = False
+    """Recompute each block's activations in the backward pass to save memory. selective: keep each block's
+    matrix products (and attention outputs) and recompute only the cheap operations around them: less memory
+    saved, almost no compute added."""
     mlp_tiles: PositiveInt = 1
     """Training: compute each MLP in this many tiles of the sequence (of each rank's slice under sequence
     parallelism) and recompute it one tile at a time in the backward pass, so that its hidden activations live
@@ -489,8 +491,14 @@ class TrainConfig(Section):
     eval_batches: PositiveInt = 10
     """Micro batches per validation pass, in all: the first ones of the validation split, dealt out to the
     data-parallel ranks (the numbers do not depend on the number of ranks)."""
-    compile: bool = False
-    """torch.compile the model."""
+    compile: bool | None = None
+    """torch.compile each Transformer block (training/compiled.py); unset: on for CUDA runs, off on CPUs (where
+    compiling takes minutes and gains little). The run log says which, and reports any recompilation or graph
+    break after the first two steps."""
+    gc_every: NonNegativeInt = 1000
+    """Steps between collections of Python's garbage collector, which is frozen after start-up and otherwise off
+    (a collection at a random point of a step stalls every rank that waits for this one); 0: Python's own
+    schedule."""
     host_memory: Literal["keep", "release"] = "keep"
     """keep: host memory the process frees stays with it for the next step (glibc malloc maps no large
     blocks afresh and does not trim its heap), as PyTorch's caching allocator keeps GPU memory; a CPU step

@@ -35,6 +35,8 @@ from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
 from megatransformer.planner import reduce_bucket_elements
 from megatransformer.training import checkpointer
+from megatransformer.training.bf16_step import install_device_step, squared_norm
+from megatransformer.training.compiled import compile_blocks, compile_enabled
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
 from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
@@ -95,6 +97,9 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
     if ds["zero_optimization"]["stage"] > 0:
         # DeepSpeed allocates the whole bucket, 5e8 elements by default, whatever the model's size
         ds["zero_optimization"]["reduce_bucket_size"] = reduce_bucket_elements(cfg.model, p.tensor_parallel)
+    if ds["zero_optimization"]["stage"] in (1, 2):
+        # several GPUs: gradients reduced on a side stream while the backward pass goes on (one more bucket)
+        ds["zero_optimization"]["overlap_comm"] = cuda and sizes.dp > 1
     if cfg.precision == "bf16":
         ds["communication_data_type"] = "fp32"
         if ds["zero_optimization"]["stage"] > 0:
@@ -209,8 +214,10 @@ class TrainModule:
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
             check_batch_without_masks(self.engine)
-        if cfg.train.compile:
-            self.engine.compile()
+        install_device_step(self.engine.optimizer)  # (bf16 ZeRO-1: the norm and clipping without host reads)
+        self.compiled = compile_enabled(cfg, self.device.type)
+        if self.compiled:
+            compile_blocks(self.engine.module)
         self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank // sp
         self.dp_size = self.sizes.dp
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
@@ -227,7 +234,7 @@ class TrainModule:
             self.engine.enable_backward_allreduce = False
         # forward and backward passes run in it: fp32 GEMMs for bf16 on CPUs without bf16 kernels (cpu_bf16.py)
         self.matmuls = matmul_context(
-            gemms_as_fp32(cfg.train.cpu_bf16_matmul, self.device, precision_dtype(cfg.precision), cfg.train.compile)
+            gemms_as_fp32(cfg.train.cpu_bf16_matmul, self.device, precision_dtype(cfg.precision), self.compiled)
         )
         # flash-attn's varlen metadata is built only where flash-attn may run
         self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
@@ -519,10 +526,7 @@ def unclipped_grad_norm(module: torch.nn.Module, tensor_parallel: int) -> torch.
             split = tensor_parallel > 1 and partition_dim(name) is not None
             (sharded if split else replicated).append(param.grad.detach())
     device = next(module.parameters()).device
-    squares = [
-        sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads), torch.zeros((), device=device))
-        for grads in (sharded, replicated)
-    ]
+    squares = [squared_norm(grads, device).to(device) for grads in (sharded, replicated)]
     if tensor_parallel > 1:
         from deepspeed.utils import groups
 

@@ -19,6 +19,8 @@ from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
 from megatransformer.model.latent_attention import core_head_dim, describe_value_width
 from megatransformer.training import cpu_bf16, spikes
+from megatransformer.training.collector import GarbageCollection
+from megatransformer.training.compiled import CompileWatch, describe_compile
 from megatransformer.training.data import build_run_loader, small_validation_warning
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
@@ -149,7 +151,8 @@ class Trainer:
             )
             if cfg.model.attention == "mla":
                 print(describe_value_width(cfg.model))
-            matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, cfg.train.compile)
+            print(describe_compile(cfg, torch.device(self.dist.device).type))
+            matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, self.module.compiled)
             if matmuls is not None:
                 print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
@@ -171,8 +174,10 @@ class Trainer:
         flops = size.flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
         peak_flops = peak * 1e12 * self.dist.world_size if peak else None
-        report.message(first_step_note(cfg, self.state.step))
+        report.message(first_step_note(cfg, self.state.step, self.module.compiled))
         batches = iter(self.train_loader)
+        collector = GarbageCollection(cfg.train.gc_every)
+        compile_watch = CompileWatch() if self.module.compiled else None
         exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
@@ -181,6 +186,9 @@ class Trainer:
             step_seconds = time.perf_counter() - started
             watchdog.disarm(step_seconds)
             self.state.step += 1
+            collector.step(self.state.step)
+            if compile_watch is not None and (line := compile_watch.after_step()) is not None:
+                report.message(line)
             self.state.tokens += result.tokens
             window_tokens += result.tokens
             window_real += result.real_tokens
@@ -245,6 +253,7 @@ class Trainer:
         with watchdog.watching("a checkpoint"):
             self.save()
         watchdog.close()
+        collector.close()
         report.close()
         return exit_code
 
@@ -327,10 +336,10 @@ class Trainer:
         return self.module.evaluate([batch for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader)])
 
 
-def first_step_note(cfg: RunConfig, step: int) -> str:
+def first_step_note(cfg: RunConfig, step: int, compiled: bool) -> str:
     """What the seconds before the first step line are spent on."""
     work = ["the data loader starts", "the first batches are read", "memory is allocated"]
-    if cfg.train.compile:
+    if compiled:
         work.append("torch.compile compiles the model")
     return (
         f"step {step + 1}: first step of this process ({', '.join(work)}): slower than the rest; "
