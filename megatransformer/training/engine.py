@@ -40,6 +40,7 @@ from megatransformer.training.compiled import compile_blocks, compile_enabled
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
 from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
+from megatransformer.training.muon import MuonWithAdamW, muon_param_groups
 from megatransformer.training.optim import make_scheduler, param_groups
 from megatransformer.training.resume import ResumePlan
 from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
@@ -68,7 +69,9 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
     adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if o.name == "adam":
         adam["adam_w_mode"] = False
-    if p.offload_optimizer:
+    if o.name == "muon":
+        optimizer = None  # (TrainModule hands DeepSpeed its own: muon.MuonWithAdamW)
+    elif p.offload_optimizer:
         # DeepSpeedCPUAdam (AVX, JIT-built once): the optimizer step runs on the host, next to the states
         optimizer = {"type": "AdamW" if o.name == "adamw" else "Adam", "params": adam}
     else:
@@ -88,8 +91,9 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
         },
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
-        "optimizer": optimizer,
     }
+    if optimizer is not None:
+        ds["optimizer"] = optimizer
     if ds["zero_optimization"]["stage"] > 0:
         # DeepSpeed allocates the whole bucket, 5e8 elements by default, whatever the model's size
         ds["zero_optimization"]["reduce_bucket_size"] = reduce_bucket_elements(cfg.model, p.tensor_parallel)
@@ -110,6 +114,19 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
             "partition_config": {"use_default_specs": False, "layer_specs": deepspeed_layer_specs()},
         }
     return ds
+
+
+def check_muon_layout(cfg: RunConfig, engine_stage: int) -> None:
+    """Refuse the layouts :class:`MuonWithAdamW` cannot orthogonalise whole matrices in: it runs where each
+    rank holds its parameters and gradients as matrices (ZeRO-0; in bf16/fp16 DeepSpeed's unfused optimizer keeps
+    an fp32 master per parameter), whatever the data-, tensor- and sequence-parallel degrees."""
+    if engine_stage > 0:
+        raise ConfigError(
+            f"optim.name=muon with parallel.zero_stage={cfg.parallel.zero_stage} (DeepSpeed runs ZeRO-{engine_stage} "
+            "on this layout): ZeRO keeps gradients and optimizer state as flat slices, which Muon cannot "
+            "orthogonalise (DeepSpeed's own ZeRO Muon clips the orthogonalised update and has no nesterov, ns_steps "
+            "or adjust_lr_fn); set parallel.zero_stage=0"
+        )
 
 
 @dataclass
@@ -177,14 +194,23 @@ class TrainModule:
             self.sequence = SequenceShard(mpu.get_sequence_parallel_rank(), sp)
             apply_ulysses(model, mpu.get_sequence_parallel_group(), self.sequence.rank, sp)
         full_shapes = {name: p.shape for name, p in model.named_parameters()}
-        groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
+        optimizer, self.optimizer_line = None, None
+        if cfg.optim.name == "muon":
+            check_muon_layout(cfg, self.zero_stage)
+            groups_, self.optimizer_line = muon_param_groups(model, cfg.optim, tp)
+            optimizer = functools.partial(MuonWithAdamW, fused=True)  # (built on the parameters AutoTP shards)
+        else:
+            groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
         self.engine, *_ = deepspeed.initialize(
             model=model,
             model_parameters=groups_,
+            optimizer=optimizer,
             config=deepspeed_config(cfg, self.sizes, dist_info.device, self.zero_stage),
             lr_scheduler=make_scheduler(cfg),
             mpu=mpu,
         )
+        if cfg.optim.name == "muon" and tp > 1:
+            checkpointer.innermost_optimizer(self.engine).tp_group = groups.get_tensor_model_parallel_group()
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
             check_batch_without_masks(self.engine)

@@ -26,8 +26,8 @@ from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
 from megatransformer.training.layout import describe_layout, zero_stage_notes
 from megatransformer.training.metrics import Reporter, finite_or_none, peak_tflops
-from megatransformer.training.optim import warmup_warning
-from megatransformer.training.resume import plan_resume, rollback_target
+from megatransformer.training.optim import branch_decay, warmup_warning
+from megatransformer.training.resume import decay_start, plan_resume, rollback_target
 from megatransformer.training.trackers import resolved_config, run_facts
 from megatransformer.training.watchdog import Watchdog
 
@@ -73,6 +73,9 @@ class Trainer:
     def __init__(
         self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None, preemption: Preemption | None = None
     ) -> None:
+        start = decay_start(cfg)
+        if start is not None:  # (a decay branched from another run's checkpoint)
+            cfg = branch_decay(cfg, start)
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         # decided before the engine: on another layout it is built from the checkpoint's weights
         self.resume = plan_resume(cfg, dist_info.world_size, torch.device(dist_info.device).type, tokenizer.sha256)
@@ -154,6 +157,8 @@ class Trainer:
                 print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
+            if self.module.optimizer_line:
+                print(self.module.optimizer_line)
             for warning in (warmup_warning(cfg), self.validation_warning):
                 if warning:
                     print(warning)
