@@ -30,6 +30,7 @@ from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.checkpoint import TrainerState
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
 from megatransformer.model import build_model
+from megatransformer.model.gpu_cores import VARLEN_BACKENDS, activate_for
 from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
@@ -203,8 +204,9 @@ class TrainModule:
         self.matmuls = matmul_context(
             gemms_as_fp32(cfg.train.cpu_bf16_matmul, self.device, precision_dtype(cfg.precision), cfg.train.compile)
         )
-        # flash-attn's varlen metadata is built only where flash-attn may run
-        self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
+        # flash-attn's varlen metadata is built only where a varlen kernel may run
+        self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in VARLEN_BACKENDS
+        activate_for(cfg.model.attention_backend, self.device.type)  # flash-attn 4 / 3, before compiling
 
     # ------------------------------------------------------------------------------------ one step
 
