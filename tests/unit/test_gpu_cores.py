@@ -6,7 +6,6 @@ and the registry core's routes (SDPA's flash backend, ``varlen_attn``) against `
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.nn.attention
 import torch.nn.attention.varlen
 from support import flash_reference
 from support.attention import SELF_MASKS, assert_same, qkv, values_and_grads
+from support.flash_registry import MODULES, register_fake, restore_torch_impls
 
 from megatransformer.config import ConfigError, ModelConfig, RunConfig
 from megatransformer.model import attention, gpu_cores
@@ -22,46 +22,16 @@ from megatransformer.model.positions import Alibi
 from megatransformer.training.preflight import check_device
 
 BF16 = torch.bfloat16
-MODULES = {"FA4": "flash_attn.cute.interface", "FA3": "flash_attn_interface"}
-TORCH_REGISTER = {
-    "FA4": torch.nn.attention._fa4.register_flash_attention_fa4,
-    "FA3": torch.nn.attention._fa3.register_flash_attention_fa3,
-}
-
-
-class FakeHandle:
-    def __init__(self, activated: list[str], name: str) -> None:
-        self.activated, self.name = activated, name
-
-    def remove(self) -> None:
-        self.activated.append(f"-{self.name}")
 
 
 @pytest.fixture
 def fake_impls(monkeypatch):
-    """Register fakes of the named implementations through PyTorch's registry API; returns (install, log):
-    ``install("FA4", ...)`` makes them installed (their kernel modules import), ``log`` lists activations."""
+    """``install("FA4", ...)`` registers fakes through PyTorch's registry API, installed (their kernel modules
+    import); ``log`` lists their activations."""
     log: list[str] = []
-
-    def install(*names: str) -> None:
-        for name in names:
-            module = types.ModuleType(MODULES[name])
-            module._flash_attn_fwd = module._flash_attn_bwd = lambda *a, **k: None
-            monkeypatch.setitem(sys.modules, MODULES[name], module)
-
-            def register(name=name):
-                log.append(name)
-                return FakeHandle(log, name)
-
-            torch.nn.attention.register_flash_attention_impl(name, register_fn=register)
-        gpu_cores.registry_impl_installed.cache_clear()
-
     gpu_cores.registry_impl_installed.cache_clear()
-    yield install, log
-    torch.nn.attention.restore_flash_attention_impl(_raise_warn=False)
-    for name, register in TORCH_REGISTER.items():
-        torch.nn.attention.register_flash_attention_impl(name, register_fn=register)
-    gpu_cores.registry_impl_installed.cache_clear()
+    yield (lambda *names: [register_fake(monkeypatch, name, log) for name in names]), log
+    restore_torch_impls()
 
 
 def on_gpu(monkeypatch, generation: str | None, flash: bool = False, varlen: bool = True) -> None:
