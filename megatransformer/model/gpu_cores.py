@@ -133,19 +133,26 @@ def active_impl() -> str | None:
     return current_flash_attention_impl()
 
 
-def activate(core: str) -> None:
-    """Route SDPA's flash backend and ``varlen_attn`` to flash-attn 4 or 3 (idempotent; before compiling)."""
-    impl = REGISTRY_IMPLS[core].name
-    if active_impl() == impl:
-        return
-    if torch.compiler.is_compiling():
-        raise RuntimeError(
-            f"attention core {core} is not active while compiling: call "
-            "megatransformer.model.gpu_cores.activate_for(...) before torch.compile"
-        )
-    from torch.nn.attention import activate_flash_attention_impl
+_activated: str | None = None  # the implementation this module activated (read where compiled code runs)
 
-    activate_flash_attention_impl(impl)
+
+def activate(core: str) -> None:
+    """Route SDPA's flash backend and ``varlen_attn`` to flash-attn 4 or 3 (idempotent; before compiling: a
+    compiled core only checks that it was)."""
+    global _activated
+    impl = REGISTRY_IMPLS[core].name
+    if torch.compiler.is_compiling():
+        if _activated != impl:
+            raise RuntimeError(
+                f"attention core {core} was not activated before compiling: call "
+                "megatransformer.model.gpu_cores.activate_for(backend, device) first"
+            )
+        return
+    if active_impl() != impl:
+        from torch.nn.attention import activate_flash_attention_impl
+
+        activate_flash_attention_impl(impl)
+    _activated = impl
 
 
 def activate_for(backend: str, device: str) -> str | None:

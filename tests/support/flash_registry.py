@@ -45,6 +45,7 @@ def register_fake(monkeypatch, name: str, log: list[str]) -> None:
 def restore_torch_impls() -> None:
     """PyTorch's own registrations back, none active."""
     torch.nn.attention.restore_flash_attention_impl(_raise_warn=False)
+    gpu_cores._activated = None
     for name, register in TORCH_REGISTER.items():
         torch.nn.attention.register_flash_attention_impl(name, register_fn=register)
     gpu_cores.registry_impl_installed.cache_clear()

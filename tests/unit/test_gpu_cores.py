@@ -215,3 +215,18 @@ def test_the_registry_core_refuses_alibi(fake_impls):
 def test_named_cores_build_their_varlen_metadata():
     assert {"fa3", "fa4", "flash", "varlen", "auto"} == gpu_cores.VARLEN_BACKENDS
     assert ModelConfig(attention_backend="fa4").attention_backend == "fa4"
+
+
+def test_the_registry_core_compiles_without_graph_breaks_once_activated(fake_impls):
+    """Activated before compiling (as the trainer does), the core's check is a guard, not a graph break."""
+    from torch._dynamo.utils import counters
+
+    install, log = fake_impls
+    install("FA4")
+    gpu_cores.activate_for("fa4", "cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    q, k, v = (t.detach() for t in qkv())
+    core = torch.compile(attention.BACKENDS["fa4"], backend="eager", fullgraph=True)
+    assert_same(core(q, k, v, MASKS["causal"], 0.0), attention.eager_core(q, k, v, MASKS["causal"], 0.0))
+    assert log == ["FA4"] and not counters["graph_break"]
