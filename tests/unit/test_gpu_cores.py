@@ -12,7 +12,7 @@ import torch
 import torch.nn.attention
 import torch.nn.attention.varlen
 from support import flash_reference
-from support.attention import SELF_MASKS, assert_same, qkv, values_and_grads
+from support.attention import SELF_MASKS, assert_close_in_bf16, assert_same, qkv, values_and_grads
 from support.flash_registry import MODULES, register_fake, restore_torch_impls
 
 from megatransformer.config import ConfigError, ModelConfig, RunConfig
@@ -230,3 +230,27 @@ def test_the_registry_core_compiles_without_graph_breaks_once_activated(fake_imp
     core = torch.compile(attention.BACKENDS["fa4"], backend="eager", fullgraph=True)
     assert_same(core(q, k, v, MASKS["causal"], 0.0), attention.eager_core(q, k, v, MASKS["causal"], 0.0))
     assert log == ["FA4"] and not counters["graph_break"]
+
+
+def fa4_runs_here() -> bool:
+    return gpu_cores.registry_impl_installed("fa4") and gpu_cores.gpu_generation() in ("hopper", "blackwell")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not fa4_runs_here(),
+    reason="needs a Hopper or Blackwell GPU and flash-attn 4 (pip install flash-attn-4)",
+)
+@pytest.mark.parametrize("name", ["causal", "bidirectional", "packed_causal", "packed_prefix_per_document"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_real_flash_attn_4_through_torchs_registry_equals_eager(name, window):
+    mask = SELF_MASKS[name]()
+    if window is not None and mask.prefix_len is not None:
+        pytest.skip("windows do not combine with a prefix")
+    mask = mask.with_window(window).to("cuda")
+    gpu_cores.activate("fa4")
+    assert torch.nn.attention.current_flash_attention_impl() == "FA4"
+    q, k, v = (t.detach().cuda().bfloat16().requires_grad_() for t in qkv(dim=64))  # (a head width FA4 takes)
+    got = values_and_grads(attention.BACKENDS["fa4"], q, k, v, mask)
+    want = values_and_grads(attention.eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask)
+    assert_close_in_bf16(got, want)
