@@ -233,6 +233,10 @@ def trainer(wl: Workload, mode: str, data: dict[str, str], work: Path) -> dict:
         )
     except subprocess.TimeoutExpired:
         return {"ok": False, "timed_out": True, "limit_s": LIMITS_S[f"trainer-{mode}"]}
+    finally:
+        checkpoints = run_dir / "checkpoints"
+        sizes = checkpoint_sizes(checkpoints)
+        shutil.rmtree(checkpoints, ignore_errors=True)  # (15 GB each at 1.1B)
     wall = time.perf_counter() - started
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
@@ -254,12 +258,18 @@ def trainer(wl: Workload, mode: str, data: dict[str, str], work: Path) -> dict:
         "compile": compile_events(done.stdout + done.stderr),
     }
     if end_to_end:
-        checkpoints = run_dir / "checkpoints"
         report["checkpoint_step"] = every
         report["checkpoint_stall_s"] = checkpoint_stall(records, every, median)
-        report["checkpoint_gib"] = sum(f.stat().st_size for f in checkpoints.rglob("*") if f.is_file()) / 2**30
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (15 GB each at 1.1B)
+        report["checkpoint_gib"] = sizes[0] / 2**30 if sizes else None  # (the first: the one timed)
     return report
+
+
+def checkpoint_sizes(checkpoints: Path) -> list[int]:
+    """Bytes of each checkpoint directory, oldest first (their names hold the step, zero-padded)."""
+    if not checkpoints.is_dir():
+        return []
+    folders = sorted(d for d in checkpoints.iterdir() if d.is_dir())
+    return [sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) for folder in folders]
 
 
 # ------------------------------------------------------------------------------------------ the bare step
