@@ -7,7 +7,7 @@
 #   bench/gpu_wheels.sh install PART... SUMS   # on the GPU machine: the parts in order, then SHA256SUMS
 set -euo pipefail
 
-# flash-attn 4 and what it imports (nvidia-cutlass-dsl's CUDA 12 libraries, as a plain `pip install flash-attn-4`
+# flash-attn 4 and what it imports (nvidia-cutlass-dsl's CUDA 12 libraries, as a plain `pip install --pre flash-attn-4`
 # installs them; they run on CUDA 13 drivers too), DeepSpeed's, webdataset's and pydantic's dependencies the
 # image may lack. Pinned: what was resolved and downloaded for Python 3.12 on manylinux x86-64 (2026-11-28).
 WHEELS=(

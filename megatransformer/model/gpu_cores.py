@@ -1,7 +1,7 @@
 """Which flash-attention core runs on a GPU: the speed table ``auto`` reads, what each core cannot do, and
 flash-attn 4 / 3 through PyTorch's registry of flash implementations.
 
-flash-attn 4 (``pip install flash-attn-4``: ``flash_attn.cute``) and flash-attn 3 (flash-attn's ``hopper/``
+flash-attn 4 (``pip install --pre flash-attn-4``: ``flash_attn.cute``) and flash-attn 3 (flash-attn's ``hopper/``
 build: ``flash_attn_interface``) are never called directly: PyTorch (>= 2.11) registers their kernels under
 SDPA's flash backend and ``torch.nn.attention.varlen.varlen_attn`` when one is activated
 (``torch.nn.attention.activate_flash_attention_impl``), and the model calls those two. Activation is global to
@@ -51,7 +51,7 @@ class RegistryImpl:
 
 REGISTRY_IMPLS = {
     "fa4": RegistryImpl(
-        "FA4", "flash_attn.cute.interface", frozenset({"hopper", "blackwell"}), 128, "pip install flash-attn-4"
+        "FA4", "flash_attn.cute.interface", frozenset({"hopper", "blackwell"}), 128, "pip install --pre flash-attn-4"
     ),
     "fa3": RegistryImpl(
         "FA3",

@@ -127,7 +127,7 @@ def test_activation_goes_through_torchs_registry_and_the_run_log_says_which_core
     gpu_cores.registry_impl_installed.cache_clear()
     monkeypatch.delitem(sys.modules, MODULES["FA4"])
     monkeypatch.setitem(sys.modules, MODULES["FA4"], None)  # its import fails
-    assert "not installed: fa4: pip install flash-attn-4" in attention.describe_backend("auto", "cuda", BF16, 0.0)
+    assert "not installed: fa4: pip install --pre flash-attn-4" in attention.describe_backend("auto", "cuda", BF16, 0.0)
 
 
 def run_config(backend: str, **model) -> RunConfig:
@@ -138,7 +138,7 @@ def run_config(backend: str, **model) -> RunConfig:
 def test_a_named_registry_core_that_cannot_run_is_refused_in_one_line(fake_impls, monkeypatch):
     install, _ = fake_impls
     on_gpu(monkeypatch, "hopper")
-    with pytest.raises(ConfigError, match=r"fa4 .* is not installed here .*: pip install flash-attn-4, or use auto"):
+    with pytest.raises(ConfigError, match=r"fa4 .* not installed here .*: pip install --pre flash-attn-4, or"):
         check_device(run_config("fa4"), "cuda")
     with pytest.raises(ConfigError, match="fa3 .* is not installed here .* hopper/"):
         check_device(run_config("fa3"), "cuda")
@@ -239,7 +239,7 @@ def fa4_runs_here() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available() or not fa4_runs_here(),
-    reason="needs a Hopper or Blackwell GPU and flash-attn 4 (pip install flash-attn-4)",
+    reason="needs a Hopper or Blackwell GPU and flash-attn 4 (pip install --pre flash-attn-4)",
 )
 @pytest.mark.parametrize("name", ["causal", "bidirectional", "packed_causal", "packed_prefix_per_document"])
 @pytest.mark.parametrize("window", [None, 5])
