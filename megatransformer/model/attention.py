@@ -148,6 +148,7 @@ def flash_attn_module():
     return flash_attn
 
 
+@torch.compiler.assume_constant_result  # (a constant of the process: see gpu_cores)
 def flash_attn_installed() -> bool:
     return flash_attn_module() is not None
 

@@ -78,9 +78,18 @@ def mask_kind(mask, alibi: bool = False, cross: bool = False) -> str:
     return "causal"
 
 
-@functools.cache
+# What ``auto`` asks of the machine is a constant of the process: compiled code takes it as one
+# (``assume_constant_result``: called once while tracing, no import or CUDA query in the graph).
+
+
+@torch.compiler.assume_constant_result
 def gpu_generation() -> str | None:
     """This process's GPU generation, None without CUDA or for a generation the table does not know."""
+    return _gpu_generation()
+
+
+@functools.cache
+def _gpu_generation() -> str | None:
     if not torch.cuda.is_available():
         return None
     return GENERATIONS.get(torch.cuda.get_device_capability()[0])
@@ -113,6 +122,7 @@ def registry_impl_installed(core: str) -> bool:
     return True
 
 
+@torch.compiler.assume_constant_result
 def registry_core(generation: str | None) -> str | None:
     """The registry core ``auto`` runs in this process: the first of the table's cores for ``generation`` that
     is installed (the table ranks fa3 and fa4 alike for every mask kind, so one choice serves every call)."""

@@ -144,6 +144,8 @@ def test_a_named_registry_core_that_cannot_run_is_refused_in_one_line(fake_impls
         check_device(run_config("fa3"), "cuda")
     with pytest.raises(ConfigError, match="fa4 .* needs a CUDA GPU"):
         check_device(run_config("fa4"), "cpu")
+    with pytest.raises(ConfigError, match="varlen needs a CUDA GPU"):
+        check_device(run_config("varlen"), "cpu")
     install("FA4", "FA3")
     check_device(run_config("fa4"), "cuda")  # installed, on Hopper: accepted
     check_device(run_config("fa3"), "cuda")
@@ -254,3 +256,18 @@ def test_real_flash_attn_4_through_torchs_registry_equals_eager(name, window):
     got = values_and_grads(attention.BACKENDS["fa4"], q, k, v, mask)
     want = values_and_grads(attention.eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask)
     assert_close_in_bf16(got, want)
+
+
+@pytest.mark.parametrize("kind", ["causal", "packed documents"])
+def test_autos_choice_on_a_gpu_traces_as_constants_in_a_compiled_graph(kind):
+    """What auto asks of the machine (GPU generation, installed cores) is a constant of the process: compiled
+    code reads it without a graph break (the lookups import modules and query CUDA)."""
+    mask = MASKS[kind]
+    torch._dynamo.reset()
+
+    def choose(x):
+        return x * len(attention.auto_backend("cuda", BF16, mask))
+
+    x = torch.ones(2)
+    compiled = torch.compile(choose, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), choose(x))
