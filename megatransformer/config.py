@@ -257,13 +257,15 @@ class ModelConfig(Section):
     parallelism) and recompute it one tile at a time in the backward pass, so that its hidden activations live
     for one tile instead of being kept for the whole sequence (DeepSpeed ALST's TiledMLP; one more MLP forward
     per step). 1: untiled. Needs dropout 0."""
-    attention_backend: Literal["auto", "sdpa", "flex", "flash", "eager", "chunked"] = "auto"
-    """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows; without it PyTorch's
-    varlen_attn for packed documents, prefix-LM and packed cross-attention (no attention dropout, no ALiBi); else
-    sdpa; CPU: chunked, or sdpa with attention dropout); sdpa: PyTorch scaled_dot_product_attention; flex:
-    FlexAttention block masks; flash: flash-attn (CUDA); eager: plain matmul-softmax reference; chunked: exact
-    attention in query chunks with recomputation (fastest for CPU training, memory linear in sequence length for
-    every mask; see BENCHMARKS.md)."""
+    attention_backend: Literal["auto", "sdpa", "flex", "flash", "fa3", "fa4", "varlen", "eager", "chunked"] = "auto"
+    """auto: the fastest exact core per call, by a table of GPU generation and mask kind (gpu_cores.SPEED_TABLE; GPU:
+    flash-attn 3 / 4 where installed, else flash-attn 2, else PyTorch's varlen_attn for packed documents, prefix-LM
+    and packed cross-attention (no attention dropout, no ALiBi), else sdpa; CPU: chunked, or sdpa with attention
+    dropout); sdpa: PyTorch scaled_dot_product_attention; flex: FlexAttention block masks; flash: flash-attn 2
+    (CUDA); fa4 / fa3: flash-attn 4 / 3 through PyTorch's flash registry (CUDA, no dropout, no ALiBi); varlen:
+    PyTorch's varlen_attn; eager: plain matmul-softmax reference; chunked: exact attention in query chunks with
+    recomputation (fastest for CPU training, memory linear in sequence length for every mask; see BENCHMARKS.md).
+    The run log says which core runs and why (docs/gpu.md)."""
     attention: Literal["standard", "mla"] = "standard"
     """Self-attention kind. standard: q/k/v projections per head (MHA, GQA, MQA by model.n_kv_heads); mla:
     multi-head latent attention (DeepSeek-V2/V3; docs/attention.md): keys and values are up-projected from one

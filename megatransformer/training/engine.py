@@ -29,7 +29,9 @@ import torch.distributed as dist
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.checkpoint import TrainerState
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
+from megatransformer.flops import ModelSize, document_lengths, documents_flops, model_size
 from megatransformer.model import build_model
+from megatransformer.model.gpu_cores import VARLEN_BACKENDS, activate_for
 from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
@@ -133,7 +135,7 @@ def check_muon_layout(cfg: RunConfig, engine_stage: int) -> None:
 class StepResult:
     loss: float  # mean token loss of the global batch (NaN when non-finite)
     tokens: int  # input positions processed, all ranks, padding included
-    real_tokens: int  # of those, positions holding a token (the MFU numerator)
+    model_flops: float  # the training FLOPs of the batch's documents, all ranks (the MFU numerator)
     finite: bool  # the loss and gradients were finite (else the update was skipped)
     stop: bool  # a rank was asked to stop (preemption)
     lr: float  # the learning rate this step's update used
@@ -151,7 +153,7 @@ class Verdict:
     finite: bool
     rejected: bool
     stop: bool
-    real_tokens: float
+    model_flops: float
     z_loss: float | None = None
 
     @property
@@ -236,8 +238,9 @@ class TrainModule:
         self.matmuls = matmul_context(
             gemms_as_fp32(cfg.train.cpu_bf16_matmul, self.device, precision_dtype(cfg.precision), self.compiled)
         )
-        # flash-attn's varlen metadata is built only where flash-attn may run
-        self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
+        # flash-attn's varlen metadata is built only where a varlen kernel may run
+        self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in VARLEN_BACKENDS
+        activate_for(cfg.model.attention_backend, self.device.type)  # flash-attn 4 / 3, before compiling
 
     # ------------------------------------------------------------------------------------ one step
 
@@ -263,7 +266,8 @@ class TrainModule:
         parts = [self.split(b) for b in host]
         # counted on this rank's part: the ranks of a sequence group hold disjoint parts of the same rows
         targets = sum(int(np.count_nonzero(local["labels"].numpy() != IGNORE_INDEX)) for _, local in parts)
-        real = float(sum(real_positions(local) for _, local in parts))
+        # each rank of a sequence group counts its share of the whole rows' documents
+        flops = sum(self.model_flops(whole) for whole, _ in parts) / self.cfg.parallel.sequence_parallel
         # DeepSpeed averages gradients over micro batches and data-parallel ranks; undo that so the gradient
         # is that of (sum of token losses) / (loss tokens in the global batch). Summed on the device: no wait.
         global_targets = self._on_device([float(targets)])
@@ -290,7 +294,7 @@ class TrainModule:
                 engine.step()  # (not a boundary: DeepSpeed only counts the micro step)
         # the boundary: one reduction of the step's statistics, the one wait for the device in the step, once
         # the gradient norm is known: here without ZeRO, inside DeepSpeed's step (before the update) with it
-        stats = torch.cat([torch.stack([loss_sum, bad, z_sum]), self._on_device([float(stop_requested()), real])])
+        stats = torch.cat([torch.stack([loss_sum, bad, z_sum]), self._on_device([float(stop_requested()), flops])])
         verdicts: list[Verdict] = []
 
         def judge(norm: torch.Tensor | None) -> bool:
@@ -315,7 +319,7 @@ class TrainModule:
         return StepResult(
             verdict.loss,
             tokens,
-            round(verdict.real_tokens / self.tp),
+            verdict.model_flops / self.tp,
             finite,
             verdict.stop,
             lr,
@@ -331,7 +335,7 @@ class TrainModule:
         norm: torch.Tensor | None,
         reject: Callable[[float, float | None], bool] | None,
     ) -> Verdict:
-        """All-reduce this rank's ``stats`` (loss sum, non-finite losses, z-loss sum, stop flag, real tokens) with the
+        """All-reduce this rank's ``stats`` (loss sum, non-finite losses, z-loss sum, stop flag, model FLOPs) with the
         gradient norm ``norm`` (a device scalar, rank 0's: every rank holds the same; None: none computed) and
         read them in one transfer; then the verdict on the update, the same on every rank."""
         slot = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -340,7 +344,7 @@ class TrainModule:
             slot = torch.where(norm >= 0, norm.double(), math.nan).reshape(1).to(self.device)
         stats = torch.cat([stats, slot])
         dist.all_reduce(stats)
-        loss_total, n_bad, z_total, stop, real_total, grad_norm, targets_total = torch.cat(
+        loss_total, n_bad, z_total, stop, flops_total, grad_norm, targets_total = torch.cat(
             [stats, global_targets]
         ).tolist()
         # the cross-entropy and the z-loss apart (the loss optimised is their sum)
@@ -351,7 +355,7 @@ class TrainModule:
         # (fp16: non-finite gradients are the loss scaler's to skip)
         finite = n_bad == 0 and (norm_finite or self.cfg.precision == "fp16")
         rejected = finite and reject is not None and reject(loss, grad_norm if norm_finite else None)
-        return Verdict(loss, grad_norm, finite, rejected, stop > 0, real_total, z_loss)
+        return Verdict(loss, grad_norm, finite, rejected, stop > 0, flops_total, z_loss)
 
     # ---------------------------------------------------------------------------------- checkpoints
 
@@ -388,6 +392,18 @@ class TrainModule:
         on CUDA the copies come from pinned memory and do not wait); ``whole``: the batch the masks describe,
         when ``batch`` is this rank's part of its sequences."""
         return batch_to_device(batch, self.device, self.cfg.model.arch, self.varlen, whole)
+
+    @functools.cached_property
+    def size(self) -> ModelSize:
+        return model_size(self.cfg.model, self.cfg.data.seq_len)
+
+    def model_flops(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """The training FLOPs of ``batch``'s documents (:func:`flops.documents_flops`), counted on the host."""
+        if self.cfg.model.arch == "encoder_decoder":
+            return self.size.flops_per_token * real_positions(batch)
+        segments = batch.get("segment_ids")
+        shape = tuple(batch["input_ids"].shape)
+        return documents_flops(self.size, document_lengths(None if segments is None else segments.numpy(), shape))
 
     def _on_device(self, values: list[float]) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.float64)

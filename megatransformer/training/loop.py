@@ -171,14 +171,13 @@ class Trainer:
             self.spikes.rollbacks,
         )
         watchdog = Watchdog(cfg, self.dist.rank)  # (a hang ends the run with the stacks on file)
-        flops = size.flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
         peak_flops = peak * 1e12 * self.dist.world_size if peak else None
         report.message(first_step_note(cfg, self.state.step, self.module.compiled))
         batches = iter(self.train_loader)
         collector = GarbageCollection(cfg.train.gc_every)
         compile_watch = CompileWatch() if self.module.compiled else None
-        exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
+        exit_code, window_start, window_tokens, window_flops, step_seconds = 0, time.perf_counter(), 0, 0.0, 0.0
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
             watchdog.arm()
@@ -191,7 +190,7 @@ class Trainer:
                 report.message(line)
             self.state.tokens += result.tokens
             window_tokens += result.tokens
-            window_real += result.real_tokens
+            window_flops += result.model_flops
             self.state.bad_steps = 0 if result.finite else self.state.bad_steps + 1
             report.progress(self.state.step, result.loss, result.tokens / step_seconds, step_seconds)
             if self.state.step % cfg.train.log_every == 0 or self.state.step == cfg.train.max_steps:
@@ -206,13 +205,13 @@ class Trainer:
                         "grad_norm": finite_or_none(result.grad_norm),
                         "tokens": self.state.tokens,
                         "tokens_per_s": tokens_per_s,
-                        "mfu": window_real / seconds * flops / peak_flops if peak_flops else None,
+                        "mfu": window_flops / seconds / peak_flops if peak_flops else None,
                         "bad_steps": self.state.bad_steps,
                         "skipped_shards": len(self.train_loader.skipped_shards),
                         **device_memory(self.dist.device),
                     }
                 )
-                window_start, window_tokens, window_real = time.perf_counter(), 0, 0
+                window_start, window_tokens, window_flops = time.perf_counter(), 0, 0.0
             if not result.finite:
                 report.message(
                     f"step {self.state.step}: non-finite loss or gradients, update skipped "
