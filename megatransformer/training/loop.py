@@ -96,6 +96,11 @@ class Trainer:
             zero_stage=self.module.zero_stage,
         )
         self.preemption = preemption or Preemption()
+        self.downstream = None  # train.evals' tasks, loaded before the first step
+        if cfg.train.evals.tasks:
+            from megatransformer.training.downstream import Downstream
+
+            self.downstream = Downstream(cfg, self.module, dist_info.device, tokenizer)
         self.spikes = spikes.SpikeLadder(cfg.train.spikes)
         self.checkpoint: Path | None = None  # the run's state on disk: the one resumed from, then the last saved
 
@@ -214,9 +219,11 @@ class Trainer:
                     batches.close()
                     batches = iter(self.train_loader)
                     continue
-            if cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0:
+            validate = bool(cfg.train.eval_every) and self.state.step % cfg.train.eval_every == 0
+            downstream = self.downstream is not None and self.downstream.due(self.state.step)
+            if validate or downstream:
                 with watchdog.watching("validation"):
-                    report.log({"step": self.state.step, **self.evaluate()})
+                    report.log({"step": self.state.step, **self.evaluations(validate, downstream)})
             if self.state.bad_steps >= cfg.train.max_bad_steps:
                 report.message(
                     f"stopping: {self.state.bad_steps} consecutive non-finite steps "
@@ -233,10 +240,11 @@ class Trainer:
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
                 with watchdog.watching("a checkpoint"):
                     self.save()
-        evaluated_last = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
-        if exit_code == 0 and not evaluated_last:
+        validated_last = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
+        evaluated_last = self.downstream is None or self.downstream.due(self.state.step)
+        if exit_code == 0 and not (validated_last and evaluated_last):
             with watchdog.watching("validation"):
-                report.log({"step": self.state.step, **self.evaluate()})
+                report.log({"step": self.state.step, **self.evaluations(not validated_last, not evaluated_last)})
         with watchdog.watching("a checkpoint"):
             self.save()
         watchdog.close()
@@ -315,6 +323,13 @@ class Trainer:
             self.train_loader.skip_rows(*skipped)
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         return rows
+
+    def evaluations(self, validate: bool, downstream: bool) -> dict[str, float | None]:
+        """The validation loss and (train.evals) the harness's tasks, those asked for, as one record."""
+        record = self.evaluate() if validate else {}
+        if downstream:
+            record.update(self.downstream.run())
+        return record
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss over the first train.eval_batches batches of the validation split (every rank
