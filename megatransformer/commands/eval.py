@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = validate(raw)
         limit = f", at most {args.max_batches} batches" if args.max_batches else ""
         say(f"evaluating {loaded.path} on {' '.join(args.data)} ({cfg.objective}, batches of {args.batch_size}{limit})")
+        say(scored(cfg))
         result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
     result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
     if args.json:
@@ -88,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(
             f"{cfg.objective}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
-            f"over {result['tokens']:,} tokens ({result['sequences']:,} sequences)"
+            f"over {result['tokens']:,} tokens ({result['sequences']:,} sequences); bits per byte "
+            f"{result['bits_per_byte']:.4f} over {result['bytes']:,} bytes, word perplexity "
+            f"{result['word_perplexity']:.3f} over {result['words']:,} words"
         )
     return 0
 
@@ -344,13 +347,19 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
     loader = build_run_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
     loss_sum, tokens, sequences, pending = 0.0, 0, 0, []
 
+    text_bytes, words = 0, 0
+
     def flush() -> None:
-        nonlocal loss_sum, tokens, sequences
+        nonlocal loss_sum, tokens, sequences, text_bytes, words
         batch = {k: torch.cat([b[k] for b in pending]) for k in pending[0]}
         labels = batch.pop("labels")
         with torch.no_grad():
             loss_sum += model(**batch, labels=labels).item()
         tokens += int((labels != IGNORE_INDEX).sum())
+        for row in labels:
+            text = tokenizer.decode(row[row != IGNORE_INDEX].tolist(), skip_special=True)
+            text_bytes += len(text.encode())
+            words += len(text.split())
         sequences += len(pending)
         pending.clear()
 
@@ -365,4 +374,22 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
     if pending and not (max_batches and batches >= max_batches):
         flush()
     loss = loss_sum / max(tokens, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "sequences": sequences}
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "bits_per_byte": loss_sum / math.log(2) / max(text_bytes, 1),
+        "word_perplexity": math.exp(min(loss_sum / max(words, 1), 50.0)),
+        "tokens": tokens,
+        "bytes": text_bytes,
+        "words": words,
+        "sequences": sequences,
+    }
+
+
+def scored(cfg) -> str:
+    """What the loss of :func:`evaluate` is over, in one line."""
+    return (
+        f"scored: every {cfg.objective} label token of rows of data.seq_len={cfg.data.seq_len} tokens, the "
+        "documents packed in order and cut where a row ends (a row's first tokens have no context before it); "
+        "bytes and words are those of the labels' decoded text, special tokens left out"
+    )
