@@ -59,26 +59,23 @@ def unsupported(arch: str) -> str | None:
 
 
 def pack(lengths: list[int], capacity: int, max_rows: int) -> list[list[list[int]]]:
-    """Batches of rows of request indices: the requests in the order given (longest first), each into the
-    first row of the open batch with room for it (``capacity`` tokens a row), a batch closing at ``max_rows``
-    rows."""
-    batches: list[list[list[int]]] = []
+    """Batches of ``max_rows`` rows of request indices: the requests in the order given (longest first), each
+    into the row with the least room that holds it (``capacity`` tokens a row), else a new row."""
+    import bisect
+
     rows: list[list[int]] = []
-    room: list[int] = []
+    open_rows: list[tuple[int, int]] = []  # (room, row), sorted
     for index, length in enumerate(lengths):
-        fit = next((r for r, free in enumerate(room) if free >= length), None)
-        if fit is None and len(rows) == max_rows:
-            batches.append(rows)
-            rows, room = [], []
-        if fit is None:
+        at = bisect.bisect_left(open_rows, (length, -1))
+        if at < len(open_rows):
+            room, row = open_rows.pop(at)
+        else:
+            room, row = capacity, len(rows)
             rows.append([])
-            room.append(capacity)
-            fit = len(rows) - 1
-        rows[fit].append(index)
-        room[fit] -= length
-    if rows:
-        batches.append(rows)
-    return batches
+        rows[row].append(index)
+        if room - length > 0:
+            bisect.insort(open_rows, (room - length, row))
+    return [rows[start : start + max_rows] for start in range(0, len(rows), max_rows)]
 
 
 class HarnessLM(TemplateLM):
