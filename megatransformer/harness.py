@@ -151,21 +151,33 @@ class HarnessLM(TemplateLM):
         windows = [(ctx + cont)[-(self.max_length + 1) :] for _, ctx, cont in requests]
         continuations = [cont for _, _, cont in requests]
         order = sorted(range(len(requests)), key=lambda i: (-len(windows[i]), tuple(windows[i])))
-        results: list[tuple[float, bool] | None] = [None] * len(requests)
-        lengths = [len(windows[i]) - 1 for i in order]
-        for rows in pack(lengths, self.max_length, self.batch_size):
+        sums, misses = [0.0] * len(requests), [0] * len(requests)
+        for rows in pack([len(windows[i]) - 1 for i in order], self.max_length, self.batch_size):
             rows = [[order[i] for i in row] for row in rows]
-            logits = self._packed_forward([[windows[i][:-1] for i in row] for row in rows])
+            hidden = self._packed_hidden([[windows[i][:-1] for i in row] for row in rows])
+            # the continuation's positions of every request, flattened, and whose they are
+            width, where, owners, targets = hidden.shape[1], [], [], []
             for r, row in enumerate(rows):
-                end = 0
+                end = r * width
                 for i in row:
                     end += len(windows[i]) - 1
-                    cont = continuations[i]
-                    picked = logits[r, end - len(cont) : end].float().log_softmax(-1)
-                    target = torch.tensor(cont, device=picked.device)
-                    greedy = bool((picked.argmax(-1) == target).all())
-                    results[i] = (float(picked.gather(1, target[:, None]).sum()), greedy)
-        return results
+                    where.extend(range(end - len(continuations[i]), end))
+                    owners.extend([i] * len(continuations[i]))
+                    targets.extend(continuations[i])
+            device = hidden.device
+            where, owners = torch.tensor(where, device=device), torch.tensor(owners, device=device)
+            targets = torch.tensor(targets, device=device)
+            with torch.no_grad(), self.placement.forwards():
+                logits = self.model.lm_head(hidden.flatten(0, 1)[where])
+            logprobs = logits.float().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+            wrong = (logits.argmax(-1) != targets).double()
+            totals = torch.zeros(len(requests), dtype=torch.float64, device=device)
+            totals.index_add_(0, owners, logprobs.double())
+            missed = torch.zeros_like(totals).index_add_(0, owners, wrong)
+            in_batch = sorted({i for row in rows for i in row})
+            for i, total, miss in zip(in_batch, totals[in_batch].tolist(), missed[in_batch].tolist()):
+                sums[i], misses[i] = total, miss
+        return [(total, miss == 0) for total, miss in zip(sums, misses)]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text scored whole in disjoint windows of max_length tokens, every token once, the first after
@@ -188,8 +200,9 @@ class HarnessLM(TemplateLM):
             totals[owner] += logprob
         return totals
 
-    def _packed_forward(self, rows: list[list[list[int]]]) -> torch.Tensor:
-        """Logits [rows, width, vocab] of rows of token sequences, each sequence a document of its own."""
+    def _packed_hidden(self, rows: list[list[list[int]]]) -> torch.Tensor:
+        """The decoder's last hidden states [rows, width, d_model] of rows of token sequences, each sequence a
+        document of its own (the output head runs only where a token is scored)."""
         width = max(sum(map(len, row)) for row in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         positions = torch.zeros_like(ids)
@@ -204,11 +217,9 @@ class HarnessLM(TemplateLM):
                 start = end
         batch = {"input_ids": ids, "position_ids": positions, "segment_ids": segments}
         masks = batch_masks("decoder", batch, varlen=self.varlen).to(self.device)
-        device = self.device
+        model, device = self.model, self.device
         with torch.no_grad(), self.placement.forwards():
-            return self.model(
-                input_ids=ids.to(device), position_ids=positions.to(device), segment_ids=None, masks=masks
-            )
+            return model.decoder(model.embed_tokens(ids.to(device)), positions.to(device), masks.decoder)
 
     # -------------------------------------------------------------------------------- generation
 
