@@ -58,24 +58,47 @@ def unsupported(arch: str) -> str | None:
     )
 
 
-def pack(lengths: list[int], capacity: int, max_rows: int) -> list[list[list[int]]]:
-    """Batches of ``max_rows`` rows of request indices: the requests in the order given (longest first), each
-    into the row with the least room that holds it (``capacity`` tokens a row), else a new row."""
+def pack(lengths: list[int], capacity: int | None, max_rows: int) -> list[list[list[int]]]:
+    """Batches of at most ``max_rows`` rows of request indices (``lengths``: longest first). A batch's first
+    request opens its first row; each later one goes into the row with the least room that holds it, else into
+    a new row while the batch has fewer than ``max_rows``, else into a later batch.
+
+    ``capacity``: tokens a row, in every batch (where attention skips what the masks forbid: flash-attn's
+    varlen kernels); None: rows as long as their batch's first request (where attention computes every pair of
+    a row: no wider than that request padded)."""
     import bisect
 
-    rows: list[list[int]] = []
-    open_rows: list[tuple[int, int]] = []  # (room, row), sorted
-    for index, length in enumerate(lengths):
-        at = bisect.bisect_left(open_rows, (length, -1))
-        if at < len(open_rows):
-            room, row = open_rows.pop(at)
-        else:
-            room, row = capacity, len(rows)
-            rows.append([])
-        rows[row].append(index)
-        if room - length > 0:
-            bisect.insort(open_rows, (room - length, row))
-    return [rows[start : start + max_rows] for start in range(0, len(rows), max_rows)]
+    batches: list[list[list[int]]] = []
+    remaining = list(range(len(lengths)))
+    while remaining:
+        width = capacity or lengths[remaining[0]]
+        smallest = lengths[remaining[-1]]
+        rows: list[list[int]] = []
+        open_rows: list[tuple[int, int]] = []  # (room, row), sorted
+        later: list[int] = []
+        position = 0
+        while position < len(remaining):
+            index = remaining[position]
+            length = lengths[index]
+            at = bisect.bisect_left(open_rows, (length, -1))
+            if at < len(open_rows):
+                room, row = open_rows.pop(at)
+            elif len(rows) < max_rows:
+                room, row = width, len(rows)
+                rows.append([])
+            else:  # on to the first request short enough for the most room left (none: the batch is done)
+                most = open_rows[-1][0] if open_rows else 0
+                skip = bisect.bisect_left(remaining, -most, lo=position, key=lambda i: -lengths[i])
+                later.extend(remaining[position:skip])
+                position = skip
+                continue
+            rows[row].append(index)
+            if room - length >= smallest:
+                bisect.insort(open_rows, (room - length, row))
+            position += 1
+        batches.append(rows)
+        remaining = later
+    return batches
 
 
 class HarnessLM(TemplateLM):
@@ -152,7 +175,8 @@ class HarnessLM(TemplateLM):
         continuations = [cont for _, _, cont in requests]
         order = sorted(range(len(requests)), key=lambda i: (-len(windows[i]), tuple(windows[i])))
         sums, misses = [0.0] * len(requests), [0] * len(requests)
-        for rows in pack([len(windows[i]) - 1 for i in order], self.max_length, self.batch_size):
+        capacity = self.max_length if self.varlen else None
+        for rows in pack([len(windows[i]) - 1 for i in order], capacity, self.batch_size):
             rows = [[order[i] for i in row] for row in rows]
             hidden = self._packed_hidden([[windows[i][:-1] for i in row] for row in rows])
             # the continuation's positions of every request, flattened, and whose they are

@@ -56,6 +56,9 @@ def test_pack_fills_rows_longest_first_within_capacity():
     batches = harness.pack([9, 7, 5, 4, 3, 2, 2, 1], capacity=10, max_rows=2)
     assert batches == [[[0, 7], [1, 4]], [[2, 3], [5, 6]]]
     assert harness.pack([10, 10, 10], capacity=10, max_rows=2) == [[[0], [1]], [[2]]]
+    # rows as wide as each batch's longest request: the shorter ones fill their room
+    batches = harness.pack([9, 7, 5, 4, 3, 2, 2, 1], capacity=None, max_rows=2)
+    assert batches == [[[0], [1, 5]], [[2], [3, 7]], [[4], [6]]]
 
 
 def test_loglikelihoods_do_not_depend_on_batching(model, tok):
