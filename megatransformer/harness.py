@@ -179,15 +179,16 @@ class HarnessLM(TemplateLM):
         for rows in pack([len(windows[i]) - 1 for i in order], capacity, self.batch_size):
             rows = [[order[i] for i in row] for row in rows]
             hidden = self._packed_hidden([[windows[i][:-1] for i in row] for row in rows])
-            # the continuation's positions of every request, flattened, and whose they are
-            width, where, owners, targets = hidden.shape[1], [], [], []
+            # the continuation's positions of every request, flattened, and which request of the batch they are
+            width, where, owners, targets, in_batch = hidden.shape[1], [], [], [], []
             for r, row in enumerate(rows):
                 end = r * width
                 for i in row:
                     end += len(windows[i]) - 1
                     where.extend(range(end - len(continuations[i]), end))
-                    owners.extend([i] * len(continuations[i]))
+                    owners.extend([len(in_batch)] * len(continuations[i]))
                     targets.extend(continuations[i])
+                    in_batch.append(i)
             device = hidden.device
             where, owners = torch.tensor(where, device=device), torch.tensor(owners, device=device)
             targets = torch.tensor(targets, device=device)
@@ -195,11 +196,11 @@ class HarnessLM(TemplateLM):
                 logits = self.model.lm_head(hidden.flatten(0, 1)[where])
             logprobs = logits.float().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
             wrong = (logits.argmax(-1) != targets).double()
-            totals = torch.zeros(len(requests), dtype=torch.float64, device=device)
-            totals.index_add_(0, owners, logprobs.double())
+            totals = torch.zeros(len(in_batch), dtype=torch.float64, device=device).index_add_(
+                0, owners, logprobs.double()
+            )
             missed = torch.zeros_like(totals).index_add_(0, owners, wrong)
-            in_batch = sorted({i for row in rows for i in row})
-            for i, total, miss in zip(in_batch, totals[in_batch].tolist(), missed[in_batch].tolist()):
+            for i, total, miss in zip(in_batch, *torch.stack([totals, missed]).tolist()):
                 sums[i], misses[i] = total, miss
         return [(total, miss == 0) for total, miss in zip(sums, misses)]
 
