@@ -137,3 +137,15 @@ def test_training_logs_the_tasks(trained):
     }
     assert_same(in_log_space(last), in_log_space(expected), "step 8")
     assert evaluated[4]["kind"] == "valid" and evaluated[4]["eval/mt_choice/acc"] is not None
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tasks", "no_such_task"], "lm-eval knows no task no_such_task"),
+        ([], "give --data (loss and perplexity) or --tasks (lm-eval tasks), one of them"),
+    ],
+)
+def test_bad_task_arguments_are_one_line_before_loading(args, message):
+    result = cli("eval", "--checkpoint", "no/such/checkpoint", *args, check=False, env=OFFLINE)
+    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1
