@@ -1,8 +1,8 @@
 """lm-evaluation-harness on our decoders: an ``LM`` that runs in the caller's process on its device and
 precision, task loading that fails in one line, and the harness's results as flat numbers.
 
-Loglikelihood requests are packed, longest first, into rows of the model's length (one forward per batch of
-packed requests); generation left-pads a batch of prompts (padding is a segment of its own) and decodes with
+Loglikelihood requests are packed, longest first, several to a row (one forward per batch of packed requests,
+the output head only where a token is scored); generation left-pads a batch of prompts (padding is a segment of its own) and decodes with
 the KV cache. Data-parallel ranks follow the harness's protocol (``rank`` / ``world_size``: each builds its
 share of every task's requests; the evaluator gathers the per-item metrics once). Design: docs/evaluation.md.
 """
