@@ -2,9 +2,10 @@
 precision, task loading that fails in one line, and the harness's results as flat numbers.
 
 Loglikelihood requests are packed, longest first, several to a row (one forward per batch of packed requests,
-the output head only where a token is scored); generation left-pads a batch of prompts (padding is a segment of its own) and decodes with
-the KV cache. Data-parallel ranks follow the harness's protocol (``rank`` / ``world_size``: each builds its
-share of every task's requests; the evaluator gathers the per-item metrics once). Design: docs/evaluation.md.
+the output head only where a token is scored); generation left-pads a batch of prompts (padding is a segment
+of its own) and decodes with the KV cache. Data-parallel ranks follow the harness's protocol (``rank`` /
+``world_size``: each builds its share of every task's requests; the evaluator gathers the per-item metrics
+once). Design: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -56,6 +57,21 @@ def unsupported(arch: str) -> str | None:
         f"lm-eval tasks score decoder models (model.arch=decoder); this is model.arch={arch}, which the harness "
         "would need as a seq2seq model of its own"
     )
+
+
+def runs_varlen(cfg, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether packed documents run through flash-attn's or PyTorch's varlen kernels here, which skip what the
+    segment masks forbid (the core ``attention_backend=auto`` picks for such a mask, or the one named)."""
+    from megatransformer.model.attention import auto_backend
+    from megatransformer.model.latent_attention import core_head_dim
+    from megatransformer.model.masks import AttentionMask
+
+    backend = cfg.model.attention_backend
+    if backend == "auto":
+        packed = AttentionMask(True, prefix_len=torch.zeros(1))  # (any mask that is not plain causal)
+        alibi = cfg.model.position == "alibi"
+        backend = auto_backend(device.type, dtype, packed, 0.0, core_head_dim(cfg.model), alibi)
+    return device.type == "cuda" and backend in ("flash", "varlen")
 
 
 def pack(lengths: list[int], capacity: int | None, max_rows: int) -> list[list[list[int]]]:
@@ -117,7 +133,7 @@ class HarnessLM(TemplateLM):
         self.batch_size = batch_size
         self.max_length = max_position_embeddings(cfg.model)  # what transformers reports for the export
         self._rank, self._world_size, self._device = placement.rank, placement.world_size, placement.device
-        self.varlen = placement.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
+        self.varlen = runs_varlen(cfg, placement.device, next(model.parameters()).dtype)
 
     # ---------------------------------------------------------------------------- the harness's terms
 
