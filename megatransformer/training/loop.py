@@ -219,11 +219,11 @@ class Trainer:
                     batches.close()
                     batches = iter(self.train_loader)
                     continue
-            validate = bool(cfg.train.eval_every) and self.state.step % cfg.train.eval_every == 0
-            downstream = self.downstream is not None and self.downstream.due(self.state.step)
-            if validate or downstream:
-                with watchdog.watching("validation"):
-                    report.log({"step": self.state.step, **self.evaluations(validate, downstream)})
+            last = self.state.step == cfg.train.max_steps
+            downstream = self.downstream is not None and (last or self.downstream.due(self.state.step))
+            if downstream or (cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0):
+                with watchdog.watching("validation"):  # (the tasks' numbers always beside a validation loss)
+                    report.log({"step": self.state.step, **self.evaluations(downstream)})
             if self.state.bad_steps >= cfg.train.max_bad_steps:
                 report.message(
                     f"stopping: {self.state.bad_steps} consecutive non-finite steps "
@@ -240,11 +240,12 @@ class Trainer:
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
                 with watchdog.watching("a checkpoint"):
                     self.save()
-        validated_last = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
-        evaluated_last = self.downstream is None or self.downstream.due(self.state.step)
-        if exit_code == 0 and not (validated_last and evaluated_last):
+        validated_last = self.downstream is not None or (
+            cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
+        )
+        if exit_code == 0 and not validated_last:
             with watchdog.watching("validation"):
-                report.log({"step": self.state.step, **self.evaluations(not validated_last, not evaluated_last)})
+                report.log({"step": self.state.step, **self.evaluations(downstream=False)})
         with watchdog.watching("a checkpoint"):
             self.save()
         watchdog.close()
@@ -324,9 +325,9 @@ class Trainer:
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         return rows
 
-    def evaluations(self, validate: bool, downstream: bool) -> dict[str, float | None]:
-        """The validation loss and (train.evals) the harness's tasks, those asked for, as one record."""
-        record = self.evaluate() if validate else {}
+    def evaluations(self, downstream: bool) -> dict[str, float | None]:
+        """The validation loss and, with ``downstream``, the harness's tasks (train.evals): one record."""
+        record = self.evaluate()
         if downstream:
             record.update(self.downstream.run())
         return record
