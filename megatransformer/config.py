@@ -468,6 +468,24 @@ class WatchdogConfig(Section):
     """A fixed limit per step instead of factor and min_seconds (also capped by the collective timeout)."""
 
 
+class EvalsConfig(Section):
+    """Downstream tasks of lm-evaluation-harness run in the training process (docs/evaluation.md); results are
+    logged as eval/<task>/<metric>. Needs the eval extra (`pip install -e '.[eval]'`)."""
+
+    tasks: list[str] = Field(default_factory=list)
+    """Task names the harness knows, names in include_path, or paths of task YAML files (empty: none)."""
+    include_path: list[str] = Field(default_factory=list)
+    """Folders of task YAMLs to index."""
+    every: NonNegativeInt = 0
+    """Steps between evaluations (0: only at the end of training)."""
+    limit: PositiveInt | None = None
+    """At most this many examples of each task (None: all)."""
+    num_fewshot: NonNegativeInt | None = None
+    """Few-shot examples in each prompt (None: each task's own count)."""
+    batch_size: PositiveInt | None = None
+    """Rows of model.max_seq_len tokens a forward (default: train.micro_batch_size)."""
+
+
 class TrainConfig(Section):
     max_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = 1000
     """Optimizer steps to train, at least 1 (a run leaves a checkpoint), at most MAX_STEPS."""
@@ -523,6 +541,8 @@ class TrainConfig(Section):
     none: MFU is logged only when this is set, a CPU's measured speed being too unsteady to divide by)."""
     sample_prompt: str | None = None
     """Text to continue with a short generated sample at the end of training (decoder models)."""
+    evals: EvalsConfig = Field(default_factory=EvalsConfig)
+    """lm-evaluation-harness tasks during training (EvalsConfig)."""
     check_memory: bool = True
     """Before the first step, stop with one line when the planner's estimate of a rank's memory exceeds the
     device's (what overflows, by how much, the best layout that fits: ``megatransformer plan``)."""

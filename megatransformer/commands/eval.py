@@ -1,5 +1,6 @@
 """``megatransformer eval``: token-level loss and perplexity of a checkpoint on shards or text files, or
-(``--bleu``) BLEU and chrF of its beam-search translations of a test file.
+(``--bleu``) BLEU and chrF of its beam-search translations of a test file, or (``--tasks``) lm-evaluation-harness
+tasks (docs/evaluation.md).
 
 Every loss token counts once: the numbers do not depend on the batch size (samples are built one by one
 with per-sample seeds, then batched; the last partial batch is kept).
@@ -21,8 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser(
         "eval",
-        help="loss and perplexity of a checkpoint on held-out data",
-        description="Token-level loss and perplexity of a checkpoint on shards or text files; "
+        help="loss and perplexity of a checkpoint on held-out data, or lm-eval tasks",
+        description="Token-level loss and perplexity of a checkpoint on shards or text files, or (--tasks) "
+        "lm-evaluation-harness tasks; "
         "key.path=value overrides may follow the options: data.*, objective, objective_args.*, seed, and model.* "
         "fields that keep the weights' shapes (e.g. data.seq_len=4096 model.max_seq_len=4096 "
         "model.rope_scaling='{type: dynamic, factor: 2, original_max_seq_len: 2048}').",
@@ -30,10 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint, checkpoints directory or run directory")
     p.add_argument(
         "--data",
-        required=True,
         nargs="+",
         help="a shard directory (its validation split, or --split) or .txt/.jsonl files",
     )
+    add_task_arguments(p)
     p.add_argument("--split", choices=["train", "valid"], default="valid", help="which split of a shard directory")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (does not change the numbers)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all data)")
@@ -59,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
+    if bool(args.data) == bool(args.tasks):
+        raise ConfigError("give --data (loss and perplexity) or --tasks (lm-eval tasks), one of them")
+    if args.tasks:
+        return run_tasks(args)
     if args.bleu or args.hypotheses:
         _check_bleu_arguments(args)
     model_overrides, run_overrides = _split_overrides(args.overrides)
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = validate(raw)
         limit = f", at most {args.max_batches} batches" if args.max_batches else ""
         say(f"evaluating {loaded.path} on {' '.join(args.data)} ({cfg.objective}, batches of {args.batch_size}{limit})")
+        say(scored(cfg))
         result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
     result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
     if args.json:
@@ -82,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(
             f"{cfg.objective}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
-            f"over {result['tokens']:,} tokens ({result['sequences']:,} sequences)"
+            f"over {result['tokens']:,} tokens ({result['sequences']:,} sequences); bits per byte "
+            f"{result['bits_per_byte']:.4f} over {result['bytes']:,} bytes, word perplexity "
+            f"{result['word_perplexity']:.3f} over {result['words']:,} words"
         )
     return 0
 
@@ -219,6 +228,90 @@ def empty_hypotheses_warning(outputs: list[str]) -> str | None:
     )
 
 
+def add_task_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        default=None,
+        metavar="TASK",
+        help="lm-evaluation-harness tasks: names it knows, names under --include-path, or task YAML files",
+    )
+    p.add_argument("--include-path", action="append", default=[], help="a folder of task YAMLs (repeatable)")
+    p.add_argument("--limit", type=int, default=None, help="with --tasks: at most this many examples a task")
+    p.add_argument("--num-fewshot", type=int, default=None, help="with --tasks: few-shot examples a prompt")
+    p.add_argument(
+        "--bootstrap-iters",
+        type=int,
+        default=100_000,
+        help="with --tasks: bootstrap resamples for the standard errors that need them (0: none; lm-eval's default)",
+    )
+    p.add_argument("--samples", default=None, help="with --tasks: every item's responses and metrics, as JSONL here")
+
+
+def run_tasks(args: argparse.Namespace) -> int:
+    """lm-eval tasks on the checkpoint, one process or each torchrun rank a share of every task's items."""
+    import os
+
+    import torch
+
+    from megatransformer import harness
+    from megatransformer.config import ConfigError
+    from megatransformer.inference import load_for_inference
+
+    for name, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot)):
+        if value is not None and value < 0:
+            raise ConfigError(f"{name} must be >= 0")
+    if args.bleu or args.overrides:
+        raise ConfigError("--tasks takes no --bleu and no key.path=value overrides")
+    tasks = harness.load_tasks(args.tasks, args.include_path)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        loaded = load_for_inference(args.checkpoint, device=str(device))
+        if loaded.tokenizer is None:
+            raise ConfigError(f"{loaded.path} has no tokenizer.json")
+        if rank == 0:
+            say(
+                f"evaluating {loaded.path} on {' '.join(tasks.names)} with lm-eval (fp32 on {device}, "
+                f"{world} rank{'s' * (world > 1)}, batches of {args.batch_size})"
+            )
+        placement = harness.Placement(device, rank, world)
+        lm = harness.HarnessLM(loaded.model, loaded.cfg, loaded.tokenizer, placement, args.batch_size)
+        with harness.quiet():
+            results = harness.evaluate(
+                lm, tasks, args.limit, args.num_fewshot, args.bootstrap_iters, log_samples=bool(args.samples)
+            )
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
+    if results is None:  # (ranks other than 0)
+        return 0
+    if args.samples:
+        write_samples(Path(args.samples), results["samples"])
+    if args.json:
+        print(json.dumps({"tasks": harness.metrics_of(results)}))
+    else:
+        from lm_eval.utils import make_table
+
+        print(make_table(results))
+    return 0
+
+
+def write_samples(path: Path, samples: dict[str, list[dict]]) -> None:
+    """One line per item: its task, doc_id, the model's responses (loglikelihoods or text) and its metrics."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for task, items in samples.items():
+            for item in sorted(items, key=lambda item: item["doc_id"]):
+                metrics = {name: item[name] for name in item["metrics"]}
+                record = {"task": task, "doc_id": item["doc_id"], "resps": item["resps"], "metrics": metrics}
+                f.write(json.dumps(record, default=str) + "\n")
+
+
 def say(line: str) -> None:
     """What the command is doing, on stderr (stdout holds the result, JSON with --json)."""
     print(line, file=sys.stderr, flush=True)
@@ -254,13 +347,19 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
     loader = build_run_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
     loss_sum, tokens, sequences, pending = 0.0, 0, 0, []
 
+    text_bytes, words = 0, 0
+
     def flush() -> None:
-        nonlocal loss_sum, tokens, sequences
+        nonlocal loss_sum, tokens, sequences, text_bytes, words
         batch = {k: torch.cat([b[k] for b in pending]) for k in pending[0]}
         labels = batch.pop("labels")
         with torch.no_grad():
             loss_sum += model(**batch, labels=labels).item()
         tokens += int((labels != IGNORE_INDEX).sum())
+        for row in labels:
+            text = tokenizer.decode(row[row != IGNORE_INDEX].tolist(), skip_special=True)
+            text_bytes += len(text.encode())
+            words += len(text.split())
         sequences += len(pending)
         pending.clear()
 
@@ -275,4 +374,22 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
     if pending and not (max_batches and batches >= max_batches):
         flush()
     loss = loss_sum / max(tokens, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "sequences": sequences}
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 50.0)),
+        "bits_per_byte": loss_sum / math.log(2) / max(text_bytes, 1),
+        "word_perplexity": math.exp(min(loss_sum / max(words, 1), 50.0)),
+        "tokens": tokens,
+        "bytes": text_bytes,
+        "words": words,
+        "sequences": sequences,
+    }
+
+
+def scored(cfg) -> str:
+    """What the loss of :func:`evaluate` is over, in one line."""
+    return (
+        f"scored: every {cfg.objective} label token of rows of data.seq_len={cfg.data.seq_len} tokens, the "
+        "documents packed in order and cut where a row ends (a row's first tokens have no context before it); "
+        "bytes and words are those of the labels' decoded text, special tokens left out"
+    )

@@ -1,4 +1,5 @@
-"""``megatransformer plot RUN_DIR...``: loss, learning rate, throughput and MFU curves of one or more runs."""
+"""``megatransformer plot RUN_DIR...``: loss, learning rate, throughput and MFU curves of one or more runs, and
+the downstream tasks' metrics (train.evals) where they were evaluated."""
 
 from __future__ import annotations
 
@@ -37,14 +38,22 @@ PANELS = (
     ("lr", "learning rate", "learning rate"),
     ("tokens_per_s", "tokens / s", "throughput"),
     ("mfu", "MFU (%)", "model FLOPs utilisation"),
+    ("eval/", "metric", "downstream tasks (train.evals; perplexities: in metrics.jsonl)"),
 )
 
 
 def panels(metrics: list[list[dict]]) -> list[tuple[str, str, str]]:
     """(record key, y label, title) of each panel: MFU only when some run has it (a CPU run has none unless
-    train.peak_tflops is set)."""
+    train.peak_tflops is set), downstream tasks only when some run evaluated them."""
     has_mfu = any(r.get("mfu") is not None for records in metrics for r in records)
-    return [panel for panel in PANELS if panel[0] != "mfu" or has_mfu]
+    has_evals = bool(eval_keys([r for records in metrics for r in records]))
+    return [panel for panel in PANELS if (panel[0] != "mfu" or has_mfu) and (panel[0] != "eval/" or has_evals)]
+
+
+def eval_keys(records: list[dict]) -> list[str]:
+    """The eval/<task>/<metric> keys of records, standard errors left out."""
+    keys = {key for r in records for key in r if key.startswith("eval/") and not key.endswith("_stderr")}
+    return sorted(keys)
 
 
 def draw(runs: list[str | Path], out: str | Path) -> Path:
@@ -63,17 +72,25 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
     for run_dir, records in metrics:
         name = Path(run_dir).resolve().name
         train = [r for r in records if "loss" in r]
-        valid = [r for r in records if "val_loss" in r]
+        valid = [r for r in records if "val_loss" in r or eval_keys([r])]
         steps = [r["step"] for r in train]
         for ax, (key, _, _) in zip(axes.flat, shown):
+            if key == "eval/":
+                for metric in eval_keys(valid):
+                    if metric.endswith("perplexity"):  # (unbounded: they would flatten the others; bits_per_byte
+                        continue  # says the same)
+                    points = [(r["step"], r[metric]) for r in valid if r.get(metric) is not None]
+                    ax.plot(*zip(*points), "o-", label=f"{name} {metric.removeprefix('eval/')}")
+                continue
             scale = 100 if key == "mfu" else 1
             ax.plot(
                 steps,
                 [None if r.get(key) is None else scale * r[key] for r in train],
                 label=f"{name} train" if key == "loss" else name,
             )
-        if valid:
-            axes.flat[0].plot([r["step"] for r in valid], [r["val_loss"] for r in valid], "o--", label=f"{name} valid")
+        losses = [(r["step"], r["val_loss"]) for r in valid if "val_loss" in r]
+        if losses:
+            axes.flat[0].plot(*zip(*losses), "o--", label=f"{name} valid")
         mark_spikes(axes.flat[0], name, [r for r in records if "event" in r])
     for ax, (_, ylabel, title) in zip(axes.flat, shown):
         ax.set(xlabel="step", ylabel=ylabel, title=title)

@@ -101,6 +101,11 @@ class Trainer:
             zero_stage=self.module.zero_stage,
         )
         self.preemption = preemption or Preemption()
+        self.downstream = None  # train.evals' tasks, loaded before the first step
+        if cfg.train.evals.tasks:
+            from megatransformer.training.downstream import Downstream
+
+            self.downstream = Downstream(cfg, self.module, dist_info.device, tokenizer)
         self.spikes = spikes.SpikeLadder(cfg.train.spikes)
         self.checkpoint: Path | None = None  # the run's state on disk: the one resumed from, then the last saved
 
@@ -226,9 +231,11 @@ class Trainer:
                     batches.close()
                     batches = iter(self.train_loader)
                     continue
-            if cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0:
-                with watchdog.watching("validation"):
-                    report.log({"step": self.state.step, **self.evaluate()})
+            last = self.state.step == cfg.train.max_steps
+            downstream = self.downstream is not None and (last or self.downstream.due(self.state.step))
+            if downstream or (cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0):
+                with watchdog.watching("validation"):  # (the tasks' numbers always beside a validation loss)
+                    report.log({"step": self.state.step, **self.evaluations(downstream)})
             if self.state.bad_steps >= cfg.train.max_bad_steps:
                 report.message(
                     f"stopping: {self.state.bad_steps} consecutive non-finite steps "
@@ -245,10 +252,12 @@ class Trainer:
             if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
                 with watchdog.watching("a checkpoint"):
                     self.save()
-        evaluated_last = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
-        if exit_code == 0 and not evaluated_last:
+        validated_last = self.downstream is not None or (
+            cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
+        )
+        if exit_code == 0 and not validated_last:
             with watchdog.watching("validation"):
-                report.log({"step": self.state.step, **self.evaluate()})
+                report.log({"step": self.state.step, **self.evaluations(downstream=False)})
         with watchdog.watching("a checkpoint"):
             self.save()
         watchdog.close()
@@ -328,6 +337,13 @@ class Trainer:
             self.train_loader.skip_rows(*skipped)
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         return rows
+
+    def evaluations(self, downstream: bool) -> dict[str, float | None]:
+        """The validation loss and, with ``downstream``, the harness's tasks (train.evals): one record."""
+        record = self.evaluate()
+        if downstream:
+            record.update(self.downstream.run())
+        return record
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss over the first train.eval_batches batches of the validation split (every rank

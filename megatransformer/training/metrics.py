@@ -162,13 +162,15 @@ class Reporter:
             self.tensorboard = TensorBoard(cfg.run_dir, start_step)
 
     def log(self, record: dict[str, Any]) -> None:
-        """Write a training record (it has ``loss``) or a validation record (``val_loss``), stamped with its
-        ``kind`` (train / valid) and wall-clock ``time`` (Unix seconds)."""
+        """Write a training record (it has ``loss``) or a validation record (``val_loss`` and / or
+        ``eval/<task>/<metric>``), stamped with its ``kind`` (train / valid) and wall-clock ``time`` (Unix
+        seconds)."""
         if not self.is_main:
             return
+        evaluation = "val_loss" in record or any(key.startswith(EVAL_PREFIX) for key in record)
         record = {
             "step": record["step"],
-            "kind": "valid" if "val_loss" in record else "train",
+            "kind": "valid" if evaluation else "train",
             "time": round(time.time(), 3),
             **record,
         }
@@ -179,11 +181,8 @@ class Reporter:
             self.tensorboard.log(record)
         if "loss" in record:
             self.message(self.train_line(record))
-        if "val_loss" in record:
-            self.message(
-                f"step {record['step']}: validation loss {record['val_loss']:.4f}, perplexity "
-                f"{record['val_ppl']:,.2f} ({record['val_tokens']:,} tokens)"
-            )
+        if evaluation:
+            self.message(validation_line(record))
 
     def event(self, record: dict[str, Any], line: str) -> None:
         """A loss-spike event: metrics.jsonl (``kind`` spike), its console ``line``, W&B (an alert for a
@@ -239,6 +238,26 @@ class Reporter:
             self.wandb.finish()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+EVAL_PREFIX = "eval/"  # train.evals' results: eval/<task>/<metric>
+
+
+def validation_line(record: dict[str, Any]) -> str:
+    """A validation record as one line: the loss, and the harness's metrics task by task."""
+    parts = []
+    if "val_loss" in record:
+        parts.append(
+            f"validation loss {record['val_loss']:.4f}, perplexity {record['val_ppl']:,.2f} "
+            f"({record['val_tokens']:,} tokens)"
+        )
+    tasks: dict[str, list[str]] = {}
+    for key, value in record.items():
+        if key.startswith(EVAL_PREFIX) and not key.endswith("_stderr"):
+            task, _, metric = key.removeprefix(EVAL_PREFIX).rpartition("/")
+            tasks.setdefault(task, []).append(f"{metric} {'nan' if value is None else f'{value:.4g}'}")
+    parts += [f"{task} {', '.join(metrics)}" for task, metrics in tasks.items()]
+    return f"step {record['step']}: " + " | ".join(parts)
 
 
 def format_duration(seconds: float) -> str:

@@ -1,0 +1,49 @@
+"""train.evals: lm-evaluation-harness tasks run in the training process, every data-parallel rank on its share
+of the items (docs/evaluation.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatransformer.config import ConfigError, RunConfig
+from megatransformer.training.engine import TrainModule
+
+
+class Downstream:
+    """The run's harness tasks, loaded before the first step (a task that cannot load stops the run there)."""
+
+    def __init__(self, cfg: RunConfig, module: TrainModule, device: str, tokenizer) -> None:
+        evals = cfg.train.evals
+        refusal = module.whole_model_refusal()
+        if refusal:
+            raise ConfigError(
+                f"train.evals runs the whole model on each rank, and {refusal}; evaluate the checkpoints "
+                "with `megatransformer eval --tasks` instead"
+            )
+        from megatransformer import harness
+
+        reason = harness.unsupported(cfg.model.arch)
+        if reason:
+            raise ConfigError(f"train.evals: {reason}")
+        self.harness, self.cfg, self.module, self.tokenizer = harness, cfg, module, tokenizer
+        self.tasks = harness.load_tasks(evals.tasks, evals.include_path)
+        self.placement = harness.Placement(torch.device(device), module.dp_rank, module.dp_size, module.matmuls)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.train.evals.every
+        return bool(every) and step % every == 0
+
+    def run(self) -> dict[str, float | None]:
+        """``{"eval/<task>/<metric>": value}`` on rank 0 (empty on the others)."""
+        evals, cfg = self.cfg.train.evals, self.cfg
+        batch_size = evals.batch_size or self.module.sizes.micro
+        with self.module.plain_model() as model, self.harness.quiet():
+            lm = self.harness.HarnessLM(model, cfg, self.tokenizer, self.placement, batch_size)
+            results = self.harness.evaluate(lm, self.tasks, evals.limit, evals.num_fewshot)
+        if results is None:
+            return {}
+        return {
+            f"eval/{task}/{metric}": value
+            for task, metrics in self.harness.metrics_of(results).items()
+            for metric, value in metrics.items()
+        }

@@ -1,0 +1,151 @@
+"""lm-evaluation-harness through our LM: the same per-item responses and metrics as the harness's own Hugging
+Face model on the exported checkpoint, on one and two ranks, and during training."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval", reason="needs the eval extra: pip install -e '.[eval]'")
+
+from support.harness_tasks import TASKS, write_tasks  # noqa: E402
+from support.runs import ONE_THREAD, checkpoint, cli, tiny_run, torchrun, train  # noqa: E402
+
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", **ONE_THREAD}
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory) -> dict:
+    """The tiny decoder trained for 8 steps with the four tasks evaluated in training every 4 steps, its last
+    checkpoint exported for transformers, and ``megatransformer eval --tasks`` of that checkpoint on one rank."""
+    root = tmp_path_factory.mktemp("lm_eval")
+    yamls = write_tasks(tiny_data.corpus, root / "tasks")
+    run_dir = root / "run"
+    tasks = "[" + ", ".join(str(path) for path in yamls.values()) + "]"
+    train(
+        tiny_run(tiny_data, run_dir, STEPS, {"checkpoint.every": STEPS})
+        + [f"train.evals.tasks={tasks}", "train.evals.every=4"],
+        env=OFFLINE,
+    )
+    hf = root / "hf"
+    cli("export", "--checkpoint", run_dir, "--format", "hf", "--out", hf)
+    ours = ours_eval(checkpoint(run_dir, STEPS), root / "tasks", root / "ours.jsonl")
+    return {"root": root, "run_dir": run_dir, "hf": hf, "ours": ours}
+
+
+def ours_eval(ckpt: Path, tasks: Path, samples: Path, nproc: int = 1) -> dict:
+    """``megatransformer eval --tasks`` (all four, --json): its JSON and its per-item samples."""
+    launcher = torchrun(nproc) if nproc > 1 else [sys.executable]
+    command = [*launcher, "-m", "megatransformer.cli", "eval", "--checkpoint", str(ckpt), "--include-path"]
+    command += [str(tasks), "--tasks", *TASKS, "--batch-size", "4", "--bootstrap-iters", "0", "--json"]
+    result = run(command + ["--samples", str(samples)])
+    return {"tasks": json.loads(result.stdout)["tasks"], "samples": read_samples(samples)}
+
+
+def run(command: list[str]) -> subprocess.CompletedProcess:
+    import os
+
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **OFFLINE}, timeout=900)
+    assert result.returncode == 0, f"{' '.join(command)}: exit {result.returncode}\n{result.stderr[-4000:]}"
+    return result
+
+
+def read_samples(path: Path) -> dict[tuple[str, int], dict]:
+    return {(r["task"], r["doc_id"]): r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def assert_same(ours: dict, theirs: dict, where: str) -> None:
+    """Loglikelihoods within 1e-6 relative, everything else (greedy flags, generated text, metrics) equal."""
+    if isinstance(theirs, float) or isinstance(ours, float):
+        assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-9), where
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(theirs, dict):
+        assert set(ours) == set(theirs), where
+        for key in theirs:
+            assert_same(ours[key], theirs[key], f"{where}.{key}")
+    else:
+        assert ours == theirs, where
+
+
+def test_same_items_and_metrics_as_the_harness_hf_model(trained):
+    out = trained["root"] / "hf_out"
+    # (logits_cache=False: the hf model's reuse of logits across requests gave another number for a rolling
+    # window of periodic text than its own forward of that window; off, it scores every request itself)
+    run(
+        [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args"]
+        + [f"pretrained={trained['hf']},dtype=float32,logits_cache=False", "--device", "cpu", "--batch_size", "4"]
+        + ["--include_path", str(trained["root"] / "tasks"), "--tasks", *TASKS, "--output_path", str(out)]
+        + ["--log_samples"]
+    )
+    theirs_metrics = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    ours = trained["ours"]
+    for task in TASKS:
+        expected = {
+            key.partition(",")[0]: value
+            for key, value in theirs_metrics[task].items()
+            if key.endswith(",none") and "stderr" not in key
+        }
+        assert_same(in_log_space(ours["tasks"][task]), in_log_space(expected), task)
+        items = [json.loads(line) for line in next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()]
+        assert len(items) == 20
+        for item in items:
+            mine = ours["samples"][(task, item["doc_id"])]
+            theirs = [response(x, TASKS[task][0]) for [x] in item["resps"]]
+            assert_same([x for [x] in mine["resps"]], theirs, f"{task} item {item['doc_id']}")
+            assert_same(mine["metrics"], {name: item[name] for name in item["metrics"]}, f"{task} {item['doc_id']}")
+
+
+def in_log_space(metrics: dict) -> dict:
+    """Perplexities as their logs (the mean loglikelihoods they are exp of, where the tolerance applies)."""
+    return {name: math.log(value) if "perplexity" in name else value for name, value in metrics.items()}
+
+
+def response(value, output_type: str):
+    """A response as the harness's samples file writes it (numbers as strings) in ours' terms."""
+    if isinstance(value, list):
+        return [float(value[0]), value[1] == "True"]
+    return float(value) if output_type == "loglikelihood_rolling" else value
+
+
+def test_two_ranks_give_the_numbers_of_one(trained):
+    two = ours_eval(checkpoint(trained["run_dir"], STEPS), trained["root"] / "tasks", trained["root"] / "two.jsonl", 2)
+    assert_same(two["tasks"], trained["ours"]["tasks"], "two ranks")
+    assert set(two["samples"]) == set(trained["ours"]["samples"])
+    for key, item in trained["ours"]["samples"].items():
+        assert_same(two["samples"][key], item, f"two ranks {key}")
+
+
+def test_training_logs_the_tasks(trained):
+    records = [json.loads(line) for line in (trained["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    evaluated = {r["step"]: r for r in records if any(key.startswith("eval/") for key in r)}
+    assert sorted(evaluated) == [4, STEPS]
+    last = {key.removeprefix("eval/"): value for key, value in evaluated[STEPS].items() if key.startswith("eval/")}
+    # the training process's numbers are those of the checkpoint evaluated afterwards (fp32, the same tasks)
+    expected = {
+        f"{task}/{metric}": value
+        for task, values in trained["ours"]["tasks"].items()
+        for metric, value in values.items()
+    }
+    assert_same(in_log_space(last), in_log_space(expected), "step 8")
+    assert evaluated[4]["kind"] == "valid" and evaluated[4]["eval/mt_choice/acc"] is not None
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tasks", "no_such_task"], "lm-eval knows no task no_such_task"),
+        ([], "give --data (loss and perplexity) or --tasks (lm-eval tasks), one of them"),
+    ],
+)
+def test_bad_task_arguments_are_one_line_before_loading(args, message):
+    result = cli("eval", "--checkpoint", "no/such/checkpoint", *args, check=False, env=OFFLINE)
+    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1
