@@ -125,17 +125,17 @@ def parameter_sizes(m: ModelConfig) -> list[tuple[int, bool]]:
 
 
 def muon_elements(m: ModelConfig, tp: int) -> int:
-    """Elements of the matrices a tensor-parallel rank updates with Muon (training/muon.py's choice, read from
+    """Elements of the matrices a tensor-parallel rank updates with Muon (the model's hidden matrices, read from
     the model built on the meta device): one momentum buffer each, where Adam keeps two moments."""
     import torch
 
     from megatransformer.model import build_model
+    from megatransformer.model.matrices import hidden_matrix_names
     from megatransformer.model.tp_plan import partition_dim
-    from megatransformer.training.muon import muon_parameter_names
 
     with torch.device("meta"):
         model = build_model(m)
-    chosen = muon_parameter_names(model)
+    chosen = hidden_matrix_names(model)
     named = dict(model.named_parameters())
     return sum(named[n].numel() // (tp if partition_dim(n) is not None else 1) for n in chosen)
 

@@ -18,23 +18,11 @@ from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from megatransformer.config import ConfigError, OptimConfig
-from megatransformer.model.head import LMHead
+from megatransformer.model.matrices import hidden_matrix_names
 from megatransformer.model.tp_plan import partition_dim
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
 NS_EPS = 1e-7
-
-
-def muon_parameter_names(model: nn.Module) -> set[str]:
-    """Names of the parameters Muon updates: the weights of the model's ``nn.Linear`` modules (attention and
-    feed-forward projections), except the output head's and any shared with an embedding."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, LMHead))}
-    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    return {
-        name
-        for name, p in model.named_parameters()
-        if p.requires_grad and id(p) in linear and id(p) not in embeddings and p.ndim == 2
-    }
 
 
 def muon_param_groups(model: nn.Module, o: OptimConfig, tensor_parallel: int) -> tuple[list[dict], str]:
@@ -42,7 +30,7 @@ def muon_param_groups(model: nn.Module, o: OptimConfig, tensor_parallel: int) ->
 
     Muon groups carry ``tp_dim``, the dimension their weights are split along under tensor parallelism; AdamW's
     follow :func:`optim.param_groups`' weight-decay rule (matrices decayed; norms, biases, embeddings not)."""
-    chosen = muon_parameter_names(model)
+    chosen = hidden_matrix_names(model)
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     linear -= {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # (a tied head's table)
     muon: dict[int | None, list[nn.Parameter]] = {}

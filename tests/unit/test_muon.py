@@ -9,7 +9,8 @@ from support.models import run_config, tiny_config
 
 from megatransformer.config import ConfigError, OptimConfig
 from megatransformer.model import build_model
-from megatransformer.training.muon import MuonWithAdamW, muon_param_groups, muon_parameter_names
+from megatransformer.model.matrices import hidden_matrix_names
+from megatransformer.training.muon import MuonWithAdamW, muon_param_groups
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -21,7 +22,7 @@ def model(**fields):
 
 def test_muon_takes_the_linear_layers_weights_and_nothing_else():
     m = model()
-    chosen = muon_parameter_names(m)
+    chosen = hidden_matrix_names(m)
     expected = {
         f"decoder.layers.{i}.{part}.{p}.weight"
         for i in range(2)
@@ -36,16 +37,16 @@ def test_an_untied_output_head_and_the_embeddings_stay_with_adamw():
     m = model(tie_embeddings=False)
     names = {n for n, _ in m.named_parameters()}
     assert "lm_head.weight" in names
-    chosen = muon_parameter_names(m)
+    chosen = hidden_matrix_names(m)
     assert "lm_head.weight" not in chosen and "embed_tokens.weight" not in chosen
     assert len(chosen) == 14
 
 
 def test_latent_attention_and_cross_attention_matrices_get_muon_too():
-    mla = muon_parameter_names(model(attention="mla", kv_lora_rank=16, n_kv_heads=None))
+    mla = hidden_matrix_names(model(attention="mla", kv_lora_rank=16, n_kv_heads=None))
     assert {"decoder.layers.0.self_attn.kv_a_proj.weight", "decoder.layers.0.self_attn.kv_b_proj.weight"} <= mla
     seq2seq = model(arch="encoder_decoder")
-    chosen = muon_parameter_names(seq2seq)
+    chosen = hidden_matrix_names(seq2seq)
     assert any(".cross_attn." in n for n in chosen)
     assert [n for n, p in seq2seq.named_parameters() if p.ndim == 2 and n not in chosen] == ["embed_tokens.weight"]
 
@@ -88,7 +89,7 @@ def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
     groups, _ = muon_param_groups(ours, o, 1)
     optimizer = MuonWithAdamW(groups)
     ref_params = dict(ref.named_parameters())
-    chosen = muon_parameter_names(ref)
+    chosen = hidden_matrix_names(ref)
     muon = torch.optim.Muon(
         [ref_params[n] for n in chosen],
         lr=o.muon_lr,
