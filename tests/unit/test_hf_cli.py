@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import struct
 
 import pytest
@@ -60,3 +61,61 @@ def test_export_then_import_gives_the_same_logits(tmp_path, family):
     assert back_cfg.model.model_dump() == cfg.model.model_dump()
     ids = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     assert torch.equal(_logits(back_cfg, back, ids), _logits(cfg, weights, ids))
+
+
+def _safetensors_header(data: bytes) -> tuple[dict, bytes]:
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + length]), data[8 + length :]
+
+
+def _with_header(header: dict, body: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + body
+
+
+def _one_shape_past_its_bytes(data: bytes) -> bytes:
+    header, body = _safetensors_header(data)
+    name = next(name for name in header if name != "__metadata__")
+    header[name] = {**header[name], "shape": [header[name]["shape"][0] * 1000, *header[name]["shape"][1:]]}
+    return _with_header(header, body)
+
+
+def _without(key: str):
+    return lambda config: {k: v for k, v in config.items() if k != key}
+
+
+DAMAGES = {  # what is done to an exported Llama directory, and what the refusal names
+    "truncated weights": ("model.safetensors", lambda data: data[: len(data) // 2], "not a readable safetensors"),
+    "garbled header": ("model.safetensors", lambda data: data[:8] + bytes(100) + data[108:], "not a readable"),
+    "huge header length": ("model.safetensors", lambda data: struct.pack("<Q", 2**62) + data[8:], "not a readable"),
+    "a shape past its bytes": ("model.safetensors", _one_shape_past_its_bytes, "not a readable safetensors"),
+    "config a JSON list": ("config.json", lambda config: [config], "holds a JSON list"),
+    "config not JSON": ("config.json", lambda config: "{not json", "is not JSON"),
+    "no num_hidden_layers": ("config.json", _without("num_hidden_layers"), "lacks 'num_hidden_layers'"),
+}
+
+
+@pytest.fixture(scope="module")
+def exported_llama(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    cfg = run_config(model=FAMILY_MODELS[LLAMA])
+    write_weights_checkpoint(directory / "ours", cfg, build_model(cfg.model).state_dict())
+    export(argparse.Namespace(checkpoint=str(directory / "ours"), out=str(directory / "hf"), format="hf", dtype="fp32"))
+    return directory / "hf"
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_directory_is_refused_in_one_line(tmp_path, exported_llama, damage):
+    name, change, message = DAMAGES[damage]
+    directory = tmp_path / "hf"
+    shutil.copytree(exported_llama, directory)
+    file = directory / name
+    if name == "config.json":
+        changed = change(json.loads(file.read_text()))
+        file.write_text(changed if isinstance(changed, str) else json.dumps(changed))
+    else:
+        file.write_bytes(change(file.read_bytes()))
+    with pytest.raises(ConfigError, match=message) as refusal:
+        import_hf(argparse.Namespace(hf=str(directory), out=str(tmp_path / "out")))
+    assert "\n" not in str(refusal.value) and name in str(refusal.value)
