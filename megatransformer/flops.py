@@ -12,6 +12,7 @@ For an encoder-decoder model "a token" is one position of either stack (source a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -34,19 +35,29 @@ class ModelSize:
         return asdict(self)
 
 
-def model_size(cfg: ModelConfig, seq_len: int | None = None) -> ModelSize:
+def one_block_per_stack(cfg: ModelConfig) -> tuple[nn.Module, Callable[[str], int]]:
+    """The model of ``cfg`` with one block per stack, on the meta device, and the copies of each of its
+    parameters or modules (by name) the whole model holds: a block's, one per layer of its stack (the blocks
+    of a stack are alike), so that sizes are counted without building thousands of blocks."""
     from megatransformer.model import build_model
 
-    seq_len = seq_len or cfg.max_seq_len
+    one = cfg.model_copy(update={"n_layers": 1, "n_decoder_layers": 1 if cfg.n_decoder_layers else None})
+    layers = {"encoder": cfg.n_layers, "decoder": cfg.decoder_layers if cfg.arch == "encoder_decoder" else cfg.n_layers}
     with torch.device("meta"):
-        model = build_model(cfg)
-    params = {id(p): p.numel() for p in model.parameters()}
+        model = build_model(one)
+    return model, lambda name: layers[name.split(".")[0]] if ".layers.0." in name else 1
+
+
+def model_size(cfg: ModelConfig, seq_len: int | None = None) -> ModelSize:
+    seq_len = seq_len or cfg.max_seq_len
+    model, copies = one_block_per_stack(cfg)
+    params = {id(p): p.numel() * copies(name) for name, p in model.named_parameters()}
     embeddings = {
         id(m.weight): m.weight.numel()
         for m in model.modules()
         if isinstance(m, nn.Embedding) or type(m).__name__ == "LearnedPositions"
     }
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    linear = sum(m.weight.numel() * copies(name) for name, m in model.named_modules() if isinstance(m, nn.Linear))
     window = cfg.attention_window or seq_len
     causal_keys, bidirectional_keys = min(seq_len, window), min(seq_len, 2 * window - 1)
     self_width = score_width(cfg)

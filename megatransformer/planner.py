@@ -105,34 +105,33 @@ class Layout:
 # --------------------------------------------------------------------------------------------- memory
 
 
-_SIZES: dict[str, list[tuple[int, bool]]] = {}
+_SIZES: dict[str, list[tuple[int, bool, int]]] = {}
 
 
-def parameter_sizes(m: ModelConfig) -> list[tuple[int, bool]]:
-    """(elements, whether tensor parallelism splits it) of each parameter (tied ones once): the model built on
-    the meta device, its parameters sorted by the tensor-parallel plan."""
+def parameter_sizes(m: ModelConfig) -> list[tuple[int, bool, int]]:
+    """(elements, whether tensor parallelism splits it, copies) of each parameter (tied ones once), sorted by the
+    tensor-parallel plan; a block's counted once per layer of its stack (flops.one_block_per_stack)."""
     key = m.model_dump_json()
     if key not in _SIZES:
-        import torch
-
-        from megatransformer.model import build_model
+        from megatransformer.flops import one_block_per_stack
         from megatransformer.model.tp_plan import partition_dim
 
-        with torch.device("meta"):
-            model = build_model(m)
-        _SIZES[key] = [(p.numel(), partition_dim(name) is not None) for name, p in model.named_parameters()]
+        model, copies = one_block_per_stack(m)
+        _SIZES[key] = [
+            (p.numel(), partition_dim(name) is not None, copies(name)) for name, p in model.named_parameters()
+        ]
     return _SIZES[key]
 
 
 def parameter_counts(m: ModelConfig) -> tuple[int, int]:
     """(parameters tensor parallelism splits, parameters every rank keeps whole)."""
     sizes = parameter_sizes(m)
-    return sum(n for n, split in sizes if split), sum(n for n, split in sizes if not split)
+    return sum(n * k for n, split, k in sizes if split), sum(n * k for n, split, k in sizes if not split)
 
 
 def largest_parameter(m: ModelConfig, tp: int) -> int:
     """Elements of the largest parameter a tensor-parallel rank holds."""
-    return max(-(-n // tp) if split else n for n, split in parameter_sizes(m))
+    return max(-(-n // tp) if split else n for n, split, _ in parameter_sizes(m))
 
 
 def reduce_bucket_elements(m: ModelConfig, tp: int) -> int:

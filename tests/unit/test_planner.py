@@ -171,7 +171,24 @@ def test_train_check_names_the_overflow_and_the_best_layout_that_fits(monkeypatc
 def test_parameter_counts_are_the_model_s(fields: dict) -> None:
     from megatransformer.config import ModelConfig
     from megatransformer.flops import model_size
+    from megatransformer.model import build_model
     from megatransformer.planner import parameter_counts
 
-    cfg = ModelConfig(**(SMALL | fields))
-    assert sum(parameter_counts(cfg)) == model_size(cfg).params
+    cfg = ModelConfig(**(SMALL | fields | {"n_layers": 3}))
+    built = sum(p.numel() for p in build_model(cfg).parameters())
+    assert sum(parameter_counts(cfg)) == model_size(cfg).params == built
+
+
+@pytest.mark.parametrize("fields", [{}, {"arch": "encoder_decoder", "ffn": "relu", "n_decoder_layers": 1000}])
+def test_a_deep_model_is_counted_from_one_block_per_stack(monkeypatch, fields: dict) -> None:
+    import megatransformer.model
+    from megatransformer.config import ModelConfig
+    from megatransformer.flops import model_size
+    from megatransformer.planner import parameter_counts
+
+    build, blocks_built = megatransformer.model.build_model, []
+    monkeypatch.setattr(megatransformer.model, "build_model", lambda m: blocks_built.append(m.n_layers) or build(m))
+    one, two, deep = (ModelConfig(**(SMALL | fields | {"n_layers": n})) for n in (1, 2, 4096))
+    per_block = sum(parameter_counts(two)) - sum(parameter_counts(one))
+    assert sum(parameter_counts(deep)) == model_size(deep).params == sum(parameter_counts(one)) + 4095 * per_block
+    assert set(blocks_built) == {1}
