@@ -21,6 +21,11 @@ POINTS = {
     "decoder-mha-gelu": ({"n_kv_heads": None, "ffn": "gelu"}, 512, "fp32"),
     "encoder": ({"arch": "encoder", "ffn": "gelu"}, 256, "fp32"),
     "encoder-decoder": ({"arch": "encoder_decoder", "ffn": "relu"}, 256, "fp32"),
+    "t5-style": (  # span corruption: the decoder's rows hold the targets only (58 positions at 256)
+        {"arch": "encoder_decoder", "d_model": 128, "n_layers": 4, "n_kv_heads": None, "d_ff": 512, "ffn": "gelu"},
+        256,
+        "fp32",
+    ),
     "checkpointing": ({"activation_checkpointing": True}, 512, "fp32"),
     "mlp-tiles": ({"mlp_tiles": 4}, 512, "fp32"),
     "bf16": ({}, 256, "bf16"),
