@@ -756,6 +756,8 @@ def resolve_config(path: str | Path) -> Path:
     name = given.name[: -len(".yaml")] if given.name.endswith(".yaml") else given.name
     if given.parent == Path(".") and name in shipped:
         return shipped[name]
+    if name in shipped:  # (a path into a clone's configs/, given outside one)
+        raise ConfigError(f"config file {path} does not exist here; the shipped config of that name is --config {name}")
     raise ConfigError(
         f"config file {path} does not exist; give a YAML path or the name of a shipped config ({', '.join(shipped)})"
     )
