@@ -134,6 +134,15 @@ def test_plan_json_has_the_layouts_and_the_config_own_index(capsys: pytest.Captu
     assert (current["dp"], current["zero"], current["micro_batch"], current["accum"]) == (8, 1, 8, 4)
 
 
+def test_the_plan_says_the_model_s_size_in_a_unit_that_shows_it(capsys: pytest.CaptureFixture) -> None:
+    from megatransformer.cli import main
+    from megatransformer.commands.plan import parameters_text
+
+    assert main(["plan", "--config", "quickstart", "--gpu", "H100", "--top", "1"]) == 0
+    assert capsys.readouterr().out.startswith("plan: 1.26 M parameters, ")
+    assert parameters_text(6_738_415_616) == "6.74 B"
+
+
 def test_an_unknown_gpu_asks_for_its_memory_and_peak(capsys: pytest.CaptureFixture) -> None:
     from megatransformer.cli import main
 
