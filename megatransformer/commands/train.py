@@ -120,6 +120,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             if changed:
                 print(f"init_from={cfg.init_from}: this model differs from the checkpoint's: {', '.join(changed)}")
         code = trainer.run()
+        trainer.close()
         teardown()  # (every collective of the run is behind it)
     except (ConfigError, DataError, WriteFailed):  # found once the process group runs: end it first
         teardown()
