@@ -195,14 +195,15 @@ def test_parameter_counts_are_the_model_s(fields: dict) -> None:
 
 @pytest.mark.parametrize("fields", [{}, {"arch": "encoder_decoder", "ffn": "relu", "n_decoder_layers": 1000}])
 def test_a_deep_model_is_counted_from_one_block_per_stack(monkeypatch, fields: dict) -> None:
-    import megatransformer.model
     from megatransformer.config import ModelConfig
-    from megatransformer.flops import model_size
+    from megatransformer.flops import attention_costs, model_size
+    from megatransformer.model.transformer import Block
     from megatransformer.planner import parameter_counts
 
-    build, blocks_built = megatransformer.model.build_model, []
-    monkeypatch.setattr(megatransformer.model, "build_model", lambda m: blocks_built.append(m.n_layers) or build(m))
     one, two, deep = (ModelConfig(**(SMALL | fields | {"n_layers": n})) for n in (1, 2, 4096))
     per_block = sum(parameter_counts(two)) - sum(parameter_counts(one))
+    blocks, build = [], Block.__init__
+    monkeypatch.setattr(Block, "__init__", lambda block, *args, **kw: blocks.append(1) or build(block, *args, **kw))
     assert sum(parameter_counts(deep)) == model_size(deep).params == sum(parameter_counts(one)) + 4095 * per_block
-    assert set(blocks_built) == {1}
+    assert attention_costs(deep)[0].layers == 4096 + (deep.decoder_layers if deep.arch == "encoder_decoder" else 0)
+    assert len(blocks) <= 3 * 2  # (one per stack, for each of the three counts)
