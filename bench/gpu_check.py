@@ -141,7 +141,7 @@ def packed_attention_core(log_lines: list[str]) -> str | None:
 
 
 def training(out: Path) -> dict:
-    """The packed run must attend with a flash kernel: flash-attn's, or PyTorch's ``varlen_attn``."""
+    """The packed run must attend with a flash kernel: flash-attn 4 / 3 / 2, or PyTorch's ``varlen_attn``."""
     done = run(training_command(out))
     metrics_file = out / "run" / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
@@ -151,7 +151,7 @@ def training(out: Path) -> dict:
     last = steps[-1]
     attention = [line for line in done.stdout.splitlines() if line.startswith("attention:")]
     return {
-        "ok": packed_attention_core(attention) in ("flash", "varlen"),
+        "ok": packed_attention_core(attention) in ("fa4", "fa3", "flash", "varlen"),
         "attention": attention,
         "tokens_per_s": last["tokens_per_s"],
         "mfu": last["mfu"],
@@ -172,6 +172,7 @@ def main() -> int:
         return 2
     out = args.out or Path(tempfile.mkdtemp(prefix="gpu_check-"))
     out.mkdir(parents=True, exist_ok=True)
+    from megatransformer.model import gpu_cores
     from megatransformer.model.attention import flash_attn_module
 
     flash = flash_attn_module()
@@ -181,6 +182,7 @@ def main() -> int:
         "cuda": torch.version.cuda,
         "deepspeed": importlib.metadata.version("deepspeed"),
         "flash_attn": None if flash is None else flash.__version__,
+        "flash_registry": {core: gpu_cores.registry_impl_installed(core) for core in gpu_cores.REGISTRY_IMPLS},
         "gpu_tests": gpu_tests(),
         "step_probe": step_probe(),
         "training": training(out),

@@ -128,6 +128,8 @@ class Runner:
     torch's default implementation), e.g. a run config's betas and ``fused=True`` as the trainer uses them.
     ``cpu_bf16_matmul``: how bf16 GEMMs run on a CPU, as the trainer's ``train.cpu_bf16_matmul``.
     ``z_loss``: our head's z-loss coefficient, as the trainer's ``train.z_loss``.
+    ``grad_clip``: clip the global gradient norm (of the fp32 gradients in bf16) to this, with PyTorch's foreach
+    kernels on the device, as the trainer's ``train.grad_clip`` (None: no clipping).
     """
 
     def __init__(
@@ -140,8 +142,9 @@ class Runner:
         adamw: dict | None = None,
         cpu_bf16_matmul: str = "auto",
         z_loss: float = 0.0,
+        grad_clip: float | None = None,
     ) -> None:
-        self.name, self.mode, self.device = name, mode, device
+        self.name, self.mode, self.device, self.grad_clip = name, mode, device, grad_clip
         self.objective = {"z_loss": z_loss} if z_loss else {}
         dtype = torch.float32 if mode == "fp32" else torch.bfloat16
         self.matmuls = matmul_context(gemms_as_fp32(cpu_bf16_matmul, device, dtype, compile_))
@@ -180,10 +183,14 @@ class Runner:
             for p, m in zip(self.params, self.master):
                 m.grad.copy_(p.grad)
                 p.grad = None
+            if self.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.master, self.grad_clip, foreach=True)
             self.optimizer.step()
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
         else:
+            if self.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return loss.item()

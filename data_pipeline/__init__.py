@@ -12,6 +12,13 @@ class DataError(ValueError):
     """Bad or inconsistent data (input files, shards, manifest, tokenizer); the message says which and why."""
 
 
+def schema_error(err) -> str:
+    """``field.path: message`` of the first error of a pydantic ``ValidationError`` (of a record read from a
+    file: a manifest, a part record)."""
+    first = err.errors()[0]
+    return f"{'.'.join(map(str, first['loc'])) or 'the record'}: {first['msg']}"
+
+
 class WriteFailed(Exception):
     """Writing a run's or a dataset's files failed (a full disk, a quota, an I/O error); the message is one line:
     what failed, why, the free space there, and what is intact. Nothing half-written is left visible."""

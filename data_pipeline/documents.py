@@ -12,6 +12,11 @@ is a header and those columns are read; otherwise every line has exactly two col
 Every document has a number that does not depend on how the input is split (``--part``): its index in its
 file (for .parquet and .arrow: its row's) plus the file's index in the input (docs/data.md). The held-out
 split is decided on it.
+
+Null texts are dropped and counted, texts of other types refused; a document longer than MAX_DOCUMENT_CHARS
+is skipped and counted (a .jsonl or .tsv line past four times that many bytes is not even read whole).
+Damaged files (garbled, truncated, nested past the JSON parser's depth) stop the run in one line naming the
+file.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import codecs
 import gzip
 import io
 import json
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +52,42 @@ class Piece:
     row_groups: tuple[int, int] | None = None
 
 
+MAX_DOCUMENT_CHARS = 1 << 26  # a longer document (64 Mi characters, ~16M tokens) is skipped, with a count
+
+
 @dataclass
 class DecodeStats:
+    """What reading the input changed or left out: lines whose bad bytes were replaced, records whose text is
+    null (dropped), documents longer than MAX_DOCUMENT_CHARS (skipped; the first one's place)."""
+
     replaced_lines: int = 0
+    null_texts: int = 0
+    too_long: int = 0
+    first_too_long: str = ""
+    no_tokens: int = 0  # texts the tokenizer made no token of (counted by the shard writer)
+
+    def skip_long(self, where: str) -> None:
+        self.too_long += 1
+        self.first_too_long = self.first_too_long or where
+
+    def notes(self) -> list[str]:
+        """A line for each kind of record changed or left out, for the end of a run."""
+        lines = []
+        if self.replaced_lines:
+            lines.append(
+                f"warning: {self.replaced_lines:,} input lines were not valid UTF-8; their bad bytes were replaced "
+                "(--on-decode-error fail stops at the first one instead)"
+            )
+        if self.too_long:
+            lines.append(
+                f"warning: {self.too_long:,} documents longer than {MAX_DOCUMENT_CHARS:,} characters were skipped "
+                f"(the first: {self.first_too_long}); split them into documents of their own to keep them"
+            )
+        if self.null_texts:
+            lines.append(f"note: {self.null_texts:,} records whose text is null were dropped")
+        if self.no_tokens:
+            lines.append(f"note: {self.no_tokens:,} texts of no token (all normalized away) were dropped")
+        return lines
 
 
 def _open_binary(path: Path) -> IO[bytes]:
@@ -61,21 +100,41 @@ def _open_binary(path: Path) -> IO[bytes]:
     return open(path, "rb")
 
 
-def _lines(path: Path, on_decode_error: str, stats: DecodeStats) -> Iterator[tuple[int, str]]:
+def _lines(path: Path, on_decode_error: str, stats: DecodeStats) -> Iterator[tuple[int, str | None]]:
+    """(number, text) of the file's lines; None for a line longer than 4 x MAX_DOCUMENT_CHARS bytes (read no
+    further than that, counted as a document too long)."""
+    import zstandard
+
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    with _open_binary(path) as raw:
-        for number, line in enumerate(io.BufferedReader(raw), start=1):
-            try:
-                yield number, decoder.decode(line)
-            except UnicodeDecodeError as err:
-                if on_decode_error == "fail":
-                    raise DataError(
-                        f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start}); "
-                        "fix the file or pass --on-decode-error replace"
-                    ) from None
-                decoder.reset()
-                stats.replaced_lines += 1
-                yield number, line.decode("utf-8", errors="replace")
+    limit = 4 * MAX_DOCUMENT_CHARS
+    number = 0
+    try:
+        with _open_binary(path) as raw:
+            reader = io.BufferedReader(raw)
+            while line := reader.readline(limit + 1):
+                number += 1
+                if len(line) > limit and not line.endswith(b"\n"):
+                    while (rest := reader.readline(1 << 20)) and not rest.endswith(b"\n"):
+                        pass
+                    stats.skip_long(f"{path}:{number}")
+                    yield number, None
+                    continue
+                try:
+                    yield number, decoder.decode(line)
+                except UnicodeDecodeError as err:
+                    if on_decode_error == "fail":
+                        raise DataError(
+                            f"{path}:{number}: not UTF-8 ({err.reason} at byte {err.start}); "
+                            "fix the file or pass --on-decode-error replace"
+                        ) from None
+                    decoder.reset()
+                    stats.replaced_lines += 1
+                    yield number, line.decode("utf-8", errors="replace")
+    except (EOFError, OSError, zlib.error, zstandard.ZstdError) as err:
+        damaged = f"a truncated or damaged {path.suffix} file, " if path.suffix in (".gz", ".zst") else ""
+        raise DataError(
+            f"{path}: unreadable after line {number} ({damaged}{type(err).__name__}: {err}); fix or re-download it"
+        ) from None
 
 
 COLUMNAR = (".parquet", ".arrow")  # read by pyarrow; never .gz / .zst (compressed inside)
@@ -140,12 +199,21 @@ def files_not_read(names: list[str]) -> list[str]:
 
 
 def _saved_dataset_files(directory: Path) -> list[str]:
-    """The .arrow files of a ``datasets.Dataset.save_to_disk`` directory, in the dataset's row order."""
+    """The .arrow files of a ``datasets.Dataset.save_to_disk`` directory, in the dataset's row order: files of
+    the directory itself, never a path or a link out of it."""
     state = directory / "state.json"
     try:
         names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
     except (ValueError, KeyError, TypeError) as err:
         raise DataError(f"{state} is not a datasets state file ({type(err).__name__}: {err})") from None
+    root = directory.resolve()
+    for name in names:
+        inside = isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
+        if not inside or (directory / name).resolve().parent != root:
+            raise DataError(
+                f"{state} names {name!r}, which is not a file inside {directory} (a path or a link out of it); "
+                "give the directory `Dataset.save_to_disk` wrote"
+            )
     return [str(directory / name) for name in names]
 
 
@@ -168,7 +236,7 @@ def read_documents(
         kind = _kind(path)
         if kind in ("parquet", "arrow"):
             batches = _record_batches(path, kind, [text_field, prompt_field], piece.row_groups)
-            docs = _table_documents(path, batches, text_field, prompt_field)
+            docs = _table_documents(path, batches, text_field, prompt_field, stats)
         else:
             docs = enumerate(_text_documents(path, kind, text_field, doc_per, on_decode_error, stats, prompt_field))
         for number, doc in docs:
@@ -188,22 +256,20 @@ def _text_documents(
     lines = _lines(path, on_decode_error, stats)
     if prompt_field is not None:
         if kind == "tsv":
-            yield from _tsv_examples(path, lines, prompt_field, text_field)
+            yield from _tsv_examples(path, lines, prompt_field, text_field, stats)
             return
         if kind != "jsonl":
             raise DataError(
                 f"{path}: prompt/completion (source/target) examples are read from .jsonl, .tsv, .parquet and "
                 ".arrow files only"
             )
-        yield from _instruction_examples(path, lines, prompt_field, text_field)
+        yield from _instruction_examples(path, lines, prompt_field, text_field, stats)
     elif kind == "jsonl":
-        yield from _jsonl_documents(path, lines, text_field)
+        yield from _jsonl_documents(path, lines, text_field, stats)
     elif doc_per == "file":
-        text = "".join(line for _, line in lines).strip()
-        if text:
-            yield Document(text, str(path), 1)
+        yield from _file_document(path, lines, stats)
     else:
-        yield from _block_documents(path, lines)
+        yield from _block_documents(path, lines, stats)
 
 
 BATCH_ROWS = 1024  # rows per record batch read from .parquet / .arrow files
@@ -225,6 +291,7 @@ def _record_batches(path: Path, kind: str, fields: list[str | None], row_groups:
             first, stop = row_groups or (0, parquet.num_row_groups)
             row = sum(parquet.metadata.row_group(i).num_rows for i in range(first))
             for batch in parquet.iter_batches(BATCH_ROWS, row_groups=list(range(first, stop)), columns=columns):
+                batch.validate(full=True)
                 yield row, batch
                 row += len(batch)
             return
@@ -240,10 +307,13 @@ def _record_batches(path: Path, kind: str, fields: list[str | None], row_groups:
             batches = reader
         row = 0
         for batch in batches:
-            yield row, batch.select(columns)
+            batch = batch.select(columns)
+            batch.validate(full=True)  # (an IPC file's offsets and UTF-8 are trusted until validated)
+            yield row, batch
             row += len(batch)
     except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{path}: not a readable .{kind} file ({type(err).__name__}: {err})") from None
+        at = f"; at row {row + 1}" if "row" in locals() else ""
+        raise DataError(f"{path}: not a readable .{kind} file ({type(err).__name__}: {err}{at})") from None
 
 
 def _check_columns(path: Path, schema, columns: list[str]) -> None:
@@ -256,74 +326,123 @@ def _check_columns(path: Path, schema, columns: list[str]) -> None:
                 "(or --prompt-field / --completion-field)"
             )
         column = schema.field(name).type
-        if not (pa.types.is_string(column) or pa.types.is_large_string(column) or pa.types.is_string_view(column)):
+        values = column.value_type if pa.types.is_dictionary(column) else column  # (dictionary-encoded strings)
+        if not (pa.types.is_string(values) or pa.types.is_large_string(values) or pa.types.is_string_view(values)):
             raise DataError(f"{path}: column {name!r} holds {column}, not text; choose a text column")
 
 
-def _table_documents(path: Path, batches, text_field: str, prompt_field: str | None) -> Iterator[tuple[int, Document]]:
+def _table_documents(
+    path: Path, batches, text_field: str, prompt_field: str | None, stats: DecodeStats
+) -> Iterator[tuple[int, Document]]:
     """(row index, document) of the rows with text."""
     for first, batch in batches:
         texts = batch.column(text_field).to_pylist()
         prompts = batch.column(prompt_field).to_pylist() if prompt_field is not None else [None] * len(texts)
         for row, (text, prompt) in enumerate(zip(texts, prompts), start=first):
-            if prompt_field is None:
-                text = (text or "").strip()
+            if text is None and (prompt_field is None or prompt is None):
+                stats.null_texts += 1
+            elif len(text or "") + len(prompt or "") > MAX_DOCUMENT_CHARS:
+                stats.skip_long(f"{path} row {row + 1}")
+            elif prompt_field is None:
+                text = text.strip()
                 if text:
                     yield row, Document(text, str(path), row + 1)
             elif text or prompt:
                 yield row, Document(text or "", str(path), row + 1, prompt=prompt or "")
 
 
-def _block_documents(path: Path, lines) -> Iterator[Document]:
+def _file_document(path: Path, lines, stats: DecodeStats) -> Iterator[Document]:
+    text, chars = [], 0
+    for _, line in lines:
+        if line is None or chars + len(line) > MAX_DOCUMENT_CHARS:
+            stats.skip_long(str(path))
+            return
+        text.append(line)
+        chars += len(line)
+    if joined := "".join(text).strip():
+        yield Document(joined, str(path), 1)
+
+
+def _block_documents(path: Path, lines, stats: DecodeStats) -> Iterator[Document]:
     block: list[str] = []
-    start = 1
+    start, chars, too_long = 1, 0, False  # too_long: the block is skipped
     for number, line in lines:
-        if line.strip():
-            if not block:
+        if line is None or line.strip():
+            if not block and not too_long:
                 start = number
-            block.append(line.rstrip("\n"))
-        elif block:
-            yield Document("\n".join(block), str(path), start)
-            block = []
+            if line is None or chars + len(line) > MAX_DOCUMENT_CHARS:
+                if not too_long:
+                    stats.skip_long(f"{path}:{start}")
+                block, chars, too_long = [], 0, True
+            else:
+                block.append(line.rstrip("\n"))
+                chars += len(line)
+        elif block or too_long:
+            if block:
+                yield Document("\n".join(block), str(path), start)
+            block, chars, too_long = [], 0, False
     if block:
         yield Document("\n".join(block), str(path), start)
 
 
 def _records(path: Path, lines) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) of the lines that are not blank (nor too long: counted where read)."""
     for number, line in lines:
-        if not line.strip():
+        if line is None or not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+        except RecursionError:
+            raise DataError(f"{path}:{number}: JSON nested too deeply to read; fix the record") from None
+        except ValueError as err:
+            reason = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
+            raise DataError(f"{path}:{number}: invalid JSON ({reason})") from None
         if not isinstance(record, dict):
             raise DataError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
         yield number, record
 
 
-def _jsonl_documents(path: Path, lines, text_field: str) -> Iterator[Document]:
+def _jsonl_documents(path: Path, lines, text_field: str, stats: DecodeStats) -> Iterator[Document]:
     for number, record in _records(path, lines):
         if text_field not in record:
             raise DataError(f"{path}:{number}: no {text_field!r} field; choose one with --text-field")
-        text = str(record[text_field]).strip()
-        if text:
+        text = record[text_field]
+        if text is None:
+            stats.null_texts += 1
+            continue
+        if not isinstance(text, str):
+            raise DataError(
+                f"{path}:{number}: the field {text_field!r} holds a {type(text).__name__}, not a string; fix the "
+                "record or choose another field with --text-field"
+            )
+        if len(text) > MAX_DOCUMENT_CHARS:
+            stats.skip_long(f"{path}:{number}")
+        elif text := text.strip():
             yield Document(text, str(path), number)
 
 
-def _instruction_examples(path: Path, lines, prompt_field: str, completion_field: str) -> Iterator[Document]:
+def _instruction_examples(
+    path: Path, lines, prompt_field: str, completion_field: str, stats: DecodeStats
+) -> Iterator[Document]:
     for number, record in _records(path, lines):
         for name, option in ((prompt_field, "--prompt-field"), (completion_field, "--completion-field")):
             if not isinstance(record.get(name), str):
                 raise DataError(f"{path}:{number}: no string field {name!r}; choose the field with {option}")
-        if record[prompt_field] or record[completion_field]:
+        if len(record[prompt_field]) + len(record[completion_field]) > MAX_DOCUMENT_CHARS:
+            stats.skip_long(f"{path}:{number}")
+        elif record[prompt_field] or record[completion_field]:
             yield Document(record[completion_field], str(path), number, prompt=record[prompt_field])
 
 
-def _tsv_examples(path: Path, lines, source_field: str, target_field: str) -> Iterator[Document]:
+def _tsv_examples(path: Path, lines, source_field: str, target_field: str, stats: DecodeStats) -> Iterator[Document]:
     """Pairs from a .tsv file (see the module docstring for the header rule)."""
     columns, width = (0, 1), 2
     for number, line in lines:
+        if line is None:
+            continue
+        if len(line) > MAX_DOCUMENT_CHARS:
+            stats.skip_long(f"{path}:{number}")
+            continue
         cells = line.rstrip("\r\n").split("\t")
         if number == 1 and source_field in cells and target_field in cells:
             columns, width = (cells.index(source_field), cells.index(target_field)), len(cells)

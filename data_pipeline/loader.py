@@ -15,7 +15,7 @@ import os
 import tarfile
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -28,7 +28,7 @@ from data_pipeline import DataError
 from data_pipeline.objectives import Objective, Window, build_objective
 from data_pipeline.remote import Retry, ShardStream, check_location, is_remote, join
 from data_pipeline.settings import Dataset, Datasets, DataSettings, ObjectiveArgs
-from data_pipeline.shard import INSTRUCTIONS, Block, Manifest, ShardInfo
+from data_pipeline.shard import INSTRUCTIONS, Block, Expected, Manifest, ShardInfo
 from data_pipeline.tokenizer import TokenizerInfo
 
 SPLIT_SALT = {"train": 0, "valid": 1}
@@ -74,6 +74,28 @@ class ShardSet:
     def location(self, info: ShardInfo) -> str:
         return join(self.directory, info.file)
 
+    def check_contained(self) -> None:
+        """A local dataset's shards are its own files: neither a shard nor a (part) folder holding shards may be a
+        link out of the directory (a manifest names only its own shards)."""
+        root = Path(self.directory).resolve()
+        links: dict[str, set[str]] = {}  # folder -> the names of its links
+        for info in self.shards:
+            folder, _, name = info.file.rpartition("/")
+            if folder not in links:
+                real = Path(self.directory, folder).resolve()
+                if real != root / folder:
+                    raise DataError(
+                        f"{self.directory}: its folder {folder} is a link to {real}; a dataset's shards are its own "
+                        "files (copy them in, or re-shard)"
+                    )
+                links[folder] = {e.name for e in os.scandir(real) if e.is_symlink()} if real.is_dir() else set()
+            if name in links[folder]:
+                target = Path(self.directory, info.file).resolve()
+                raise DataError(
+                    f"{self.directory}: its shard {info.file} is a link to {target}; a dataset's shards are its own "
+                    "files (copy them in, or re-shard)"
+                )
+
     def missing(self) -> list[str]:
         """The listed shards that are not in the (local) directory (or its part directories): a listing per
         directory, not a stat per shard."""
@@ -106,7 +128,10 @@ def resolve_datasets(datasets: Datasets, split: str, retry: Retry, fallback: Dat
         if not shards:
             hint = "; set data.valid or re-shard with --valid-every N" if split == "valid" else ""
             raise DataError(f"{entry.path} has no {split} shards (its manifest lists {sorted(manifest.splits)}){hint}")
-        shard_sets.append(ShardSet(str(entry.path), split, shards, entry.weight, manifest))
+        shard_set = ShardSet(str(entry.path), split, shards, entry.weight, manifest)
+        if not shard_set.remote:
+            shard_set.check_contained()
+        shard_sets.append(shard_set)
     return shard_sets
 
 
@@ -194,7 +219,7 @@ class Share:
     stop: int
 
 
-_VERIFIED: set[tuple[str, int, int, str]] = set()  # (path, size, mtime, sha256) checked in this process
+_VERIFIED: set[tuple] = set()  # (path, size, mtime, its manifest's sha256 and counts) checked in this process
 
 
 @dataclass
@@ -218,14 +243,14 @@ class ShardOpener:
             if shard_set.remote:
                 stream = ShardStream(where, info.sha256, self.retry)
                 try:
-                    yield from _tar_blocks(stream, info, share, where)
+                    yield from _tar_blocks(stream, shard_set.manifest, info, share)
                     stream.verify_rest()
                 finally:
                     stream.close()
             else:
-                verify_shard(Path(where), info)
+                verify_shard(Path(where), shard_set.manifest, info)
                 with open(where, "rb") as f:
-                    yield from _tar_blocks(f, info, share, where)
+                    yield from _tar_blocks(f, shard_set.manifest, info, share)
         except (OSError, DataError, tarfile.TarError) as err:
             message = (
                 f"missing shard {where} (listed in the manifest)"
@@ -238,10 +263,12 @@ class ShardOpener:
             self.skipped.append(where)
 
 
-def verify_shard(path: Path, info: ShardInfo) -> None:
-    """Size-and-checksum check against the manifest (once per file version and process)."""
+def verify_shard(path: Path, manifest: Manifest, info: ShardInfo) -> None:
+    """Size-and-checksum check against the manifest, then its samples, documents and tokens counted (from the
+    offsets alone, the ids passed over) against the manifest's: before any of its documents is served (once
+    per file version and process)."""
     stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime_ns, info.sha256)
+    key = (str(path), stat.st_size, stat.st_mtime_ns, info.sha256, info.samples, info.documents, info.tokens)
     if key in _VERIFIED:
         return
     digest = hashlib.sha256()
@@ -250,36 +277,75 @@ def verify_shard(path: Path, info: ShardInfo) -> None:
             digest.update(block)
     if digest.hexdigest() != info.sha256:
         raise DataError("its sha256 differs from the manifest's (truncated or modified after writing)")
+    with tarfile.open(path, mode="r:") as tar:  # (random access: the members not read are seeked over)
+        _check_counts_of(_counts(tar, manifest, info), info)
     _VERIFIED.add(key)
 
 
-def _tar_blocks(fileobj: BinaryIO, info: ShardInfo, share: Share, where: str) -> Iterator[tuple[int, Block]]:
-    """(index of its first document, block) of the samples of a shard that hold documents [share.first,
-    share.stop), read as a stream; the samples after the share are left unread (remote: the caller checks
-    the sha256)."""
-    samples = documents = 0
-    with tarfile.open(fileobj=fileobj, mode="r|") as tar:
-        for sample in _tar_samples(tar):
-            if documents < share.first:  # before the share: only counted (compressed ids stay compressed)
-                count = Block.documents_in(sample)
-                if documents + count <= share.first:
-                    samples, documents = samples + 1, documents + count
-                    continue
-            block = Block.from_sample(sample)
-            yield documents, block
-            samples, documents = samples + 1, documents + len(block)
-            if documents >= share.stop and share.stop < info.documents:
-                return
-    if (samples, documents) != (info.samples, info.documents):
+def _counts(tar: tarfile.TarFile, manifest: Manifest, info: ShardInfo) -> tuple[int, int, int]:
+    """(samples, documents, tokens) of a shard, its ids left unread (format 2)."""
+    samples = documents = tokens = 0
+    wanted = ("offsets.npy", "offsets.npy.zst") if manifest.version > 1 else ("ids.npy",)
+    for sample in _tar_samples(tar, lambda: _expected(manifest, info, tokens, documents), wanted):
+        n, t = Block.counts(sample, _expected(manifest, info, tokens, documents))
+        samples, documents, tokens = samples + 1, documents + n, tokens + t
+        _check_counts_of((samples, documents, tokens), info, partial=True)
+    return samples, documents, tokens
+
+
+def _expected(manifest: Manifest, info: ShardInfo, tokens: int, documents: int) -> Expected:
+    """What the rest of a shard may hold once ``tokens`` of its tokens and ``documents`` of its documents are
+    read."""
+    rest_tokens, rest_documents = max(info.tokens - tokens, 0), max(info.documents - documents, 0)
+    return Expected(rest_tokens, rest_documents, manifest.dtype, manifest.vocab_size, manifest.kind)
+
+
+def _check_counts_of(counted: tuple[int, int, int], info: ShardInfo, partial: bool = False) -> None:
+    """DataError if the (samples, documents, tokens) read of a shard are not (``partial``: exceed) its
+    manifest's."""
+    listed = (info.samples, info.documents, info.tokens)
+    if any(c > n for c, n in zip(counted, listed)) or (not partial and counted != listed):
+        samples, documents, tokens = counted
+        so_far = "at least " if partial else ""
         raise DataError(
-            f"shard {where} holds {samples} samples of {documents} documents, its manifest says "
-            f"{info.samples} of {info.documents}"
+            f"it holds {so_far}{samples} samples of {documents} documents ({tokens:,} tokens), its "
+            f"manifest says {info.samples} of {info.documents} ({info.tokens:,} tokens); re-create the directory "
+            "with `megatransformer data shard`"
         )
 
 
-def _tar_samples(tar: tarfile.TarFile) -> Iterator[dict[str, bytes]]:
+SAMPLE_MEMBERS = tuple(f"{name}{zst}" for name in Block.MEMBERS for zst in ("", ".zst"))
+
+
+def _tar_blocks(fileobj: BinaryIO, manifest: Manifest, info: ShardInfo, share: Share) -> Iterator[tuple[int, Block]]:
+    """(index of its first document, block) of the samples of a shard that hold documents [share.first,
+    share.stop), read as a stream and checked against the manifest as they are; the samples after the share
+    are left unread (remote: the caller checks the sha256)."""
+    samples = documents = tokens = 0
+    with tarfile.open(fileobj=fileobj, mode="r|") as tar:
+        for sample in _tar_samples(tar, lambda: _expected(manifest, info, tokens, documents)):
+            expected = _expected(manifest, info, tokens, documents)
+            if documents < share.first:  # before the share: only counted (compressed ids stay compressed)
+                count, in_ids = Block.counts(sample, expected)
+                if documents + count <= share.first:
+                    samples, documents, tokens = samples + 1, documents + count, tokens + in_ids
+                    _check_counts_of((samples, documents, tokens), info, partial=True)
+                    continue
+            block = Block.from_sample(sample, expected)
+            samples, documents, tokens = samples + 1, documents + len(block), tokens + len(block.ids)
+            _check_counts_of((samples, documents, tokens), info, partial=True)
+            yield documents - len(block), block
+            if documents >= share.stop and share.stop < info.documents:
+                return
+    _check_counts_of((samples, documents, tokens), info)
+
+
+def _tar_samples(
+    tar: tarfile.TarFile, expected: Callable[[], Expected], wanted: tuple[str, ...] = SAMPLE_MEMBERS
+) -> Iterator[dict[str, bytes]]:
     """The samples of a tar written by ShardWriter (a sample's files are consecutive members ``<key>.<ext>``)
-    as {ext: bytes}."""
+    as {ext: bytes}: the members ``wanted`` (others are passed over), each read only if its size is within
+    what ``expected()`` (the rest of the shard) allows it."""
     key, sample = None, {}
     for member in tar:
         name, _, ext = member.name.rpartition("/")[2].partition(".")
@@ -287,7 +353,10 @@ def _tar_samples(tar: tarfile.TarFile) -> Iterator[dict[str, bytes]]:
             yield sample
             sample = {}
         key = name
-        if member.isfile():
+        if member.isfile() and ext in wanted:
+            limit = expected().member_bytes(ext.removesuffix(".zst"))
+            if member.size > limit + (limit >> 7) + 1024:  # (zstd adds a little to what it cannot compress)
+                raise DataError(f"a sample's {ext} holds {member.size:,} bytes, more than its shard's rest holds")
             sample[ext] = tar.extractfile(member).read()
     if key is not None:
         yield sample

@@ -10,13 +10,36 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from data_pipeline import DataError
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError, field_validator
+
+from data_pipeline import DataError, schema_error
 from data_pipeline.parts import PART_RECORD, part_name
 from data_pipeline.shard import MANIFEST, Manifest
 
 SUMMED = ("documents", "replaced_lines")  # manifest fields that count; the others describe the whole dataset
 AGREED = ("inputs", "settings")  # part record fields every part must share
+
+
+class PartRecord(BaseModel):
+    """A finished part's ``part.json`` (written by ``data_pipeline.parts.save_part``); its manifest is checked
+    as the merged one."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    part: tuple[PositiveInt, PositiveInt]
+    inputs: dict[str, Any]
+    settings: dict[str, Any]
+    shard_bytes: dict[str, NonNegativeInt]
+    manifest: dict[str, Any]
+
+    @field_validator("part")
+    @classmethod
+    def _k_of_n(cls, part: tuple[int, int]) -> tuple[int, int]:
+        if part[0] > part[1]:
+            raise ValueError(f"part {part[0]} of {part[1]}: K > N")
+        return part
 
 
 def merge_parts(directory: str | Path, overwrite: bool = False) -> Manifest:
@@ -45,11 +68,20 @@ def _finished_parts(directory: Path) -> list[tuple[Path, dict]]:
     """The part directories with their records, in part order, after checking that they are all there."""
     found: dict[tuple[int, int], tuple[Path, dict]] = {}
     for path in sorted(p for p in directory.glob("part-*") if p.is_dir()):
+        if path.is_symlink():
+            raise DataError(
+                f"{path} is a link (to {path.resolve()}); a part's shards live in its own directory: move them there"
+            )
         record = _load_record(path)
         part = tuple(record["part"])
         if part in found:
             raise DataError(
                 f"{found[part][0]} and {path} are both part {part[0]}/{part[1]}; remove the one that is not wanted"
+            )
+        if path.name != part_name(part):
+            raise DataError(
+                f"{path} holds the record of part {part[0]}/{part[1]}; move the directory back to "
+                f"{directory / part_name(part)}, or re-run that part with --overwrite"
             )
         found[part] = (path, record)
     if not found:
@@ -79,16 +111,20 @@ def _load_record(path: Path) -> dict:
             "`data shard --part` again with --overwrite, or move the directory away, and merge again"
         )
     try:
-        record = json.loads(file.read_bytes())
-        k, n = (int(x) for x in record["part"])
+        record = PartRecord.model_validate_json(file.read_bytes()).model_dump()
+        k, n = record["part"]
         listed = [s["file"] for split in record["manifest"]["splits"].values() for s in split]
-        sizes = dict(record["shard_bytes"])
+    except ValidationError as err:
+        raise DataError(f"{file} is not a valid part record ({schema_error(err)}); re-run that part") from None
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise DataError(f"{file} is not a valid part record ({type(err).__name__}: {err}); re-run that part") from None
-    if sorted(listed) != sorted(sizes) or any(Path(name).name != name for name in listed):
+    sizes = record["shard_bytes"]
+    if sorted(listed) != sorted(sizes) or any(not isinstance(name, str) or Path(name).name != name for name in listed):
         raise DataError(f"{file} does not list its shards as the files of its directory; re-run part {k}/{n}")
     for name, size in sizes.items():
         shard = path / name
+        if shard.is_symlink():
+            raise DataError(f"{shard} is a link (to {shard.resolve()}); the part is damaged: re-run part {k}/{n}")
         actual = shard.stat().st_size if shard.is_file() else None
         if actual != size:
             state = "is missing" if actual is None else f"has {actual:,} bytes, its part record says {size:,}"

@@ -1,6 +1,6 @@
 """Tokenizing one input as N parts (``data shard --part K/N``, e.g. a Slurm array): which pieces of the input
-a part reads, and the record a finished part leaves; ``data_pipeline.merge`` joins the parts into one dataset
-(docs/data.md).
+a part reads (shared out by the files' text, not their compressed bytes), and the record a finished part
+leaves; ``data_pipeline.merge`` joins the parts into one dataset (docs/data.md).
 
 Layout, under the dataset directory ``--out``::
 
@@ -35,24 +35,24 @@ def part_name(part: tuple[int, int]) -> str:
 
 
 def part_pieces(files: list[str], part: tuple[int, int]) -> list[Piece]:
-    """Part K of N (from 1) of the input: the K-th of N equal byte ranges of the files laid end to end. A file
-    belongs to the part its first byte falls in, except a .parquet file that spans parts: its row groups are
-    shared out by where each starts. Only such files' footers are read. A part may be empty."""
+    """Part K of N (from 1) of the input: the K-th of N equal ranges of the files' text (``text_sizes``) laid end
+    to end. A file belongs to the part its first byte falls in, except a .parquet file that spans parts: its row
+    groups are shared out by where each starts. A part may be empty."""
     k, n = part
-    sizes = [Path(name).stat().st_size for name in files]
-    total = sum(sizes)
+    sizes = text_sizes(files)
+    total = sum(size for size, _ in sizes)
 
     def owner(position: int) -> int:
         return min(n, position * n // total + 1) if total else 1
 
     pieces, start = [], 0
-    for index, (name, size) in enumerate(zip(files, sizes)):
+    for index, (name, (size, row_groups)) in enumerate(zip(files, sizes)):
         first, last = owner(start), owner(start + max(size, 1) - 1)
-        if first == last or not name.endswith(".parquet"):
+        if first == last or row_groups is None:
             if first == k:
                 pieces.append(Piece(name, index))
         elif first <= k <= last:
-            owners = [owner(start + offset) for offset in _row_group_offsets(name)]
+            owners = [owner(start + offset) for offset in row_groups]
             mine = [i for i, o in enumerate(owners) if o == k]
             if mine:
                 pieces.append(Piece(name, index, (mine[0], mine[-1] + 1)))
@@ -60,8 +60,44 @@ def part_pieces(files: list[str], part: tuple[int, int]) -> list[Piece]:
     return pieces
 
 
-def _row_group_offsets(name: str) -> list[int]:
-    """Where each row group of a .parquet file starts, in bytes from the file's start."""
+ZSTD_RATIO = 4  # text bytes per byte of a .zst file whose frame does not say its size (zstd's usual on text)
+
+
+def text_sizes(files: list[str]) -> list[tuple[int, list[int] | None]]:
+    """About how many bytes of text each file holds, so that parts share out the work, not the compressed bytes
+    (a .gz file of repetitive text holds 20x its size): a .gz file's size as its trailer says it (modulo 4 GiB:
+    the smallest such size above the file's), a .zst file's as its first frame says it (else ZSTD_RATIO x its
+    size), a .parquet file's as its row groups' uncompressed sizes (with where each starts in them), any other
+    file's size on disk."""
+    return [_text_size(name) for name in files]
+
+
+def _text_size(name: str) -> tuple[int, list[int] | None]:
+    size = Path(name).stat().st_size
+    if name.endswith(".parquet"):
+        return _row_group_starts(name)
+    if name.endswith(".gz") and size >= 18:
+        with open(name, "rb") as f:
+            f.seek(-4, 2)
+            text = int.from_bytes(f.read(4), "little")
+        while text < size:
+            text += 1 << 32
+        return text, None
+    if name.endswith(".zst"):
+        import zstandard
+
+        with open(name, "rb") as f:
+            head = f.read(18)
+        try:
+            text = zstandard.frame_content_size(head)
+        except zstandard.ZstdError:
+            text = -1
+        return (text if text >= 0 else ZSTD_RATIO * size), None
+    return size, None
+
+
+def _row_group_starts(name: str) -> tuple[int, list[int]]:
+    """A .parquet file's uncompressed size and where each row group starts in it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -69,16 +105,19 @@ def _row_group_offsets(name: str) -> list[int]:
         metadata = pq.ParquetFile(name).metadata
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{name}: not a readable .parquet file ({type(err).__name__}: {err})") from None
-    offsets = []
+    starts, position = [], 0
     for i in range(metadata.num_row_groups):
-        column = metadata.row_group(i).column(0)
-        offsets.append(column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset)
-    return offsets
+        starts.append(position)
+        position += metadata.row_group(i).total_byte_size
+    return position, starts
 
 
 def input_fingerprint(files: list[str]) -> dict:
-    """What every part must agree on about the whole input: its files' names and sizes."""
-    listing = "".join(f"{name}\t{Path(name).stat().st_size}\n" for name in files)
+    """What every part must agree on about the whole input: its files' names, sizes and sizes of text (parts
+    that shared the input out by other sizes do not merge)."""
+    listing = "".join(
+        f"{name}\t{Path(name).stat().st_size}\t{text}\n" for name, (text, _) in zip(files, text_sizes(files))
+    )
     return {"files": len(files), "sha256": hashlib.sha256(listing.encode()).hexdigest()}
 
 

@@ -33,14 +33,17 @@ import os
 import sys
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from operator import attrgetter
 from pathlib import Path
+from typing import Annotated, ClassVar, Literal
 
 import numpy as np
 import zstandard
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass as validated_dataclass
 
-from data_pipeline import STORAGE_ERRNOS, DataError, write_failed
+from data_pipeline import STORAGE_ERRNOS, DataError, schema_error, write_failed
 from data_pipeline.documents import DecodeStats, Document, Piece, read_documents
 from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_pieces, save_part
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
@@ -55,32 +58,37 @@ COMPRESSIONS = ("zstd",)  # Manifest.compression, besides None: each member of a
 ZSTD_LEVEL = 3  # most of level 19's saving at ~100x its speed (BENCHMARKS.md 5t)
 
 
-@dataclass
+RECORD = ConfigDict(extra="forbid", strict=True)
+"""Manifests are validated by type, field by field: unknown fields and values of another type are errors."""
+Count = Annotated[int, Field(ge=0)]
+
+
+@validated_dataclass(config=RECORD)
 class ShardInfo:
     file: str
-    samples: int  # tar samples: blocks of documents (format 1: one per document)
-    tokens: int
-    sha256: str
-    documents: int | None = None  # (None in format-1 manifests: as many as samples)
-    bytes: int | None = None  # the file's size (None in format-1 manifests)
+    samples: Count  # tar samples: blocks of documents (format 1: one per document)
+    tokens: Count
+    sha256: Annotated[str, Field(pattern="^[0-9a-f]{64}$")]
+    documents: Count | None = None  # (None in format-1 manifests: as many as samples)
+    bytes: Count | None = None  # the file's size (None in format-1 manifests)
 
     def __post_init__(self) -> None:
         if self.documents is None:
             self.documents = self.samples
 
 
-@dataclass
+@validated_dataclass(config=RECORD)
 class Manifest:
     tokenizer_sha256: str
-    vocab_size: int
-    dtype: str
-    eos_id: int | None
-    splits: dict[str, list[ShardInfo]] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
-    documents: int = 0
-    replaced_lines: int = 0  # input lines whose undecodable bytes were replaced
-    kind: str = TEXT  # TEXT documents or INSTRUCTIONS (prompt, completion) examples
-    compression: str | None = None  # one of COMPRESSIONS, or None: the samples' members as they are
+    vocab_size: Annotated[int, Field(gt=0)]
+    dtype: Literal["uint16", "uint32"]
+    eos_id: Count | None
+    splits: dict[str, list[ShardInfo]] = Field(default_factory=dict)
+    version: Literal[READABLE_VERSIONS] = FORMAT_VERSION
+    documents: Count = 0
+    replaced_lines: Count = 0  # input lines whose undecodable bytes were replaced
+    kind: Literal[TEXT, INSTRUCTIONS] = TEXT  # text documents or (prompt, completion) examples
+    compression: Literal[COMPRESSIONS] | None = None  # None: the samples' members as they are
 
     def save(self, directory: Path) -> None:
         tmp = directory / f".{MANIFEST}.tmp"
@@ -115,34 +123,35 @@ class Manifest:
             if not path.is_file():
                 raise missing
             data = path.read_bytes()
+        invalid = f"{path} is not a valid shard manifest"
+        redo = "re-create the directory with `megatransformer data shard`"
         try:
             raw = json.loads(data)  # (bytes that are not UTF-8 raise UnicodeDecodeError, a ValueError)
-            if raw.get("version") not in READABLE_VERSIONS:
-                raise DataError(
-                    f"{path} has format version {raw.get('version')}, this code reads versions "
-                    f"{', '.join(map(str, READABLE_VERSIONS))}; re-create it with `megatransformer data shard`"
-                )
-            if raw.get("compression") not in (None, *COMPRESSIONS):
-                raise DataError(
-                    f"{path} lists shards compressed with {raw.get('compression')!r}, this code reads "
-                    f"{', '.join(COMPRESSIONS)} or uncompressed ones; re-create it with `megatransformer data shard`"
-                )
-            splits = {name: [ShardInfo(**s) for s in shards] for name, shards in raw.pop("splits").items()}
-            for info in (info for shards in splits.values() for info in shards):
-                if not _is_inside(info.file):
-                    raise DataError(
-                        f"{path} lists shard {info.file!r}, which is not a path inside the shard directory "
-                        "(refused: a manifest names only its own shards); re-create the directory with "
-                        "`megatransformer data shard`"
-                    )
-            return cls(splits=splits, **raw)
-        except (ValueError, TypeError, KeyError, AttributeError) as err:
-            if isinstance(err, DataError):
-                raise
+        except ValueError as err:
+            raise DataError(f"{invalid} ({type(err).__name__}: {err}); {redo}") from None
+        if not isinstance(raw, dict):
+            raise DataError(f"{invalid} (a JSON {type(raw).__name__}, not an object); {redo}")
+        if raw.get("version") not in READABLE_VERSIONS:
             raise DataError(
-                f"{path} is not a valid shard manifest ({type(err).__name__}: {err}); "
-                "re-create the directory with `megatransformer data shard`"
-            ) from None
+                f"{path} has format version {raw.get('version')}, this code reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; re-create it with `megatransformer data shard`"
+            )
+        if raw.get("compression") not in (None, *COMPRESSIONS):
+            raise DataError(
+                f"{path} lists shards compressed with {raw.get('compression')!r}, this code reads "
+                f"{', '.join(COMPRESSIONS)} or uncompressed ones; re-create it with `megatransformer data shard`"
+            )
+        try:
+            manifest = _MANIFEST.validate_json(data)
+        except ValidationError as err:
+            raise DataError(f"{invalid} ({schema_error(err)}); {redo}") from None
+        for info in (info for shards in manifest.splits.values() for info in shards):
+            if not _is_inside(info.file):
+                raise DataError(
+                    f"{path} lists shard {info.file!r}, which is not a path inside the shard directory "
+                    f"(refused: a manifest names only its own shards); {redo}"
+                )
+        return manifest
 
     def tokens(self, split: str) -> int:
         return sum(s.tokens for s in self.splits.get(split, []))
@@ -153,6 +162,9 @@ class Manifest:
         if any(s.bytes is None for s in shards):
             return None
         return sum(s.bytes for s in shards) / max(1, sum(s.tokens for s in shards))
+
+
+_MANIFEST = TypeAdapter(Manifest)
 
 
 def _is_inside(name: object) -> bool:
@@ -180,15 +192,87 @@ def decode_ids(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-def _decompressed(sample: dict[str, bytes]) -> Iterator[tuple[str, bytes]]:
-    """A sample's members, those named ``*.zst`` decompressed."""
-    for name, data in sample.items():
-        if name.endswith(".zst"):
-            try:
-                data = zstandard.ZstdDecompressor().decompress(data)
-            except zstandard.ZstdError as err:
-                raise DataError(f"a sample's {name} is not valid zstd ({err})") from None
-        yield name, data
+NPY_HEADER = 1 << 12  # bytes: room for an .npy member's header (numpy writes 128 for a 1-D array)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the samples still to be read of a shard may hold, by its manifest (its tokens and documents not
+    yet read), and what each of them must be: ids of ``dtype`` below ``vocab_size``, no empty document, and
+    prompt lengths, within their examples, in a shard of instruction examples only."""
+
+    tokens: int
+    documents: int
+    dtype: str
+    vocab_size: int
+    kind: str = TEXT
+
+    def member_bytes(self, name: str) -> int:
+        """The most bytes the member ``name`` (decompressed, without ``.zst``) may hold."""
+        if name == "ids.npy":
+            return NPY_HEADER + self.tokens * np.dtype(self.dtype).itemsize
+        if name in ("offsets.npy", "prompt_lens.npy"):
+            return NPY_HEADER + (self.documents + 1) * 8
+        return 64  # format 1's prompt_len: a number as text
+
+    def check(self, block: Block) -> None:
+        """DataError naming what is wrong with ``block`` (its counts are checked against the shard's by the
+        reader)."""
+        ids, lengths = block.ids, np.diff(block.offsets)
+        if ids.dtype != np.dtype(self.dtype):
+            raise DataError(f"a sample holds {ids.dtype} token ids, its manifest says {self.dtype}")
+        if len(ids) and ids.max() >= self.vocab_size:
+            raise DataError(
+                f"token id {ids.max()} of a sample is outside the vocabulary (vocab_size {self.vocab_size} in its "
+                "manifest and tokenizer)"
+            )
+        empty = int((lengths == 0).sum())
+        if empty:
+            raise DataError(f"a sample holds {empty} empty documents (of {len(lengths)}), which train on nothing")
+        if self.kind == TEXT and block.prompt_lens is not None:
+            raise DataError(f"a sample holds prompt lengths in a shard of {TEXT} (its manifest's kind)")
+        if self.kind == INSTRUCTIONS and block.prompt_lens is None:
+            raise DataError(f"a sample holds no prompt lengths in a shard of {INSTRUCTIONS} (its manifest's kind)")
+        if block.prompt_lens is not None and (block.prompt_lens > lengths).any():
+            raise DataError("a sample holds prompt lengths longer than their examples")
+
+
+def _member(sample: dict[str, bytes], name: str, expected: Expected | None) -> bytes | None:
+    """The member ``name`` of a sample (decompressed if the sample holds ``name.zst``), None if absent; at most
+    what ``expected`` allows it, else DataError."""
+    limit = None if expected is None else expected.member_bytes(name)
+    if name in sample:
+        data = sample[name]
+    elif f"{name}.zst" in sample:
+        data = _decompressed(f"{name}.zst", sample[f"{name}.zst"], limit)
+    else:
+        return None
+    if limit is not None and len(data) > limit:
+        raise DataError(f"a sample's {name} holds {len(data):,} bytes, more than the {limit:,} its shard's rest holds")
+    return data
+
+
+def _decompressed(name: str, data: bytes, limit: int | None) -> bytes:
+    """A zstd member, decompressed no further than ``limit`` bytes (None: no limit); a frame need not say its
+    content size (streaming compressors leave it out)."""
+    try:
+        size = zstandard.frame_content_size(data)
+        if limit is not None and size > limit:
+            raise DataError(f"a sample's {name} claims {size:,} bytes, more than the {limit:,} its shard's rest holds")
+        if size >= 0:
+            return zstandard.ZstdDecompressor().decompress(data)
+        chunks, total = [], 0
+        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+            while chunk := reader.read(1 << 20):
+                total += len(chunk)
+                if limit is not None and total > limit:
+                    raise DataError(
+                        f"a sample's {name} decompresses to more than the {limit:,} bytes its shard's rest holds"
+                    )
+                chunks.append(chunk)
+        return b"".join(chunks)
+    except zstandard.ZstdError as err:
+        raise DataError(f"a sample's {name} is not valid zstd ({err})") from None
 
 
 def _npy(array: np.ndarray) -> bytes:
@@ -205,6 +289,8 @@ class Block:
     ids: np.ndarray
     offsets: np.ndarray  # n + 1 ascending, from 0 to len(ids)
     prompt_lens: np.ndarray | None = None
+
+    MEMBERS: ClassVar[tuple[str, ...]] = ("ids.npy", "offsets.npy", "prompt_lens.npy", "prompt_len")
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -228,43 +314,58 @@ class Block:
         return {"__key__": key, **sample}
 
     @classmethod
-    def from_sample(cls, sample: dict[str, bytes]) -> Block:
+    def from_sample(cls, sample: dict[str, bytes], expected: Expected | None = None) -> Block:
         """A sample of either format, compressed or not (format 1: a block of one document); DataError if it
-        is malformed."""
-        sample = {name.removesuffix(".zst"): data for name, data in _decompressed(sample)}
+        is malformed or, with ``expected``, not what its shard's manifest says."""
+        ids_data, offsets_data = _member(sample, "ids.npy", expected), _member(sample, "offsets.npy", expected)
+        prompts_data = _member(sample, "prompt_lens.npy", expected)
         try:
-            ids = decode_ids(sample["ids.npy"])
-            if "offsets.npy" not in sample:  # format 1
-                prompt = sample.get("prompt_len")
-                prompt_lens = None if prompt is None else np.array([int(prompt)])
-                return cls(ids, np.array([0, len(ids)]), prompt_lens)
-            offsets = decode_ids(sample["offsets.npy"]).astype(np.int64)
-            prompt_lens = decode_ids(sample["prompt_lens.npy"]) if "prompt_lens.npy" in sample else None
-        except (KeyError, ValueError) as err:
+            if ids_data is None:
+                raise KeyError("ids.npy")
+            ids = decode_ids(ids_data)
+            if offsets_data is None:  # format 1
+                prompt = _member(sample, "prompt_len", expected)
+                block = cls(ids, np.array([0, len(ids)]), None if prompt is None else np.array([int(prompt)]))
+            else:
+                offsets = decode_ids(offsets_data).astype(np.int64)
+                block = cls(ids, offsets, None if prompts_data is None else decode_ids(prompts_data))
+        except (KeyError, ValueError, EOFError) as err:
             raise DataError(f"a sample is malformed ({type(err).__name__}: {err})") from None
+        offsets, prompt_lens = block.offsets, block.prompt_lens
         if (
             ids.ndim != 1
+            or offsets.ndim != 1
             or len(offsets) < 2
             or offsets[0] != 0
             or offsets[-1] != len(ids)
             or (np.diff(offsets) < 0).any()
-            or (prompt_lens is not None and len(prompt_lens) != len(offsets) - 1)
+            or (prompt_lens is not None and (prompt_lens.ndim != 1 or len(prompt_lens) != len(offsets) - 1))
         ):
             raise DataError("a sample's offsets or prompt lengths do not match its token ids")
-        return cls(ids, offsets, prompt_lens)
+        if expected is not None:
+            expected.check(block)
+        return block
 
     @staticmethod
-    def documents_in(sample: dict[str, bytes]) -> int:
-        """The documents of a sample of either format, from its offsets alone (its ids neither decompressed
-        nor decoded)."""
-        name = next((name for name in ("offsets.npy", "offsets.npy.zst") if name in sample), None)
-        if name is None:
-            return 1  # format 1
-        offsets = dict(_decompressed({name: sample[name]}))[name]
+    def counts(sample: dict[str, bytes], expected: Expected | None = None) -> tuple[int, int]:
+        """The documents and tokens of a sample of either format, from its offsets alone (format 2: its ids
+        neither decompressed nor decoded)."""
+        offsets = _member(sample, "offsets.npy", expected)
         try:
-            return len(decode_ids(offsets)) - 1
-        except ValueError as err:
+            if offsets is None:  # format 1
+                ids = _member(sample, "ids.npy", expected)
+                if ids is None:
+                    raise KeyError("ids.npy")
+                return 1, len(decode_ids(ids))
+            offsets = decode_ids(offsets)
+            return len(offsets) - 1, int(offsets[-1]) if len(offsets) else 0
+        except (KeyError, ValueError, EOFError) as err:
             raise DataError(f"a sample is malformed ({type(err).__name__}: {err})") from None
+
+    @staticmethod
+    def documents_in(sample: dict[str, bytes], expected: Expected | None = None) -> int:
+        """The documents of a sample of either format, from its offsets alone."""
+        return Block.counts(sample, expected)[0]
 
 
 class ShardWriter:
@@ -412,14 +513,58 @@ class Tokenized:
 def encode(tokenizer: TokenizerInfo, texts: list[str], dtype: np.dtype, paired: bool) -> Tokenized:
     """``texts`` tokenized in one batch, the id lists moved into numpy without a Python loop over the
     documents. ``paired``: the texts alternate prompt and completion of instruction examples (tokenized
-    apart, so the boundary between them is a token boundary)."""
-    encodings = tokenizer.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-    lists = list(map(attrgetter("ids"), encodings))
-    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
-    ids = np.fromiter(itertools.chain.from_iterable(lists), dtype, int(lengths.sum()))
+    apart, so the boundary between them is a token boundary). A text longer than PIECE_CHARS is tokenized a
+    piece at a time (see ``_pieces``), its pieces' ids joined, so that one long document does not hold the
+    tokenizer's working memory for all of its characters at once."""
+    if max(map(len, texts), default=0) <= PIECE_CHARS:
+        ids, lengths = _encoded(tokenizer, texts, dtype)
+    else:
+        cut = [_pieces(text) for text in texts]
+        parts = [_encoded(tokenizer, group, dtype) for group in _groups([p for pieces in cut for p in pieces])]
+        ids = np.concatenate([part[0] for part in parts])
+        starts = np.cumsum([0] + [len(pieces) for pieces in cut[:-1]])
+        lengths = np.add.reduceat(np.concatenate([part[1] for part in parts]), starts)
     if not paired:
         return Tokenized(ids, lengths)
     return Tokenized(ids, lengths[0::2] + lengths[1::2], lengths[0::2])
+
+
+PIECE_CHARS = 1 << 16  # characters of one text the tokenizer is given at a time
+
+
+def _encoded(tokenizer: TokenizerInfo, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The texts' ids concatenated, and their lengths."""
+    encodings = tokenizer.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    lists = list(map(attrgetter("ids"), encodings))
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype, int(lengths.sum())), lengths
+
+
+def _pieces(text: str) -> list[str]:
+    """``text`` cut into pieces of at most PIECE_CHARS characters, each cut before a space where the piece has
+    one (so that a word and the space before it stay together, as a tokenizer's pre-tokenizer splits them)."""
+    pieces, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        cut = text.rfind(" ", start + 1, start + PIECE_CHARS + 1)
+        cut = cut if cut > start else start + PIECE_CHARS
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _groups(pieces: list[str]) -> Iterator[list[str]]:
+    """Consecutive pieces, a group at most BATCH_CHARS characters (or one piece)."""
+    group: list[str] = []
+    chars = 0
+    for piece in pieces:
+        if group and chars + len(piece) > BATCH_CHARS:
+            yield group
+            group, chars = [], 0
+        group.append(piece)
+        chars += len(piece)
+    if group:
+        yield group
 
 
 _worker_tokenizer: TokenizerInfo | None = None
@@ -586,7 +731,17 @@ def write_shards(
     paired = prompt_field is not None
     try:
         n_docs = _write_documents(
-            docs, _Reading(files), paired, tokenizer, tokenizer_path, writers, dtype, valid_every, workers, progress
+            docs,
+            _Reading(files),
+            paired,
+            tokenizer,
+            tokenizer_path,
+            writers,
+            dtype,
+            valid_every,
+            workers,
+            progress,
+            stats,
         )
         if n_docs == 0 and part is None:  # (a part may be empty: merge checks the whole)
             raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
@@ -598,12 +753,8 @@ def write_shards(
         if _failed_writing(err, out):
             raise write_failed(f"writing shards to {out}", out, err, "none of them is left") from None
         raise
-    if stats.replaced_lines:
-        print(
-            f"warning: {stats.replaced_lines} input lines were not valid UTF-8; their bad bytes were replaced "
-            "(--on-decode-error fail stops at the first one instead)",
-            file=sys.stderr,
-        )
+    for line in stats.notes():
+        print(line, file=sys.stderr)
     manifest = Manifest(
         tokenizer.sha256,
         tokenizer.vocab_size,
@@ -649,6 +800,7 @@ def _write_documents(
     valid_every: int | None,
     workers: int | None,
     progress: bool,
+    stats: DecodeStats,
 ) -> int:
     from tqdm import tqdm
 
@@ -658,12 +810,13 @@ def _write_documents(
     with _tokenize_pool(workers, tokenizer, tokenizer_path, dtype) as tokenize:
         jobs = ((numbers, texts, paired) for numbers, texts in _batches(docs, reading))
         for numbers, batch in tokenize(jobs):
-            valid = held_out(numbers, valid_every)
-            for split, keep in (("train", ~valid), ("valid", valid)):
+            valid, tokens = held_out(numbers, valid_every), batch.lengths > 0  # (a text of no tokens: dropped)
+            for split, keep in (("train", ~valid & tokens), ("valid", valid & tokens)):
                 if keep.any():
                     part = batch.select(keep)
                     writers[split].write(part.ids, part.lengths, numbers[keep], part.prompt_lens)
-            n_docs, n_tokens = n_docs + len(numbers), n_tokens + len(batch.ids)
+            stats.no_tokens += int((~tokens).sum())
+            n_docs, n_tokens = n_docs + int(tokens.sum()), n_tokens + len(batch.ids)
             bar.update(reading.position - bar.n)
             bar.set_postfix_str(f"{n_docs:,} documents, {n_tokens:,} tokens", refresh=False)
     bar.update(reading.total - bar.n)
@@ -674,20 +827,24 @@ def _write_documents(
 @contextlib.contextmanager
 def _tokenize_pool(workers: int, tokenizer: TokenizerInfo, tokenizer_path: str, dtype: np.dtype):
     """A function mapping (texts, paired) jobs to Tokenized batches, in order: in worker processes (a few
-    batches ahead, so that the input is read as fast as it is tokenized, not all at once), or here when
-    workers == 1 (where ``tokenizers`` still spreads a batch over threads)."""
+    batches, or their characters, ahead, so that the input is read as fast as it is tokenized, not all at once),
+    or here when workers == 1 (where ``tokenizers`` still spreads a batch over threads)."""
     if workers == 1:
         yield lambda jobs: ((numbers, encode(tokenizer, texts, dtype, paired)) for numbers, texts, paired in jobs)
         return
 
     def tokenize(jobs):
-        pending: deque = deque()
+        pending: deque = deque()  # (result, characters of its texts)
+        chars, most = 0, 2 * workers * BATCH_CHARS  # (a batch of long documents counts for more than one)
         for job in jobs:
-            pending.append(pool.apply_async(_tokenize, (job,)))
-            if len(pending) > 2 * workers:
-                yield pending.popleft().get()
+            pending.append((pool.apply_async(_tokenize, (job,)), sum(map(len, job[1]))))
+            chars += pending[-1][1]
+            while len(pending) > 2 * workers or (len(pending) > 1 and chars > most):
+                result, size = pending.popleft()
+                chars -= size
+                yield result.get()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft()[0].get()
 
     with mp.get_context("spawn").Pool(workers, _init_worker, (tokenizer_path, dtype.name)) as pool:
         yield tokenize

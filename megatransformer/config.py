@@ -255,20 +255,24 @@ class ModelConfig(Section):
     """Standard deviation of the normal weight init."""
     depth_scaled_init: bool = True
     """Scale residual output projections (o_proj, down_proj) by 1/sqrt(2 * n_layers)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward pass to save memory."""
+    activation_checkpointing: bool | Literal["selective"] = False
+    """Recompute each block's activations in the backward pass to save memory. selective: keep each block's
+    matrix products (and attention outputs) and recompute only the cheap operations around them: less memory
+    saved, almost no compute added."""
     mlp_tiles: PositiveInt = 1
     """Training: compute each MLP in this many tiles of the sequence (of each rank's slice under sequence
     parallelism) and recompute it one tile at a time in the backward pass, so that its hidden activations live
     for one tile instead of being kept for the whole sequence (DeepSpeed ALST's TiledMLP; one more MLP forward
     per step). 1: untiled. Needs dropout 0."""
-    attention_backend: Literal["auto", "sdpa", "flex", "flash", "eager", "chunked"] = "auto"
-    """auto: the fastest exact core per call (GPU: flash-attn where installed and the mask allows; without it PyTorch's
-    varlen_attn for packed documents, prefix-LM and packed cross-attention (no attention dropout, no ALiBi); else
-    sdpa; CPU: chunked, or sdpa with attention dropout); sdpa: PyTorch scaled_dot_product_attention; flex:
-    FlexAttention block masks; flash: flash-attn (CUDA); eager: plain matmul-softmax reference; chunked: exact
-    attention in query chunks with recomputation (fastest for CPU training, memory linear in sequence length for
-    every mask; see BENCHMARKS.md)."""
+    attention_backend: Literal["auto", "sdpa", "flex", "flash", "fa3", "fa4", "varlen", "eager", "chunked"] = "auto"
+    """auto: the fastest exact core per call, by a table of GPU generation and mask kind (gpu_cores.SPEED_TABLE; GPU:
+    flash-attn 3 / 4 where installed, else flash-attn 2, else PyTorch's varlen_attn for packed documents, prefix-LM
+    and packed cross-attention (no attention dropout, no ALiBi), else sdpa; CPU: chunked, or sdpa with attention
+    dropout); sdpa: PyTorch scaled_dot_product_attention; flex: FlexAttention block masks; flash: flash-attn 2
+    (CUDA); fa4 / fa3: flash-attn 4 / 3 through PyTorch's flash registry (CUDA, no dropout, no ALiBi); varlen:
+    PyTorch's varlen_attn; eager: plain matmul-softmax reference; chunked: exact attention in query chunks with
+    recomputation (fastest for CPU training, memory linear in sequence length for every mask; see BENCHMARKS.md).
+    The run log says which core runs and why (docs/gpu.md)."""
     attention: Literal["standard", "mla"] = "standard"
     """Self-attention kind. standard: q/k/v projections per head (MHA, GQA, MQA by model.n_kv_heads); mla:
     multi-head latent attention (DeepSeek-V2/V3; docs/attention.md): keys and values are up-projected from one
@@ -496,8 +500,14 @@ class TrainConfig(Section):
     eval_batches: PositiveInt = 10
     """Micro batches per validation pass, in all: the first ones of the validation split, dealt out to the
     data-parallel ranks (the numbers do not depend on the number of ranks)."""
-    compile: bool = False
-    """torch.compile the model."""
+    compile: bool | None = None
+    """torch.compile each Transformer block (training/compiled.py); unset: on for CUDA runs, off on CPUs (where
+    compiling takes minutes and gains little). The run log says which, and reports any recompilation or graph
+    break after the first two steps."""
+    gc_every: NonNegativeInt = 1000
+    """Steps between collections of Python's garbage collector, which is frozen after start-up and otherwise off
+    (a collection at a random point of a step stalls every rank that waits for this one); 0: Python's own
+    schedule."""
     host_memory: Literal["keep", "release"] = "keep"
     """keep: host memory the process frees stays with it for the next step (glibc malloc maps no large
     blocks afresh and does not trim its heap), as PyTorch's caching allocator keeps GPU memory; a CPU step
@@ -526,10 +536,11 @@ class TrainConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw", "adam"] = "adamw"
-    """adamw: decoupled weight decay; adam: the 2017 paper's Adam (use weight_decay=0)."""
+    name: Literal["adamw", "adam", "muon"] = "adamw"
+    """adamw: decoupled weight decay; adam: the 2017 paper's Adam (use weight_decay=0); muon: Muon (torch.optim.Muon's
+    update) on the linear layers' weights, AdamW with the settings below on the rest (docs/optimizers.md)."""
     lr: Annotated[float, Field(ge=MIN_LR)] = 3e-4
-    """Peak learning rate (the multiplier of the inverse_sqrt schedule)."""
+    """Peak learning rate (the multiplier of the inverse_sqrt schedule); with muon, AdamW's part."""
     betas: tuple[Fraction, Fraction] = (0.9, 0.95)
     """Adam beta1, beta2 (the 2017 paper: 0.9, 0.98)."""
     eps: PositiveFloat = 1e-8
@@ -538,15 +549,42 @@ class OptimConfig(Section):
     """Weight decay coefficient."""
     decay_norms_and_embeddings: bool = False
     """Also decay norm weights, biases and embeddings (off: they are excluded, the common practice)."""
+    muon_lr: Annotated[float, Field(ge=MIN_LR)] = 0.02
+    """Muon's peak learning rate (the schedule scales it as it scales lr); with muon_adjust_lr_fn=match_rms_adamw,
+    about AdamW's lr."""
+    muon_momentum: Fraction = 0.95
+    """Muon's momentum."""
+    muon_nesterov: bool = True
+    """Nesterov momentum in Muon."""
+    muon_ns_steps: Annotated[int, Field(ge=1, le=99)] = 5
+    """Newton-Schulz iterations per Muon update."""
+    muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
+    """dtype of the Newton-Schulz iterations: bf16 as torch.optim.Muon, or fp32 (on CPUs without bf16 matrix
+    units, or to reproduce a run on another layout to fp32 rounding)."""
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
+    """Muon's learning rate per matrix shape (A x B), as torch.optim.Muon's adjust_lr_fn: original scales it by
+    sqrt(max(1, A/B)) (Keller Jordan), match_rms_adamw by 0.2 sqrt(max(A, B)) (Moonshot: AdamW's update RMS)."""
+    muon_weight_decay: NonNegativeFloat = 0.0
+    """Decoupled weight decay of Muon's matrices (multiplied by the unadjusted muon_lr, as torch.optim.Muon)."""
 
 
 class ScheduleConfig(Section):
-    name: Literal["cosine", "linear", "constant", "inverse_sqrt"] = "cosine"
-    """Learning-rate schedule after warmup; inverse_sqrt is d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)."""
+    name: Literal["cosine", "linear", "constant", "inverse_sqrt", "wsd"] = "cosine"
+    """Learning-rate schedule after warmup; inverse_sqrt is d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
+    wsd (warmup-stable-decay) holds the peak until the last decay_steps (or decay_fraction) of the run."""
     warmup_steps: NonNegativeInt = 100
     """Linear warmup steps."""
     min_lr_ratio: UnitInterval = 0.1
-    """Final learning rate as a fraction of optim.lr (cosine, linear)."""
+    """Final learning rate as a fraction of optim.lr (cosine, linear, wsd)."""
+    decay_steps: NonNegativeInt | None = None
+    """wsd: steps of the final decay (default: decay_fraction of train.max_steps); the stable phase is the rest."""
+    decay_fraction: UnitInterval = 0.2
+    """wsd: the final decay's share of train.max_steps when decay_steps is not set."""
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
+    """wsd: the decay's shape, from the peak to min_lr_ratio (1-sqrt: 1 - sqrt(progress), as OLMo-core's WSD)."""
+    decay_from: str | None = None
+    """wsd: a checkpoint of a run's stable phase to branch a decay from: this run continues it (weights, optimizer,
+    data) in its own run_dir and decays from the checkpoint's step to train.max_steps."""
 
 
 class CheckpointConfig(Section):
@@ -662,6 +700,7 @@ class RunConfig(Section):
             self.resume is None or self.init_from is None,
             "resume and init_from are exclusive: resume continues a run, init_from starts a new one",
         )
+        self._schedule_fits()
         _require(
             m.attention_window is None or (self.objective, m.arch) != ("prefix_lm", "decoder"),
             "model.attention_window does not combine with objective=prefix_lm on a decoder (its "
@@ -672,6 +711,22 @@ class RunConfig(Section):
             "precision=fp16 is not supported with model.attention_backend=flex; use bf16",
         )
         return self
+
+    def _schedule_fits(self) -> None:
+        s, total = self.schedule, self.train.max_steps
+        if s.decay_from is not None:
+            _require(s.name == "wsd", f"schedule.decay_from needs schedule.name=wsd, got schedule.name={s.name}")
+            _require(
+                self.resume in (None, "auto") and self.init_from is None,
+                "schedule.decay_from continues its checkpoint: it excludes init_from and a resume path "
+                "(resume=auto continues the decay run itself)",
+            )
+        if s.name == "wsd" and s.decay_from is None and s.decay_steps is not None:
+            _require(
+                s.warmup_steps + s.decay_steps <= total,
+                f"schedule.warmup_steps={s.warmup_steps} + schedule.decay_steps={s.decay_steps} exceed "
+                f"train.max_steps={total}; shorten the decay or lengthen the run",
+            )
 
     def _sequence_parallel_fits(self) -> None:
         m, sp = self.model, self.parallel.sequence_parallel

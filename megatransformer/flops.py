@@ -8,13 +8,17 @@ L x L square;
 a sliding window narrows self-attention's square to a band of min(L, window) keys per query (causal) or
 min(L, 2 * window - 1) (bidirectional).
 For an encoder-decoder model "a token" is one position of either stack (source and target lengths equal).
+
+Packed rows attend within each document only: :func:`documents_flops` counts each document's own square (as
+Megatron-LM and torchtitan count document masks), the numerator of the trainer's MFU and ``bench/mfu.py``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,6 +34,18 @@ class ModelSize:
     flops_per_token: float
     """Training (forward + backward) FLOPs per token at the given sequence length."""
     seq_len: int
+    matmul_flops_per_token: float = 0.0
+    """The weight matmuls' part of ``flops_per_token`` (6N per token for N weight elements)."""
+    attention_flops_per_key: float | None = None
+    """Self-attention's training FLOPs for one query and one key it attends to, all layers (None for an
+    encoder-decoder model, whose cross-attention this does not describe)."""
+    window: int | None = None
+    causal: bool = True
+
+    def keys(self, length: int) -> int:
+        """The keys a query of a document of ``length`` positions is counted to attend to (its square's width)."""
+        window = self.window or length
+        return min(length, window) if self.causal else min(length, 2 * window - 1)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -76,7 +92,37 @@ def model_size(cfg: ModelConfig, seq_len: int | None = None) -> ModelSize:
         non_embedding_params=sum(params.values()) - sum(embeddings.values()),
         flops_per_token=matmul + attention,
         seq_len=seq_len,
+        matmul_flops_per_token=matmul,
+        attention_flops_per_key=None if stacks == 2 else 3 * 2 * cfg.n_layers * self_width,
+        window=cfg.attention_window,
+        causal=cfg.arch == "decoder",
     )
+
+
+def documents_flops(size: ModelSize, lengths: Iterable[int]) -> float:
+    """Training FLOPs of documents of these lengths, each attending within itself: the matmuls per token plus
+    attention over each document's own square (``size.keys(length)`` keys per query). One document per row of
+    ``size.seq_len`` gives ``flops_per_token`` per position; an encoder-decoder model counts ``flops_per_token``
+    per position whatever its documents."""
+    lengths = [int(n) for n in lengths]
+    if size.attention_flops_per_key is None:
+        return size.flops_per_token * sum(lengths)
+    keys = sum(n * size.keys(n) for n in lengths)
+    return size.matmul_flops_per_token * sum(lengths) + size.attention_flops_per_key * keys
+
+
+def document_lengths(segments: np.ndarray | None, shape: tuple[int, int], pad: int = 0) -> list[int]:
+    """The documents of a batch of rows: runs of equal segment ids in each row, padding (``pad``) left out;
+    every row one document of its full length without segment ids."""
+    rows, length = shape
+    if segments is None:
+        return [length] * rows
+    lengths = []
+    for row in np.asarray(segments).reshape(rows, length):
+        starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
+        runs = np.diff(np.r_[starts, length])
+        lengths += [int(n) for n, segment in zip(runs, row[starts], strict=True) if segment != pad]
+    return lengths
 
 
 def score_width(cfg: ModelConfig) -> int:

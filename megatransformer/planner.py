@@ -123,6 +123,22 @@ def parameter_sizes(m: ModelConfig) -> list[tuple[int, bool, int]]:
     return _SIZES[key]
 
 
+def muon_elements(m: ModelConfig, tp: int) -> int:
+    """Elements of the matrices a tensor-parallel rank updates with Muon (training/muon.py's choice, read from
+    the model built on the meta device): one momentum buffer each, where Adam keeps two moments."""
+    import torch
+
+    from megatransformer.model import build_model
+    from megatransformer.model.tp_plan import partition_dim
+    from megatransformer.training.muon import muon_parameter_names
+
+    with torch.device("meta"):
+        model = build_model(m)
+    chosen = muon_parameter_names(model)
+    named = dict(model.named_parameters())
+    return sum(named[n].numel() // (tp if partition_dim(n) is not None else 1) for n in chosen)
+
+
 def parameter_counts(m: ModelConfig) -> tuple[int, int]:
     """(parameters tensor parallelism splits, parameters every rank keeps whole)."""
     sizes = parameter_sizes(m)
@@ -312,6 +328,8 @@ def state_parts(
     held = {name: 0 for name in PARTS}
     in_backward = {name: 0 for name in PARTS}
     held["optimizer_states"] = 8 * part
+    if cfg.optim.name == "muon":  # (ZeRO-0 only: nothing partitioned)
+        held["optimizer_states"] -= 4 * muon_elements(cfg.model, layout.tp)
     held["weights"] = w * params
     if not engine:
         held["master_weights"] = 8 * params if lp else 0
@@ -571,6 +589,8 @@ def plan(
                     continue  # ZeRO over one rank partitions nothing: the engine runs stage 0
                 if offload and zero == 0:
                     continue
+                if zero and cfg.optim.name == "muon":
+                    continue  # Muon runs at ZeRO-0 (training/engine.py check_muon_layout)
                 layouts.append(Layout(dp, tp, sp, zero, ckpt, tile, offload, micro, per_rank // micro))
     if current is not None and current not in layouts:
         layouts.append(current)

@@ -3,8 +3,9 @@
 The projections are plain ``nn.Linear`` layers and the number of heads is read from their output width
 (``view(B, T, -1, head_dim)``): a tensor-parallel shard holding a slice of the heads runs this code unchanged.
 The core (softmax(QK^T)V under a mask) is a function picked by name from ``BACKENDS``; ``auto`` (the
-default) picks the fastest exact core for each call (see :func:`auto_backend`). With ALiBi every core adds the
-same bias, ``-slope * |q_pos - k_pos|`` (:class:`positions.Alibi`), to the scores of the allowed entries.
+default) picks the fastest exact core for each call (see :func:`auto_backend` and ``gpu_cores.SPEED_TABLE``).
+With ALiBi every core adds the same bias, ``-slope * |q_pos - k_pos|`` (:class:`positions.Alibi`), to the
+scores of the allowed entries.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatransformer.model import gpu_cores
 from megatransformer.model.chunked_attention import chunked_core
 from megatransformer.model.masks import AttentionMask, VarlenProblem
 from megatransformer.model.norms import RMSNorm
@@ -145,8 +148,41 @@ def flash_attn_module():
     return flash_attn
 
 
+@torch.compiler.assume_constant_result  # (a constant of the process: see gpu_cores)
 def flash_attn_installed() -> bool:
     return flash_attn_module() is not None
+
+
+def registry_flash_core(core: str) -> Core:
+    """flash-attn 4 or 3 (``core``: "fa4", "fa3") as PyTorch runs it once activated in its flash registry: SDPA's
+    flash backend for plain causal / bidirectional attention, ``varlen_attn`` for packed documents, prefix-LM,
+    packed cross-attention and sliding windows (rows of equal length as one varlen problem). A KV cache with a
+    prefill chunk goes to SDPA's own kernels (bottom-right causal alignment needs a dense mask there)."""
+
+    def registry_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None) -> torch.Tensor:
+        if dropout or alibi is not None:
+            raise ValueError(f"attention_backend={core} has no attention dropout or ALiBi; use flash or sdpa")
+        gpu_cores.activate(core)
+        if not mask.is_simple:
+            return torch_varlen_core(q, k, v, mask, dropout)
+        causal = mask.causal and not (mask.q_offset and q.shape[2] == 1)
+        if causal and q.shape[2] != k.shape[2]:
+            return sdpa_core(q, k, v, mask, dropout)
+        if mask.window is None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                gqa = q.shape[1] != k.shape[1]
+                return F.scaled_dot_product_attention(q, k, v, None, 0.0, is_causal=causal, enable_gqa=gqa)
+        if mask.q_offset or q.shape[2] != k.shape[2]:  # decoding one token under a window
+            return sdpa_core(q, k, v, mask, dropout)
+        batch, length = q.shape[0], q.shape[2]
+        cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * length
+        rows = VarlenProblem(cu, cu, length, length, mask.causal)
+        return torch_varlen_core(q, k, v, replace(mask, varlen=(rows,)), dropout)
+
+    registry_core.__name__ = f"{core}_core"
+    return registry_core
 
 
 def auto_backend(
@@ -157,14 +193,14 @@ def auto_backend(
     head_dim: int = 64,
     alibi: bool = False,
 ) -> str:
-    """The core ``attention_backend=auto`` runs for one call, by the measurements in BENCHMARKS.md.
+    """The core ``attention_backend=auto`` runs for one call.
 
-    CUDA, in bf16/fp16: flash-attn when it is installed, for every mask (plain, packed documents, prefix-LM,
-    packed cross-attention; a KV cache with plain masks); without it PyTorch's own flash kernels: ``varlen``
-    (``varlen_attn``) for packed documents, prefix-LM and packed cross-attention when there is neither
-    attention dropout nor ALiBi, else SDPA (whose own dispatcher picks its flash / memory-efficient kernels).
-    CPU: the chunked core (1.7-1.9x SDPA in bf16, linear memory for every mask), or SDPA when attention
-    dropout is on (chunked has none).
+    CUDA, in bf16/fp16: the first core of ``gpu_cores.SPEED_TABLE`` for this GPU's generation and the call's mask
+    kind that is installed and can honour the call: flash-attn 3 / 4 through PyTorch's registry (no dropout, no
+    ALiBi), flash-attn 2 (``flash``), PyTorch's ``varlen_attn`` (``varlen``: masks with segments or a prefix, no
+    dropout, no ALiBi), else SDPA (whose own dispatcher picks its flash / memory-efficient kernels). A GPU the
+    table does not know is ranked as Ampere. CPU: the chunked core (1.7-1.9x SDPA in bf16, linear memory for
+    every mask), or SDPA when attention dropout is on (chunked has none).
     """
     if device != "cuda":
         return "sdpa" if dropout else "chunked"
@@ -172,11 +208,20 @@ def auto_backend(
     flash_shape = head_dim <= 256 and head_dim % 8 == 0
     if dtype not in (torch.bfloat16, torch.float16) or not (flash_mask and flash_shape):
         return "sdpa"
-    if flash_attn_installed():
-        return "flash"
+    generation = gpu_cores.gpu_generation() or "ampere"
+    registry = gpu_cores.registry_core(generation)
     varlen_mask = mask is not None and not mask.is_simple
-    if varlen_mask and not dropout and not alibi and torch_varlen_available():
-        return "varlen"
+    for core in gpu_cores.SPEED_TABLE[(generation, gpu_cores.mask_kind(mask, alibi))]:
+        if core in gpu_cores.REGISTRY_IMPLS:
+            usable = core == registry and not dropout and head_dim <= gpu_cores.REGISTRY_IMPLS[core].max_head_dim
+        elif core == "flash":
+            usable = flash_attn_installed()
+        elif core == "varlen":
+            usable = varlen_mask and not dropout and not alibi and torch_varlen_available()
+        else:
+            usable = True
+        if usable:
+            return core
     return "sdpa"
 
 
@@ -185,7 +230,7 @@ def describe_backend(
 ) -> str:
     """One line for the run log: the core a run's attention uses for each kind of mask, and why."""
     if backend != "auto":
-        return f"attention: {backend}"
+        return f"attention: {backend}{registry_note(backend)}"
     kinds = {
         "causal/bidirectional": AttentionMask(True),
         "packed documents, prefix-LM, cross-attention": AttentionMask(True, prefix_len=torch.zeros(1)),
@@ -196,9 +241,40 @@ def describe_backend(
         line = f"attention: auto -> {next(iter(chosen.values()))} for every mask {where}"
     else:
         line = "attention: auto -> " + ", ".join(f"{core} for {name}" for name, core in chosen.items()) + f" {where}"
-    if device == "cuda" and dtype != torch.float32 and not flash_attn_installed():
-        line += f" (flash-attn is not installed: {FLASH_ATTN_INSTALL})"
+    if device == "cuda" and dtype != torch.float32:
+        line += auto_reason(set(chosen.values()), dropout, alibi)
     return line
+
+
+def registry_note(core: str) -> str:
+    """What a registry core runs as, for the run log ("" for other cores)."""
+    if core not in gpu_cores.REGISTRY_IMPLS:
+        return ""
+    active = gpu_cores.active_impl()
+    return f" (flash-attn {core[-1]} through PyTorch's flash registry; active: {active or 'none yet'})"
+
+
+def auto_reason(chosen: set[str], dropout: float, alibi: bool) -> str:
+    """Why ``auto`` runs ``chosen`` on this GPU: its generation, and what the faster cores lack."""
+    generation = gpu_cores.gpu_generation()
+    reasons = [] if generation is None else [f"{generation} GPU"]
+    registry = [core for core in chosen if core in gpu_cores.REGISTRY_IMPLS]
+    if registry:
+        reasons.append(registry_note(registry[0]).strip(" ()"))
+    elif generation is not None:
+        faster = [
+            core
+            for core in gpu_cores.SPEED_TABLE[(generation, "causal")]
+            if core in gpu_cores.REGISTRY_IMPLS and generation in gpu_cores.REGISTRY_IMPLS[core].generations
+        ]
+        if alibi or dropout:
+            reasons.append(f"{', '.join(faster)} have no {'ALiBi' if alibi else 'attention dropout'}")
+        elif faster:
+            installs = "; ".join(f"{core}: {gpu_cores.REGISTRY_IMPLS[core].install}" for core in faster)
+            reasons.append(f"not installed: {installs}")
+    if not flash_attn_installed():
+        reasons.append(f"flash-attn is not installed: {FLASH_ATTN_INSTALL}")
+    return f" ({'; '.join(reasons)})" if reasons else ""
 
 
 def auto_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None) -> torch.Tensor:
@@ -216,6 +292,8 @@ BACKENDS: dict[str, Core] = {
     "flash": flash_core,
     "chunked": chunked_core,
     "varlen": torch_varlen_core,
+    "fa4": registry_flash_core("fa4"),
+    "fa3": registry_flash_core("fa3"),
 }
 
 

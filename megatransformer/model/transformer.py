@@ -11,7 +11,7 @@ import math
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from megatransformer.config import ModelConfig
 from megatransformer.model.attention import KVCache
@@ -66,10 +66,43 @@ class Stack(nn.Module):
             cache = caches[i] if caches else None
             memory_kv = memory_kvs[i] if memory_kvs else None
             if self.activation_checkpointing and self.training:
-                x = checkpoint(layer, x, mask, rope, memory, memory_mask, alibi=alibi, use_reentrant=False)
+                x = checkpoint(
+                    layer,
+                    x,
+                    mask,
+                    rope,
+                    memory,
+                    memory_mask,
+                    alibi=alibi,
+                    use_reentrant=False,
+                    **({"context_fn": selective_contexts} if self.activation_checkpointing == "selective" else {}),
+                )
             else:
                 x = layer(x, mask, rope, memory, memory_mask, cache, memory_kv, alibi)
         return self.norm(x) if self.norm is not None else x
+
+
+# the operations whose outputs selective activation checkpointing keeps: matrix products and attention kernels
+# (the FLOPs of a block); everything else (norms, activations, rotations, dropout, masks) is recomputed
+KEPT_BY_SELECTIVE_CHECKPOINTING = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective activation checkpointing's choice per operation: keep matrix products, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_BY_SELECTIVE_CHECKPOINTING else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    return create_selective_checkpoint_contexts(selective_policy)
 
 
 def kv_cache_dims(cfg: ModelConfig) -> tuple[int, int, int]:

@@ -83,10 +83,18 @@ def _keywords(function: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(function).parameters)
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # (a constant of the process, read by compiled code as one)
 def torch_varlen_available() -> bool:
     """This PyTorch's ``varlen_attn`` takes a ``window_size`` (2.11+) and its flash kernel runs on this GPU
     (compute capability 8.0+)."""
+    return _torch_varlen_available()
+
+
+@functools.cache
+def _torch_varlen_available() -> bool:
     if "window_size" not in varlen_attn_keywords():
         return False
     return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
+torch_varlen_available.cache_clear = _torch_varlen_available.cache_clear

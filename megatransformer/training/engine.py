@@ -29,15 +29,20 @@ import torch.distributed as dist
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.checkpoint import TrainerState
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
+from megatransformer.flops import ModelSize, document_lengths, documents_flops, model_size
 from megatransformer.model import build_model
+from megatransformer.model.gpu_cores import VARLEN_BACKENDS, activate_for
 from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
 from megatransformer.planner import reduce_bucket_elements
 from megatransformer.training import checkpointer
+from megatransformer.training.bf16_step import install_device_step, squared_norm
+from megatransformer.training.compiled import compile_blocks, compile_enabled
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
 from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
+from megatransformer.training.muon import MuonWithAdamW, muon_param_groups
 from megatransformer.training.optim import make_scheduler, param_groups
 from megatransformer.training.resume import ResumePlan
 from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
@@ -66,7 +71,9 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
     adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if o.name == "adam":
         adam["adam_w_mode"] = False
-    if p.offload_optimizer:
+    if o.name == "muon":
+        optimizer = None  # (TrainModule hands DeepSpeed its own: muon.MuonWithAdamW)
+    elif p.offload_optimizer:
         # DeepSpeedCPUAdam (AVX, JIT-built once): the optimizer step runs on the host, next to the states
         optimizer = {"type": "AdamW" if o.name == "adamw" else "Adam", "params": adam}
     else:
@@ -86,11 +93,15 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
         },
         "bf16": {"enabled": cfg.precision == "bf16"},
         "fp16": {"enabled": cfg.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
-        "optimizer": optimizer,
     }
+    if optimizer is not None:
+        ds["optimizer"] = optimizer
     if ds["zero_optimization"]["stage"] > 0:
         # DeepSpeed allocates the whole bucket, 5e8 elements by default, whatever the model's size
         ds["zero_optimization"]["reduce_bucket_size"] = reduce_bucket_elements(cfg.model, p.tensor_parallel)
+    if ds["zero_optimization"]["stage"] in (1, 2):
+        # several GPUs: gradients reduced on a side stream while the backward pass goes on (one more bucket)
+        ds["zero_optimization"]["overlap_comm"] = cuda and sizes.dp > 1
     if cfg.precision == "bf16":
         ds["communication_data_type"] = "fp32"
         if ds["zero_optimization"]["stage"] > 0:
@@ -107,11 +118,24 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
     return ds
 
 
+def check_muon_layout(cfg: RunConfig, engine_stage: int) -> None:
+    """Refuse the layouts :class:`MuonWithAdamW` cannot orthogonalise whole matrices in: it runs where each
+    rank holds its parameters and gradients as matrices (ZeRO-0; in bf16/fp16 DeepSpeed's unfused optimizer keeps
+    an fp32 master per parameter), whatever the data-, tensor- and sequence-parallel degrees."""
+    if engine_stage > 0:
+        raise ConfigError(
+            f"optim.name=muon with parallel.zero_stage={cfg.parallel.zero_stage} (DeepSpeed runs ZeRO-{engine_stage} "
+            "on this layout): ZeRO keeps gradients and optimizer state as flat slices, which Muon cannot "
+            "orthogonalise (DeepSpeed's own ZeRO Muon clips the orthogonalised update and has no nesterov, ns_steps "
+            "or adjust_lr_fn); set parallel.zero_stage=0"
+        )
+
+
 @dataclass
 class StepResult:
     loss: float  # mean token loss of the global batch (NaN when non-finite)
     tokens: int  # input positions processed, all ranks, padding included
-    real_tokens: int  # of those, positions holding a token (the MFU numerator)
+    model_flops: float  # the training FLOPs of the batch's documents, all ranks (the MFU numerator)
     finite: bool  # the loss and gradients were finite (else the update was skipped)
     stop: bool  # a rank was asked to stop (preemption)
     lr: float  # the learning rate this step's update used
@@ -129,7 +153,7 @@ class Verdict:
     finite: bool
     rejected: bool
     stop: bool
-    real_tokens: float
+    model_flops: float
     z_loss: float | None = None
 
     @property
@@ -172,19 +196,30 @@ class TrainModule:
             self.sequence = SequenceShard(mpu.get_sequence_parallel_rank(), sp)
             apply_ulysses(model, mpu.get_sequence_parallel_group(), self.sequence.rank, sp)
         full_shapes = {name: p.shape for name, p in model.named_parameters()}
-        groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
+        optimizer, self.optimizer_line = None, None
+        if cfg.optim.name == "muon":
+            check_muon_layout(cfg, self.zero_stage)
+            groups_, self.optimizer_line = muon_param_groups(model, cfg.optim, tp)
+            optimizer = functools.partial(MuonWithAdamW, fused=True)  # (built on the parameters AutoTP shards)
+        else:
+            groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
         self.engine, *_ = deepspeed.initialize(
             model=model,
             model_parameters=groups_,
+            optimizer=optimizer,
             config=deepspeed_config(cfg, self.sizes, dist_info.device, self.zero_stage),
             lr_scheduler=make_scheduler(cfg),
             mpu=mpu,
         )
+        if cfg.optim.name == "muon" and tp > 1:
+            checkpointer.innermost_optimizer(self.engine).tp_group = groups.get_tensor_model_parallel_group()
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
             check_batch_without_masks(self.engine)
-        if cfg.train.compile:
-            self.engine.compile()
+        install_device_step(self.engine.optimizer)  # (bf16 ZeRO-1: the norm and clipping without host reads)
+        self.compiled = compile_enabled(cfg, self.device.type)
+        if self.compiled:
+            compile_blocks(self.engine.module)
         self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank // sp
         self.dp_size = self.sizes.dp
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
@@ -201,10 +236,11 @@ class TrainModule:
             self.engine.enable_backward_allreduce = False
         # forward and backward passes run in it: fp32 GEMMs for bf16 on CPUs without bf16 kernels (cpu_bf16.py)
         self.matmuls = matmul_context(
-            gemms_as_fp32(cfg.train.cpu_bf16_matmul, self.device, precision_dtype(cfg.precision), cfg.train.compile)
+            gemms_as_fp32(cfg.train.cpu_bf16_matmul, self.device, precision_dtype(cfg.precision), self.compiled)
         )
-        # flash-attn's varlen metadata is built only where flash-attn may run
-        self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in ("auto", "flash")
+        # flash-attn's varlen metadata is built only where a varlen kernel may run
+        self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in VARLEN_BACKENDS
+        activate_for(cfg.model.attention_backend, self.device.type)  # flash-attn 4 / 3, before compiling
 
     # ------------------------------------------------------------------------------------ one step
 
@@ -230,7 +266,8 @@ class TrainModule:
         parts = [self.split(b) for b in host]
         # counted on this rank's part: the ranks of a sequence group hold disjoint parts of the same rows
         targets = sum(int(np.count_nonzero(local["labels"].numpy() != IGNORE_INDEX)) for _, local in parts)
-        real = float(sum(real_positions(local) for _, local in parts))
+        # each rank of a sequence group counts its share of the whole rows' documents
+        flops = sum(self.model_flops(whole) for whole, _ in parts) / self.cfg.parallel.sequence_parallel
         # DeepSpeed averages gradients over micro batches and data-parallel ranks; undo that so the gradient
         # is that of (sum of token losses) / (loss tokens in the global batch). Summed on the device: no wait.
         global_targets = self._on_device([float(targets)])
@@ -257,7 +294,7 @@ class TrainModule:
                 engine.step()  # (not a boundary: DeepSpeed only counts the micro step)
         # the boundary: one reduction of the step's statistics, the one wait for the device in the step, once
         # the gradient norm is known: here without ZeRO, inside DeepSpeed's step (before the update) with it
-        stats = torch.cat([torch.stack([loss_sum, bad, z_sum]), self._on_device([float(stop_requested()), real])])
+        stats = torch.cat([torch.stack([loss_sum, bad, z_sum]), self._on_device([float(stop_requested()), flops])])
         verdicts: list[Verdict] = []
 
         def judge(norm: torch.Tensor | None) -> bool:
@@ -282,7 +319,7 @@ class TrainModule:
         return StepResult(
             verdict.loss,
             tokens,
-            round(verdict.real_tokens / self.tp),
+            verdict.model_flops / self.tp,
             finite,
             verdict.stop,
             lr,
@@ -298,7 +335,7 @@ class TrainModule:
         norm: torch.Tensor | None,
         reject: Callable[[float, float | None], bool] | None,
     ) -> Verdict:
-        """All-reduce this rank's ``stats`` (loss sum, non-finite losses, z-loss sum, stop flag, real tokens) with the
+        """All-reduce this rank's ``stats`` (loss sum, non-finite losses, z-loss sum, stop flag, model FLOPs) with the
         gradient norm ``norm`` (a device scalar, rank 0's: every rank holds the same; None: none computed) and
         read them in one transfer; then the verdict on the update, the same on every rank."""
         slot = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -307,7 +344,7 @@ class TrainModule:
             slot = torch.where(norm >= 0, norm.double(), math.nan).reshape(1).to(self.device)
         stats = torch.cat([stats, slot])
         dist.all_reduce(stats)
-        loss_total, n_bad, z_total, stop, real_total, grad_norm, targets_total = torch.cat(
+        loss_total, n_bad, z_total, stop, flops_total, grad_norm, targets_total = torch.cat(
             [stats, global_targets]
         ).tolist()
         # the cross-entropy and the z-loss apart (the loss optimised is their sum)
@@ -318,7 +355,7 @@ class TrainModule:
         # (fp16: non-finite gradients are the loss scaler's to skip)
         finite = n_bad == 0 and (norm_finite or self.cfg.precision == "fp16")
         rejected = finite and reject is not None and reject(loss, grad_norm if norm_finite else None)
-        return Verdict(loss, grad_norm, finite, rejected, stop > 0, real_total, z_loss)
+        return Verdict(loss, grad_norm, finite, rejected, stop > 0, flops_total, z_loss)
 
     # ---------------------------------------------------------------------------------- checkpoints
 
@@ -355,6 +392,18 @@ class TrainModule:
         on CUDA the copies come from pinned memory and do not wait); ``whole``: the batch the masks describe,
         when ``batch`` is this rank's part of its sequences."""
         return batch_to_device(batch, self.device, self.cfg.model.arch, self.varlen, whole)
+
+    @functools.cached_property
+    def size(self) -> ModelSize:
+        return model_size(self.cfg.model, self.cfg.data.seq_len)
+
+    def model_flops(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """The training FLOPs of ``batch``'s documents (:func:`flops.documents_flops`), counted on the host."""
+        if self.cfg.model.arch == "encoder_decoder":
+            return self.size.flops_per_token * real_positions(batch)
+        segments = batch.get("segment_ids")
+        shape = tuple(batch["input_ids"].shape)
+        return documents_flops(self.size, document_lengths(None if segments is None else segments.numpy(), shape))
 
     def _on_device(self, values: list[float]) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.float64)
@@ -501,10 +550,7 @@ def unclipped_grad_norm(module: torch.nn.Module, tensor_parallel: int) -> torch.
             split = tensor_parallel > 1 and partition_dim(name) is not None
             (sharded if split else replicated).append(param.grad.detach())
     device = next(module.parameters()).device
-    squares = [
-        sum((torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads), torch.zeros((), device=device))
-        for grads in (sharded, replicated)
-    ]
+    squares = [squared_norm(grads, device).to(device) for grads in (sharded, replicated)]
     if tensor_parallel > 1:
         from deepspeed.utils import groups
 

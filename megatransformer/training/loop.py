@@ -19,13 +19,15 @@ from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
 from megatransformer.model.latent_attention import core_head_dim, describe_value_width
 from megatransformer.training import cpu_bf16, spikes
+from megatransformer.training.collector import GarbageCollection
+from megatransformer.training.compiled import CompileWatch, describe_compile
 from megatransformer.training.data import build_run_loader, small_validation_warning
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import TrainModule
 from megatransformer.training.layout import describe_layout, zero_stage_notes
 from megatransformer.training.metrics import Reporter, finite_or_none, peak_tflops
-from megatransformer.training.optim import warmup_warning
-from megatransformer.training.resume import plan_resume, rollback_target
+from megatransformer.training.optim import branch_decay, warmup_warning
+from megatransformer.training.resume import decay_start, plan_resume, rollback_target
 from megatransformer.training.trackers import resolved_config, run_facts
 from megatransformer.training.watchdog import Watchdog
 
@@ -71,6 +73,9 @@ class Trainer:
     def __init__(
         self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None, preemption: Preemption | None = None
     ) -> None:
+        start = decay_start(cfg)
+        if start is not None:  # (a decay branched from another run's checkpoint)
+            cfg = branch_decay(cfg, start)
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         # decided before the engine: on another layout it is built from the checkpoint's weights
         self.resume = plan_resume(cfg, dist_info.world_size, torch.device(dist_info.device).type, tokenizer.sha256)
@@ -146,11 +151,14 @@ class Trainer:
             )
             if cfg.model.attention == "mla":
                 print(describe_value_width(cfg.model))
-            matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, cfg.train.compile)
+            print(describe_compile(cfg, torch.device(self.dist.device).type))
+            matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, self.module.compiled)
             if matmuls is not None:
                 print(matmuls)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
+            if self.module.optimizer_line:
+                print(self.module.optimizer_line)
             for warning in (warmup_warning(cfg), self.validation_warning):
                 if warning:
                     print(warning)
@@ -163,12 +171,13 @@ class Trainer:
             self.spikes.rollbacks,
         )
         watchdog = Watchdog(cfg, self.dist.rank)  # (a hang ends the run with the stacks on file)
-        flops = size.flops_per_token  # per position that holds a token
         peak = peak_tflops(cfg, self.dist.device)  # None on a CPU without train.peak_tflops: no MFU
         peak_flops = peak * 1e12 * self.dist.world_size if peak else None
-        report.message(first_step_note(cfg, self.state.step))
+        report.message(first_step_note(cfg, self.state.step, self.module.compiled))
         batches = iter(self.train_loader)
-        exit_code, window_start, window_tokens, window_real, step_seconds = 0, time.perf_counter(), 0, 0, 0.0
+        collector = GarbageCollection(cfg.train.gc_every)
+        compile_watch = CompileWatch() if self.module.compiled else None
+        exit_code, window_start, window_tokens, window_flops, step_seconds = 0, time.perf_counter(), 0, 0.0, 0.0
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
             watchdog.arm()
@@ -176,9 +185,12 @@ class Trainer:
             step_seconds = time.perf_counter() - started
             watchdog.disarm(step_seconds)
             self.state.step += 1
+            collector.step(self.state.step)
+            if compile_watch is not None and (line := compile_watch.after_step()) is not None:
+                report.message(line)
             self.state.tokens += result.tokens
             window_tokens += result.tokens
-            window_real += result.real_tokens
+            window_flops += result.model_flops
             self.state.bad_steps = 0 if result.finite else self.state.bad_steps + 1
             report.progress(self.state.step, result.loss, result.tokens / step_seconds, step_seconds)
             if self.state.step % cfg.train.log_every == 0 or self.state.step == cfg.train.max_steps:
@@ -193,13 +205,13 @@ class Trainer:
                         "grad_norm": finite_or_none(result.grad_norm),
                         "tokens": self.state.tokens,
                         "tokens_per_s": tokens_per_s,
-                        "mfu": window_real / seconds * flops / peak_flops if peak_flops else None,
+                        "mfu": window_flops / seconds / peak_flops if peak_flops else None,
                         "bad_steps": self.state.bad_steps,
                         "skipped_shards": len(self.train_loader.skipped_shards),
                         **device_memory(self.dist.device),
                     }
                 )
-                window_start, window_tokens, window_real = time.perf_counter(), 0, 0
+                window_start, window_tokens, window_flops = time.perf_counter(), 0, 0.0
             if not result.finite:
                 report.message(
                     f"step {self.state.step}: non-finite loss or gradients, update skipped "
@@ -240,6 +252,7 @@ class Trainer:
         with watchdog.watching("a checkpoint"):
             self.save()
         watchdog.close()
+        collector.close()
         report.close()
         return exit_code
 
@@ -326,10 +339,10 @@ class Trainer:
         return self.module.evaluate([batch for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader)])
 
 
-def first_step_note(cfg: RunConfig, step: int) -> str:
+def first_step_note(cfg: RunConfig, step: int, compiled: bool) -> str:
     """What the seconds before the first step line are spent on."""
     work = ["the data loader starts", "the first batches are read", "memory is allocated"]
-    if cfg.train.compile:
+    if compiled:
         work.append("torch.compile compiles the model")
     return (
         f"step {step + 1}: first step of this process ({', '.join(work)}): slower than the rest; "

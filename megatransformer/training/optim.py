@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megatransformer.config import RunConfig
+from megatransformer.config import ConfigError, RunConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_everything: bool) -> list[dict]:
@@ -45,7 +45,42 @@ def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
             return floor + (1 - floor) * (1 - progress)
         return 1.0
 
-    return factor
+    def wsd(step: int) -> float:
+        step += 1
+        if step <= warmup:
+            return step / max(warmup, 1)
+        decay = wsd_decay_steps(cfg)
+        progress = (step - (total - decay)) / max(decay, 1)
+        if progress <= 0:
+            return 1.0
+        progress = min(progress, 1.0)
+        shape = {
+            "linear": 1 - progress,
+            "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
+            "1-sqrt": 1 - math.sqrt(progress),
+        }[s.decay_shape]
+        return floor + (1 - floor) * shape
+
+    return wsd if s.name == "wsd" else factor
+
+
+def wsd_decay_steps(cfg: RunConfig) -> int:
+    """Length of the final decay of a wsd schedule: schedule.decay_steps, else decay_fraction of the run."""
+    s = cfg.schedule
+    return s.decay_steps if s.decay_steps is not None else round(s.decay_fraction * cfg.train.max_steps)
+
+
+def branch_decay(cfg: RunConfig, start_step: int) -> RunConfig:
+    """``cfg`` with its wsd decay running from ``start_step`` (the step of schedule.decay_from's checkpoint) to
+    train.max_steps."""
+    total = cfg.train.max_steps
+    if start_step >= total:
+        raise ConfigError(
+            f"schedule.decay_from={cfg.schedule.decay_from} is at step {start_step}, not before "
+            f"train.max_steps={total}; set train.max_steps to that step plus the decay's length"
+        )
+    schedule = cfg.schedule.model_copy(update={"decay_steps": total - start_step})
+    return cfg.model_copy(update={"schedule": schedule})
 
 
 def warmup_warning(cfg: RunConfig) -> str | None:

@@ -14,7 +14,8 @@ import torch
 
 from data_pipeline.loader import check_data as check_shards
 from data_pipeline.tokenizer import TokenizerInfo
-from megatransformer.config import ConfigError, RunConfig
+from megatransformer.config import ConfigError, RunConfig, precision_dtype
+from megatransformer.model import gpu_cores
 from megatransformer.model.attention import FLASH_ATTN_INSTALL, flash_attn_module
 from megatransformer.training.data import loader_settings
 from megatransformer.training.layout import data_parallel_size, resolve_batch_sizes
@@ -32,6 +33,17 @@ def check_before_start(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
 def check_device(cfg: RunConfig, device: str) -> None:
     """Precision and attention backend against what ``device`` ("cuda" or "cpu") can train with."""
     backend = cfg.model.attention_backend
+    refusal = gpu_cores.refusal(
+        backend,
+        device,
+        dropout=cfg.model.attention_dropout,
+        alibi=cfg.model.position == "alibi",
+        dtype=precision_dtype(cfg.precision),
+    )
+    if refusal is not None:
+        raise ConfigError(refusal)
+    if backend == "varlen" and device == "cpu":
+        raise ConfigError("model.attention_backend=varlen needs a CUDA GPU, this machine has none; use auto")
     if cfg.precision == "fp16" and device == "cpu":
         raise ConfigError("precision=fp16 needs a GPU; use precision=bf16 or fp32 on CPU")
     if backend == "flex" and device == "cpu":

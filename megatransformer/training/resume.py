@@ -63,6 +63,13 @@ def check_run_dir(cfg: RunConfig) -> None:
         ckpt.find_checkpoint(cfg.resume, f"resume={cfg.resume}")
     if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
         raise ConfigError(f"run_dir={cfg.run_dir} is a file, not a directory; choose another run_dir")
+    if cfg.schedule.decay_from is not None:
+        branch = ckpt.find_checkpoint(cfg.schedule.decay_from, f"schedule.decay_from={cfg.schedule.decay_from}")
+        if branch.resolve().is_relative_to(Path(cfg.run_dir).resolve()):
+            raise ConfigError(
+                f"schedule.decay_from={cfg.schedule.decay_from} is a checkpoint of run_dir={cfg.run_dir}: give the "
+                "decay a run_dir of its own"
+            )
     existing = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
     if cfg.resume is None and existing is not None:
         raise ConfigError(
@@ -81,11 +88,16 @@ def resolve_resume(cfg: RunConfig) -> Path | None:
 
 
 def _resolve_resume(cfg: RunConfig) -> Path | None:
-    if cfg.resume is None:
-        return None
+    """(schedule.decay_from: where a run that has no checkpoint of its own starts.)"""
+    branch = cfg.schedule.decay_from
     if cfg.resume == "auto":
-        return ckpt.newest_intact(ckpt.checkpoints_dir(cfg.run_dir))
-    path = ckpt.find_checkpoint(cfg.resume, f"resume={cfg.resume}")
+        own = ckpt.newest_intact(ckpt.checkpoints_dir(cfg.run_dir))
+        if own is not None or branch is None:
+            return own
+    elif cfg.resume is None and branch is None:
+        return None
+    key, value = ("resume", cfg.resume) if branch is None else ("schedule.decay_from", branch)
+    path = ckpt.find_checkpoint(value, f"{key}={value}")
     try:
         ckpt.verify_checkpoint(path)
     except ckpt.CheckpointDamaged as err:
@@ -94,8 +106,16 @@ def _resolve_resume(cfg: RunConfig) -> Path | None:
             if isinstance(err, ckpt.CheckpointUnsafe)
             else ("; resume from another checkpoint (resume=auto skips damaged ones)")
         )
-        raise ConfigError(f"resume={cfg.resume}: {err}{hint}") from None
+        raise ConfigError(f"{key}={value}: {err}{hint}") from None
     return path
+
+
+def decay_start(cfg: RunConfig) -> int | None:
+    """The step of schedule.decay_from's checkpoint, where this run's decay begins (None without one)."""
+    if cfg.schedule.decay_from is None:
+        return None
+    path = ckpt.find_checkpoint(cfg.schedule.decay_from, f"schedule.decay_from={cfg.schedule.decay_from}")
+    return ckpt.read_trainer_state(path).step
 
 
 def plan_resume(
@@ -133,6 +153,14 @@ def plan_resume(
     saved_layout = (state.world_size, state.tensor_parallel, state.sequence_parallel, state.zero_stage)
     if saved_layout == (world_size, tp, sp, zero_stage):
         return ResumePlan(path, state, saved, None)
+    if cfg.optim.name == "muon" or saved.optim.name == "muon":
+        was = _layout(saved_sizes.dp, state.tensor_parallel, state.sequence_parallel, state.zero_stage)
+        raise ConfigError(
+            f"checkpoint {path} ({was}, {_ranks(state.world_size)}) and this run "
+            f"({_layout(sizes.dp, tp, sp, zero_stage)}, "
+            f"{_ranks(world_size)}) differ, and optim.name=muon resumes only on its own layout ({ckpt.OPTIMIZER} "
+            "holds no Muon momentum); resume on that layout, or start a new run from its weights with init_from="
+        )
     if not (path / ckpt.OPTIMIZER).is_file():
         raise ConfigError(
             f"checkpoint {path} has no {ckpt.OPTIMIZER} (written before elastic resume existed), so it resumes "

@@ -91,6 +91,7 @@ def test_the_packed_runs_attention_core_is_read_from_the_run_log(gpu_check):
         )
         == "sdpa"
     )
+    assert core(["attention: auto -> fa4 for every mask on cuda in bfloat16 (blackwell GPU; ...)"]) == "fa4"
     assert core([]) is None
 
 

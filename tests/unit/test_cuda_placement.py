@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.attention.varlen
 from support.attention import alibi_config, packed_batch
+from support.flash_registry import register_fake, restore_torch_impls
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from megatransformer.batch import IGNORE_INDEX
-from megatransformer.model import attention, build_model, masks
+from megatransformer.model import attention, build_model, gpu_cores, masks
 from megatransformer.training import engine
 
 CUDA = torch.device("cuda")
@@ -122,13 +123,19 @@ def same_device_varlen_attn(monkeypatch):
 
 @pytest.fixture
 def core(request, monkeypatch):
-    """The attention core ``auto`` takes on a GPU: flash-attn, or PyTorch's varlen_attn and SDPA."""
+    """The attention core ``auto`` takes on a GPU: flash-attn, flash-attn 4 through PyTorch's registry (a fake
+    registered on a Blackwell: SDPA's flash backend and varlen_attn), or PyTorch's varlen_attn and SDPA."""
     name = request.param
     monkeypatch.setattr(attention, "flash_attn_module", lambda: FakeFlashAttn if name == "flash" else None)
     monkeypatch.setattr(attention, "flash_attn_installed", lambda: name == "flash")
     monkeypatch.setattr(attention, "torch_varlen_available", lambda: name == "varlen")
     same_device_varlen_attn(monkeypatch)
-    return name
+    if name == "fa4":
+        monkeypatch.setattr(gpu_cores, "gpu_generation", lambda: "blackwell")
+        register_fake(monkeypatch, "FA4", [])
+    yield name
+    if name == "fa4":
+        restore_torch_impls()
 
 
 def step_on(device: torch.device, arch: str, position: str, mode: FakeTensorMode | None, monkeypatch):
@@ -172,12 +179,18 @@ ARCHS = [
 ]
 
 
-@pytest.mark.parametrize("core", ["flash", "varlen", "sdpa"], indirect=True)
+@pytest.mark.parametrize("core", ["flash", "fa4", "varlen", "sdpa"], indirect=True)
 @pytest.mark.parametrize("arch, position", ARCHS)
 def test_the_forward_with_its_loss_stays_on_cuda(core, arch, position, monkeypatch):
+    calls = []
+    if core == "fa4":
+        fa4 = attention.BACKENDS["fa4"]
+        monkeypatch.setitem(attention.BACKENDS, "fa4", lambda *args: calls.append(1) or fa4(*args))
     with torch.no_grad():
         _, loss = step_on(CUDA, arch, position, FakeTensorMode(), monkeypatch)
     assert loss.device.type == "cuda" and loss.shape == ()
+    if core == "fa4" and position != "alibi":  # (flash-attn 4 has no ALiBi: auto runs SDPA for those calls)
+        assert calls
 
 
 BACKWARD = [

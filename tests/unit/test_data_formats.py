@@ -154,7 +154,7 @@ def test_a_stream_reading_part_of_a_compressed_shard_decompresses_its_part_only(
     (info,) = Manifest.load(out).splits["train"]
     read_blocks = []
     from_sample = Block.from_sample
-    monkeypatch.setattr(Block, "from_sample", staticmethod(lambda s: read_blocks.append(1) or from_sample(s)))
+    monkeypatch.setattr(Block, "from_sample", staticmethod(lambda *a: read_blocks.append(1) or from_sample(*a)))
     (shard_set,) = resolve_datasets(str(out), "train", Retry())
     streams = [
         [ids.tolist() for ids, _, _ in DocumentReader(shard_set, 0, k, 8, False, 1, opener, 1).documents(Position())]

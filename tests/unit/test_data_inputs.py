@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,7 +18,7 @@ from support.data import shard_documents
 from data_pipeline import DataError, documents
 from data_pipeline.documents import input_files, read_documents
 from data_pipeline.merge import merge_parts
-from data_pipeline.parts import PART_RECORD, parse_part, part_name, part_pieces
+from data_pipeline.parts import PART_RECORD, parse_part, part_name, part_pieces, text_sizes
 from data_pipeline.shard import MANIFEST, Manifest, write_shards
 from megatransformer.cli import main
 
@@ -189,7 +190,7 @@ def test_a_part_of_empty_files_is_finished_and_merged_with_the_others(tiny_data,
 
 def test_parts_share_out_the_input_by_bytes_splitting_parquet_files_by_row_groups(inputs):
     whole = [(d.text, d.number) for d in read_documents(inputs)]
-    sizes = [os.path.getsize(name) for name in inputs]
+    sizes = [text for text, _ in text_sizes(inputs)]
     split = 0
     for n in (1, 2, 3, 7, 40):
         parts = [part_pieces(inputs, (k, n)) for k in range(1, n + 1)]
@@ -201,6 +202,27 @@ def test_parts_share_out_the_input_by_bytes_splitting_parquet_files_by_row_group
             )
     assert split > 5  # the parquet files were cut between parts
     assert whole[:2] == [(whole[0][0], 0), (whole[1][0], 1)]
+
+
+def test_parts_share_out_the_text_not_the_compressed_bytes(tiny_data, tmp_path):
+    """A .jsonl.gz of repetitive text holds many times its size: shared out by bytes on disk, it and the plain
+    file after it would both fall in part 1 and leave part 2 empty."""
+    docs = [d.text for d in read_documents([str(tiny_data.corpus)])][:60]
+    plain = "\n\n".join(docs[10:])
+    (tmp_path / "b.txt").write_text(plain)
+    lines: list[str] = []  # the first ten documents again and again, as long as the plain file
+    while sum(map(len, lines)) <= len(plain):
+        lines.append(json.dumps({"text": docs[len(lines) % 10]}) + "\n")
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.writelines(lines)
+    files = [str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.txt")]
+    assert 4 * os.path.getsize(files[0]) < os.path.getsize(files[1])
+    chars = [sum(len(d.text) for d in read_documents(part_pieces(files, (k, 2)))) for k in (1, 2)]
+    assert min(chars) > 0.6 * max(chars), chars
+    assert [text for text, _ in text_sizes(files)] == [
+        len(gzip.decompress(Path(files[0]).read_bytes())),
+        os.path.getsize(files[1]),
+    ]
 
 
 @pytest.fixture(scope="module")

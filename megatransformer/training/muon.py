@@ -1,0 +1,181 @@
+"""Muon for the hidden matrices, AdamW for everything else, as one torch optimizer handed to DeepSpeed.
+
+Which parameters Muon updates is read from the model's structure before DeepSpeed sees it (the weights of
+``nn.Linear`` modules, tied embeddings and the output head excluded), never from tensor shapes, which ZeRO
+flattens. The Muon update is ``torch.optim.Muon``'s, line for line (its Newton-Schulz iteration and its
+learning-rate adjustment of the matrix shape); under tensor parallelism each rank's shard of the update is
+gathered over the tensor-parallel group, orthogonalised as the whole matrix, and sliced back. Design notes and
+the stages it runs at: docs/optimizers.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from megatransformer.config import ConfigError, OptimConfig
+from megatransformer.model.head import LMHead
+from megatransformer.model.tp_plan import partition_dim
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
+NS_EPS = 1e-7
+
+
+def muon_parameter_names(model: nn.Module) -> set[str]:
+    """Names of the parameters Muon updates: the weights of the model's ``nn.Linear`` modules (attention and
+    feed-forward projections), except the output head's and any shared with an embedding."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, LMHead))}
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    return {
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad and id(p) in linear and id(p) not in embeddings and p.ndim == 2
+    }
+
+
+def muon_param_groups(model: nn.Module, o: OptimConfig, tensor_parallel: int) -> tuple[list[dict], str]:
+    """Parameter groups of :class:`MuonWithAdamW` for ``model`` and the run-log line that counts them.
+
+    Muon groups carry ``tp_dim``, the dimension their weights are split along under tensor parallelism; AdamW's
+    follow :func:`optim.param_groups`' weight-decay rule (matrices decayed; norms, biases, embeddings not)."""
+    chosen = muon_parameter_names(model)
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    linear -= {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}  # (a tied head's table)
+    muon: dict[int | None, list[nn.Parameter]] = {}
+    decay, no_decay, seen = [], [], set()
+    muon_elements = adam_elements = 0
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name in chosen:
+            dim = partition_dim(name) if tensor_parallel > 1 else None
+            muon.setdefault(dim, []).append(p)
+            muon_elements += p.numel()
+            continue
+        adam_elements += p.numel()
+        is_matrix = id(p) in linear
+        (decay if o.decay_norms_and_embeddings or is_matrix else no_decay).append(p)
+    muon_settings = {
+        "use_muon": True,
+        "lr": o.muon_lr,
+        "weight_decay": o.muon_weight_decay,
+        "momentum": o.muon_momentum,
+        "nesterov": o.muon_nesterov,
+        "ns_steps": o.muon_ns_steps,
+        "ns_dtype": o.muon_ns_dtype,
+        "adjust_lr_fn": o.muon_adjust_lr_fn,
+    }
+    groups = [{"params": ps, "tp_dim": dim, **muon_settings} for dim, ps in sorted(muon.items(), key=str)]
+    adam = {"use_muon": False, "lr": o.lr, "betas": tuple(o.betas), "eps": o.eps}
+    groups += [
+        {"params": decay, "weight_decay": o.weight_decay, **adam},
+        {"params": no_decay, "weight_decay": 0.0, **adam},
+    ]
+    n_muon = sum(len(g["params"]) for g in groups if g["use_muon"])
+    line = (
+        f"optimizer: Muon on {n_muon} matrices ({muon_elements:,} parameters, linear layers' weights), "
+        f"AdamW on {len(decay) + len(no_decay)} tensors ({adam_elements:,}: embeddings, head, norms, biases)"
+    )
+    return [g for g in groups if g["params"]], line
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` on the groups marked ``use_muon``, ``torch.optim.AdamW`` on the others, in one
+    optimizer whose state (``momentum_buffer`` for Muon's matrices; ``exp_avg``, ``exp_avg_sq``, ``step`` for
+    AdamW's tensors) saves and loads as any torch optimizer's.
+
+    ``tp_group`` (set once the engine exists): the tensor-parallel group the ``tp_dim`` of a Muon group refers
+    to; ``orthogonalize`` counts its calls in ``ns_calls``."""
+
+    def __init__(self, groups: list[dict], fused: bool = False) -> None:
+        super().__init__(groups, {})
+        self.tp_group: dist.ProcessGroup | None = None
+        self.ns_calls = 0
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    _check_matrix(p)
+        adam_groups = [g for g in self.param_groups if not g["use_muon"]]
+        self._adamw = torch.optim.AdamW(adam_groups, fused=fused) if adam_groups else None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_group(group)
+        if self._adamw is not None:
+            # (the same group dicts and state: the LR schedule and a loaded state dict reach both halves)
+            self._adamw.param_groups = [g for g in self.param_groups if not g["use_muon"]]
+            for group in self._adamw.param_groups:
+                for key, value in self._adamw.defaults.items():
+                    group.setdefault(key, value)
+            self._adamw.state = self.state
+            self._adamw.step()
+        return loss
+
+    def _muon_group(self, group: dict) -> None:
+        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            _check_matrix(p)  # (a wrapper may have put its own copies of the parameters into the groups)
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - beta)
+            update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
+            update, shape = self._orthogonalize_whole(update, group["tp_dim"], group["ns_steps"], group["ns_dtype"])
+            p.mul_(1 - lr * wd)
+            p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+
+    def _orthogonalize_whole(
+        self, shard: torch.Tensor, dim: int | None, steps: int, dtype: str
+    ) -> tuple[torch.Tensor, torch.Size]:
+        """Newton-Schulz of the whole matrix whose tensor-parallel shard (along ``dim``) this rank holds; this
+        rank's part of the result, and the whole matrix's shape."""
+        if dim is None or self.tp_group is None:
+            return self.orthogonalize(shard, steps, dtype), shard.shape
+        size = dist.get_world_size(self.tp_group)
+        parts = [torch.empty_like(shard) for _ in range(size)]
+        dist.all_gather(parts, shard.contiguous(), group=self.tp_group)
+        whole = torch.cat(parts, dim)
+        mine = self.orthogonalize(whole, steps, dtype).chunk(size, dim)[dist.get_rank(self.tp_group)]
+        return mine, whole.shape
+
+    def orthogonalize(self, update: torch.Tensor, steps: int, dtype: str) -> torch.Tensor:
+        self.ns_calls += 1
+        if dtype == "bf16":
+            return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, steps, NS_EPS)
+        return newton_schulz_fp32(update, steps)
+
+
+def _check_matrix(p: torch.Tensor) -> None:
+    if p.ndim != 2:
+        raise ConfigError(
+            f"optim.name=muon: a Muon parameter reached the optimizer as a tensor of shape {tuple(p.shape)} (a ZeRO "
+            "or precision wrapper flattened it), which cannot be orthogonalised; run parallel.zero_stage=0"
+        )
+
+
+def newton_schulz_fp32(update: torch.Tensor, steps: int) -> torch.Tensor:
+    """``torch.optim.Muon``'s Newton-Schulz iteration in fp32 instead of bf16."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x

@@ -1,0 +1,106 @@
+"""Packed batches compile once: over 50 steps of documents of changing lengths, each Transformer block compiled
+as the trainer compiles it (``compiled.compile_blocks``), the compiler works in the first two steps only: no
+recompile and no graph break after them, counted by dynamo's own counters (``compiled.CompileWatch``).
+
+The chunked core trains; the flex core runs forward only (FlexAttention has no backward on CPU); flash-attn's
+varlen path runs over the custom op of ``support.flash_ops`` (opaque to the compiler, as flash-attn's ops are),
+with the metadata the trainer builds for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from support.flash_ops import FLASH_OPS
+from support.models import tiny_config
+from support.runs import losses, tiny_run, train
+
+from megatransformer.model import attention, build_model
+from megatransformer.model.masks import batch_masks
+from megatransformer.training.compiled import CompileWatch, compile_blocks
+
+ROWS, T, STEPS = 2, 32, 50
+
+
+def packed_batch(rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    """Rows of 1-4 documents of random lengths (2-4 in the first: a batch of one document per row is a plain
+    causal mask, its own graph), the last row ending in 0-4 positions of padding."""
+    segments = np.zeros((ROWS, T), dtype=np.int64)
+    for row in range(ROWS):
+        cuts = np.sort(rng.choice(np.arange(1, T), size=rng.integers(row == 0, 4), replace=False))
+        segments[row] = np.searchsorted(cuts, np.arange(T), side="right") + 1
+    segments[-1, T - rng.integers(0, 5) :] = 0
+    return {"input_ids": torch.randint(0, 97, (ROWS, T)), "segment_ids": torch.from_numpy(segments)}
+
+
+def compiler_work_after_warmup(backend: str, train: bool, checkpointing: bool | str = False) -> list[str]:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    cfg = tiny_config(position="rope", attention_backend=backend, activation_checkpointing=checkpointing)
+    model = build_model(cfg).train(train)
+    assert compile_blocks(model) == 2
+    rng = np.random.default_rng(0)
+    watch, reports = CompileWatch(), []
+    for _ in range(STEPS):
+        batch = packed_batch(rng)
+        masks = batch_masks("decoder", batch, varlen=backend == "flash")
+        with torch.set_grad_enabled(train):
+            loss = model(input_ids=batch["input_ids"], masks=masks, labels=batch["input_ids"])
+            if train:
+                loss.backward()
+        reports.append(watch.after_step())
+    assert CompileWatch.counts()[0] > 0  # (the blocks were compiled)
+    return [line for line in reports if line is not None]
+
+
+@pytest.mark.parametrize("backend, train", [("chunked", True), ("flex", False)])
+def test_packed_batches_compile_once(backend, train):
+    assert compiler_work_after_warmup(backend, train) == []
+    assert CompileWatch.graph_break_reasons() == []
+
+
+@pytest.mark.parametrize("checkpointing", [True, "selective"])
+def test_checkpointed_compiled_blocks_compile_once(checkpointing):
+    assert compiler_work_after_warmup("chunked", True, checkpointing) == []
+    assert CompileWatch.graph_break_reasons() == []
+
+
+def test_packed_varlen_batches_compile_once(monkeypatch):
+    monkeypatch.setattr(attention, "flash_attn_module", lambda: FLASH_OPS)
+    assert compiler_work_after_warmup("flash", True) == []
+    assert CompileWatch.graph_break_reasons() == []
+
+
+class Doubling(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_recompile_after_warmup_is_reported():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    layer = Doubling()
+    layer.compile(backend="eager", dynamic=False)
+    watch = CompileWatch()
+    for _ in range(3):
+        layer(torch.ones(2, 4))
+        assert watch.after_step() is None
+    layer(torch.ones(3, 4))  # a new shape, with dynamic=False: compiled again
+    line = watch.after_step()
+    assert line is not None and "1 recompile(s), 0 graph break(s) in step 4" in line
+
+
+def test_a_compiled_cpu_run_trains_as_the_eager_one_and_says_so(tiny_data, tmp_path):
+    """``train.compile=true`` on CPU: each block compiled behind DeepSpeed's engine, the run log says so and reports
+    no recompilation after warm-up, and the losses are the eager run's (the compiler may reorder float sums)."""
+    runs = {}
+    for compiled in (False, True):
+        run = tmp_path / f"compile-{compiled}"
+        result = train(tiny_run(tiny_data, run, steps=6) + [f"train.compile={str(compiled).lower()}"])
+        runs[compiled] = losses(run)
+        expected = "torch.compile: each Transformer block (train.compile)" if compiled else "torch.compile: off"
+        assert expected in result.stdout
+        assert "after warm-up" not in result.stdout
+    assert runs[True] == pytest.approx(runs[False], rel=1e-3)

@@ -1,0 +1,165 @@
+"""Muon with AdamW (training/muon.py): torch.optim.Muon's updates, the parameters it takes, the layouts it refuses,
+and the planner's count of its state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.models import run_config, tiny_config
+
+from megatransformer.config import ConfigError, OptimConfig
+from megatransformer.model import build_model
+from megatransformer.training.muon import MuonWithAdamW, muon_param_groups, muon_parameter_names
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def model(**fields):
+    torch.manual_seed(0)
+    return build_model(tiny_config(**fields))
+
+
+def test_muon_takes_the_linear_layers_weights_and_nothing_else():
+    m = model()
+    chosen = muon_parameter_names(m)
+    expected = {
+        f"decoder.layers.{i}.{part}.{p}.weight"
+        for i in range(2)
+        for part, ps in (("self_attn", PROJECTIONS[:4]), ("ffn", PROJECTIONS[4:]))
+        for p in ps
+    }
+    assert chosen == expected
+    assert all(p.ndim == 2 for n, p in m.named_parameters() if n in chosen)
+
+
+def test_an_untied_output_head_and_the_embeddings_stay_with_adamw():
+    m = model(tie_embeddings=False)
+    names = {n for n, _ in m.named_parameters()}
+    assert "lm_head.weight" in names
+    chosen = muon_parameter_names(m)
+    assert "lm_head.weight" not in chosen and "embed_tokens.weight" not in chosen
+    assert len(chosen) == 14
+
+
+def test_latent_attention_and_cross_attention_matrices_get_muon_too():
+    mla = muon_parameter_names(model(attention="mla", kv_lora_rank=16, n_kv_heads=None))
+    assert {"decoder.layers.0.self_attn.kv_a_proj.weight", "decoder.layers.0.self_attn.kv_b_proj.weight"} <= mla
+    seq2seq = model(arch="encoder_decoder")
+    chosen = muon_parameter_names(seq2seq)
+    assert any(".cross_attn." in n for n in chosen)
+    assert [n for n, p in seq2seq.named_parameters() if p.ndim == 2 and n not in chosen] == ["embed_tokens.weight"]
+
+
+def test_groups_count_every_parameter_once_and_say_so():
+    m = model()
+    groups, line = muon_param_groups(m, OptimConfig(name="muon"), tensor_parallel=1)
+    grouped = [id(p) for g in groups for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in m.parameters())
+    muon = sum(p.numel() for g in groups if g["use_muon"] for p in g["params"])
+    assert line.startswith(f"optimizer: Muon on 14 matrices ({muon:,} parameters")
+    assert {g["tp_dim"] for g in groups if g["use_muon"]} == {None}
+    (decayed,) = [g for g in groups if not g["use_muon"] and g["weight_decay"] > 0] or [{"params": []}]
+    assert decayed["params"] == []  # the tied embedding, norms: AdamW without decay
+
+
+def test_tensor_parallel_groups_know_each_matrix_split():
+    groups, _ = muon_param_groups(model(), OptimConfig(name="muon"), tensor_parallel=2)
+    dims = {g["tp_dim"]: len(g["params"]) for g in groups if g["use_muon"]}
+    assert dims == {0: 10, 1: 4}  # q, k, v, gate, up by output; o, down by input
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
+    """The same model stepped by MuonWithAdamW and by torch.optim.Muon + torch.optim.AdamW on the same
+    gradients: bit for bit the same weights after five steps."""
+    o = OptimConfig(
+        name="muon",
+        lr=1e-2,
+        muon_lr=0.05,
+        muon_momentum=0.9,
+        muon_nesterov=nesterov,
+        muon_ns_steps=4,
+        muon_adjust_lr_fn=adjust,
+        muon_weight_decay=0.1,
+        weight_decay=0.05,
+    )
+    ours, ref = model(tie_embeddings=False), model(tie_embeddings=False)  # (an output head AdamW decays)
+    groups, _ = muon_param_groups(ours, o, 1)
+    optimizer = MuonWithAdamW(groups)
+    ref_params = dict(ref.named_parameters())
+    chosen = muon_parameter_names(ref)
+    muon = torch.optim.Muon(
+        [ref_params[n] for n in chosen],
+        lr=o.muon_lr,
+        weight_decay=o.muon_weight_decay,
+        momentum=o.muon_momentum,
+        nesterov=nesterov,
+        ns_steps=o.muon_ns_steps,
+        adjust_lr_fn=adjust,
+    )
+    linear = {id(m.weight) for m in ref.modules() if isinstance(m, torch.nn.Linear)} - {id(ref.embed_tokens.weight)}
+    rest = [p for n, p in ref.named_parameters() if n not in chosen]
+    adamw = torch.optim.AdamW(
+        [
+            {"params": [p for p in rest if id(p) in linear], "weight_decay": o.weight_decay},
+            {"params": [p for p in rest if id(p) not in linear], "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+    )
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for (_, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        optimizer.step()
+        muon.step()
+        adamw.step()
+    assert optimizer.ns_calls == 5 * len(chosen)
+    for (name, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    assert set(optimizer.state_dict()["state"][0]) == {"momentum_buffer"}
+
+
+def test_fp32_newton_schulz_is_torchs_iteration_at_fp32_precision():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from megatransformer.training.muon import NS_COEFFICIENTS, NS_EPS, newton_schulz_fp32
+
+    for shape in ((24, 40), (40, 24)):
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        ours, torchs = newton_schulz_fp32(g, 5), _zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, NS_EPS)
+        assert ours.dtype == torch.float32 and ours.shape == g.shape
+        torch.testing.assert_close(ours, torchs.float(), atol=0.03, rtol=0)  # bf16's rounding apart
+        singular = torch.linalg.svdvals(ours)
+        assert singular.min() > 0.5 and singular.max() < 1.5  # near-orthogonal, as the quintic leaves it
+
+
+def test_a_flattened_muon_parameter_is_refused():
+    flat = torch.nn.Parameter(torch.zeros(12))
+    with pytest.raises(ConfigError, match=r"tensor of shape \(12,\).*flattened"):
+        MuonWithAdamW([{"params": [flat], "use_muon": True, "tp_dim": None}])
+
+
+def test_planner_counts_one_buffer_for_muons_matrices():
+    from megatransformer.planner import Layout, muon_elements, state_parts
+
+    adamw, muon = run_config(), run_config(optim={"name": "muon"})
+    layout = Layout(1, 1, 1, 0, activation_checkpointing=False, mlp_tiles=1, offload=False, micro_batch=1, accum=1)
+    held_adamw = state_parts(adamw, layout, engine=True)[0]["optimizer_states"]
+    held_muon = state_parts(muon, layout, engine=True)[0]["optimizer_states"]
+    matrices = muon_elements(muon.model, 1)
+    assert matrices == sum(
+        p.numel() for n, p in build_model(muon.model).named_parameters() if n.endswith("proj.weight")
+    )
+    assert held_adamw - held_muon == 4 * matrices
+
+
+def test_the_planner_offers_muon_only_the_zero_0_layouts():
+    from megatransformer.planner import find_gpu, plan
+
+    result = plan(run_config(optim={"name": "muon"}), find_gpu("H100"), 4, 4, None, 16)
+    assert result.layouts and {p.layout.zero for p in result.layouts} == {0}
+    assert {p.layout.tp for p in result.layouts} > {1}  # tensor parallelism stays offered
