@@ -157,10 +157,22 @@ def host_batch(cfg: RunConfig) -> dict[str, torch.Tensor]:
         batch["prefix_len"] = torch.stack(prefixes)
         inside = torch.arange(length) < batch["prefix_len"] - 1
         batch["labels"] = batch["labels"].masked_fill(inside, IGNORE_INDEX)
-    if cfg.model.arch == "encoder_decoder":
-        batch["decoder_input_ids"] = batch["input_ids"].clone()
-        batch["decoder_segment_ids"] = batch["segment_ids"].clone()
-        batch["decoder_position_ids"] = batch["position_ids"].clone()
+    if cfg.model.arch == "encoder_decoder":  # the decoder's row: as long as the planner says (span corruption:
+        # the targets of the row's examples, side by side)
+        from megatransformer.planner import row_lengths
+
+        target = row_lengths(cfg)[1]
+        decoder = {"segment_ids": [], "position_ids": []}
+        for row in batch["segment_ids"]:
+            documents = torch.bincount(row)[1:]
+            lengths = (documents * target // length).clamp(min=1)
+            lengths[-1] += target - lengths.sum()
+            decoder["segment_ids"].append(torch.repeat_interleave(torch.arange(1, len(lengths) + 1), lengths))
+            decoder["position_ids"].append(torch.cat([torch.arange(int(n)) for n in lengths]))
+        batch["decoder_input_ids"] = torch.randint(0, vocab, (rows, target), generator=gen)
+        batch["labels"] = torch.randint(0, vocab, (rows, target), generator=gen)
+        batch["decoder_segment_ids"] = torch.stack(decoder["segment_ids"])
+        batch["decoder_position_ids"] = torch.stack(decoder["position_ids"])
     return batch
 
 

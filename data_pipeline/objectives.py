@@ -286,6 +286,24 @@ def span_lengths(raw_len: int, density: float, mean_span: float) -> tuple[int, i
     return noise, spans
 
 
+def span_corruption_cost(n: int, args: ObjectiveArgs) -> tuple[int, int]:
+    """The (input, target) tokens of a span-corruption example of n raw tokens: the kept tokens and a sentinel a
+    span, the noise and a sentinel a span, EOS ending both."""
+    noise, spans = span_lengths(n, args.noise_density, args.mean_noise_span_length)
+    return n - noise + spans + 1, noise + spans + 1
+
+
+def span_corruption_window(seq_len: int, args: ObjectiveArgs) -> tuple[int, int]:
+    """(raw tokens of the longest span-corruption example whose input fits ``seq_len``, that example's target
+    tokens: the decoder's length of a row)."""
+    if span_corruption_cost(SpanCorruption.min_tokens, args)[0] > seq_len:
+        raise DataError(f"data.seq_len={seq_len} is too short for an encoder-decoder example")
+    n = SpanCorruption.min_tokens
+    while span_corruption_cost(n + 1, args)[0] <= seq_len:
+        n += 1
+    return n, span_corruption_cost(n, args)[1]
+
+
 def random_segmentation(total: int, parts: int, rng: np.random.Generator) -> np.ndarray:
     """Split ``total`` items into ``parts`` non-empty runs at random; returns the run lengths."""
     cuts = np.sort(rng.choice(total - 1, size=parts - 1, replace=False) + 1) if parts > 1 else []
@@ -304,9 +322,7 @@ class SpanCorruption(EncoderDecoderObjective):
     def __init__(self, seq_len: int, tok: TokenizerInfo, packed: bool, args: ObjectiveArgs) -> None:
         super().__init__(seq_len, tok, packed)
         self.args, self.eos = args, tok.require("eos", "objective=span_corruption")
-        self.capacity = (seq_len, 1 << 30)
-        self.window = self.largest_window()
-        self.target_len = self.cost(self.window)[1]
+        self.window, self.target_len = span_corruption_window(seq_len, args)
         self.capacity = (seq_len, self.target_len)
         spans = span_lengths(self.window, args.noise_density, args.mean_noise_span_length)[1]
         if len(tok.sentinel_ids) < spans:
@@ -317,8 +333,7 @@ class SpanCorruption(EncoderDecoderObjective):
         self.sentinels = np.array(tok.sentinel_ids, dtype=np.int64)
 
     def cost(self, n: int) -> tuple[int, int]:
-        noise, spans = span_lengths(n, self.args.noise_density, self.args.mean_noise_span_length)
-        return n - noise + spans + 1, noise + spans + 1
+        return span_corruption_cost(n, self.args)
 
     def noise_mask(self, n: int, rng: np.random.Generator) -> np.ndarray:
         """Alternating kept and noise runs (starting with kept), run lengths random, counts as span_lengths."""

@@ -95,6 +95,13 @@ MAX_VOCAB = 1 << 22
 """Largest model.vocab_size accepted: the largest vocabularies in use hold about 256k tokens (Gemma's
 262,144); 2**22 leaves 16x headroom and still refuses a typo such as 1e9, whose embedding table alone would
 need terabytes (the run would die allocating it, with a traceback)."""
+MAX_LAYERS = 1 << 12
+"""Largest model.n_layers and n_decoder_layers accepted: models in use have up to about 130 blocks and the
+deepest trained (DeepNet) 1,000; 4,096 leaves room and refuses a typo such as 10**6."""
+MAX_WIDTH = 1 << 20
+"""Largest model.d_model and d_ff accepted: the widest in use are about 25k (d_model) and 74k (PaLM's d_ff)."""
+MAX_SEQ_LEN = 1 << 24
+"""Largest model.max_seq_len accepted: the longest contexts in use hold about 10M tokens."""
 MIN_LR = 1e-10
 """Smallest optim.lr accepted: fine-tuning rates go down to about 1e-7; a rate of 1e-10 moves a weight of 0.02 by
 one part in a few hundred million a step, below fp32's resolution, so anything smaller (a typo such as 3e-40, or
@@ -187,21 +194,21 @@ _ROPE_SCALING_DEFAULTS = {
 class ModelConfig(Section):
     arch: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"
     """decoder: causal LM; encoder: bidirectional (masked-LM); encoder_decoder: seq2seq with cross-attention."""
-    d_model: PositiveInt = 512
+    d_model: Annotated[int, Field(gt=0, le=MAX_WIDTH)] = 512
     """Hidden size of the residual stream."""
-    n_layers: PositiveInt = 6
+    n_layers: Annotated[int, Field(gt=0, le=MAX_LAYERS)] = 6
     """Number of blocks (of the encoder, for encoder_decoder)."""
-    n_decoder_layers: PositiveInt | None = None
+    n_decoder_layers: Annotated[int, Field(gt=0, le=MAX_LAYERS)] | None = None
     """Decoder blocks of an encoder_decoder model; defaults to n_layers."""
     n_heads: PositiveInt = 8
     """Query heads per attention layer."""
     n_kv_heads: PositiveInt | None = None
     """Key/value heads: n_heads for MHA, fewer for GQA, 1 for MQA; defaults to n_heads."""
-    d_ff: PositiveInt = 2048
+    d_ff: Annotated[int, Field(gt=0, le=MAX_WIDTH)] = 2048
     """Inner width of the feed-forward network (per branch for swiglu)."""
     vocab_size: Annotated[int, Field(gt=0, le=MAX_VOCAB)] = 32000
     """Token vocabulary size (must cover the tokenizer's ids)."""
-    max_seq_len: PositiveInt = 2048
+    max_seq_len: Annotated[int, Field(gt=0, le=MAX_SEQ_LEN)] = 2048
     """Longest sequence the model accepts (sizes learned and sinusoidal position tables; ALiBi has no limit)."""
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     """Normalisation layer."""
@@ -824,6 +831,8 @@ def resolve_config(path: str | Path) -> Path:
     name = given.name[: -len(".yaml")] if given.name.endswith(".yaml") else given.name
     if given.parent == Path(".") and name in shipped:
         return shipped[name]
+    if name in shipped:  # (a path into a clone's configs/, given outside one)
+        raise ConfigError(f"config file {path} does not exist here; the shipped config of that name is --config {name}")
     raise ConfigError(
         f"config file {path} does not exist; give a YAML path or the name of a shipped config ({', '.join(shipped)})"
     )

@@ -15,7 +15,7 @@ Megatron-LM and torchtitan count document masks), the numerator of the trainer's
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -51,19 +51,29 @@ class ModelSize:
         return asdict(self)
 
 
-def model_size(cfg: ModelConfig, seq_len: int | None = None) -> ModelSize:
-    from megatransformer.model import build_model
+def one_block_per_stack(cfg: ModelConfig) -> tuple[nn.Module, Callable[[str], int]]:
+    """The model of ``cfg`` with one block per stack, on the meta device, and the copies of each of its
+    parameters or modules (by name) the whole model holds: a block's, one per layer of its stack (the blocks
+    of a stack are alike), so that sizes are counted without building thousands of blocks."""
+    from megatransformer.model.transformer import ARCHITECTURES
 
-    seq_len = seq_len or cfg.max_seq_len
+    one = cfg.model_copy(update={"n_layers": 1, "n_decoder_layers": 1 if cfg.n_decoder_layers else None})
+    layers = {"encoder": cfg.n_layers, "decoder": cfg.decoder_layers if cfg.arch == "encoder_decoder" else cfg.n_layers}
     with torch.device("meta"):
-        model = build_model(cfg)
-    params = {id(p): p.numel() for p in model.parameters()}
+        model = ARCHITECTURES[one.arch](one)  # (shapes only: initialising meta tensors would cost seconds)
+    return model, lambda name: layers[name.split(".")[0]] if ".layers.0." in name else 1
+
+
+def model_size(cfg: ModelConfig, seq_len: int | None = None) -> ModelSize:
+    seq_len = seq_len or cfg.max_seq_len
+    model, copies = one_block_per_stack(cfg)
+    params = {id(p): p.numel() * copies(name) for name, p in model.named_parameters()}
     embeddings = {
         id(m.weight): m.weight.numel()
         for m in model.modules()
         if isinstance(m, nn.Embedding) or type(m).__name__ == "LearnedPositions"
     }
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    linear = sum(m.weight.numel() * copies(name) for name, m in model.named_modules() if isinstance(m, nn.Linear))
     window = cfg.attention_window or seq_len
     causal_keys, bidirectional_keys = min(seq_len, window), min(seq_len, 2 * window - 1)
     self_width = score_width(cfg)
@@ -142,12 +152,10 @@ class AttentionCost:
 
 def attention_costs(cfg: ModelConfig, seq_len: int | None = None) -> list[AttentionCost]:
     """Parameters, training FLOPs per token and KV-cache size of each kind of attention ``cfg`` builds."""
-    from megatransformer.model import build_model
     from megatransformer.model.transformer import kv_cache_dims
 
     seq_len = seq_len or cfg.max_seq_len
-    with torch.device("meta"):
-        model = build_model(cfg)
+    model, copies = one_block_per_stack(cfg)
     window = cfg.attention_window or seq_len
     generates = cfg.arch != "encoder"
     heads, key_dim, value_dim = kv_cache_dims(cfg)
@@ -155,24 +163,26 @@ def attention_costs(cfg: ModelConfig, seq_len: int | None = None) -> list[Attent
     stacks += [("decoder", model.decoder)] if hasattr(model, "decoder") else []
     costs = []
     for attribute, kind in (("self_attn", f"self ({cfg.attention})"), ("cross_attn", "cross (standard)")):
-        modules = [
-            (name, getattr(layer, attribute))
+        modules = [  # (stack, the module of its one block, layers of the stack)
+            (name, getattr(stack.layers[0], attribute), copies(f"{name}.layers.0."))
             for name, stack in stacks
-            for layer in stack.layers
-            if hasattr(layer, attribute)
+            if hasattr(stack.layers[0], attribute)
         ]
         if not modules:
             continue
-        params = sum(p.numel() for _, module in modules for p in module.parameters())
-        linear = sum(m.weight.numel() for _, module in modules for m in module.modules() if isinstance(m, nn.Linear))
+        count = sum(n for _, _, n in modules)
+        params = sum(n * p.numel() for _, module, n in modules for p in module.parameters())
+        linear = sum(
+            n * m.weight.numel() for _, module, n in modules for m in module.modules() if isinstance(m, nn.Linear)
+        )
         if attribute == "cross_attn":
-            keys, width, cached = seq_len, 2 * cfg.d_model, 2 * cfg.d_model * len(modules)
+            keys, width, cached = seq_len, 2 * cfg.d_model, 2 * cfg.d_model * count
         else:
-            causal = [name == "decoder" for name, _ in modules]
-            keys = sum(min(seq_len, window) if c else min(seq_len, 2 * window - 1) for c in causal) / len(modules)
+            causal = [(name == "decoder", n) for name, _, n in modules]
+            keys = sum(n * (min(seq_len, window) if c else min(seq_len, 2 * window - 1)) for c, n in causal) / count
             width = score_width(cfg)
-            cached = heads * (key_dim + value_dim) * sum(causal) if generates else None
-        stack_count = len({name for name, _ in modules})
-        flops = (6 * linear + 3 * 2 * keys * width * len(modules)) / stack_count
-        costs.append(AttentionCost(kind, len(modules), params, flops, cached))
+            cached = heads * (key_dim + value_dim) * sum(n for c, n in causal if c) if generates else None
+        stack_count = len({name for name, _, _ in modules})
+        flops = (6 * linear + 3 * 2 * keys * width * count) / stack_count
+        costs.append(AttentionCost(kind, count, params, flops, cached))
     return costs

@@ -800,12 +800,18 @@ def save_hf_dir(
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Llama, Mistral, Qwen3, GPT-2 or DeepSeek-V3 directory (config.json + *.safetensors, possibly sharded)
     into our names."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{path} has no config.json; expected a Hugging Face model directory")
-    hf = json.loads(config_path.read_text())
+    try:
+        hf = json.loads(config_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_path} is not JSON ({err})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_path} holds a JSON {type(hf).__name__}; a model's config is a JSON object")
     if hf.get("model_type") in UNEXPRESSIBLE:
         raise ValueError(f"{path} holds model_type={hf['model_type']!r}: {UNEXPRESSIBLE[hf['model_type']]}")
     family = next((f for f in FAMILIES if f.model_type == hf.get("model_type")), None)
@@ -817,13 +823,19 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reason = family.refusal(hf)
     if reason:
         raise ValueError(f"{path}: {reason}")
-    cfg = family.model_config(hf)
+    try:
+        cfg = family.model_config(hf)
+    except KeyError as err:
+        raise ValueError(f"{config_path} lacks {err.args[0]!r}, which a {family.name} config holds") from None
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no .safetensors weights (convert .bin weights with transformers first)")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        try:
+            state.update(load_file(str(file)))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{file} is not a readable safetensors file ({err}); download it again") from None
     weights = family.from_hf(state, cfg, **family.weight_options(hf))
     _check_shapes(weights, cfg, path)
     return cfg, weights

@@ -105,22 +105,21 @@ class Layout:
 # --------------------------------------------------------------------------------------------- memory
 
 
-_SIZES: dict[str, list[tuple[int, bool]]] = {}
+_SIZES: dict[str, list[tuple[int, bool, int]]] = {}
 
 
-def parameter_sizes(m: ModelConfig) -> list[tuple[int, bool]]:
-    """(elements, whether tensor parallelism splits it) of each parameter (tied ones once): the model built on
-    the meta device, its parameters sorted by the tensor-parallel plan."""
+def parameter_sizes(m: ModelConfig) -> list[tuple[int, bool, int]]:
+    """(elements, whether tensor parallelism splits it, copies) of each parameter (tied ones once), sorted by the
+    tensor-parallel plan; a block's counted once per layer of its stack (flops.one_block_per_stack)."""
     key = m.model_dump_json()
     if key not in _SIZES:
-        import torch
-
-        from megatransformer.model import build_model
+        from megatransformer.flops import one_block_per_stack
         from megatransformer.model.tp_plan import partition_dim
 
-        with torch.device("meta"):
-            model = build_model(m)
-        _SIZES[key] = [(p.numel(), partition_dim(name) is not None) for name, p in model.named_parameters()]
+        model, copies = one_block_per_stack(m)
+        _SIZES[key] = [
+            (p.numel(), partition_dim(name) is not None, copies(name)) for name, p in model.named_parameters()
+        ]
     return _SIZES[key]
 
 
@@ -143,12 +142,12 @@ def muon_elements(m: ModelConfig, tp: int) -> int:
 def parameter_counts(m: ModelConfig) -> tuple[int, int]:
     """(parameters tensor parallelism splits, parameters every rank keeps whole)."""
     sizes = parameter_sizes(m)
-    return sum(n for n, split in sizes if split), sum(n for n, split in sizes if not split)
+    return sum(n * k for n, split, k in sizes if split), sum(n * k for n, split, k in sizes if not split)
 
 
 def largest_parameter(m: ModelConfig, tp: int) -> int:
     """Elements of the largest parameter a tensor-parallel rank holds."""
-    return max(-(-n // tp) if split else n for n, split in parameter_sizes(m))
+    return max(-(-n // tp) if split else n for n, split, _ in parameter_sizes(m))
 
 
 def reduce_bucket_elements(m: ModelConfig, tp: int) -> int:
@@ -211,27 +210,31 @@ def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int
     block (``attention_transients``: the attention core's and the MLP's gradients)."""
     m, w = cfg.model, BYTES[cfg.precision]
     tp, sp = layout.tp, layout.sp
-    local = layout.micro_batch * cfg.data.seq_len // sp
-    stacks = [(m.n_layers, False)] + ([(m.decoder_layers, True)] if m.arch == "encoder_decoder" else [])
-    per_block = [block_kept(m, layout, cross) for _, cross in stacks]
+    source, target = row_lengths(cfg)
+    local, local_target = layout.micro_batch * source // sp, layout.micro_batch * target // sp
+    stacks = [(m.n_layers, False, local)] + (
+        [(m.decoder_layers, True, local_target)] if m.arch == "encoder_decoder" else []
+    )
+    per_block = [block_kept(m, layout, cross) for _, cross, _ in stacks]
     recomputed = 0
     if layout.activation_checkpointing:  # each block's input; in the backward, one block recomputed at a time
-        blocks = sum(n for n, _ in stacks) * m.d_model
-        recomputed = local * max(per_block) * w
+        blocks = sum(n * positions for n, _, positions in stacks) * m.d_model
+        recomputed = max(positions * v for (_, _, positions), v in zip(stacks, per_block)) * w
     else:
-        blocks = sum(n * v for (n, _), v in zip(stacks, per_block))
+        blocks = sum(n * positions * v for (n, _, positions), v in zip(stacks, per_block))
     # cos and sin, shared by the layers of a stack
     rope = 2 * (m.qk_rope_head_dim if m.attention == "mla" else m.head_dim) if m.position == "rope" else 0
     final_norm = m.d_model if m.norm_position == "pre" and m.final_norm else 0
-    model_level = len(stacks) * (final_norm + rope) + m.d_model  # + the loss's gradient of the hidden states
+    model_level = sum(positions for _, _, positions in stacks) * (final_norm + rope)
+    model_level += local_target * m.d_model  # the loss's gradient of the hidden states
     if m.arch == "encoder_decoder":
-        model_level += m.d_model  # the encoder's output, which every cross-attention projects
-    kept = local * (blocks + model_level) * w + rendered_masks(cfg, layout, kind)
+        model_level += local * m.d_model  # the encoder's output, which every cross-attention projects
+    kept = (blocks + model_level) * w + rendered_masks(cfg, layout, kind)
     # the fused loss: a chunk's fp32 logits and logsumexp's same-sized temporary; from the second chunk on, the
     # previous chunk's logits (and their gradient in the compute dtype) live until the new ones exist
     rows = max(1, chunk_logits(kind) // m.vocab_size)
-    per_logit = 8 if rows >= local else 12 + (w if w != 4 else 0)
-    loss_chunk = min(rows, local) * m.vocab_size * per_logit
+    per_logit = 8 if rows >= local_target else 12 + (w if w != 4 else 0)
+    loss_chunk = min(rows, local_target) * m.vocab_size * per_logit
     # the backward of the last block's attention: the gradient arriving at the core and the residual stream's,
     # the gradients of q, k, v (k and v summed in fp32 by the chunked core, with contiguous copies of the keys
     # and values a query chunk sees) and that chunk's scores, probabilities and their gradients; flash / SDPA
@@ -263,6 +266,17 @@ def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int
     }
 
 
+def row_lengths(cfg: RunConfig) -> tuple[int, int]:
+    """Positions of a row in the first stack and in the last (the one the loss reads): span corruption's decoder
+    sees the targets of the examples whose inputs fill the row (data_pipeline's span_corruption_window), any
+    other row is data.seq_len long in each stack."""
+    if cfg.model.arch == "encoder_decoder" and cfg.objective == "span_corruption":
+        from data_pipeline.objectives import span_corruption_window
+
+        return cfg.data.seq_len, span_corruption_window(cfg.data.seq_len, cfg.objective_args)[1]
+    return cfg.data.seq_len, cfg.data.seq_len
+
+
 def rendered_masks(cfg: RunConfig, layout: Layout, kind: str) -> int:
     """Bytes of the boolean mask chunks the CPU's attention core renders once per batch and keeps for every
     layer (``AttentionMask.blocked``, at most ``RENDERED_LIMIT`` a mask): for each mask of the model that is not
@@ -273,20 +287,20 @@ def rendered_masks(cfg: RunConfig, layout: Layout, kind: str) -> int:
 
     if kind != "cpu":
         return 0
-    m, length = cfg.model, cfg.data.seq_len
+    m, (length, target) = cfg.model, row_lengths(cfg)
     window = m.attention_window
 
-    def chunks(causal: bool, windowed: bool) -> int:
+    def chunks(causal: bool, windowed: bool, queries: int = length, keys_of: int = length) -> int:
         if windowed and window:
-            keys = min(length, (window + CORE_CHUNK) * (1 if causal else 2))
+            keys = min(keys_of, (window + CORE_CHUNK) * (1 if causal else 2))
         else:
-            keys = (length + CORE_CHUNK) // 2 if causal else length
-        return min(RENDERED_LIMIT, layout.micro_batch * length * min(keys, length))
+            keys = (keys_of + CORE_CHUNK) // 2 if causal else keys_of
+        return min(RENDERED_LIMIT, layout.micro_batch * queries * min(keys, keys_of))
 
     masks = {
         "decoder": [chunks(True, True)],
         "encoder": [chunks(False, True)],
-        "encoder_decoder": [chunks(False, True), chunks(True, True), chunks(False, False)],
+        "encoder_decoder": [chunks(False, True), chunks(True, True, target, target), chunks(False, False, target)],
     }[m.arch]
     return sum(masks)
 

@@ -224,9 +224,11 @@ def write_weights_checkpoint(
     tmp.mkdir(parents=True)
     stored, seen = {}, set()
     for name, tensor in weights.items():  # safetensors stores no two tensors of one storage (tied weights, views)
-        storage = tensor.untyped_storage().data_ptr()
-        stored[name] = tensor.contiguous() if storage not in seen else tensor.clone()
-        seen.add(storage)
+        tensor = tensor.contiguous()
+        if tensor.untyped_storage().data_ptr() in seen:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)  # (a plain clone keeps a view's strides)
+        seen.add(tensor.untyped_storage().data_ptr())
+        stored[name] = tensor
     save_safetensors(stored, tmp / WEIGHTS)
     (tmp / CONFIG).write_text(dump_config(cfg))
     if tokenizer is not None and Path(tokenizer).is_file():

@@ -57,7 +57,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatransformer.config import ConfigError, apply_overrides, validate
-    from megatransformer.inference import load_for_inference
 
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
@@ -68,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if args.bleu or args.hypotheses:
         _check_bleu_arguments(args)
     model_overrides, run_overrides = _split_overrides(args.overrides)
+    say(f"loading {args.checkpoint}")  # (PyTorch and the weights: seconds, on a busy machine tens of them)
+    from megatransformer.inference import load_for_inference
+
     loaded = load_for_inference(args.checkpoint, model_overrides=model_overrides)
     if loaded.tokenizer is None:
         raise ConfigError(f"{loaded.path} has no tokenizer.json")

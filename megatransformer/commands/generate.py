@@ -60,11 +60,7 @@ def add_beam_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from megatransformer.config import ConfigError
-    from megatransformer.inference import beam_decode, decoder_start_id, load_for_inference, new_token_limit
-    from megatransformer.model import stream
 
     if (
         args.temperature < 0
@@ -76,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--num-beams must be >= 1 and does not combine with --top-k / --top-p (beam search does not sample)"
         )
+    # (PyTorch and the weights: seconds, on a busy machine tens of them; stderr: stdout holds the text)
+    print(f"loading {args.checkpoint}", file=sys.stderr, flush=True)
+    import torch
+
+    from megatransformer.inference import beam_decode, decoder_start_id, load_for_inference, new_token_limit
+    from megatransformer.model import stream
+
     loaded = load_for_inference(args.checkpoint, model_overrides=args.overrides)
     tok = loaded.tokenizer
     if tok is None:

@@ -9,6 +9,7 @@ import json
 from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError, RunConfig, load_config
 
+GEMM_SECONDS = 0.3  # how long a CPU's GEMM speed is measured
 COLUMNS = (  # (memory part, column title)
     ("weights", "weights"),
     ("master_weights", "master"),
@@ -186,13 +187,19 @@ def cpu_tflops(precision: str) -> float:
     from megatransformer.training.cpu_bf16 import native_bf16_gemm
 
     dtype = torch.bfloat16 if precision != "fp32" and native_bf16_gemm() else torch.float32
-    a = torch.randn(1024, 1024, dtype=dtype)
-    best = float("inf")
-    for _ in range(4):
-        start = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - start)
+    a, out = torch.randn(1024, 1024, dtype=dtype), torch.empty(1024, 1024, dtype=dtype)
+    torch.matmul(a, a, out=out)  # (the thread pool started, the output's pages touched)
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < GEMM_SECONDS:  # the best of a few tenths of a second: a busy machine's
+        begin = time.perf_counter()  # other work takes the cores now and then, and the best product is the
+        torch.matmul(a, a, out=out)  # speed the step gets between its interruptions
+        best = min(best, time.perf_counter() - begin)
     return 2 * 1024**3 / best / 1e12
+
+
+def parameters_text(count: int) -> str:
+    """``count`` parameters in the unit that shows it: 1.63 M, 6.74 B."""
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.2f} M"
 
 
 def render(cfg: RunConfig, result, top: int | None, verbose: bool) -> str:
@@ -202,12 +209,16 @@ def render(cfg: RunConfig, result, top: int | None, verbose: bool) -> str:
     d = result.device
     params = model_size(cfg.model, cfg.data.seq_len).params
     if d.kind == "cpu":
+        from megatransformer.training.threads import other_load
+
         peak = f"GEMMs measured at {d.peak_tflops * 1e3:,.0f} GFLOP/s"
+        if (load := other_load()) >= 1:  # (the step times are as slow as the GEMMs were then)
+            peak += f" while {load:.0f} tasks of other work ran"
     else:
         peak = f"{d.peak_tflops:g} TFLOP/s bf16"
     lines = [
-        f"plan: {params / 1e9:.2f} B parameters, seq_len {cfg.data.seq_len}, global batch {result.global_batch} rows, "
-        f"{cfg.precision}, on {result.world} x {d.name} ({d.memory_gib:,.1f} GiB, {peak})",
+        f"plan: {parameters_text(params)} parameters, seq_len {cfg.data.seq_len}, global batch "
+        f"{result.global_batch} rows, {cfg.precision}, on {result.world} x {d.name} ({d.memory_gib:,.1f} GiB, {peak})",
         f"{'#':>4}  {'layout':44s} {'GiB':>7} "
         + " ".join(f"{title:>7}" for _, title in COLUMNS)
         + f" {'s/step':>9}  fits",

@@ -120,6 +120,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             if changed:
                 print(f"init_from={cfg.init_from}: this model differs from the checkpoint's: {', '.join(changed)}")
         code = trainer.run()
+        trainer.close()
         teardown()  # (every collective of the run is behind it)
     except (ConfigError, DataError, WriteFailed):  # found once the process group runs: end it first
         teardown()
@@ -145,6 +146,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         release(held)
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:
+        cfg = with_closing_prompt(cfg, overrides, tokenizer)
         if code == 0:
             print_sample(cfg, trainer.checkpoint, tokenizer)
         print_summary(cfg, code, time.perf_counter() - started, trainer.checkpoint, trainer.state)
@@ -170,6 +172,37 @@ def print_summary(cfg: RunConfig, code: int, wall_seconds: float, checkpoint: Pa
     has_metrics = (Path(cfg.run_dir) / "metrics.jsonl").is_file()
     plot = draw([cfg.run_dir], default_out([cfg.run_dir])) if has_metrics else None
     print(summary(cfg, code, wall_seconds, checkpoint, plot, state))
+
+
+def with_closing_prompt(cfg: RunConfig, overrides: list[str], tokenizer) -> RunConfig:
+    """``cfg`` with the prompt the closing sample and the suggested ``generate`` continue: on instruction data
+    the first training example's prompt (a fine-tuned model answers prompts like it, not the pretraining
+    config's ``train.sample_prompt``), unless one was given on the command line."""
+    if any(override.startswith("train.sample_prompt=") for override in overrides):
+        return cfg
+    prompt = first_instruction_prompt(cfg, tokenizer)
+    if prompt is None:
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"sample_prompt": prompt})})
+
+
+def first_instruction_prompt(cfg: RunConfig, tokenizer) -> str | None:
+    """The prompt of the first example of the first training dataset when it holds instructions, else None."""
+    from data_pipeline import DataError
+    from data_pipeline.loader import ShardOpener, Share, resolve_datasets
+    from data_pipeline.remote import Retry
+    from data_pipeline.shard import INSTRUCTIONS
+
+    retry = Retry(cfg.data.retries)
+    try:
+        shard_set = resolve_datasets(cfg.data.train, "train", retry)[0]
+        if shard_set.manifest.kind != INSTRUCTIONS:
+            return None
+        _, block = next(ShardOpener("error", retry).blocks(shard_set, Share(0, 0, 1)))
+    except (DataError, OSError, StopIteration):  # (read minutes ago by the run; gone since: the config's prompt)
+        return None
+    start = int(block.offsets[0])
+    return tokenizer.decode(block.ids[start : start + int(block.prompt_lens[0])].tolist(), skip_special=True)
 
 
 def print_sample(cfg: RunConfig, checkpoint: Path, tokenizer, max_new_tokens: int = 40) -> None:
@@ -251,9 +284,12 @@ def summary(
     ]
     if train:
         loss = train[-1]["loss"]
-        lines.append(f"  final train loss       {'nan' if loss is None else f'{loss:.4f}'}")
+        lines.append(f"  {_last('train loss', train[-1], step)} {'nan' if loss is None else f'{loss:.4f}'}")
     if valid:
-        lines.append(f"  final validation loss  {valid[-1]['val_loss']:.4f} (perplexity {valid[-1]['val_ppl']:,.2f})")
+        last = valid[-1]
+        lines.append(
+            f"  {_last('validation loss', last, step)} {last['val_loss']:.4f} (perplexity {last['val_ppl']:,.2f})"
+        )
     events = [r.get("event") for r in records]
     if any(events):
         lines.append(
@@ -268,6 +304,12 @@ def summary(
         named = checkpoint if checkpoint is not None and checkpoint != latest else None
         lines += ["next:", *(f"  {command}" for command in next_commands(cfg, named))]
     return "\n".join(lines)
+
+
+def _last(what: str, record: dict, step: int) -> str:
+    """The summary's label of the last ``record`` of a metric: "final" where it is of the step the run ended
+    at, else the step it is of (a run stopped between two evaluations)."""
+    return f"{'final ' + what:22s}" if record["step"] == step else f"{what} at step {record['step']:,}:"
 
 
 def next_commands(cfg: RunConfig, checkpoint: Path | None = None) -> list[str]:

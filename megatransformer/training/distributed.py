@@ -100,12 +100,20 @@ def end_with_launcher() -> None:
 
 
 def teardown() -> None:
-    """Destroy the process group at the end of a run that finished, as torchtitan does: its threads and
-    sockets end here rather than in the interpreter's shutdown."""
+    """Destroy every process group at the end of a run, as torchtitan does, after the train module is closed
+    (``TrainModule.close``): their gloo threads, sockets and the TCP store end here rather than in the
+    interpreter's shutdown. DeepSpeed's own ``destroy_process_group`` also drops the groups its modules keep
+    (``deepspeed.utils.groups``: ZeRO's clone of the world group; DeepSpeed 0.19.8), which torch's leaves alive
+    with their threads; the collection ends the engine's objects that still hold one."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.destroy_process_group()
+        import deepspeed.comm
+
+        deepspeed.comm.destroy_process_group()
+    gc.collect()
 
 
 _COMM_FILES = (f"torch{os.sep}distributed{os.sep}", f"deepspeed{os.sep}comm{os.sep}")

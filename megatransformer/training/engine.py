@@ -409,6 +409,14 @@ class TrainModule:
         host = torch.tensor(values, dtype=torch.float64)
         return to_device(host, self.device)
 
+    def close(self) -> None:
+        """Remove DeepSpeed's gradient hooks (``DeepSpeedEngine.destroy``, DeepSpeed 0.19.8): their closures,
+        held by the autograd graph where the garbage collector cannot see them, keep the engine, its model and
+        the process groups it holds alive to the interpreter's shutdown, their gloo threads running. The module
+        steps no more."""
+        self.engine.destroy()
+        del self.engine  # (the groups' last holder: teardown ends them)
+
     # ---------------------------------------------------------------------------------- evaluation
 
     @torch.no_grad()

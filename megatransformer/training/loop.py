@@ -345,6 +345,10 @@ class Trainer:
             record.update(self.downstream.run())
         return record
 
+    def close(self) -> None:
+        """Let the train module go (before the process group ends: training.distributed.teardown)."""
+        self.module.close()
+
     def evaluate(self) -> dict[str, float]:
         """Validation loss over the first train.eval_batches batches of the validation split (every rank
         reads the same batches; the train module deals them across data-parallel ranks)."""

@@ -61,6 +61,8 @@ def check_run_dir(cfg: RunConfig) -> None:
     checkpoint fails now (its files are verified later), and a fresh run never overwrites an old one."""
     if cfg.resume not in (None, "auto"):
         ckpt.find_checkpoint(cfg.resume, f"resume={cfg.resume}")
+    if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
+        raise ConfigError(f"run_dir={cfg.run_dir} is a file, not a directory; choose another run_dir")
     if cfg.schedule.decay_from is not None:
         branch = ckpt.find_checkpoint(cfg.schedule.decay_from, f"schedule.decay_from={cfg.schedule.decay_from}")
         if branch.resolve().is_relative_to(Path(cfg.run_dir).resolve()):

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,9 +58,12 @@ def lock_run_dir(run_dir: str | Path) -> RunDirLock | None:
     holds it. A record left by a holder that is gone (killed, requeued, restarted by torchrun) is taken over
     with a warning. None (with a warning) where the file system has no locks."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"run_dir={run_dir} is a file, not a directory; choose another run_dir") from None
     path = run_dir / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(path)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
@@ -83,6 +87,22 @@ def lock_run_dir(run_dir: str | Path) -> RunDirLock | None:
     os.pwrite(fd, record, 0)
     os.fsync(fd)
     return RunDirLock(path, fd)
+
+
+def _open_lock_file(path: Path) -> int:
+    """The lock file opened for writing, which must be a regular file of its own: a link (symbolic or hard) or
+    any other kind of file would have the run's record written, and truncated, elsewhere."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        what = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}.get(err.errno, err.strerror)
+        raise ConfigError(f"{path} is {what}, not a lock file; remove it (the run writes its lock there)") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        what = "a file with other names (a hard link)" if stat.S_ISREG(info.st_mode) else "not a regular file"
+        raise ConfigError(f"{path} is {what}, not a lock file; remove it (the run writes its lock there)")
+    return fd
 
 
 def _read(fd: int) -> dict[str, object] | None:

@@ -202,3 +202,20 @@ def test_the_summary_counts_the_steps_of_the_checkpoint_saved(tmp_path):
     assert text.startswith(
         "stopped early (checkpointed; run again with resume=auto to continue): 51 of 400 steps, 51,000 tokens"
     )
+    assert "  train loss at step 50: 3.0000\n" in text  # (not of step 51, where the run stopped)
+
+
+def test_a_stopped_run_s_summary_gives_the_step_of_its_last_validation_loss(tmp_path):
+    from megatransformer.commands.train import summary
+    from megatransformer.config import load_config
+
+    cfg = load_config("quickstart", [f"run_dir={tmp_path}", "train.max_steps=400"])
+    records = [{"step": s, "loss": 3.0, "tokens": 1000 * s} for s in range(10, 131, 10)]
+    records.insert(10, {"step": 100, "val_loss": 2.5, "val_ppl": 12.18})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = summary(cfg, 124, 60.0, None, None)
+    assert "  final train loss       3.0000\n" in text
+    assert "  validation loss at step 100: 2.5000 (perplexity 12.18)\n" in text
+    records.append({"step": 130, "val_loss": 2.25, "val_ppl": 9.49})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "  final validation loss  2.2500 (perplexity 9.49)\n" in summary(cfg, 0, 60.0, None, None)

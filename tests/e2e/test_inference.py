@@ -146,7 +146,9 @@ def test_eval_does_not_depend_on_batch_size(pretrained):
         for b in (1, 3)
     ]
     results = [json.loads(run.stdout) for run in runs]
-    assert runs[1].stderr.startswith(f"evaluating {results[1]['checkpoint']} on {pretrained['shards']} (")
+    loading, evaluating = runs[1].stderr.splitlines()[:2]
+    assert loading == f"loading {pretrained['run']}"
+    assert evaluating.startswith(f"evaluating {results[1]['checkpoint']} on {pretrained['shards']} (")
     assert results[0]["tokens"] == results[1]["tokens"] > 0
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5)
 

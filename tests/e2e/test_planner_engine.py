@@ -49,6 +49,7 @@ def test_engine_peak_on_two_ranks_is_the_plan_within_ten_percent(zero: int, prec
 def _bucket_rank(rank: int, port: int, point: dict, out: str) -> None:
     from megatransformer.planner import REDUCE_BUCKET
     from megatransformer.training import engine
+    from megatransformer.training.distributed import teardown
 
     cfg, dist_info = run_config(point), join(rank, 2, port)
     batches = itertools.repeat(host_batch(cfg))
@@ -63,6 +64,9 @@ def _bucket_rank(rank: int, port: int, point: dict, out: str) -> None:
     seen["default"] = [default.step(batches).loss for _ in range(3)]
     if rank == 0:
         Path(out).write_text(json.dumps(seen))
+    capped.close()
+    default.close()
+    teardown()
 
 
 def test_zero_2_reduces_through_a_bucket_of_the_models_gradients_with_the_default_buckets_losses(tmp_path):

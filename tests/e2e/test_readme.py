@@ -12,6 +12,8 @@ Rules (README.md points here):
 - Small options are appended to keep the run cheap (``APPENDED``: tiny model, two steps, a few generated
   tokens); nothing is replaced. The configs' batch sizes stay, so the small inputs (a 400-example
   instruction file) meet the batches a reader's run has.
+- No command ends in a ``# comment`` (it goes on the line above): an override appended to such a line, by this
+  test or by a reader, would be swallowed by the comment.
 - A command that CI cannot run is skipped by an explicit rule of ``NOT_RUN`` (how it starts, and why), and a
   whole block is skipped when the line before it is ``<!-- readme-test: skip WHY -->``. Any other command must
   be a ``megatransformer`` command, so a new README section makes this choice explicitly; a ``NOT_RUN`` rule
@@ -133,7 +135,7 @@ def _rule(text: str) -> str | None:
 
 
 def appended(text: str) -> list[str]:
-    words = shlex.split(text, comments=True)
+    words = shlex.split(text)
     assert words[0] == "megatransformer", (
         f"README command {text!r} is neither a megatransformer command nor covered by a NOT_RUN rule or a "
         "readme-test: skip marker; decide which, in tests/e2e/test_readme.py or README.md"
@@ -178,6 +180,13 @@ def test_readme_rules_are_explicit():
     for command in found:
         if command.skip is None:
             appended(command.text)  # asserts it is a megatransformer command
+    commented = [
+        f"README.md:{c.line}: {c.text}" for c in found if shlex.split(c.text, comments=True) != shlex.split(c.text)
+    ]
+    assert not commented, (
+        "README commands end in a # comment, which swallows any override a reader (or this test) appends; put "
+        f"the comment on the line above: {commented}"
+    )
     used = {why for command in found for why in [command.skip] if why}
     assert set(NOT_RUN.values()) <= used, f"NOT_RUN rules that match no README command: {set(NOT_RUN.values()) - used}"
 
@@ -195,7 +204,7 @@ def test_readme_commands_work_as_written(tmp_path):
     for command in commands(README.read_text()):
         if command.skip:
             continue
-        line = command.text.split(" #")[0].rstrip() + "".join(" " + shlex.quote(a) for a in appended(command.text))
+        line = command.text + "".join(" " + shlex.quote(a) for a in appended(command.text))
         started = time.perf_counter()
         result = subprocess.run(
             ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600

@@ -12,7 +12,7 @@ import yaml
 from support import assert_one_line
 
 from megatransformer.cli import main
-from megatransformer.config import MAX_VOCAB, UniqueKeyLoader, load_config
+from megatransformer.config import MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB, MAX_WIDTH, UniqueKeyLoader, load_config
 
 # (override, what the one line must contain: the key and the offending value)
 BAD_VALUES = [
@@ -26,6 +26,11 @@ BAD_VALUES = [
     ("model.vocab_size=0", "model.vocab_size=0"),
     ("model.vocab_size=1000000000", f"model.vocab_size=1000000000 must be <= {MAX_VOCAB}"),
     ("model.max_seq_len=-1", "model.max_seq_len=-1"),
+    ("model.n_layers=1000000", f"model.n_layers=1000000 must be <= {MAX_LAYERS}"),
+    ("model.n_decoder_layers=1000000", f"model.n_decoder_layers=1000000 must be <= {MAX_LAYERS}"),
+    ("model.d_model=1000000000", f"model.d_model=1000000000 must be <= {MAX_WIDTH}"),
+    ("model.d_ff=1000000000", f"model.d_ff=1000000000 must be <= {MAX_WIDTH}"),
+    ("model.max_seq_len=1000000000", f"model.max_seq_len=1000000000 must be <= {MAX_SEQ_LEN}"),
     ("model.norm_eps=-1", "model.norm_eps=-1 must be > 0"),  # accepted, it would train to NaN and exit 0
     ("model.norm_eps=0", "model.norm_eps=0"),
     ("model.rope_theta=0", "model.rope_theta=0 must be > 0"),  # accepted, it would train to NaN and exit 0

@@ -89,6 +89,10 @@ def test_configs_are_addressable_by_name_from_any_directory(tmp_path, monkeypatc
         r"\(bert-style, llama-style",
     ):
         load_config("lama-style")
+    with pytest.raises(
+        ConfigError, match=r"configs/transformer-base.yaml does not exist here; .* --config transformer-base$"
+    ):
+        load_config("configs/transformer-base.yaml")  # (a clone's path, outside a clone)
     local = tmp_path / "llama-style"  # an existing file wins over a shipped name
     local.write_text("seed: 7\n")
     assert load_config("llama-style").seed == 7

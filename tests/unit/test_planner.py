@@ -21,6 +21,11 @@ POINTS = {
     "decoder-mha-gelu": ({"n_kv_heads": None, "ffn": "gelu"}, 512, "fp32"),
     "encoder": ({"arch": "encoder", "ffn": "gelu"}, 256, "fp32"),
     "encoder-decoder": ({"arch": "encoder_decoder", "ffn": "relu"}, 256, "fp32"),
+    "t5-style": (  # span corruption: the decoder's rows hold the targets only (58 positions at 256)
+        {"arch": "encoder_decoder", "d_model": 128, "n_layers": 4, "n_kv_heads": None, "d_ff": 512, "ffn": "gelu"},
+        256,
+        "fp32",
+    ),
     "checkpointing": ({"activation_checkpointing": True}, 512, "fp32"),
     "mlp-tiles": ({"mlp_tiles": 4}, 512, "fp32"),
     "bf16": ({}, 256, "bf16"),
@@ -129,6 +134,15 @@ def test_plan_json_has_the_layouts_and_the_config_own_index(capsys: pytest.Captu
     assert (current["dp"], current["zero"], current["micro_batch"], current["accum"]) == (8, 1, 8, 4)
 
 
+def test_the_plan_says_the_model_s_size_in_a_unit_that_shows_it(capsys: pytest.CaptureFixture) -> None:
+    from megatransformer.cli import main
+    from megatransformer.commands.plan import parameters_text
+
+    assert main(["plan", "--config", "quickstart", "--gpu", "H100", "--top", "1"]) == 0
+    assert capsys.readouterr().out.startswith("plan: 1.26 M parameters, ")
+    assert parameters_text(6_738_415_616) == "6.74 B"
+
+
 def test_an_unknown_gpu_asks_for_its_memory_and_peak(capsys: pytest.CaptureFixture) -> None:
     from megatransformer.cli import main
 
@@ -171,7 +185,25 @@ def test_train_check_names_the_overflow_and_the_best_layout_that_fits(monkeypatc
 def test_parameter_counts_are_the_model_s(fields: dict) -> None:
     from megatransformer.config import ModelConfig
     from megatransformer.flops import model_size
+    from megatransformer.model import build_model
     from megatransformer.planner import parameter_counts
 
-    cfg = ModelConfig(**(SMALL | fields))
-    assert sum(parameter_counts(cfg)) == model_size(cfg).params
+    cfg = ModelConfig(**(SMALL | fields | {"n_layers": 3}))
+    built = sum(p.numel() for p in build_model(cfg).parameters())
+    assert sum(parameter_counts(cfg)) == model_size(cfg).params == built
+
+
+@pytest.mark.parametrize("fields", [{}, {"arch": "encoder_decoder", "ffn": "relu", "n_decoder_layers": 1000}])
+def test_a_deep_model_is_counted_from_one_block_per_stack(monkeypatch, fields: dict) -> None:
+    from megatransformer.config import ModelConfig
+    from megatransformer.flops import attention_costs, model_size
+    from megatransformer.model.transformer import Block
+    from megatransformer.planner import parameter_counts
+
+    one, two, deep = (ModelConfig(**(SMALL | fields | {"n_layers": n})) for n in (1, 2, 4096))
+    per_block = sum(parameter_counts(two)) - sum(parameter_counts(one))
+    blocks, build = [], Block.__init__
+    monkeypatch.setattr(Block, "__init__", lambda block, *args, **kw: blocks.append(1) or build(block, *args, **kw))
+    assert sum(parameter_counts(deep)) == model_size(deep).params == sum(parameter_counts(one)) + 4095 * per_block
+    assert attention_costs(deep)[0].layers == 4096 + (deep.decoder_layers if deep.arch == "encoder_decoder" else 0)
+    assert len(blocks) <= 3 * 2  # (one per stack, for each of the three counts)

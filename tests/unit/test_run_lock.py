@@ -10,6 +10,11 @@ import socket
 import subprocess
 import sys
 
+import pytest
+from support.models import run_config
+
+from megatransformer.config import ConfigError
+from megatransformer.training.resume import check_run_dir
 from megatransformer.training.run_lock import LOCK, lock_run_dir
 
 
@@ -49,3 +54,40 @@ def test_an_unreadable_record_is_taken_over_naming_it(tmp_path, capsys):
     (tmp_path / LOCK).write_bytes(b"\x00garbage{")
     lock_run_dir(tmp_path).release()
     assert "unreadable record" in capsys.readouterr().err
+
+
+def _refusal(run_dir) -> str:
+    with pytest.raises(ConfigError) as refusal:
+        lock_run_dir(run_dir)
+    assert "\n" not in str(refusal.value)
+    return str(refusal.value)
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / LOCK).symlink_to(victim)
+    assert "is a symbolic link" in _refusal(tmp_path / "run")
+    os.unlink(tmp_path / "run" / LOCK)
+    os.link(victim, tmp_path / "run" / LOCK)
+    assert "a hard link" in _refusal(tmp_path / "run")
+    assert victim.read_text() == "precious"
+
+
+def test_a_lock_file_that_is_a_directory_or_a_fifo_is_refused(tmp_path):
+    (tmp_path / "run" / LOCK).mkdir(parents=True)
+    assert "is a directory" in _refusal(tmp_path / "run")
+    os.mkfifo(tmp_path / "fifo_run_lock")
+    (tmp_path / "other").mkdir()
+    os.rename(tmp_path / "fifo_run_lock", tmp_path / "other" / LOCK)
+    assert "not a regular file" in _refusal(tmp_path / "other")
+
+
+def test_a_run_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "run").write_text("")
+    assert "is a file, not a directory" in _refusal(tmp_path / "run")
+    assert "is a file, not a directory" in _refusal(tmp_path / "run" / "below")
+    cfg = run_config(run_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        check_run_dir(cfg)  # (every rank, before any process group)
