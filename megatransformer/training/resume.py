@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from megatransformer import checkpoint as ckpt
+from megatransformer.checkpoint.sharded import INDEX, LazyWeights, ShardedState
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.training.distributed import on_first_rank
 from megatransformer.training.layout import (
@@ -27,7 +26,6 @@ class ElasticResume:
     saved_sizes: BatchSizes
     sizes: BatchSizes
     zero_stage: int  # the stage the new engine runs (layout.engine_zero_stage)
-    weights: dict[str, torch.Tensor] = field(repr=False)  # the whole model's fp32 masters
 
 
 @dataclass
@@ -35,7 +33,8 @@ class ResumePlan:
     path: Path
     state: ckpt.TrainerState  # its trainer.json
     saved: RunConfig  # its config.yaml
-    elastic: ElasticResume | None  # None: the same layout, DeepSpeed's exact resume
+    elastic: ElasticResume | None  # None: the layout that wrote it
+    weights: LazyWeights = field(repr=False)  # the model's fp32 weights, assembled one tensor at a time
 
     def describe(self, cfg: RunConfig, world_size: int) -> str:
         s = self.state
@@ -128,18 +127,17 @@ def plan_resume(
             "resume_elastic=allow_batch_change to continue with the new batch"
         )
     zero_stage = engine_zero_stage(cfg, sizes.dp, device_type)
+    if not (path / INDEX).is_file():
+        raise ConfigError(
+            f"checkpoint {path} is in the format before sharded checkpoints (DeepSpeed's states and "
+            f"{ckpt.WEIGHTS}); convert it with `megatransformer checkpoint convert {path}`, or start a new run "
+            f"from its weights with init_from={path}"
+        )
+    weights = LazyWeights(ShardedState(path))
     saved_layout = (state.world_size, state.tensor_parallel, state.sequence_parallel, state.zero_stage)
     if saved_layout == (world_size, tp, sp, zero_stage):
-        return ResumePlan(path, state, saved, None)
-    if not (path / ckpt.OPTIMIZER).is_file():
-        raise ConfigError(
-            f"checkpoint {path} has no {ckpt.OPTIMIZER} (written before elastic resume existed), so it resumes "
-            f"only on its own layout: world size {state.world_size}, parallel.tensor_parallel="
-            f"{state.tensor_parallel}, parallel.sequence_parallel={state.sequence_parallel}, parallel.zero_stage="
-            f"{state.zero_stage} (or start a new run from its weights with init_from=)"
-        )
-    weights = ckpt.load_safetensors(path, ckpt.WEIGHTS)[0]
-    return ResumePlan(path, state, saved, ElasticResume(saved_sizes, sizes, zero_stage, weights))
+        return ResumePlan(path, state, saved, None, weights)
+    return ResumePlan(path, state, saved, ElasticResume(saved_sizes, sizes, zero_stage), weights)
 
 
 def rollback_target(cfg: RunConfig, before_step: int) -> Path | None:
