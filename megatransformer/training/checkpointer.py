@@ -299,6 +299,7 @@ class Checkpointer:
         self.outcome: SaveOutcome | None = None
         self.staging: dict[str, torch.Tensor] = {}  # reused host buffers (pinned on CUDA), one per piece
         self.done: list[SaveOutcome] = []  # finished saves not yet reported
+        self.failure: str | None = None  # a failed write's line, raised at the next wait
 
     # -------------------------------------------------------------------------------- save
 
@@ -429,7 +430,22 @@ class Checkpointer:
         return f"writing checkpoint {job.path.name} failed{where} ({name}): {reason} ({free_space(root)}); {intact}"
 
     def wait(self) -> None:
-        """Wait for the write in flight, if any; raise :class:`WriteFailed` (on every rank) when it failed."""
+        """Wait for the write in flight, if any; raise :class:`WriteFailed` (on every rank) when a write failed.
+        A point every rank reaches (a save, a load, a rollback, the end of the run): the ranks fail together."""
+        self._collect()
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise WriteFailed(failure)
+
+    def finished(self) -> list[SaveOutcome]:
+        """Saves finished since the last call (the one in flight too, once its writer is done): for the log. A
+        failure is kept for :meth:`wait` (the writers of the ranks end at slightly different times)."""
+        if self.thread is not None and not self.thread.is_alive():
+            self._collect()
+        done, self.done = self.done, []
+        return done
+
+    def _collect(self) -> None:
         if self.thread is None:
             return
         self.thread.join()
@@ -437,15 +453,7 @@ class Checkpointer:
         if outcome is None:  # (the writer itself raised: its traceback is on stderr)
             raise RuntimeError("the checkpoint writer thread failed")
         self.done.append(outcome)
-        if outcome.error is not None:
-            raise WriteFailed(outcome.error)
-
-    def finished(self) -> list[SaveOutcome]:
-        """Saves finished since the last call (the one in flight too, once its writer is done): for the log."""
-        if self.thread is not None and not self.thread.is_alive():
-            self.wait()
-        done, self.done = self.done, []
-        return done
+        self.failure = outcome.error
 
     # -------------------------------------------------------------------------------- load
 
