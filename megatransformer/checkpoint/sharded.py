@@ -282,3 +282,73 @@ class LazyWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.state.params) + len(self.state.aliases)
+
+
+# ------------------------------------------------------------------------------------- conversion
+
+
+def convert_consolidated(path: Path) -> Path:
+    """Rewrite a checkpoint of the format before shards (DeepSpeed's states beside model.safetensors and
+    optimizer.safetensors, which hold the whole weights and Adam state) as a sharded one of one piece per
+    parameter, in place: the new directory is written beside it and swapped in when complete. The loader and
+    RNG states, trainer state, config and tokenizer are kept; DeepSpeed's files are dropped."""
+    import secrets
+    import shutil
+
+    from safetensors import safe_open
+
+    from megatransformer.checkpoint.directory import COMPLETE, CONFIG, OPTIMIZER, TOKENIZER, TRAINER_STATE, WEIGHTS
+    from megatransformer.checkpoint.integrity import read_manifest, verify_checkpoint, write_manifest
+
+    verify_checkpoint(path)
+    if read_manifest(path) is None or not (path / OPTIMIZER).is_file():
+        raise CheckpointDamaged(path, OPTIMIZER, "missing: only checkpoints with the whole optimizer state convert")
+    step = int(json.loads((path / TRAINER_STATE).read_bytes())["step"])
+    with safe_open(str(path / OPTIMIZER), framework="pt") as f:
+        meta = f.metadata() or {}
+        moments = {key: f.get_tensor(key) for key in f.keys()}
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        weights = {key: f.get_tensor(key) for key in f.keys()}
+    adam_step = int(meta.get("adam_step", "0"))
+    kinds = [MASTER, *sorted({key.split("/", 1)[0] for key in moments})] if adam_step else [MASTER]
+    # (the moments are per parameter, a tied one once; without them every name is kept as a parameter)
+    params = [key.split("/", 1)[1] for key in moments if key.startswith(f"{kinds[-1]}/")] if adam_step else []
+    params = params or list(weights)
+    aliases = {
+        name: next(p for p in params if torch.equal(weights[p], tensor))
+        for name, tensor in weights.items()
+        if name not in params
+    }
+    file, save = shard_file(0), secrets.token_hex(16)
+    tensors: dict[str, torch.Tensor] = {}
+    layouts = {}
+    for name in params:
+        for kind in kinds:
+            tensors[piece_key(kind, name, 0, 0)] = (
+                (weights[name] if kind == MASTER else moments[f"{kind}/{name}"]).reshape(-1).float().contiguous()
+            )
+        layouts[name] = ParamLayout(tuple(weights[name].shape), None, 1, (Piece(0, 0, weights[name].numel(), file),))
+    record = index_record(layouts, kinds, aliases, save, step)
+    scheduler = meta.get("lr_scheduler")
+    record["optimizer"] = {
+        "step": adam_step,
+        "lr_scheduler": json.loads(scheduler) if scheduler else None,
+        "loss_scaler": None,
+    }
+    new = path.with_name(f".{path.name}.converting")
+    shutil.rmtree(new, ignore_errors=True)
+    new.mkdir()
+    entries = {file: write_safetensors(new / file, tensors, {"save": save, "step": str(step)})}
+    entries[INDEX] = write_file(new / INDEX, json.dumps(record).encode())
+    kept = [
+        p.name for p in path.iterdir() if p.name.startswith("rank_") or p.name in (TRAINER_STATE, CONFIG, TOKENIZER)
+    ]
+    for name in kept:
+        entries[name] = write_file(new / name, (path / name).read_bytes())
+    write_manifest(new, entries)
+    old = path.with_name(f".{path.name}.consolidated")
+    path.rename(old)
+    new.rename(path)
+    shutil.rmtree(old)
+    assert (path / COMPLETE).is_file()
+    return path

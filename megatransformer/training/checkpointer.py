@@ -136,11 +136,11 @@ def _replica_view(param, inner, masters) -> Callable[[str], torch.Tensor]:
 
 def optimizer_state_keys(engine) -> list[str]:
     """The optimizer's per-element state keys (Adam's two moments, a momentum buffer, ...): the tensors of its
-    state that are not scalars; none before its first step."""
+    state that are not scalars (a step count is one); none before its first step."""
     inner = innermost_optimizer(engine)
     keys: set[str] = set()
     for state in inner.state.values():
-        keys.update(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.numel() > 1)
+        keys.update(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
     return sorted(keys)
 
 
@@ -394,6 +394,8 @@ class Checkpointer:
                 entries[name] = write(job.path / name)
             except (OSError, SafetensorError) as err:
                 failed = (name, write_reason(err))
+            except Exception as err:  # (still agreed on with the other ranks: none is left waiting)
+                failed = (name, f"{err.__class__.__name__}: {str(err)[:200]}")
         reports: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(reports, (entries, failed), group=self.group)
         failure = next(((r, f) for r, (_, f) in enumerate(reports) if f is not None), None)
@@ -479,8 +481,8 @@ class Checkpointer:
                 _, dim = layouts[fragment.name]
                 where = (fragment.tp_index, self.tp, dim, fragment.start, fragment.stop)
                 for kind in [sharded.MASTER, *keys]:
-                    value = state.slice_of(fragment.name, kind, *where)
-                    fragment.view(kind).copy_(value.to(self.device))
+                    view = fragment.view(kind)
+                    view.copy_(state.slice_of(fragment.name, kind, *where).to(view.device))
         refresh_weights(self.engine)
         scheduler = record["lr_scheduler"]
         if self.engine.lr_scheduler is not None and scheduler is not None:

@@ -383,3 +383,33 @@ def test_a_checkpoint_without_a_tokenizer_hash_is_warned_about_at_resume(run, ca
     assert plan_resume(saved_run_config(run, "auto"), 1, "cpu", tokenizer).path == state.parent
     (line,) = capsys.readouterr().err.splitlines()
     assert f"checkpoint {state.parent} records no tokenizer hash" in line and "cannot be checked" in line
+
+
+def as_consolidated(checkpoint: Path) -> None:
+    """``checkpoint`` as the format before shards held its state: the whole weights in model.safetensors, the
+    whole Adam state in optimizer.safetensors (step count and schedule in its metadata), no index or shard."""
+    from megatransformer.checkpoint.sharded import ShardedState
+
+    state = ShardedState(checkpoint)
+    optimizer = json.loads((checkpoint / "index.json").read_text())["optimizer"]
+    ckpt.save_safetensors(dict(state.weights()), checkpoint / ckpt.WEIGHTS)
+    moments = {f"{kind}/{name}": state.tensor(name, kind) for kind in state.kinds[1:] for name in state.params}
+    meta = {"adam_step": str(optimizer["step"]), "lr_scheduler": json.dumps(optimizer["lr_scheduler"])}
+    ckpt.save_safetensors(moments, checkpoint / ckpt.OPTIMIZER, meta)
+    unshard(checkpoint)
+    ckpt.write_manifest(checkpoint)
+
+
+def test_a_checkpoint_of_the_format_before_shards_is_refused_then_converted_and_resumed(tiny_data, trained, run):
+    old = run / "checkpoints" / OLD
+    as_consolidated(old)
+    (run / "checkpoints" / "latest").write_text(OLD)
+    shutil.rmtree(run / "checkpoints" / NEW)
+    refused = train(overrides(tiny_data, run, "resume=auto"), expect=2, env=ONE_THREAD)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("megatransformer train: error:")]
+    assert len(errors) == 1 and f"megatransformer checkpoint convert {old}" in errors[0], refused.stderr[-2000:]
+    assert "converted" in cli("checkpoint", "convert", old, env=ONE_THREAD).stdout
+    assert sorted(ckpt.read_manifest(old)) == sorted(FILES)
+    resumed = train(overrides(tiny_data, run, "resume=auto"), env=ONE_THREAD)
+    assert f"resumed from {old} at step 2" in resumed.stdout
+    assert losses_by_step(run) == losses_by_step(trained)
