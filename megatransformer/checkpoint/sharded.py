@@ -266,24 +266,6 @@ class ShardedState:
             yield name, self.tensor(name)
 
 
-class LazyWeights(Mapping[str, torch.Tensor]):
-    """The model's fp32 weights from a sharded state as a mapping; each lookup assembles one tensor."""
-
-    def __init__(self, state: ShardedState) -> None:
-        self.state = state
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.state.params and name not in self.state.aliases:
-            raise KeyError(name)
-        return self.state.tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.state.names())
-
-    def __len__(self) -> int:
-        return len(self.state.params) + len(self.state.aliases)
-
-
 # ------------------------------------------------------------------------------------- conversion
 
 

@@ -268,7 +268,6 @@ class SaveJob:
     files: dict[str, bytes]  # rank 0: trainer.json, config.yaml, tokenizer.json, index.json
     keep: Collection[str]
     stall_s: float
-    started: float = 0.0
 
 
 @dataclass
@@ -315,6 +314,8 @@ class Checkpointer:
         root = ckpt.checkpoints_dir(self.cfg.run_dir)
         path = root / ckpt.step_name(state.step)
         rank = dist.get_rank()
+        if rank == 0 and path.exists():  # a leftover of a run killed while saving this step (the broadcast
+            shutil.rmtree(path)  # below keeps every writer behind its removal)
         box = [secrets.token_hex(16) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         kinds = [sharded.MASTER, *optimizer_state_keys(self.engine)]
@@ -402,7 +403,10 @@ class Checkpointer:
         total = sum(e["size"] for entries_, _ in reports for e in entries_.values())
         verdict: list[Any] = [None]
         if rank == 0:
-            verdict[0] = self._finish(job, reports, failure)
+            try:
+                verdict[0] = self._finish(job, reports, failure)
+            except Exception as err:  # (the other ranks wait for the verdict)
+                verdict[0] = f"writing checkpoint {job.path.name} failed: {err.__class__.__name__}: {str(err)[:200]}"
         dist.broadcast_object_list(verdict, src=0, group=self.group)
         self.outcome = SaveOutcome(job.path, job.step, job.stall_s, time.perf_counter() - began, total, verdict[0])
 

@@ -72,10 +72,7 @@ class Trainer:
         self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None, preemption: Preemption | None = None
     ) -> None:
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
-        # decided before the engine, which is built from the checkpoint's weights
         self.resume = plan_resume(cfg, dist_info.world_size, torch.device(dist_info.device).type, tokenizer.sha256)
-        if self.resume is not None:
-            init_state = self.resume.weights
         self.module = TrainModule(cfg, dist_info, init_state)
         micro = self.module.sizes.micro
         pin = dist_info.device.startswith("cuda")  # batches in page-locked memory: copies that do not wait

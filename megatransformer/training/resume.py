@@ -3,11 +3,11 @@ trainer state and config (each read once), and whether DeepSpeed's exact resume 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatransformer import checkpoint as ckpt
-from megatransformer.checkpoint.sharded import INDEX, LazyWeights, ShardedState
+from megatransformer.checkpoint.sharded import INDEX
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.training.distributed import on_first_rank
 from megatransformer.training.layout import (
@@ -34,7 +34,6 @@ class ResumePlan:
     state: ckpt.TrainerState  # its trainer.json
     saved: RunConfig  # its config.yaml
     elastic: ElasticResume | None  # None: the layout that wrote it
-    weights: LazyWeights = field(repr=False)  # the model's fp32 weights, assembled one tensor at a time
 
     def describe(self, cfg: RunConfig, world_size: int) -> str:
         s = self.state
@@ -133,11 +132,10 @@ def plan_resume(
             f"{ckpt.WEIGHTS}); convert it with `megatransformer checkpoint convert {path}`, or start a new run "
             f"from its weights with init_from={path}"
         )
-    weights = LazyWeights(ShardedState(path))
     saved_layout = (state.world_size, state.tensor_parallel, state.sequence_parallel, state.zero_stage)
     if saved_layout == (world_size, tp, sp, zero_stage):
-        return ResumePlan(path, state, saved, None, weights)
-    return ResumePlan(path, state, saved, ElasticResume(saved_sizes, sizes, zero_stage), weights)
+        return ResumePlan(path, state, saved, None)
+    return ResumePlan(path, state, saved, ElasticResume(saved_sizes, sizes, zero_stage))
 
 
 def rollback_target(cfg: RunConfig, before_step: int) -> Path | None:

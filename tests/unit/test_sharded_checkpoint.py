@@ -70,7 +70,7 @@ def test_a_parameter_is_assembled_whole_from_its_pieces(tmp_path, tp, dp):
     for name, tensor in full.items():
         assert torch.equal(state.tensor(name), tensor) and torch.equal(state.tensor(name, "exp_avg"), 2 * tensor)
     assert torch.equal(dict(state.weights())["tied.weight"], full["w"])
-    assert set(sharded.LazyWeights(state)) == {"w", "b", "v", "tied.weight"}
+    assert state.names() == ["w", "b", "v", "tied.weight"]
 
 
 @pytest.mark.parametrize("saved,now", [((2, 2), (2, 3)), ((2, 2), (1, 1)), ((1, 3), (2, 2)), ((1, 1), (3, 2))])
