@@ -509,8 +509,7 @@ class Checkpointer:
         refresh_weights(self.engine)
         scheduler = record["lr_scheduler"]
         if self.engine.lr_scheduler is not None and scheduler is not None:
-            self.engine.lr_scheduler.load_state_dict(scheduler)
-            apply_schedule(self.engine.lr_scheduler)
+            load_schedule(self.engine.lr_scheduler, scheduler)
         scaler = getattr(self.engine.optimizer, "loss_scaler", None)
         if scaler is not None and record.get("loss_scaler"):
             for k, v in record["loss_scaler"].items():
@@ -554,6 +553,18 @@ def load_weights_into(model: torch.nn.Module, weights) -> None:
             if id(tensor) not in done:
                 tensor.copy_(weights[name])
                 done.add(id(tensor))
+
+
+def load_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[str, Any]) -> None:
+    """Restore ``scheduler``'s place in the schedule from its ``saved`` state, then its rates
+    (:func:`apply_schedule`). The per-group rates stay this run's where the optimizer's groups differ from the
+    saved run's: Muon's matrices form one group per tensor-parallel split dimension."""
+    saved = dict(saved)
+    if len(saved.get("base_lrs", [])) != len(scheduler.optimizer.param_groups):
+        saved.pop("base_lrs", None)
+        saved.pop("_last_lr", None)
+    scheduler.load_state_dict(saved)
+    apply_schedule(scheduler)
 
 
 def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR | None) -> None:
