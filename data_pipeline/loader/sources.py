@@ -160,6 +160,3 @@ def check_streams(shard_sets: list[ShardSet], streams: int, dp_size: int, worker
                 f"cannot feed data.streams={streams} (each stream needs a document per epoch); lower "
                 f"data.streams to {n * fewest} or less when the run starts"
             )
-
-
-# ------------------------------------------------------------------------------------------- shards

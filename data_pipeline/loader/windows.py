@@ -253,6 +253,3 @@ class StreamSamples:
 
 def collate(samples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     return {key: torch.from_numpy(np.stack([s[key] for s in samples]).astype(np.int64)) for key in samples[0]}
-
-
-# ------------------------------------------------------------------------------------------- loader

@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train a model (one process, torchrun, or Slurm via launch)",
         description="Train the model a config describes; key.path=value overrides "
-        "change any field (megatransformer/config.py documents them).",
+        "change any field (megatransformer/config/ documents them).",
     )
     add_config_argument(parser)
     parser.add_argument(

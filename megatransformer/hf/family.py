@@ -99,10 +99,8 @@ def check_leftovers(state: dict[str, torch.Tensor], used: set[str], family: str)
         )
 
 
-# ------------------------------------------------------------------------------------------ Llama, Mistral
-
-
 def expand_names(global_names: list, layer_names: list, n_layers: int) -> list[tuple[str, str]]:
+    """(ours, theirs) weight names: the global pairs, then the ``{i}`` templates of each layer filled in."""
     pairs = list(global_names)
     for i in range(n_layers):
         pairs += [(ours.format(i=i), theirs.format(i=i)) for ours, theirs in layer_names]
