@@ -29,6 +29,7 @@ COMMANDS = (
     "megatransformer.commands.eval",
     "megatransformer.commands.average",
     "megatransformer.commands.plot",
+    "megatransformer.commands.checkpoint",
 )
 
 

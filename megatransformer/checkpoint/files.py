@@ -34,7 +34,7 @@ from megatransformer.checkpoint.directory import (
     find_checkpoint,
     step_of,
 )
-from megatransformer.checkpoint.integrity import CheckpointDamaged, verify_checkpoint, write_manifest
+from megatransformer.checkpoint.integrity import CheckpointDamaged, read_manifest, verify_checkpoint, write_manifest
 from megatransformer.config import ConfigError, ModelConfig, RunConfig, dump_config, validate
 
 # Fields that change parameter shapes or names: they must match to load weights.
@@ -200,15 +200,25 @@ def load_safetensors(path: Path, name: str) -> tuple[dict[str, torch.Tensor], di
 def load_weights(
     path: str | Path, model_cfg: ModelConfig | None = None, what: str = "checkpoint"
 ) -> tuple[RunConfig, dict[str, torch.Tensor]]:
-    """Config and consolidated weights of the checkpoint ``path`` means (:func:`find_checkpoint`),
-    its files verified against the manifest first (:data:`WEIGHTS_FILES`; a damaged one is an error)."""
+    """Config and whole fp32 weights of the checkpoint ``path`` means (:func:`find_checkpoint`): a training
+    checkpoint's shards assembled one tensor at a time, or a weights checkpoint's model.safetensors; the files
+    read are verified against the manifest first (a damaged one is an error)."""
+    from megatransformer.checkpoint.sharded import INDEX, ShardedState
+
     path = find_checkpoint(path, what)
-    if not (path / WEIGHTS).is_file():
-        raise ConfigError(f"{what}: {path} is not a complete checkpoint (expected {COMPLETE} and {WEIGHTS})")
-    verify_checkpoint(path, only=WEIGHTS_FILES)
+    if (path / INDEX).is_file():
+        manifest = read_manifest(path) or {}
+        shards = [name for name in manifest if name.startswith("shard_")]
+        verify_checkpoint(path, only=(*WEIGHTS_FILES, INDEX, *shards))
+    elif (path / WEIGHTS).is_file():
+        verify_checkpoint(path, only=WEIGHTS_FILES)
+    else:
+        raise ConfigError(f"{what}: {path} is not a complete checkpoint (expected {COMPLETE} and {INDEX} or {WEIGHTS})")
     saved = saved_config(path)
     if model_cfg is not None:
         check_same_shapes(saved.model, model_cfg, f"{what} {path}")
+    if (path / INDEX).is_file():
+        return saved, dict(ShardedState(path).weights())
     return saved, load_safetensors(path, WEIGHTS)[0]
 
 

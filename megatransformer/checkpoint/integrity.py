@@ -111,7 +111,8 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]] | None:
 
 # What the versions before manifests wrote: trainer.json with exactly these fields beside DeepSpeed's and the
 # per-rank .pt states, model.safetensors, config.yaml and tokenizer.json; export and import wrote only the last
-# three. Never optimizer.safetensors, nor any field added to trainer.json since (sequence_parallel, spikes).
+# three. Never optimizer.safetensors, index.json or a shard file, nor any field added to trainer.json since
+# (sequence_parallel, spikes).
 EARLIER_TRAINER_FIELDS = frozenset(
     {"step", "tokens", "bad_steps", "tokenizer_sha256", "world_size", "tensor_parallel", "zero_stage"}
 )
@@ -120,8 +121,9 @@ EARLIER_WEIGHTS_FILES = frozenset({"model.safetensors", "config.yaml", "tokenize
 
 def _written_after_manifests(path: Path) -> str | None:
     """Why a checkpoint with an empty COMPLETE cannot be one of the versions before manifests (None: it can)."""
-    if (path / "optimizer.safetensors").exists():
-        return "it holds optimizer.safetensors"
+    for later in ("optimizer.safetensors", "index.json", *sorted(p.name for p in path.glob("shard_*"))):
+        if (path / later).exists():
+            return f"it holds {later}"
     trainer = path / "trainer.json"
     if not trainer.is_file():
         extra = sorted(set(checkpoint_files(path)) - EARLIER_WEIGHTS_FILES)

@@ -1,10 +1,11 @@
 """``megatransformer average``: the parameter mean of several checkpoints, as one checkpoint.
 
 Vaswani et al. (2017) evaluated the average of the last 5 (base) or 20 (big) checkpoints, written at
-10-minute intervals. The mean is taken in fp32 (accumulated in fp64) over the consolidated ``model.safetensors``
-of each checkpoint, so any training layout (data/tensor parallel, ZeRO stage) can be averaged; the result is a
-weights-only checkpoint directory that ``eval``, ``generate``, ``export`` and ``init_from=`` accept. It takes
-the config and tokenizer of the newest checkpoint given; all must have the same model shape and tokenizer.
+10-minute intervals. The mean is taken in fp32 (accumulated in fp64) over the whole weights of each checkpoint
+(a training checkpoint's shards assembled one tensor at a time), so any training layout (data/tensor parallel,
+ZeRO stage) can be averaged; the result is a weights-only checkpoint directory that ``eval``, ``generate``,
+``export`` and ``init_from=`` accept. It takes the config and tokenizer of the newest checkpoint given; all must
+have the same model shape and tokenizer.
 """
 
 from __future__ import annotations

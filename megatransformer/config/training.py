@@ -213,6 +213,10 @@ class ScheduleConfig(Section):
 class CheckpointConfig(Section):
     every: PositiveInt = 1000
     """Steps between checkpoints (a final one is always written)."""
+    every_minutes: Annotated[float, Field(gt=0)] | None = None
+    """Also checkpoint once this many minutes of wall time have passed since the last checkpoint (or the start),
+    whichever of the two comes first. The interval that wastes least is about sqrt(2 x save time x mean time
+    between failures) (Young/Daly); the run log says each save's stall and write time."""
     keep: PositiveInt = 3
     """Most recent checkpoints kept (older ones are deleted)."""
     dtype: Literal["fp32", "bf16"] = "fp32"

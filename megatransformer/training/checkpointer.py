@@ -1,14 +1,20 @@
-"""DeepSpeed's states in and out of the engine: saving a checkpoint, and loading it on the same layout (exact)
-or on another one (elastic). The directory format is ``megatransformer.checkpoint``'s; docs/checkpoints.md."""
+"""The run's state in and out of the DeepSpeed engine: each rank's own part of the weights (fp32 masters where
+they exist) and optimizer state, found through DeepSpeed's fragment mappings, saved once (sharded, in the
+background) and loaded on any layout. The directory format is ``megatransformer.checkpoint``'s;
+docs/checkpoints.md."""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import io
 import json
-import re
+import secrets
 import shutil
-from collections.abc import Callable, Collection, Iterable
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,37 +23,21 @@ import torch.distributed as dist
 
 from data_pipeline import WriteFailed, free_space, write_reason
 from megatransformer import checkpoint as ckpt
-from megatransformer.config import ConfigError, RunConfig, dump_config
+from megatransformer.checkpoint import sharded
+from megatransformer.config import RunConfig, dump_config
 from megatransformer.model.tp_plan import partition_dim
-from megatransformer.training.distributed import shared_work
 from megatransformer.training.rng import rng_state, set_rng_state
-
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 @functools.cache
 def deepspeed_safe_globals() -> list[type]:
-    """The classes :data:`ckpt.DEEPSPEED_STATE_GLOBALS` names, which our weights_only loads of DeepSpeed's
-    states allow (for the duration of those loads only, not process-wide)."""
+    """The classes :data:`ckpt.DEEPSPEED_STATE_GLOBALS` names, which weights_only loads of DeepSpeed's states
+    (and of our per-rank states) allow, for the duration of those loads only."""
     classes = []
     for name in ckpt.DEEPSPEED_STATE_GLOBALS:
         module, _, attribute = name.rpartition(".")
         classes.append(getattr(importlib.import_module(module), attribute))
     return classes
-
-
-def safe_checkpoint_engine(config: Any):
-    """DeepSpeed's torch checkpoint engine (saving unchanged) whose loads are weights_only
-    (:func:`ckpt.safe_load`); DeepSpeed reads every model and optimizer state file of a resume through
-    ``engine.checkpoint_engine``. (DeepSpeed has no configuration key for an engine of one's own; the
-    attribute is where it looks.)"""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    class SafeCheckpointEngine(TorchCheckpointEngine):
-        def load(self, path: str, map_location=None):
-            return ckpt.safe_load(Path(path), map_location, deepspeed_safe_globals())
-
-    return SafeCheckpointEngine(config)
 
 
 def innermost_optimizer(engine) -> torch.optim.Optimizer:
@@ -59,185 +49,108 @@ def innermost_optimizer(engine) -> torch.optim.Optimizer:
     return inner
 
 
-# ------------------------------------------------------------------------------------ saving
+# ------------------------------------------------------------------------------------ fragments
 
 
-def save_checkpoint(
-    engine, cfg: RunConfig, state: ckpt.TrainerState, loader_state: dict, keep: Collection[str] = ()
-) -> Path:
-    """Write step ``state.step``'s checkpoint: DeepSpeed's per-rank states, each rank's loader and RNG state,
-    the consolidated weights and Adam state, trainer state, config and tokenizer, and last the manifest and
-    `latest`. Older checkpoints beyond ``checkpoint.keep`` are removed, except those named in ``keep``.
-    A write that fails on any rank (a full disk) removes the new checkpoint and raises :class:`WriteFailed`
-    on every rank; the previous checkpoints are untouched. A collective: every rank calls it."""
-    root = ckpt.checkpoints_dir(cfg.run_dir)
-    tag = ckpt.step_name(state.step)
-    path = root / tag
-    rank = dist.get_rank()
-    if rank == 0 and path.exists():  # a leftover from a run killed while saving this step
-        shutil.rmtree(path)
-    dist.barrier()
-    engine._copy_recovery_script = _no_recovery_scripts
-    writes = Writes()
-    writes.attempt("DeepSpeed's states", lambda: engine.save_checkpoint(str(root), tag=tag, save_latest=False))
-    writes.attempt(
-        ckpt.rank_file(rank),
-        lambda: torch.save({"loader": loader_state, "rng": rng_state()}, path / ckpt.rank_file(rank)),
-    )
-    weights = full_state_dict(engine, cfg)
-    moments, optimizer_meta = full_optimizer_state(engine, cfg)
-    if rank == 0:
-        writes.attempt(ckpt.WEIGHTS, lambda: ckpt.save_safetensors(weights, path / ckpt.WEIGHTS))
-        writes.attempt(ckpt.OPTIMIZER, lambda: ckpt.save_safetensors(moments, path / ckpt.OPTIMIZER, optimizer_meta))
-        writes.attempt(ckpt.TRAINER_STATE, lambda: ckpt.write_trainer_state(path, state))
-        writes.attempt(ckpt.CONFIG, lambda: (path / ckpt.CONFIG).write_text(dump_config(cfg)))
-        if cfg.data.tokenizer:
-            writes.attempt(ckpt.TOKENIZER, lambda: shutil.copyfile(cfg.data.tokenizer, path / ckpt.TOKENIZER))
-    writes.agree(path)  # (in place of a barrier)
-    names = [ckpt.checkpoint_files(path) if rank == 0 else None]  # one listing, so every rank hashes its share
-    dist.broadcast_object_list(names, src=0)
-    entries = shared_work(names[0], lambda name: ckpt.file_entry(path / name))
-    if rank == 0:
-        writes.attempt(ckpt.COMPLETE, lambda: ckpt.write_manifest(path, entries))
-        writes.attempt(ckpt.LATEST, lambda: ckpt.atomic_write(root / ckpt.LATEST, tag))
-    writes.agree(path)
-    if rank == 0:
-        ckpt.prune(root, cfg.checkpoint.keep, keep={tag, *keep})
-    dist.barrier()
-    return path
+@dataclass
+class Fragment:
+    """The part of one parameter's fp32 state this rank holds: flat elements [start, stop) of its
+    tensor-parallel slice ``tp_index``; ``view(kind)`` is the live tensor of those elements (``sharded.MASTER``:
+    the fp32 weights; else an optimizer state key)."""
+
+    name: str
+    tp_index: int
+    start: int
+    stop: int
+    view: Callable[[str], torch.Tensor] = field(repr=False)
+
+    @property
+    def coordinates(self) -> tuple[str, int, int, int]:
+        return self.name, self.tp_index, self.start, self.stop
 
 
-# torch.save reports a failed write as a RuntimeError of its zip writer, without the OS's reason
-_TORCH_WRITE_FAILED = re.compile(r"PytorchStreamWriter failed|file write failed|unexpected pos", re.IGNORECASE)
+def param_layouts(engine, tp: int) -> dict[str, tuple[tuple[int, ...], int | None]]:
+    """Every parameter's global shape and the dimension tensor parallelism splits (None: not split)."""
+    layouts = {}
+    for name, param in engine.module.named_parameters():
+        dim = partition_dim(name) if tp > 1 else None
+        shape = list(getattr(param, "ds_shape", param.shape))
+        if dim is not None:
+            shape[dim] *= tp
+        layouts[name] = (tuple(shape), dim)
+    return layouts
 
 
-class Writes:
-    """The writes of one rank during a save: the first one that fails (a full disk, a quota, an I/O error) is
-    remembered and the rank's later writes are left out, while it still takes part in every collective;
-    :meth:`agree` then tells every rank whether any failed."""
-
-    def __init__(self) -> None:
-        self.failed: tuple[str, str] | None = None  # (the file, the reason)
-
-    def attempt(self, name: str, write: Callable[[], object]) -> None:
-        from safetensors import SafetensorError
-
-        if self.failed is not None:
-            return
-        try:
-            write()
-        except (OSError, SafetensorError) as err:
-            self.failed = (name, write_reason(err))
-        except RuntimeError as err:
-            if not _TORCH_WRITE_FAILED.search(str(err)):
-                raise
-            self.failed = (name, "the file could not be written (torch.save)")
-
-    def agree(self, path: Path) -> None:
-        """A collective: on every rank, if any rank's write failed, remove checkpoint ``path`` (rank 0) and raise
-        :class:`WriteFailed` naming the file, the free space and the last intact checkpoint."""
-        failures: list[tuple[str, str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(failures, self.failed)
-        failed = next(((rank, f) for rank, f in enumerate(failures) if f is not None), None)
-        if failed is None:
-            return
-        rank, (name, reason) = failed
-        if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)  # (nothing half-written stays; `latest` still names the last)
-        dist.barrier()
-        last = ckpt.latest_checkpoint(path.parent)
-        intact = (
-            f"the last intact checkpoint is {last.name} (resume=auto continues from it)"
-            if last is not None
-            else "no checkpoint of this run is complete yet"
-        )
-        where = f" on rank {rank}" if len(failures) > 1 else ""
-        raise WriteFailed(
-            f"writing checkpoint {path.name} failed{where} ({name}): {reason} ({free_space(path.parent)}); {intact}"
-        )
-
-
-def _no_recovery_scripts(save_path: str) -> None:
-    """In place of DeepSpeed's copy of its zero_to_fp32.py / zero_to_torch.py into every ZeRO checkpoint: the
-    whole model is model.safetensors already (``megatransformer export`` writes it out), and a checkpoint
-    holds no code."""
-
-
-def full_state_dict(engine, cfg: RunConfig) -> dict[str, torch.Tensor] | None:
-    """fp32 weights of the whole model on rank 0, one tensor at a time (a model larger than a device's memory
-    is never whole on a device): the optimizer's fp32 master copy where there is one (bf16/fp16 training,
-    ZeRO partitions gathered), tensor-parallel shards concatenated. A collective: every rank calls it."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    masters = functools.cache(lambda: fp16_optimizer_masters(engine.optimizer))
-
-    def fp32(tensor: torch.Tensor) -> torch.Tensor:
-        full = safe_get_full_fp32_param(tensor) if isinstance(tensor, torch.nn.Parameter) else None
-        return masters().get(id(tensor), tensor) if full is None else full
-
-    return consolidate(cfg, fp32, engine.module.state_dict(keep_vars=True).items())
-
-
-def full_optimizer_state(engine, cfg: RunConfig) -> tuple[dict[str, torch.Tensor] | None, dict[str, str]]:
-    """The whole Adam state on rank 0 (None elsewhere) as ``{KEY/NAME: fp32 tensor}``, and the metadata to
-    store with it (the optimizer's step count, the LR scheduler's state as JSON). A collective."""
-    from deepspeed.utils import safe_get_full_optimizer_state
-
+def local_fragments(engine, tp: int, tp_rank: int) -> list[Fragment]:
+    """This rank's fragment of every parameter it holds state for, wherever the layout keeps it: ZeRO-3's fp32
+    partitions, ZeRO-1/2's and the bf16 optimizer's fragment mappings, ZeRO-0's fp16/bf16 masters, or (ZeRO-0
+    fp32) the parameter itself with the torch optimizer's state. Ranks that hold the same elements (ZeRO-0, or
+    the replicas of a ZeRO group) each report them; :class:`SavePlan` divides them."""
     inner = innermost_optimizer(engine)
-    stepped = any(inner.state.values())  # Adam's state appears with its first step (every rank alike)
-    if stepped:
+    if any(inner.state.values()):
         _link_state(engine)
-    named = list(engine.module.named_parameters())  # (a tied weight once, under its first name)
-    tensors: dict[str, torch.Tensor] = {}
-    for key in ADAM_KEYS:
-        masters = functools.cache(lambda key=key: fp16_optimizer_masters(engine.optimizer, key))
+    masters = functools.cache(lambda key=None: fp16_optimizer_masters(engine.optimizer, key))
+    fragments = []
+    for name, param in engine.module.named_parameters():
+        tp_index = tp_rank if tp > 1 and partition_dim(name) is not None else 0
+        if hasattr(param, "ds_id"):  # ZeRO-3
+            opt = param._z3_optimizer
+            part = param.ds_tensor.ds_numel
+            start = opt._get_param_partition_rank(param) * part
+            stop = min(start + part, param.ds_numel)
+            if start < stop:
+                fragments.append(Fragment(name, tp_index, start, stop, _zero3_view(opt, param, stop - start)))
+        elif getattr(param, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16 optimizer
+            mapping = param._hp_mapping
+            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            fragments.append(Fragment(name, tp_index, start, start + numel, _mapped_view(mapping)))
+        elif hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
+            continue  # (ZeRO-1/2: wholly in another rank's partition)
+        else:  # ZeRO-0
+            fragments.append(Fragment(name, tp_index, 0, param.numel(), _replica_view(param, inner, masters)))
+    return fragments
 
-        def moment(param: torch.Tensor, key: str = key, masters=masters) -> torch.Tensor:
-            if not stepped:  # (every update so far was skipped: zero moments, as Adam starts)
-                return torch.zeros(getattr(param, "ds_shape", param.shape), dtype=torch.float32, device=param.device)
-            full = safe_get_full_optimizer_state(param, key)  # ZeRO 1-3, bf16 optimizer (a collective)
-            if full is None:
-                full = masters().get(id(param))  # ZeRO-0 with bf16/fp16 masters
-            if full is None:
-                full = inner.state.get(param, {}).get(key)  # ZeRO-0 fp32: the torch optimizer's own
-            return torch.zeros_like(param, dtype=torch.float32) if full is None else full  # (no step yet)
 
-        part = consolidate(cfg, moment, named)
-        if part is not None:
-            tensors.update({f"{key}/{name}": value for name, value in part.items()})
-    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    meta = {"adam_step": str(_adam_step(inner)), "lr_scheduler": json.dumps(scheduler)}
-    return (tensors if dist.get_rank() == 0 else None), meta
+def _zero3_view(opt, param, n: int) -> Callable[[str], torch.Tensor]:
+    def view(kind: str) -> torch.Tensor:
+        key = None if kind == sharded.MASTER else kind
+        return opt._get_fp32_opt_state_partition(param, release_swap_buffers=True, optim_state_key=key)[0][:n]
+
+    return view
 
 
-def consolidate(
-    cfg: RunConfig, value: Callable[[torch.Tensor], torch.Tensor], named: Iterable[tuple[str, torch.Tensor]]
-) -> dict[str, torch.Tensor] | None:
-    """``value`` of every (name, tensor) of ``named`` as one whole fp32 tensor on rank 0 (None elsewhere), one
-    at a time: ``value`` gives this rank's tensor-parallel shard (gathering ZeRO partitions itself), the shards
-    are concatenated along TP_PLAN's dimension here. A tensor under two names (tied weights) is gathered once
-    and stored under both (safetensors stores no two names for one storage). A collective."""
-    is_main, tp = dist.get_rank() == 0, cfg.parallel.tensor_parallel
-    state: dict[str, torch.Tensor] = {}
-    done: dict[int, torch.Tensor | None] = {}
-    for name, tensor in named:
-        tied = id(tensor) in done
-        if not tied:
-            full = value(tensor).detach().float()
-            dim = partition_dim(name) if tp > 1 else None
-            if dim is not None:
-                full = _gather_shards(full, dim, tp)
-            done[id(tensor)] = full.cpu().clone() if is_main else None
-        if is_main:
-            state[name] = done[id(tensor)].clone() if tied else done[id(tensor)]
-    return state if is_main else None
+def _mapped_view(mapping) -> Callable[[str], torch.Tensor]:
+    return lambda kind: mapping.hp_fragment if kind == sharded.MASTER else mapping.get_optim_state_fragment(kind)
+
+
+def _replica_view(param, inner, masters) -> Callable[[str], torch.Tensor | None]:
+    """(None: the optimizer keeps no state ``kind`` for this parameter, as Muon keeps no Adam moments.)"""
+
+    def view(kind: str) -> torch.Tensor | None:
+        key = None if kind == sharded.MASTER else kind
+        found = masters(key).get(id(param))
+        if found is None:
+            found = param if key is None else inner.state.get(param, {}).get(key)
+        return None if found is None else found.detach().reshape(-1)
+
+    return view
+
+
+def optimizer_state_keys(engine) -> list[str]:
+    """The optimizer's per-element state keys (Adam's two moments, a momentum buffer, ...): the tensors of its
+    state that are not scalars (a step count is one); none before its first step."""
+    inner = innermost_optimizer(engine)
+    keys: set[str] = set()
+    for state in inner.state.values():
+        keys.update(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
+    return sorted(keys)
 
 
 def fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch.Tensor]:
     """bf16/fp16 without ZeRO: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer keep fp32 masters (one
-    flat tensor, or one tensor per parameter, per group) that ``safe_get_full_fp32_param`` does not know
-    about; map each low-precision parameter to its master, or with ``key`` to the master's optimizer state
-    ``key`` (views: writing them writes the state; masters without that state yet are left out)."""
+    flat tensor, or one tensor per parameter, per group) that DeepSpeed's fragment API does not know about;
+    map each low-precision parameter to its master, or with ``key`` to the master's optimizer state ``key``
+    (views: writing them writes the state; masters without that state yet are left out)."""
     from torch._utils import _unflatten_dense_tensors
 
     low = getattr(optimizer, "fp16_groups", None)
@@ -259,19 +172,11 @@ def fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch
     }
 
 
-def _gather_shards(shard: torch.Tensor, dim: int, tp: int) -> torch.Tensor:
-    from deepspeed.utils import groups
-
-    pieces = [torch.empty_like(shard) for _ in range(tp)]
-    dist.all_gather(pieces, shard.contiguous(), group=groups.get_tensor_model_parallel_group())
-    return torch.cat(pieces, dim=dim)
-
-
 def _link_state(engine) -> None:
-    """ZeRO 1/2 and DeepSpeed's bf16 optimizer map each parameter to its piece of the optimizer state (what
-    ``safe_get/set_full_optimizer_state`` read and write) once, after the first optimizer step; DeepSpeed
-    0.19 steps the parameter groups one at a time and maps after the first group's step, so the other
-    groups' parameters are never mapped. Map them all again (the state exists for every group here)."""
+    """ZeRO 1/2 and DeepSpeed's bf16 optimizer map each parameter to its piece of the optimizer state once,
+    after the first optimizer step; DeepSpeed 0.19 steps the parameter groups one at a time and maps after the
+    first group's step, so the other groups' parameters are never mapped. Map them all again (the state exists
+    for every group here)."""
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
         engine.optimizer._hp_optimizer_states_linked = False
@@ -282,63 +187,373 @@ def _adam_step(inner: torch.optim.Optimizer) -> int:
     return int(max((float(s["step"]) for s in inner.state.values() if "step" in s), default=0))
 
 
-# ------------------------------------------------------------------------------------ loading
+# ------------------------------------------------------------------------------------ saving
 
 
-def load_exact(engine, path: Path) -> dict:
-    """DeepSpeed's own states of ``path`` (written on this very layout) and this rank's RNG; returns this
-    rank's data-loader state. Every state file is read with weights_only=True."""
-    own = ckpt.safe_load(path / ckpt.rank_file(dist.get_rank()), allowed=deepspeed_safe_globals())
-    engine.checkpoint_engine = safe_checkpoint_engine(engine._config)  # (its parsed DeepSpeed config)
-    loaded, _ = engine.load_checkpoint(
-        str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
-    if loaded is None:
-        raise ConfigError(f"DeepSpeed could not load checkpoint {path}")
-    apply_schedule(engine.lr_scheduler)
-    set_rng_state(own["rng"])
-    return own["loader"]
+@dataclass
+class SavePlan:
+    """Who writes what, the same at every save of a run: each element of each parameter's state is written by
+    exactly one rank (ranks holding the same elements split them evenly), and the index every save carries."""
+
+    mine: list[tuple[Fragment, int, int]]  # (fragment, start, stop): the elements this rank writes
+    held: list[Fragment]  # every fragment this rank holds
+    index: dict[str, sharded.ParamLayout] | None  # on rank 0
+    aliases: dict[str, str]
+
+    @classmethod
+    def build(cls, engine, tp: int, tp_rank: int) -> SavePlan:
+        """A collective: the ranks exchange the coordinates of their fragments once."""
+        fragments = local_fragments(engine, tp, tp_rank)
+        world = dist.get_world_size()
+        everyone: list[list[tuple[str, int, int, int]] | None] = [None] * world
+        dist.all_gather_object(everyone, [f.coordinates for f in fragments])
+        holders: dict[tuple[str, int, int, int], list[int]] = {}
+        for rank, coordinates in enumerate(everyone):
+            for c in coordinates:
+                holders.setdefault(c, []).append(rank)
+        rank = dist.get_rank()
+        mine = []
+        for f in fragments:
+            ranks = holders[f.coordinates]
+            lo, hi = _share(f.start, f.stop, ranks.index(rank), len(ranks))
+            if lo < hi:
+                mine.append((f, lo, hi))
+        index = None
+        if rank == 0:
+            pieces: dict[str, list[sharded.Piece]] = {}
+            for (name, tp_index, start, stop), ranks in holders.items():
+                for i, r in enumerate(ranks):
+                    lo, hi = _share(start, stop, i, len(ranks))
+                    if lo < hi:
+                        pieces.setdefault(name, []).append(sharded.Piece(tp_index, lo, hi, sharded.shard_file(r)))
+            index = {}
+            for name, (shape, dim) in param_layouts(engine, tp).items():
+                layout = sharded.ParamLayout(
+                    shape, dim, tp if dim is not None else 1, tuple(sorted(pieces.get(name, []), key=_order))
+                )
+                sharded.check_cover(name, layout)
+                index[name] = layout
+        return cls(mine, fragments, index, tied_names(engine.module))
 
 
-def load_elastic(
-    engine, cfg: RunConfig, path: Path, saved_world_size: int, weights: dict[str, torch.Tensor], tp_rank: int
-) -> list[dict]:
-    """Complete a resume on another layout on an engine built from ``weights`` (the whole model's fp32
-    masters): this rank's share of the masters, the Adam moments and step count, the LR schedule, and rank 0's
-    RNG (every rank draws the same numbers); returns the loader states of all old ranks (the loader merges
-    them into the global row position)."""
-    old_ranks = [
-        ckpt.safe_load(path / ckpt.rank_file(r), allowed=deepspeed_safe_globals()) for r in range(saved_world_size)
-    ]
-    moments, meta = ckpt.load_safetensors(path, ckpt.OPTIMIZER)
-    tp = cfg.parallel.tensor_parallel
+def partial_kinds(fragments: list[Fragment], kinds: list[str]) -> dict[str, list[str]]:
+    """The kinds of state each parameter has, for those that lack some of ``kinds``. Only without ZeRO, where every
+    rank holds every parameter, can the optimizer keep other state for some parameters (Muon's matrices a
+    momentum, the others Adam's moments); ZeRO's partitions hold every kind for every element."""
+    partial = {}
+    for fragment in fragments:
+        have = [kind for kind in kinds if fragment.view(kind) is not None]
+        if len(have) < len(kinds):
+            partial[fragment.name] = have
+    return partial
 
-    def mine(name: str, full: torch.Tensor) -> torch.Tensor:  # this rank's tensor-parallel shard
-        dim = partition_dim(name) if tp > 1 else None
-        return full if dim is None else full.chunk(tp, dim)[tp_rank]
 
-    inner = innermost_optimizer(engine)
-    _ensure_adam_state(engine, inner, int(meta["adam_step"]))
-    _link_state(engine)
-    _set_full(engine, inner, None, {name: mine(name, w) for name, w in weights.items()})
-    for key in ADAM_KEYS:
-        prefix = f"{key}/"
-        _set_full(
-            engine,
-            inner,
-            key,
-            {
-                name[len(prefix) :]: mine(name[len(prefix) :], v)
-                for name, v in moments.items()
-                if name.startswith(prefix)
-            },
+def _order(piece: sharded.Piece) -> tuple[int, int]:
+    return piece.tp_index, piece.start
+
+
+def _share(start: int, stop: int, i: int, k: int) -> tuple[int, int]:
+    """Part ``i`` of ``k`` near-equal parts of [start, stop)."""
+    n = stop - start
+    return start + n * i // k, start + n * (i + 1) // k
+
+
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """Names of the module's state that are another name of a parameter (tied weights), to that parameter's
+    name; a buffer in the state would not be saved, so there must be none."""
+    first = {id(p): name for name, p in module.named_parameters()}
+    aliases = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in first:
+            raise ValueError(f"{name}: a buffer in the model's state, which checkpoints do not hold")
+        if first[id(tensor)] != name:
+            aliases[name] = first[id(tensor)]
+    return aliases
+
+
+@dataclass
+class SaveJob:
+    """One save, once its state is on the host: what the background writer writes."""
+
+    path: Path
+    step: int
+    save: str  # the save's id: every shard records it, a shard of another save is refused
+    tensors: dict[str, torch.Tensor]  # this rank's shard
+    rank_state: bytes  # rank_NNNNN.pt: loader and RNG state
+    files: dict[str, bytes]  # rank 0: trainer.json, config.yaml, tokenizer.json, index.json
+    keep: Collection[str]
+    stall_s: float
+
+
+@dataclass
+class SaveOutcome:
+    """A finished save, as every rank learns it."""
+
+    path: Path
+    step: int
+    stall_s: float
+    write_s: float
+    bytes: int
+    error: str | None  # the WriteFailed line, when a rank's write failed
+
+
+class Checkpointer:
+    """Saves and loads one run's state. ``save`` copies this rank's state to host memory (pinned on CUDA) and
+    returns; a background thread writes the files, hashing them as they go out, and the ranks then agree (over
+    a gloo group of the checkpointer's own) on the outcome: rank 0 writes the manifest (COMPLETE) and `latest`
+    last, or removes the checkpoint when any rank's write failed. :meth:`wait` waits for the write in flight
+    and raises its failure; the next save, a load, a rollback and the end of the run call it."""
+
+    def __init__(self, engine, cfg: RunConfig, tp_rank: int, device: torch.device) -> None:
+        self.engine, self.cfg, self.tp_rank, self.device = engine, cfg, tp_rank, device
+        self.tp = cfg.parallel.tensor_parallel
+        self.plan: SavePlan | None = None
+        self.group = None  # the background thread's process group (gloo), never the training's
+        self.thread: threading.Thread | None = None
+        self.outcome: SaveOutcome | None = None
+        self.staging: dict[str, torch.Tensor] = {}  # reused host buffers (pinned on CUDA), one per piece
+        self.done: list[SaveOutcome] = []  # finished saves not yet reported
+        self.failure: str | None = None  # a failed write's line, raised at the next wait
+
+    # -------------------------------------------------------------------------------- save
+
+    def save(self, state: ckpt.TrainerState, loader_state: dict, keep: Collection[str] = ()) -> Path:
+        """Start writing step ``state.step``'s checkpoint; returns its path (complete once the write is done).
+        A collective: every rank calls it."""
+        self.wait()
+        began = time.perf_counter()
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo")
+        if self.plan is None:
+            self.plan = SavePlan.build(self.engine, self.tp, self.tp_rank)
+        root = ckpt.checkpoints_dir(self.cfg.run_dir)
+        path = root / ckpt.step_name(state.step)
+        rank = dist.get_rank()
+        if rank == 0 and path.exists():  # a leftover of a run killed while saving this step (the broadcast
+            shutil.rmtree(path)  # below keeps every writer behind its removal)
+        box = [secrets.token_hex(16) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        kinds = [sharded.MASTER, *optimizer_state_keys(self.engine)]
+        tensors = self._stage(kinds)
+        buffer = io.BytesIO()
+        torch.save({"loader": loader_state, "rng": rng_state()}, buffer)
+        files: dict[str, bytes] = {}
+        if rank == 0:
+            param_kinds = partial_kinds(self.plan.held, kinds)
+            index = sharded.index_record(self.plan.index, kinds, self.plan.aliases, box[0], state.step, param_kinds)
+            index["optimizer"] = self._optimizer_record()
+            files[sharded.INDEX] = json.dumps(index).encode()
+            files[ckpt.TRAINER_STATE] = json.dumps(state.model_dump(), indent=2).encode()
+            files[ckpt.CONFIG] = dump_config(self.cfg).encode()
+            if self.cfg.data.tokenizer:
+                files[ckpt.TOKENIZER] = Path(self.cfg.data.tokenizer).read_bytes()
+        job = SaveJob(path, state.step, box[0], tensors, buffer.getvalue(), files, keep, 0.0)
+        job.stall_s = time.perf_counter() - began
+        self.thread = threading.Thread(target=self._write, args=(job,), name="checkpoint-writer", daemon=True)
+        self.thread.start()
+        return path
+
+    def _stage(self, kinds: list[str]) -> dict[str, torch.Tensor]:
+        """This rank's pieces of every kind of state its parameters have, copied to host memory (the step may go
+        on changing the live tensors once this returns)."""
+        cuda = self.device.type == "cuda"
+        tensors = {}
+        with torch.no_grad():
+            for fragment, lo, hi in self.plan.mine:
+                for kind in kinds:
+                    state = fragment.view(kind)
+                    if state is None:
+                        continue
+                    live = state.reshape(-1)[lo - fragment.start : hi - fragment.start]
+                    key = sharded.piece_key(kind, fragment.name, fragment.tp_index, lo)
+                    host = self.staging.get(key)
+                    if host is None or host.numel() != live.numel():
+                        host = torch.empty(live.numel(), dtype=torch.float32, pin_memory=cuda)
+                        self.staging[key] = host
+                    host.copy_(live, non_blocking=cuda)
+                    tensors[key] = host
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        return tensors
+
+    def _optimizer_record(self) -> dict[str, Any]:
+        """The optimizer's step count, the LR scheduler's state and the fp16 loss scaler's numbers."""
+        scheduler = self.engine.lr_scheduler.state_dict() if self.engine.lr_scheduler is not None else None
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        numbers = (
+            {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool)) and not isinstance(v, type)}
+            if scaler is not None
+            else None
         )
-    scheduler = json.loads(meta["lr_scheduler"])
-    if engine.lr_scheduler is not None and scheduler is not None:
-        engine.lr_scheduler.load_state_dict(scheduler)
-        apply_schedule(engine.lr_scheduler)
-    set_rng_state(old_ranks[0]["rng"])
-    return [r["loader"] for r in old_ranks]
+        return {"step": _adam_step(innermost_optimizer(self.engine)), "lr_scheduler": scheduler, "loss_scaler": numbers}
+
+    def _write(self, job: SaveJob) -> None:
+        """The background writer: this rank's files, then the ranks' agreement, then (rank 0) the manifest."""
+        from safetensors import SafetensorError
+
+        began = time.perf_counter()
+        rank = dist.get_rank()
+        entries: dict[str, dict[str, Any]] = {}
+        failed: tuple[str, str] | None = None
+        outputs: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
+            (
+                sharded.shard_file(rank),
+                lambda p: sharded.write_safetensors(p, job.tensors, {"save": job.save, "step": str(job.step)}),
+            ),
+            (ckpt.rank_file(rank), lambda p: sharded.write_file(p, job.rank_state)),
+            *((name, functools.partial(sharded.write_file, data=data)) for name, data in job.files.items()),
+        ]
+        try:
+            job.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            failed = (job.path.name, write_reason(err))
+        for name, write in outputs:
+            if failed is not None:
+                break
+            try:
+                entries[name] = write(job.path / name)
+            except (OSError, SafetensorError) as err:
+                failed = (name, write_reason(err))
+            except Exception as err:  # (still agreed on with the other ranks: none is left waiting)
+                failed = (name, f"{err.__class__.__name__}: {str(err)[:200]}")
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (entries, failed), group=self.group)
+        failure = next(((r, f) for r, (_, f) in enumerate(reports) if f is not None), None)
+        total = sum(e["size"] for entries_, _ in reports for e in entries_.values())
+        verdict: list[Any] = [None]
+        if rank == 0:
+            try:
+                verdict[0] = self._finish(job, reports, failure)
+            except Exception as err:  # (the other ranks wait for the verdict)
+                verdict[0] = f"writing checkpoint {job.path.name} failed: {err.__class__.__name__}: {str(err)[:200]}"
+        dist.broadcast_object_list(verdict, src=0, group=self.group)
+        self.outcome = SaveOutcome(job.path, job.step, job.stall_s, time.perf_counter() - began, total, verdict[0])
+
+    def _finish(self, job: SaveJob, reports: list[Any], failure: tuple[int, tuple[str, str]] | None) -> str | None:
+        """Rank 0: the manifest and `latest` (last), and the rotation; or, after a failed write anywhere, the
+        checkpoint removed. The failure line, or None."""
+        root = job.path.parent
+        if failure is None:
+            entries = {name: e for entries_, _ in reports for name, e in entries_.items()}
+            try:
+                ckpt.write_manifest(job.path, entries)
+                ckpt.atomic_write(root / ckpt.LATEST, job.path.name)
+            except OSError as err:
+                failure = (0, (ckpt.COMPLETE, write_reason(err)))
+            else:
+                ckpt.prune(root, self.cfg.checkpoint.keep, keep={job.path.name, *job.keep})
+                return None
+        shutil.rmtree(job.path, ignore_errors=True)  # (nothing half-written stays; `latest` names the last)
+        last = ckpt.latest_checkpoint(root)
+        intact = (
+            f"the last intact checkpoint is {last.name} (resume=auto continues from it)"
+            if last is not None
+            else "no checkpoint of this run is complete yet"
+        )
+        rank, (name, reason) = failure
+        where = f" on rank {rank}" if len(reports) > 1 else ""
+        return f"writing checkpoint {job.path.name} failed{where} ({name}): {reason} ({free_space(root)}); {intact}"
+
+    def wait(self) -> None:
+        """Wait for the write in flight, if any; raise :class:`WriteFailed` (on every rank) when a write failed.
+        A point every rank reaches (a save, a load, a rollback, the end of the run): the ranks fail together."""
+        self._collect()
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise WriteFailed(failure)
+
+    def finished(self) -> list[SaveOutcome]:
+        """Saves finished since the last call (the one in flight too, once its writer is done): for the log. A
+        failure is kept for :meth:`wait` (the writers of the ranks end at slightly different times)."""
+        if self.thread is not None and not self.thread.is_alive():
+            self._collect()
+        done, self.done = self.done, []
+        return done
+
+    def _collect(self) -> None:
+        if self.thread is None:
+            return
+        self.thread.join()
+        self.thread, outcome, self.outcome = None, self.outcome, None
+        if outcome is None:  # (the writer itself raised: its traceback is on stderr)
+            raise RuntimeError("the checkpoint writer thread failed")
+        self.done.append(outcome)
+        self.failure = outcome.error
+
+    # -------------------------------------------------------------------------------- load
+
+    def load(self, path: Path, saved_world_size: int, same_layout: bool) -> dict | list[dict]:
+        """Put this rank's part of checkpoint ``path``'s state into the engine (built from its weights), with
+        the optimizer's step count, the LR schedule and the loss scale. On the layout that wrote it, returns this
+        rank's loader state and restores its RNG; on another, returns the loader states of all ranks that wrote
+        it (the loader merges them into the global row position) and restores rank 0's RNG (every rank draws
+        the same numbers)."""
+        self.wait()
+        state = sharded.ShardedState(path)
+        ranks = [dist.get_rank()] if same_layout else range(saved_world_size)
+        saved = [ckpt.safe_load(path / ckpt.rank_file(r), allowed=deepspeed_safe_globals()) for r in ranks]
+        record = json.loads((path / sharded.INDEX).read_bytes())["optimizer"]
+        keys = [k for k in state.kinds if k != sharded.MASTER]
+        inner = innermost_optimizer(self.engine)
+        if keys:
+            _ensure_state(self.engine, inner, state, record["step"])
+        self.plan = None  # (the fragment views change with the state made here)
+        layouts = param_layouts(self.engine, self.tp)
+        with torch.no_grad():
+            for fragment in local_fragments(self.engine, self.tp, self.tp_rank):
+                _, dim = layouts[fragment.name]
+                where = (fragment.tp_index, self.tp, dim, fragment.start, fragment.stop)
+                for kind in state.kinds_of(fragment.name):
+                    view = fragment.view(kind)
+                    view.copy_(state.slice_of(fragment.name, kind, *where).to(view.device))
+        refresh_weights(self.engine)
+        scheduler = record["lr_scheduler"]
+        if self.engine.lr_scheduler is not None and scheduler is not None:
+            self.engine.lr_scheduler.load_state_dict(scheduler)
+            apply_schedule(self.engine.lr_scheduler)
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        if scaler is not None and record.get("loss_scaler"):
+            for k, v in record["loss_scaler"].items():
+                setattr(scaler, k, v)
+        set_rng_state(saved[0]["rng"])
+        return saved[0]["loader"] if same_layout else [r["loader"] for r in saved]
+
+
+def refresh_weights(engine) -> None:
+    """The model's weights from the fp32 masters just loaded, wherever the layout keeps them apart (ZeRO-3's
+    partitions, ZeRO-1/2's and the bf16 optimizer's flat groups, ZeRO-0's fp16/bf16 masters). A collective."""
+    opt = engine.optimizer
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        persistent = opt.persistent_parameters
+        if persistent:
+            persistent[0].partition(persistent)
+        for i in range(len(opt.fp32_partitioned_groups_flat)):
+            opt._reassign_or_swap_out_partitioned_parameters(i)
+        if persistent:
+            persistent[0].all_gather(persistent)
+    elif hasattr(opt, "update_lp_params"):  # ZeRO-1/2, bf16 optimizer
+        opt.update_lp_params()
+    else:
+        masters = fp16_optimizer_masters(opt)
+        with torch.no_grad():
+            for param in engine.module.parameters():
+                if id(param) in masters:
+                    param.copy_(masters[id(param)].view_as(param))
+
+
+def load_weights_into(model: torch.nn.Module, weights) -> None:
+    """Copy ``weights`` (a mapping of the model's state names to tensors, perhaps assembled on lookup) into
+    ``model`` one tensor at a time; a missing or an extra name is an error."""
+    state = model.state_dict(keep_vars=True)
+    missing, extra = sorted(set(state) - set(weights)), sorted(set(weights) - set(state))
+    if missing or extra:
+        raise ValueError(f"the weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    done = set()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if id(tensor) not in done:
+                tensor.copy_(weights[name])
+                done.add(id(tensor))
 
 
 def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR | None) -> None:
@@ -353,12 +568,16 @@ def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR | None) -> None:
     scheduler._last_lr = rates  # (what get_last_lr() answers; torch keeps it in this field)
 
 
-def _ensure_adam_state(engine, inner: torch.optim.Optimizer, step: int) -> None:
-    """Every tensor the torch optimizer steps has Adam state (it makes it lazily at the first step), with
-    the saved step count."""
+def _ensure_state(engine, inner: torch.optim.Optimizer, saved: sharded.ShardedState, step: int) -> None:
+    """Every tensor the torch optimizer steps has the state the checkpoint holds for it (the optimizer makes it
+    lazily at the first step), with the saved step count."""
+    every = [k for k in saved.kinds if k != sharded.MASTER]
+    masters = fp16_optimizer_masters(engine.optimizer)
+    names = {id(masters.get(id(p), p)): name for name, p in engine.module.named_parameters()}
     for p, group in _stepped(engine, inner):
         state = inner.state[p]
-        for key in ADAM_KEYS:
+        keys = [k for k in saved.kinds_of(names[id(p)]) if k != sharded.MASTER] if id(p) in names else every
+        for key in keys:
             state.setdefault(key, torch.zeros_like(p, memory_format=torch.preserve_format))
         old = state.get("step")
         if isinstance(old, torch.Tensor):
@@ -378,24 +597,3 @@ def _stepped(engine, inner: torch.optim.Optimizer) -> list[tuple[torch.Tensor, d
         group_of = engine.optimizer.sub_group_to_group_id
         return [(flat, inner.param_groups[group_of[i]]) for i, flat in enumerate(flats)]
     return [(p, group) for group in inner.param_groups for p in group["params"]]
-
-
-@torch.no_grad()
-def _set_full(engine, inner: torch.optim.Optimizer, key: str | None, values: dict[str, torch.Tensor]) -> None:
-    """Write this rank's tensor-parallel share ``values[name]`` of each parameter's fp32 master (``key``
-    None) or optimizer state ``key`` into the engine, wherever its layout keeps it."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    masters = fp16_optimizer_masters(engine.optimizer, key)
-    for name, param in engine.module.named_parameters():
-        value = values[name]
-        if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):  # ZeRO 1-3, bf16 optimizer
-            value = value.to(torch.float32)
-            if key is None:
-                safe_set_full_fp32_param(param, value)
-            else:
-                safe_set_full_optimizer_state(param, value, key)
-        elif id(param) in masters:  # ZeRO-0 with bf16/fp16 masters
-            masters[id(param)].copy_(value.view_as(masters[id(param)]))
-        elif key is not None:  # ZeRO-0 fp32: the torch optimizer's own state (the weights came with the model)
-            inner.state[param][key].copy_(value.view_as(param))

@@ -142,6 +142,7 @@ class StepResult:
     rejected: bool = False  # the step was finite, but ``reject`` refused it: the update was skipped
     grad_norm: float | None = None  # global gradient norm before clipping (NaN: non-finite; None: not computed)
     z_loss: float | None = None  # mean z-loss term per loss token, beside ``loss`` (None: train.z_loss is 0)
+    save_due: bool = False  # a rank asked for a checkpoint after this step (checkpoint.every_minutes)
 
 
 @dataclass
@@ -155,6 +156,7 @@ class Verdict:
     stop: bool
     model_flops: float
     z_loss: float | None = None
+    save_due: bool = False
 
     @property
     def apply(self) -> bool:
@@ -186,7 +188,7 @@ class TrainModule:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = build_model(cfg.model)
         if init_state is not None:
-            model.load_state_dict(init_state)
+            checkpointer.load_weights_into(model, init_state)
         if cfg.model.mlp_tiles > 1:
             apply_tiled_mlp(model, cfg.model.mlp_tiles)
         # ranks of a sequence group read the same rows, each keeps its slice of them
@@ -223,6 +225,7 @@ class TrainModule:
         self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank // sp
         self.dp_size = self.sizes.dp
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
+        self.checkpointer = checkpointer.Checkpointer(self.engine, cfg, self.tp_rank, self.device)
         if tp > 1:
             assign_head_offsets(self.engine.module, self.tp_rank, tp)
             sum_partial_gradients(self.engine.module, groups.get_tensor_model_parallel_group())
@@ -249,6 +252,7 @@ class TrainModule:
         batches: Iterator[Mapping[str, torch.Tensor]],
         stop_requested: Callable[[], bool] = lambda: False,
         reject: Callable[[float, float | None], bool] | None = None,
+        save_due: Callable[[], bool] = lambda: False,
     ) -> StepResult:
         """Forward/backward every micro batch of one optimizer step, then step (or skip a bad step).
         ``reject(loss, grad_norm)`` (the global batch's loss and the global gradient norm before clipping, the
@@ -258,7 +262,8 @@ class TrainModule:
         ranks), not a mean of per-batch means, so padding and variable loss counts (masked-LM) weigh right.
         A non-finite loss or gradient on any rank skips the update on every rank (weights, Adam moments and
         the schedule unchanged); with fp16, DeepSpeed's loss scaler skips overflowing steps on its own.
-        ``stop_requested()`` is asked at the step's end: a stop asked for during the step ends the run after it.
+        ``stop_requested()`` is asked at the step's end: a stop asked for during the step ends the run after it;
+        ``save_due()`` too, and a True on any rank sets ``save_due`` of the result on every rank.
         """
         accum, engine = self.sizes.accum, self.engine
         host = [next(batches) for _ in range(accum)]
@@ -294,7 +299,8 @@ class TrainModule:
                 engine.step()  # (not a boundary: DeepSpeed only counts the micro step)
         # the boundary: one reduction of the step's statistics, the one wait for the device in the step, once
         # the gradient norm is known: here without ZeRO, inside DeepSpeed's step (before the update) with it
-        stats = torch.cat([torch.stack([loss_sum, bad, z_sum]), self._on_device([float(stop_requested()), flops])])
+        flags = [float(stop_requested()), float(save_due()), flops]
+        stats = torch.cat([torch.stack([loss_sum, bad, z_sum]), self._on_device(flags)])
         verdicts: list[Verdict] = []
 
         def judge(norm: torch.Tensor | None) -> bool:
@@ -326,6 +332,7 @@ class TrainModule:
             verdict.rejected,
             verdict.grad_norm,
             verdict.z_loss,
+            verdict.save_due,
         )
 
     def _judge(
@@ -335,16 +342,16 @@ class TrainModule:
         norm: torch.Tensor | None,
         reject: Callable[[float, float | None], bool] | None,
     ) -> Verdict:
-        """All-reduce this rank's ``stats`` (loss sum, non-finite losses, z-loss sum, stop flag, model FLOPs) with the
-        gradient norm ``norm`` (a device scalar, rank 0's: every rank holds the same; None: none computed) and
-        read them in one transfer; then the verdict on the update, the same on every rank."""
+        """All-reduce this rank's ``stats`` (loss sum, non-finite losses, z-loss sum, stop and save flags, model
+        FLOPs) with the gradient norm ``norm`` (a device scalar, rank 0's: every rank holds the same; None: none
+        computed) and read them in one transfer; then the verdict on the update, the same on every rank."""
         slot = torch.zeros(1, dtype=torch.float64, device=self.device)
         if norm is not None and dist.get_rank() == 0:
             # (DeepSpeed's norms report a non-finite norm as -1)
             slot = torch.where(norm >= 0, norm.double(), math.nan).reshape(1).to(self.device)
         stats = torch.cat([stats, slot])
         dist.all_reduce(stats)
-        loss_total, n_bad, z_total, stop, flops_total, grad_norm, targets_total = torch.cat(
+        loss_total, n_bad, z_total, stop, save, flops_total, grad_norm, targets_total = torch.cat(
             [stats, global_targets]
         ).tolist()
         # the cross-entropy and the z-loss apart (the loss optimised is their sum)
@@ -355,23 +362,20 @@ class TrainModule:
         # (fp16: non-finite gradients are the loss scaler's to skip)
         finite = n_bad == 0 and (norm_finite or self.cfg.precision == "fp16")
         rejected = finite and reject is not None and reject(loss, grad_norm if norm_finite else None)
-        return Verdict(loss, grad_norm, finite, rejected, stop > 0, flops_total, z_loss)
+        return Verdict(loss, grad_norm, finite, rejected, stop > 0, flops_total, z_loss, save > 0)
 
     # ---------------------------------------------------------------------------------- checkpoints
 
     def save(self, state: TrainerState, loader_state: dict, keep: tuple[str, ...] = ()) -> Path:
-        """Checkpoint step ``state.step`` (every rank calls it); ``keep``: checkpoints rotation must spare."""
-        return checkpointer.save_checkpoint(self.engine, self.cfg, state, loader_state, keep)
+        """Start checkpointing step ``state.step`` (every rank calls it; the files are written in the
+        background); ``keep``: checkpoints rotation must spare."""
+        return self.checkpointer.save(state, loader_state, keep)
 
     def load(self, plan: ResumePlan) -> tuple[TrainerState, dict | list[dict]]:
-        """Restore the engine, schedule and RNG from ``plan``'s checkpoint; returns the trainer state (of this
-        layout) and what the train loader continues from (this rank's state, or every old rank's)."""
-        if plan.elastic is None:
-            return plan.state, checkpointer.load_exact(self.engine, plan.path)
-        loader_states = checkpointer.load_elastic(
-            self.engine, self.cfg, plan.path, plan.state.world_size, plan.elastic.weights, self.tp_rank
-        )
-        plan.elastic.weights = {}  # (no second copy of the model kept for the run)
+        """Restore the engine (built from ``plan``'s weights), schedule and RNG from ``plan``'s checkpoint;
+        returns the trainer state (of this layout) and what the train loader continues from (this rank's
+        state, or every old rank's)."""
+        loader_states = self.checkpointer.load(plan.path, plan.state.world_size, plan.elastic is None)
         layout = {
             "world_size": dist.get_world_size(),
             "tensor_parallel": self.tp,

@@ -77,10 +77,7 @@ class Trainer:
         if start is not None:  # (a decay branched from another run's checkpoint)
             cfg = branch_decay(cfg, start)
         self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
-        # decided before the engine: on another layout it is built from the checkpoint's weights
         self.resume = plan_resume(cfg, dist_info.world_size, torch.device(dist_info.device).type, tokenizer.sha256)
-        if self.resume is not None and self.resume.elastic is not None:
-            init_state = self.resume.elastic.weights
         self.module = TrainModule(cfg, dist_info, init_state)
         micro = self.module.sizes.micro
         pin = dist_info.device.startswith("cuda")  # batches in page-locked memory: copies that do not wait
@@ -182,11 +179,12 @@ class Trainer:
         batches = iter(self.train_loader)
         collector = GarbageCollection(cfg.train.gc_every)
         compile_watch = CompileWatch() if self.module.compiled else None
+        self.last_save = time.monotonic()
         exit_code, window_start, window_tokens, window_flops, step_seconds = 0, time.perf_counter(), 0, 0.0, 0.0
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
             watchdog.arm()
-            result = self.module.step(batches, lambda: self.preemption.requested, self.spikes.rejects)
+            result = self.module.step(batches, lambda: self.preemption.requested, self.spikes.rejects, self.save_due)
             step_seconds = time.perf_counter() - started
             watchdog.disarm(step_seconds)
             self.state.step += 1
@@ -198,6 +196,7 @@ class Trainer:
             window_flops += result.model_flops
             self.state.bad_steps = 0 if result.finite else self.state.bad_steps + 1
             report.progress(self.state.step, result.loss, result.tokens / step_seconds, step_seconds)
+            self.report_saves(report)
             if self.state.step % cfg.train.log_every == 0 or self.state.step == cfg.train.max_steps:
                 seconds = time.perf_counter() - window_start
                 tokens_per_s = window_tokens / seconds
@@ -249,7 +248,8 @@ class Trainer:
                 )
                 exit_code = EXIT_PREEMPTED
                 break
-            if self.state.step % cfg.checkpoint.every == 0 and self.state.step < cfg.train.max_steps:
+            due = self.state.step % cfg.checkpoint.every == 0 or result.save_due
+            if due and self.state.step < cfg.train.max_steps:
                 with watchdog.watching("a checkpoint"):
                     self.save()
         validated_last = self.downstream is not None or (
@@ -260,6 +260,8 @@ class Trainer:
                 report.log({"step": self.state.step, **self.evaluations(downstream=False)})
         with watchdog.watching("a checkpoint"):
             self.save()
+            self.module.checkpointer.wait()  # (the run ends with its last checkpoint complete)
+        self.report_saves(report)
         watchdog.close()
         collector.close()
         report.close()
@@ -273,7 +275,20 @@ class Trainer:
         )
         return {**resolved_config(self.cfg, sizes), "run": facts}
 
+    def save_due(self) -> bool:
+        """checkpoint.every_minutes have passed since the last save (rank 0's clock decides: the step's
+        reduction tells the others)."""
+        minutes = self.cfg.checkpoint.every_minutes
+        return minutes is not None and self.dist.is_main and time.monotonic() - self.last_save >= 60 * minutes
+
+    def report_saves(self, report: Reporter) -> None:
+        """A metrics record and a log line for each save whose background write has finished."""
+        for done in self.module.checkpointer.finished():
+            if done.error is None:
+                report.log_save(done.step, done.stall_s, done.write_s, done.bytes)
+
     def save(self) -> Path:
+        self.last_save = time.monotonic()
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         began = self.spikes.protect_before()  # (a rollback in the making needs the checkpoint before it)
         needed = ckpt.complete_before(ckpt.checkpoints_dir(self.cfg.run_dir), began) if began is not None else []
@@ -296,6 +311,8 @@ class Trainer:
         (done here), or stop."""
         event = self.spikes.respond(self.state.step, loss, grad_norm)
         record = event.record(self.spikes.rollbacks)
+        if event.action == spikes.ROLLBACK:
+            self.module.checkpointer.wait()  # (the checkpoint to roll back to may be the one being written)
         target = rollback_target(self.cfg, event.began) if event.action == spikes.ROLLBACK else None
         if event.action == spikes.ROLLBACK and target is None:
             event.action = record["event"] = spikes.STOP

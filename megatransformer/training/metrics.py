@@ -184,6 +184,26 @@ class Reporter:
         if evaluation:
             self.message(validation_line(record))
 
+    def log_save(self, step: int, stall_s: float, write_s: float, size: int) -> None:
+        """A finished checkpoint: metrics.jsonl (``kind`` checkpoint: ``ckpt_stall_s``, the step's wait for the
+        copy to host memory; ``ckpt_write_s``, the background write; ``ckpt_bytes``, every rank's files) and
+        a log line."""
+        if not self.is_main:
+            return
+        record = {
+            "step": step,
+            "kind": "checkpoint",
+            "time": round(time.time(), 3),
+            "ckpt_stall_s": round(stall_s, 4),
+            "ckpt_write_s": round(write_s, 4),
+            "ckpt_bytes": size,
+        }
+        append_record(self.path, record)
+        self.message(
+            f"checkpoint step {step}: {size / 2**20:,.1f} MiB written in {write_s:.2f} s in the background; "
+            f"training stalled {stall_s:.3f} s"
+        )
+
     def event(self, record: dict[str, Any], line: str) -> None:
         """A loss-spike event: metrics.jsonl (``kind`` spike), its console ``line``, W&B (an alert for a
         rollback or a stop where W&B is online)."""

@@ -3,12 +3,11 @@ trainer state and config (each read once), and whether DeepSpeed's exact resume 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from megatransformer import checkpoint as ckpt
+from megatransformer.checkpoint.sharded import INDEX
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.training.distributed import on_first_rank
 from megatransformer.training.layout import (
@@ -27,7 +26,6 @@ class ElasticResume:
     saved_sizes: BatchSizes
     sizes: BatchSizes
     zero_stage: int  # the stage the new engine runs (layout.engine_zero_stage)
-    weights: dict[str, torch.Tensor] = field(repr=False)  # the whole model's fp32 masters
 
 
 @dataclass
@@ -35,7 +33,7 @@ class ResumePlan:
     path: Path
     state: ckpt.TrainerState  # its trainer.json
     saved: RunConfig  # its config.yaml
-    elastic: ElasticResume | None  # None: the same layout, DeepSpeed's exact resume
+    elastic: ElasticResume | None  # None: the layout that wrote it
 
     def describe(self, cfg: RunConfig, world_size: int) -> str:
         s = self.state
@@ -150,26 +148,16 @@ def plan_resume(
             "resume_elastic=allow_batch_change to continue with the new batch"
         )
     zero_stage = engine_zero_stage(cfg, sizes.dp, device_type)
+    if not (path / INDEX).is_file():
+        raise ConfigError(
+            f"checkpoint {path} is in the format before sharded checkpoints (DeepSpeed's states and "
+            f"{ckpt.WEIGHTS}); convert it with `megatransformer checkpoint convert {path}`, or start a new run "
+            f"from its weights with init_from={path}"
+        )
     saved_layout = (state.world_size, state.tensor_parallel, state.sequence_parallel, state.zero_stage)
     if saved_layout == (world_size, tp, sp, zero_stage):
         return ResumePlan(path, state, saved, None)
-    if cfg.optim.name == "muon" or saved.optim.name == "muon":
-        was = _layout(saved_sizes.dp, state.tensor_parallel, state.sequence_parallel, state.zero_stage)
-        raise ConfigError(
-            f"checkpoint {path} ({was}, {_ranks(state.world_size)}) and this run "
-            f"({_layout(sizes.dp, tp, sp, zero_stage)}, "
-            f"{_ranks(world_size)}) differ, and optim.name=muon resumes only on its own layout ({ckpt.OPTIMIZER} "
-            "holds no Muon momentum); resume on that layout, or start a new run from its weights with init_from="
-        )
-    if not (path / ckpt.OPTIMIZER).is_file():
-        raise ConfigError(
-            f"checkpoint {path} has no {ckpt.OPTIMIZER} (written before elastic resume existed), so it resumes "
-            f"only on its own layout: world size {state.world_size}, parallel.tensor_parallel="
-            f"{state.tensor_parallel}, parallel.sequence_parallel={state.sequence_parallel}, parallel.zero_stage="
-            f"{state.zero_stage} (or start a new run from its weights with init_from=)"
-        )
-    weights = ckpt.load_safetensors(path, ckpt.WEIGHTS)[0]
-    return ResumePlan(path, state, saved, ElasticResume(saved_sizes, sizes, zero_stage, weights))
+    return ResumePlan(path, state, saved, ElasticResume(saved_sizes, sizes, zero_stage))
 
 
 def rollback_target(cfg: RunConfig, before_step: int) -> Path | None:

@@ -3,7 +3,7 @@
 One tiny run (one process, ZeRO-3, 4 steps, a checkpoint every 2) is trained once for the module; each case
 copies its run directory, damages the copy and checks what resuming does. Most cases check the resolution
 (``resolve_resume``, what the trainer calls before any engine load) directly; a few run the real
-``megatransformer train`` end to end, where DeepSpeed's own loads take part.
+``megatransformer train`` end to end.
 """
 
 from __future__ import annotations
@@ -25,20 +25,9 @@ from megatransformer.training import checkpointer
 from megatransformer.training.resume import plan_resume, resolve_resume
 
 OLD, NEW = "step_000002", "step_000004"
-# The files of a ZeRO-3 checkpoint of one rank: every kind there is. (ZeRO-3, because stages 1 and 2 on one
-# CPU rank run as stage 0, whose optimizer states live in the model states file: engine.engine_zero_stage.)
-MODEL_STATES, OPTIM_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-FILES = (
-    MODEL_STATES,
-    OPTIM_STATES,
-    "rank_00000.pt",
-    "model.safetensors",
-    "trainer.json",
-    "config.yaml",
-    "tokenizer.json",
-    "optimizer.safetensors",
-)
-STATE_FILES = FILES[:3]  # the pickled ones
+# The files of a checkpoint of one rank: every kind there is.
+SHARD, RANK_STATE = "shard_00000.safetensors", "rank_00000.pt"
+FILES = (SHARD, RANK_STATE, "index.json", "trainer.json", "config.yaml", "tokenizer.json")
 
 
 def overrides(tiny_data, run_dir: Path, *extra: str) -> list[str]:
@@ -116,9 +105,9 @@ def test_a_damaged_file_falls_back_or_is_named(run, capsys, name, damage):
 
 def test_a_damaged_manifest_or_an_unlisted_file_falls_back(run, capsys):
     newest = run / "checkpoints" / NEW
-    (newest / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"not from this save")
+    (newest / "shard_00001.safetensors").write_bytes(b"not from this save")
     assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
-    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt: a file the manifest does not list" in capsys.readouterr().err
+    assert "shard_00001.safetensors: a file the manifest does not list" in capsys.readouterr().err
 
     (newest / ckpt.COMPLETE).write_bytes(b'{"format": 1, "files": {"config.yaml": {"si')  # cut short
     assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
@@ -127,7 +116,7 @@ def test_a_damaged_manifest_or_an_unlisted_file_falls_back(run, capsys):
 
 def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(run):
     for step in (OLD, NEW):
-        flip(run / "checkpoints" / step / "model.safetensors")
+        flip(run / "checkpoints" / step / SHARD)
     with pytest.raises(ConfigError, match="every complete checkpoint .* is damaged"):
         resolve_resume(resume_cfg(run, "auto"))
 
@@ -146,13 +135,18 @@ def test_a_bad_latest_pointer_is_ignored_for_a_scan(run, capsys, pointer):
 
 
 def as_before_manifests(checkpoint: Path) -> None:
-    """``checkpoint`` as the versions before manifests wrote it: an empty COMPLETE, no optimizer.safetensors,
-    and a trainer.json of their fields only."""
+    """``checkpoint`` as the versions before manifests wrote it (as far as a resolution reads it): an empty
+    COMPLETE, none of the sharded state's files, and a trainer.json of their fields only."""
     (checkpoint / ckpt.COMPLETE).write_bytes(b"")
-    (checkpoint / ckpt.OPTIMIZER).unlink()
+    unshard(checkpoint)
     state = json.loads((checkpoint / ckpt.TRAINER_STATE).read_text())
     earlier = ("step", "tokens", "bad_steps", "tokenizer_sha256", "world_size", "tensor_parallel", "zero_stage")
     (checkpoint / ckpt.TRAINER_STATE).write_text(json.dumps({key: state[key] for key in earlier}))
+
+
+def unshard(checkpoint: Path) -> None:
+    for file in (checkpoint / "index.json", checkpoint / SHARD):
+        file.unlink()
 
 
 def test_a_checkpoint_without_manifest_is_accepted_with_a_warning(run, capsys):
@@ -164,14 +158,15 @@ def test_a_checkpoint_without_manifest_is_accepted_with_a_warning(run, capsys):
 @pytest.mark.parametrize(
     "damage,why",
     [
-        (lambda path: None, "it holds optimizer.safetensors"),
-        (lambda path: (path / ckpt.OPTIMIZER).unlink(), "its trainer.json has fields of later versions"),
+        (lambda path: None, "it holds index.json"),
+        (lambda path: (path / "index.json").unlink(), f"it holds {SHARD}"),
+        (unshard, "its trainer.json has fields of later versions"),
         (
-            lambda path: ((path / ckpt.OPTIMIZER).unlink(), (path / ckpt.TRAINER_STATE).write_text("{")),
+            lambda path: (unshard(path), (path / ckpt.TRAINER_STATE).write_text("{")),
             "its trainer.json is unreadable",
         ),
     ],
-    ids=["emptied", "emptied-and-optimizer-deleted", "emptied-and-trainer-state-damaged"],
+    ids=["emptied", "emptied-and-index-deleted", "emptied-and-shards-deleted", "emptied-and-trainer-state-damaged"],
 )
 def test_an_emptied_manifest_of_a_new_checkpoint_is_damage(run, capsys, damage, why):
     """Only a checkpoint that holds what the versions before manifests wrote, and nothing they never wrote,
@@ -185,18 +180,18 @@ def test_an_emptied_manifest_of_a_new_checkpoint_is_damage(run, capsys, damage, 
 
 
 def test_weights_readers_verify_what_they_read(run):
-    """init_from, eval, generate and export read model.safetensors, config.yaml and tokenizer.json: damage
-    there is an error naming the file; damage in the optimizer states does not concern them."""
+    """init_from, eval, generate and export read the shards, the index, config.yaml and tokenizer.json: damage
+    there is an error naming the file; damage in the per-rank loader states does not concern them."""
     newest = run / "checkpoints" / NEW
-    truncate(newest / OPTIM_STATES)
+    truncate(newest / RANK_STATE)
     cfg, weights = ckpt.load_weights(run / "checkpoints")
-    assert cfg.model.d_model == 32 and "embed_tokens.weight" in weights
-    flip(newest / "model.safetensors")
-    with pytest.raises(ckpt.CheckpointDamaged, match="model.safetensors: changed since the save"):
+    assert cfg.model.d_model == 32 and "embed_tokens.weight" in weights and "lm_head.weight" in weights
+    flip(newest / SHARD)
+    with pytest.raises(ckpt.CheckpointDamaged, match=f"{SHARD}: changed since the save"):
         ckpt.load_weights(newest)
     result = cli("export", "--checkpoint", run, "--out", run / "exported", check=False, env=ONE_THREAD)
     assert result.returncode == 2, result.stderr
-    assert "model.safetensors" in result.stderr and "Traceback" not in result.stderr
+    assert SHARD in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
@@ -212,16 +207,16 @@ def test_an_export_carries_a_manifest(trained, tmp_path):
 
 
 def test_resume_auto_skips_damaged_newest_and_continues_exactly(tiny_data, trained, run):
-    """Bytes flipped in the model states (what would otherwise resume silently wrong) and a torn last metrics line:
+    """Bytes flipped in the shard (what would otherwise resume silently wrong) and a torn last metrics line:
     one warning for each, a resume from step 2, and steps 3-4 as the uninterrupted run had them."""
-    flip(run / "checkpoints" / NEW / MODEL_STATES)
+    flip(run / "checkpoints" / NEW / SHARD)
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "loss": 6.2')  # a write cut short
     result = train(overrides(tiny_data, run, "resume=auto"), expect=None, env=ONE_THREAD)
     assert result.returncode == 0, result.stderr[-4000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2, warnings
-    assert f"{MODEL_STATES}: changed since the save" in warnings[0]
+    assert f"{SHARD}: changed since the save" in warnings[0]
     assert "metrics.jsonl: the last line" in warnings[1]
     assert f"resumed from {run / 'checkpoints' / OLD} at step 2" in result.stdout
     assert losses_by_step(run) == losses_by_step(trained)
@@ -246,11 +241,11 @@ def test_nothing_left_to_train_is_summed_up_from_the_checkpoint_resumed(tiny_dat
 
 
 def test_resume_path_of_a_damaged_checkpoint_exits_2_naming_the_file(tiny_data, run):
-    truncate(run / "checkpoints" / NEW / OPTIM_STATES)
+    truncate(run / "checkpoints" / NEW / SHARD)
     result = train(overrides(tiny_data, run, f"resume={run / 'checkpoints' / NEW}"), expect=None, env=ONE_THREAD)
     assert result.returncode == 2, result.stderr[-4000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("megatransformer train: error:")]
-    assert len(errors) == 1 and OPTIM_STATES in errors[0], result.stderr[-2000:]
+    assert len(errors) == 1 and SHARD in errors[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
 
 
@@ -283,51 +278,44 @@ def plant(file: Path, marker: Path, protocol: int = 2) -> None:
 
 
 @pytest.mark.parametrize("auto", [True, False], ids=["auto", "path"])
-@pytest.mark.parametrize("name", STATE_FILES)
-def test_a_pickle_payload_is_refused_naming_the_file(run, tmp_path, name, auto):
+def test_a_pickle_payload_is_refused_naming_the_file(run, tmp_path, auto):
     """Never skipped as damage (resume=auto refuses too): the manifest matches, the file is planted."""
     marker = tmp_path / "payload-ran"
-    plant(run / "checkpoints" / NEW / name, marker)
-    with pytest.raises(ConfigError, match=f"{name}: holds Python objects beyond tensors") as err:
+    plant(run / "checkpoints" / NEW / RANK_STATE, marker)
+    with pytest.raises(ConfigError, match=f"{RANK_STATE}: holds Python objects beyond tensors") as err:
         resolve_resume(resume_cfg(run, "auto" if auto else str(run / "checkpoints" / NEW)))
     assert "\n" not in str(err.value)
     assert not marker.exists(), "the payload ran"
 
 
-def test_a_pickle_payload_in_deepspeeds_model_states_never_runs(tiny_data, run, tmp_path):
+def test_a_pickle_payload_in_a_rank_state_never_runs(tiny_data, run, tmp_path):
     """A planted pickle, end to end: `megatransformer train resume=auto` exits 2 with one line naming the
     file, and the payload never runs. Written with pickle protocol 4, which the verification's static scan
-    cannot read: what refuses it is DeepSpeed's own load, through the weights_only checkpoint engine."""
+    cannot read: what refuses it is the weights_only load itself."""
     marker = tmp_path / "payload-ran"
-    plant(run / "checkpoints" / NEW / MODEL_STATES, marker, protocol=4)
+    plant(run / "checkpoints" / NEW / RANK_STATE, marker, protocol=4)
     ckpt.verify_checkpoint(run / "checkpoints" / NEW)  # (passes: the scan does not see it)
     result = train(overrides(tiny_data, run, "resume=auto"), expect=None, env=ONE_THREAD)
     assert not marker.exists(), "the payload ran"
     assert result.returncode == 2, result.stderr[-4000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("megatransformer train: error:")]
-    assert len(errors) == 1 and f"{MODEL_STATES}: holds Python objects beyond tensors" in errors[0]
+    assert len(errors) == 1 and f"{RANK_STATE}: holds Python objects beyond tensors" in errors[0]
     assert "Traceback" not in result.stderr
 
 
-def test_deepspeeds_loads_go_through_weights_only(run, tmp_path):
-    """The checkpoint engine the trainer gives DeepSpeed before a resume: the states load as before, a
-    payload is refused by the load itself (behind the pre-load scan the test above meets first)."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    engine = checkpointer.safe_checkpoint_engine(None)
-    assert isinstance(engine, TorchCheckpointEngine)
-    optim = run / "checkpoints" / NEW / OPTIM_STATES
-    loaded = engine.load(str(optim), map_location="cpu")
-    assert loaded["ds_version"] == torch.load(optim, weights_only=False)["ds_version"]
-    marker = tmp_path / "payload-ran"
-    plant(optim, marker)
-    with pytest.raises(ckpt.CheckpointUnsafe, match="zero_pp_rank_0_mp_rank_00_optim_states.pt: holds Python"):
-        engine.load(str(optim), map_location="cpu")
-    assert not marker.exists()
+def test_a_shard_of_another_save_is_refused(run):
+    """A shard copied from the older checkpoint, with a manifest made to match: refused by its save id."""
+    newest = run / "checkpoints" / NEW
+    shutil.copyfile(run / "checkpoints" / OLD / SHARD, newest / SHARD)
+    ckpt.write_manifest(newest)
+    ckpt.verify_checkpoint(newest)  # (the files are intact)
+    with pytest.raises(ckpt.CheckpointDamaged, match=f"{SHARD}: a shard of another save [(]step 2, ") as err:
+        ckpt.load_weights(newest)
+    assert "\n" not in str(err.value)
 
 
 def test_safe_load_names_an_unreadable_file(run):
-    file = run / "checkpoints" / NEW / "rank_00000.pt"
+    file = run / "checkpoints" / NEW / RANK_STATE
     truncate(file)
     with pytest.raises(ckpt.CheckpointDamaged, match="rank_00000.pt: unreadable"):
         ckpt.safe_load(file, allowed=checkpointer.deepspeed_safe_globals())
@@ -395,3 +383,33 @@ def test_a_checkpoint_without_a_tokenizer_hash_is_warned_about_at_resume(run, ca
     assert plan_resume(saved_run_config(run, "auto"), 1, "cpu", tokenizer).path == state.parent
     (line,) = capsys.readouterr().err.splitlines()
     assert f"checkpoint {state.parent} records no tokenizer hash" in line and "cannot be checked" in line
+
+
+def as_consolidated(checkpoint: Path) -> None:
+    """``checkpoint`` as the format before shards held its state: the whole weights in model.safetensors, the
+    whole Adam state in optimizer.safetensors (step count and schedule in its metadata), no index or shard."""
+    from megatransformer.checkpoint.sharded import ShardedState
+
+    state = ShardedState(checkpoint)
+    optimizer = json.loads((checkpoint / "index.json").read_text())["optimizer"]
+    ckpt.save_safetensors(dict(state.weights()), checkpoint / ckpt.WEIGHTS)
+    moments = {f"{kind}/{name}": state.tensor(name, kind) for kind in state.kinds[1:] for name in state.params}
+    meta = {"adam_step": str(optimizer["step"]), "lr_scheduler": json.dumps(optimizer["lr_scheduler"])}
+    ckpt.save_safetensors(moments, checkpoint / ckpt.OPTIMIZER, meta)
+    unshard(checkpoint)
+    ckpt.write_manifest(checkpoint)
+
+
+def test_a_checkpoint_of_the_format_before_shards_is_refused_then_converted_and_resumed(tiny_data, trained, run):
+    old = run / "checkpoints" / OLD
+    as_consolidated(old)
+    (run / "checkpoints" / "latest").write_text(OLD)
+    shutil.rmtree(run / "checkpoints" / NEW)
+    refused = train(overrides(tiny_data, run, "resume=auto"), expect=2, env=ONE_THREAD)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("megatransformer train: error:")]
+    assert len(errors) == 1 and f"megatransformer checkpoint convert {old}" in errors[0], refused.stderr[-2000:]
+    assert "converted" in cli("checkpoint", "convert", old, env=ONE_THREAD).stdout
+    assert sorted(ckpt.read_manifest(old)) == sorted(FILES)
+    resumed = train(overrides(tiny_data, run, "resume=auto"), env=ONE_THREAD)
+    assert f"resumed from {old} at step 2" in resumed.stdout
+    assert losses_by_step(run) == losses_by_step(trained)

@@ -16,18 +16,18 @@ from support.runs import CLI, ONE_THREAD, metrics, tiny_run, torchrun, train, tr
 
 from megatransformer.cli import EXIT_WRITE_FAILED
 
-# megatransformer train with the second checkpoint's optimizer.safetensors failing half way: the disk fills up
+# megatransformer train with the second checkpoint's shard failing half way: the disk fills up
 FILLS_UP_AT_STEP_8 = """
 import errno, sys
-import megatransformer.checkpoint as ckpt
+from megatransformer.checkpoint import sharded
 from megatransformer.cli import main
-written = ckpt.save_safetensors
-def save_safetensors(tensors, path, metadata=None):
-    if path.parent.name == "step_000008" and path.name == ckpt.OPTIMIZER:
+written = sharded.write_safetensors
+def write_safetensors(path, tensors, metadata):
+    if path.parent.name == "step_000008":
         path.write_bytes(bytes(4096))
         raise OSError(errno.ENOSPC, "No space left on device")
-    return written(tensors, path, metadata)
-ckpt.save_safetensors = save_safetensors
+    return written(path, tensors, metadata)
+sharded.write_safetensors = write_safetensors
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -35,14 +35,14 @@ sys.exit(main(sys.argv[1:]))
 # the same on two ranks, where only rank 1's own state file of the second checkpoint fails
 RANK_1_FILLS_UP_AT_STEP_8 = """
 import errno, sys
-import torch
+from megatransformer.checkpoint import sharded
 from megatransformer.cli import main
-written = torch.save
-def save(obj, path, *args, **kwargs):
+written = sharded.write_file
+def write_file(path, data):
     if str(path).endswith("step_000008/rank_00001.pt"):
         raise OSError(errno.ENOSPC, "No space left on device")
-    return written(obj, path, *args, **kwargs)
-torch.save = save
+    return written(path, data)
+sharded.write_file = write_file
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -66,7 +66,7 @@ def test_a_disk_full_while_checkpointing_ends_in_one_line_and_the_run_resumes(ti
     assert full.returncode == EXIT_WRITE_FAILED, full.stderr[-3000:]
     assert_one_line(
         full.stderr,
-        "megatransformer train: error: writing checkpoint step_000008 failed (optimizer.safetensors): "
+        "megatransformer train: error: writing checkpoint step_000008 failed (shard_00000.safetensors): "
         "No space left on device (",
         f"MiB free on {run / 'checkpoints'}); the last intact checkpoint is step_000004 (resume=auto continues",
     )

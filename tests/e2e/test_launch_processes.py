@@ -82,10 +82,7 @@ def test_torchrun_two_processes_zero2(tmp_path, tiny_data):
     trainer = json.loads((latest / "trainer.json").read_text())
     assert (trainer["step"], trainer["world_size"], trainer["zero_stage"]) == (6, 2, 2)
     # ZeRO-2 partitions the optimizer state: one shard per rank
-    assert sorted(p.name for p in latest.glob("*optim_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
-    ]
+    assert sorted(p.name for p in latest.glob("shard_*")) == ["shard_00000.safetensors", "shard_00001.safetensors"]
 
 
 def test_a_rank_ends_when_its_launcher_is_killed(tmp_path):

@@ -208,9 +208,11 @@ def checkpoints(run: Path) -> list[Path]:
 def test_average_is_the_parameter_mean(toy_run, tmp_path):
     from safetensors.torch import load_file
 
+    from megatransformer.checkpoint import load_weights
+
     sources = checkpoints(toy_run["run"])[-3:]
     cli("average", "--checkpoints", *sources, "--out", tmp_path / "avg")
-    weights = [load_file(p / "model.safetensors") for p in sources]
+    weights = [load_weights(p)[1] for p in sources]
     averaged = load_file(tmp_path / "avg" / "model.safetensors")
     assert set(averaged) == set(weights[0])
     for name, tensor in averaged.items():
@@ -235,7 +237,7 @@ def test_average_is_the_parameter_mean(toy_run, tmp_path):
     )
     assert loss["tokens"] > 0 and loss["loss"] < 2.0
     cli("export", "--checkpoint", tmp_path / "avg", "--out", tmp_path / "exported")
-    from megatransformer.checkpoint import load_weights, saved_config
+    from megatransformer.checkpoint import saved_config
 
     cfg, loaded = load_weights(tmp_path / "avg", saved_config(sources[-1]).model)  # what init_from= does
     assert torch.equal(loaded["lm_head.weight"], averaged["lm_head.weight"])
@@ -244,9 +246,11 @@ def test_average_is_the_parameter_mean(toy_run, tmp_path):
 def test_averaging_one_checkpoint_with_itself_changes_nothing(toy_run, tmp_path):
     from safetensors.torch import load_file
 
+    from megatransformer.checkpoint import load_weights
+
     source = checkpoints(toy_run["run"])[-1]
     cli("average", "--checkpoints", source, source, source, "--out", tmp_path / "same")
-    before, after = load_file(source / "model.safetensors"), load_file(tmp_path / "same" / "model.safetensors")
+    before, after = load_weights(source)[1], load_file(tmp_path / "same" / "model.safetensors")
     assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
 
 

@@ -116,8 +116,8 @@ def test_data_and_sequence_parallel_on_four_ranks(one_rank, tiny_data, tmp_path,
 
 def test_resume_across_sequence_parallel_sizes(one_rank, tiny_data, tmp_path):
     """A checkpoint written at sp=2 continues at sp=1 and as dp=2 on the same ranks, and one written at sp=1
-    continues at sp=2, on the uninterrupted curve (elastic resume: the consolidated weights and Adam state);
-    at sp=2 again it resumes exactly (DeepSpeed's states)."""
+    continues at sp=2, on the uninterrupted curve (each rank reads its slices of the sharded weights and Adam
+    state); at sp=2 again it resumes exactly (each rank its own loader and RNG state)."""
     reference = one_rank("decoder_packed")
     sp2 = tmp_path / "sp2"
     train(overrides(tiny_data, sp2, "decoder_packed", "parallel.sequence_parallel=2"), nproc=2)
@@ -140,7 +140,7 @@ def test_resume_across_sequence_parallel_sizes(one_rank, tiny_data, tmp_path):
     to_dp2 = tmp_path / "to_dp2"  # the same ranks traded from sequence to data parallelism
     result = train(overrides(tiny_data, to_dp2, "decoder_packed", f"resume={checkpoint(sp2, SAVED)}"), nproc=2)
     assert "written by 2 ranks (dp1, tp1, sp2, zero1) on 2 ranks (dp2, tp1, zero1)" in result.stdout
-    exact = tmp_path / "exact"  # the same layout: DeepSpeed's own states
+    exact = tmp_path / "exact"  # the same layout: each rank's own loader and RNG state
     result = train(
         overrides(
             tiny_data, exact, "decoder_packed", f"resume={checkpoint(sp2, SAVED)}", "parallel.sequence_parallel=2"

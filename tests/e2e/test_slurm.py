@@ -116,7 +116,7 @@ def test_two_nodes_train_with_zero2_and_checkpoint(uninterrupted):
     trainer = json.loads((final / "trainer.json").read_text())
     assert (trainer["step"], trainer["world_size"], trainer["zero_stage"]) == (MAX_STEPS, 2, 2)
     assert sorted(p.name for p in final.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
-    assert len(list(final.glob("zero_pp_rank_*_optim_states.pt"))) == 2  # ZeRO-2 shards, one per rank
+    assert len(list(final.glob("shard_*.safetensors"))) == 2  # ZeRO-2 partitions, one shard per rank
     assert (checkpoints / "step_000050" / "COMPLETE").is_file()  # checkpoint.every=50
 
 

@@ -52,12 +52,12 @@ def test_zero_stages_train_and_agree_with_plain_data_parallel(tiny_data, tmp_pat
 
 def test_a_two_rank_bf16_zero_run_says_nothing_of_deepspeeds_internals_and_saves_no_code(tiny_data, tmp_path):
     """No FutureWarning from DeepSpeed's collectives on stderr, no DeepSpeed recovery scripts in the
-    checkpoints (model.safetensors is the whole model)."""
+    checkpoints (the shards are the whole state)."""
     run = tmp_path / "run"
     done = train(tiny_run(tiny_data, run, steps=2) + ["precision=bf16", "parallel.zero_stage=2"], nproc=2)
     assert "Warning" not in done.stderr, done.stderr[-3000:]
     saved = [p.name for p in (run / "checkpoints" / "step_000002").iterdir()]
-    assert "model.safetensors" in saved and not [name for name in saved if name.endswith(".py")], saved
+    assert "shard_00001.safetensors" in saved and not [name for name in saved if name.endswith(".py")], saved
 
 
 def test_data_parallel_ranks_read_disjoint_data(tiny_data, tmp_path):

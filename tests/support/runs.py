@@ -235,7 +235,17 @@ def wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], log: 
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    """The records of ``run_dir/metrics.jsonl``."""
+    """The records of ``run_dir/metrics.jsonl`` but the checkpoints' timings (:func:`checkpoint_records`),
+    which differ from run to run."""
+    return [r for r in all_metrics(run_dir) if r.get("kind") != "checkpoint"]
+
+
+def checkpoint_records(run_dir: Path) -> list[dict]:
+    """One record per finished save: ckpt_stall_s, ckpt_write_s, ckpt_bytes."""
+    return [r for r in all_metrics(run_dir) if r.get("kind") == "checkpoint"]
+
+
+def all_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -1,0 +1,349 @@
+"""The sharded state of a checkpoint, read and written without DeepSpeed: each rank's shard file (safetensors,
+written and hashed in one pass), the index of every piece, and readers that assemble one tensor at a time or
+read only the slice a rank needs. Format and reasons: docs/checkpoints.md."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatransformer.checkpoint.directory import default_file_mode
+from megatransformer.checkpoint.integrity import CheckpointDamaged
+
+INDEX = "index.json"
+INDEX_FORMAT = 1
+MASTER = "fp32"  # the kind of the weights (fp32 masters where the run keeps them apart from its weights)
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ALIGN = 8  # safetensors' header is padded so that the data begins 8-byte aligned
+
+
+def shard_file(rank: int) -> str:
+    return f"shard_{rank:05d}.safetensors"
+
+
+def piece_key(kind: str, name: str, tp_index: int, start: int) -> str:
+    """The name of one piece in a shard file: state ``kind`` of parameter ``name``, flat elements from
+    ``start`` of its tensor-parallel slice ``tp_index``."""
+    return f"{kind}/{name}/{tp_index}/{start}"
+
+
+# ------------------------------------------------------------------------------------- writing
+
+
+class HashingFile:
+    """A file written once, front to back, its sha256 computed from the bytes as they go out; fsynced at close."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.size, self.digest = path, 0, hashlib.sha256()
+        self.file = open(path, "wb")  # noqa: SIM115 (closed by close())
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.digest.update(data)
+        self.file.write(data)
+        self.size += len(data) if isinstance(data, bytes) else data.nbytes
+
+    def close(self) -> dict[str, Any]:
+        """The manifest entry of the file (its size and sha256)."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.chmod(self.path, default_file_mode())
+        return {"size": self.size, "sha256": self.digest.hexdigest()}
+
+    def abandon(self) -> None:
+        self.file.close()
+        self.path.unlink(missing_ok=True)
+
+
+def write_file(path: Path, data: bytes) -> dict[str, Any]:
+    """Write ``data`` to ``path``; its manifest entry, hashed as written."""
+    out = HashingFile(path)
+    try:
+        out.write(data)
+        return out.close()
+    except BaseException:
+        out.abandon()
+        raise
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
+    """``tensors`` (contiguous, on the CPU) as a safetensors file, each tensor's bytes written straight from its
+    memory and hashed on the way; the file's manifest entry."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[key] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-(len(encoded) + 8) % _ALIGN)
+    out = HashingFile(path)
+    try:
+        out.write(struct.pack("<Q", len(encoded)) + encoded)
+        for tensor in tensors.values():
+            if tensor.numel():
+                out.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        return out.close()
+    except BaseException:
+        out.abandon()
+        raise
+
+
+# ------------------------------------------------------------------------------------- the index
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Flat elements [start, stop) of tensor-parallel slice ``tp_index`` of a parameter, in shard ``file``."""
+
+    tp_index: int
+    start: int
+    stop: int
+    file: str
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where a parameter's pieces are: its global shape, the dimension tensor parallelism splits (None: whole
+    on every tensor-parallel rank) into ``tp`` slices, and its pieces, which cover every slice once."""
+
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    tp: int
+    pieces: tuple[Piece, ...]
+
+    def slice_shape(self) -> tuple[int, ...]:
+        if self.tp_dim is None:
+            return self.shape
+        return tuple(n // self.tp if d == self.tp_dim else n for d, n in enumerate(self.shape))
+
+
+def index_record(
+    params: Mapping[str, ParamLayout],
+    kinds: list[str],
+    aliases: Mapping[str, str],
+    save: str,
+    step: int,
+    param_kinds: Mapping[str, list[str]] | None = None,
+) -> dict[str, Any]:
+    """index.json: every parameter's layout, the kinds of state its pieces hold (``param_kinds``, where a
+    parameter has fewer than ``kinds``: an optimizer that keeps other state for some parameters, as Muon's momentum
+    beside AdamW's moments), tied names, and the save it belongs to."""
+    param_kinds = param_kinds or {}
+    return {
+        "format": INDEX_FORMAT,
+        "save": save,
+        "step": step,
+        "kinds": kinds,
+        "aliases": dict(aliases),
+        "params": {
+            name: {
+                "shape": list(p.shape),
+                "tp_dim": p.tp_dim,
+                "tp": p.tp,
+                "pieces": [[q.tp_index, q.start, q.stop, q.file] for q in p.pieces],
+                "kinds": list(param_kinds.get(name, kinds)),
+            }
+            for name, p in params.items()
+        },
+    }
+
+
+def check_cover(name: str, layout: ParamLayout) -> None:
+    """Every element of every tensor-parallel slice in exactly one piece (else the save is wrong, not the disk)."""
+    numel = math.prod(layout.slice_shape())
+    for tp_index in range(layout.tp):
+        spans = sorted((q.start, q.stop) for q in layout.pieces if q.tp_index == tp_index)
+        at = 0
+        for start, stop in spans:
+            if start != at:
+                raise ValueError(f"{name}: slice {tp_index} has a gap or an overlap at element {at}")
+            at = stop
+        if at != numel:
+            raise ValueError(f"{name}: slice {tp_index} covers {at} of its {numel} elements")
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+class ShardedState:
+    """The sharded state of a checkpoint directory, read one parameter (or one slice of one) at a time. Each
+    shard is opened once, lazily, and checked to belong to this save (the index's save id and step)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            record = json.loads((path / INDEX).read_bytes())
+            if record.get("format") != INDEX_FORMAT:
+                raise ValueError("format")
+            self.save, self.step = str(record["save"]), int(record["step"])
+            self.kinds: list[str] = list(record["kinds"])
+            self.aliases: dict[str, str] = dict(record["aliases"])
+            self.params = {
+                name: ParamLayout(tuple(p["shape"]), p["tp_dim"], int(p["tp"]), tuple(Piece(*q) for q in p["pieces"]))
+                for name, p in record["params"].items()
+            }
+            self._kinds = {name: list(p.get("kinds", self.kinds)) for name, p in record["params"].items()}
+        except FileNotFoundError:
+            raise CheckpointDamaged(path, INDEX, "missing") from None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointDamaged(path, INDEX, f"unreadable ({err.__class__.__name__})") from None
+        self._open: dict[str, Any] = {}
+
+    def kinds_of(self, name: str) -> list[str]:
+        """The kinds of state saved for parameter ``name`` (its weights, and the optimizer state it had)."""
+        return self._kinds[self.aliases.get(name, name)]
+
+    def names(self) -> list[str]:
+        """Every name of the model's state: each parameter, then the other names of tied ones."""
+        return [*self.params, *self.aliases]
+
+    def _shard(self, file: str):
+        from safetensors import SafetensorError, safe_open
+
+        if file not in self._open:
+            try:
+                handle = safe_open(str(self.path / file), framework="pt")
+                meta = handle.metadata() or {}
+            except FileNotFoundError:
+                raise CheckpointDamaged(self.path, file, "missing") from None
+            except (SafetensorError, OSError, ValueError) as err:
+                raise CheckpointDamaged(self.path, file, f"unreadable ({str(err)[:200]})") from None
+            if meta.get("save") != self.save or meta.get("step") != str(self.step):
+                raise CheckpointDamaged(
+                    self.path,
+                    file,
+                    f"a shard of another save (step {meta.get('step')}, save {meta.get('save', '?')[:8]}; this "
+                    f"checkpoint is step {self.step}, save {self.save[:8]})",
+                )
+            self._open[file] = handle
+        return self._open[file]
+
+    def _read(self, piece: Piece, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of ``piece`` (global flat positions of its slice), read alone."""
+        from safetensors import SafetensorError
+
+        try:
+            return self._shard(piece.file).get_slice(key)[lo - piece.start : hi - piece.start]
+        except SafetensorError as err:
+            raise CheckpointDamaged(self.path, piece.file, f"unreadable ({str(err)[:200]})") from None
+
+    def slice_of(self, name: str, kind: str, tp_index: int, tp: int, tp_dim: int | None, start: int, stop: int):
+        """Flat elements [start, stop) of tensor-parallel slice ``tp_index`` of ``tp`` (split along ``tp_dim``) of
+        state ``kind`` of ``name``. On the layout the pieces were saved in, only the overlapping pieces' elements
+        are read; on another, the parameter is assembled once and cut."""
+        layout = self.params[name]
+        if (layout.tp if layout.tp_dim is not None else 1) == (tp if tp_dim is not None else 1):
+            out = torch.empty(stop - start, dtype=torch.float32)
+            for piece in layout.pieces:
+                lo, hi = max(start, piece.start), min(stop, piece.stop)
+                if piece.tp_index == (tp_index if tp_dim is not None else 0) and lo < hi:
+                    key = piece_key(kind, name, piece.tp_index, piece.start)
+                    out[lo - start : hi - start] = self._read(piece, key, lo, hi)
+            return out
+        full = self.tensor(name, kind)
+        if tp_dim is not None:
+            full = full.chunk(tp, tp_dim)[tp_index]
+        return full.reshape(-1)[start:stop].clone()
+
+    def tensor(self, name: str, kind: str = MASTER) -> torch.Tensor:
+        """State ``kind`` of parameter ``name`` whole, in fp32, assembled from its pieces."""
+        name = self.aliases.get(name, name)
+        layout = self.params[name]
+        slices = []
+        for tp_index in range(layout.tp if layout.tp_dim is not None else 1):
+            flat = torch.empty(math.prod(layout.slice_shape()), dtype=torch.float32)
+            for piece in layout.pieces:
+                if piece.tp_index == tp_index:
+                    key = piece_key(kind, name, tp_index, piece.start)
+                    flat[piece.start : piece.stop] = self._read(piece, key, piece.start, piece.stop)
+            slices.append(flat.view(layout.slice_shape()))
+        return slices[0] if len(slices) == 1 else torch.cat(slices, dim=layout.tp_dim)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, fp32 tensor) of the whole model, one tensor at a time; a tied tensor under each of its names."""
+        for name in self.names():
+            yield name, self.tensor(name)
+
+
+# ------------------------------------------------------------------------------------- conversion
+
+
+def convert_consolidated(path: Path) -> Path:
+    """Rewrite a checkpoint of the format before shards (DeepSpeed's states beside model.safetensors and
+    optimizer.safetensors, which hold the whole weights and Adam state) as a sharded one of one piece per
+    parameter, in place: the new directory is written beside it and swapped in when complete. The loader and
+    RNG states, trainer state, config and tokenizer are kept; DeepSpeed's files are dropped."""
+    import secrets
+    import shutil
+
+    from safetensors import safe_open
+
+    from megatransformer.checkpoint.directory import COMPLETE, CONFIG, OPTIMIZER, TOKENIZER, TRAINER_STATE, WEIGHTS
+    from megatransformer.checkpoint.integrity import read_manifest, verify_checkpoint, write_manifest
+
+    verify_checkpoint(path)
+    if read_manifest(path) is None or not (path / OPTIMIZER).is_file():
+        raise CheckpointDamaged(path, OPTIMIZER, "missing: only checkpoints with the whole optimizer state convert")
+    step = int(json.loads((path / TRAINER_STATE).read_bytes())["step"])
+    with safe_open(str(path / OPTIMIZER), framework="pt") as f:
+        meta = f.metadata() or {}
+        moments = {key: f.get_tensor(key) for key in f.keys()}
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        weights = {key: f.get_tensor(key) for key in f.keys()}
+    adam_step = int(meta.get("adam_step", "0"))
+    kinds = [MASTER, *sorted({key.split("/", 1)[0] for key in moments})] if adam_step else [MASTER]
+    # (the moments are per parameter, a tied one once; without them every name is kept as a parameter)
+    params = [key.split("/", 1)[1] for key in moments if key.startswith(f"{kinds[-1]}/")] if adam_step else []
+    params = params or list(weights)
+    aliases = {
+        name: next(p for p in params if torch.equal(weights[p], tensor))
+        for name, tensor in weights.items()
+        if name not in params
+    }
+    file, save = shard_file(0), secrets.token_hex(16)
+    tensors: dict[str, torch.Tensor] = {}
+    layouts = {}
+    for name in params:
+        for kind in kinds:
+            tensors[piece_key(kind, name, 0, 0)] = (
+                (weights[name] if kind == MASTER else moments[f"{kind}/{name}"]).reshape(-1).float().contiguous()
+            )
+        layouts[name] = ParamLayout(tuple(weights[name].shape), None, 1, (Piece(0, 0, weights[name].numel(), file),))
+    record = index_record(layouts, kinds, aliases, save, step)
+    scheduler = meta.get("lr_scheduler")
+    record["optimizer"] = {
+        "step": adam_step,
+        "lr_scheduler": json.loads(scheduler) if scheduler else None,
+        "loss_scaler": None,
+    }
+    new = path.with_name(f".{path.name}.converting")
+    shutil.rmtree(new, ignore_errors=True)
+    new.mkdir()
+    entries = {file: write_safetensors(new / file, tensors, {"save": save, "step": str(step)})}
+    entries[INDEX] = write_file(new / INDEX, json.dumps(record).encode())
+    kept = [
+        p.name for p in path.iterdir() if p.name.startswith("rank_") or p.name in (TRAINER_STATE, CONFIG, TOKENIZER)
+    ]
+    for name in kept:
+        entries[name] = write_file(new / name, (path / name).read_bytes())
+    write_manifest(new, entries)
+    old = path.with_name(f".{path.name}.consolidated")
+    path.rename(old)
+    new.rename(path)
+    shutil.rmtree(old)
+    assert (path / COMPLETE).is_file()
+    return path

@@ -1,0 +1,97 @@
+"""Checkpoints written in the background: a run killed (SIGKILL) at any point of a write resumes exactly from
+the previous checkpoint; each save is measured in metrics.jsonl and the log; checkpoint.every_minutes saves
+by wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from support.runs import ONE_THREAD, checkpoint_records, losses_by_step, tiny_run, train, train_command
+
+from megatransformer import checkpoint as ckpt
+
+# megatransformer train, killed outright inside the background writer of step 8's checkpoint, at POINT
+KILLED_WHILE_WRITING = """
+import os, signal, sys
+from megatransformer import checkpoint as ckpt
+from megatransformer.checkpoint import sharded
+from megatransformer.cli import main
+POINT = sys.argv.pop(1)
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+def shard_cut_short(path, tensors, metadata):
+    if path.parent.name == "step_000008":
+        path.write_bytes(bytes(1000))
+        kill()
+    return written_shard(path, tensors, metadata)
+def before_the_manifest(path, entries=None):
+    if path.name == "step_000008":
+        kill()
+    return written_manifest(path, entries)
+def before_latest(path, text):
+    if path.name == ckpt.LATEST and text == "step_000008":
+        kill()
+    return written_latest(path, text)
+written_shard, written_manifest, written_latest = sharded.write_safetensors, ckpt.write_manifest, ckpt.atomic_write
+if POINT == "shard":
+    sharded.write_safetensors = shard_cut_short
+elif POINT == "manifest":
+    ckpt.write_manifest = before_the_manifest
+else:
+    ckpt.atomic_write = before_latest
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("background") / "reference"
+    train(tiny_run(tiny_data, run, steps=12), env=ONE_THREAD)
+    return run
+
+
+@pytest.mark.parametrize("point", ["shard", "manifest", "latest"])
+def test_a_kill_during_a_background_write_resumes_exactly_from_the_previous_checkpoint(
+    tiny_data, tmp_path, reference, point
+):
+    run = tmp_path / "run"
+    overrides = tiny_run(tiny_data, run, steps=12)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_WHILE_WRITING, point, *train_command()[3:], *overrides],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ONE_THREAD},
+        timeout=600,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    root = run / "checkpoints"
+    assert (root / "latest").read_text() == "step_000004"
+    assert (root / "step_000008" / ckpt.COMPLETE).is_file() == (point == "latest")
+    (root / "step_000008" / "shard_00001.safetensors").write_bytes(b"as a killed run on two ranks leaves it")
+    resumed = train([*overrides, "resume=auto"], env=ONE_THREAD)
+    assert f"resumed from {root / 'step_000004'} at step 4" in resumed.stdout
+    assert losses_by_step(run) == losses_by_step(reference)
+    ckpt.verify_checkpoint(root / "step_000008")  # (saved again whole: nothing of the killed save is left)
+
+
+def test_each_save_is_measured_in_the_metrics_and_the_log(tiny_data, tmp_path):
+    """checkpoint.every_minutes small enough to save after every step (checkpoint.every is 1000): a record per
+    save with its stall, write time and the bytes of every file of the checkpoint."""
+    run = tmp_path / "run"
+    overrides = tiny_run(tiny_data, run, steps=3, changes={"checkpoint.every": 1000, "checkpoint.keep": 5})
+    done = train([*overrides, "checkpoint.every_minutes=0.00001"], env=ONE_THREAD)
+    records = checkpoint_records(run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        files = ckpt.read_manifest(run / "checkpoints" / f"step_{record['step']:06d}")
+        assert record["ckpt_bytes"] == sum(entry["size"] for entry in files.values())
+        assert 0 <= record["ckpt_stall_s"] and 0 < record["ckpt_write_s"]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("checkpoint step ")]
+    assert len(lines) == 3 and "in the background; training stalled" in lines[0], done.stdout[-2000:]
+    index = json.loads((run / "checkpoints" / "step_000003" / "index.json").read_text())
+    assert index["optimizer"]["step"] == 3

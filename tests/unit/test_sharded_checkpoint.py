@@ -1,0 +1,133 @@
+"""The sharded checkpoint format without DeepSpeed: files hashed as they are written, pieces of parameters
+assembled one tensor at a time or read slice by slice, on the layout that wrote them or another one."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatransformer import checkpoint as ckpt
+from megatransformer.checkpoint import sharded
+from megatransformer.checkpoint.sharded import ParamLayout, Piece, ShardedState
+
+
+def test_a_shard_is_a_safetensors_file_hashed_as_written(tmp_path):
+    tensors = {"fp32/w/0/0": torch.randn(7), "exp_avg/w/0/0": torch.randn(7), "empty": torch.zeros(0)}
+    entry = sharded.write_safetensors(tmp_path / "s.safetensors", tensors, {"save": "abc", "step": "3"})
+    assert entry == ckpt.file_entry(tmp_path / "s.safetensors")  # the hash of the bytes on disk, never read back
+    loaded = load_file(tmp_path / "s.safetensors")
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert sharded.write_file(tmp_path / "t", b"hello") == ckpt.file_entry(tmp_path / "t")
+
+
+def test_a_failed_write_leaves_no_file(tmp_path):
+    with pytest.raises(KeyError):  # (a dtype the format does not store)
+        sharded.write_safetensors(tmp_path / "s.safetensors", {"x": torch.zeros(2, dtype=torch.int64)}, {})
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+def write_checkpoint(path, full: dict[str, torch.Tensor], tp: int, dp: int, tp_dims: dict[str, int | None], save="s"):
+    """``full`` saved as ``tp`` x ``dp`` ranks would: each tensor-parallel slice split into ``dp`` flat ranges,
+    rank (t, d) writing slice t's range d; returns the index."""
+    path.mkdir(parents=True, exist_ok=True)
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    params = {}
+    for name, tensor in full.items():
+        dim = tp_dims[name]
+        slices = tensor.chunk(tp, dim) if dim is not None else [tensor]
+        pieces = []
+        for t, part in enumerate(slices):
+            flat = part.reshape(-1)
+            for d in range(dp):
+                lo, hi = flat.numel() * d // dp, flat.numel() * (d + 1) // dp
+                file = sharded.shard_file(t * dp + d)
+                for kind, scale in (("fp32", 1.0), ("exp_avg", 2.0)):
+                    key = sharded.piece_key(kind, name, t, lo)
+                    shards.setdefault(file, {})[key] = (flat[lo:hi] * scale).clone()
+                pieces.append(Piece(t, lo, hi, file))
+        layout = ParamLayout(tuple(tensor.shape), dim, tp if dim is not None else 1, tuple(pieces))
+        sharded.check_cover(name, layout)
+        params[name] = layout
+    for file, tensors in shards.items():
+        sharded.write_safetensors(path / file, tensors, {"save": save, "step": "5"})
+    record = sharded.index_record(params, ["fp32", "exp_avg"], {"tied.weight": "w"}, save, 5)
+    (path / sharded.INDEX).write_text(json.dumps(record))
+
+
+FULL = {"w": torch.arange(72.0).reshape(12, 6), "b": torch.arange(6.0), "v": torch.arange(36.0).reshape(6, 6)}
+DIMS = {"w": 0, "b": None, "v": 1}
+
+
+@pytest.mark.parametrize("tp,dp", [(1, 1), (1, 3), (2, 2), (3, 1)])
+def test_a_parameter_is_assembled_whole_from_its_pieces(tmp_path, tp, dp):
+    full = FULL
+    write_checkpoint(tmp_path, full, tp, dp, DIMS)
+    state = ShardedState(tmp_path)
+    for name, tensor in full.items():
+        assert torch.equal(state.tensor(name), tensor) and torch.equal(state.tensor(name, "exp_avg"), 2 * tensor)
+    assert torch.equal(dict(state.weights())["tied.weight"], full["w"])
+    assert state.names() == ["w", "b", "v", "tied.weight"]
+
+
+@pytest.mark.parametrize("saved,now", [((2, 2), (2, 3)), ((2, 2), (1, 1)), ((1, 3), (2, 2)), ((1, 1), (3, 2))])
+def test_a_rank_reads_its_slice_on_any_layout(tmp_path, saved, now):
+    full = FULL
+    write_checkpoint(tmp_path, full, *saved, DIMS)
+    state = ShardedState(tmp_path)
+    tp, dp = now
+    for name, tensor in full.items():
+        dim = DIMS[name]
+        for t in range(tp if dim is not None else 1):
+            flat = (tensor.chunk(tp, dim)[t] if dim is not None else tensor).reshape(-1)
+            for d in range(dp):
+                lo, hi = flat.numel() * d // dp, flat.numel() * (d + 1) // dp
+                got = state.slice_of(name, "exp_avg", t, tp, dim, lo, hi)
+                assert torch.equal(got, 2 * flat[lo:hi]), (name, t, d)
+
+
+def test_on_the_saved_layout_only_the_overlapping_pieces_are_read(tmp_path, monkeypatch):
+    write_checkpoint(tmp_path, {"b": torch.arange(12.0)}, 1, 4, {"b": None})
+    state = ShardedState(tmp_path)
+    opened = []
+    shard = state._shard
+    monkeypatch.setattr(state, "_shard", lambda file: opened.append(file) or shard(file))
+    assert torch.equal(state.slice_of("b", "fp32", 0, 1, None, 4, 7), torch.arange(4.0, 7.0))
+    assert sorted(set(opened)) == ["shard_00001.safetensors", "shard_00002.safetensors"]
+
+
+def test_a_shard_of_another_save_is_refused(tmp_path):
+    write_checkpoint(tmp_path / "a", FULL, 1, 2, DIMS, save="first")
+    write_checkpoint(tmp_path / "b", FULL, 1, 2, DIMS, save="second")
+    (tmp_path / "b" / "shard_00001.safetensors").write_bytes((tmp_path / "a" / "shard_00001.safetensors").read_bytes())
+    state = ShardedState(tmp_path / "b")
+    with pytest.raises(ckpt.CheckpointDamaged, match="shard_00001.safetensors: a shard of another save"):
+        state.tensor("w")
+
+
+def test_a_missing_shard_or_index_is_named(tmp_path):
+    write_checkpoint(tmp_path, FULL, 1, 2, DIMS)
+    (tmp_path / "shard_00001.safetensors").unlink()
+    with pytest.raises(ckpt.CheckpointDamaged, match="shard_00001.safetensors: missing"):
+        ShardedState(tmp_path).tensor("w")
+    (tmp_path / sharded.INDEX).unlink()
+    with pytest.raises(ckpt.CheckpointDamaged, match="index.json: missing"):
+        ShardedState(tmp_path)
+
+
+def test_pieces_that_leave_a_gap_or_overlap_are_a_bug_found_at_the_save():
+    with pytest.raises(ValueError, match="gap or an overlap at element 3"):
+        sharded.check_cover("b", ParamLayout((6,), None, 1, (Piece(0, 0, 3, "a"), Piece(0, 4, 6, "b"))))
+    with pytest.raises(ValueError, match="covers 5 of its 6 elements"):
+        sharded.check_cover("b", ParamLayout((6,), None, 1, (Piece(0, 0, 5, "a"),)))
+
+
+def test_bytes_on_disk_are_the_state_and_a_small_header(tmp_path):
+    write_checkpoint(tmp_path, FULL, 2, 2, DIMS)
+    params = sum(math.prod(t.shape) for t in FULL.values())
+    shards = sum(p.stat().st_size for p in tmp_path.glob("shard_*"))
+    header = shards - 2 * 4 * params  # two kinds of fp32 state here
+    assert 0 < header < 4096
