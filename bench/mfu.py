@@ -38,7 +38,7 @@ from train_step import Runner  # noqa: E402
 from megatransformer.batch import IGNORE_INDEX  # noqa: E402
 from megatransformer.config import ModelConfig, OptimConfig, TrainConfig  # noqa: E402
 from megatransformer.flops import document_lengths, documents_flops, model_size  # noqa: E402
-from megatransformer.hf import llama_config  # noqa: E402
+from megatransformer.hf.llama import llama_config  # noqa: E402
 from megatransformer.model import build_model, gpu_cores  # noqa: E402
 from megatransformer.model.attention import flash_attn_installed  # noqa: E402
 from megatransformer.training.engine import batch_to_device  # noqa: E402

@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from data_pipeline.loader import LoaderSettings, ShardSet
+from data_pipeline.loader import LoaderSettings
+from data_pipeline.loader.sources import ShardSet
 from megatransformer.batch import IGNORE_INDEX
 
 

@@ -127,7 +127,7 @@ class HarnessLM(TemplateLM):
             raise ConfigError(reason)
         if tokenizer.eos_id is None:
             raise ConfigError(f"lm-eval needs an end-of-text token; tokenizer {tokenizer.path} has none")
-        from megatransformer.hf import max_position_embeddings
+        from megatransformer.hf.rope import max_position_embeddings
 
         self.model, self.cfg, self.tok, self.placement = model, cfg, tokenizer, placement
         self.batch_size = batch_size

@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train a model (one process, torchrun, or Slurm via launch)",
         description="Train the model a config describes; key.path=value overrides "
-        "change any field (megatransformer/config.py documents them).",
+        "change any field (megatransformer/config/ documents them).",
     )
     add_config_argument(parser)
     parser.add_argument(
@@ -189,7 +189,8 @@ def with_closing_prompt(cfg: RunConfig, overrides: list[str], tokenizer) -> RunC
 def first_instruction_prompt(cfg: RunConfig, tokenizer) -> str | None:
     """The prompt of the first example of the first training dataset when it holds instructions, else None."""
     from data_pipeline import DataError
-    from data_pipeline.loader import ShardOpener, Share, resolve_datasets
+    from data_pipeline.loader.blocks import ShardOpener, Share
+    from data_pipeline.loader.sources import resolve_datasets
     from data_pipeline.remote import Retry
     from data_pipeline.shard import INSTRUCTIONS
 

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.loader import DocumentReader, LoaderSettings, Position, ShardOpener, resolve_datasets
+from data_pipeline.loader import LoaderSettings
+from data_pipeline.loader.blocks import ShardOpener
+from data_pipeline.loader.reader import DocumentReader, Position
+from data_pipeline.loader.sources import resolve_datasets
 from data_pipeline.remote import Retry
 from data_pipeline.settings import DataSettings
 from megatransformer.config import RunConfig, validate

@@ -27,7 +27,7 @@ def llama_model(seed: int = 0):
     same weights: (config, ours, theirs)."""
     import transformers
 
-    from megatransformer.hf import llama_config, to_llama_state_dict
+    from megatransformer.hf.llama import llama_config, to_llama_state_dict
 
     cfg = llama_style(n_layers=2, vocab_size=512, rope_theta=10000.0, init_std=0.2)
     torch.manual_seed(seed)

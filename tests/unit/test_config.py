@@ -7,7 +7,8 @@ import torch
 from support import REPO
 
 from data_pipeline.settings import Dataset, DataSettings, ObjectiveArgs
-from megatransformer.config import ConfigError, RunConfig, _model_in, apply_overrides, dump_config, load_config
+from megatransformer.config import ConfigError, RunConfig, apply_overrides, dump_config, load_config
+from megatransformer.config.loading import _model_in
 from megatransformer.flops import model_size
 from megatransformer.model import build_model
 

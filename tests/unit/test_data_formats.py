@@ -11,8 +11,8 @@ from support import data
 from support.data import assert_same_batches, loader_settings, reformat_shards
 from support.shard_server import ShardServer
 
-from data_pipeline import loader
 from data_pipeline.loader import LoaderSettings, build_loader, merge_states
+from data_pipeline.loader import reader as loader_reader
 from data_pipeline.settings import Dataset, DataSettings
 from data_pipeline.shard import Manifest
 
@@ -73,7 +73,7 @@ def test_both_formats_give_the_same_global_rows(formats, tok, name, objective, a
     one, two = (settings(formats[name, v], objective, arch, shuffle_buffer=shuffle_buffer) for v in (1, 2))
     expected = rows(one, tok, 2, 4, 16)
     assert_same_batches(rows(two, tok, 2, 4, 16), expected)
-    monkeypatch.setattr(loader, "RUN_TOKENS", 40)  # runs of one or a few shuffle blocks, cut inside tar samples
+    monkeypatch.setattr(loader_reader, "RUN_TOKENS", 40)  # runs of one or a few shuffle blocks, cut inside tar samples
     assert_same_batches(rows(two, tok, 2, 4, 16), expected)
 
 
@@ -144,7 +144,9 @@ def test_resume_on_compressed_shards_continues_the_rows(formats, tok):
 def test_a_stream_reading_part_of_a_compressed_shard_decompresses_its_part_only(tiny_data, tmp_path, monkeypatch):
     """A one-shard dataset read by 8 streams (each a part of the shard): together they read every document once,
     in order, and each decompresses the blocks of its own part only (those before it are only counted)."""
-    from data_pipeline.loader import DocumentReader, Position, ShardOpener, resolve_datasets
+    from data_pipeline.loader.blocks import ShardOpener
+    from data_pipeline.loader.reader import DocumentReader, Position
+    from data_pipeline.loader.sources import resolve_datasets
     from data_pipeline.remote import Retry
     from data_pipeline.shard import Block, write_shards
 

@@ -22,9 +22,9 @@ import zstandard
 from support.data import loader_settings, shard_documents, take
 
 from data_pipeline import DataError, documents
-from data_pipeline import loader as loader_module
 from data_pipeline.documents import read_documents
 from data_pipeline.loader import build_loader
+from data_pipeline.loader import reader as loader_reader
 from data_pipeline.merge import merge_parts
 from data_pipeline.parts import PART_RECORD
 from data_pipeline.shard import INSTRUCTIONS, MANIFEST, TEXT, Block, Manifest, ShardInfo, write_shards
@@ -170,7 +170,7 @@ def test_blocks_that_train_on_nothing_are_refused(tmp_path, tok, damage):
 
 @pytest.mark.parametrize("lie", [-3, 3], ids=["fewer", "more"])
 def test_a_shards_document_count_that_lies_is_found_before_its_rows_are_served(tmp_path, tok, monkeypatch, lie):
-    monkeypatch.setattr(loader_module, "RUN_TOKENS", 32)  # runs of a few documents: rows come before the end
+    monkeypatch.setattr(loader_reader, "RUN_TOKENS", 32)  # runs of a few documents: rows come before the end
     directory = crafted_blocks(tmp_path / "d", tok, [text_block(seed=s) for s in range(4)])
     assert len(first_batch(directory, tok, shuffle_buffer=1)) == 1
     manifest = json.loads((directory / MANIFEST).read_text())

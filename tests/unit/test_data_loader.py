@@ -73,7 +73,9 @@ def test_round_trip_valid_split_in_order(tiny_data, tok):
 def test_streams_split_the_train_split(tiny_data, tok, streams):
     """One epoch of all streams serves every train document exactly once: whole shards per stream (8 streams,
     25 shards) or parts of shards (64 streams)."""
-    from data_pipeline.loader import DocumentReader, Position, ShardOpener, resolve_datasets
+    from data_pipeline.loader.blocks import ShardOpener
+    from data_pipeline.loader.reader import DocumentReader, Position
+    from data_pipeline.loader.sources import resolve_datasets
     from data_pipeline.remote import Retry
 
     (shard_set,) = resolve_datasets(str(tiny_data.shards), "train", Retry())

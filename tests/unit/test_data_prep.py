@@ -256,7 +256,9 @@ def test_a_manifest_of_an_unknown_compression_is_refused(tmp_path, tiny_data):
 
 def test_format_1_directories_still_load(tmp_path, tiny_data):
     """A directory written in format 1 (one document per sample) reads as the same documents."""
-    from data_pipeline.loader import DocumentReader, Position, ShardOpener, resolve_datasets
+    from data_pipeline.loader.blocks import ShardOpener
+    from data_pipeline.loader.reader import DocumentReader, Position
+    from data_pipeline.loader.sources import resolve_datasets
     from data_pipeline.remote import Retry
 
     text = tiny_data.corpus.read_text()[:40_000]

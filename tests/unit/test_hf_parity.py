@@ -6,16 +6,8 @@ import pytest
 import torch
 from support.models import assert_exported_logits_match, gpt2_style, llama_style
 
-from megatransformer.hf import (
-    GPT2,
-    LLAMA,
-    from_llama_state_dict,
-    hf_incompatibility,
-    llama_config,
-    load_hf_dir,
-    save_hf_dir,
-    to_llama_state_dict,
-)
+from megatransformer.hf import GPT2, LLAMA, hf_incompatibility, load_hf_dir, save_hf_dir
+from megatransformer.hf.llama import from_llama_state_dict, llama_config, to_llama_state_dict
 from megatransformer.model import build_model
 
 transformers = pytest.importorskip("transformers")  # a test dependency: `pip install -e .[test]`

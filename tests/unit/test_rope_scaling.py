@@ -13,7 +13,8 @@ from support import models
 from support.models import assert_exported_logits_match, randomized
 
 from megatransformer.config import ConfigError, ModelConfig, dump_config, load_config, validate
-from megatransformer.hf import GPT2, LLAMA, MISTRAL, hf_incompatibility, llama_config, load_hf_dir, save_hf_dir
+from megatransformer.hf import GPT2, LLAMA, MISTRAL, hf_incompatibility, load_hf_dir, save_hf_dir
+from megatransformer.hf.llama import llama_config
 from megatransformer.model import build_model
 from megatransformer.model.rope_scaling import rotary
 
