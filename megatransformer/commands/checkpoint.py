@@ -14,7 +14,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "model.safetensors and optimizer.safetensors) in the sharded format, in place, so that they resume.",
     )
     actions = p.add_subparsers(dest="action", required=True)
-    convert = actions.add_parser("convert", help="convert a step directory in place")
+    convert = actions.add_parser(
+        "convert",
+        help="convert a step directory in place",
+        description="Rewrite one step directory of the format before shards in the sharded format, in place; "
+        "a sharded checkpoint is left as it is.",
+    )
     convert.add_argument("checkpoint", help="a step_NNNNNN directory")
     convert.set_defaults(func=convert_checkpoint)
 

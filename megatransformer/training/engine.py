@@ -419,7 +419,7 @@ class TrainModule:
         the process groups it holds alive to the interpreter's shutdown, their gloo threads running. The module
         steps no more."""
         self.engine.destroy()
-        del self.engine  # (the groups' last holder: teardown ends them)
+        del self.engine, self.checkpointer  # (the groups' last holders: teardown ends them)
 
     # ---------------------------------------------------------------------------------- evaluation
 
