@@ -42,12 +42,15 @@ def tracked_run(tiny_data, tmp_path_factory):
 
 def test_metrics_rows_have_a_kind_a_time_and_one_shape_per_kind(tracked_run):
     _, _, records, started = tracked_run
-    assert [(r["step"], r["kind"]) for r in records] == [(2, "train"), (3, "valid"), (4, "train"), (4, "valid")]
+    steps = [(r["step"], r["kind"]) for r in records if r["kind"] != "checkpoint"]
+    assert steps == [(2, "train"), (3, "valid"), (4, "train"), (4, "valid")]
+    assert [(r["step"], r["kind"]) for r in records if r["kind"] == "checkpoint"][-1:] == [(4, "checkpoint")]
     times = [r["time"] for r in records]
     assert started <= times[0] and times == sorted(times) and times[-1] <= time.time()
     for kind, shape in (
         ("train", {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}),
         ("valid", {"val_loss", "val_ppl", "val_tokens"}),
+        ("checkpoint", {"ckpt_stall_s", "ckpt_write_s", "ckpt_bytes"}),
     ):
         keys = [set(r) for r in records if r["kind"] == kind]
         assert all(k == keys[0] for k in keys) and shape <= keys[0], keys
