@@ -192,7 +192,9 @@ def test_trained_translation_model_beats_copying(toy_run):
     )
     text = said.stdout
     assert text.startswith("BLEU = ") and "chrF2 = " in text and "BLEU signature: nrefs:1" in text
-    assert said.stderr.startswith(f"translating {len(pairs)} sentences of {toy_run['test']} with {averaged}: beam 4")
+    loading, translating = said.stderr.splitlines()[:2]
+    assert loading == f"loading {averaged}"
+    assert translating.startswith(f"translating {len(pairs)} sentences of {toy_run['test']} with {averaged}: beam 4")
 
 
 def test_generate_translates_with_beams(toy_run):
