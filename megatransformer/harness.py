@@ -14,7 +14,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -372,11 +372,12 @@ def quiet() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------ tasks
 
 
-def task_manager(include_paths: list[str]):
-    """The harness's task index, with the YAML files and folders of ``include_paths``."""
+def task_manager(include_paths: list[str], include_defaults: bool = True):
+    """The harness's task index: the YAML files and folders of ``include_paths``, and with ``include_defaults`` the
+    harness's own tasks (thousands of files: ~10 s to index)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_paths or None)
+    return TaskManager(include_path=include_paths or None, include_defaults=include_defaults)
 
 
 def split_tasks(tasks: list[str]) -> tuple[list[str], list[str]]:
@@ -406,11 +407,12 @@ class Tasks:
 
     names: tuple[str, ...]
     include_paths: tuple[str, ...]
+    include_defaults: bool = True
 
     def load(self) -> dict:
         """The harness's task dictionary (its ``TaskManager.load``), data read (from the datasets cache after
         the first time)."""
-        return task_manager(list(self.include_paths)).load(list(self.names))
+        return task_manager(list(self.include_paths), self.include_defaults).load(list(self.names))
 
 
 def load_tasks(tasks: list[str], include_paths: list[str] = ()) -> Tasks:
@@ -422,7 +424,12 @@ def load_tasks(tasks: list[str], include_paths: list[str] = ()) -> Tasks:
         if not Path(folder).is_dir():
             raise ConfigError(f"include path {folder} is not a directory")
     found = Tasks(tuple(names), tuple(dict.fromkeys([*map(str, include_paths), *folders])))
-    manager = task_manager(list(found.include_paths))
+    if found.include_paths:  # tasks of the user's own need not wait for the harness's index
+        manager = task_manager(list(found.include_paths), include_defaults=False)
+        if all(name in manager.all_tasks for name in names):
+            found = replace(found, include_defaults=False)
+    if found.include_defaults:
+        manager = task_manager(list(found.include_paths))
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
         raise ConfigError(

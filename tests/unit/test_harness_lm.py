@@ -133,9 +133,8 @@ def test_missing_harness_names_the_extra(monkeypatch):
         importlib.import_module("megatransformer.harness")
 
 
-def test_unknown_task_and_missing_file_are_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="lm-eval knows no task no_such_task"):
-        harness.load_tasks(["no_such_task"])
+def test_a_missing_data_file_is_one_line(tmp_path):
+    """(An unknown task name, which needs the harness's whole index, is tests/e2e/test_lm_eval.py's.)"""
     task = tmp_path / "lost.yaml"
     task.write_text(
         f"task: lost\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {tmp_path / 'none.jsonl'}}}}}\n"
@@ -143,3 +142,15 @@ def test_unknown_task_and_missing_file_are_one_line(tmp_path):
     )
     with pytest.raises(ConfigError, match="lm-eval task lost cannot load: .*none.jsonl"):
         harness.load_tasks([str(task)])
+
+
+def test_tasks_of_ones_own_load_without_the_harness_index(tmp_path):
+    (tmp_path / "items.jsonl").write_text('{"x": "a b", "y": " c"}\n{"x": "d", "y": " e f"}\n')
+    task = tmp_path / "own.yaml"
+    task.write_text(
+        f"task: own\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {tmp_path / 'items.jsonl'}}}}}\n"
+        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{x}}'\ndoc_to_target: '{{y}}'\n"
+    )
+    tasks = harness.load_tasks([str(task)])
+    assert (tasks.names, tasks.include_defaults) == (("own",), False)
+    assert list(tasks.load()["tasks"]) == ["own"]
