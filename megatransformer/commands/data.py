@@ -98,9 +98,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=part_argument,
         default=None,
         metavar="K/N",
-        help="tokenize only the K-th of N equal parts of the input (by bytes: whole files, .parquet files cut "
-        "between row groups) into --out/part-K-of-N, e.g. one task of a Slurm array; `data merge --out` joins "
-        "the N parts",
+        help="tokenize only the K-th of N equal parts of the input's text (whole segments: runs of files and "
+        ".parquet row groups holding 8 x --shard-mb of text) into --out/part-K-of-N, e.g. one task of a Slurm "
+        "array; `data merge --out` joins the N parts into the shards one run writes",
     )
     add_instruction_arguments(p)
     p.set_defaults(func=_shard)

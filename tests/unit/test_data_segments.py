@@ -18,7 +18,7 @@ from data_pipeline import DataError
 from data_pipeline.documents import input_files, read_documents
 from data_pipeline.loader import build_loader
 from data_pipeline.merge import merge_parts
-from data_pipeline.parts import part_name, part_segments, segments
+from data_pipeline.parts import PART_RECORD, part_name, part_segments, segments
 from data_pipeline.shard import SEGMENT_SHARDS, Manifest, write_shards
 
 SHARD_MB = 0.004  # segments of SEGMENT_SHARDS x 4 KiB of text: a dozen or more in the corpus below
@@ -126,8 +126,17 @@ def test_parts_hold_equal_shares_of_the_tokens_within_a_segment(corpus, one_run,
 
 
 def test_merge_refuses_parts_cut_into_other_shards(corpus, tiny_data, tmp_path):
+    """Parts of another --shard-mb, or an older part whose record does not say it, are cut elsewhere."""
     out = tmp_path / "shards"
     shard(corpus, tiny_data, out, part=(1, 2), workers=1)
     write_shards(corpus, str(tiny_data.tokenizer), out, shard_mb=2 * SHARD_MB, part=(2, 2), progress=False, workers=1)
-    with pytest.raises(DataError, match=r"part-00001-of-00002 and .*part-00002-of-00002 were made with different "):
+    refused = r"part-00001-of-00002 and .*part-00002-of-00002 were made with different settings: .*'shard_mb'"
+    with pytest.raises(DataError, match=refused):
+        merge_parts(out)
+    shard(corpus, tiny_data, out, part=(2, 2), workers=1, overwrite=True)
+    record = out / part_name((2, 2)) / PART_RECORD
+    older = json.loads(record.read_text())
+    del older["settings"]["shard_mb"], older["settings"]["block_mb"]
+    record.write_text(json.dumps(older))
+    with pytest.raises(DataError, match=refused.replace("shard_mb", "block_mb")):
         merge_parts(out)
