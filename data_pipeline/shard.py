@@ -14,8 +14,10 @@ With ``compression="zstd"`` every member of a sample is zstd-compressed and name
 (``ids.npy.zst``, ...); the tars themselves stay plain.
 
 Format 1 (still read) held one document per sample ("ids.npy", and "prompt_len" as text for instructions).
-A part of the input (``part``) is written to a subdirectory and finished by a part record instead of the
-manifest; ``data_pipeline.merge`` joins the parts (see ``data_pipeline.parts``).
+Every segment of the input (``data_pipeline.parts.segments``) starts a new shard, so that a shard's documents
+do not depend on how the input is split into parts. A part of the input (``part``: whole segments) is written to
+a subdirectory and finished by a part record instead of the manifest; ``data_pipeline.merge`` joins the parts
+into the shards one run writes.
 
 Each shard is written under a temporary name and renamed when complete; the manifest is written last,
 so a directory without a manifest (or a shard not listed in it) is never mistaken for data.
