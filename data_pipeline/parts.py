@@ -1,6 +1,7 @@
-"""Tokenizing one input as N parts (``data shard --part K/N``, e.g. a Slurm array): which pieces of the input
-a part reads (shared out by the files' text, not their compressed bytes), and the record a finished part
-leaves; ``data_pipeline.merge`` joins the parts into one dataset (docs/data.md).
+"""Tokenizing one input as N parts (``data shard --part K/N``, e.g. a Slurm array): the input's segments (the
+runs of files that shards never span beyond, the same for every N), which of them a part reads (shared out by
+the files' text, not their compressed bytes), and the record a finished part leaves; ``data_pipeline.merge``
+joins the parts into one dataset (docs/data.md).
 
 Layout, under the dataset directory ``--out``::
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipeline import DataError
@@ -34,30 +36,61 @@ def part_name(part: tuple[int, int]) -> str:
     return f"part-{part[0]:05d}-of-{part[1]:05d}"
 
 
-def part_pieces(files: list[str], part: tuple[int, int]) -> list[Piece]:
-    """Part K of N (from 1) of the input: the K-th of N equal ranges of the files' text (``text_sizes``) laid end
-    to end. A file belongs to the part its first byte falls in, except a .parquet file that spans parts: its row
-    groups are shared out by where each starts. A part may be empty."""
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive pieces of the input that no shard spans beyond: every run, one part or N, starts a new shard
+    at a segment's first document, so a shard's documents depend on the input alone, not on the parts."""
+
+    pieces: tuple[Piece, ...]
+    start: int  # bytes of the input's text before it (``text_sizes`` laid end to end)
+    size: int  # bytes of text it holds
+
+
+def segments(files: list[str], segment_bytes: int) -> list[Segment]:
+    """The input cut into segments: consecutive files (a .parquet file as its row groups, each a unit of its
+    own) taken together until they hold at least ``segment_bytes`` of text. A function of the files' names and
+    text sizes alone, so every part computes the same segments."""
+    units: list[tuple[str, int, int | None, int]] = []  # (file, index in the input, row group, text bytes)
+    for index, (name, (size, starts)) in enumerate(zip(files, text_sizes(files))):
+        if starts and len(starts) > 1:
+            ends = [*starts[1:], size]
+            units += [(name, index, group, end - start) for group, (start, end) in enumerate(zip(starts, ends))]
+        else:
+            units.append((name, index, None, size))
+    found: list[Segment] = []
+    group: list[tuple[str, int, int | None, int]] = []
+    start = held = 0
+    for unit in units:
+        group.append(unit)
+        held += unit[3]
+        if held >= segment_bytes:
+            found.append(Segment(_pieces(group), start, held))
+            start, group, held = start + held, [], 0
+    if group:
+        found.append(Segment(_pieces(group), start, held))
+    return found
+
+
+def _pieces(units: list[tuple[str, int, int | None, int]]) -> tuple[Piece, ...]:
+    """Units as pieces: a file whole, the row groups of one .parquet file that follow each other as one piece."""
+    pieces: list[Piece] = []
+    for name, index, group, _ in units:
+        last = pieces[-1] if pieces else None
+        if group is None:
+            pieces.append(Piece(name, index))
+        elif last is not None and last.index == index:
+            pieces[-1] = Piece(name, index, (last.row_groups[0], group + 1))
+        else:
+            pieces.append(Piece(name, index, (group, group + 1)))
+    return tuple(pieces)
+
+
+def part_segments(all_segments: list[Segment], part: tuple[int, int]) -> list[Segment]:
+    """Part K of N (from 1): the segments whose first byte of text falls in the K-th of N equal ranges of the
+    input's text, so a part holds within one segment of 1/N of the text. A part may be empty."""
     k, n = part
-    sizes = text_sizes(files)
-    total = sum(size for size, _ in sizes)
-
-    def owner(position: int) -> int:
-        return min(n, position * n // total + 1) if total else 1
-
-    pieces, start = [], 0
-    for index, (name, (size, row_groups)) in enumerate(zip(files, sizes)):
-        first, last = owner(start), owner(start + max(size, 1) - 1)
-        if first == last or row_groups is None:
-            if first == k:
-                pieces.append(Piece(name, index))
-        elif first <= k <= last:
-            owners = [owner(start + offset) for offset in row_groups]
-            mine = [i for i, o in enumerate(owners) if o == k]
-            if mine:
-                pieces.append(Piece(name, index, (mine[0], mine[-1] + 1)))
-        start += size
-    return pieces
+    total = sum(segment.size for segment in all_segments)
+    return [s for s in all_segments if (min(n, s.start * n // total + 1) if total else 1) == k]
 
 
 ZSTD_RATIO = 4  # text bytes per byte of a .zst file whose frame does not say its size (zstd's usual on text)

@@ -14,8 +14,10 @@ With ``compression="zstd"`` every member of a sample is zstd-compressed and name
 (``ids.npy.zst``, ...); the tars themselves stay plain.
 
 Format 1 (still read) held one document per sample ("ids.npy", and "prompt_len" as text for instructions).
-A part of the input (``part``) is written to a subdirectory and finished by a part record instead of the
-manifest; ``data_pipeline.merge`` joins the parts (see ``data_pipeline.parts``).
+Every segment of the input (``data_pipeline.parts.segments``) starts a new shard, so that a shard's documents
+do not depend on how the input is split into parts. A part of the input (``part``: whole segments) is written to
+a subdirectory and finished by a part record instead of the manifest; ``data_pipeline.merge`` joins the parts
+into the shards one run writes.
 
 Each shard is written under a temporary name and renamed when complete; the manifest is written last,
 so a directory without a manifest (or a shard not listed in it) is never mistaken for data.
@@ -45,7 +47,7 @@ from pydantic.dataclasses import dataclass as validated_dataclass
 
 from data_pipeline import STORAGE_ERRNOS, DataError, schema_error, write_failed
 from data_pipeline.documents import DecodeStats, Document, Piece, read_documents
-from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_pieces, save_part
+from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_segments, save_part, segments
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
 from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
 
@@ -56,6 +58,7 @@ BLOCK_BYTES = 1 << 20  # token ids per sample (format 2): large next to its head
 TEXT, INSTRUCTIONS = "text", "prompt_completion"  # Manifest.kind
 COMPRESSIONS = ("zstd",)  # Manifest.compression, besides None: each member of a sample compressed
 ZSTD_LEVEL = 3  # most of level 19's saving at ~100x its speed (BENCHMARKS.md 5t)
+SEGMENT_SHARDS = 8  # a segment of the input holds this many --shard-mb of text (~4 shards of uint16 ids)
 
 
 RECORD = ConfigDict(extra="forbid", strict=True)
@@ -370,8 +373,9 @@ class Block:
 
 class ShardWriter:
     """Packs documents into blocks of whole documents (the first ones whose ids reach ``block_bytes``) and
-    blocks into tars, rolling over to a new tar once one reaches ``max_bytes``; each tar appears only when
-    closed. The cuts depend on the documents alone, not on how they arrive."""
+    blocks into tars, rolling over to a new tar once one reaches ``max_bytes`` or when told (``end_shard``, at
+    every segment of the input); each tar appears only when closed. The cuts depend on the documents alone, not
+    on how they arrive."""
 
     def __init__(
         self,
@@ -460,11 +464,15 @@ class ShardWriter:
             (self.directory / shard.file).unlink(missing_ok=True)
         self.shards, self._pending = [], []
 
-    def close(self) -> None:
-        """Write the documents still pending and close the last tar."""
+    def end_shard(self) -> None:
+        """Write the documents still pending and close the tar: the next document starts a new shard."""
         if self._pending:
             self._write_blocks(final=True)
         self._close_tar()
+
+    def close(self) -> None:
+        """End the last shard."""
+        self.end_shard()
 
     def _close_tar(self) -> None:
         if self._tar is None:
@@ -577,9 +585,9 @@ def _init_worker(path: str, dtype: str) -> None:
     _worker_tokenizer, _worker_dtype = load_tokenizer(path), np.dtype(dtype)
 
 
-def _tokenize(job: tuple[np.ndarray, list[str], bool]) -> tuple[np.ndarray, Tokenized]:
-    numbers, texts, paired = job
-    return numbers, encode(_worker_tokenizer, texts, _worker_dtype, paired)
+def _tokenize(job: tuple[int, np.ndarray, list[str], bool]) -> tuple[int, np.ndarray, Tokenized]:
+    segment, numbers, texts, paired = job
+    return segment, numbers, encode(_worker_tokenizer, texts, _worker_dtype, paired)
 
 
 BATCH_TEXTS, BATCH_CHARS = 2048, 1 << 21  # a tokenizer batch: whichever is reached first
@@ -609,22 +617,26 @@ class _Reading:
         return self.finished + (min(self.text, self.sizes.get(self.file, 0)) if plain else 0)
 
 
-def _batches(docs: Iterator[Document], reading: _Reading) -> Iterator[tuple[np.ndarray, list[str]]]:
-    """The documents' numbers and the texts to tokenize, a batch at a time; an instruction example is its
-    prompt, then its completion."""
+def _batches(docs: Iterator[tuple[int, Document]], reading: _Reading) -> Iterator[tuple[int, np.ndarray, list[str]]]:
+    """(segment, the documents' numbers, the texts to tokenize) of (segment, document) pairs, a batch at a time,
+    a batch never spanning segments; an instruction example is its prompt, then its completion."""
     numbers: list[int] = []
     batch: list[str] = []
-    chars = 0
-    for doc in docs:
+    chars, current = 0, None
+    for segment, doc in docs:
+        if batch and segment != current:
+            yield current, np.array(numbers, dtype=np.int64), batch
+            numbers, batch, chars = [], [], 0
+        current = segment
         reading.add(doc)
         numbers.append(doc.number)
         batch += [doc.text] if doc.prompt is None else [doc.prompt, doc.text]
         chars += len(doc.text)
         if len(batch) >= BATCH_TEXTS or chars >= BATCH_CHARS:
-            yield np.array(numbers, dtype=np.int64), batch
+            yield current, np.array(numbers, dtype=np.int64), batch
             numbers, batch, chars = [], [], 0
     if batch:
-        yield np.array(numbers, dtype=np.int64), batch
+        yield current, np.array(numbers, dtype=np.int64), batch
 
 
 def prepare_output(out: Path, overwrite: bool) -> None:
@@ -707,8 +719,9 @@ def write_shards(
         if not Path(name).is_file():
             raise DataError(f"input file {name} does not exist")
     inputs = files
+    chosen = segments(inputs, int(SEGMENT_SHARDS * shard_mb * 2**20))
     if part is not None:
-        files = part_pieces(inputs, part)
+        chosen = part_segments(chosen, part)
         if out.is_dir() and any(out.glob("*.tar")):
             raise DataError(f"{out} holds the shards of a dataset written in one run; give the parts another --out")
         if (out / MANIFEST).exists() and not overwrite:
@@ -727,12 +740,16 @@ def write_shards(
         for split in ("train", "valid")
     }
     stats = DecodeStats()
-    docs = read_documents(files, text_field, doc_per, on_decode_error, stats, prompt_field)
+    docs = (
+        (index, doc)
+        for index, segment in enumerate(chosen)
+        for doc in read_documents(segment.pieces, text_field, doc_per, on_decode_error, stats, prompt_field)
+    )
     paired = prompt_field is not None
     try:
         n_docs = _write_documents(
             docs,
-            _Reading(files),
+            _Reading([piece for segment in chosen for piece in segment.pieces]),
             paired,
             tokenizer,
             tokenizer_path,
@@ -744,7 +761,7 @@ def write_shards(
             stats,
         )
         if n_docs == 0 and part is None:  # (a part may be empty: merge checks the whole)
-            raise DataError(f"no documents in {', '.join(map(str, files))} (empty inputs?)")
+            raise DataError(f"no documents in {', '.join(map(str, inputs))} (empty inputs?)")
         for writer in writers.values():
             writer.close()
     except BaseException as err:
@@ -772,7 +789,14 @@ def write_shards(
         if part is None:
             manifest.save(out)
         else:
-            settings = dict(text_field=text_field, doc_per=doc_per, prompt_field=prompt_field, valid_every=valid_every)
+            settings = dict(
+                text_field=text_field,
+                doc_per=doc_per,
+                prompt_field=prompt_field,
+                valid_every=valid_every,
+                shard_mb=shard_mb,
+                block_mb=block_mb,
+            )
             save_part(out, part, asdict(manifest), input_fingerprint(inputs), settings)
     except OSError as err:
         for writer in writers.values():
@@ -807,9 +831,14 @@ def _write_documents(
     workers = workers or max(1, (os.cpu_count() or 1) - 1)  # the main process reads and writes
     bar = tqdm(total=reading.total, unit="B", unit_scale=True, disable=not progress, desc="sharding", file=sys.stderr)
     n_docs = n_tokens = 0
+    current = None
     with _tokenize_pool(workers, tokenizer, tokenizer_path, dtype) as tokenize:
-        jobs = ((numbers, texts, paired) for numbers, texts in _batches(docs, reading))
-        for numbers, batch in tokenize(jobs):
+        jobs = ((segment, numbers, texts, paired) for segment, numbers, texts in _batches(docs, reading))
+        for segment, numbers, batch in tokenize(jobs):
+            if segment != current:  # a segment's documents start a shard of their own
+                for writer in writers.values():
+                    writer.end_shard()
+                current = segment
             valid, tokens = held_out(numbers, valid_every), batch.lengths > 0  # (a text of no tokens: dropped)
             for split, keep in (("train", ~valid & tokens), ("valid", valid & tokens)):
                 if keep.any():
@@ -826,18 +855,21 @@ def _write_documents(
 
 @contextlib.contextmanager
 def _tokenize_pool(workers: int, tokenizer: TokenizerInfo, tokenizer_path: str, dtype: np.dtype):
-    """A function mapping (texts, paired) jobs to Tokenized batches, in order: in worker processes (a few
-    batches, or their characters, ahead, so that the input is read as fast as it is tokenized, not all at once),
-    or here when workers == 1 (where ``tokenizers`` still spreads a batch over threads)."""
+    """A function mapping (segment, numbers, texts, paired) jobs to (segment, numbers, Tokenized), in order: in
+    worker processes (a few batches, or their characters, ahead, so that the input is read as fast as it is
+    tokenized, not all at once), or here when workers == 1 (where ``tokenizers`` still spreads a batch over
+    threads)."""
     if workers == 1:
-        yield lambda jobs: ((numbers, encode(tokenizer, texts, dtype, paired)) for numbers, texts, paired in jobs)
+        yield lambda jobs: (
+            (segment, numbers, encode(tokenizer, texts, dtype, paired)) for segment, numbers, texts, paired in jobs
+        )
         return
 
     def tokenize(jobs):
         pending: deque = deque()  # (result, characters of its texts)
         chars, most = 0, 2 * workers * BATCH_CHARS  # (a batch of long documents counts for more than one)
         for job in jobs:
-            pending.append((pool.apply_async(_tokenize, (job,)), sum(map(len, job[1]))))
+            pending.append((pool.apply_async(_tokenize, (job,)), sum(map(len, job[2]))))
             chars += pending[-1][1]
             while len(pending) > 2 * workers or (len(pending) > 1 and chars > most):
                 result, size = pending.popleft()

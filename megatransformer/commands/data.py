@@ -98,9 +98,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=part_argument,
         default=None,
         metavar="K/N",
-        help="tokenize only the K-th of N equal parts of the input (by bytes: whole files, .parquet files cut "
-        "between row groups) into --out/part-K-of-N, e.g. one task of a Slurm array; `data merge --out` joins "
-        "the N parts",
+        help="tokenize only the K-th of N equal parts of the input's text (whole segments: runs of files and "
+        ".parquet row groups holding 8 x --shard-mb of text) into --out/part-K-of-N, e.g. one task of a Slurm "
+        "array; `data merge --out` joins the N parts into the shards one run writes",
     )
     add_instruction_arguments(p)
     p.set_defaults(func=_shard)
@@ -217,7 +217,7 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 @_guard
 def _shard(args: argparse.Namespace) -> int:
-    from data_pipeline.shard import write_shards
+    from data_pipeline.shard import SEGMENT_SHARDS, write_shards
 
     text_field = args.completion_field if args.prompt_field else args.text_field
     manifest = write_shards(
@@ -239,6 +239,11 @@ def _shard(args: argparse.Namespace) -> int:
     _print_splits(manifest, "examples" if args.prompt_field else "documents")
     if args.part:
         k, n = args.part
+        if not manifest.documents:
+            print(
+                f"part {k}/{n} holds no document: its files hold none, or the input has fewer segments (runs of "
+                f"files holding {SEGMENT_SHARDS} x --shard-mb of text) than {n} parts"
+            )
         print(
             f"part {k}/{n} is finished; once all {n} are, join them with `megatransformer data merge --out {args.out}`"
         )

@@ -1,6 +1,7 @@
 """A parquet corpus tokenized as parts by `megatransformer data shard --part K/N` processes, joined by
-`data merge`: the same documents in the same splits as one run, whatever N and the worker count; a part killed
-mid-run is refused by merge until it is re-made; slurm/shard.sbatch + slurm/merge.sbatch on the local Slurm
+`data merge`: the same documents in the same splits as one run, whatever N and the worker count, in the same
+shards, so that training on either takes the same losses; a part killed mid-run is refused by merge until it is
+re-made; slurm/shard.sbatch + slurm/merge.sbatch on the local Slurm
 cluster (marked slurm)."""
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 from support import REPO
 from support.data import shard_documents
-from support.runs import CLI, clean_env, cli
+from support.runs import CLI, clean_env, cli, losses, tiny_run, train
 from support.slurm import Job, cluster_problem
 
 from data_pipeline.documents import read_documents
+from data_pipeline.shard import Manifest
 
 FILES = 4
 
@@ -65,6 +67,28 @@ def test_parquet_parts_merged_equal_one_run(corpus, tiny_data, one_run, tmp_path
     result = cli("data", "merge", "--out", out)
     assert result.stdout.startswith("train: ") and "valid: " in result.stdout, result.stdout
     assert_same_dataset(out, one_run)
+
+
+def test_parts_merged_train_the_losses_of_one_run(corpus, tiny_data, tmp_path):
+    """Three parts of many segments each (--shard-mb 0.004: segments of ~32 KiB of text), merged: the shards of
+    one run, and five training steps on each take the same losses."""
+    one, parts = tmp_path / "one", tmp_path / "parts"
+    cli(*shard_args(corpus, tiny_data, one, "--shard-mb", "0.004", "--workers", "1"))
+    for k in (1, 2, 3):
+        cli(*shard_args(corpus, tiny_data, parts, "--shard-mb", "0.004", "--part", f"{k}/3", "--workers", "1"))
+    cli("data", "merge", "--out", parts)
+    shards = [Manifest.load(d).splits["train"] for d in (one, parts)]
+    assert len(shards[0]) > 12 and {s.file.partition("/")[0] for s in shards[1]} == {
+        f"part-0000{k}-of-00003" for k in (1, 2, 3)
+    }
+    assert [s.sha256 for s in shards[1]] == [s.sha256 for s in shards[0]]
+    for data, run in ((one, tmp_path / "run-one"), (parts, tmp_path / "run-parts")):
+        train(
+            tiny_run(tiny_data, run, steps=5, changes={"checkpoint.every": "5"})
+            + [f"data.train={data}", "data.streams=4"]
+        )
+    assert len(losses(tmp_path / "run-one")) == 5
+    assert losses(tmp_path / "run-parts") == losses(tmp_path / "run-one")
 
 
 def test_part_killed_mid_run_is_refused_until_re_made(corpus, tiny_data, one_run, tmp_path):

@@ -18,7 +18,7 @@ from support.data import shard_documents
 from data_pipeline import DataError, documents
 from data_pipeline.documents import input_files, read_documents
 from data_pipeline.merge import merge_parts
-from data_pipeline.parts import PART_RECORD, parse_part, part_name, part_pieces, text_sizes
+from data_pipeline.parts import PART_RECORD, parse_part, part_name, part_segments, segments, text_sizes
 from data_pipeline.shard import MANIFEST, Manifest, write_shards
 from megatransformer.cli import main
 
@@ -188,6 +188,11 @@ def test_a_part_of_empty_files_is_finished_and_merged_with_the_others(tiny_data,
         merge_parts(tmp_path / "none")
 
 
+def part_pieces(files, part, segment_bytes=1):
+    """The pieces of ``part`` (segments of ``segment_bytes`` of text: 1, a file or row group each)."""
+    return [piece for segment in part_segments(segments(files, segment_bytes), part) for piece in segment.pieces]
+
+
 def test_parts_share_out_the_input_by_bytes_splitting_parquet_files_by_row_groups(inputs):
     whole = [(d.text, d.number) for d in read_documents(inputs)]
     sizes = [text for text, _ in text_sizes(inputs)]
@@ -202,6 +207,10 @@ def test_parts_share_out_the_input_by_bytes_splitting_parquet_files_by_row_group
             )
     assert split > 5  # the parquet files were cut between parts
     assert whole[:2] == [(whole[0][0], 0), (whole[1][0], 1)]
+    for segment_bytes in (1, 5_000, 10**9):  # segments of any size hold the input once, in order
+        found = segments(inputs, segment_bytes)
+        assert [(d.text, d.number) for s in found for d in read_documents(s.pieces)] == whole
+        assert all(s.size >= segment_bytes for s in found[:-1]) and sum(s.size for s in found) == sum(sizes)
 
 
 def test_parts_share_out_the_text_not_the_compressed_bytes(tiny_data, tmp_path):
