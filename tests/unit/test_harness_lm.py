@@ -52,6 +52,14 @@ def direct_loglikelihood(module, context: list[int], continuation: list[int]) ->
     return float(scored.gather(1, torch.tensor(continuation)[:, None]).sum())
 
 
+def direct_greedy(module, context: list[int], continuation: list[int]) -> bool:
+    """Whether greedy decoding after the context gives the continuation, from the same one forward."""
+    tokens = (context + continuation)[-(MODEL["max_seq_len"] + 1) :]
+    with torch.no_grad():
+        logits = module(torch.tensor([tokens[:-1]]))[0]
+    return logits[-len(continuation) :].argmax(-1).tolist() == continuation
+
+
 def test_pack_fills_rows_longest_first_within_capacity():
     batches = harness.pack([9, 7, 5, 4, 3, 2, 2, 1], capacity=10, max_rows=2)
     assert batches == [[[0, 7], [1, 4]], [[2, 3], [5, 6]]]
@@ -75,6 +83,39 @@ def test_loglikelihoods_do_not_depend_on_batching(model, tok):
         for size, results in scores.items():
             assert results[i][0] == pytest.approx(expected, rel=1e-5), (size, i)
             assert results[i][1] == scores[1][i][1]
+
+
+CHOICES = [" and more of it", " or", " then close it again when done with it, and the next file too", " x"]
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_choices_of_an_item_run_their_context_once(model, tok, monkeypatch, window):
+    """Multiple-choice requests (several continuations of each context) score what each scores alone; the
+    context runs once for all of its continuations (not with a sliding window, which counts row places)."""
+    cfg, module = model
+    if window is not None:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attention_window": window})})
+        module = build_model(cfg.model).eval()
+        module.load_state_dict(model[1].state_dict())
+    pairs = [(context, choice) for context in (TEXTS[0], TEXTS[2], TEXTS[4]) for choice in CHOICES]
+    tokens_run = []
+    lay_out = harness.lay_out
+    monkeypatch.setattr(
+        harness, "lay_out", lambda *a: tokens_run.append(int((lay_out(*a).segments != 0).sum())) or lay_out(*a)
+    )
+    results = lm_of((cfg, module), tok, 2).loglikelihood(requests("loglikelihood", pairs))
+    lm = lm_of((cfg, module), tok, 1)
+    encoded = [lm._encode_pair(context, choice) for context, choice in pairs]
+    for (ctx, cont), (logprob, greedy) in zip(encoded, results):
+        assert logprob == pytest.approx(direct_loglikelihood(module, ctx, cont), rel=1e-5)
+        assert greedy == direct_greedy(module, ctx, cont)
+    windows = [(ctx + cont)[-(MODEL["max_seq_len"] + 1) :] for ctx, cont in encoded]
+    if window is None:  # each context once, each continuation but its last token after it
+        contexts = {tuple(w[: len(w) - len(cont)]) for w, (_, cont) in zip(windows, encoded)}
+        assert sum(tokens_run) == sum(map(len, contexts)) + sum(len(cont) - 1 for _, cont in encoded)
+    else:
+        assert sum(tokens_run) == sum(len(w) - 1 for w in windows)
+    assert any(len(ctx) + len(cont) > MODEL["max_seq_len"] + 1 for ctx, cont in encoded)  # (one is cut)
 
 
 def test_rolling_scores_every_token_once_past_the_model_length(model, tok):
@@ -143,3 +184,13 @@ def test_unknown_task_and_missing_file_are_one_line(tmp_path):
     )
     with pytest.raises(ConfigError, match="lm-eval task lost cannot load: .*none.jsonl"):
         harness.load_tasks([str(task)])
+
+
+def test_tasks_of_ones_own_are_indexed_without_the_shipped_ones(tiny_data, tmp_path):
+    from support.harness_tasks import TASKS, write_tasks
+
+    yamls = write_tasks(tiny_data.corpus, tmp_path / "tasks", n=4)
+    tasks = harness.load_tasks([str(yamls["mt_choice"])])
+    assert tasks.manager.all_tasks == sorted(TASKS)  # (the folder's tasks: not the harness's thousands)
+    first, again = tasks.load()["tasks"]["mt_choice"], tasks.load()["tasks"]["mt_choice"]
+    assert first is not again and len(first.eval_docs) == len(again.eval_docs) == 4
