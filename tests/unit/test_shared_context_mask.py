@@ -1,11 +1,12 @@
 """Documents that continue a shared context (masks.shared_context_mask): every core gives each continuation the
-attention it has as a document of its own after a copy of the context, and flash-attn's varlen problem says so."""
+attention it has as a document of its own after a copy of the context, and flash-attn's varlen problem says so
+(on CPU through tests/support/flash_reference.py; the ``gpu``-marked test runs the real kernels)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from support.attention import B, T, qkv
+from support.attention import B, T, assert_close_in_bf16, needs_flash, qkv, values_and_grads
 
 from megatransformer.model.attention import eager_core, flash_core, sdpa_core
 from megatransformer.model.chunked_attention import chunked_core
@@ -96,3 +97,16 @@ def test_a_context_outside_the_row_is_refused():
 def test_shared_contexts_take_no_window():
     with pytest.raises(ValueError, match="does not combine with shared contexts"):
         shared_context_mask(SEGMENTS, CONTEXTS).with_window(4)
+
+
+@pytest.mark.gpu
+@needs_flash
+def test_real_flash_attn_equals_eager_for_shared_contexts():
+    from megatransformer.model.varlen import torch_varlen_available, torch_varlen_core
+
+    mask = shared_context_mask(SEGMENTS, CONTEXTS, varlen=True).to("cuda")
+    q, k, v = (t.detach().cuda().bfloat16().requires_grad_() for t in qkv())
+    eager = values_and_grads(eager_core, *(t.detach().float().requires_grad_() for t in (q, k, v)), mask)
+    assert_close_in_bf16(values_and_grads(flash_core, q, k, v, mask), eager)
+    if torch_varlen_available():
+        assert_close_in_bf16(values_and_grads(torch_varlen_core, q, k, v, mask), eager)
