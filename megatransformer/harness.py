@@ -134,20 +134,34 @@ class Group:
         return len(self.context) + sum(len(own) for _, own in self.members)
 
 
-def group_requests(windows: list[list[int]], continuations: list[list[int]], share: bool) -> list[Group]:
+def group_requests(windows: list[list[int]], continuations: list[list[int]], limit: int | None) -> list[Group]:
     """The requests whose ``windows`` (the tokens scored, continuation last) share the tokens up to the one
-    that predicts their continuation's first token, as one group each (``share``), longest first; a request
-    alone (or every request, without ``share``) is a group of its window without its last token."""
+    that predicts their continuation's first token, grouped, as many as fit in ``limit`` tokens a group (a row
+    no longer than a lone request's), longest first. A request alone (every request where ``limit`` is None, and
+    those after a one-token context, such as rolling windows: sharing a token saves nothing worth a group) is a
+    group of its window without its last token."""
+    alone: list[int] = []
     by_context: dict[tuple[int, ...], list[int]] = {}
     for i, (window, continuation) in enumerate(zip(windows, continuations)):
-        key = tuple(window[: len(window) - len(continuation)]) if share else i
-        by_context.setdefault(key, []).append(i)
-    groups = []
-    for context, members in by_context.items():
-        if len(members) == 1:
-            groups.append(Group(windows[members[0]][:-1], [(members[0], [])]))
+        context = window[: len(window) - len(continuation)]
+        if limit is None or len(context) < 2:
+            alone.append(i)
         else:
-            groups.append(Group(list(context), [(i, windows[i][len(context) : -1]) for i in members]))
+            by_context.setdefault(tuple(context), []).append(i)
+    groups = [Group(windows[i][:-1], [(i, [])]) for i in alone]
+    for context, requests in by_context.items():
+        parts, length = [[]], len(context)
+        for i in requests:
+            own = len(windows[i]) - 1 - len(context)
+            if parts[-1] and length + own > limit:
+                parts, length = [*parts, []], len(context)
+            parts[-1].append(i)
+            length += own
+        for members in parts:
+            if len(members) == 1:
+                groups.append(Group(windows[members[0]][:-1], [(members[0], [])]))
+            else:
+                groups.append(Group(list(context), [(i, windows[i][len(context) : -1]) for i in members]))
     return sorted(groups, key=lambda g: (-g.length, g.context))
 
 
@@ -272,11 +286,10 @@ class HarnessLM(TemplateLM):
             raise ConfigError(f"a continuation of {too_long} tokens is longer than model.max_seq_len={self.max_length}")
         windows = [(ctx + cont)[-(self.max_length + 1) :] for _, ctx, cont in requests]
         continuations = [cont for _, _, cont in requests]
-        groups = group_requests(windows, continuations, self.shares_contexts)
-        lengths = [group.length for group in groups]
-        capacity = max(self.max_length, lengths[0]) if self.varlen and groups else None
+        groups = group_requests(windows, continuations, self.max_length if self.shares_contexts else None)
+        capacity = self.max_length if self.varlen else None
         sums, misses = [0.0] * len(requests), [0] * len(requests)
-        for rows in pack(lengths, capacity, self.batch_size):
+        for rows in pack([group.length for group in groups], capacity, self.batch_size):
             layout = lay_out([[groups[g] for g in row] for row in rows], list(map(len, continuations)))
             hidden = self._packed_hidden(layout)
             in_batch = [request for request, _ in layout.scored]

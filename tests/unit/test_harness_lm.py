@@ -69,6 +69,28 @@ def test_pack_fills_rows_longest_first_within_capacity():
     assert batches == [[[0], [1, 5]], [[2], [3, 7]], [[4], [6]]]
 
 
+def test_requests_after_the_same_context_are_grouped_within_the_limit():
+    windows = [[1, 2, 3, 10, 11], [1, 2, 3, 12], [1, 2, 3, 13, 14, 15], [9, 20, 21], [9, 22]]
+    continuations = [[10, 11], [12], [13, 14, 15], [20, 21], [22]]
+    shared, short, alone = harness.group_requests(windows, continuations, limit=6)
+    assert (shared.context, shared.members, shared.length) == ([1, 2, 3], [(0, [10]), (1, []), (2, [13, 14])], 6)
+    assert (short.context, short.members) == ([9, 20], [(3, [])])  # (one token of context: alone)
+    assert (alone.context, alone.members) == ([9], [(4, [])])
+    split = harness.group_requests(windows, continuations, limit=5)  # the third request no longer fits
+    assert [(g.context, g.members) for g in split[:2]] == [
+        ([1, 2, 3, 13, 14], [(2, [])]),
+        ([1, 2, 3], [(0, [10]), (1, [])]),
+    ]  # (longest first)
+    assert all(len(g.members) == 1 for g in harness.group_requests(windows, continuations, limit=None))
+
+    layout = harness.lay_out([[shared, short]], list(map(len, continuations)))
+    assert layout.ids.tolist() == [[1, 2, 3, 10, 13, 14, 9, 20]]
+    assert layout.positions.tolist() == [[0, 1, 2, 3, 3, 4, 0, 1]]  # (each continuation goes on from its context)
+    assert layout.segments.tolist() == [[1, 1, 1, 2, 3, 3, 4, 4]]
+    assert layout.contexts.tolist() == [[1, 1, 1, 1, 1, 1, 4, 4]]
+    assert layout.scored == [(0, [2, 3]), (1, [2]), (2, [2, 4, 5]), (3, [6, 7])]
+
+
 def test_loglikelihoods_do_not_depend_on_batching(model, tok):
     cfg, module = model
     pairs = [(text, " and more of it") for text in TEXTS] + [("", "Return the value")]
