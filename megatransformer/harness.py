@@ -3,9 +3,9 @@ precision, task loading that fails in one line, and the harness's results as fla
 
 Loglikelihood requests scored after the same context (the choices of a multiple-choice item) run that context
 once, each continuation after it seeing the context and itself only (``masks.shared_context_mask``); requests
-and such groups are packed, longest first, several to a row (one forward per batch of packed requests, the output
-head only where a token is scored); generation left-pads a batch of prompts (padding is a segment
-of its own) and decodes with the KV cache. Data-parallel ranks follow the harness's protocol (``rank`` /
+and such groups are packed, longest first, several to a row (one forward per batch of packed requests, the
+output head only where a token is scored); generation left-pads a batch of prompts (padding is a segment of its
+own) and decodes with the KV cache. Data-parallel ranks follow the harness's protocol (``rank`` /
 ``world_size``: each builds its share of every task's requests; the evaluator gathers the per-item metrics
 once). Design: docs/evaluation.md.
 """
