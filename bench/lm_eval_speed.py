@@ -5,10 +5,11 @@
   loglikelihood_rolling  whole documents, longer than the model's length (several windows each)
   generate_until         greedy, up to 32 new tokens or a newline
 
-Both run the same requests at the same batch size, in one process, fp32 on the CPU (or --device), rounds
-alternating the two (the order reversed every other round); the table gives each one's median requests/s and
-ours / theirs. Random weights of a small Llama-style decoder and a tokenizer trained on the demo corpus; nothing
-is downloaded. On a machine shared with other work, only the ratios mean anything, and those only for that load.
+Both run the same requests at the same batch size, in one process, fp32 on the CPU (or --device), each kind
+run by one right after the other (the order reversed every other round); the table gives each one's median
+requests/s and the median over rounds of ours / theirs (each round's pair under the same load). Random weights
+of a small Llama-style decoder and a tokenizer trained on the demo corpus; nothing is downloaded. On a machine
+shared with other work, only the ratios mean anything, and those only for that load.
 
     python bench/lm_eval_speed.py                                  # 3 rounds, 64 items, batch 16
     python bench/lm_eval_speed.py --items 16 --rounds 1            # a quick check that it runs
@@ -57,9 +58,9 @@ def main() -> int:
         kinds = request_sets(tok, Path(tmp) / "corpus.txt", args.items)
         rates: dict[str, dict[str, list[float]]] = {kind: {"ours": [], "hf": []} for kind in kinds}
         for round_ in range(args.rounds):
-            order = [("ours", ours), ("hf", theirs)]
-            for name, lm in order if round_ % 2 == 0 else order[::-1]:
-                for kind, requests in kinds.items():
+            for kind, requests in kinds.items():
+                order = [("ours", ours), ("hf", theirs)]
+                for name, lm in order if round_ % 2 == 0 else order[::-1]:
                     with harness.quiet():
                         started = time.perf_counter()
                         getattr(lm, kind)(requests)
@@ -69,7 +70,7 @@ def main() -> int:
             "requests": len(kinds[kind]),
             "ours_per_s": statistics.median(r["ours"]),
             "hf_per_s": statistics.median(r["hf"]),
-            "ratio": statistics.median(r["ours"]) / statistics.median(r["hf"]),
+            "ratio": statistics.median(a / b for a, b in zip(r["ours"], r["hf"])),
         }
         for kind, r in rates.items()
     }

@@ -1,9 +1,11 @@
 """lm-evaluation-harness on our decoders: an ``LM`` that runs in the caller's process on its device and
 precision, task loading that fails in one line, and the harness's results as flat numbers.
 
-Loglikelihood requests are packed, longest first, several to a row (one forward per batch of packed requests,
-the output head only where a token is scored); generation left-pads a batch of prompts (padding is a segment
-of its own) and decodes with the KV cache. Data-parallel ranks follow the harness's protocol (``rank`` /
+Loglikelihood requests scored after the same context (the choices of a multiple-choice item) run that context
+once, each continuation after it seeing the context and itself only (``masks.shared_context_mask``); requests
+and such groups are packed, longest first, several to a row (one forward per batch of packed requests, the
+output head only where a token is scored); generation left-pads a batch of prompts (padding is a segment of its
+own) and decodes with the KV cache. Data-parallel ranks follow the harness's protocol (``rank`` /
 ``world_size``: each builds its share of every task's requests; the evaluator gathers the per-item metrics
 once). Design: docs/evaluation.md.
 """
@@ -11,10 +13,11 @@ once). Design: docs/evaluation.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +36,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 
 from megatransformer.batch import PAD_SEGMENT  # noqa: E402
 from megatransformer.model.generate import sample_next  # noqa: E402
-from megatransformer.model.masks import batch_masks  # noqa: E402
+from megatransformer.model.masks import shared_context_mask  # noqa: E402
 
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for tasks that name no max_gen_toks
 
@@ -117,6 +120,95 @@ def pack(lengths: list[int], capacity: int | None, max_rows: int) -> list[list[l
     return batches
 
 
+@dataclass(frozen=True)
+class Group:
+    """Loglikelihood requests scored after one copy of a shared ``context``: each member, ``(request, own)``,
+    is scored on the context's last positions and its ``own`` tokens after it (which see the context and
+    themselves only); a member without own tokens is scored on the context's last positions alone."""
+
+    context: list[int]
+    members: list[tuple[int, list[int]]]
+
+    @property
+    def length(self) -> int:
+        return len(self.context) + sum(len(own) for _, own in self.members)
+
+
+def group_requests(windows: list[list[int]], continuations: list[list[int]], limit: int | None) -> list[Group]:
+    """The requests whose ``windows`` (the tokens scored, continuation last) share the tokens up to the one
+    that predicts their continuation's first token, grouped, as many as fit in ``limit`` tokens a group (a row
+    no longer than a lone request's), longest first. A request alone (every request where ``limit`` is None, and
+    those after a one-token context, such as rolling windows: sharing a token saves nothing worth a group) is a
+    group of its window without its last token."""
+    alone: list[int] = []
+    by_context: dict[tuple[int, ...], list[int]] = {}
+    for i, (window, continuation) in enumerate(zip(windows, continuations)):
+        context = window[: len(window) - len(continuation)]
+        if limit is None or len(context) < 2:
+            alone.append(i)
+        else:
+            by_context.setdefault(tuple(context), []).append(i)
+    groups = [Group(windows[i][:-1], [(i, [])]) for i in alone]
+    for context, requests in by_context.items():
+        parts, length = [[]], len(context)
+        for i in requests:
+            own = len(windows[i]) - 1 - len(context)
+            if parts[-1] and length + own > limit:
+                parts, length = [*parts, []], len(context)
+            parts[-1].append(i)
+            length += own
+        for members in parts:
+            if len(members) == 1:
+                groups.append(Group(windows[members[0]][:-1], [(members[0], [])]))
+            else:
+                groups.append(Group(list(context), [(i, windows[i][len(context) : -1]) for i in members]))
+    return sorted(groups, key=lambda g: (-g.length, g.context))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Rows of groups as the decoder's inputs (host tensors [rows, width]: a segment for each context and
+    each member's own tokens, ``contexts`` as ``AttentionMask.contexts``) and each request's scored positions
+    in the flattened rows."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    segments: torch.Tensor
+    contexts: torch.Tensor
+    scored: list[tuple[int, list[int]]]
+
+
+def lay_out(rows: list[list[Group]], continuation_lengths: list[int]) -> Layout:
+    """``rows`` of groups, each row as wide as the widest (padding: a segment of its own)."""
+    width = max(sum(group.length for group in row) for row in rows)
+    columns: dict[str, list[list[int]]] = {"ids": [], "positions": [], "segments": [], "contexts": []}
+    scored = []
+    for r, row in enumerate(rows):
+        ids, positions, segments, contexts = [], [], [], []
+        segment = PAD_SEGMENT
+        for group in row:
+            segment += 1
+            context_segment, context_end = segment, r * width + len(ids) + len(group.context)
+            ids += group.context
+            positions += range(len(group.context))
+            segments += [segment] * len(group.context)
+            contexts += [segment] * len(group.context)
+            for request, own in group.members:
+                where = list(range(context_end - (continuation_lengths[request] - len(own)), context_end))
+                if own:
+                    segment += 1
+                    where += range(r * width + len(ids), r * width + len(ids) + len(own))
+                    ids += own
+                    positions += range(len(group.context), len(group.context) + len(own))
+                    segments += [segment] * len(own)
+                    contexts += [context_segment] * len(own)
+                scored.append((request, where))
+        pad = width - len(ids)
+        for name, values in zip(columns, (ids, positions, segments, contexts)):
+            columns[name].append(values + [PAD_SEGMENT if name in ("segments", "contexts") else 0] * pad)
+    return Layout(*(torch.tensor(values, dtype=torch.long) for values in columns.values()), scored)
+
+
 class HarnessLM(TemplateLM):
     """lm-eval's ``LM`` for a decoder of ours (``model``: the plain module, weights in the run's precision)."""
 
@@ -134,6 +226,10 @@ class HarnessLM(TemplateLM):
         self.max_length = max_position_embeddings(cfg.model)  # what transformers reports for the export
         self._rank, self._world_size, self._device = placement.rank, placement.world_size, placement.device
         self.varlen = runs_varlen(cfg, placement.device, next(model.parameters()).dtype)
+        self.shares_contexts = cfg.model.attention_window is None  # (a window counts row places, not positions)
+        # the harness encodes an item's context alone once per continuation, the item's requests one after the
+        # other: the last few texts' tokens are kept
+        self._encoded = functools.lru_cache(maxsize=16)(lambda text: tuple(tokenizer.encode(text)))
 
     # ---------------------------------------------------------------------------- the harness's terms
 
@@ -156,7 +252,7 @@ class HarnessLM(TemplateLM):
         return Path(self.tok.path).stem
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tok.encode(string)  # (our tokenizers add no special tokens: documents are plain text)
+        return list(self._encoded(string))  # (our tokenizers add no special tokens: documents are plain text)
 
     # ------------------------------------------------------------------------------ data-parallel ranks
 
@@ -183,31 +279,24 @@ class HarnessLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log p(continuation | context), whether greedy decoding gives the continuation) of every
         ``(strings, context tokens, continuation tokens)``: each scored on its last max_length + 1 tokens, as
-        the harness's Hugging Face model does."""
+        the harness's Hugging Face model does; requests with the same context in one group (see
+        :func:`group_requests`)."""
         too_long = next((len(cont) for _, _, cont in requests if len(cont) > self.max_length), None)
         if too_long is not None:
             raise ConfigError(f"a continuation of {too_long} tokens is longer than model.max_seq_len={self.max_length}")
         windows = [(ctx + cont)[-(self.max_length + 1) :] for _, ctx, cont in requests]
         continuations = [cont for _, _, cont in requests]
-        order = sorted(range(len(requests)), key=lambda i: (-len(windows[i]), tuple(windows[i])))
-        sums, misses = [0.0] * len(requests), [0] * len(requests)
+        groups = group_requests(windows, continuations, self.max_length if self.shares_contexts else None)
         capacity = self.max_length if self.varlen else None
-        for rows in pack([len(windows[i]) - 1 for i in order], capacity, self.batch_size):
-            rows = [[order[i] for i in row] for row in rows]
-            hidden = self._packed_hidden([[windows[i][:-1] for i in row] for row in rows])
-            # the continuation's positions of every request, flattened, and which request of the batch they are
-            width, where, owners, targets, in_batch = hidden.shape[1], [], [], [], []
-            for r, row in enumerate(rows):
-                end = r * width
-                for i in row:
-                    end += len(windows[i]) - 1
-                    where.extend(range(end - len(continuations[i]), end))
-                    owners.extend([len(in_batch)] * len(continuations[i]))
-                    targets.extend(continuations[i])
-                    in_batch.append(i)
+        sums, misses = [0.0] * len(requests), [0] * len(requests)
+        for rows in pack([group.length for group in groups], capacity, self.batch_size):
+            layout = lay_out([[groups[g] for g in row] for row in rows], list(map(len, continuations)))
+            hidden = self._packed_hidden(layout)
+            in_batch = [request for request, _ in layout.scored]
             device = hidden.device
-            where, owners = torch.tensor(where, device=device), torch.tensor(owners, device=device)
-            targets = torch.tensor(targets, device=device)
+            where = torch.tensor([p for _, places in layout.scored for p in places], device=device)
+            owners = torch.tensor([k for k, (_, places) in enumerate(layout.scored) for _ in places], device=device)
+            targets = torch.tensor([t for request in in_batch for t in continuations[request]], device=device)
             with torch.no_grad(), self.placement.forwards():
                 logits = self.model.lm_head(hidden.flatten(0, 1)[where])
             logprobs = logits.float().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
@@ -241,26 +330,13 @@ class HarnessLM(TemplateLM):
             totals[owner] += logprob
         return totals
 
-    def _packed_hidden(self, rows: list[list[list[int]]]) -> torch.Tensor:
-        """The decoder's last hidden states [rows, width, d_model] of rows of token sequences, each sequence a
-        document of its own (the output head runs only where a token is scored)."""
-        width = max(sum(map(len, row)) for row in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        positions = torch.zeros_like(ids)
-        segments = torch.full_like(ids, PAD_SEGMENT)
-        for r, row in enumerate(rows):
-            start = 0
-            for s, tokens in enumerate(row, 1):
-                end = start + len(tokens)
-                ids[r, start:end] = torch.tensor(tokens)
-                positions[r, start:end] = torch.arange(len(tokens))
-                segments[r, start:end] = s
-                start = end
-        batch = {"input_ids": ids, "position_ids": positions, "segment_ids": segments}
-        masks = batch_masks("decoder", batch, varlen=self.varlen).to(self.device)
+    def _packed_hidden(self, layout: Layout) -> torch.Tensor:
+        """The decoder's last hidden states [rows, width, d_model] of a layout (the output head runs only where
+        a token is scored)."""
+        mask = shared_context_mask(layout.segments, layout.contexts, varlen=self.varlen).to(self.device)
         model, device = self.model, self.device
         with torch.no_grad(), self.placement.forwards():
-            return model.decoder(model.embed_tokens(ids.to(device)), positions.to(device), masks.decoder)
+            return model.decoder(model.embed_tokens(layout.ids.to(device)), layout.positions.to(device), mask)
 
     # -------------------------------------------------------------------------------- generation
 
@@ -372,12 +448,12 @@ def quiet() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------ tasks
 
 
-def task_manager(include_paths: list[str], include_defaults: bool = True):
-    """The harness's task index: the YAML files and folders of ``include_paths``, and with ``include_defaults`` the
-    harness's own tasks (thousands of files: ~10 s to index)."""
+def task_manager(include_paths: list[str], shipped: bool = True):
+    """The harness's task index of the YAML files and folders of ``include_paths`` and, with ``shipped``, of the
+    tasks the harness ships (some 14,000 YAML files: tens of seconds to index)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_paths or None, include_defaults=include_defaults)
+    return TaskManager(include_path=include_paths or None, include_defaults=shipped)
 
 
 def split_tasks(tasks: list[str]) -> tuple[list[str], list[str]]:
@@ -403,47 +479,51 @@ def split_tasks(tasks: list[str]) -> tuple[list[str], list[str]]:
 
 @dataclass(frozen=True)
 class Tasks:
-    """Tasks the harness knows by name once ``include_paths`` are indexed (see :func:`load_tasks`)."""
+    """Tasks the harness knows by name in ``manager``'s index, built once (see :func:`load_tasks`)."""
 
     names: tuple[str, ...]
-    include_paths: tuple[str, ...]
-    include_defaults: bool = True
+    manager: object  # lm_eval.tasks.TaskManager
 
     def load(self) -> dict:
-        """The harness's task dictionary (its ``TaskManager.load``), data read (from the datasets cache after
-        the first time)."""
-        return task_manager(list(self.include_paths), self.include_defaults).load(list(self.names))
+        """The harness's task dictionary (its ``TaskManager.load``: new task objects), data read (from the
+        datasets cache after the first time)."""
+        return self.manager.load(list(self.names))
 
 
 def load_tasks(tasks: list[str], include_paths: list[str] = ()) -> Tasks:
     """``tasks`` (names the harness knows, names in ``include_paths``, or task YAML paths), loaded once with
-    their data: an unknown task or a missing data file fails here, in one line."""
+    their data: an unknown task or a missing data file fails here, in one line. Tasks that are all in the include
+    paths (tasks of one's own, no groups) are indexed without the harness's shipped ones."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # (tasks read local files; nothing is downloaded)
     names, folders = split_tasks(tasks)
     for folder in include_paths:
         if not Path(folder).is_dir():
             raise ConfigError(f"include path {folder} is not a directory")
-    found = Tasks(tuple(names), tuple(dict.fromkeys([*map(str, include_paths), *folders])))
-    if found.include_paths:  # tasks of the user's own need not wait for the harness's index
-        manager = task_manager(list(found.include_paths), include_defaults=False)
-        if all(name in manager.all_tasks for name in names):
-            found = replace(found, include_defaults=False)
-    if found.include_defaults:
-        manager = task_manager(list(found.include_paths))
-    unknown = [name for name in names if name not in manager.all_tasks]
+    paths = list(dict.fromkeys([*map(str, include_paths), *folders]))
+    if paths:
+        own = task_manager(paths, shipped=False)
+        if all(name in own.all_subtasks for name in names):  # (no group or tag, which may name shipped tasks)
+            return loaded(Tasks(tuple(names), own))
+    found = Tasks(tuple(names), task_manager(paths))
+    unknown = [name for name in names if name not in found.manager.all_tasks]
     if unknown:
         raise ConfigError(
             f"lm-eval knows no task {', '.join(unknown)} (a task of your own: its YAML's path, or its folder in "
             "include_path)"
         )
-    for name in names:
+    return loaded(found)
+
+
+def loaded(tasks: Tasks) -> Tasks:
+    """``tasks``, each of which loads with its data, else a one-line error naming the first that does not."""
+    for name in tasks.names:
         try:
             with quiet():
-                manager.load([name])
+                tasks.manager.load([name])
         except Exception as err:  # noqa: BLE001 - datasets and the harness raise many kinds; one line says which
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(f"lm-eval task {name} cannot load: {reason}") from None
-    return found
+    return tasks
 
 
 # The seeds lm-eval's simple_evaluate sets (python random, numpy, torch, few-shot sampling): the same numbers

@@ -1,10 +1,10 @@
 """Attention masks as a description, rendered per backend, with their metadata built once per batch.
 
 An :class:`AttentionMask` says *which* keys a query may see (causal order, a bidirectional prefix per row or per
-query, document segments, a sliding window); each core renders what it needs: nothing, a dense boolean mask, a
-FlexAttention block mask or flash-attn varlen problems. Host metadata (``cu_seqlens``, key bounds) is computed
-once per batch by :func:`batch_masks`, so a step never waits for the device to learn a shape. The rule and the
-design: docs/gpu.md.
+query, document segments, documents that continue a shared context, a sliding window); each core renders what it
+needs: nothing, a dense boolean mask, a FlexAttention block mask or flash-attn varlen problems. Host metadata
+(``cu_seqlens``, key bounds) is computed once per batch by :func:`batch_masks`, so a step never waits for the device
+to learn a shape. The rule and the design: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ class AttentionMask:
     prefix_len: torch.Tensor | None = None  # [B] or [B, Tq], see the module docstring
     q_offset: int = 0  # absolute position of the first query (decoding with a KV cache)
     window: int | None = None  # local attention: keys less than `window` positions away, see the module docstring
+    contexts: torch.Tensor | None = None
+    """[B, T] with ``q_segments`` (causal self-attention): per position, the segment whose keys it sees besides
+    its own segment's: the shared context a document continues (the choices of a multiple-choice item packed
+    after one copy of their question); a position that continues no other segment names its own."""
     varlen: tuple[VarlenProblem, ...] | None = None
     """flash-attn's problems for this mask, built on the host by :func:`batch_masks` (else on first use)."""
     key_bounds: np.ndarray | None = None
@@ -73,6 +77,8 @@ class AttentionMask:
             return self
         if self.prefix_len is not None:
             raise ValueError("model.attention_window does not combine with a bidirectional prefix (prefix-LM)")
+        if self.contexts is not None:
+            raise ValueError("model.attention_window does not combine with shared contexts")
         return replace(self, window=window)
 
     def to(self, device: torch.device | str, moved: Mapping[int, torch.Tensor] | None = None) -> AttentionMask:
@@ -86,7 +92,12 @@ class AttentionMask:
         kv_segments = q_segments if self.kv_segments is self.q_segments else move(self.kv_segments)
         varlen = None if self.varlen is None else tuple(p.to(device) for p in self.varlen)
         return replace(
-            self, q_segments=q_segments, kv_segments=kv_segments, prefix_len=move(self.prefix_len), varlen=varlen
+            self,
+            q_segments=q_segments,
+            kv_segments=kv_segments,
+            prefix_len=move(self.prefix_len),
+            contexts=move(self.contexts),
+            varlen=varlen,
         )
 
     def dense(
@@ -118,7 +129,10 @@ class AttentionMask:
         if self.q_segments is not None:
             q_seg = self.q_segments[:, -q_len:][:, q_start:q_end].unsqueeze(2)
             k_seg = self.kv_segments[:, k_start:kv_len].unsqueeze(1)
-            allowed = allowed & ((q_seg == k_seg) | (q_seg == PAD_SEGMENT))
+            seen = q_seg == k_seg
+            if self.contexts is not None:
+                seen = seen | (self.contexts[:, -q_len:][:, q_start:q_end].unsqueeze(2) == k_seg)
+            allowed = allowed & (seen | (q_seg == PAD_SEGMENT))
         return allowed.unsqueeze(1)
 
     def blocked(
@@ -179,6 +193,8 @@ class AttentionMask:
         device = (self.q_segments if self.q_segments is not None else self.prefix_len).device
         if self.kv_segments is not self.q_segments:
             problems = (cross_varlen_problem(_numpy(self.q_segments), _numpy(self.kv_segments)),)
+        elif self.contexts is not None:
+            problems = (context_varlen_problem(_numpy(self.q_segments), _numpy(self.contexts)),)
         else:
             problems = varlen_problems(self.causal, _numpy(self.q_segments), _numpy(self.prefix_len), (batch, q_len))
         return tuple(p.to(device) for p in problems)
@@ -187,6 +203,7 @@ class AttentionMask:
         """The same rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``."""
         causal, offset, window = self.causal, self.q_offset, self.window
         q_segments, kv_segments, prefix_len = self.q_segments, self.kv_segments, self.prefix_len
+        contexts = self.contexts
 
         def mod(b, h, q_idx, kv_idx):
             q_pos = q_idx + offset
@@ -196,8 +213,11 @@ class AttentionMask:
             if causal and prefix_len is not None:
                 allowed = allowed | (kv_idx < (prefix_len[b] if prefix_len.dim() == 1 else prefix_len[b, q_idx]))
             if q_segments is not None:
-                q_seg = q_segments[b, q_idx]
-                allowed = allowed & ((q_seg == kv_segments[b, kv_idx]) | (q_seg == PAD_SEGMENT))
+                q_seg, k_seg = q_segments[b, q_idx], kv_segments[b, kv_idx]
+                seen = q_seg == k_seg
+                if contexts is not None:
+                    seen = seen | (contexts[b, q_idx] == k_seg)
+                allowed = allowed & (seen | (q_seg == PAD_SEGMENT))
             return allowed
 
         return mod
@@ -270,15 +290,34 @@ def batch_masks(arch: str, batch: Mapping[str, torch.Tensor], varlen: bool = Fal
     )
 
 
+def shared_context_mask(segments: torch.Tensor, contexts: torch.Tensor, varlen: bool = False) -> AttentionMask:
+    """Causal self-attention of packed documents on the host (CPU tensors), where a document may continue the
+    context of another segment of its row: ``contexts`` as :attr:`AttentionMask.contexts`. Each continuation
+    comes after its context in its row (causal order is the row's) and its ``position_ids`` go on from the
+    context's end; the context is run once for all of them. ``varlen``: with flash-attn's problems."""
+    return _host_self_mask(True, segments, None, tuple(segments.shape), varlen, contexts)
+
+
 def _host_self_mask(
-    causal: bool, segments: torch.Tensor | None, prefix_len: torch.Tensor | None, shape: tuple[int, int], varlen: bool
+    causal: bool,
+    segments: torch.Tensor | None,
+    prefix_len: torch.Tensor | None,
+    shape: tuple[int, int],
+    varlen: bool,
+    contexts: torch.Tensor | None = None,
 ) -> AttentionMask:
-    host_segments = _numpy(segments)
-    if host_segments is not None and (host_segments == host_segments[:, :1]).all():
+    host_segments, host_contexts = _numpy(segments), _numpy(contexts)
+    if host_contexts is not None and np.array_equal(host_contexts, host_segments):
+        contexts = host_contexts = None  # every document on its own
+    if host_contexts is not None and (not causal or prefix_len is not None):
+        raise ValueError("shared contexts are a causal mask without a bidirectional prefix")
+    if host_contexts is None and host_segments is not None and (host_segments == host_segments[:, :1]).all():
         segments = host_segments = None  # one document per row: no segment check
-    mask = AttentionMask(causal, segments, segments, prefix_len)
+    mask = AttentionMask(causal, segments, segments, prefix_len, contexts=contexts)
     if mask.is_simple:
         return mask
+    if contexts is not None:
+        return replace(mask, varlen=(context_varlen_problem(host_segments, host_contexts),) if varlen else None)
     return replace(
         mask,
         key_bounds=None if prefix_len is None else _key_bounds(prefix_len),
@@ -333,6 +372,29 @@ def varlen_problems(
             )
         )
     return tuple(problems)
+
+
+def context_varlen_problem(segments: np.ndarray, contexts: np.ndarray) -> VarlenProblem:
+    """Causal self-attention of documents that continue a shared context as one varlen problem: every run of
+    equal segment ids is a sequence of queries, in order; its keys are the run of the segment it continues
+    (``contexts``, where that names another segment of its row), then its own, so that causal bottom-right
+    alignment shows each query its context and its own earlier keys."""
+    batch, length = segments.shape
+    starts, ends = _runs(segments)
+    flat_segments, flat_contexts = segments.reshape(-1), contexts.reshape(-1)
+    base = int(max(segments.max(initial=0), contexts.max(initial=0))) + 1
+    row = starts // length
+    run_keys, context_keys = row * base + flat_segments[starts], row * base + flat_contexts[starts]
+    continues = context_keys != run_keys
+    order = np.argsort(run_keys, kind="stable")
+    found = order[np.minimum(np.searchsorted(run_keys[order], context_keys), len(order) - 1)]
+    if (continues & (run_keys[found] != context_keys)).any():
+        raise ValueError("a document continues a context segment that is not in its row")
+    context_starts = np.where(continues, starts[found], starts)
+    context_ends = np.where(continues, ends[found], starts)  # (an empty range: no context)
+    keys = _ranges(np.stack([context_starts, starts], 1).reshape(-1), np.stack([context_ends, ends], 1).reshape(-1))
+    lengths = ends - starts
+    return _problem(lengths, lengths + context_ends - context_starts, True, None, _unless_all(keys, batch * length))
 
 
 def cross_varlen_problem(q_segments: np.ndarray, kv_segments: np.ndarray) -> VarlenProblem:

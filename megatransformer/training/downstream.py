@@ -3,6 +3,8 @@ of the items (docs/evaluation.md)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from megatransformer.config import ConfigError, RunConfig
@@ -34,7 +36,9 @@ class Downstream:
         return bool(every) and step % every == 0
 
     def run(self) -> dict[str, float | None]:
-        """``{"eval/<task>/<metric>": value}`` on rank 0 (empty on the others)."""
+        """``{"eval/<task>/<metric>": value, "eval_s": seconds the tasks took}`` on rank 0 (empty on the
+        others)."""
+        started = time.perf_counter()
         evals, cfg = self.cfg.train.evals, self.cfg
         batch_size = evals.batch_size or self.module.sizes.micro
         with self.module.plain_model() as model, self.harness.quiet():
@@ -42,8 +46,9 @@ class Downstream:
             results = self.harness.evaluate(lm, self.tasks, evals.limit, evals.num_fewshot)
         if results is None:
             return {}
-        return {
+        metrics = {
             f"eval/{task}/{metric}": value
-            for task, metrics in self.harness.metrics_of(results).items()
-            for metric, value in metrics.items()
+            for task, values in self.harness.metrics_of(results).items()
+            for metric, value in values.items()
         }
+        return {**metrics, "eval_s": round(time.perf_counter() - started, 3)}

@@ -137,6 +137,7 @@ def test_training_logs_the_tasks(trained):
     }
     assert_same(in_log_space(last), in_log_space(expected), "step 8")
     assert evaluated[4]["kind"] == "valid" and evaluated[4]["eval/mt_choice/acc"] is not None
+    assert all(record["eval_s"] > 0 for record in evaluated.values())  # (the seconds the tasks took)
 
 
 @pytest.mark.parametrize(

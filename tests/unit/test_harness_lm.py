@@ -52,6 +52,14 @@ def direct_loglikelihood(module, context: list[int], continuation: list[int]) ->
     return float(scored.gather(1, torch.tensor(continuation)[:, None]).sum())
 
 
+def direct_greedy(module, context: list[int], continuation: list[int]) -> bool:
+    """Whether greedy decoding after the context gives the continuation, from the same one forward."""
+    tokens = (context + continuation)[-(MODEL["max_seq_len"] + 1) :]
+    with torch.no_grad():
+        logits = module(torch.tensor([tokens[:-1]]))[0]
+    return logits[-len(continuation) :].argmax(-1).tolist() == continuation
+
+
 def test_pack_fills_rows_longest_first_within_capacity():
     batches = harness.pack([9, 7, 5, 4, 3, 2, 2, 1], capacity=10, max_rows=2)
     assert batches == [[[0, 7], [1, 4]], [[2, 3], [5, 6]]]
@@ -59,6 +67,28 @@ def test_pack_fills_rows_longest_first_within_capacity():
     # rows as wide as each batch's longest request: the shorter ones fill their room
     batches = harness.pack([9, 7, 5, 4, 3, 2, 2, 1], capacity=None, max_rows=2)
     assert batches == [[[0], [1, 5]], [[2], [3, 7]], [[4], [6]]]
+
+
+def test_requests_after_the_same_context_are_grouped_within_the_limit():
+    windows = [[1, 2, 3, 10, 11], [1, 2, 3, 12], [1, 2, 3, 13, 14, 15], [9, 20, 21], [9, 22]]
+    continuations = [[10, 11], [12], [13, 14, 15], [20, 21], [22]]
+    shared, short, alone = harness.group_requests(windows, continuations, limit=6)
+    assert (shared.context, shared.members, shared.length) == ([1, 2, 3], [(0, [10]), (1, []), (2, [13, 14])], 6)
+    assert (short.context, short.members) == ([9, 20], [(3, [])])  # (one token of context: alone)
+    assert (alone.context, alone.members) == ([9], [(4, [])])
+    split = harness.group_requests(windows, continuations, limit=5)  # the third request no longer fits
+    assert [(g.context, g.members) for g in split[:2]] == [
+        ([1, 2, 3, 13, 14], [(2, [])]),
+        ([1, 2, 3], [(0, [10]), (1, [])]),
+    ]  # (longest first)
+    assert all(len(g.members) == 1 for g in harness.group_requests(windows, continuations, limit=None))
+
+    layout = harness.lay_out([[shared, short]], list(map(len, continuations)))
+    assert layout.ids.tolist() == [[1, 2, 3, 10, 13, 14, 9, 20]]
+    assert layout.positions.tolist() == [[0, 1, 2, 3, 3, 4, 0, 1]]  # (each continuation goes on from its context)
+    assert layout.segments.tolist() == [[1, 1, 1, 2, 3, 3, 4, 4]]
+    assert layout.contexts.tolist() == [[1, 1, 1, 1, 1, 1, 4, 4]]
+    assert layout.scored == [(0, [2, 3]), (1, [2]), (2, [2, 4, 5]), (3, [6, 7])]
 
 
 def test_loglikelihoods_do_not_depend_on_batching(model, tok):
@@ -75,6 +105,39 @@ def test_loglikelihoods_do_not_depend_on_batching(model, tok):
         for size, results in scores.items():
             assert results[i][0] == pytest.approx(expected, rel=1e-5), (size, i)
             assert results[i][1] == scores[1][i][1]
+
+
+CHOICES = [" and more of it", " or", " then close it again when done with it, and the next file too", " x"]
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_choices_of_an_item_run_their_context_once(model, tok, monkeypatch, window):
+    """Multiple-choice requests (several continuations of each context) score what each scores alone; the
+    context runs once for all of its continuations (not with a sliding window, which counts row places)."""
+    cfg, module = model
+    if window is not None:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attention_window": window})})
+        module = build_model(cfg.model).eval()
+        module.load_state_dict(model[1].state_dict())
+    pairs = [(context, choice) for context in (TEXTS[0], TEXTS[2], TEXTS[4]) for choice in CHOICES]
+    tokens_run = []
+    lay_out = harness.lay_out
+    monkeypatch.setattr(
+        harness, "lay_out", lambda *a: tokens_run.append(int((lay_out(*a).segments != 0).sum())) or lay_out(*a)
+    )
+    results = lm_of((cfg, module), tok, 2).loglikelihood(requests("loglikelihood", pairs))
+    lm = lm_of((cfg, module), tok, 1)
+    encoded = [lm._encode_pair(context, choice) for context, choice in pairs]
+    for (ctx, cont), (logprob, greedy) in zip(encoded, results):
+        assert logprob == pytest.approx(direct_loglikelihood(module, ctx, cont), rel=1e-5)
+        assert greedy == direct_greedy(module, ctx, cont)
+    windows = [(ctx + cont)[-(MODEL["max_seq_len"] + 1) :] for ctx, cont in encoded]
+    if window is None:  # each context once, each continuation but its last token after it
+        contexts = {tuple(w[: len(w) - len(cont)]) for w, (_, cont) in zip(windows, encoded)}
+        assert sum(tokens_run) == sum(map(len, contexts)) + sum(len(cont) - 1 for _, cont in encoded)
+    else:
+        assert sum(tokens_run) == sum(len(w) - 1 for w in windows)
+    assert any(len(ctx) + len(cont) > MODEL["max_seq_len"] + 1 for ctx, cont in encoded)  # (one is cut)
 
 
 def test_rolling_scores_every_token_once_past_the_model_length(model, tok):
@@ -144,13 +207,11 @@ def test_a_missing_data_file_is_one_line(tmp_path):
         harness.load_tasks([str(task)])
 
 
-def test_tasks_of_ones_own_load_without_the_harness_index(tmp_path):
-    (tmp_path / "items.jsonl").write_text('{"x": "a b", "y": " c"}\n{"x": "d", "y": " e f"}\n')
-    task = tmp_path / "own.yaml"
-    task.write_text(
-        f"task: own\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {tmp_path / 'items.jsonl'}}}}}\n"
-        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{x}}'\ndoc_to_target: '{{y}}'\n"
-    )
-    tasks = harness.load_tasks([str(task)])
-    assert (tasks.names, tasks.include_defaults) == (("own",), False)
-    assert list(tasks.load()["tasks"]) == ["own"]
+def test_tasks_of_ones_own_are_indexed_without_the_shipped_ones(tiny_data, tmp_path):
+    from support.harness_tasks import TASKS, write_tasks
+
+    yamls = write_tasks(tiny_data.corpus, tmp_path / "tasks", n=4)
+    tasks = harness.load_tasks([str(yamls["mt_choice"])])
+    assert tasks.manager.all_tasks == sorted(TASKS)  # (the folder's tasks: not the harness's thousands)
+    first, again = tasks.load()["tasks"]["mt_choice"], tasks.load()["tasks"]["mt_choice"]
+    assert first is not again and len(first.eval_docs) == len(again.eval_docs) == 4
