@@ -5,11 +5,15 @@ Everything that knows DeepSpeed lives here and in ``checkpointer.py`` (its confi
 its form, the loss normalisation it needs, skipped updates, gradient norms, tensor-parallel corrections); the
 loop in ``loop.py`` only sees :class:`TrainModule`: ``step``, ``evaluate``, ``save`` and ``load``.
 
-One step waits for the device once (:meth:`TrainModule.step` reads one small vector of step statistics,
-the gradient norm among them, before the update: before DeepSpeed's step without ZeRO, inside it, once ZeRO
-has computed the norm, with ZeRO). The rest is decided on the host before the batches move: label and token
-counts are counted from the loader's CPU tensors, attention metadata is built once per batch
-(:func:`masks.batch_masks`), and the loss normaliser is all-reduced on the device and used there.
+A step waits for the device at most once, after its update is queued, and a step whose result is left to read
+(the loop's steps that log nothing) not at all: the verdict on the update (non-finite loss or gradients, a
+spike) is taken on the device from the step's all-reduced statistics and PyTorch's fused AdamW skips by it in
+its kernel; the statistics are copied to the host behind the update and read during the next step, once its
+forward and backward passes are queued (:meth:`TrainModule.advance`). Where the optimizer cannot skip on the
+device (fp16's loss scaler, Muon, DeepSpeed's CPU Adam) they are read before the update: before DeepSpeed's
+step without ZeRO, inside it, once ZeRO has computed the norm, with ZeRO. The rest is decided on the host before
+the batches move: label and token counts are counted from the loader's CPU tensors, attention metadata is built
+once per batch (:func:`masks.batch_masks`), and the loss normaliser is all-reduced on the device and used there.
 """
 
 from __future__ import annotations
@@ -182,6 +186,10 @@ class Judged:
     zero_skipped: bool = False  # ZeRO skipped the update on its own (non-finite gradients)
     staged: StagedValue | None = None
 
+    def decided(self) -> torch.Tensor:
+        """The reduced statistics and, last, the device's verdict (1: applied), as one vector to read."""
+        return torch.cat([self.reduced, self.apply_on_device.double().reshape(1)])
+
     @property
     def answer(self) -> bool | torch.Tensor:
         """What ``gated_update`` asks: whether to apply the update, known on the host or on the device."""
@@ -352,13 +360,13 @@ class TrainModule:
         judged: list[Judged] = []
 
         def judge(norm: torch.Tensor | None, on_device: bool = self.decides_on_device) -> bool | torch.Tensor:
-            step = Judged(self._reduce(stats, global_targets, norm), norm is not None)
+            entry = Judged(self._reduce(stats, global_targets, norm), norm is not None)
             if on_device:
-                step.apply_on_device = self._device_verdict(step.reduced, step.norm_computed, limits)
+                entry.apply_on_device = self._device_verdict(entry.reduced, entry.norm_computed, limits)
             else:
-                step.verdict = self._verdict(step.reduced.tolist(), step.norm_computed, spikes)
-            judged.append(step)
-            return step.answer
+                entry.verdict = self._verdict(entry.reduced.tolist(), entry.norm_computed, spikes)
+            judged.append(entry)
+            return entry.answer
 
         if self.zero_stage == 0:
             judge(unclipped_grad_norm(engine.module, self.tp) / getattr(engine.optimizer, "loss_scale", 1.0))
@@ -368,16 +376,16 @@ class TrainModule:
         if not judged:  # ZeRO skipped the update before asking: non-finite gradients (fp16: the loss scale)
             judge(None, on_device=False)
             judged[0].verdict.grad_norm = math.nan
-        step = judged[0]
-        step.index, step.tokens, step.lr = index, tokens, lr
+        current = judged[0]
+        current.index, current.tokens, current.lr = index, tokens, lr
         # ZeRO skips a step with non-finite gradients on its own (and counts it); with fp16 that is the loss
         # scaler finding its scale, which is routine, not divergence
-        step.zero_skipped = self.cfg.precision != "fp16" and engine.skipped_steps != skipped_before
-        if step.apply_on_device is not None and not read:
-            step.staged = self._staged.stage(torch.cat([step.reduced, step.apply_on_device.double().reshape(1)]))
-            self._unread = step
+        current.zero_skipped = self.cfg.precision != "fp16" and engine.skipped_steps != skipped_before
+        if current.apply_on_device is not None and not read:
+            current.staged = self._staged.stage(current.decided())
+            self._unread = current
             return results
-        return results + [self._result(step, spikes)]
+        return results + [self._result(current, spikes)]
 
     @functools.cached_property
     def decides_on_device(self) -> bool:
@@ -403,8 +411,7 @@ class TrainModule:
         """``step``'s result: the verdict read on the host (one step late where it was staged) and checked
         against the device's, the schedule moved on where the update was applied."""
         if step.verdict is None:
-            decided = torch.cat([step.reduced, step.apply_on_device.double().reshape(1)])
-            values = step.staged.values() if step.staged is not None else decided.tolist()
+            values = step.staged.values() if step.staged is not None else step.decided().tolist()
             applied = values.pop() > 0
             step.verdict = self._verdict(values, step.norm_computed, spikes)
             if step.verdict.apply != applied:

@@ -256,16 +256,16 @@ class Trainer:
         self, results: list[StepResult], report: Reporter, watchdog: Watchdog, window: Window
     ) -> int | str | None:
         """Conclude ``results`` in order (:meth:`conclude`). A stop or a checkpoint asked for by a result read a
-        step late first reads and concludes the step run since (the checkpoint holds it); a rollback forgets it.
-        Returns ROLLED_BACK, the exit code to stop with (the first asked for), or None."""
+        step late first reads and concludes the step run since (the checkpoint holds it: a spike there was
+        skipped, and is answered no further when the run stops); a rollback forgets it. Returns ROLLED_BACK, the
+        exit code to stop with, or None."""
         queue, exit_code, save = list(results), None, False
         while queue:
-            outcome = self.conclude(queue.pop(0), report, watchdog, window)
+            outcome = self.conclude(queue.pop(0), report, watchdog, window, stopping=exit_code is not None)
             if outcome == ROLLED_BACK:
                 self.module.discard()
-                if exit_code is None:
-                    return ROLLED_BACK
-            elif outcome == SAVE:
+                return ROLLED_BACK
+            if outcome == SAVE:
                 save = True
             elif outcome is not None and exit_code is None:
                 exit_code = outcome
@@ -276,10 +276,12 @@ class Trainer:
                 self.save()
         return exit_code
 
-    def conclude(self, result: StepResult, report: Reporter, watchdog: Watchdog, window: Window) -> int | str | None:
+    def conclude(
+        self, result: StepResult, report: Reporter, watchdog: Watchdog, window: Window, stopping: bool = False
+    ) -> int | str | None:
         """What the run does with the result of step ``result.step`` (the run may be a step further: a result
-        read late): count it, log it, answer a spike, validate, stop. Returns ROLLED_BACK, an exit code to stop
-        with, SAVE (a checkpoint is due), or None."""
+        read late): count it, log it, answer a spike (``stopping``: the run stops, a spike is only skipped),
+        validate, stop. Returns ROLLED_BACK, an exit code to stop with, SAVE (a checkpoint is due), or None."""
         cfg, step = self.cfg, result.step
         self.state.tokens += result.tokens
         window.add(result)
@@ -304,7 +306,7 @@ class Trainer:
                 f"step {step}: non-finite loss or gradients, update skipped ({self.state.bad_steps} in a row)"
             )
         if result.rejected or (not result.finite and cfg.train.spikes.enabled):
-            action = self.answer_spike(result, report)
+            action = self.answer_spike(result, report, stopping)
             if action == spikes.STOP:
                 return EXIT_DIVERGED
             if action == spikes.ROLLBACK:
@@ -368,10 +370,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- loss spikes
 
-    def answer_spike(self, result: StepResult, report: Reporter) -> str:
+    def answer_spike(self, result: StepResult, report: Reporter, stopping: bool = False) -> str:
         """Log the spike of ``result`` and take the ladder's answer: skip (done: the update was not applied),
-        roll back (done here), or stop."""
+        roll back (done here), or stop; only skip when the run is ``stopping`` already."""
         event = self.spikes.respond(result.step, result.loss, result.grad_norm)
+        if stopping:
+            event.action = spikes.SKIP
         record = event.record(self.spikes.rollbacks)
         if event.action == spikes.ROLLBACK:
             self.module.checkpointer.wait()  # (the checkpoint to roll back to may be the one being written)

@@ -61,3 +61,23 @@ def test_non_finite_steps_read_late_stop_a_step_later_with_a_checkpoint(tiny_dat
     assert "stopping: 3 consecutive non-finite steps" not in result.stdout
     assert "stopping: 2 consecutive non-finite steps" in result.stdout
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_000003"
+
+
+def test_a_rollback_decided_a_step_late_rolls_back_as_at_once(tiny_data, tmp_path):
+    """The ladder rolls back over the same rows, from the same checkpoint, at the same step, and stops at the
+    same spike when its results come a step late (the step run since then is in the run, its spike skipped)."""
+    ladder = SPIKES | {"train.spikes.rollback_after": 2, "train.spikes.within": 3, "train.spikes.max_rollbacks": 1}
+    ladder |= {"train.spikes.margin_steps": 1, "checkpoint.every": 4, "train.eval_every": 0}
+    ladder |= {"train.spikes.window": 6, "train.spikes.warmup": 6}  # (no spike before the first checkpoint)
+    records = {}
+    for log_every in (1, 5):
+        run_dir = tmp_path / f"log_every_{log_every}"
+        changes = ladder | {"train.log_every": log_every}
+        train(tiny_run(tiny_data, run_dir, steps=30, changes=changes), expect=None)
+        fields = ("step", "event", "spike_loss", "checkpoint", "skipped_rows", "spike_began")
+        records[log_every] = [tuple(r.get(f) for f in fields) for r in metrics(run_dir) if "event" in r]
+    assert [event for _, event, *_ in records[1]].count("rollback") == 1, records[1]
+    assert records[1][-1][1] == "stop", records[1]
+    assert records[5][: len(records[1])] == records[1]
+    after_the_stop = [(step, event) for step, event, *_ in records[5][len(records[1]) :]]
+    assert after_the_stop in ([], [(records[1][-1][0] + 1, "skip")])
