@@ -1,7 +1,9 @@
 """The training loop: steps, logging, validation, checkpoints, preemption; generic over the train module.
 
 What one optimizer step does on DeepSpeed (micro batches, loss normalisation, skipped updates) lives in
-``engine.TrainModule``; this loop only sees ``step(batches) -> StepResult``.
+``engine.TrainModule``; this loop only sees ``advance(batches) -> [StepResult]``: the results read in a step,
+which for a step that logs, validates or checkpoints is its own, and for the others arrives during the next step
+(the device decides their updates; docs/gpu.md, "Host syncs"). Each result is concluded in order.
 """
 
 from __future__ import annotations
