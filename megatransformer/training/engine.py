@@ -3,7 +3,8 @@ checkpoints (through ``checkpointer.py``).
 
 Everything that knows DeepSpeed lives here and in ``checkpointer.py`` (its config, the tensor-parallel plan in
 its form, the loss normalisation it needs, skipped updates, gradient norms, tensor-parallel corrections); the
-loop in ``loop.py`` only sees :class:`TrainModule`: ``step``, ``evaluate``, ``save`` and ``load``.
+loop in ``loop.py`` only sees :class:`TrainModule`: ``advance`` (``settle``, ``discard``), ``evaluate``, ``save``
+and ``load``.
 
 A step waits for the device at most once, after its update is queued, and a step whose result is left to read
 (the loop's steps that log nothing) not at all: the verdict on the update (non-finite loss or gradients, a

@@ -282,8 +282,9 @@ class Trainer:
         self, result: StepResult, report: Reporter, watchdog: Watchdog, window: Window, stopping: bool = False
     ) -> int | str | None:
         """What the run does with the result of step ``result.step`` (the run may be a step further: a result
-        read late): count it, log it, answer a spike (``stopping``: the run stops, a spike is only skipped),
-        validate, stop. Returns ROLLED_BACK, an exit code to stop with, SAVE (a checkpoint is due), or None."""
+        read late): count it, log it, answer a spike, validate, stop (``stopping``: the run stops already; the
+        step is counted and logged, a spike only skipped). Returns ROLLED_BACK, an exit code to stop with, SAVE (a
+        checkpoint is due), or None."""
         cfg, step = self.cfg, result.step
         self.state.tokens += result.tokens
         window.add(result)
@@ -313,6 +314,8 @@ class Trainer:
                 return EXIT_DIVERGED
             if action == spikes.ROLLBACK:
                 return ROLLED_BACK
+        if stopping:
+            return None
         last = step == cfg.train.max_steps
         downstream = self.downstream is not None and (last or self.downstream.due(step))
         if downstream or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
