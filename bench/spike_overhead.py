@@ -1,5 +1,5 @@
 """What spike detection (loss and gradient norm) and the hang watchdog cost per step: one ``TrainModule``
-stepped side by side plain (``reject`` unset, no watchdog) and guarded (the default ladder's ``rejects``, the
+stepped side by side plain (``spikes`` unset, no watchdog) and guarded (the default ladder, the
 watchdog armed and disarmed around the step), in alternating rounds; plus the host time of the two alone per
 step. ``--zero`` picks the engine's ZeRO stages (one rank): without ZeRO the step judges before DeepSpeed's
 step, with it inside, once ZeRO has computed the gradient norm.
@@ -62,7 +62,7 @@ def main() -> int:
 
         def guarded():
             watchdog.arm()
-            result = module.step(batches, reject=ladder.rejects)
+            result = module.step(batches, spikes=ladder)
             watchdog.disarm(0.1)
             refused.append(result.rejected)
             return result

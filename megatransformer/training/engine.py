@@ -3,13 +3,18 @@ checkpoints (through ``checkpointer.py``).
 
 Everything that knows DeepSpeed lives here and in ``checkpointer.py`` (its config, the tensor-parallel plan in
 its form, the loss normalisation it needs, skipped updates, gradient norms, tensor-parallel corrections); the
-loop in ``loop.py`` only sees :class:`TrainModule`: ``step``, ``evaluate``, ``save`` and ``load``.
+loop in ``loop.py`` only sees :class:`TrainModule`: ``advance`` (``settle``, ``discard``), ``evaluate``, ``save``
+and ``load``.
 
-One step waits for the device once (:meth:`TrainModule.step` reads one small vector of step statistics,
-the gradient norm among them, before the update: before DeepSpeed's step without ZeRO, inside it, once ZeRO
-has computed the norm, with ZeRO). The rest is decided on the host before the batches move: label and token
-counts are counted from the loader's CPU tensors, attention metadata is built once per batch
-(:func:`masks.batch_masks`), and the loss normaliser is all-reduced on the device and used there.
+A step waits for the device at most once, after its update is queued, and a step whose result is left to read
+(the loop's steps that log nothing) not at all: the verdict on the update (non-finite loss or gradients, a
+spike) is taken on the device from the step's all-reduced statistics and PyTorch's fused AdamW skips by it in
+its kernel; the statistics are copied to the host behind the update and read during the next step, once its
+forward and backward passes are queued (:meth:`TrainModule.advance`). Where the optimizer cannot skip on the
+device (fp16's loss scaler, Muon, DeepSpeed's CPU Adam) they are read before the update: before DeepSpeed's
+step without ZeRO, inside it, once ZeRO has computed the norm, with ZeRO. The rest is decided on the host before
+the batches move: label and token counts are counted from the loader's CPU tensors, attention metadata is built
+once per batch (:func:`masks.batch_masks`), and the loss normaliser is all-reduced on the device and used there.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from megatransformer.training.muon import MuonWithAdamW, muon_param_groups
 from megatransformer.training.optim import make_scheduler, param_groups
 from megatransformer.training.resume import ResumePlan
 from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
+from megatransformer.training.spikes import SpikeLadder
+from megatransformer.training.staged import StagedCopy, StagedValue
 from megatransformer.training.tiled_mlp import apply_tiled_mlp
 from megatransformer.training.tp_input_check import check_batch_without_masks
 
@@ -139,10 +146,11 @@ class StepResult:
     finite: bool  # the loss and gradients were finite (else the update was skipped)
     stop: bool  # a rank was asked to stop (preemption)
     lr: float  # the learning rate this step's update used
-    rejected: bool = False  # the step was finite, but ``reject`` refused it: the update was skipped
+    rejected: bool = False  # the step was finite, but ``spikes`` refused it: the update was skipped
     grad_norm: float | None = None  # global gradient norm before clipping (NaN: non-finite; None: not computed)
     z_loss: float | None = None  # mean z-loss term per loss token, beside ``loss`` (None: train.z_loss is 0)
     save_due: bool = False  # a rank asked for a checkpoint after this step (checkpoint.every_minutes)
+    step: int = 0  # the step's number in the run (``TrainModule.advance``'s ``index``)
 
 
 @dataclass
@@ -161,6 +169,32 @@ class Verdict:
     @property
     def apply(self) -> bool:
         return self.finite and not self.rejected
+
+
+@dataclass
+class Judged:
+    """A step's reduced statistics (``TrainModule._reduce``) and the verdict on its update: read on the host
+    before the update (``verdict``), or taken on the device (``apply_on_device``) and read after it, at once or
+    a step later (``staged``)."""
+
+    reduced: torch.Tensor
+    norm_computed: bool
+    apply_on_device: torch.Tensor | None = None
+    verdict: Verdict | None = None
+    index: int = 0
+    tokens: int = 0
+    lr: float = 0.0
+    zero_skipped: bool = False  # ZeRO skipped the update on its own (non-finite gradients)
+    staged: StagedValue | None = None
+
+    def decided(self) -> torch.Tensor:
+        """The reduced statistics and, last, the device's verdict (1: applied), as one vector to read."""
+        return torch.cat([self.reduced, self.apply_on_device.double().reshape(1)])
+
+    @property
+    def answer(self) -> bool | torch.Tensor:
+        """What ``gated_update`` asks: whether to apply the update, known on the host or on the device."""
+        return self.verdict.apply if self.verdict is not None else self.apply_on_device
 
 
 class TrainModule:
@@ -244,6 +278,8 @@ class TrainModule:
         # flash-attn's varlen metadata is built only where a varlen kernel may run
         self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in VARLEN_BACKENDS
         activate_for(cfg.model.attention_backend, self.device.type)  # flash-attn 4 / 3, before compiling
+        self._unread: Judged | None = None  # the step whose result is read during the next (advance)
+        self._staged = StagedCopy()
 
     # ------------------------------------------------------------------------------------ one step
 
@@ -251,12 +287,12 @@ class TrainModule:
         self,
         batches: Iterator[Mapping[str, torch.Tensor]],
         stop_requested: Callable[[], bool] = lambda: False,
-        reject: Callable[[float, float | None], bool] | None = None,
+        spikes: SpikeLadder | None = None,
         save_due: Callable[[], bool] = lambda: False,
     ) -> StepResult:
-        """Forward/backward every micro batch of one optimizer step, then step (or skip a bad step).
-        ``reject(loss, grad_norm)`` (the global batch's loss and the global gradient norm before clipping, the
-        same numbers on every rank) may refuse a finite step's update (a loss or gradient-norm spike).
+        """Forward/backward every micro batch of one optimizer step, then step (or skip a bad step); its result
+        read at once. ``spikes`` (judging the global batch's loss and the global gradient norm before clipping,
+        the same numbers on every rank) may refuse a finite step's update (a loss or gradient-norm spike).
 
         The loss is the mean over every loss token of the global batch (all micro batches, all data-parallel
         ranks), not a mean of per-batch means, so padding and variable loss counts (masked-LM) weigh right.
@@ -265,6 +301,22 @@ class TrainModule:
         ``stop_requested()`` is asked at the step's end: a stop asked for during the step ends the run after it;
         ``save_due()`` too, and a True on any rank sets ``save_due`` of the result on every rank.
         """
+        return self.advance(batches, stop_requested, spikes, save_due)[-1]
+
+    def advance(
+        self,
+        batches: Iterator[Mapping[str, torch.Tensor]],
+        stop_requested: Callable[[], bool] = lambda: False,
+        spikes: SpikeLadder | None = None,
+        save_due: Callable[[], bool] = lambda: False,
+        index: int = 0,
+        read: bool = True,
+    ) -> list[StepResult]:
+        """One step as :meth:`step` (``index``: its number in the run, its result's ``step``), returning the
+        results read in it, oldest first: the previous step's, if it was left to read, then this one's. Where
+        :attr:`decides_on_device` and ``read`` is False, this step's result is left to read: its statistics are
+        read during the next call (after that step's forward and backward passes are queued) or by
+        :meth:`settle`; until then the schedule and ``spikes`` have not seen it."""
         accum, engine = self.sizes.accum, self.engine
         host = [next(batches) for _ in range(accum)]
         tokens = sum(positions(b) for b in host) * self.dp_size  # every rank's batches have one shape
@@ -284,7 +336,6 @@ class TrainModule:
         if self.cfg.train.z_loss:
             objective["z_loss"] = self.cfg.train.z_loss
         bad = torch.zeros((), dtype=torch.float64, device=self.device)
-        lr = engine.get_lr()[0]  # (the schedule moves on in step())
         for i, (whole, local) in enumerate(parts):
             inputs, labels, masks = self.to_device(local, whole)
             with self.matmuls():
@@ -297,71 +348,134 @@ class TrainModule:
                 engine.backward(loss * scale)
             if i < accum - 1:
                 engine.step()  # (not a boundary: DeepSpeed only counts the micro step)
-        # the boundary: one reduction of the step's statistics, the one wait for the device in the step, once
-        # the gradient norm is known: here without ZeRO, inside DeepSpeed's step (before the update) with it
+        # the previous step's result, its statistics long computed by now: the schedule and the spike
+        # thresholds this step's update uses know it
+        results = self.settle(spikes)
+        lr = engine.get_lr()[0]
+        # the boundary: one reduction of the step's statistics, once the gradient norm is known: here without
+        # ZeRO, inside DeepSpeed's step (before the update) with it; the verdict on the update taken on the device
+        # (:meth:`_device_verdict`) or, where the optimizer cannot skip on the device, read on the host
         flags = [float(stop_requested()), float(save_due()), flops]
         stats = torch.cat([torch.stack([loss_sum, bad, z_sum]), self._on_device(flags)])
-        verdicts: list[Verdict] = []
+        limits = spikes.limits() if spikes is not None else (math.inf, math.inf)
+        judged: list[Judged] = []
 
-        def judge(norm: torch.Tensor | None) -> bool:
-            verdicts.append(self._judge(stats, global_targets, norm, reject))
-            return verdicts[0].apply
+        def judge(norm: torch.Tensor | None, on_device: bool = self.decides_on_device) -> bool | torch.Tensor:
+            entry = Judged(self._reduce(stats, global_targets, norm), norm is not None)
+            if on_device:
+                entry.apply_on_device = self._device_verdict(entry.reduced, entry.norm_computed, limits)
+            else:
+                entry.verdict = self._verdict(entry.reduced.tolist(), entry.norm_computed, spikes)
+            judged.append(entry)
+            return entry.answer
 
         if self.zero_stage == 0:
             judge(unclipped_grad_norm(engine.module, self.tp) / getattr(engine.optimizer, "loss_scale", 1.0))
         skipped_before = engine.skipped_steps
-        with gated_update(engine, lambda: verdicts[0].apply if verdicts else judge(zero_grad_norm(engine))):
+        with gated_update(engine, lambda: judged[0].answer if judged else judge(zero_grad_norm(engine))):
             engine.step()
-        if not verdicts:  # ZeRO skipped the update before asking: non-finite gradients (fp16: the loss scale)
-            judge(None)
-            verdicts[0].grad_norm = math.nan
-        verdict = verdicts[0]
-        finite = verdict.finite
+        if not judged:  # ZeRO skipped the update before asking: non-finite gradients (fp16: the loss scale)
+            judge(None, on_device=False)
+            judged[0].verdict.grad_norm = math.nan
+        current = judged[0]
+        current.index, current.tokens, current.lr = index, tokens, lr
         # ZeRO skips a step with non-finite gradients on its own (and counts it); with fp16 that is the loss
         # scaler finding its scale, which is routine, not divergence
-        if self.cfg.precision != "fp16":
-            finite = finite and engine.skipped_steps == skipped_before
+        current.zero_skipped = self.cfg.precision != "fp16" and engine.skipped_steps != skipped_before
+        if current.apply_on_device is not None and not read:
+            current.staged = self._staged.stage(current.decided())
+            self._unread = current
+            return results
+        return results + [self._result(current, spikes)]
+
+    @functools.cached_property
+    def decides_on_device(self) -> bool:
+        """Whether the verdict on an update is taken on the device, the optimizer stepping either way and
+        skipping by the verdict (PyTorch's fused Adam/AdamW: the ``found_inf`` of its kernel, which leaves weights,
+        moments and step count unchanged): the host then reads it when it likes. Otherwise the host reads the
+        step's statistics before the update (fp16, whose loss scaler reads them anyway; Muon; DeepSpeed's CPU Adam)."""
+        inner = checkpointer.innermost_optimizer(self.engine)
+        fused = type(inner) in (torch.optim.Adam, torch.optim.AdamW) and all(g.get("fused") for g in inner.param_groups)
+        return fused and self.cfg.precision != "fp16"
+
+    def settle(self, spikes: SpikeLadder | None = None) -> list[StepResult]:
+        """The result of the step left to read, if any (read now: a wait for the device), as a list; the
+        schedule moves on and ``spikes`` judges it."""
+        step, self._unread = self._unread, None
+        return [] if step is None else [self._result(step, spikes)]
+
+    def discard(self) -> None:
+        """Forget the step left to read (the run goes back to a checkpoint, which restores what it changed)."""
+        self._unread = None
+
+    def _result(self, step: Judged, spikes: SpikeLadder | None) -> StepResult:
+        """``step``'s result: the verdict read on the host (one step late where it was staged) and checked
+        against the device's, the schedule moved on where the update was applied."""
+        if step.verdict is None:
+            values = step.staged.values() if step.staged is not None else step.decided().tolist()
+            applied = values.pop() > 0
+            step.verdict = self._verdict(values, step.norm_computed, spikes)
+            if step.verdict.apply != applied:
+                raise RuntimeError(
+                    f"step {step.index}: the device's verdict on the update ({'applied' if applied else 'skipped'}) "
+                    "differs from the host's on the same statistics"
+                )
+            if applied:
+                self.engine.lr_scheduler.step()  # (held back in the step: gated_update)
+        verdict = step.verdict
+        finite = verdict.finite and not step.zero_skipped
         # (loss sums and counts are both counted once per tensor-parallel peer)
         return StepResult(
             verdict.loss,
-            tokens,
+            step.tokens,
             verdict.model_flops / self.tp,
             finite,
             verdict.stop,
-            lr,
+            step.lr,
             verdict.rejected,
             verdict.grad_norm,
             verdict.z_loss,
             verdict.save_due,
+            step.index,
         )
 
-    def _judge(
-        self,
-        stats: torch.Tensor,
-        global_targets: torch.Tensor,
-        norm: torch.Tensor | None,
-        reject: Callable[[float, float | None], bool] | None,
-    ) -> Verdict:
-        """All-reduce this rank's ``stats`` (loss sum, non-finite losses, z-loss sum, stop and save flags, model
-        FLOPs) with the gradient norm ``norm`` (a device scalar, rank 0's: every rank holds the same; None: none
-        computed) and read them in one transfer; then the verdict on the update, the same on every rank."""
+    def _reduce(self, stats: torch.Tensor, global_targets: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """This rank's ``stats`` (loss sum, non-finite losses, z-loss sum, stop and save flags, model FLOPs) and
+        the gradient norm ``norm`` (a device scalar, rank 0's: every rank holds the same; None: none computed),
+        all-reduced, with the global count of loss tokens after them: one vector, the same on every rank."""
         slot = torch.zeros(1, dtype=torch.float64, device=self.device)
         if norm is not None and dist.get_rank() == 0:
             # (DeepSpeed's norms report a non-finite norm as -1)
             slot = torch.where(norm >= 0, norm.double(), math.nan).reshape(1).to(self.device)
         stats = torch.cat([stats, slot])
         dist.all_reduce(stats)
-        loss_total, n_bad, z_total, stop, save, flops_total, grad_norm, targets_total = torch.cat(
-            [stats, global_targets]
-        ).tolist()
+        return torch.cat([stats, global_targets])
+
+    def _device_verdict(self, reduced: torch.Tensor, norm_computed: bool, limits: tuple[float, float]) -> torch.Tensor:
+        """Whether to apply the update, a device bool from the reduced statistics (:meth:`_reduce`) and the
+        spike limits of the loss and the gradient norm (:meth:`SpikeLadder.limits`): the host's
+        :meth:`_verdict` on the same numbers, in the same float64 arithmetic."""
+        loss_total, n_bad, z_total, _, _, _, grad_norm, targets = reduced.unbind()
+        loss = (loss_total - z_total) / targets.clamp(min=1.0)
+        finite = n_bad == 0
+        spiked = loss > limits[0]
+        if norm_computed:
+            finite = finite & grad_norm.isfinite()
+            spiked = spiked | (grad_norm > limits[1])
+        return finite & ~spiked
+
+    def _verdict(self, values: list[float], norm_computed: bool, spikes: SpikeLadder | None) -> Verdict:
+        """The verdict on the update from the reduced statistics (:meth:`_reduce`) read on the host; ``spikes``
+        judges a finite step (and learns from one it accepts)."""
+        loss_total, n_bad, z_total, stop, save, flops_total, grad_norm, targets_total = values
         # the cross-entropy and the z-loss apart (the loss optimised is their sum)
         loss = (loss_total - z_total) / max(targets_total, 1.0)
         z_loss = z_total / max(targets_total, 1.0) if self.cfg.train.z_loss else None
-        grad_norm = None if norm is None else grad_norm
+        grad_norm = grad_norm if norm_computed else None
         norm_finite = grad_norm is None or math.isfinite(grad_norm)
         # (fp16: non-finite gradients are the loss scaler's to skip)
         finite = n_bad == 0 and (norm_finite or self.cfg.precision == "fp16")
-        rejected = finite and reject is not None and reject(loss, grad_norm if norm_finite else None)
+        rejected = finite and spikes is not None and spikes.rejects(loss, grad_norm if norm_finite else None)
         return Verdict(loss, grad_norm, finite, rejected, stop > 0, flops_total, z_loss, save > 0)
 
     # ---------------------------------------------------------------------------------- checkpoints
@@ -369,6 +483,8 @@ class TrainModule:
     def save(self, state: TrainerState, loader_state: dict, keep: tuple[str, ...] = ()) -> Path:
         """Start checkpointing step ``state.step`` (every rank calls it; the files are written in the
         background); ``keep``: checkpoints rotation must spare."""
+        if self._unread is not None:
+            raise RuntimeError(f"step {self._unread.index}'s result is still to be read: settle() before saving")
         return self.checkpointer.save(state, loader_state, keep)
 
     def load(self, plan: ResumePlan) -> tuple[TrainerState, dict | list[dict]]:
@@ -509,20 +625,32 @@ def eval_schedule(n_batches: int, dp_size: int, dp_rank: int) -> list[int | None
 
 
 @contextmanager
-def gated_update(engine, apply: Callable[[], bool]):
+def gated_update(engine, apply: Callable[[], bool | torch.Tensor]):
     """The optimizer step inside this block asks ``apply()``, once, when the innermost optimizer is about to
     update (DeepSpeed's ZeRO has computed the gradient norm and clipped by then), whether to change anything.
     When not, weights, Adam moments, the optimizer's step count and the learning-rate schedule stay as they
     were (DeepSpeed still zeroes the gradients), which is what DeepSpeed's ZeRO optimizers do on their own for
     non-finite gradients (they return before the update, and ``apply`` is not asked).
+
+    An answer on the device (a bool tensor) is not read: the optimizer steps with it as ``found_inf`` (PyTorch's
+    fused Adam skips by it in its kernel), and the schedule is held back, for the reader of the verdict to move
+    on (:meth:`TrainModule.settle`).
     """
-    answer: list[bool] = []  # apply()'s, once asked
+    answer: list[bool | torch.Tensor] = []  # apply()'s, once asked
 
     def gate(step: Callable, asks: bool) -> Callable:
         @functools.wraps(step)  # (with the mark torch's LR scheduler leaves on the optimizer's step)
         def gated(*args, **kwargs):
             if asks and not answer:
                 answer.append(apply())
+            if answer and isinstance(answer[0], torch.Tensor):
+                if not asks:  # (the schedule: moved on by the verdict's reader)
+                    return None
+                inner.found_inf = (~answer[0]).float()
+                try:
+                    return step(*args, **kwargs)
+                finally:
+                    del inner.found_inf
             if answer and not answer[0]:
                 return None
             return step(*args, **kwargs)

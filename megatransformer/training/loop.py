@@ -1,7 +1,9 @@
 """The training loop: steps, logging, validation, checkpoints, preemption; generic over the train module.
 
 What one optimizer step does on DeepSpeed (micro batches, loss normalisation, skipped updates) lives in
-``engine.TrainModule``; this loop only sees ``step(batches) -> StepResult``.
+``engine.TrainModule``; this loop only sees ``advance(batches) -> [StepResult]``: the results read in a step,
+which for a step that logs, validates or checkpoints is its own, and for the others arrives during the next step
+(the device decides their updates; docs/gpu.md, "Host syncs"). Each result is concluded in order.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from megatransformer.training.collector import GarbageCollection
 from megatransformer.training.compiled import CompileWatch, describe_compile
 from megatransformer.training.data import build_run_loader, small_validation_warning
 from megatransformer.training.distributed import Dist
-from megatransformer.training.engine import TrainModule
+from megatransformer.training.engine import StepResult, TrainModule
 from megatransformer.training.layout import describe_layout, zero_stage_notes
 from megatransformer.training.metrics import Reporter, finite_or_none, peak_tflops
 from megatransformer.training.optim import branch_decay, warmup_warning
@@ -34,6 +36,27 @@ from megatransformer.training.watchdog import Watchdog
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM/SIGINT: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: stopped at once, no checkpoint (as a shell reports it)
+ROLLED_BACK, SAVE = "rolled back", "save"  # what a step's result asks of the loop besides going on or stopping
+
+
+class Window:
+    """The steps since the last training record: their tokens and model FLOPs, and the time they took."""
+
+    def __init__(self, peak_flops: float | None) -> None:
+        self.peak_flops = peak_flops
+        self.start, self.tokens, self.flops = time.perf_counter(), 0, 0.0
+
+    def add(self, result: StepResult) -> None:
+        self.tokens += result.tokens
+        self.flops += result.model_flops
+
+    def take(self) -> dict[str, float | None]:
+        """Throughput and MFU over the window (None without a peak), and a new window from now."""
+        seconds = time.perf_counter() - self.start
+        mfu = self.flops / seconds / self.peak_flops if self.peak_flops else None
+        figures = {"tokens_per_s": self.tokens / seconds, "mfu": mfu}
+        self.start, self.tokens, self.flops = time.perf_counter(), 0, 0.0
+        return figures
 
 
 class Preemption:
@@ -180,78 +203,30 @@ class Trainer:
         collector = GarbageCollection(cfg.train.gc_every)
         compile_watch = CompileWatch() if self.module.compiled else None
         self.last_save = time.monotonic()
-        exit_code, window_start, window_tokens, window_flops, step_seconds = 0, time.perf_counter(), 0, 0.0, 0.0
+        window = Window(peak_flops)
+        exit_code = 0
         while self.state.step < cfg.train.max_steps:
             started = time.perf_counter()
             watchdog.arm()
-            result = self.module.step(batches, lambda: self.preemption.requested, self.spikes.rejects, self.save_due)
+            step = self.state.step + 1
+            results = self.module.advance(
+                batches, lambda: self.preemption.requested, self.spikes, self.save_due, step, self.reads_at(step)
+            )
             step_seconds = time.perf_counter() - started
             watchdog.disarm(step_seconds)
-            self.state.step += 1
-            collector.step(self.state.step)
+            self.state.step = step
+            collector.step(step)
             if compile_watch is not None and (line := compile_watch.after_step()) is not None:
                 report.message(line)
-            self.state.tokens += result.tokens
-            window_tokens += result.tokens
-            window_flops += result.model_flops
-            self.state.bad_steps = 0 if result.finite else self.state.bad_steps + 1
-            report.progress(self.state.step, result.loss, result.tokens / step_seconds, step_seconds)
+            report.progress(step)
             self.report_saves(report)
-            if self.state.step % cfg.train.log_every == 0 or self.state.step == cfg.train.max_steps:
-                seconds = time.perf_counter() - window_start
-                tokens_per_s = window_tokens / seconds
-                report.log(
-                    {
-                        "step": self.state.step,
-                        "loss": finite_or_none(result.loss),
-                        **({"z_loss": finite_or_none(result.z_loss)} if cfg.train.z_loss else {}),
-                        "lr": result.lr,
-                        "grad_norm": finite_or_none(result.grad_norm),
-                        "tokens": self.state.tokens,
-                        "tokens_per_s": tokens_per_s,
-                        "mfu": window_flops / seconds / peak_flops if peak_flops else None,
-                        "bad_steps": self.state.bad_steps,
-                        "skipped_shards": len(self.train_loader.skipped_shards),
-                        **device_memory(self.dist.device),
-                    }
-                )
-                window_start, window_tokens, window_flops = time.perf_counter(), 0, 0.0
-            if not result.finite:
-                report.message(
-                    f"step {self.state.step}: non-finite loss or gradients, update skipped "
-                    f"({self.state.bad_steps} in a row)"
-                )
-            if result.rejected or (not result.finite and cfg.train.spikes.enabled):
-                action = self.answer_spike(result.loss, result.grad_norm, report)
-                if action == spikes.STOP:
-                    exit_code = EXIT_DIVERGED
-                    break
-                if action == spikes.ROLLBACK:
-                    batches.close()
-                    batches = iter(self.train_loader)
-                    continue
-            last = self.state.step == cfg.train.max_steps
-            downstream = self.downstream is not None and (last or self.downstream.due(self.state.step))
-            if downstream or (cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0):
-                with watchdog.watching("validation"):  # (the tasks' numbers always beside a validation loss)
-                    report.log({"step": self.state.step, **self.evaluations(downstream)})
-            if self.state.bad_steps >= cfg.train.max_bad_steps:
-                report.message(
-                    f"stopping: {self.state.bad_steps} consecutive non-finite steps "
-                    f"(train.max_bad_steps); lower optim.lr or check the data"
-                )
-                exit_code = EXIT_DIVERGED
+            outcome = self.conclude_all(results, report, watchdog, window)
+            if outcome == ROLLED_BACK:
+                batches.close()
+                batches = iter(self.train_loader)
+            elif outcome is not None:
+                exit_code = outcome
                 break
-            if result.stop:
-                report.message(
-                    f"{self.preemption.reason()} at step {self.state.step}: checkpointing, exit {EXIT_PREEMPTED}"
-                )
-                exit_code = EXIT_PREEMPTED
-                break
-            due = self.state.step % cfg.checkpoint.every == 0 or result.save_due
-            if due and self.state.step < cfg.train.max_steps:
-                with watchdog.watching("a checkpoint"):
-                    self.save()
         validated_last = self.downstream is not None or (
             cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
         )
@@ -266,6 +241,100 @@ class Trainer:
         collector.close()
         report.close()
         return exit_code
+
+    def reads_at(self, step: int) -> bool:
+        """Whether step ``step``'s result is read in the step (a step that logs, validates or checkpoints, and
+        the last); the others' results are read during the next step (``TrainModule.advance``)."""
+        cfg = self.cfg
+        return (
+            step % cfg.train.log_every == 0
+            or step == cfg.train.max_steps
+            or step % cfg.checkpoint.every == 0
+            or bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
+            or (self.downstream is not None and self.downstream.due(step))
+        )
+
+    def conclude_all(
+        self, results: list[StepResult], report: Reporter, watchdog: Watchdog, window: Window
+    ) -> int | str | None:
+        """Conclude ``results`` in order (:meth:`conclude`). A stop or a checkpoint asked for by a result read a
+        step late first reads and concludes the step run since (the checkpoint holds it: a spike there was
+        skipped, and is answered no further when the run stops); a rollback forgets it. Returns ROLLED_BACK, the
+        exit code to stop with, or None."""
+        queue, exit_code, save = list(results), None, False
+        while queue:
+            outcome = self.conclude(queue.pop(0), report, watchdog, window, stopping=exit_code is not None)
+            if outcome == ROLLED_BACK:
+                self.module.discard()
+                return ROLLED_BACK
+            if outcome == SAVE:
+                save = True
+            elif outcome is not None and exit_code is None:
+                exit_code = outcome
+            if not queue and (save or exit_code is not None):
+                queue = self.module.settle(self.spikes)
+        if save and exit_code is None:
+            with watchdog.watching("a checkpoint"):
+                self.save()
+        return exit_code
+
+    def conclude(
+        self, result: StepResult, report: Reporter, watchdog: Watchdog, window: Window, stopping: bool = False
+    ) -> int | str | None:
+        """What the run does with the result of step ``result.step`` (the run may be a step further: a result
+        read late): count it, log it, answer a spike, validate, stop (``stopping``: the run stops already; the
+        step is counted and logged, a spike only skipped). Returns ROLLED_BACK, an exit code to stop with, SAVE (a
+        checkpoint is due), or None."""
+        cfg, step = self.cfg, result.step
+        self.state.tokens += result.tokens
+        window.add(result)
+        self.state.bad_steps = 0 if result.finite else self.state.bad_steps + 1
+        if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+            report.log(
+                {
+                    "step": step,
+                    "loss": finite_or_none(result.loss),
+                    **({"z_loss": finite_or_none(result.z_loss)} if cfg.train.z_loss else {}),
+                    "lr": result.lr,
+                    "grad_norm": finite_or_none(result.grad_norm),
+                    "tokens": self.state.tokens,
+                    **window.take(),
+                    "bad_steps": self.state.bad_steps,
+                    "skipped_shards": len(self.train_loader.skipped_shards),
+                    **device_memory(self.dist.device),
+                }
+            )
+        if not result.finite:
+            report.message(
+                f"step {step}: non-finite loss or gradients, update skipped ({self.state.bad_steps} in a row)"
+            )
+        if result.rejected or (not result.finite and cfg.train.spikes.enabled):
+            action = self.answer_spike(result, report, stopping)
+            if action == spikes.STOP:
+                return EXIT_DIVERGED
+            if action == spikes.ROLLBACK:
+                return ROLLED_BACK
+        if stopping:
+            return None
+        last = step == cfg.train.max_steps
+        downstream = self.downstream is not None and (last or self.downstream.due(step))
+        if downstream or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
+            with watchdog.watching("validation"):  # (the tasks' numbers always beside a validation loss)
+                report.log({"step": step, **self.evaluations(downstream)})
+        if self.state.bad_steps >= cfg.train.max_bad_steps:
+            report.message(
+                f"stopping: {self.state.bad_steps} consecutive non-finite steps "
+                f"(train.max_bad_steps); lower optim.lr or check the data"
+            )
+            return EXIT_DIVERGED
+        if result.stop:
+            report.message(
+                f"{self.preemption.reason()} at step {self.state.step}: checkpointing, exit {EXIT_PREEMPTED}"
+            )
+            return EXIT_PREEMPTED
+        if (step % cfg.checkpoint.every == 0 or result.save_due) and self.state.step < cfg.train.max_steps:
+            return SAVE
+        return None
 
     def tracker_config(self, parameters: int) -> dict:
         """The config W&B records: the resolved config, and the run's facts under ``run``."""
@@ -306,10 +375,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- loss spikes
 
-    def answer_spike(self, loss: float, grad_norm: float | None, report: Reporter) -> str:
-        """Log a spike and take the ladder's answer: skip (done: the update was not applied), roll back
-        (done here), or stop."""
-        event = self.spikes.respond(self.state.step, loss, grad_norm)
+    def answer_spike(self, result: StepResult, report: Reporter, stopping: bool = False) -> str:
+        """Log the spike of ``result`` and take the ladder's answer: skip (done: the update was not applied),
+        roll back (done here), or stop; only skip when the run is ``stopping`` already."""
+        event = self.spikes.respond(result.step, result.loss, result.grad_norm)
+        if stopping:
+            event.action = spikes.SKIP
         record = event.record(self.spikes.rollbacks)
         if event.action == spikes.ROLLBACK:
             self.module.checkpointer.wait()  # (the checkpoint to roll back to may be the one being written)
@@ -319,7 +390,7 @@ class Trainer:
         if target is None:
             report.event(record, spikes.describe(event))
         else:
-            rows = self.roll_back(target)
+            rows = self.roll_back(target, self.state.step - result.step)
             report.rewind(self.state.step, self.spikes.rollbacks)
             record.update(checkpoint=target.name, skipped_rows=list(rows))
             report.event(
@@ -342,11 +413,12 @@ class Trainer:
             )
         return event.action
 
-    def roll_back(self, path: Path) -> tuple[int, int]:
-        """Back to checkpoint ``path``; the global rows read since it, and a margin, are skipped from now on
-        (returned as [start, stop))."""
+    def roll_back(self, path: Path, steps_since: int = 0) -> tuple[int, int]:
+        """Back to checkpoint ``path``; the global rows read up to the spike (``steps_since`` steps ago), and a
+        margin, are skipped from now on (returned as [start, stop))."""
         sizes = self.module.sizes
-        stop = (self.train_loader.rows + self.cfg.train.spikes.margin_steps * sizes.micro * sizes.accum) * sizes.dp
+        rows = self.train_loader.rows + (self.cfg.train.spikes.margin_steps - steps_since) * sizes.micro * sizes.accum
+        stop = rows * sizes.dp
         self.restore(path)
         rows = (self.train_loader.rows * sizes.dp, stop)
         self.spikes.rolled_back(rows, self.state.spikes.ladder_state())

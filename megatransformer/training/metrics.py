@@ -240,7 +240,7 @@ class Reporter:
             f"{mfu} | ETA {format_duration((total - step) * pace)}"
         )
 
-    def progress(self, step: int, loss: float, tokens_per_s: float, seconds_per_step: float) -> None:
+    def progress(self, step: int) -> None:
         """Moves the progress bar (on a terminal); the numbers are shown per log interval by :meth:`log`."""
         if self.bar is not None and self.is_main:
             self.bar.n = step

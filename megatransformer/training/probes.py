@@ -5,7 +5,8 @@ waits for all queued work; a step that does so per layer or per micro batch leav
 on a tensor that is not on the run's device fails on NCCL (or silently goes through the host on gloo).
 :class:`HostSyncCounter` counts the first while code runs (the reads our code asks for, on any device);
 :class:`CudaSyncCounter` counts every wait CUDA sees; :class:`CollectiveDevices` records the second.
-The tests and ``bench/gpu_check.py`` wrap :meth:`engine.TrainModule.step` in them.
+The tests and ``bench/gpu_check.py`` wrap :meth:`engine.TrainModule.step` in them, and a step whose result is
+left to read (:meth:`engine.TrainModule.advance`).
 """
 
 from __future__ import annotations
@@ -185,8 +186,15 @@ def probe_step(module, batches, warmup: int = 2) -> dict[str, Any]:
     cuda_syncs = CudaSyncCounter() if module.device.type == "cuda" else None
     with HostSyncCounter() as syncs, CollectiveDevices() as collectives, cuda_syncs or nullcontext():
         result = module.step(batches)
+    # a step whose result is left to read (one that logs nothing), after another: it reads the other's result
+    # from its staged copy, and nothing of its own
+    module.advance(batches, read=False)
+    with HostSyncCounter() as left_to_read:
+        module.advance(batches, read=False)
+    module.settle()
     return {
         "host_syncs": syncs.total,
+        "left_to_read_host_syncs": left_to_read.total,
         "by_op": dict(syncs.counts),
         "collectives": len(collectives.calls),
         "collective_devices": sorted(collectives.devices()),

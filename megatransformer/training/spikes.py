@@ -1,8 +1,10 @@
 """Loss spikes: which steps spike (their loss or their gradient norm), and the ladder of answers (skip the
 update; roll back and skip the data; stop). docs/spikes.md describes the design.
 
-Every rank takes the same decisions: they are made from the step's all-reduced loss and gradient norm, which
-every rank reads anyway in one transfer, so detection adds no wait for the device.
+Every rank takes the same decisions: they are made from the step's all-reduced loss and gradient norm. The
+update's fate is decided on the device against :meth:`SpikeLadder.limits` (the engine's optimizer skips by it),
+and the ladder learns the step's numbers when the host reads them, one step later on a step that logs nothing:
+detection adds no wait for the device.
 """
 
 from __future__ import annotations
@@ -154,6 +156,15 @@ class SpikeLadder:
         ):
             spiked.append(GRAD_NORM)
         return spiked
+
+    def limits(self) -> tuple[float, float]:
+        """The loss and the gradient norm above which a finite step spikes now (infinite: none), the values
+        :meth:`rejects` compares a finite step's with."""
+        if not self.cfg.enabled:
+            return math.inf, math.inf
+        loss = self.detector.threshold()
+        norm = self.grad_norm_detector.threshold() if self.grad_norm_detector is not None else None
+        return (math.inf if loss is None else loss), (math.inf if norm is None else norm)
 
     def rejects(self, loss: float, grad_norm: float | None = None) -> bool:
         """Whether the step with this (all-reduced) loss and gradient norm must not update the model; a step

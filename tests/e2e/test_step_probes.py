@@ -48,6 +48,8 @@ def test_host_syncs_per_step_do_not_grow_with_layers_or_micro_batches(probes):
     for zero in (2, 3):  # ZeRO adds its own overflow / norm checks: a constant few
         small, large = by_case[zero, 1, 1, ""], by_case[zero, 3, 3, ""]
         assert small["host_syncs"] == large["host_syncs"] <= 5, (small, large)
+    for probe in probes:  # a step left to read (one that logs nothing): ZeRO's own checks only, none of ours
+        assert probe["left_to_read_host_syncs"] == probe["host_syncs"] - 1, probe
     packed_prefix = by_case[2, 3, 3, "prefix_lm"]  # per-document prefixes, packed: metadata from the host
     assert packed_prefix["host_syncs"] == by_case[2, 3, 3, ""]["host_syncs"], packed_prefix
 
