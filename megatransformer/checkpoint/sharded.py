@@ -241,18 +241,37 @@ class ShardedState:
         except SafetensorError as err:
             raise CheckpointDamaged(self.path, piece.file, f"unreadable ({str(err)[:200]})") from None
 
+    def _same_split(self, name: str, tp: int, tp_dim: int | None) -> bool:
+        """Whether ``name`` is split into ``tp`` slices along ``tp_dim`` as it was saved (then a slice is read from
+        its own pieces; else the parameter is assembled whole and cut)."""
+        layout = self.params[name]
+        return (layout.tp if layout.tp_dim is not None else 1) == (tp if tp_dim is not None else 1)
+
+    def _overlapping(
+        self, name: str, tp_index: int, tp_dim: int | None, start: int, stop: int
+    ) -> Iterator[tuple[Piece, int, int]]:
+        """(piece, lo, hi): the pieces of ``name``'s slice ``tp_index`` (saved split as asked) that hold elements
+        [lo, hi) of [start, stop)."""
+        for piece in self.params[name].pieces:
+            lo, hi = max(start, piece.start), min(stop, piece.stop)
+            if piece.tp_index == (tp_index if tp_dim is not None else 0) and lo < hi:
+                yield piece, lo, hi
+
+    def files_of(self, name: str, tp_index: int, tp: int, tp_dim: int | None, start: int, stop: int) -> set[str]:
+        """The shard files :meth:`slice_of` reads for these arguments (the files of every kind of state)."""
+        if self._same_split(name, tp, tp_dim):
+            return {piece.file for piece, _, _ in self._overlapping(name, tp_index, tp_dim, start, stop)}
+        return {piece.file for piece in self.params[name].pieces}
+
     def slice_of(self, name: str, kind: str, tp_index: int, tp: int, tp_dim: int | None, start: int, stop: int):
         """Flat elements [start, stop) of tensor-parallel slice ``tp_index`` of ``tp`` (split along ``tp_dim``) of
         state ``kind`` of ``name``. On the layout the pieces were saved in, only the overlapping pieces' elements
         are read; on another, the parameter is assembled once and cut."""
-        layout = self.params[name]
-        if (layout.tp if layout.tp_dim is not None else 1) == (tp if tp_dim is not None else 1):
+        if self._same_split(name, tp, tp_dim):
             out = torch.empty(stop - start, dtype=torch.float32)
-            for piece in layout.pieces:
-                lo, hi = max(start, piece.start), min(stop, piece.stop)
-                if piece.tp_index == (tp_index if tp_dim is not None else 0) and lo < hi:
-                    key = piece_key(kind, name, piece.tp_index, piece.start)
-                    out[lo - start : hi - start] = self._read(piece, key, lo, hi)
+            for piece, lo, hi in self._overlapping(name, tp_index, tp_dim, start, stop):
+                key = piece_key(kind, name, piece.tp_index, piece.start)
+                out[lo - start : hi - start] = self._read(piece, key, lo, hi)
             return out
         full = self.tensor(name, kind)
         if tp_dim is not None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from support.runs import checkpoint, losses, resumable_run, tiny_run, train
+from support.runs import checkpoint, losses, losses_by_step, resumable_run, tiny_run, train
 
 from megatransformer.checkpoint.sharded import ShardedState
 
@@ -73,6 +75,28 @@ def test_two_ranks_resume_on_one_rank_loss_for_loss(zero1_dp2, tiny_data, tmp_pa
     continued = losses(run)
     assert len(continued) == STEPS - SAVED
     assert continued == pytest.approx(losses(zero1_dp2)[SAVED:], abs=1e-5, rel=0)
+
+
+def test_a_shard_only_rank_1_reads_is_refused_on_both_ranks(zero1_dp2, tiny_data, tmp_path):
+    """Bytes flipped in shard_00001 of the last checkpoint, which on the saved layout only rank 1 reads (its ZeRO-1
+    partition) and only rank 1 hashes: both ranks refuse it together. resume=PATH exits 2 naming it; resume=auto
+    goes back to the checkpoint before on both ranks and continues loss for loss."""
+    run = Path(shutil.copytree(zero1_dp2, tmp_path / "run"))
+    last = checkpoint(run, STEPS)
+    data = bytearray((last / "shard_00001.safetensors").read_bytes())
+    data[-64:] = bytes(b ^ 0x5A for b in data[-64:])
+    (last / "shard_00001.safetensors").write_bytes(bytes(data))
+    refused = train(
+        overrides(tiny_data, tmp_path / "other", f"resume={last}", "parallel.zero_stage=1"), nproc=2, expect=None
+    )
+    # (torchrun exits 1 when a rank fails; the ranks exit 2, as a bad config's error, not stalled in a collective)
+    assert refused.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", refused.stderr), refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("megatransformer train: error:")]
+    assert errors and all("shard_00001.safetensors: changed since the save" in line for line in errors), errors
+    resumed = train(overrides(tiny_data, run, "resume=auto", "parallel.zero_stage=1"), nproc=2)
+    assert f"resumed from {checkpoint(run, SAVED)} at step {SAVED}" in resumed.stdout
+    assert "shard_00001.safetensors: changed since the save" in resumed.stderr
+    assert losses_by_step(run) == losses_by_step(zero1_dp2)
 
 
 def test_zero1_resumes_as_zero3_and_zero0(zero1_dp2, tiny_data, tmp_path):
