@@ -109,6 +109,20 @@ def test_zero1_resumes_as_zero3_and_zero0(zero1_dp2, tiny_data, tmp_path):
         assert losses(run) == pytest.approx(losses(zero1_dp2)[SAVED:], rel=1e-5), f"ZeRO-{stage}"
 
 
+def test_four_ranks_resume_on_two_and_two_on_four(zero1_dp2, tiny_data, tmp_path):
+    """dp4 ZeRO-2 (micro 2) resumed as dp2 ZeRO-1 (micro 4), and the reference dp2 ZeRO-1 resumed as dp4 ZeRO-2:
+    each continues loss for loss, every rank reading only the slices it holds of the other layout's shards."""
+    four, two, back = tmp_path / "dp4", tmp_path / "dp2", tmp_path / "back"
+    train(overrides(tiny_data, four, "parallel.zero_stage=2", "train.micro_batch_size=2"), nproc=4)
+    assert len(list(checkpoint(four, SAVED).glob("shard_*"))) == 4
+    result = resume(tiny_data, four, two, 2, "parallel.zero_stage=1")
+    assert "written by 4 ranks (dp4, tp1, zero2) on 2 ranks (dp2, tp1, zero1)" in result.stdout
+    assert losses(two) == pytest.approx(losses(four)[SAVED:], abs=1e-5, rel=0)
+    result = resume(tiny_data, zero1_dp2, back, 4, "parallel.zero_stage=2", "train.micro_batch_size=2")
+    assert "written by 2 ranks (dp2, tp1, zero1) on 4 ranks (dp4, tp1, zero2)" in result.stdout
+    assert losses(back) == pytest.approx(losses(zero1_dp2)[SAVED:], abs=1e-5, rel=0)
+
+
 def test_tensor_parallel_two_resumes_on_one_rank(tiny_data, tmp_path):
     """TP2 -> TP1: the tensor-parallel shards of the masters and moments are whole in the checkpoint and
     split again (here: not at all) for the new layout; within the TP parity test's tolerance."""
