@@ -497,9 +497,10 @@ class Checkpointer:
             return fragment.tp_index, self.tp, layouts[fragment.name][1], fragment.start, fragment.stop
 
         reads = {ckpt.rank_file(r) for r in ranks}
-        for fragment in local_fragments(self.engine, self.tp, self.tp_rank):
+        held = local_fragments(self.engine, self.tp, self.tp_rank)
+        for fragment in held:
             reads |= state.files_of(fragment.name, *where(fragment))
-        verify_everywhere(path, reads)
+        verify_everywhere(path, reads)  # (before the engine changes: a damaged checkpoint leaves it as it was)
         saved = [ckpt.safe_load(path / ckpt.rank_file(r), allowed=deepspeed_safe_globals()) for r in ranks]
         record = json.loads((path / sharded.INDEX).read_bytes())["optimizer"]
         keys = [k for k in state.kinds if k != sharded.MASTER]
@@ -507,8 +508,11 @@ class Checkpointer:
         if keys:
             _ensure_state(self.engine, inner, state, record["step"])
         self.plan = None  # (the fragment views change with the state made here)
+        fragments = local_fragments(self.engine, self.tp, self.tp_rank)
+        if [f.coordinates for f in fragments] != [f.coordinates for f in held]:  # (what was verified is what is read)
+            raise RuntimeError("the fragments of this rank changed as the optimizer state was made")
         with torch.no_grad():
-            for fragment in local_fragments(self.engine, self.tp, self.tp_rank):
+            for fragment in fragments:
                 for kind in state.kinds_of(fragment.name):
                     view = fragment.view(kind)
                     view.copy_(state.slice_of(fragment.name, kind, *where(fragment)).to(view.device))

@@ -140,7 +140,7 @@ class Trainer:
                 found.append(err)
             device_type = torch.device(self.dist.device).type
             self.resume = plan_resume(self.cfg, self.dist.world_size, device_type, self.tokenizer.sha256, found=found)
-            if self.resume is None:  # (only a schedule.decay_from branch's checkpoint was left: it failed)
+            if self.resume is None:  # (never a fresh start after a damaged checkpoint)
                 raise refusal(self.cfg, found[-1])
 
     def run(self) -> int:
