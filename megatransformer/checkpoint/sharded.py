@@ -4,6 +4,7 @@ read only the slice a rank needs. Format and reasons: docs/checkpoints.md."""
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -262,7 +263,8 @@ class ShardedState:
             raise CheckpointDamaged(path, INDEX, "missing") from None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CheckpointDamaged(path, INDEX, f"unreadable ({err.__class__.__name__})") from None
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, ShardReader] = {}
+        self._sorted: dict[str, dict[int, tuple[list[int], list[Piece]]]] = {}
 
     def kinds_of(self, name: str) -> list[str]:
         """The kinds of state saved for parameter ``name`` (its weights, and the optimizer state it had)."""
@@ -301,10 +303,24 @@ class ShardedState:
             dim = layout.tp_dim if saved > 1 else tp_dim
             runs = _runs(layout.shape, dim, saved, wanted, tp_index, start, stop)
         for t, lo, hi, at in runs:
-            for piece in layout.pieces:
+            starts, pieces = self._slice_pieces(name, t)
+            for piece in pieces[max(bisect.bisect_right(starts, lo) - 1, 0) :]:
+                if piece.start >= hi:
+                    break
                 a, b = max(lo, piece.start), min(hi, piece.stop)
-                if piece.tp_index == t and a < b:
+                if a < b:
                     yield piece, a, b, at + a - lo
+
+    def _slice_pieces(self, name: str, tp_index: int) -> tuple[list[int], list[Piece]]:
+        """The pieces of ``name``'s saved slice ``tp_index`` in order, and their starts (to bisect)."""
+        if name not in self._sorted:
+            by_slice: dict[int, tuple[list[int], list[Piece]]] = {}
+            for piece in sorted(self.params[name].pieces, key=lambda q: (q.tp_index, q.start)):
+                starts, pieces = by_slice.setdefault(piece.tp_index, ([], []))
+                starts.append(piece.start)
+                pieces.append(piece)
+            self._sorted[name] = by_slice
+        return self._sorted[name].get(tp_index, ([], []))
 
     def files_of(self, name: str, tp_index: int, tp: int, tp_dim: int | None, start: int, stop: int) -> set[str]:
         """The shard files :meth:`slice_of` reads for these arguments (the files of every kind of state)."""
