@@ -7,7 +7,7 @@ import hashlib
 import json
 import pickle
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,15 @@ class CheckpointDamaged(ConfigError):
     def __init__(self, checkpoint: Path, file: str, reason: str) -> None:
         self.checkpoint, self.file, self.reason = checkpoint, file, reason
         super().__init__(f"checkpoint {checkpoint}: {file}: {reason}")
+
+    def __reduce__(self):  # (sent whole from the rank that found it to the others: its class and fields)
+        return _rebuild, (type(self), self.checkpoint, self.file, self.reason)
+
+
+def _rebuild(cls: type[CheckpointDamaged], checkpoint: Path, file: str, reason: str) -> CheckpointDamaged:
+    err = cls.__new__(cls)
+    CheckpointDamaged.__init__(err, checkpoint, file, reason)
+    return err
 
 
 class CheckpointUnsafe(CheckpointDamaged):
@@ -141,25 +150,52 @@ def _written_after_manifests(path: Path) -> str | None:
     return None
 
 
-def verify_checkpoint(path: Path, only: Sequence[str] | None = None) -> None:
+def is_rank_part(name: str) -> bool:
+    """A file of one rank's part of the state (a shard, a rank's loader and RNG state): verified at a resume by
+    the ranks that read it (:func:`verify_files`), not by the one that picks the checkpoint."""
+    return name.startswith(("shard_", "rank_"))
+
+
+def verify_checkpoint(path: Path, only: Sequence[str] | None = None, rank_parts: bool = True) -> None:
     """Raise :class:`CheckpointDamaged` naming the first file that is missing, has another size or sha256
     than the manifest lists, or (checking the whole checkpoint) is not listed at all; then
     :class:`CheckpointUnsafe` for a state file whose pickle names a class or function that weights_only
     loading does not allow (beside :data:`DEEPSPEED_STATE_GLOBALS`). ``only``: check just these files, where the
-    manifest lists them (init_from, eval, export read no more). Local: no collective."""
+    manifest lists them (init_from, eval, export read no more). ``rank_parts=False``: the files of
+    :func:`is_rank_part` are checked for their presence and size only, their contents left to the ranks that
+    read them. Local: no collective."""
     files = read_manifest(path)
     if files is None:
         warn(f"checkpoint {path} has no manifest (written by an earlier version): its files are not verified")
         files = {name: {} for name in checkpoint_files(path)}
     else:
-        _check_files(path, files, only)
+        _check_files(path, files, only, hashed=None if rank_parts else lambda name: not is_rank_part(name))
     for name in files:
-        if name.endswith(".pt") and (only is None or name in only):
+        if name.endswith(".pt") and (only is None or name in only) and (rank_parts or not is_rank_part(name)):
             _refuse_unsafe_pickle(path / name)
 
 
-def _check_files(path: Path, files: dict[str, dict[str, Any]], only: Sequence[str] | None) -> None:
-    """The manifest's part of :func:`verify_checkpoint`."""
+def verify_files(path: Path, names: Collection[str]) -> None:
+    """:func:`verify_checkpoint` of exactly ``names`` (each must be in the manifest): what a rank checks of the
+    files it reads at a resume. Local: no collective."""
+    files = read_manifest(path)
+    if files is not None:
+        unlisted = sorted(set(names) - set(files))
+        if unlisted:
+            raise CheckpointDamaged(path, unlisted[0], "missing from the manifest (a file of another save)")
+        _check_files(path, files, sorted(names))
+    for name in sorted(names):
+        if name.endswith(".pt"):
+            _refuse_unsafe_pickle(path / name)
+
+
+def _check_files(
+    path: Path,
+    files: dict[str, dict[str, Any]],
+    only: Sequence[str] | None,
+    hashed: Callable[[str], bool] | None = None,
+) -> None:
+    """The manifest's part of :func:`verify_checkpoint`; ``hashed``: which of the files to hash (None: all)."""
     names = [n for n in files if only is None or n in only]
     unlisted = sorted(set(checkpoint_files(path)) - set(files)) if only is None else []
     if unlisted:
@@ -174,7 +210,7 @@ def _check_files(path: Path, files: dict[str, dict[str, Any]], only: Sequence[st
                 path, name, f"cut short or grown: {size} bytes, the manifest says {files[name]['size']}"
             )
     for name in names:
-        if file_entry(path / name)["sha256"] != files[name]["sha256"]:
+        if (hashed is None or hashed(name)) and file_entry(path / name)["sha256"] != files[name]["sha256"]:
             raise CheckpointDamaged(path, name, "changed since the save (its sha256 differs from the manifest's)")
 
 
@@ -191,13 +227,17 @@ def resume_candidates(root: Path) -> list[Path]:
     return [named, *(p for p in complete if step_of(p) < step_of(named))]
 
 
-def newest_intact(root: Path) -> Path | None:
-    """The first of :func:`resume_candidates` that verifies; one warning for each damaged one skipped.
-    None when there is no complete checkpoint; an error when there are some but all are damaged."""
+def newest_intact(root: Path, found: Sequence[CheckpointDamaged] = (), rank_parts: bool = True) -> Path | None:
+    """The first of :func:`resume_candidates` that verifies (``rank_parts``: as :func:`verify_checkpoint`) and
+    is not one ``found`` damaged already (by the ranks that read its shards); one warning for each damaged one
+    skipped. None when there is no complete checkpoint; an error when there are some but all are damaged."""
+    known = {err.checkpoint.resolve(): err for err in found}
     damaged: list[CheckpointDamaged] = []
     for path in resume_candidates(root):
         try:
-            verify_checkpoint(path)
+            if path.resolve() in known:
+                raise known[path.resolve()]
+            verify_checkpoint(path, rank_parts=rank_parts)
         except CheckpointUnsafe:
             raise
         except CheckpointDamaged as err:

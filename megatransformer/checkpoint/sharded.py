@@ -4,6 +4,7 @@ read only the slice a rank needs. Format and reasons: docs/checkpoints.md."""
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -179,6 +180,67 @@ def check_cover(name: str, layout: ParamLayout) -> None:
 # ------------------------------------------------------------------------------------- reading
 
 
+def _runs(
+    shape: tuple[int, ...], dim: int, saved: int, wanted: int, tp_index: int, start: int, stop: int
+) -> Iterator[tuple[int, int, int, int]]:
+    """Flat elements [start, stop) of slice ``tp_index`` of a ``wanted``-way split along ``dim`` as runs of the
+    slices of a ``saved``-way split: (saved slice, lo, hi, at): its flat elements [lo, hi) are the request's
+    [at, at + hi - lo). A row (one index of the dimensions before ``dim``) holds each slice's part contiguously."""
+    width = math.prod(shape[dim:])
+    new, old = width // wanted, width // saved
+    at = 0
+    while at < stop - start:
+        row, col = divmod(start + at, new)
+        n = min(stop - start - at, new - col)
+        column = tp_index * new + col  # (in the row, of the whole parameter)
+        while n:
+            t, c = divmod(column, old)
+            m = min(n, old - c)
+            yield t, row * old + c, row * old + c + m, at
+            column, at, n = column + m, at + m, n - m
+
+
+class ShardReader:
+    """One shard file, read by element ranges straight into the caller's tensors (no copy in between): its
+    safetensors header parsed once."""
+
+    def __init__(self, checkpoint: Path, file: str) -> None:
+        self.checkpoint, self.file = checkpoint, file
+        try:
+            self.handle = open(checkpoint / file, "rb", buffering=0)  # noqa: SIM115 (kept open while reading)
+            size = self.handle.seek(0, os.SEEK_END)
+            self.handle.seek(0)
+            (length,) = struct.unpack("<Q", self.handle.read(8))
+            if not 0 < length <= size - 8:
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            header = json.loads(self.handle.read(length))
+            self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+            self.entries: dict[str, dict[str, Any]] = header
+            self.base, self.size = 8 + length, size
+        except FileNotFoundError:
+            raise CheckpointDamaged(checkpoint, file, "missing") from None
+        except (OSError, ValueError, struct.error, AttributeError) as err:
+            raise CheckpointDamaged(checkpoint, file, f"unreadable ({str(err)[:200]})") from None
+
+    def read_into(self, key: str, first: int, out: torch.Tensor) -> None:
+        """Elements [first, first + out.numel()) of fp32 tensor ``key`` into ``out`` (contiguous, on the CPU)."""
+        entry = self.entries.get(key)
+        if entry is None or entry.get("dtype") != "F32":
+            raise CheckpointDamaged(self.checkpoint, self.file, f"unreadable (no fp32 tensor {key})")
+        begin, end = entry["data_offsets"]
+        offset, nbytes = self.base + begin + 4 * first, 4 * out.numel()
+        if offset + nbytes > min(self.base + end, self.size):
+            raise CheckpointDamaged(self.checkpoint, self.file, f"unreadable ({key} is cut short)")
+        view = memoryview(out.numpy()).cast("B")
+        done = 0
+        while done < nbytes:
+            self.handle.seek(offset + done)
+            got = self.handle.readinto(view[done:])
+            if not got:
+                raise CheckpointDamaged(self.checkpoint, self.file, f"unreadable ({key} is cut short)")
+            done += got
+
+
 class ShardedState:
     """The sharded state of a checkpoint directory, read one parameter (or one slice of one) at a time. Each
     shard is opened once, lazily, and checked to belong to this save (the index's save id and step)."""
@@ -201,7 +263,8 @@ class ShardedState:
             raise CheckpointDamaged(path, INDEX, "missing") from None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CheckpointDamaged(path, INDEX, f"unreadable ({err.__class__.__name__})") from None
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, ShardReader] = {}
+        self._sorted: dict[str, dict[int, tuple[list[int], list[Piece]]]] = {}
 
     def kinds_of(self, name: str) -> list[str]:
         """The kinds of state saved for parameter ``name`` (its weights, and the optimizer state it had)."""
@@ -211,17 +274,10 @@ class ShardedState:
         """Every name of the model's state: each parameter, then the other names of tied ones."""
         return [*self.params, *self.aliases]
 
-    def _shard(self, file: str):
-        from safetensors import SafetensorError, safe_open
-
+    def _shard(self, file: str) -> ShardReader:
         if file not in self._open:
-            try:
-                handle = safe_open(str(self.path / file), framework="pt")
-                meta = handle.metadata() or {}
-            except FileNotFoundError:
-                raise CheckpointDamaged(self.path, file, "missing") from None
-            except (SafetensorError, OSError, ValueError) as err:
-                raise CheckpointDamaged(self.path, file, f"unreadable ({str(err)[:200]})") from None
+            reader = ShardReader(self.path, file)
+            meta = reader.metadata
             if meta.get("save") != self.save or meta.get("step") != str(self.step):
                 raise CheckpointDamaged(
                     self.path,
@@ -229,49 +285,64 @@ class ShardedState:
                     f"a shard of another save (step {meta.get('step')}, save {meta.get('save', '?')[:8]}; this "
                     f"checkpoint is step {self.step}, save {self.save[:8]})",
                 )
-            self._open[file] = handle
+            self._open[file] = reader
         return self._open[file]
 
-    def _read(self, piece: Piece, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of ``piece`` (global flat positions of its slice), read alone."""
-        from safetensors import SafetensorError
-
-        try:
-            return self._shard(piece.file).get_slice(key)[lo - piece.start : hi - piece.start]
-        except SafetensorError as err:
-            raise CheckpointDamaged(self.path, piece.file, f"unreadable ({str(err)[:200]})") from None
-
-    def slice_of(self, name: str, kind: str, tp_index: int, tp: int, tp_dim: int | None, start: int, stop: int):
-        """Flat elements [start, stop) of tensor-parallel slice ``tp_index`` of ``tp`` (split along ``tp_dim``) of
-        state ``kind`` of ``name``. On the layout the pieces were saved in, only the overlapping pieces' elements
-        are read; on another, the parameter is assembled once and cut."""
+    def _spans(
+        self, name: str, tp_index: int, tp: int, tp_dim: int | None, start: int, stop: int
+    ) -> Iterator[tuple[Piece, int, int, int]]:
+        """(piece, lo, hi, at): the saved elements that make flat elements [start, stop) of tensor-parallel slice
+        ``tp_index`` of ``tp`` (split along ``tp_dim``) of ``name``: elements [lo, hi) of ``piece``'s slice (its
+        flat positions) are the request's [at, at + hi - lo)."""
         layout = self.params[name]
-        if (layout.tp if layout.tp_dim is not None else 1) == (tp if tp_dim is not None else 1):
-            out = torch.empty(stop - start, dtype=torch.float32)
-            for piece in layout.pieces:
-                lo, hi = max(start, piece.start), min(stop, piece.stop)
-                if piece.tp_index == (tp_index if tp_dim is not None else 0) and lo < hi:
-                    key = piece_key(kind, name, piece.tp_index, piece.start)
-                    out[lo - start : hi - start] = self._read(piece, key, lo, hi)
-            return out
-        full = self.tensor(name, kind)
-        if tp_dim is not None:
-            full = full.chunk(tp, tp_dim)[tp_index]
-        return full.reshape(-1)[start:stop].clone()
+        saved = layout.tp if layout.tp_dim is not None else 1
+        wanted = tp if tp_dim is not None else 1
+        if saved == wanted:
+            runs: Iterator[tuple[int, int, int, int]] = iter([(tp_index if wanted > 1 else 0, start, stop, 0)])
+        else:
+            dim = layout.tp_dim if saved > 1 else tp_dim
+            runs = _runs(layout.shape, dim, saved, wanted, tp_index, start, stop)
+        for t, lo, hi, at in runs:
+            starts, pieces = self._slice_pieces(name, t)
+            for piece in pieces[max(bisect.bisect_right(starts, lo) - 1, 0) :]:
+                if piece.start >= hi:
+                    break
+                a, b = max(lo, piece.start), min(hi, piece.stop)
+                if a < b:
+                    yield piece, a, b, at + a - lo
+
+    def _slice_pieces(self, name: str, tp_index: int) -> tuple[list[int], list[Piece]]:
+        """The pieces of ``name``'s saved slice ``tp_index`` in order, and their starts (to bisect)."""
+        if name not in self._sorted:
+            by_slice: dict[int, tuple[list[int], list[Piece]]] = {}
+            for piece in sorted(self.params[name].pieces, key=lambda q: (q.tp_index, q.start)):
+                starts, pieces = by_slice.setdefault(piece.tp_index, ([], []))
+                starts.append(piece.start)
+                pieces.append(piece)
+            self._sorted[name] = by_slice
+        return self._sorted[name].get(tp_index, ([], []))
+
+    def files_of(self, name: str, tp_index: int, tp: int, tp_dim: int | None, start: int, stop: int) -> set[str]:
+        """The shard files :meth:`slice_of` reads for these arguments (the files of every kind of state)."""
+        return {piece.file for piece, *_ in self._spans(name, tp_index, tp, tp_dim, start, stop)}
+
+    def slice_of(
+        self, name: str, kind: str, tp_index: int, tp: int, tp_dim: int | None, start: int, stop: int
+    ) -> torch.Tensor:
+        """Flat elements [start, stop) of tensor-parallel slice ``tp_index`` of ``tp`` (split along ``tp_dim``) of
+        state ``kind`` of ``name``, on any layout: only the saved elements it holds are read, each straight into
+        the tensor returned (the only memory this takes)."""
+        out = torch.empty(stop - start, dtype=torch.float32)
+        for piece, lo, hi, at in self._spans(name, tp_index, tp, tp_dim, start, stop):
+            key = piece_key(kind, name, piece.tp_index, piece.start)
+            self._shard(piece.file).read_into(key, lo - piece.start, out[at : at + hi - lo])
+        return out
 
     def tensor(self, name: str, kind: str = MASTER) -> torch.Tensor:
         """State ``kind`` of parameter ``name`` whole, in fp32, assembled from its pieces."""
         name = self.aliases.get(name, name)
-        layout = self.params[name]
-        slices = []
-        for tp_index in range(layout.tp if layout.tp_dim is not None else 1):
-            flat = torch.empty(math.prod(layout.slice_shape()), dtype=torch.float32)
-            for piece in layout.pieces:
-                if piece.tp_index == tp_index:
-                    key = piece_key(kind, name, tp_index, piece.start)
-                    flat[piece.start : piece.stop] = self._read(piece, key, piece.start, piece.stop)
-            slices.append(flat.view(layout.slice_shape()))
-        return slices[0] if len(slices) == 1 else torch.cat(slices, dim=layout.tp_dim)
+        shape = self.params[name].shape
+        return self.slice_of(name, kind, 0, 1, None, 0, math.prod(shape)).view(shape)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 tensor) of the whole model, one tensor at a time; a tied tensor under each of its names."""

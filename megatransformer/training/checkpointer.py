@@ -491,6 +491,16 @@ class Checkpointer:
         self.wait()
         state = sharded.ShardedState(path)
         ranks = [dist.get_rank()] if same_layout else range(saved_world_size)
+        layouts = param_layouts(self.engine, self.tp)
+
+        def where(fragment: Fragment) -> tuple[int, int, int | None, int, int]:
+            return fragment.tp_index, self.tp, layouts[fragment.name][1], fragment.start, fragment.stop
+
+        reads = {ckpt.rank_file(r) for r in ranks}
+        held = local_fragments(self.engine, self.tp, self.tp_rank)
+        for fragment in held:
+            reads |= state.files_of(fragment.name, *where(fragment))
+        verify_everywhere(path, reads)  # (before the engine changes: a damaged checkpoint leaves it as it was)
         saved = [ckpt.safe_load(path / ckpt.rank_file(r), allowed=deepspeed_safe_globals()) for r in ranks]
         record = json.loads((path / sharded.INDEX).read_bytes())["optimizer"]
         keys = [k for k in state.kinds if k != sharded.MASTER]
@@ -498,14 +508,14 @@ class Checkpointer:
         if keys:
             _ensure_state(self.engine, inner, state, record["step"])
         self.plan = None  # (the fragment views change with the state made here)
-        layouts = param_layouts(self.engine, self.tp)
+        fragments = local_fragments(self.engine, self.tp, self.tp_rank)
+        if [f.coordinates for f in fragments] != [f.coordinates for f in held]:  # (what was verified is what is read)
+            raise RuntimeError("the fragments of this rank changed as the optimizer state was made")
         with torch.no_grad():
-            for fragment in local_fragments(self.engine, self.tp, self.tp_rank):
-                _, dim = layouts[fragment.name]
-                where = (fragment.tp_index, self.tp, dim, fragment.start, fragment.stop)
+            for fragment in fragments:
                 for kind in state.kinds_of(fragment.name):
                     view = fragment.view(kind)
-                    view.copy_(state.slice_of(fragment.name, kind, *where).to(view.device))
+                    view.copy_(state.slice_of(fragment.name, kind, *where(fragment)).to(view.device))
         refresh_weights(self.engine)
         scheduler = record["lr_scheduler"]
         if self.engine.lr_scheduler is not None and scheduler is not None:
@@ -516,6 +526,22 @@ class Checkpointer:
                 setattr(scaler, k, v)
         set_rng_state(saved[0]["rng"])
         return saved[0]["loader"] if same_layout else [r["loader"] for r in saved]
+
+
+def verify_everywhere(path: Path, reads: Collection[str]) -> None:
+    """Each rank verifies the files of checkpoint ``path`` it ``reads`` (their sizes and sha256 against the
+    manifest, and the pickles of its ``.pt`` files), and the ranks agree in one collective: should any rank find
+    one damaged or unsafe, every rank raises the first such rank's error, naming the file."""
+    found: ckpt.CheckpointDamaged | None = None
+    try:
+        ckpt.verify_files(path, reads)
+    except ckpt.CheckpointDamaged as err:
+        found = err
+    everyone: list[ckpt.CheckpointDamaged | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, found)
+    first = next((err for err in everyone if err is not None), None)
+    if first is not None:
+        raise first
 
 
 def refresh_weights(engine) -> None:

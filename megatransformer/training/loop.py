@@ -29,7 +29,7 @@ from megatransformer.training.engine import StepResult, TrainModule
 from megatransformer.training.layout import describe_layout, zero_stage_notes
 from megatransformer.training.metrics import Reporter, finite_or_none, peak_tflops
 from megatransformer.training.optim import branch_decay, warmup_warning
-from megatransformer.training.resume import decay_start, plan_resume, rollback_target
+from megatransformer.training.resume import decay_start, plan_resume, refusal, rollback_target, skippable
 from megatransformer.training.trackers import resolved_config, run_facts
 from megatransformer.training.watchdog import Watchdog
 
@@ -134,7 +134,7 @@ class Trainer:
     def resume_or_start(self) -> None:
         cfg = self.cfg
         if self.resume is not None:
-            self.state, loader_state = self.module.load(self.resume)
+            self.state, loader_state = self.load_resume()
             self.train_loader.load_state_dict(loader_state)
             self.checkpoint = self.resume.path
             if self.dist.is_main:
@@ -149,6 +149,22 @@ class Trainer:
         if self.dist.is_main:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.run_dir) / "config.yaml").write_text(dump_config(cfg))
+
+    def load_resume(self) -> tuple[ckpt.TrainerState, dict | list[dict]]:
+        """Load the checkpoint this run resumes from; with resume=auto, one of the run's own in which a rank finds
+        a damaged file is skipped for the next older intact one (nothing of it was loaded)."""
+        found: list[ckpt.CheckpointDamaged] = []
+        while True:
+            try:
+                return self.module.load(self.resume)
+            except ckpt.CheckpointDamaged as err:
+                if not skippable(self.cfg, err):
+                    raise refusal(self.cfg, err) from None
+                found.append(err)
+            device_type = torch.device(self.dist.device).type
+            self.resume = plan_resume(self.cfg, self.dist.world_size, device_type, self.tokenizer.sha256, found=found)
+            if self.resume is None:  # (never a fresh start after a damaged checkpoint)
+                raise refusal(self.cfg, found[-1])
 
     def run(self) -> int:
         cfg = self.cfg
@@ -365,13 +381,24 @@ class Trainer:
         self.checkpoint = self.module.save(self.state, self.train_loader.state_dict(), keep)
         return self.checkpoint
 
-    def restore(self, path: Path) -> None:
-        """Load checkpoint ``path`` (verified: rollback_target's) into the running engine, trainer state and
-        loader (on another layout than the one that wrote it too)."""
+    def restore(self, path: Path | None) -> Path | None:
+        """Load checkpoint ``path`` (rollback_target's) into the running engine, trainer state and loader (on
+        another layout than the one that wrote it too). One in which a rank finds a damaged file is skipped for the
+        next older intact one; returns the one loaded (None: none was left, nothing was loaded)."""
         device_type = torch.device(self.dist.device).type
-        plan = plan_resume(self.cfg, self.dist.world_size, device_type, self.tokenizer.sha256, verified=path)
-        self.state, loader_state = self.module.load(plan)
-        self.train_loader.load_state_dict(loader_state)
+        while path is not None:
+            plan = plan_resume(self.cfg, self.dist.world_size, device_type, self.tokenizer.sha256, verified=path)
+            try:
+                self.state, loader_state = self.module.load(plan)
+            except ckpt.CheckpointDamaged as err:
+                if isinstance(err, ckpt.CheckpointUnsafe):
+                    raise
+                ckpt.warn(f"{err}: skipped, looking for an older checkpoint to roll back to")
+                path = rollback_target(self.cfg, ckpt.step_of(path))
+                continue
+            self.train_loader.load_state_dict(loader_state)
+            return path
+        return None
 
     # ------------------------------------------------------------------------------- loss spikes
 
@@ -384,13 +411,13 @@ class Trainer:
         record = event.record(self.spikes.rollbacks)
         if event.action == spikes.ROLLBACK:
             self.module.checkpointer.wait()  # (the checkpoint to roll back to may be the one being written)
-        target = rollback_target(self.cfg, event.began) if event.action == spikes.ROLLBACK else None
-        if event.action == spikes.ROLLBACK and target is None:
+        rolled = self.roll_back(event.began, self.state.step - result.step) if event.action == spikes.ROLLBACK else None
+        if event.action == spikes.ROLLBACK and rolled is None:
             event.action = record["event"] = spikes.STOP
-        if target is None:
+        if rolled is None:
             report.event(record, spikes.describe(event))
         else:
-            rows = self.roll_back(target, self.state.step - result.step)
+            target, rows = rolled
             report.rewind(self.state.step, self.spikes.rollbacks)
             record.update(checkpoint=target.name, skipped_rows=list(rows))
             report.event(
@@ -413,19 +440,22 @@ class Trainer:
             )
         return event.action
 
-    def roll_back(self, path: Path, steps_since: int = 0) -> tuple[int, int]:
-        """Back to checkpoint ``path``; the global rows read up to the spike (``steps_since`` steps ago), and a
-        margin, are skipped from now on (returned as [start, stop))."""
+    def roll_back(self, before_step: int, steps_since: int = 0) -> tuple[Path, tuple[int, int]] | None:
+        """Back to the newest intact checkpoint older than ``before_step``: that checkpoint, and the global rows
+        read up to the spike (``steps_since`` steps ago) and a margin, skipped from now on (as [start, stop));
+        None when there is none."""
         sizes = self.module.sizes
         rows = self.train_loader.rows + (self.cfg.train.spikes.margin_steps - steps_since) * sizes.micro * sizes.accum
         stop = rows * sizes.dp
-        self.restore(path)
+        path = self.restore(rollback_target(self.cfg, before_step))
+        if path is None:
+            return None
         rows = (self.train_loader.rows * sizes.dp, stop)
         self.spikes.rolled_back(rows, self.state.spikes.ladder_state())
         for skipped in self.spikes.skip_rows:
             self.train_loader.skip_rows(*skipped)
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
-        return rows
+        return path, rows
 
     def evaluations(self, downstream: bool) -> dict[str, float | None]:
         """The validation loss and, with ``downstream``, the harness's tasks (train.evals): one record."""

@@ -3,6 +3,7 @@ trainer state and config (each read once), and whether DeepSpeed's exact resume 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,36 +77,55 @@ def check_run_dir(cfg: RunConfig) -> None:
         )
 
 
-def resolve_resume(cfg: RunConfig) -> Path | None:
-    """The checkpoint to resume from, verified: ``auto`` -> the newest intact one or None (fresh start);
-    a path (a step directory, a checkpoints or run directory's latest) must exist and be intact.
+def resolve_resume(cfg: RunConfig, found: Sequence[ckpt.CheckpointDamaged] = ()) -> Path | None:
+    """The checkpoint to resume from: ``auto`` -> the newest intact one (none of those the ranks ``found``
+    damaged loading them) or None (fresh start); a path (a step directory, a checkpoints or run directory's
+    latest) must exist and be intact. Intact here: its manifest, every file's size, and the contents of all but
+    the ranks' parts (:func:`ckpt.is_rank_part`), which each rank verifies as it loads the ones it reads.
 
     With a process group, rank 0 alone reads and verifies and tells the others its answer (or its error),
     so every rank takes the same checkpoint, or fails with the same message, before any engine load."""
-    return on_first_rank(lambda: _resolve_resume(cfg))
+    return on_first_rank(lambda: _resolve_resume(cfg, found))
 
 
-def _resolve_resume(cfg: RunConfig) -> Path | None:
+def _resolve_resume(cfg: RunConfig, found: Sequence[ckpt.CheckpointDamaged]) -> Path | None:
     """(schedule.decay_from: where a run that has no checkpoint of its own starts.)"""
     branch = cfg.schedule.decay_from
     if cfg.resume == "auto":
-        own = ckpt.newest_intact(ckpt.checkpoints_dir(cfg.run_dir))
+        own = ckpt.newest_intact(ckpt.checkpoints_dir(cfg.run_dir), found, rank_parts=False)
         if own is not None or branch is None:
             return own
     elif cfg.resume is None and branch is None:
         return None
-    key, value = ("resume", cfg.resume) if branch is None else ("schedule.decay_from", branch)
+    key, value = _source(cfg)
     path = ckpt.find_checkpoint(value, f"{key}={value}")
     try:
-        ckpt.verify_checkpoint(path)
+        ckpt.verify_checkpoint(path, rank_parts=False)
     except ckpt.CheckpointDamaged as err:
-        hint = (
-            ""
-            if isinstance(err, ckpt.CheckpointUnsafe)
-            else ("; resume from another checkpoint (resume=auto skips damaged ones)")
-        )
-        raise ConfigError(f"{key}={value}: {err}{hint}") from None
+        raise refusal(cfg, err) from None
     return path
+
+
+def _source(cfg: RunConfig) -> tuple[str, str]:
+    """The setting that names the checkpoint a run starts from, beside resume=auto's own ones."""
+    branch = cfg.schedule.decay_from
+    return ("resume", cfg.resume) if branch is None else ("schedule.decay_from", branch)
+
+
+def refusal(cfg: RunConfig, err: ckpt.CheckpointDamaged) -> Exception:
+    """The error that ends a run told to start from a checkpoint in which ``err`` was found: the setting that
+    names it and what to do; an unsafe file's refusal as it is."""
+    if isinstance(err, ckpt.CheckpointUnsafe):
+        return err
+    key, value = _source(cfg)
+    return ConfigError(f"{key}={value}: {err}; resume from another checkpoint (resume=auto skips damaged ones)")
+
+
+def skippable(cfg: RunConfig, err: ckpt.CheckpointDamaged) -> bool:
+    """Whether resume=auto goes on to an older checkpoint after a rank found ``err`` loading this one: a damaged
+    (not an unsafe) file of one of the run's own checkpoints."""
+    own = err.checkpoint.parent.resolve() == ckpt.checkpoints_dir(cfg.run_dir).resolve()
+    return cfg.resume == "auto" and own and not isinstance(err, ckpt.CheckpointUnsafe)
 
 
 def decay_start(cfg: RunConfig) -> int | None:
@@ -117,13 +137,18 @@ def decay_start(cfg: RunConfig) -> int | None:
 
 
 def plan_resume(
-    cfg: RunConfig, world_size: int, device_type: str, tokenizer_sha256: str | None, verified: Path | None = None
+    cfg: RunConfig,
+    world_size: int,
+    device_type: str,
+    tokenizer_sha256: str | None,
+    verified: Path | None = None,
+    found: Sequence[ckpt.CheckpointDamaged] = (),
 ) -> ResumePlan | None:
-    """The resume of this run (from ``cfg.resume``, or from the ``verified`` checkpoint a rollback found), or
-    None for a fresh start. Refuses another model shape, another tokenizer and (unless
+    """The resume of this run (from ``cfg.resume``, or from the ``verified`` checkpoint a rollback found; none of
+    those ``found`` damaged), or None for a fresh start. Refuses another model shape, another tokenizer and (unless
     ``resume_elastic=allow_batch_change``) another global batch; an elastic resume loads the saved weights
     here, since the engine is built from them."""
-    path = verified or resolve_resume(cfg)
+    path = verified or resolve_resume(cfg, found)
     if path is None:
         return None
     state, saved = ckpt.read_trainer_state(path), ckpt.saved_config(path)
@@ -167,7 +192,7 @@ def rollback_target(cfg: RunConfig, before_step: int) -> Path | None:
     def find() -> Path | None:
         for path in ckpt.complete_before(ckpt.checkpoints_dir(cfg.run_dir), before_step):
             try:
-                ckpt.verify_checkpoint(path)
+                ckpt.verify_checkpoint(path, rank_parts=False)
             except ckpt.CheckpointDamaged as err:
                 ckpt.warn(f"{err}: skipped, looking for an older checkpoint to roll back to")
                 continue

@@ -22,7 +22,7 @@ from support.runs import ONE_THREAD, cli, losses_by_step, tiny_data_overrides, t
 from megatransformer import checkpoint as ckpt
 from megatransformer.config import ConfigError, validate
 from megatransformer.training import checkpointer
-from megatransformer.training.resume import plan_resume, resolve_resume
+from megatransformer.training.resume import plan_resume, refusal, resolve_resume, skippable
 
 OLD, NEW = "step_000002", "step_000004"
 # The files of a checkpoint of one rank: every kind there is.
@@ -91,7 +91,14 @@ DAMAGE = {"truncated": truncate, "deleted": Path.unlink, "flipped": flip}
 @pytest.mark.parametrize("damage", DAMAGE)
 @pytest.mark.parametrize("name", FILES)
 def test_a_damaged_file_falls_back_or_is_named(run, capsys, name, damage):
-    DAMAGE[damage](run / "checkpoints" / NEW / name)
+    newest = run / "checkpoints" / NEW
+    DAMAGE[damage](newest / name)
+    if ckpt.is_rank_part(name) and damage == "flipped":
+        # (its contents are the reading ranks' to verify, as they load it: test_resume_auto_skips_damaged_newest_...)
+        assert resolve_resume(resume_cfg(run, "auto")) == newest
+        with pytest.raises(ckpt.CheckpointDamaged, match=f"{NEW}: {name.replace('.', '[.]')}: changed since the save"):
+            ckpt.verify_files(newest, [name])
+        return
 
     assert resolve_resume(resume_cfg(run, "auto")) == run / "checkpoints" / OLD
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
@@ -116,7 +123,7 @@ def test_a_damaged_manifest_or_an_unlisted_file_falls_back(run, capsys):
 
 def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(run):
     for step in (OLD, NEW):
-        flip(run / "checkpoints" / step / SHARD)
+        truncate(run / "checkpoints" / step / SHARD)
     with pytest.raises(ConfigError, match="every complete checkpoint .* is damaged"):
         resolve_resume(resume_cfg(run, "auto"))
 
@@ -222,6 +229,20 @@ def test_resume_auto_skips_damaged_newest_and_continues_exactly(tiny_data, train
     assert losses_by_step(run) == losses_by_step(trained)
 
 
+def test_every_checkpoint_damaged_where_only_the_ranks_look_is_an_error(tiny_data, run):
+    """Bytes flipped in the shard of both checkpoints: each passes the resolution (sizes, manifest) and is refused
+    by the rank that reads it, as it loads; resume=auto tries the older one, then fails in one line."""
+    for step in (OLD, NEW):
+        flip(run / "checkpoints" / step / SHARD)
+    before = (run / "metrics.jsonl").read_bytes()
+    result = train(overrides(tiny_data, run, "resume=auto"), expect=None, env=ONE_THREAD)
+    assert result.returncode == 2, result.stderr[-4000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("megatransformer train: error:")]
+    assert len(errors) == 1 and "every complete checkpoint" in errors[0], result.stderr[-2000:]
+    assert f"{NEW}: {SHARD}: changed since the save" in errors[0]
+    assert (run / "metrics.jsonl").read_bytes() == before  # (no step was trained)
+
+
 def test_nothing_left_to_train_is_summed_up_from_the_checkpoint_resumed(tiny_data, run):
     """The newest checkpoint's trainer.json damaged, the run already at train.max_steps once resumed from the older
     one: the summary counts that one's steps and names it in the commands it suggests (the damaged one is still
@@ -277,14 +298,16 @@ def plant(file: Path, marker: Path, protocol: int = 2) -> None:
     ckpt.write_manifest(file.parent)
 
 
-@pytest.mark.parametrize("auto", [True, False], ids=["auto", "path"])
-def test_a_pickle_payload_is_refused_naming_the_file(run, tmp_path, auto):
-    """Never skipped as damage (resume=auto refuses too): the manifest matches, the file is planted."""
+def test_a_pickle_payload_is_refused_naming_the_file(run, tmp_path):
+    """Found by the static scan of the rank that reads the file, and never skipped as damage (resume=auto refuses
+    too): the manifest matches, the file is planted."""
     marker = tmp_path / "payload-ran"
     plant(run / "checkpoints" / NEW / RANK_STATE, marker)
-    with pytest.raises(ConfigError, match=f"{RANK_STATE}: holds Python objects beyond tensors") as err:
-        resolve_resume(resume_cfg(run, "auto" if auto else str(run / "checkpoints" / NEW)))
+    with pytest.raises(ckpt.CheckpointUnsafe, match=f"{RANK_STATE}: holds Python objects beyond tensors") as err:
+        ckpt.verify_files(run / "checkpoints" / NEW, [RANK_STATE])
     assert "\n" not in str(err.value)
+    assert not skippable(resume_cfg(run, "auto"), err.value)
+    assert refusal(resume_cfg(run, "auto"), err.value) is err.value
     assert not marker.exists(), "the payload ran"
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from support.runs import checkpoint, losses, resumable_run, tiny_run, train
+from support.runs import checkpoint, losses, losses_by_step, resumable_run, tiny_run, train
 
 from megatransformer.checkpoint.sharded import ShardedState
 
@@ -75,6 +77,28 @@ def test_two_ranks_resume_on_one_rank_loss_for_loss(zero1_dp2, tiny_data, tmp_pa
     assert continued == pytest.approx(losses(zero1_dp2)[SAVED:], abs=1e-5, rel=0)
 
 
+def test_a_shard_only_rank_1_reads_is_refused_on_both_ranks(zero1_dp2, tiny_data, tmp_path):
+    """Bytes flipped in shard_00001 of the last checkpoint, which on the saved layout only rank 1 reads (its ZeRO-1
+    partition) and only rank 1 hashes: both ranks refuse it together. resume=PATH exits 2 naming it; resume=auto
+    goes back to the checkpoint before on both ranks and continues loss for loss."""
+    run = Path(shutil.copytree(zero1_dp2, tmp_path / "run"))
+    last = checkpoint(run, STEPS)
+    data = bytearray((last / "shard_00001.safetensors").read_bytes())
+    data[-64:] = bytes(b ^ 0x5A for b in data[-64:])
+    (last / "shard_00001.safetensors").write_bytes(bytes(data))
+    refused = train(
+        overrides(tiny_data, tmp_path / "other", f"resume={last}", "parallel.zero_stage=1"), nproc=2, expect=None
+    )
+    # (torchrun exits 1 when a rank fails; the ranks exit 2, as a bad config's error, not stalled in a collective)
+    assert refused.returncode != 0 and re.search(r"exitcode\s*:\s*2\b", refused.stderr), refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("megatransformer train: error:")]
+    assert errors and all("shard_00001.safetensors: changed since the save" in line for line in errors), errors
+    resumed = train(overrides(tiny_data, run, "resume=auto", "parallel.zero_stage=1"), nproc=2)
+    assert f"resumed from {checkpoint(run, SAVED)} at step {SAVED}" in resumed.stdout
+    assert "shard_00001.safetensors: changed since the save" in resumed.stderr
+    assert losses_by_step(run) == losses_by_step(zero1_dp2)
+
+
 def test_zero1_resumes_as_zero3_and_zero0(zero1_dp2, tiny_data, tmp_path):
     """Another ZeRO stage on the same ranks (partitioned parameters; and no partitioning at all, where the
     Adam state lives in the torch optimizer)."""
@@ -83,6 +107,20 @@ def test_zero1_resumes_as_zero3_and_zero0(zero1_dp2, tiny_data, tmp_path):
         result = resume(tiny_data, zero1_dp2, run, 2, f"parallel.zero_stage={stage}")
         assert f"on 2 ranks (dp2, tp1, zero{stage})" in result.stdout
         assert losses(run) == pytest.approx(losses(zero1_dp2)[SAVED:], rel=1e-5), f"ZeRO-{stage}"
+
+
+def test_four_ranks_resume_on_two_and_two_on_four(zero1_dp2, tiny_data, tmp_path):
+    """dp4 ZeRO-2 (micro 2) resumed as dp2 ZeRO-1 (micro 4), and the reference dp2 ZeRO-1 resumed as dp4 ZeRO-2:
+    each continues loss for loss, every rank reading only the slices it holds of the other layout's shards."""
+    four, two, back = tmp_path / "dp4", tmp_path / "dp2", tmp_path / "back"
+    train(overrides(tiny_data, four, "parallel.zero_stage=2", "train.micro_batch_size=2"), nproc=4)
+    assert len(list(checkpoint(four, SAVED).glob("shard_*"))) == 4
+    result = resume(tiny_data, four, two, 2, "parallel.zero_stage=1")
+    assert "written by 4 ranks (dp4, tp1, zero2) on 2 ranks (dp2, tp1, zero1)" in result.stdout
+    assert losses(two) == pytest.approx(losses(four)[SAVED:], abs=1e-5, rel=0)
+    result = resume(tiny_data, zero1_dp2, back, 4, "parallel.zero_stage=2", "train.micro_batch_size=2")
+    assert "written by 2 ranks (dp2, tp1, zero1) on 4 ranks (dp4, tp1, zero2)" in result.stdout
+    assert losses(back) == pytest.approx(losses(zero1_dp2)[SAVED:], abs=1e-5, rel=0)
 
 
 def test_tensor_parallel_two_resumes_on_one_rank(tiny_data, tmp_path):

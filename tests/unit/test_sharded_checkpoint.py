@@ -3,12 +3,12 @@ assembled one tensor at a time or read slice by slice, on the layout that wrote 
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.checkpoints import write_checkpoint
 
 from megatransformer import checkpoint as ckpt
 from megatransformer.checkpoint import sharded
@@ -28,34 +28,6 @@ def test_a_failed_write_leaves_no_file(tmp_path):
     with pytest.raises(KeyError):  # (a dtype the format does not store)
         sharded.write_safetensors(tmp_path / "s.safetensors", {"x": torch.zeros(2, dtype=torch.int64)}, {})
     assert not (tmp_path / "s.safetensors").exists()
-
-
-def write_checkpoint(path, full: dict[str, torch.Tensor], tp: int, dp: int, tp_dims: dict[str, int | None], save="s"):
-    """``full`` saved as ``tp`` x ``dp`` ranks would: each tensor-parallel slice split into ``dp`` flat ranges,
-    rank (t, d) writing slice t's range d; returns the index."""
-    path.mkdir(parents=True, exist_ok=True)
-    shards: dict[str, dict[str, torch.Tensor]] = {}
-    params = {}
-    for name, tensor in full.items():
-        dim = tp_dims[name]
-        slices = tensor.chunk(tp, dim) if dim is not None else [tensor]
-        pieces = []
-        for t, part in enumerate(slices):
-            flat = part.reshape(-1)
-            for d in range(dp):
-                lo, hi = flat.numel() * d // dp, flat.numel() * (d + 1) // dp
-                file = sharded.shard_file(t * dp + d)
-                for kind, scale in (("fp32", 1.0), ("exp_avg", 2.0)):
-                    key = sharded.piece_key(kind, name, t, lo)
-                    shards.setdefault(file, {})[key] = (flat[lo:hi] * scale).clone()
-                pieces.append(Piece(t, lo, hi, file))
-        layout = ParamLayout(tuple(tensor.shape), dim, tp if dim is not None else 1, tuple(pieces))
-        sharded.check_cover(name, layout)
-        params[name] = layout
-    for file, tensors in shards.items():
-        sharded.write_safetensors(path / file, tensors, {"save": save, "step": "5"})
-    record = sharded.index_record(params, ["fp32", "exp_avg"], {"tied.weight": "w"}, save, 5)
-    (path / sharded.INDEX).write_text(json.dumps(record))
 
 
 FULL = {"w": torch.arange(72.0).reshape(12, 6), "b": torch.arange(6.0), "v": torch.arange(36.0).reshape(6, 6)}
@@ -131,3 +103,55 @@ def test_bytes_on_disk_are_the_state_and_a_small_header(tmp_path):
     shards = sum(p.stat().st_size for p in tmp_path.glob("shard_*"))
     header = shards - 2 * 4 * params  # two kinds of fp32 state here
     assert 0 < header < 4096
+
+
+@pytest.mark.parametrize("now", [(2, 2), (1, 3)])
+def test_a_rank_hashes_exactly_the_shards_it_reads(tmp_path, monkeypatch, now):
+    """What a rank verifies at a resume (``files_of`` its slices, then ``verify_files``) is what it then opens to
+    read them: on the saved layout its own pieces' files only, on another the files of the parameters it cuts
+    its slices from; every file hashed once."""
+    write_checkpoint(tmp_path, FULL, 2, 2, DIMS)
+    ckpt.write_manifest(tmp_path)
+    hashed: list[str] = []
+    file_entry = ckpt.integrity.file_entry
+    monkeypatch.setattr(ckpt.integrity, "file_entry", lambda path: hashed.append(path.name) or file_entry(path))
+    tp, dp = now
+    everyone = set()
+    for t in range(tp):
+        for d in range(dp):
+            state = ShardedState(tmp_path)
+            opened: list[str] = []
+            shard = state._shard
+            monkeypatch.setattr(
+                state, "_shard", lambda file, shard=shard, opened=opened: opened.append(file) or shard(file)
+            )
+            slices = []
+            for name, tensor in FULL.items():
+                dim = DIMS[name]
+                numel = tensor.numel() // (tp if dim is not None else 1)
+                slices.append((name, t if dim is not None else 0, tp, dim, numel * d // dp, numel * (d + 1) // dp))
+            reads = set().union(*(state.files_of(*where) for where in slices))
+            hashed.clear()
+            ckpt.verify_files(tmp_path, reads)
+            for name, *where in slices:
+                state.slice_of(name, "fp32", *where)
+            assert sorted(hashed) == sorted(set(opened)) == sorted(reads), (t, d)
+            everyone |= reads
+            if now == (2, 2):
+                ranks = {t * 2 + d, d}  # (its own pieces; "b", not split, is in the first slice's shards)
+                assert reads == {sharded.shard_file(r) for r in ranks}, (t, d)
+    assert everyone == {p.name for p in tmp_path.glob("shard_*")}
+
+
+def test_a_damaged_shard_is_found_only_by_the_ranks_that_read_it(tmp_path):
+    write_checkpoint(tmp_path, FULL, 1, 2, DIMS)
+    ckpt.write_manifest(tmp_path)
+    data = bytearray((tmp_path / "shard_00001.safetensors").read_bytes())
+    data[-4:] = bytes(b ^ 0xFF for b in data[-4:])
+    (tmp_path / "shard_00001.safetensors").write_bytes(bytes(data))
+    ckpt.verify_files(tmp_path, ["shard_00000.safetensors", sharded.INDEX])
+    ckpt.verify_checkpoint(tmp_path, rank_parts=False)  # (what rank 0 checks, picking the checkpoint)
+    with pytest.raises(ckpt.CheckpointDamaged, match="shard_00001.safetensors: changed since the save"):
+        ckpt.verify_files(tmp_path, ["shard_00001.safetensors"])
+    with pytest.raises(ckpt.CheckpointDamaged, match="shard_00001.safetensors: changed since the save"):
+        ckpt.verify_checkpoint(tmp_path)
