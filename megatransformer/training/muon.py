@@ -127,6 +127,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         adam_groups = [g for g in self.param_groups if not g["use_muon"]]
         self._adamw = torch.optim.AdamW(adam_groups, fused=fused) if adam_groups else None
 
+    @staticmethod
+    def state_keys(group: dict) -> tuple[str, ...]:
+        """The state the tensors of ``group`` keep: Muon's a momentum and no step count, AdamW's its own."""
+        return ("momentum_buffer",) if group["use_muon"] else ("exp_avg", "exp_avg_sq", "step")
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None

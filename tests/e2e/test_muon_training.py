@@ -31,8 +31,13 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, ou
     from megatransformer.training.checkpointer import innermost_optimizer
     from megatransformer.training.engine import TrainModule
 
+    optim = {"name": "muon", "muon_ns_dtype": "bf16" if precision == "bf16" else "fp32"}
+    offload = precision == "offload"
     cfg = run_config(
-        optim={"name": "muon"}, parallel={"zero_stage": stage}, train={"micro_batch_size": 2}, precision=precision
+        optim=optim,
+        parallel={"zero_stage": stage, "offload_optimizer": offload},
+        train={"micro_batch_size": 2},
+        precision="fp32" if offload else precision,
     )
     dist_info = join(rank, ranks, port)
     try:
@@ -43,35 +48,65 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, ou
         batches = itertools.repeat(host_batch(cfg))
         seen = {"losses": [module.step(batches).loss for _ in range(STEPS)]}
         seen["ns_calls"] = innermost_optimizer(module.engine).ns_calls
-    if rank == 0:
-        Path(out).write_text(json.dumps(seen))
+        seen["wrapper"] = type(module.engine.optimizer).__name__
+    Path(f"{out}.{rank}").write_text(json.dumps(seen))
 
 
-def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32") -> dict:
+def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32") -> list[dict]:
+    """What each rank saw: its losses and Newton-Schulz calls, or the refusal."""
     out = tmp_path / f"seen_{ranks}_{stage}_{precision}.json"
     mp.spawn(_stage_rank, args=(ranks, free_port(), stage, precision, str(out)), nprocs=ranks)
-    return json.loads(out.read_text())
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(ranks)]
 
 
-def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_zero_1_2_3_are_refused(tmp_path):
-    one = stage_run(1, 0, tmp_path)
+def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_two_ranks_equal_one_at_zero_1_2_3(tmp_path):
+    """fp32 Newton-Schulz (bf16's roundings would hide a small difference); ZeRO's reductions round alike here."""
+    (one,) = stage_run(1, 0, tmp_path)
     assert one["ns_calls"] == MATRICES * STEPS
-    two = stage_run(2, 0, tmp_path)
-    assert two["ns_calls"] == MATRICES * STEPS  # on each rank, on the all-reduced gradients
-    assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
-    bf16 = stage_run(1, 0, tmp_path, "bf16")  # (DeepSpeed's unfused bf16 optimizer: fp32 masters as matrices)
-    # (which steps the optimizer once with zero gradients as it starts, to create its states: a zero update)
-    assert bf16["ns_calls"] == MATRICES * (STEPS + 1)
-    assert bf16["losses"] == pytest.approx(one["losses"], rel=2e-2)
-    for stage in (1, 2, 3):
-        refused = stage_run(2, stage, tmp_path)["refused"]
-        assert f"optim.name=muon with parallel.zero_stage={stage}" in refused and "zero_stage=0" in refused
+    for two in stage_run(2, 0, tmp_path):
+        assert two["ns_calls"] == MATRICES * STEPS  # on each rank, on the all-reduced gradients
+        assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    wrappers = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
+    for stage, wrapper in wrappers.items():
+        ranks = stage_run(2, stage, tmp_path)
+        assert all(r["wrapper"] == wrapper and r["losses"] == pytest.approx(one["losses"], abs=1e-5) for r in ranks)
+        calls = [r["ns_calls"] for r in ranks]
+        if stage == 3:  # every matrix partitioned over both ranks: each orthogonalises it
+            assert calls == [MATRICES * STEPS] * 2
+        else:  # each rank the matrices its partition holds a part of: one of them both
+            assert 0 < min(calls) and sum(calls) == (MATRICES + 1) * STEPS
+
+
+def test_bf16_muon_runs_at_every_stage(tmp_path):
+    """DeepSpeed's unfused bf16 optimizer at ZeRO-0 (fp32 masters as matrices, stepped once with zero gradients as
+    it starts: a zero update), its BF16_Optimizer at ZeRO-1 and ZeRO-2/3's fp32 partitions."""
+    (zero_0,) = stage_run(1, 0, tmp_path, "bf16")
+    assert zero_0["ns_calls"] == MATRICES * (STEPS + 1)
+    (fp32,) = stage_run(1, 0, tmp_path)
+    assert zero_0["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
+    wrappers = {1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
+    for stage, wrapper in wrappers.items():
+        first, second = stage_run(2, stage, tmp_path, "bf16")
+        assert first["wrapper"] == wrapper and first["losses"] == second["losses"]
+        assert first["losses"] == pytest.approx(zero_0["losses"], rel=2e-2)
+
+
+def test_an_offloaded_optimizer_is_refused(tmp_path):
+    refused = stage_run(2, 2, tmp_path, "offload")[0]["refused"]
+    assert "optim.name=muon with parallel.offload_optimizer=true" in refused
 
 
 @pytest.mark.parametrize(
     "layout",
-    [["parallel.zero_stage=0"], ["parallel.tensor_parallel=2"], ["parallel.sequence_parallel=2"]],
-    ids=["dp2", "tp2", "sp2"],
+    [
+        ["parallel.zero_stage=0"],
+        ["parallel.zero_stage=1"],
+        ["parallel.zero_stage=2"],
+        ["parallel.zero_stage=3"],
+        ["parallel.tensor_parallel=2"],
+        ["parallel.sequence_parallel=2"],
+    ],
+    ids=["dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "sp2"],
 )
 def test_two_ranks_train_the_losses_of_one(tiny_data, tmp_path, layout):
     """fp32 Newton-Schulz: in bf16 the gradients' fp32 rounding, which differs by layout, moves a few bf16
