@@ -1,7 +1,7 @@
-"""Muon through DeepSpeed's engine: Newton-Schulz at every ZeRO stage it runs (and a one-line refusal where it
-cannot), two data-parallel or tensor-parallel ranks equal to one, a kill -9 resume equal to an uninterrupted run and
-continued on another layout,
-and a wsd decay branched off a stable checkpoint."""
+"""Muon through DeepSpeed's engine: Newton-Schulz at every ZeRO stage (and a one-line refusal where it cannot run),
+two data-parallel (ZeRO-0 to 3), tensor-parallel or sequence-parallel ranks equal to one, a kill -9 resume equal to
+an uninterrupted run and continued on another layout, a ZeRO run resumed on other stages, and a wsd decay branched
+off a stable checkpoint."""
 
 from __future__ import annotations
 
@@ -138,6 +138,26 @@ def test_kill_9_and_resume_equals_uninterrupted_with_muon(tiny_data, tmp_path):
     train(overrides + fp32 + ["parallel.tensor_parallel=2"], nproc=2)
     train(tiny_run(tiny_data, reference, steps=20, changes=changes) + fp32)
     assert losses(crashed)[20:] == pytest.approx(losses(reference)[20:], rel=1e-5)
+
+
+def test_a_zero_run_resumes_on_other_zero_stages_with_the_momentum_it_saved(tiny_data, tmp_path):
+    """ZeRO-1 on two ranks saves each matrix's momentum from its partitions; ZeRO-3 on two ranks, then ZeRO-0 on
+    one, continue it as a one-rank run continues itself (fp32 Newton-Schulz: the layouts' reductions round apart)."""
+    zero, reference = tmp_path / "zero", tmp_path / "reference"
+    changes = MUON | {"train.global_batch_size": 8, "train.grad_accum": None, "optim.muon_ns_dtype": "fp32"}
+    changes |= {"checkpoint.every": 3}
+    layouts = [(["parallel.zero_stage=1"], 2), (["parallel.zero_stage=3"], 2), (["parallel.zero_stage=0"], 1)]
+    for i, (layout, nproc) in enumerate(layouts):
+        resume = ["resume=auto"] if i else []
+        train(tiny_run(tiny_data, zero, steps=3 * (i + 2), changes=changes) + layout + resume, nproc=nproc)
+        train(tiny_run(tiny_data, reference, steps=3 * (i + 2), changes=changes) + resume)
+        assert losses(zero) == pytest.approx(losses(reference), abs=1e-5)
+        index = json.loads((checkpoint(zero, 3 * (i + 2)) / "index.json").read_text())
+        kinds = {name: tuple(p["kinds"]) for name, p in index["params"].items()}
+        matrices = [name for name in kinds if name.endswith("proj.weight")]
+        assert len(matrices) == 14 and {kinds[name] for name in matrices} == {("fp32", "momentum_buffer")}
+        assert {kinds[name] for name in kinds if name not in matrices} == {("fp32", "exp_avg", "exp_avg_sq")}
+    assert [r["step"] for r in metrics(zero) if r["kind"] == "train"] == list(range(1, 13))
 
 
 def test_a_decay_branched_off_a_stable_checkpoint_continues_it_in_its_own_run_dir(tiny_data, tmp_path):
