@@ -26,7 +26,7 @@ MATRICES = 7  # one layer: q, k, v, o, gate, up, down
 MUON = {"optim.name": "muon", "optim.muon_lr": "0.02", "parallel.zero_stage": "0"}
 
 
-def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, out: str) -> None:
+def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, tp: int, out: str) -> None:
     from megatransformer.config import ConfigError
     from megatransformer.training.checkpointer import innermost_optimizer
     from megatransformer.training.engine import TrainModule
@@ -35,7 +35,7 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, ou
     offload = precision == "offload"
     cfg = run_config(
         optim=optim,
-        parallel={"zero_stage": stage, "offload_optimizer": offload},
+        parallel={"zero_stage": stage, "offload_optimizer": offload, "tensor_parallel": tp},
         train={"micro_batch_size": 2},
         precision="fp32" if offload else precision,
     )
@@ -52,10 +52,10 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, ou
     Path(f"{out}.{rank}").write_text(json.dumps(seen))
 
 
-def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32") -> list[dict]:
+def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32", tp: int = 1) -> list[dict]:
     """What each rank saw: its losses and Newton-Schulz calls, or the refusal."""
-    out = tmp_path / f"seen_{ranks}_{stage}_{precision}.json"
-    mp.spawn(_stage_rank, args=(ranks, free_port(), stage, precision, str(out)), nprocs=ranks)
+    out = tmp_path / f"seen_{ranks}_{stage}_{precision}_{tp}.json"
+    mp.spawn(_stage_rank, args=(ranks, free_port(), stage, precision, tp, str(out)), nprocs=ranks)
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(ranks)]
 
 
@@ -75,6 +75,15 @@ def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_two_ranks_equ
             assert calls == [MATRICES * STEPS] * 2
         else:  # each rank the matrices its partition holds a part of: one of them both
             assert 0 < min(calls) and sum(calls) == (MATRICES + 1) * STEPS
+
+
+def test_tensor_parallel_two_with_zero_over_two_data_parallel_ranks_equals_one_rank(tmp_path):
+    """Four ranks: each matrix's update gathered over the data-parallel group, then its tensor-parallel shards."""
+    (one,) = stage_run(1, 0, tmp_path)
+    for stage in (1, 3):
+        ranks = stage_run(4, stage, tmp_path, tp=2)
+        assert all(r["losses"] == pytest.approx(one["losses"], abs=1e-5) for r in ranks)
+        assert all(r["ns_calls"] > 0 for r in ranks)
 
 
 def test_bf16_muon_runs_at_every_stage(tmp_path):
