@@ -349,8 +349,9 @@ class Checkpointer:
         buffer = io.BytesIO()
         torch.save({"loader": loader_state, "rng": rng_state()}, buffer)
         files: dict[str, bytes] = {}
-        everyone: list[dict[str, list[str]] | None] = [None] * dist.get_world_size()  # (ZeRO: ranks hold
-        dist.all_gather_object(everyone, partial_kinds(self.plan.held, kinds))  # different parameters)
+        # (ZeRO 1-3: the ranks hold different parameters, so each says which kinds its parameters have)
+        everyone: list[dict[str, list[str]] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, partial_kinds(self.plan.held, kinds))
         if rank == 0:
             param_kinds = {name: have for partial in everyone for name, have in partial.items()}
             index = sharded.index_record(self.plan.index, kinds, self.plan.aliases, box[0], state.step, param_kinds)

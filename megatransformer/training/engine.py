@@ -104,7 +104,7 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
     if optimizer is not None:
         ds["optimizer"] = optimizer
     elif ds["zero_optimization"]["stage"] > 0:
-        ds["zero_allow_untested_optimizer"] = True  # (muon.MuonWithAdamW: told ZeRO's layout, bind_to_engine)
+        ds["zero_allow_untested_optimizer"] = True  # (muon.MuonWithAdamW, told ZeRO's partitions: bind_to_engine)
     if ds["zero_optimization"]["stage"] > 0:
         # DeepSpeed allocates the whole bucket, 5e8 elements by default, whatever the model's size
         ds["zero_optimization"]["reduce_bucket_size"] = reduce_bucket_elements(cfg.model, p.tensor_parallel)
@@ -133,8 +133,8 @@ def check_muon_layout(cfg: RunConfig) -> None:
     tensor- and sequence-parallel degree, but not where ZeRO-Offload steps it on the host."""
     if cfg.parallel.offload_optimizer:
         raise ConfigError(
-            "optim.name=muon with parallel.offload_optimizer=true: Muon gathers each matrix's update over the "
-            "data-parallel group, which the host-side step of ZeRO-Offload does not run; set "
+            "optim.name=muon with parallel.offload_optimizer=true: ZeRO-Offload steps the optimizer on the host, "
+            "where Muon cannot gather each matrix's update over the data-parallel group; set "
             "parallel.offload_optimizer=false"
         )
 

@@ -168,16 +168,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
             update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
             p.mul_(1 - lr * wd)
             if partition is None:
-                update, shape = self._orthogonalize_whole(update, *settings)
-                p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+                orthogonal, shape = self._orthogonalize_whole(update, *settings)
+                p.add_(orthogonal, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
                 continue
             for piece, whole in self._gather_matrices(update, partition):
-                update, shape = self._orthogonalize_whole(whole, *settings)
-                mine = update.reshape(-1).narrow(0, piece.lp_start, piece.numel)
+                orthogonal, shape = self._orthogonalize_whole(whole, *settings)
+                mine = orthogonal.reshape(-1).narrow(0, piece.lp_start, piece.numel)
                 p.narrow(0, piece.hp_start, piece.numel).add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
 
     @staticmethod
-    def _gather_matrices(update: torch.Tensor, partition: FlatPartition):
+    def _gather_matrices(update: torch.Tensor, partition: FlatPartition) -> list[tuple[MatrixPiece, torch.Tensor]]:
         """Each matrix this rank's partition holds a part of, whole, from every rank's part of the update."""
         size = dist.get_world_size(partition.group)
         gathered = torch.empty(size * update.numel(), dtype=update.dtype, device=update.device)

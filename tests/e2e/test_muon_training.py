@@ -114,8 +114,10 @@ def test_an_offloaded_optimizer_is_refused(tmp_path):
         ["parallel.zero_stage=3"],
         ["parallel.tensor_parallel=2"],
         ["parallel.sequence_parallel=2"],
+        ["parallel.sequence_parallel=2", "parallel.zero_stage=1"],
+        ["parallel.sequence_parallel=2", "parallel.zero_stage=3"],
     ],
-    ids=["dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "sp2"],
+    ids=["dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "sp2", "sp2-zero1", "sp2-zero3"],
 )
 def test_two_ranks_train_the_losses_of_one(tiny_data, tmp_path, layout):
     """fp32 Newton-Schulz: in bf16 the gradients' fp32 rounding, which differs by layout, moves a few bf16
