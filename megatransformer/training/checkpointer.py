@@ -117,7 +117,7 @@ def _zero3_view(opt, param, n: int) -> Callable[[str], torch.Tensor | None]:
     def view(kind: str) -> torch.Tensor | None:
         key = None if kind == sharded.MASTER else kind
         flat = opt.fp32_partitioned_groups_flat[opt.grad_position[opt.get_param_id(param)][0]]
-        if key is not None and key not in opt.optimizer.state[flat]:
+        if key is not None and key not in opt.optimizer.state.get(flat, {}):
             return None
         return opt._get_fp32_opt_state_partition(param, release_swap_buffers=True, optim_state_key=key)[0][:n]
 
