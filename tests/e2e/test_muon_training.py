@@ -28,7 +28,8 @@ MUON = {"optim.name": "muon", "optim.muon_lr": "0.02", "parallel.zero_stage": "0
 
 def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, tp: int, out: str) -> None:
     from megatransformer.config import ConfigError
-    from megatransformer.training.checkpointer import innermost_optimizer
+    from megatransformer.planner import muon_elements
+    from megatransformer.training.checkpointer import innermost_optimizer, local_fragments
     from megatransformer.training.engine import TrainModule
 
     optim = {"name": "muon", "muon_ns_dtype": "bf16" if precision == "bf16" else "fp32"}
@@ -49,6 +50,11 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, tp
         seen = {"losses": [module.step(batches).loss for _ in range(STEPS)]}
         seen["ns_calls"] = innermost_optimizer(module.engine).ns_calls
         seen["wrapper"] = type(module.engine.optimizer).__name__
+        # what a checkpoint saves: this rank's part of each matrix's momentum, no Adam moments
+        held = [f for f in local_fragments(module.engine, tp, module.tp_rank) if f.name.endswith("proj.weight")]
+        seen["momentum"] = sum(f.view("momentum_buffer").numel() for f in held)
+        seen["adam_moments"] = [f.name for f in held if f.view("exp_avg") is not None]
+        seen["matrices"] = muon_elements(cfg.model, tp)
     Path(f"{out}.{rank}").write_text(json.dumps(seen))
 
 
@@ -75,6 +81,9 @@ def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_two_ranks_equ
             assert calls == [MATRICES * STEPS] * 2
         else:  # each rank the matrices its partition holds a part of: one of them both
             assert 0 < min(calls) and sum(calls) == (MATRICES + 1) * STEPS
+        # the momentum partitioned: each element in one rank's partition
+        assert 0 < ranks[0]["momentum"] < ranks[0]["matrices"] == sum(r["momentum"] for r in ranks)
+        assert not any(r["adam_moments"] for r in ranks)
 
 
 def test_tensor_parallel_two_with_zero_over_two_data_parallel_ranks_equals_one_rank(tmp_path):
