@@ -26,19 +26,17 @@ MATRICES = 7  # one layer: q, k, v, o, gate, up, down
 MUON = {"optim.name": "muon", "optim.muon_lr": "0.02", "parallel.zero_stage": "0"}
 
 
-def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, tp: int, out: str) -> None:
+def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, parallel: dict, out: str) -> None:
     from megatransformer.config import ConfigError
     from megatransformer.planner import muon_elements
     from megatransformer.training.checkpointer import innermost_optimizer, local_fragments
     from megatransformer.training.engine import TrainModule
 
-    optim = {"name": "muon", "muon_ns_dtype": "bf16" if precision == "bf16" else "fp32"}
-    offload = precision == "offload"
     cfg = run_config(
-        optim=optim,
-        parallel={"zero_stage": stage, "offload_optimizer": offload, "tensor_parallel": tp},
+        optim={"name": "muon", "muon_ns_dtype": "bf16" if precision == "bf16" else "fp32"},
+        parallel={"zero_stage": stage, **parallel},
         train={"micro_batch_size": 2},
-        precision="fp32" if offload else precision,
+        precision=precision,
     )
     dist_info = join(rank, ranks, port)
     try:
@@ -51,17 +49,19 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, tp
         seen["ns_calls"] = innermost_optimizer(module.engine).ns_calls
         seen["wrapper"] = type(module.engine.optimizer).__name__
         # what a checkpoint saves: this rank's part of each matrix's momentum, no Adam moments
-        held = [f for f in local_fragments(module.engine, tp, module.tp_rank) if f.name.endswith("proj.weight")]
+        fragments = local_fragments(module.engine, module.tp, module.tp_rank)
+        held = [f for f in fragments if f.name.endswith("proj.weight")]
         seen["momentum"] = sum(f.view("momentum_buffer").numel() for f in held)
         seen["adam_moments"] = [f.name for f in held if f.view("exp_avg") is not None]
-        seen["matrices"] = muon_elements(cfg.model, tp)
+        seen["matrices"] = muon_elements(cfg.model, module.tp)
     Path(f"{out}.{rank}").write_text(json.dumps(seen))
 
 
-def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32", tp: int = 1) -> list[dict]:
-    """What each rank saw: its losses and Newton-Schulz calls, or the refusal."""
-    out = tmp_path / f"seen_{ranks}_{stage}_{precision}_{tp}.json"
-    mp.spawn(_stage_rank, args=(ranks, free_port(), stage, precision, tp, str(out)), nprocs=ranks)
+def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32", **parallel) -> list[dict]:
+    """What each rank saw (its losses, Newton-Schulz calls and momentum), or the refusal; ``parallel``: other
+    settings of the parallel section."""
+    out = tmp_path / f"seen_{ranks}_{stage}_{precision}_{'_'.join(map(str, parallel.values()))}.json"
+    mp.spawn(_stage_rank, args=(ranks, free_port(), stage, precision, parallel, str(out)), nprocs=ranks)
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(ranks)]
 
 
@@ -90,7 +90,7 @@ def test_tensor_parallel_two_with_zero_over_two_data_parallel_ranks_equals_one_r
     """Four ranks: each matrix's update gathered over the data-parallel group, then its tensor-parallel shards."""
     (one,) = stage_run(1, 0, tmp_path)
     for stage in (1, 3):
-        ranks = stage_run(4, stage, tmp_path, tp=2)
+        ranks = stage_run(4, stage, tmp_path, tensor_parallel=2)
         assert all(r["losses"] == pytest.approx(one["losses"], abs=1e-5) for r in ranks)
         assert all(r["ns_calls"] > 0 for r in ranks)
 
@@ -110,7 +110,7 @@ def test_bf16_muon_runs_at_every_stage(tmp_path):
 
 
 def test_an_offloaded_optimizer_is_refused(tmp_path):
-    refused = stage_run(2, 2, tmp_path, "offload")[0]["refused"]
+    refused = stage_run(2, 2, tmp_path, offload_optimizer=True)[0]["refused"]
     assert "optim.name=muon with parallel.offload_optimizer=true" in refused
 
 
