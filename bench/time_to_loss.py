@@ -71,10 +71,8 @@ def train(args: argparse.Namespace, optimizer: str, schedule: str, lr: float) ->
         f"checkpoint.every={args.steps}",
         "wandb.mode=disabled",
     ]
-    if optimizer == "muon":
-        overrides.append("parallel.zero_stage=0")  # (Muon runs at ZeRO-0: docs/optimizers.md)
-        if args.muon_adam_lr is not None:
-            overrides.append(f"optim.lr={args.muon_adam_lr}")
+    if optimizer == "muon" and args.muon_adam_lr is not None:
+        overrides.append(f"optim.lr={args.muon_adam_lr}")
     command = [sys.executable, "-m", "megatransformer.cli", "train", "--config", args.config, *overrides]
     if run_dir.exists():
         raise SystemExit(f"{run_dir} exists: choose another --out")

@@ -125,18 +125,15 @@ def parameter_sizes(m: ModelConfig) -> list[tuple[int, bool, int]]:
 
 def muon_elements(m: ModelConfig, tp: int) -> int:
     """Elements of the matrices a tensor-parallel rank updates with Muon (the model's hidden matrices, read from
-    the model built on the meta device): one momentum buffer each, where Adam keeps two moments."""
-    import torch
-
-    from megatransformer.model import build_model
+    one block per stack as :func:`parameter_sizes` does): one momentum buffer each, where Adam keeps two moments."""
+    from megatransformer.flops import one_block_per_stack
     from megatransformer.model.matrices import hidden_matrix_names
     from megatransformer.model.tp_plan import partition_dim
 
-    with torch.device("meta"):
-        model = build_model(m)
-    chosen = hidden_matrix_names(model)
+    model, copies = one_block_per_stack(m)
     named = dict(model.named_parameters())
-    return sum(named[n].numel() // (tp if partition_dim(n) is not None else 1) for n in chosen)
+    chosen = hidden_matrix_names(model)
+    return sum(named[n].numel() // (tp if partition_dim(n) is not None else 1) * copies(n) for n in chosen)
 
 
 def parameter_counts(m: ModelConfig) -> tuple[int, int]:
@@ -328,8 +325,8 @@ def state_parts(
     held = {name: 0 for name in PARTS}
     in_backward = {name: 0 for name in PARTS}
     held["optimizer_states"] = 8 * part
-    if cfg.optim.name == "muon":  # (ZeRO-0 only: nothing partitioned)
-        held["optimizer_states"] -= 4 * muon_elements(cfg.model, layout.tp)
+    if cfg.optim.name == "muon":  # (partitioned as Adam's moments)
+        held["optimizer_states"] -= 4 * -(-muon_elements(cfg.model, layout.tp) // shards)
     held["weights"] = w * params
     if not engine:
         held["master_weights"] = 8 * params if lp else 0
@@ -439,6 +436,8 @@ def step_seconds(cfg: RunConfig, layout: Layout, device: Device, gpus_per_node: 
         volume = 2 * ring * 4 * params if layout.zero < 3 else ring * 4 * params
         if layout.zero in (1, 2):
             volume = ring * 4 * params + ring * w * params  # reduce-scatter, then all-gather of updated weights
+        if layout.zero and cfg.optim.name == "muon":  # Muon's update gathered in fp32 (training/muon.py)
+            volume += ring * 4 * muon_elements(m, layout.tp)
         seconds += volume / (outer if layout.dp > 1 else inner)
         if layout.zero == 3:
             seconds += ZERO3_GATHER_EXPOSED * 2 * ring * w * params * layout.accum / outer
@@ -589,8 +588,8 @@ def plan(
                     continue  # ZeRO over one rank partitions nothing: the engine runs stage 0
                 if offload and zero == 0:
                     continue
-                if zero and cfg.optim.name == "muon":
-                    continue  # Muon runs at ZeRO-0 (training/engine.py check_muon_layout)
+                if offload and cfg.optim.name == "muon":
+                    continue  # (training/engine.py check_muon_layout)
                 layouts.append(Layout(dp, tp, sp, zero, ckpt, tile, offload, micro, per_rank // micro))
     if current is not None and current not in layouts:
         layouts.append(current)

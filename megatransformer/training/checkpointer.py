@@ -111,16 +111,28 @@ def local_fragments(engine, tp: int, tp_rank: int) -> list[Fragment]:
     return fragments
 
 
-def _zero3_view(opt, param, n: int) -> Callable[[str], torch.Tensor]:
-    def view(kind: str) -> torch.Tensor:
+def _zero3_view(opt, param, n: int) -> Callable[[str], torch.Tensor | None]:
+    """(None: the optimizer keeps no state ``kind`` for this parameter's group, as Muon's keeps no Adam moments.)"""
+
+    def view(kind: str) -> torch.Tensor | None:
         key = None if kind == sharded.MASTER else kind
+        flat = opt.fp32_partitioned_groups_flat[opt.grad_position[opt.get_param_id(param)][0]]
+        if key is not None and key not in opt.optimizer.state.get(flat, {}):
+            return None
         return opt._get_fp32_opt_state_partition(param, release_swap_buffers=True, optim_state_key=key)[0][:n]
 
     return view
 
 
-def _mapped_view(mapping) -> Callable[[str], torch.Tensor]:
-    return lambda kind: mapping.hp_fragment if kind == sharded.MASTER else mapping.get_optim_state_fragment(kind)
+def _mapped_view(mapping) -> Callable[[str], torch.Tensor | None]:
+    """(None: as :func:`_zero3_view`.)"""
+
+    def view(kind: str) -> torch.Tensor | None:
+        if kind == sharded.MASTER:
+            return mapping.hp_fragment
+        return mapping.optim_fragment.get(kind) if mapping.optim_fragment else None
+
+    return view
 
 
 def _replica_view(param, inner, masters) -> Callable[[str], torch.Tensor | None]:
@@ -237,9 +249,8 @@ class SavePlan:
 
 
 def partial_kinds(fragments: list[Fragment], kinds: list[str]) -> dict[str, list[str]]:
-    """The kinds of state each parameter has, for those that lack some of ``kinds``. Only without ZeRO, where every
-    rank holds every parameter, can the optimizer keep other state for some parameters (Muon's matrices a
-    momentum, the others Adam's moments); ZeRO's partitions hold every kind for every element."""
+    """The kinds of state each parameter in ``fragments`` has, for those that lack some of ``kinds``: an optimizer
+    may keep other state for some parameters (Muon's matrices a momentum, the others Adam's moments)."""
     partial = {}
     for fragment in fragments:
         have = [kind for kind in kinds if fragment.view(kind) is not None]
@@ -338,8 +349,11 @@ class Checkpointer:
         buffer = io.BytesIO()
         torch.save({"loader": loader_state, "rng": rng_state()}, buffer)
         files: dict[str, bytes] = {}
+        # (ZeRO 1-3: the ranks hold different parameters, so each says which kinds its parameters have)
+        everyone: list[dict[str, list[str]] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, partial_kinds(self.plan.held, kinds))
         if rank == 0:
-            param_kinds = partial_kinds(self.plan.held, kinds)
+            param_kinds = {name: have for partial in everyone for name, have in partial.items()}
             index = sharded.index_record(self.plan.index, kinds, self.plan.aliases, box[0], state.step, param_kinds)
             index["optimizer"] = self._optimizer_record()
             files[sharded.INDEX] = json.dumps(index).encode()
@@ -607,15 +621,23 @@ def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR | None) -> None:
 
 def _ensure_state(engine, inner: torch.optim.Optimizer, saved: sharded.ShardedState, step: int) -> None:
     """Every tensor the torch optimizer steps has the state the checkpoint holds for it (the optimizer makes it
-    lazily at the first step), with the saved step count."""
+    lazily at the first step), with the saved step count where it keeps one. An optimizer whose groups keep
+    different state (``state_keys(group)``, as muon.MuonWithAdamW's) says which; a flat ZeRO partition gets
+    those of its group."""
     every = [k for k in saved.kinds if k != sharded.MASTER]
     masters = fp16_optimizer_masters(engine.optimizer)
     names = {id(masters.get(id(p), p)): name for name, p in engine.module.named_parameters()}
+    state_keys = getattr(inner, "state_keys", lambda group: (*every, "step"))
     for p, group in _stepped(engine, inner):
-        state = inner.state[p]
-        keys = [k for k in saved.kinds_of(names[id(p)]) if k != sharded.MASTER] if id(p) in names else every
+        state, kept = inner.state[p], state_keys(group)
+        if id(p) in names:
+            keys = [k for k in saved.kinds_of(names[id(p)]) if k != sharded.MASTER]
+        else:
+            keys = [k for k in every if k in kept]
         for key in keys:
             state.setdefault(key, torch.zeros_like(p, memory_format=torch.preserve_format))
+        if "step" not in kept:
+            continue
         old = state.get("step")
         if isinstance(old, torch.Tensor):
             state["step"] = torch.full_like(old, float(step))

@@ -47,7 +47,7 @@ from megatransformer.training.compiled import compile_blocks, compile_enabled
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.distributed import Dist
 from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
-from megatransformer.training.muon import MuonWithAdamW, muon_param_groups
+from megatransformer.training.muon import MuonWithAdamW, bind_to_engine, muon_param_groups
 from megatransformer.training.optim import make_scheduler, param_groups
 from megatransformer.training.resume import ResumePlan
 from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
@@ -103,6 +103,8 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
     }
     if optimizer is not None:
         ds["optimizer"] = optimizer
+    elif ds["zero_optimization"]["stage"] > 0:
+        ds["zero_allow_untested_optimizer"] = True  # (muon.MuonWithAdamW, told ZeRO's partitions: bind_to_engine)
     if ds["zero_optimization"]["stage"] > 0:
         # DeepSpeed allocates the whole bucket, 5e8 elements by default, whatever the model's size
         ds["zero_optimization"]["reduce_bucket_size"] = reduce_bucket_elements(cfg.model, p.tensor_parallel)
@@ -125,16 +127,15 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
     return ds
 
 
-def check_muon_layout(cfg: RunConfig, engine_stage: int) -> None:
-    """Refuse the layouts :class:`MuonWithAdamW` cannot orthogonalise whole matrices in: it runs where each
-    rank holds its parameters and gradients as matrices (ZeRO-0; in bf16/fp16 DeepSpeed's unfused optimizer keeps
-    an fp32 master per parameter), whatever the data-, tensor- and sequence-parallel degrees."""
-    if engine_stage > 0:
+def check_muon_layout(cfg: RunConfig) -> None:
+    """Refuse the layouts :class:`MuonWithAdamW` cannot orthogonalise whole matrices in: it runs at every ZeRO
+    stage (told ZeRO's partitions, it gathers each matrix's update over the data-parallel group) with any data-,
+    tensor- and sequence-parallel degree, but not where ZeRO-Offload steps it on the host."""
+    if cfg.parallel.offload_optimizer:
         raise ConfigError(
-            f"optim.name=muon with parallel.zero_stage={cfg.parallel.zero_stage} (DeepSpeed runs ZeRO-{engine_stage} "
-            "on this layout): ZeRO keeps gradients and optimizer state as flat slices, which Muon cannot "
-            "orthogonalise (DeepSpeed's own ZeRO Muon clips the orthogonalised update and has no nesterov, ns_steps "
-            "or adjust_lr_fn); set parallel.zero_stage=0"
+            "optim.name=muon with parallel.offload_optimizer=true: ZeRO-Offload steps the optimizer on the host, "
+            "where Muon cannot gather each matrix's update over the data-parallel group; set "
+            "parallel.offload_optimizer=false"
         )
 
 
@@ -234,7 +235,7 @@ class TrainModule:
         full_shapes = {name: p.shape for name, p in model.named_parameters()}
         optimizer, self.optimizer_line = None, None
         if cfg.optim.name == "muon":
-            check_muon_layout(cfg, self.zero_stage)
+            check_muon_layout(cfg)
             groups_, self.optimizer_line = muon_param_groups(model, cfg.optim, tp)
             optimizer = functools.partial(MuonWithAdamW, fused=True)  # (built on the parameters AutoTP shards)
         else:
@@ -247,8 +248,9 @@ class TrainModule:
             lr_scheduler=make_scheduler(cfg),
             mpu=mpu,
         )
-        if cfg.optim.name == "muon" and tp > 1:
-            checkpointer.innermost_optimizer(self.engine).tp_group = groups.get_tensor_model_parallel_group()
+        if cfg.optim.name == "muon":
+            tp_group = groups.get_tensor_model_parallel_group() if tp > 1 else None
+            bind_to_engine(checkpointer.innermost_optimizer(self.engine), self.engine.optimizer, tp_group)
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
             check_batch_without_masks(self.engine)

@@ -3,14 +3,16 @@
 Which parameters Muon updates is read from the model's structure before DeepSpeed sees it (the weights of
 ``nn.Linear`` modules, tied embeddings and the output head excluded), never from tensor shapes, which ZeRO
 flattens. The Muon update is ``torch.optim.Muon``'s, line for line (its Newton-Schulz iteration and its
-learning-rate adjustment of the matrix shape); under tensor parallelism each rank's shard of the update is
-gathered over the tensor-parallel group, orthogonalised as the whole matrix, and sliced back. Design notes and
-the stages it runs at: docs/optimizers.md.
+learning-rate adjustment of the matrix shape), at every ZeRO stage: where ZeRO hands the optimizer flat
+partitions, the momentum stays partitioned and the update is gathered over the data-parallel group, each matrix
+orthogonalised whole and the rank's part kept; under tensor parallelism each rank's shard of a matrix is gathered
+over the tensor-parallel group alike. Design notes and costs: docs/optimizers.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -72,17 +74,51 @@ def muon_param_groups(model: nn.Module, o: OptimConfig, tensor_parallel: int) ->
     return [g for g in groups if g["params"]], line
 
 
+@dataclass(frozen=True)
+class MatrixPiece:
+    """The part of one Muon matrix that a rank's flat ZeRO partition holds: elements ``lp_start`` to ``lp_start +
+    numel`` of the flattened matrix, at ``hp_start`` of the partition. ``part`` > 0 (ZeRO-3: every matrix
+    partitioned on its own): each rank's partition holds ``part`` elements of the matrix from ``start`` on;
+    ``part`` = 0 (ZeRO-1/2: a group flattened, then partitioned): the matrix begins at ``start`` of the ranks'
+    partitions laid end to end."""
+
+    shape: torch.Size  # (this tensor-parallel rank's shard of the matrix)
+    start: int
+    part: int
+    lp_start: int
+    hp_start: int
+    numel: int
+
+    def whole(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The matrix, from all ranks' partitions (``gathered``: one row per rank)."""
+        if self.part:
+            flat = gathered[:, self.start : self.start + self.part].reshape(-1)
+        else:
+            flat = gathered.view(-1)[self.start :]
+        return flat[: self.shape.numel()].view(self.shape)
+
+
+@dataclass(frozen=True)
+class FlatPartition:
+    """A rank's flat ZeRO partition of Muon matrices and the data-parallel group that partitions them."""
+
+    pieces: tuple[MatrixPiece, ...]
+    group: dist.ProcessGroup
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """``torch.optim.Muon`` on the groups marked ``use_muon``, ``torch.optim.AdamW`` on the others, in one
     optimizer whose state (``momentum_buffer`` for Muon's matrices; ``exp_avg``, ``exp_avg_sq``, ``step`` for
     AdamW's tensors) saves and loads as any torch optimizer's.
 
-    ``tp_group`` (set once the engine exists): the tensor-parallel group the ``tp_dim`` of a Muon group refers
-    to; ``orthogonalize`` counts its calls in ``ns_calls``."""
+    Set once the engine exists (:func:`bind_to_engine`): ``tp_group``, the tensor-parallel group the ``tp_dim``
+    of a Muon group refers to; ``partitions``, the layout of each flat ZeRO partition of Muon matrices (by the
+    partition's ``id``). ``orthogonalize`` counts its calls in ``ns_calls``."""
 
     def __init__(self, groups: list[dict], fused: bool = False) -> None:
         super().__init__(groups, {})
         self.tp_group: dist.ProcessGroup | None = None
+        self.partitions: dict[int, FlatPartition] = {}
         self.ns_calls = 0
         for group in self.param_groups:
             if group["use_muon"]:
@@ -90,6 +126,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                     _check_matrix(p)
         adam_groups = [g for g in self.param_groups if not g["use_muon"]]
         self._adamw = torch.optim.AdamW(adam_groups, fused=fused) if adam_groups else None
+
+    @staticmethod
+    def state_keys(group: dict) -> tuple[str, ...]:
+        """The state the tensors of ``group`` keep: Muon's a momentum and no step count, AdamW's its own."""
+        return ("momentum_buffer",) if group["use_muon"] else ("exp_avg", "exp_avg_sq", "step")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -112,19 +153,36 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _muon_group(self, group: dict) -> None:
         lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+        settings = group["tp_dim"], group["ns_steps"], group["ns_dtype"]
         for p in group["params"]:
             if p.grad is None:
                 continue
-            _check_matrix(p)  # (a wrapper may have put its own copies of the parameters into the groups)
+            partition = self.partitions.get(id(p))
+            if partition is None:
+                _check_matrix(p)  # (a wrapper may have put its own copies of the parameters into the groups)
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - beta)
             update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
-            update, shape = self._orthogonalize_whole(update, group["tp_dim"], group["ns_steps"], group["ns_dtype"])
             p.mul_(1 - lr * wd)
-            p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+            if partition is None:
+                orthogonal, shape = self._orthogonalize_whole(update, *settings)
+                p.add_(orthogonal, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+                continue
+            for piece, whole in self._gather_matrices(update, partition):
+                orthogonal, shape = self._orthogonalize_whole(whole, *settings)
+                mine = orthogonal.reshape(-1).narrow(0, piece.lp_start, piece.numel)
+                p.narrow(0, piece.hp_start, piece.numel).add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+
+    @staticmethod
+    def _gather_matrices(update: torch.Tensor, partition: FlatPartition) -> list[tuple[MatrixPiece, torch.Tensor]]:
+        """Each matrix this rank's partition holds a part of, whole, from every rank's part of the update."""
+        size = dist.get_world_size(partition.group)
+        gathered = torch.empty(size * update.numel(), dtype=update.dtype, device=update.device)
+        dist.all_gather_into_tensor(gathered, update.contiguous(), group=partition.group)
+        return [(piece, piece.whole(gathered.view(size, -1))) for piece in partition.pieces]
 
     def _orthogonalize_whole(
         self, shard: torch.Tensor, dim: int | None, steps: int, dtype: str
@@ -147,11 +205,54 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return newton_schulz_fp32(update, steps)
 
 
+def bind_to_engine(optimizer: MuonWithAdamW, zero, tp_group: dist.ProcessGroup | None) -> None:
+    """Tell ``optimizer`` the tensor-parallel group and the layout of the flat partitions that ``zero`` (DeepSpeed's
+    ZeRO-1/2, ZeRO-3 or bf16 optimizer wrapping it; any other wrapper hands it whole matrices) steps it with.
+
+    Read from DeepSpeed 0.19.8's wrappers: ZeRO-1/2 and the bf16 optimizer flatten each parameter group and give
+    each rank one contiguous partition (``_hp_mapping``: which elements of a parameter, where in the partition);
+    ZeRO-3 partitions each parameter on its own and lays the rank's parts of a sub-group end to end
+    (``grad_position``)."""
+    optimizer.tp_group = tp_group
+    optimizer.partitions = {}
+    muon = [g["use_muon"] for g in optimizer.param_groups]
+    if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        group = zero.dp_process_group
+        rank = dist.get_rank(group)
+        for sub, (flat, params) in enumerate(zip(zero.fp32_partitioned_groups_flat, zero.fp16_groups)):
+            if not muon[zero.sub_group_to_group_id[sub]]:
+                continue
+            pieces = []
+            for param in params:
+                _, offset, part = zero.grad_position[zero.get_param_id(param)]
+                numel = min(part, param.ds_numel - rank * part)
+                if numel > 0:
+                    pieces.append(MatrixPiece(param.ds_shape, offset, part, rank * part, offset, numel))
+            optimizer.partitions[id(flat)] = FlatPartition(tuple(pieces), group)
+        return
+    flats = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_groups_flat_partition", [])
+    lows = getattr(zero, "bit16_groups", None) or getattr(zero, "bf16_groups", [])
+    for i, (flat, params) in enumerate(zip(flats, lows)):
+        if not muon[i]:
+            continue
+        group = zero.real_dp_process_group[i]
+        base = dist.get_rank(group) * flat.numel()
+        pieces = []
+        for param in params:
+            mapping = param._hp_mapping
+            if mapping is None:
+                continue  # (wholly in other ranks' partitions)
+            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+            pieces.append(MatrixPiece(param.shape, base + hp.start - lp.start, 0, lp.start, hp.start, lp.numel))
+        optimizer.partitions[id(flat)] = FlatPartition(tuple(pieces), group)
+
+
 def _check_matrix(p: torch.Tensor) -> None:
     if p.ndim != 2:
         raise ConfigError(
-            f"optim.name=muon: a Muon parameter reached the optimizer as a tensor of shape {tuple(p.shape)} (a ZeRO "
-            "or precision wrapper flattened it), which cannot be orthogonalised; run parallel.zero_stage=0"
+            f"optim.name=muon: a Muon parameter reached the optimizer as a tensor of shape {tuple(p.shape)} (a "
+            "wrapper flattened it) whose layout the optimizer was not told (muon.bind_to_engine), so it cannot be "
+            "orthogonalised"
         )
 
 

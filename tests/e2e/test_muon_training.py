@@ -1,7 +1,7 @@
-"""Muon through DeepSpeed's engine: Newton-Schulz at every ZeRO stage it runs (and a one-line refusal where it
-cannot), two data-parallel or tensor-parallel ranks equal to one, a kill -9 resume equal to an uninterrupted run and
-continued on another layout,
-and a wsd decay branched off a stable checkpoint."""
+"""Muon through DeepSpeed's engine: Newton-Schulz at every ZeRO stage (and a one-line refusal where it cannot run),
+two data-parallel (ZeRO-0 to 3), tensor-parallel or sequence-parallel ranks equal to one, a kill -9 resume equal to
+an uninterrupted run and continued on another layout, a ZeRO run resumed on other stages, and a wsd decay branched
+off a stable checkpoint."""
 
 from __future__ import annotations
 
@@ -26,13 +26,17 @@ MATRICES = 7  # one layer: q, k, v, o, gate, up, down
 MUON = {"optim.name": "muon", "optim.muon_lr": "0.02", "parallel.zero_stage": "0"}
 
 
-def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, out: str) -> None:
+def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, parallel: dict, out: str) -> None:
     from megatransformer.config import ConfigError
-    from megatransformer.training.checkpointer import innermost_optimizer
+    from megatransformer.planner import muon_elements
+    from megatransformer.training.checkpointer import innermost_optimizer, local_fragments
     from megatransformer.training.engine import TrainModule
 
     cfg = run_config(
-        optim={"name": "muon"}, parallel={"zero_stage": stage}, train={"micro_batch_size": 2}, precision=precision
+        optim={"name": "muon", "muon_ns_dtype": "bf16" if precision == "bf16" else "fp32"},
+        parallel={"zero_stage": stage, **parallel},
+        train={"micro_batch_size": 2},
+        precision=precision,
     )
     dist_info = join(rank, ranks, port)
     try:
@@ -43,35 +47,86 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, ou
         batches = itertools.repeat(host_batch(cfg))
         seen = {"losses": [module.step(batches).loss for _ in range(STEPS)]}
         seen["ns_calls"] = innermost_optimizer(module.engine).ns_calls
-    if rank == 0:
-        Path(out).write_text(json.dumps(seen))
+        seen["wrapper"] = type(module.engine.optimizer).__name__
+        # what a checkpoint saves: this rank's part of each matrix's momentum, no Adam moments
+        fragments = local_fragments(module.engine, module.tp, module.tp_rank)
+        held = [f for f in fragments if f.name.endswith("proj.weight")]
+        seen["momentum"] = sum(f.view("momentum_buffer").numel() for f in held)
+        seen["adam_moments"] = [f.name for f in held if f.view("exp_avg") is not None]
+        seen["matrices"] = muon_elements(cfg.model, module.tp)
+    Path(f"{out}.{rank}").write_text(json.dumps(seen))
 
 
-def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32") -> dict:
-    out = tmp_path / f"seen_{ranks}_{stage}_{precision}.json"
-    mp.spawn(_stage_rank, args=(ranks, free_port(), stage, precision, str(out)), nprocs=ranks)
-    return json.loads(out.read_text())
+def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32", **parallel) -> list[dict]:
+    """What each rank saw (its losses, Newton-Schulz calls and momentum), or the refusal; ``parallel``: other
+    settings of the parallel section."""
+    out = tmp_path / f"seen_{ranks}_{stage}_{precision}_{'_'.join(map(str, parallel.values()))}.json"
+    mp.spawn(_stage_rank, args=(ranks, free_port(), stage, precision, parallel, str(out)), nprocs=ranks)
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(ranks)]
 
 
-def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_zero_1_2_3_are_refused(tmp_path):
-    one = stage_run(1, 0, tmp_path)
+def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_two_ranks_equal_one_at_zero_1_2_3(tmp_path):
+    """fp32 Newton-Schulz (bf16's roundings would hide a small difference); ZeRO's reductions round alike here."""
+    (one,) = stage_run(1, 0, tmp_path)
     assert one["ns_calls"] == MATRICES * STEPS
-    two = stage_run(2, 0, tmp_path)
-    assert two["ns_calls"] == MATRICES * STEPS  # on each rank, on the all-reduced gradients
-    assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
-    bf16 = stage_run(1, 0, tmp_path, "bf16")  # (DeepSpeed's unfused bf16 optimizer: fp32 masters as matrices)
-    # (which steps the optimizer once with zero gradients as it starts, to create its states: a zero update)
-    assert bf16["ns_calls"] == MATRICES * (STEPS + 1)
-    assert bf16["losses"] == pytest.approx(one["losses"], rel=2e-2)
-    for stage in (1, 2, 3):
-        refused = stage_run(2, stage, tmp_path)["refused"]
-        assert f"optim.name=muon with parallel.zero_stage={stage}" in refused and "zero_stage=0" in refused
+    for two in stage_run(2, 0, tmp_path):
+        assert two["ns_calls"] == MATRICES * STEPS  # on each rank, on the all-reduced gradients
+        assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    wrappers = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
+    for stage, wrapper in wrappers.items():
+        ranks = stage_run(2, stage, tmp_path)
+        assert all(r["wrapper"] == wrapper and r["losses"] == pytest.approx(one["losses"], abs=1e-5) for r in ranks)
+        calls = [r["ns_calls"] for r in ranks]
+        if stage == 3:  # every matrix partitioned over both ranks: each orthogonalises it
+            assert calls == [MATRICES * STEPS] * 2
+        else:  # each rank the matrices its partition holds a part of: one of them both
+            assert 0 < min(calls) and sum(calls) == (MATRICES + 1) * STEPS
+        # the momentum partitioned: each element in one rank's partition
+        assert 0 < ranks[0]["momentum"] < ranks[0]["matrices"] == sum(r["momentum"] for r in ranks)
+        assert not any(r["adam_moments"] for r in ranks)
+
+
+def test_tensor_parallel_two_with_zero_over_two_data_parallel_ranks_equals_one_rank(tmp_path):
+    """Four ranks: each matrix's update gathered over the data-parallel group, then its tensor-parallel shards."""
+    (one,) = stage_run(1, 0, tmp_path)
+    for stage in (1, 3):
+        ranks = stage_run(4, stage, tmp_path, tensor_parallel=2)
+        assert all(r["losses"] == pytest.approx(one["losses"], abs=1e-5) for r in ranks)
+        assert all(r["ns_calls"] > 0 for r in ranks)
+
+
+def test_bf16_muon_runs_at_every_stage(tmp_path):
+    """DeepSpeed's unfused bf16 optimizer at ZeRO-0 (fp32 masters as matrices, stepped once with zero gradients as
+    it starts: a zero update), its BF16_Optimizer at ZeRO-1 and ZeRO-2/3's fp32 partitions."""
+    (zero_0,) = stage_run(1, 0, tmp_path, "bf16")
+    assert zero_0["ns_calls"] == MATRICES * (STEPS + 1)
+    (fp32,) = stage_run(1, 0, tmp_path)
+    assert zero_0["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
+    wrappers = {1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
+    for stage, wrapper in wrappers.items():
+        first, second = stage_run(2, stage, tmp_path, "bf16")
+        assert first["wrapper"] == wrapper and first["losses"] == second["losses"]
+        assert first["losses"] == pytest.approx(zero_0["losses"], rel=2e-2)
+
+
+def test_an_offloaded_optimizer_is_refused(tmp_path):
+    refused = stage_run(2, 2, tmp_path, offload_optimizer=True)[0]["refused"]
+    assert "optim.name=muon with parallel.offload_optimizer=true" in refused
 
 
 @pytest.mark.parametrize(
     "layout",
-    [["parallel.zero_stage=0"], ["parallel.tensor_parallel=2"], ["parallel.sequence_parallel=2"]],
-    ids=["dp2", "tp2", "sp2"],
+    [
+        ["parallel.zero_stage=0"],
+        ["parallel.zero_stage=1"],
+        ["parallel.zero_stage=2"],
+        ["parallel.zero_stage=3"],
+        ["parallel.tensor_parallel=2"],
+        ["parallel.sequence_parallel=2"],
+        ["parallel.sequence_parallel=2", "parallel.zero_stage=1"],
+        ["parallel.sequence_parallel=2", "parallel.zero_stage=3"],
+    ],
+    ids=["dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "sp2", "sp2-zero1", "sp2-zero3"],
 )
 def test_two_ranks_train_the_losses_of_one(tiny_data, tmp_path, layout):
     """fp32 Newton-Schulz: in bf16 the gradients' fp32 rounding, which differs by layout, moves a few bf16
@@ -103,6 +158,26 @@ def test_kill_9_and_resume_equals_uninterrupted_with_muon(tiny_data, tmp_path):
     train(overrides + fp32 + ["parallel.tensor_parallel=2"], nproc=2)
     train(tiny_run(tiny_data, reference, steps=20, changes=changes) + fp32)
     assert losses(crashed)[20:] == pytest.approx(losses(reference)[20:], rel=1e-5)
+
+
+def test_a_zero_run_resumes_on_other_zero_stages_with_the_momentum_it_saved(tiny_data, tmp_path):
+    """ZeRO-1 on two ranks saves each matrix's momentum from its partitions; ZeRO-3 on two ranks, then ZeRO-0 on
+    one, continue it as a one-rank run continues itself (fp32 Newton-Schulz: the layouts' reductions round apart)."""
+    zero, reference = tmp_path / "zero", tmp_path / "reference"
+    changes = MUON | {"train.global_batch_size": 8, "train.grad_accum": None, "optim.muon_ns_dtype": "fp32"}
+    changes |= {"checkpoint.every": 3}
+    layouts = [(["parallel.zero_stage=1"], 2), (["parallel.zero_stage=3"], 2), (["parallel.zero_stage=0"], 1)]
+    for i, (layout, nproc) in enumerate(layouts):
+        resume = ["resume=auto"] if i else []
+        train(tiny_run(tiny_data, zero, steps=3 * (i + 2), changes=changes) + layout + resume, nproc=nproc)
+        train(tiny_run(tiny_data, reference, steps=3 * (i + 2), changes=changes) + resume)
+        assert losses(zero) == pytest.approx(losses(reference), abs=1e-5)
+        index = json.loads((checkpoint(zero, 3 * (i + 2)) / "index.json").read_text())
+        kinds = {name: tuple(p["kinds"]) for name, p in index["params"].items()}
+        matrices = [name for name in kinds if name.endswith("proj.weight")]
+        assert len(matrices) == 14 and {kinds[name] for name in matrices} == {("fp32", "momentum_buffer")}
+        assert {kinds[name] for name in kinds if name not in matrices} == {("fp32", "exp_avg", "exp_avg_sq")}
+    assert [r["step"] for r in metrics(zero) if r["kind"] == "train"] == list(range(1, 13))
 
 
 def test_a_decay_branched_off_a_stable_checkpoint_continues_it_in_its_own_run_dir(tiny_data, tmp_path):

@@ -1,5 +1,5 @@
-"""Muon with AdamW (training/muon.py): torch.optim.Muon's updates, the parameters it takes, the layouts it refuses,
-and the planner's count of its state."""
+"""Muon with AdamW (training/muon.py): torch.optim.Muon's updates, the parameters it takes, the matrices it
+reassembles from ZeRO's partitions, the state it keeps, and the planner's count of it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from support.models import run_config, tiny_config
 from megatransformer.config import ConfigError, OptimConfig
 from megatransformer.model import build_model
 from megatransformer.model.matrices import hidden_matrix_names
-from megatransformer.training.muon import MuonWithAdamW, muon_param_groups
+from megatransformer.training.muon import MatrixPiece, MuonWithAdamW, muon_param_groups
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -144,23 +144,66 @@ def test_a_flattened_muon_parameter_is_refused():
         MuonWithAdamW([{"params": [flat], "use_muon": True, "tp_dim": None}])
 
 
+def test_a_matrix_is_reassembled_from_zero_1_2s_partitions_of_its_flat_group():
+    """A group of a 3-element vector and a 4 x 5 matrix, flattened and padded to 2 partitions of 12: the matrix's
+    elements 0-8 lie in rank 0's partition from 3 on, 9-19 in rank 1's from 0 on."""
+    matrix = torch.arange(20.0).view(4, 5)
+    flat = torch.cat([torch.full((3,), -1.0), matrix.view(-1), torch.zeros(1)])
+    gathered = flat.view(2, 12)
+    pieces = [MatrixPiece(matrix.shape, 3, 0, 0, 3, 9), MatrixPiece(matrix.shape, 3, 0, 9, 0, 11)]
+    for rank, piece in enumerate(pieces):
+        assert torch.equal(piece.whole(gathered), matrix)
+        mine = gathered[rank, piece.hp_start : piece.hp_start + piece.numel]
+        assert torch.equal(mine, matrix.view(-1)[piece.lp_start : piece.lp_start + piece.numel])
+
+
+def test_a_matrix_is_reassembled_from_zero_3s_partitions_of_each_parameter():
+    """Two ranks, each matrix partitioned on its own (a 3 x 3 one in parts of 5, the last padded), the rank's
+    parts of a sub-group laid end to end: a vector's part of 2, then the matrix's."""
+    matrix = torch.arange(9.0).view(3, 3)
+    parts = matrix.view(-1).tolist() + [0.0]
+    gathered = torch.tensor([[-1.0, -1.0, *parts[:5]], [-1.0, -1.0, *parts[5:]]])
+    for rank in range(2):
+        piece = MatrixPiece(matrix.shape, 2, 5, 5 * rank, 2, min(5, 9 - 5 * rank))
+        assert torch.equal(piece.whole(gathered), matrix)
+
+
+def test_muon_keeps_a_momentum_and_no_step_count_adamw_its_moments_and_step():
+    groups, _ = muon_param_groups(model(), OptimConfig(name="muon"), 1)
+    optimizer = MuonWithAdamW(groups)
+    for p in optimizer.param_groups[0]["params"] + optimizer.param_groups[-1]["params"]:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                assert sorted(optimizer.state[p]) == sorted(MuonWithAdamW.state_keys(group))
+    assert MuonWithAdamW.state_keys(optimizer.param_groups[0]) == ("momentum_buffer",)
+
+
 def test_planner_counts_one_buffer_for_muons_matrices():
     from megatransformer.planner import Layout, muon_elements, state_parts
 
-    adamw, muon = run_config(), run_config(optim={"name": "muon"})
-    layout = Layout(1, 1, 1, 0, activation_checkpointing=False, mlp_tiles=1, offload=False, micro_batch=1, accum=1)
-    held_adamw = state_parts(adamw, layout, engine=True)[0]["optimizer_states"]
-    held_muon = state_parts(muon, layout, engine=True)[0]["optimizer_states"]
+    model_fields = dict(d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=32)
+    adamw, muon = run_config(model=model_fields), run_config(model=model_fields, optim={"name": "muon"})
     matrices = muon_elements(muon.model, 1)
     assert matrices == sum(
         p.numel() for n, p in build_model(muon.model).named_parameters() if n.endswith("proj.weight")
     )
-    assert held_adamw - held_muon == 4 * matrices
+    for zero, dp in ((0, 1), (1, 2), (3, 4)):
+        layout = Layout(
+            dp, 1, 1, zero, activation_checkpointing=False, mlp_tiles=1, offload=False, micro_batch=1, accum=1
+        )
+        held_adamw = state_parts(adamw, layout, engine=True)[0]["optimizer_states"]
+        held_muon = state_parts(muon, layout, engine=True)[0]["optimizer_states"]
+        assert held_adamw - held_muon == 4 * -(-matrices // (dp if zero else 1))
+    assert muon_elements(muon.model, 2) < matrices  # (each tensor-parallel rank a shard of the split ones)
 
 
-def test_the_planner_offers_muon_only_the_zero_0_layouts():
+def test_the_planner_offers_muon_every_zero_stage_but_no_offloaded_optimizer():
     from megatransformer.planner import find_gpu, plan
 
     result = plan(run_config(optim={"name": "muon"}), find_gpu("H100"), 4, 4, None, 16)
-    assert result.layouts and {p.layout.zero for p in result.layouts} == {0}
+    assert {p.layout.zero for p in result.layouts} == {0, 1, 2, 3}
+    assert not any(p.layout.offload for p in result.layouts)
     assert {p.layout.tp for p in result.layouts} > {1}  # tensor parallelism stays offered
