@@ -154,6 +154,12 @@ def plan_resume(
     state, saved = ckpt.read_trainer_state(path), ckpt.saved_config(path)
     ckpt.check_same_shapes(saved.model, cfg.model, f"checkpoint {path}")
     check_tokenizer(path, state, cfg, tokenizer_sha256)
+    if saved.optim.name != cfg.optim.name:
+        raise ConfigError(
+            f"checkpoint {path} was trained with optim.name={saved.optim.name}, this run says {cfg.optim.name}: "
+            f"its optimizer state is {saved.optim.name}'s; resume with optim.name={saved.optim.name}, or start a "
+            f"new run from its weights with init_from={path}"
+        )
     tp, sp = cfg.parallel.tensor_parallel, cfg.parallel.sequence_parallel
     saved_sizes = resolve_batch_sizes(
         saved.train, state.world_size // (state.tensor_parallel * state.sequence_parallel)

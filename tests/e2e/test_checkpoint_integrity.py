@@ -396,6 +396,15 @@ def test_trainer_state_values_are_checked(run, field, value, error):
         plan_resume(cfg, world_size=1, device_type="cpu", tokenizer_sha256=None)
 
 
+def test_another_optimizer_than_the_checkpoints_is_refused_at_resume(run):
+    cfg = saved_run_config(run, "auto")
+    other = "muon" if cfg.optim.name != "muon" else "adamw"
+    cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"name": other})})
+    message = f"was trained with optim.name={saved_run_config(run, 'auto').optim.name}, this run says {other}"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        plan_resume(cfg, world_size=1, device_type="cpu", tokenizer_sha256=None)
+
+
 def test_a_checkpoint_without_a_tokenizer_hash_is_warned_about_at_resume(run, capsys):
     state = run / "checkpoints" / NEW / "trainer.json"
     tokenizer = json.loads(state.read_text())["tokenizer_sha256"]
