@@ -3,7 +3,9 @@ its waits for the device: the gradient norm and the clipping by it in a few fore
 DeepSpeed computes the norm tensor by tensor and reads it on the host twice (``is_invalid_grad_norm`` and
 ``if clip_coef < 1``). A non-finite norm does not return early here: the trainer's verdict, taken on the same
 norm, skips the update (``engine.gated_update``), which leaves weights, moments and schedule as DeepSpeed's early
-return does."""
+return does.
+
+Read from DeepSpeed 0.19.8 (``runtime/bf16_optimizer.py``): check on an upgrade, with ``deepspeed_internals.py``."""
 
 from __future__ import annotations
 

@@ -26,6 +26,14 @@ from megatransformer import checkpoint as ckpt
 from megatransformer.checkpoint import sharded
 from megatransformer.config import RunConfig, dump_config
 from megatransformer.model.tp_plan import partition_dim
+from megatransformer.training.deepspeed_internals import (
+    fragment_mapping,
+    is_fragment_mapped,
+    relink_fragment_state,
+    zero3_fp32_state,
+    zero3_partition,
+    zero3_refresh_partitions,
+)
 from megatransformer.training.rng import rng_state, set_rng_state
 
 
@@ -88,23 +96,20 @@ def local_fragments(engine, tp: int, tp_rank: int) -> list[Fragment]:
     the replicas of a ZeRO group) each report them; :class:`SavePlan` divides them."""
     inner = innermost_optimizer(engine)
     if any(inner.state.values()):
-        _link_state(engine)
+        relink_fragment_state(engine.optimizer)
     masters = functools.cache(lambda key=None: fp16_optimizer_masters(engine.optimizer, key))
     fragments = []
     for name, param in engine.module.named_parameters():
         tp_index = tp_rank if tp > 1 and partition_dim(name) is not None else 0
         if hasattr(param, "ds_id"):  # ZeRO-3
-            opt = param._z3_optimizer
-            part = param.ds_tensor.ds_numel
-            start = opt._get_param_partition_rank(param) * part
+            opt, start, part = zero3_partition(param)
             stop = min(start + part, param.ds_numel)
             if start < stop:
                 fragments.append(Fragment(name, tp_index, start, stop, _zero3_view(opt, param, stop - start)))
-        elif getattr(param, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16 optimizer
-            mapping = param._hp_mapping
+        elif (mapping := fragment_mapping(param)) is not None:  # ZeRO-1/2, bf16 optimizer
             start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
             fragments.append(Fragment(name, tp_index, start, start + numel, _mapped_view(mapping)))
-        elif hasattr(param, "_hp_mapping") or hasattr(param, "ds_id"):
+        elif is_fragment_mapped(param):
             continue  # (ZeRO-1/2: wholly in another rank's partition)
         else:  # ZeRO-0
             fragments.append(Fragment(name, tp_index, 0, param.numel(), _replica_view(param, inner, masters)))
@@ -119,7 +124,7 @@ def _zero3_view(opt, param, n: int) -> Callable[[str], torch.Tensor | None]:
         flat = opt.fp32_partitioned_groups_flat[opt.grad_position[opt.get_param_id(param)][0]]
         if key is not None and key not in opt.optimizer.state.get(flat, {}):
             return None
-        return opt._get_fp32_opt_state_partition(param, release_swap_buffers=True, optim_state_key=key)[0][:n]
+        return zero3_fp32_state(opt, param, key)[:n]
 
     return view
 
@@ -182,17 +187,6 @@ def fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch
     return {
         id(p): master for params, masters in zip(low, high) for p, master in zip(params, masters) if master is not None
     }
-
-
-def _link_state(engine) -> None:
-    """ZeRO 1/2 and DeepSpeed's bf16 optimizer map each parameter to its piece of the optimizer state once,
-    after the first optimizer step; DeepSpeed 0.19 steps the parameter groups one at a time and maps after the
-    first group's step, so the other groups' parameters are never mapped. Map them all again (the state exists
-    for every group here)."""
-    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:
-        engine.optimizer._hp_optimizer_states_linked = False
-        link()
 
 
 def _adam_step(inner: torch.optim.Optimizer) -> int:
@@ -566,8 +560,7 @@ def refresh_weights(engine) -> None:
         persistent = opt.persistent_parameters
         if persistent:
             persistent[0].partition(persistent)
-        for i in range(len(opt.fp32_partitioned_groups_flat)):
-            opt._reassign_or_swap_out_partitioned_parameters(i)
+        zero3_refresh_partitions(opt)
         if persistent:
             persistent[0].all_gather(persistent)
     elif hasattr(opt, "update_lp_params"):  # ZeRO-1/2, bf16 optimizer

@@ -45,6 +45,7 @@ from megatransformer.training import checkpointer
 from megatransformer.training.bf16_step import install_device_step, squared_norm
 from megatransformer.training.compiled import compile_blocks, compile_enabled
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
+from megatransformer.training.deepspeed_internals import data_parallel_rank
 from megatransformer.training.distributed import Dist
 from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
 from megatransformer.training.muon import MuonWithAdamW, bind_to_engine, muon_param_groups
@@ -258,7 +259,7 @@ class TrainModule:
         self.compiled = compile_enabled(cfg, self.device.type)
         if self.compiled:
             compile_blocks(self.engine.module)
-        self.dp_rank = groups._get_data_parallel_rank() if tp > 1 else dist_info.rank // sp
+        self.dp_rank = data_parallel_rank() if tp > 1 else dist_info.rank // sp
         self.dp_size = self.sizes.dp
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
         self.checkpointer = checkpointer.Checkpointer(self.engine, cfg, self.tp_rank, self.device)

@@ -22,6 +22,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from megatransformer.config import ConfigError, OptimConfig
 from megatransformer.model.matrices import hidden_matrix_names
 from megatransformer.model.tp_plan import partition_dim
+from megatransformer.training.deepspeed_internals import fragment_mapping
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
 NS_EPS = 1e-7
@@ -210,7 +211,7 @@ def bind_to_engine(optimizer: MuonWithAdamW, zero, tp_group: dist.ProcessGroup |
     ZeRO-1/2, ZeRO-3 or bf16 optimizer wrapping it; any other wrapper hands it whole matrices) steps it with.
 
     Read from DeepSpeed 0.19.8's wrappers: ZeRO-1/2 and the bf16 optimizer flatten each parameter group and give
-    each rank one contiguous partition (``_hp_mapping``: which elements of a parameter, where in the partition);
+    each rank one contiguous partition (``fragment_mapping``: which elements of a parameter, where in the partition);
     ZeRO-3 partitions each parameter on its own and lays the rank's parts of a sub-group end to end
     (``grad_position``)."""
     optimizer.tp_group = tp_group
@@ -239,7 +240,7 @@ def bind_to_engine(optimizer: MuonWithAdamW, zero, tp_group: dist.ProcessGroup |
         base = dist.get_rank(group) * flat.numel()
         pieces = []
         for param in params:
-            mapping = param._hp_mapping
+            mapping = fragment_mapping(param)
             if mapping is None:
                 continue  # (wholly in other ranks' partitions)
             lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
