@@ -143,6 +143,7 @@ def test_resume_with_another_tokenizer_is_an_error(sources, tiny_data, tmp_path)
 def test_skipped_steps_leave_weights_and_optimizer_untouched(tiny_data, tmp_path):
     """Weights so large that every gradient overflows: each step is skipped and counted, and the checkpoint
     written on stopping holds the initial weights and an optimizer that never stepped."""
+    from megatransformer.checkpoint.sharded import ShardedState
     from megatransformer.config import load_config
     from megatransformer.model import build_model
 
@@ -157,7 +158,10 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched(tiny_data, tmp_path
     assert all(torch.equal(initial[name].float(), saved[name]) for name in initial)
     step = run / "checkpoints" / "step_000002"
     index = json.loads((step / "index.json").read_text())
-    assert index["kinds"] == ["fp32"] and index["optimizer"]["step"] == 0, "Adam moments or step counts changed"
+    assert index["optimizer"]["step"] == 0, "the step count changed"
+    state = ShardedState(step)  # (the fused AdamW that skips on the device makes its moments at zero, unchanged)
+    moments = [state.tensor(name, kind) for name in initial for kind in state.kinds_of(name) if kind != "fp32"]
+    assert all(not m.any() for m in moments), "Adam moments changed"
     assert json.loads((step / "trainer.json").read_text())["bad_steps"] == 2
 
 
