@@ -119,9 +119,10 @@ def teardown() -> None:
 def groups_end_after_failure() -> bool:
     """Whether this process's groups can be ended (:func:`teardown`) after a collective of theirs failed for want
     of another rank: gloo's can, at once (0.1 s here, the peer dead or stalled past the timeout with collectives
-    still queued), and the process then ends as a finished one does; NCCL's may wait on the peer that is gone, and
-    closing the engine synchronizes the device (torchtitan ends its groups only after a successful run), so they
-    are left as they are."""
+    still queued; the group of the failed collective may stay held from C++, its threads idle), and the process
+    then ends as a finished one does; NCCL's may wait on the peer that is gone, and closing the engine
+    synchronizes the device (torchtitan ends its groups only after a successful run), so they are left as they
+    are."""
     import torch.distributed as dist
 
     return dist.is_initialized() and dist.get_backend() == "gloo"
