@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatransformer.config import RunConfig  # noqa: E402
 from megatransformer.training import engine  # noqa: E402
-from megatransformer.training.distributed import leave  # noqa: E402
+from megatransformer.training.distributed import teardown  # noqa: E402
 
 
 def run_config(zero: int, precision: str, accum: int, model: dict, micro: int, seq: int) -> RunConfig:
@@ -153,6 +153,7 @@ def probe(cases: list[dict], out: Path | None) -> None:
         }
         if dist_info.rank == 0:
             emit(report, out)
+        module.close()
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -202,6 +203,8 @@ def speed(args: argparse.Namespace) -> None:
             f"| {name} | {type(modules[name].engine.optimizer).__name__} | {statistics.median(times):.3f} | "
             f"{ratio:.3f}x |"
         )
+    for module in modules.values():
+        module.close()
 
 
 def main() -> None:
@@ -230,7 +233,7 @@ def main() -> None:
         probe(json.loads(args.cases), args.out)
     else:
         speed(args)
-    leave(0)  # (torchrun runs the probe on several ranks)
+    teardown()
 
 
 if __name__ == "__main__":

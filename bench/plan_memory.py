@@ -227,13 +227,16 @@ def free_port() -> int:
 def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None:
     import torch.distributed as dist
 
+    from megatransformer.training.distributed import teardown
     from megatransformer.training.engine import TrainModule
 
     cfg = run_config(point)
     dist_info = join(rank, ranks, port)
+    modules = []
 
     def build() -> Callable[[], None]:
         module = TrainModule(cfg, dist_info, zero_stage=cfg.parallel.zero_stage)
+        modules.append(module)
         batch = host_batch(cfg)
 
         def batches():
@@ -248,7 +251,9 @@ def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None
     dist.all_gather_object(peaks, peak)
     if rank == 0:
         Path(out).write_text(json.dumps(max(peaks)))
-    dist.destroy_process_group()
+    for module in modules:
+        module.close()
+    teardown()
 
 
 def engine_peak(point: dict) -> int:

@@ -9,6 +9,7 @@ import os
 import shlex
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from megatransformer.training.metrics import format_duration, read_metrics
 if TYPE_CHECKING:
     from megatransformer.checkpoint import TrainerState
     from megatransformer.config import RunConfig
+    from megatransformer.training.loop import Trainer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,10 +60,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from megatransformer.training.distributed import (
         EXIT_COLLECTIVE_FAILED,
         collective_failure,
-        leave,
+        groups_end_after_failure,
         on_first_rank,
         setup,
-        teardown,
     )
     from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer
@@ -103,6 +104,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     if torch.cuda.is_available():
         switch_on_flight_recorder(cfg.run_dir)  # (before the process group starts)
     held = []  # the run directory's lock, on the first rank (the job's ranks share it)
+    trainer = None
     try:
         with build_progress(ops, sys.stdout), quiet_engine(verbose):  # (quiet_engine holds back stdout)
             dist_info = setup(cfg.parallel.timeout_minutes)
@@ -120,10 +122,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             if changed:
                 print(f"init_from={cfg.init_from}: this model differs from the checkpoint's: {', '.join(changed)}")
         code = trainer.run()
-        trainer.close()
-        teardown()  # (every collective of the run is behind it)
-    except (ConfigError, DataError, WriteFailed):  # found once the process group runs: end it first
-        teardown()
+        end_groups(trainer)  # (every collective of the run is behind it)
+    except (ConfigError, DataError, WriteFailed) as err:  # found once the process group runs: end it first
+        end_groups(trainer, err)
         release(held)
         raise
     except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
@@ -143,6 +144,8 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
                 "gone: such a rank cannot answer)"
             )
         print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        if groups_end_after_failure():
+            end_groups(trainer, err)
         release(held)
         return EXIT_COLLECTIVE_FAILED
     if dist_info.is_main:
@@ -151,10 +154,20 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             print_sample(cfg, trainer.checkpoint, tokenizer)
         print_summary(cfg, code, time.perf_counter() - started, trainer.checkpoint, trainer.state)
     release(held)
-    sys.stdout.flush()
-    if dist_info.world_size > 1:
-        leave(code)  # (everything the run writes is closed)
     return code
+
+
+def end_groups(trainer: Trainer | None, err: BaseException | None = None) -> None:
+    """End the run's process groups before the interpreter's shutdown (``training.distributed.teardown``), the
+    trainer's engine closed first; ``err``: the error the run stops with, whose frames hold the engine until
+    cleared."""
+    from megatransformer.training.distributed import teardown
+
+    if err is not None:
+        traceback.clear_frames(err.__traceback__)
+    if trainer is not None:
+        trainer.close()
+    teardown()
 
 
 def release(held: list) -> None:

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 EXIT_COLLECTIVE_FAILED = 4  # a collective timed out or lost a peer: another rank is stalled or dead
 
@@ -116,6 +116,18 @@ def teardown() -> None:
     gc.collect()
 
 
+def groups_end_after_failure() -> bool:
+    """Whether this process's groups can be ended (:func:`teardown`) after a collective of theirs failed for want
+    of another rank: gloo's can, at once (0.1 s here, the peer dead or stalled past the timeout with collectives
+    still queued; the group of the failed collective may stay held from C++, its threads idle), and the process
+    then ends as a finished one does; NCCL's may wait on the peer that is gone, and closing the engine
+    synchronizes the device (torchtitan ends its groups only after a successful run), so they are left as they
+    are."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "gloo"
+
+
 _COMM_FILES = (f"torch{os.sep}distributed{os.sep}", f"deepspeed{os.sep}comm{os.sep}")
 _OWN_FILES = (f"megatransformer{os.sep}", f"data_pipeline{os.sep}")
 _PEER_GONE = re.compile(r"connection (closed|reset|refused)|broken pipe", re.IGNORECASE)
@@ -181,13 +193,3 @@ def shared_work(names: Sequence[str], work: Callable[[str], Any]) -> dict[str, A
     parts: list[dict[str, Any] | None] = [None] * world
     dist.all_gather_object(parts, {name: work(name) for name in names[rank::world]})
     return {name: value for part in parts for name, value in part.items()}
-
-
-def leave(code: int) -> NoReturn:
-    """End a process whose process group spans several ranks without the interpreter's shutdown. There, now
-    and then, a rank aborted ("terminate called without an active exception": a C++ thread of the
-    communication stack still joinable, SIGABRT; twice in ~40 two-rank gloo runs here, once after destroying
-    the process group), which turned a finished run into a failed one. The caller has closed what it writes."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

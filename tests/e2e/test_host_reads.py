@@ -24,7 +24,7 @@ STEPS = textwrap.dedent("""
     from support.host_reads import counting_host_reads
     from megatransformer.config import RunConfig
     from megatransformer.training import engine
-    from megatransformer.training.distributed import leave, setup
+    from megatransformer.training.distributed import setup, teardown
     from megatransformer.training.optim import lr_multiplier
     from megatransformer.training.spikes import SpikeLadder
 
@@ -64,7 +64,7 @@ STEPS = textwrap.dedent("""
             reads.append(counted.where)
         weights = [p.detach().float().flatten().tolist() for p in module.engine.module.parameters()]
         fields = ("step", "loss", "grad_norm", "finite", "rejected", "lr")
-        return {
+        seen = {
             "reads": reads,
             "results": [{f: getattr(r, f) for f in fields} for r in results],
             "weights": weights,
@@ -72,6 +72,8 @@ STEPS = textwrap.dedent("""
             "optimizer": type(module.engine.optimizer).__name__,
             "on_device": module.decides_on_device,
         }
+        module.close()
+        return seen
 
     report = {"every_step": run(True, 0), "late": run(True, every), "host": run(True, 0, on_device=False)}
     report["lrs"] = [cfg.optim.lr * lr_multiplier(cfg)(k) for k in range(STEPS)]
@@ -79,7 +81,7 @@ STEPS = textwrap.dedent("""
         report["deepspeed"] = run(False, 0)
     with open(sys.argv[4], "w") as f:
         json.dump(report, f)
-    leave(0)
+    teardown()
 """)
 
 EVERY = 4  # the late runs read their result in every 4th step (and the last) only

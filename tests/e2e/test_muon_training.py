@@ -30,6 +30,7 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, pa
     from megatransformer.config import ConfigError
     from megatransformer.planner import muon_elements
     from megatransformer.training.checkpointer import innermost_optimizer, local_fragments
+    from megatransformer.training.distributed import teardown
     from megatransformer.training.engine import TrainModule
 
     cfg = run_config(
@@ -54,6 +55,8 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, pa
         seen["momentum"] = sum(f.view("momentum_buffer").numel() for f in held)
         seen["adam_moments"] = [f.name for f in held if f.view("exp_avg") is not None]
         seen["matrices"] = muon_elements(cfg.model, module.tp)
+        module.close()
+    teardown()
     Path(f"{out}.{rank}").write_text(json.dumps(seen))
 
 

@@ -17,7 +17,7 @@ FIRST_STEPS = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from megatransformer.config import RunConfig
-    from megatransformer.training.distributed import leave, setup
+    from megatransformer.training.distributed import setup, teardown
     from megatransformer.training.engine import TrainModule
     sys.path.insert(0, "bench")
     from step_probe import batches
@@ -43,7 +43,8 @@ FIRST_STEPS = textwrap.dedent("""
     report = {"rank": info.rank, "seen": seen, "losses": losses, "check_left": check_left}
     with open(f"{sys.argv[1]}/rank{info.rank}.json", "w") as f:  # (the ranks share stdout: lines may mix)
         json.dump(report, f)
-    leave(0)  # (not the interpreter's shutdown, where a rank of a gloo group aborts now and then)
+    module.close()
+    teardown()
 """)
 
 

@@ -13,7 +13,7 @@ from support.sequence import decoder_batch, encoder_decoder_batch
 from megatransformer.model.attention import BACKENDS, flash_attn_module
 from megatransformer.model.masks import batch_masks
 from megatransformer.model.positions import Alibi, alibi_slopes
-from megatransformer.training.distributed import leave
+from megatransformer.training.distributed import teardown
 from megatransformer.training.sequence_parallel import pad_sequences
 
 H, D = 4, 8
@@ -82,8 +82,7 @@ def _run_rank(rank: int, store: str, backend: str, device: str) -> None:
         torch.testing.assert_close(out, _slice(expected, rank), atol=tolerance, rtol=tolerance, msg=name)
         for got, want in zip(grads, expected_grads):
             torch.testing.assert_close(got, _slice(want, rank), atol=tolerance, rtol=tolerance, msg=name)
-    dist.destroy_process_group()
-    leave(0)  # (not the interpreter's shutdown, where a rank of a gloo group aborts now and then)
+    teardown()
 
 
 def _slice(x: torch.Tensor, rank: int, dim: int = 2) -> torch.Tensor:
