@@ -1,6 +1,6 @@
-"""The compiled FlexAttention kernel ``flex_core`` runs (the unit tests run FlexAttention unfused, without
-Inductor) equals the eager reference for each kind of mask it is given: causal, packed documents with a prefix
-per document, ALiBi's ``score_mod``, a sliding window, and new queries after a KV cache. Forward only:
+"""The compiled FlexAttention kernel ``flex_core`` runs (the unit tests run FlexAttention's eager reference,
+compiling nothing) equals the eager core for each kind of mask it is given: causal, packed documents with a
+prefix per document, ALiBi's ``score_mod``, a sliding window, and new queries after a KV cache. Forward only:
 FlexAttention has no backward pass on CPU."""
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Fixtures of the unit tests."""
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -20,15 +19,11 @@ def reference_flash(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def flex_without_inductor(monkeypatch):
-    """flex_core runs FlexAttention unfused here: the same masks and score_mods, traced by dynamo as the compiled
-    kernel's are, without Inductor's C++ compilation (minutes on a first run); tests/e2e/test_flex_compiled.py
-    checks the compiled kernel."""
-    from torch.nn.attention.flex_attention import flex_attention
+def flex_uncompiled(monkeypatch):
+    """flex_core runs FlexAttention's eager reference here (its masks and score_mods as plain functions, the math
+    the tests compare), without dynamo and Inductor (a C++ compilation of minutes on a first run);
+    tests/e2e/test_flex_compiled.py checks the compiled kernel."""
+    import torch.nn.attention.flex_attention as flex
 
-    def unfused_flex(*args, **kwargs):
-        with warnings.catch_warnings():  # (that it is unfused, which is meant here)
-            warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
-            return flex_attention(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "_compiled_flex", unfused_flex)
+    monkeypatch.setattr(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    monkeypatch.setattr(attention, "_compiled_flex", flex.flex_attention)
