@@ -2,7 +2,8 @@
 
 ``runs``: real ``megatransformer`` processes and the files a run writes; ``models``: tiny in-process models;
 ``attention``: attention inputs and masks for comparing cores; ``flash_reference``: flash-attn's contract
-on CPU; ``data``: loader batches; ``shard_server``: shards over loopback HTTP.
+on CPU; ``data``: loader batches; ``shard_server``: shards over loopback HTTP; ``loopback``: HTTP servers on
+loopback that stop at once.
 """
 
 from pathlib import Path

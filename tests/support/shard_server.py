@@ -9,6 +9,8 @@ import threading
 import time
 from pathlib import Path
 
+from support import loopback
+
 
 class ShardServer:
     """http.server serving ``root`` on a fixed loopback port. ``die_in(name, after_bytes, back_after)``: the
@@ -56,12 +58,11 @@ class ShardServer:
         handler = functools.partial(Handler, directory=str(self.root))
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), handler)
         self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        loopback.serve(self.server)
 
     def die(self, back_after: float | None) -> None:
         self.deaths += 1
-        self.server.shutdown()
-        self.server.server_close()
+        loopback.stop(self.server)
         if back_after is not None:
             time.sleep(back_after)
             self.start()
@@ -70,5 +71,4 @@ class ShardServer:
         self.faults[name] = (after_bytes, back_after)
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        loopback.stop(self.server)

@@ -3,6 +3,7 @@ with and without the KV cache, and token for token transformers' beam search und
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -66,27 +67,36 @@ def sequence_log_prob(model, prompt: torch.Tensor, tokens: list[int], arch: str)
     return logits.float().log_softmax(-1).gather(-1, target[0, :, None]).sum().item()
 
 
+VOCAB, STEPS, EOS = 5, 3, 4  # the exhaustive search's space
+PROMPT = torch.tensor([1, 2, 3, 1])
+
+
+@functools.cache
+def every_sequence(arch: str) -> tuple[torch.nn.Module, dict[tuple[int, ...], float]]:
+    """A model of vocabulary 5 and every sequence of at most 3 new tokens it may return (ended by EOS, or cut
+    at the limit) with its summed log-probability, by brute force (once per arch: the length penalties below
+    divide the same sums)."""
+    model = tiny(arch, vocab=VOCAB, seed=3)
+    candidates = [list(seq) + [EOS] for n in range(STEPS) for seq in itertools.product(range(VOCAB - 1), repeat=n)]
+    candidates += [list(seq) for seq in itertools.product(range(VOCAB), repeat=STEPS) if EOS not in seq[:-1]]
+    return model, {tuple(c): sequence_log_prob(model, PROMPT, c, arch) for c in candidates}
+
+
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
 @pytest.mark.parametrize("form,alpha", [("gnmt", 0.6), ("gnmt", 2.0), ("hf", 1.0), ("hf", 0.0), ("hf", -1.0)])
 def test_enough_beams_find_the_best_sequence_of_all(arch, form, alpha):
-    """Vocabulary 5, at most 3 new tokens: every sequence (ended by EOS, or cut at the limit) is scored by
-    brute force; beam search with as many beams as there are sequences returns the best one."""
-    vocab, steps, eos = 5, 3, 4
-    model = tiny(arch, vocab=vocab, seed=3)
-    prompt = torch.tensor([1, 2, 3, 1])
-    candidates = [list(seq) + [eos] for n in range(steps) for seq in itertools.product(range(vocab - 1), repeat=n)]
-    candidates += [list(seq) for seq in itertools.product(range(vocab), repeat=steps) if eos not in seq[:-1]]
-    scored = {
-        tuple(c): sequence_log_prob(model, prompt, c, arch) / length_penalty(len(c), alpha, form) for c in candidates
-    }
+    """Every sequence scored by brute force under the length penalty; beam search with as many beams as there
+    are sequences returns the best one."""
+    model, log_probs = every_sequence(arch)
+    scored = {c: log_prob / length_penalty(len(c), alpha, form) for c, log_prob in log_probs.items()}
     best = max(scored, key=scored.get)
     runner_up = sorted(scored.values())[-2]
     assert scored[best] - runner_up > 1e-4  # a unique optimum: the comparison below means something
-    hyp = beam_search(model, prompt[None], steps, len(candidates), eos, alpha, form, decoder_start_id=START)[0]
+    hyp = beam_search(model, PROMPT[None], STEPS, len(scored), EOS, alpha, form, decoder_start_id=START)[0]
     assert tuple(hyp.tokens) == best
     assert hyp.score == pytest.approx(scored[best], abs=1e-5)
     # the exhaustive beam scores at least what a single beam finds
-    narrow = beam_search(model, prompt[None], steps, 1, eos, alpha, form, decoder_start_id=START)[0]
+    narrow = beam_search(model, PROMPT[None], STEPS, 1, EOS, alpha, form, decoder_start_id=START)[0]
     assert narrow.score <= hyp.score + 1e-6
 
 

@@ -4,9 +4,19 @@ flight recorder's variables."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
+
+import pytest
 
 from megatransformer.config import validate
+from megatransformer.training import watchdog as watchdog_module
 from megatransformer.training.watchdog import Watchdog, stack_dumps, switch_on_flight_recorder
+
+
+@pytest.fixture(autouse=True)
+def quick_looks(monkeypatch):
+    """The watchdog looks at the deadline every 10 ms here (twice a second in a run): the same rules, sooner."""
+    monkeypatch.setattr(watchdog_module, "POLL_SECONDS", 0.01)
 
 
 def watchdog(tmp_path, **settings) -> Watchdog:
@@ -26,8 +36,17 @@ def test_the_limit_follows_the_median_step_within_the_collective_timeout(tmp_pat
     assert watchdog(tmp_path, limit_seconds=5).limit() == 5
 
 
-def stalled_step() -> None:
-    time.sleep(1.5)
+def stall(dump: Path, caller: str, then: float = 0.0) -> None:
+    """Work that hangs until the watchdog has written ``caller``'s stack to ``dump`` (for 30 s at most: the
+    test's assertions fail then), and ``then`` seconds more."""
+    give_up = time.monotonic() + 30
+    while time.monotonic() < give_up and not (dump.exists() and caller in dump.read_text()):
+        time.sleep(0.01)
+    time.sleep(then)
+
+
+def stalled_step(dump: Path) -> None:
+    stall(dump, "stalled_step", then=0.3)  # 30 more looks at the deadline, each of which might write again
 
 
 def test_an_overrunning_step_leaves_every_threads_stack_and_a_quiet_one_nothing(tmp_path):
@@ -35,8 +54,8 @@ def test_an_overrunning_step_leaves_every_threads_stack_and_a_quiet_one_nothing(
     dog.arm()
     dog.disarm(0.01)  # a step in time
     dog.arm()
-    stalled_step()
-    dog.disarm(1.5)
+    stalled_step(dog.path)
+    dog.disarm(0.5)
     dog.close()
     (dump,) = stack_dumps(tmp_path)
     assert dump.name == "rank_00003.txt"
@@ -50,8 +69,8 @@ def test_an_overrunning_step_leaves_every_threads_stack_and_a_quiet_one_nothing(
     assert stack_dumps(tmp_path / "quiet") == [] and not (tmp_path / "quiet" / "hangs").exists()
 
 
-def stalled_checkpoint() -> None:
-    time.sleep(1.0)
+def stalled_checkpoint(dump: Path) -> None:
+    stall(dump, "stalled_checkpoint")
 
 
 def test_work_between_steps_leaves_its_stacks_before_the_collective_timeout(tmp_path):
@@ -60,10 +79,12 @@ def test_work_between_steps_leaves_its_stacks_before_the_collective_timeout(tmp_
     cfg = validate({"run_dir": str(tmp_path), "parallel": {"timeout_minutes": 0.01}})
     dog = Watchdog(cfg, rank=1)
     with dog.watching("a checkpoint"):
-        stalled_checkpoint()
+        stalled_checkpoint(dog.path)
     dog.close()
     (dump,) = stack_dumps(tmp_path)
-    assert "a checkpoint has run for" in dump.read_text() and "stalled_checkpoint" in dump.read_text()
+    text = dump.read_text()
+    assert "a checkpoint has run for" in text and "stalled_checkpoint" in text
+    assert "(watchdog limit 0.5 s" in text  # 0.48 s, as the docstring says
 
 
 def test_the_flight_recorder_is_switched_on_without_overriding_the_users_choice(tmp_path):

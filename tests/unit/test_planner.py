@@ -29,7 +29,7 @@ POINTS = {
     "checkpointing": ({"activation_checkpointing": True}, 512, "fp32"),
     "mlp-tiles": ({"mlp_tiles": 4}, 512, "fp32"),
     "bf16": ({}, 256, "bf16"),
-    "two-loss-chunks": ({"vocab_size": 8192}, 2048, "fp32"),
+    "two-loss-chunks": ({"vocab_size": 8192}, 1024, "fp32"),  # 2 x 1024 targets: two chunks of 2^23 logits on CPU
     "latent-attention": ({"attention": "mla", "n_kv_heads": None, "kv_lora_rank": 32, "q_lora_rank": 48}, 512, "fp32"),
     "qk-norm": ({"qk_norm": True}, 512, "fp32"),
     "window": ({"attention_window": 64}, 512, "fp32"),

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import http.server
 import socket
-import threading
 import time
 
 import pytest
+from support.loopback import serving
 
 from megatransformer.training.trackers import unreachable
 
@@ -27,12 +27,9 @@ class Answering(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answering)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
     Answering.seen = []
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(Answering) as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)
@@ -58,9 +55,9 @@ def test_a_port_that_accepts_but_never_answers_is_unreachable():
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         start = time.monotonic()
-        why = unreachable(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=1.0)
+        why = unreachable(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=0.25)
         assert time.monotonic() - start < 5
-    assert why is not None and ("timed out" in why or "no answer within 1 s" in why)
+    assert why is not None and ("timed out" in why or "no answer within 0.25 s" in why)
 
 
 def test_the_check_goes_through_the_proxy_w_and_b_would_use(server, monkeypatch):
