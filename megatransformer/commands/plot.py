@@ -59,16 +59,14 @@ def eval_keys(records: list[dict]) -> list[str]:
 def draw(runs: list[str | Path], out: str | Path) -> Path:
     """Write the panels (loss with validation points and loss-spike events, learning rate, tokens/s, MFU if
     known) to ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # (not pyplot: no global figures, and a caller's backend left alone)
 
     from megatransformer.training.metrics import read_metrics
 
     metrics = [(run_dir, read_metrics(run_dir)) for run_dir in runs]  # a directory that is no run fails first
     shown = panels([records for _, records in metrics])
-    fig, axes = plt.subplots(1, len(shown), figsize=(6 * len(shown), 4.5), squeeze=False)
+    fig = Figure(figsize=(6 * len(shown), 4.5))
+    axes = fig.subplots(1, len(shown), squeeze=False)
     for run_dir, records in metrics:
         name = Path(run_dir).resolve().name
         train = [r for r in records if "loss" in r]
@@ -100,7 +98,6 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out
 
 
