@@ -1,4 +1,4 @@
-"""Session fixtures (tiny data every tier reads) and the tiers: everything under ``e2e/`` is ``slow``."""
+"""Session fixtures (tiny data, training runs several tests read) and the tiers: every test under ``e2e/`` is slow."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import pytest
 from support.data import INSTRUCTION_VALID_EVERY
+from support.runs import SharedRuns
 
 E2E = Path(__file__).parent / "e2e"
 
@@ -16,6 +17,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if E2E in item.path.parents:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> SharedRuns:
+    """Training runs made once per session, for the tests that read the same one."""
+    return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
 
 
 # ============================================================================ data_pipeline fixtures

@@ -68,17 +68,27 @@ def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32", *
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(ranks)]
 
 
-def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_two_ranks_equal_one_at_zero_1_2_3(tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict:
+    """What one fp32 rank at ZeRO-0 saw: the reference of the other layouts."""
+    (one,) = stage_run(1, 0, tmp_path_factory.mktemp("muon_one_rank"))
+    return one
+
+
+def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_two_ranks_equal_one_at_zero_1_2_3(
+    one_rank, tmp_path
+):
     """fp32 Newton-Schulz (bf16's roundings would hide a small difference); ZeRO's reductions round alike here."""
-    (one,) = stage_run(1, 0, tmp_path)
-    assert one["ns_calls"] == MATRICES * STEPS
+    assert one_rank["ns_calls"] == MATRICES * STEPS
     for two in stage_run(2, 0, tmp_path):
         assert two["ns_calls"] == MATRICES * STEPS  # on each rank, on the all-reduced gradients
-        assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
+        assert two["losses"] == pytest.approx(one_rank["losses"], abs=1e-5)
     wrappers = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
     for stage, wrapper in wrappers.items():
         ranks = stage_run(2, stage, tmp_path)
-        assert all(r["wrapper"] == wrapper and r["losses"] == pytest.approx(one["losses"], abs=1e-5) for r in ranks)
+        assert all(
+            r["wrapper"] == wrapper and r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks
+        )
         calls = [r["ns_calls"] for r in ranks]
         if stage == 3:  # every matrix partitioned over both ranks: each orthogonalises it
             assert calls == [MATRICES * STEPS] * 2
@@ -89,22 +99,20 @@ def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_two_ranks_equ
         assert not any(r["adam_moments"] for r in ranks)
 
 
-def test_tensor_parallel_two_with_zero_over_two_data_parallel_ranks_equals_one_rank(tmp_path):
+def test_tensor_parallel_two_with_zero_over_two_data_parallel_ranks_equals_one_rank(one_rank, tmp_path):
     """Four ranks: each matrix's update gathered over the data-parallel group, then its tensor-parallel shards."""
-    (one,) = stage_run(1, 0, tmp_path)
     for stage in (1, 3):
         ranks = stage_run(4, stage, tmp_path, tensor_parallel=2)
-        assert all(r["losses"] == pytest.approx(one["losses"], abs=1e-5) for r in ranks)
+        assert all(r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks)
         assert all(r["ns_calls"] > 0 for r in ranks)
 
 
-def test_bf16_muon_runs_at_every_stage(tmp_path):
+def test_bf16_muon_runs_at_every_stage(one_rank, tmp_path):
     """DeepSpeed's unfused bf16 optimizer at ZeRO-0 (fp32 masters as matrices, stepped once with zero gradients as
     it starts: a zero update), its BF16_Optimizer at ZeRO-1 and ZeRO-2/3's fp32 partitions."""
     (zero_0,) = stage_run(1, 0, tmp_path, "bf16")
     assert zero_0["ns_calls"] == MATRICES * (STEPS + 1)
-    (fp32,) = stage_run(1, 0, tmp_path)
-    assert zero_0["losses"] == pytest.approx(fp32["losses"], rel=2e-2)
+    assert zero_0["losses"] == pytest.approx(one_rank["losses"], rel=2e-2)
     wrappers = {1: "BF16_Optimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
     for stage, wrapper in wrappers.items():
         first, second = stage_run(2, stage, tmp_path, "bf16")
@@ -131,15 +139,15 @@ def test_an_offloaded_optimizer_is_refused(tmp_path):
     ],
     ids=["dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2", "sp2", "sp2-zero1", "sp2-zero3"],
 )
-def test_two_ranks_train_the_losses_of_one(tiny_data, tmp_path, layout):
+def test_two_ranks_train_the_losses_of_one(tiny_data, shared_runs, tmp_path, layout):
     """fp32 Newton-Schulz: in bf16 the gradients' fp32 rounding, which differs by layout, moves a few bf16
     roundings (about 2e-5 of the loss in ten steps)."""
     batch = {"train.global_batch_size": 8, "train.grad_accum": None, "optim.muon_ns_dtype": "fp32"}
     changes = MUON | batch | {"train.max_steps": 10, "checkpoint.every": 100}
-    one = train(tiny_run(tiny_data, tmp_path / "one", steps=10, changes=changes))
+    one = shared_runs.train(lambda run_dir: tiny_run(tiny_data, run_dir, steps=10, changes=changes))
     assert "optimizer: Muon on 14 matrices" in one.stdout
     train(tiny_run(tiny_data, tmp_path / "two", steps=10, changes=changes) + layout, nproc=2)
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    assert losses(tmp_path / "two") == pytest.approx(losses(one.run_dir), abs=1e-5)
 
 
 def test_kill_9_and_resume_equals_uninterrupted_with_muon(tiny_data, tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.runs import checkpoint, losses, metrics, resumable_run, tiny_run, train
+from support.runs import SharedRun, checkpoint, losses, metrics, resumable_run, tiny_run, train
 
 STEPS, SAVED = 10, 6
 
@@ -50,6 +50,17 @@ def one_rank(tiny_data, tmp_path_factory):
     return run
 
 
+@pytest.fixture
+def two_sequence_ranks(tiny_data, shared_runs):
+    """The run of a case at a ZeRO stage on two sequence-parallel ranks (made once per session)."""
+
+    def run(case: str, zero: int) -> SharedRun:
+        sp2 = ("parallel.sequence_parallel=2", f"parallel.zero_stage={zero}")
+        return shared_runs.train(lambda run_dir: overrides(tiny_data, run_dir, case, *sp2), nproc=2)
+
+    return run
+
+
 def grad_norms(run_dir: Path) -> list[float]:
     return [r["grad_norm"] for r in metrics(run_dir) if "grad_norm" in r]
 
@@ -57,12 +68,9 @@ def grad_norms(run_dir: Path) -> list[float]:
 @pytest.mark.parametrize(
     "case, zero", [(case, zero) for case in CASES for zero in (1, 3)] + [("decoder_packed", 0), ("decoder_packed", 2)]
 )
-def test_two_sequence_ranks_train_like_one_rank(one_rank, tiny_data, tmp_path, case, zero):
-    run = tmp_path / "sp2"
-    result = train(
-        overrides(tiny_data, run, case, "parallel.sequence_parallel=2", f"parallel.zero_stage={zero}"), nproc=2
-    )
-    assert "layout: dp1 x sp2 on 2 ranks" in result.stdout
+def test_two_sequence_ranks_train_like_one_rank(one_rank, two_sequence_ranks, case, zero):
+    run, stdout = two_sequence_ranks(case, zero)
+    assert "layout: dp1 x sp2 on 2 ranks" in stdout
     assert len(losses(run)) == STEPS
     assert losses(run) == pytest.approx(losses(one_rank(case)), abs=1e-5, rel=0)
     assert grad_norms(run) == pytest.approx(grad_norms(one_rank(case)), rel=1e-4)
@@ -114,13 +122,12 @@ def test_data_and_sequence_parallel_on_four_ranks(one_rank, tiny_data, tmp_path,
     assert grad_norms(run) == pytest.approx(grad_norms(one_rank(case)), rel=1e-4)
 
 
-def test_resume_across_sequence_parallel_sizes(one_rank, tiny_data, tmp_path):
+def test_resume_across_sequence_parallel_sizes(one_rank, two_sequence_ranks, tiny_data, tmp_path):
     """A checkpoint written at sp=2 continues at sp=1 and as dp=2 on the same ranks, and one written at sp=1
     continues at sp=2, on the uninterrupted curve (each rank reads its slices of the sharded weights and Adam
     state); at sp=2 again it resumes exactly (each rank its own loader and RNG state)."""
     reference = one_rank("decoder_packed")
-    sp2 = tmp_path / "sp2"
-    train(overrides(tiny_data, sp2, "decoder_packed", "parallel.sequence_parallel=2"), nproc=2)
+    sp2 = two_sequence_ranks("decoder_packed", 1).run_dir
     to_sp1 = tmp_path / "to_sp1"
     result = train(overrides(tiny_data, to_sp1, "decoder_packed", f"resume={checkpoint(sp2, SAVED)}"))
     assert (

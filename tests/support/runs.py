@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -10,7 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from support import REPO
 
@@ -140,6 +143,36 @@ def train(
             f"exit {result.returncode} (expected {expect})\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
         )
     return result
+
+
+class SharedRun(NamedTuple):
+    """A finished run several tests read: its directory (read only: copy it to resume it or change it) and its
+    standard output."""
+
+    run_dir: Path
+    stdout: str
+
+
+class SharedRuns:
+    """Training runs made once per session for every test that reads the same one (a reference that several tests
+    or parametrizations compare with): a run is known by its overrides, rank count and environment, and trains the
+    first time a test asks for it, so that each test still runs alone."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._made: dict[tuple, SharedRun] = {}
+        self._started = itertools.count()
+
+    def train(
+        self, overrides: Callable[[Path], list[str]], nproc: int = 1, env: dict[str, str] | None = None
+    ) -> SharedRun:
+        """The run of ``overrides(run_dir)`` on ``nproc`` ranks, trained to its end (exit 0) the first time; a run
+        that failed is tried again, in a new directory, by the next test that asks for it."""
+        key = (tuple(overrides(Path("<run_dir>"))), nproc, tuple(sorted((env or {}).items())))
+        if key not in self._made:
+            run_dir = self._root / f"run_{next(self._started):03d}"
+            self._made[key] = SharedRun(run_dir, train(overrides(run_dir), nproc=nproc, env=env).stdout)
+        return self._made[key]
 
 
 def kill_when(path: Path, overrides: list[str], nproc: int = 1) -> None:
