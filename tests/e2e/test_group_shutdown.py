@@ -22,7 +22,7 @@ COMMUNICATION_THREADS = ("gloo", "pt_gloo", "pt_tcpstore")  # (names of gloo's a
 # ends as any script does, through the interpreter's shutdown: never os._exit, as multiprocessing's forked
 # children end. Each group's wait statuses go to OUT/statuses.json (negative: ended by that signal).
 GROUPS_SCRIPT = textwrap.dedent("""
-    import json, os, socket, sys
+    import json, os, sys
     from pathlib import Path
 
     import torch
@@ -31,17 +31,10 @@ GROUPS_SCRIPT = textwrap.dedent("""
     from megatransformer.config import RunConfig
     from megatransformer.training.distributed import setup, teardown
     from megatransformer.training.engine import TrainModule
+    from support.runs import free_port, thread_names as threads
 
     sys.path.insert(0, "bench")
     from step_probe import batches
-
-    def threads():
-        return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return str(s.getsockname()[1])
 
     def start_groups(groups, out):
         \"\"\"In a rank's child: (rank, port, directory); in this process, once every group has ended: None.\"\"\"
@@ -88,7 +81,7 @@ def test_a_group_ends_with_no_thread_of_it_left_and_a_normal_shutdown(tmp_path):
     env = {
         **os.environ,
         **ONE_THREAD,
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
         "DS_ACCELERATOR": "cpu",
         **dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"),
     }
@@ -114,9 +107,10 @@ TRAIN_AND_LIST_THREADS = textwrap.dedent("""
     from pathlib import Path
 
     from megatransformer.cli import main
+    from support.runs import thread_names
 
     def write_threads():
-        names = sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+        names = thread_names()
         Path(os.environ["RANK_THREADS_DIR"], f"rank{os.environ['RANK']}.json").write_text(json.dumps(names))
 
     atexit.register(write_threads)
@@ -144,6 +138,7 @@ def test_a_two_rank_run_ends_on_both_ranks_through_the_interpreters_shutdown(tin
     env = {
         **os.environ,
         **ONE_THREAD,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
         "RANK_THREADS_DIR": str(threads),
         **dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()),
     }

@@ -221,6 +221,11 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
+def thread_names() -> list[str]:
+    """The names of this process's threads, sorted (Linux)."""
+    return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+
+
 def spawn_ranks(overrides: list[str], log: Path, world: int = 2) -> list[subprocess.Popen]:
     """``world`` training ranks started directly with RANK / WORLD_SIZE / MASTER_* in their environment (as srun
     does), so that each rank's pid and exit code are the caller's; rank r writes to ``{log}.rank{r}.log``."""
