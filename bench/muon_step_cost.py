@@ -2,7 +2,7 @@
 
 Newton-Schulz costs the same at any batch (five iterations of three matrix products per hidden matrix and step),
 while the forward and backward grow with the tokens of a step; so Muon's step costs more than AdamW's at small
-batches and about the same at pretraining batches. For each micro batch size, the trainer runs with AdamW and
+batches, and the ratio falls as the batch grows. For each micro batch size, the trainer runs with AdamW and
 with Muon (the same config, seed and batches; the order reversed every other round) and the step time is the
 median gap between consecutive steps' log records after ``--warmup`` steps, logging every step.
 
