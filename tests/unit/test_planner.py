@@ -8,9 +8,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
+import plan_memory  # noqa: E402
 from plan_memory import bare_peak, planned, run_config  # noqa: E402
 
 from megatransformer.planner import GIB, GPUS, Layout, find_gpu, memory_parts, plan  # noqa: E402
@@ -207,3 +209,23 @@ def test_a_deep_model_is_counted_from_one_block_per_stack(monkeypatch, fields: d
     assert sum(parameter_counts(deep)) == model_size(deep).params == sum(parameter_counts(one)) + 4095 * per_block
     assert attention_costs(deep)[0].layers == 4096 + (deep.decoder_layers if deep.arch == "encoder_decoder" else 0)
     assert len(blocks) <= 3 * 2  # (one per stack, for each of the three counts)
+
+
+def test_a_point_whose_rank_aborts_is_measured_once_more_and_any_other_failure_is_raised(monkeypatch):
+    def exited(signal_name: str | None) -> mp.ProcessExitedException:
+        return mp.ProcessExitedException("process 0 exited", 0, 1, -6 if signal_name else 1, signal_name)
+
+    outcomes = [exited("SIGABRT"), 7]
+
+    def spawn_ranks(point):
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(plan_memory, "spawn_ranks", spawn_ranks)
+    assert plan_memory.engine_peak({}) == 7 and not outcomes
+    for first, second in ((exited("SIGABRT"), exited("SIGABRT")), (exited(None), 7), (exited("SIGSEGV"), 7)):
+        outcomes = [first, second]
+        with pytest.raises(mp.ProcessExitedException):
+            plan_memory.engine_peak({})
