@@ -109,7 +109,10 @@ def test_mlps_in_sequence_tiles_train_like_untiled(one_rank, tiny_data, tmp_path
     assert grad_norms(run) == pytest.approx(grad_norms(one_rank("decoder_packed")), rel=1e-4)
 
 
-@pytest.mark.parametrize("case, zero", [(case, zero) for case in CASES for zero in (1, 3)])
+# each case at one stage, both stages covered (two ranks run every case at both)
+@pytest.mark.parametrize(
+    "case, zero", [("decoder_packed", 1), ("prefix_lm", 3), ("masked_lm", 1), ("span_corruption", 3)]
+)
 def test_data_and_sequence_parallel_on_four_ranks(one_rank, tiny_data, tmp_path, case, zero):
     """dp2 x sp2: two sequence groups read distinct rows, each splits its rows' sequences; ZeRO partitions
     over all four ranks and averages gradients over the two data-parallel groups."""
