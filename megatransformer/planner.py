@@ -343,8 +343,6 @@ def state_parts(
     if layout.zero == 3:  # its fp32 reduction bucket, allocated once; up to two prefetch buckets of weights
         held["weights"] = w * part
         held["communication_buffers"] = 4 * bucket + w * min(params, 2 * ZERO3_PREFETCH)
-        if host:  # gloo reduce-scatters a clone of the bucket, live while the reduction runs
-            in_backward["communication_buffers"] = 4 * bucket
         if layout.offload:  # the fp32 partitions' own gradients, besides the reduced ones
             held["gradients"] += 4 * part
     elif layout.zero == 1 and lp and not layout.offload:  # BF16_Optimizer: fp32 gradients of every parameter

@@ -41,7 +41,10 @@ def test_engine_peak_on_two_ranks_is_the_plan_within_ten_percent(zero: int, prec
         "ranks": 2,
         "runner": "engine",
     }
-    measured = engine_peak(point)
+    # ZeRO-3 reduce-scatters through gloo, which clones the bucket; now and then the profiler misses that clone's
+    # free (BENCHMARKS.md 5v) and counts it as live into the next step: the measurement only ever adds it, so the
+    # least of three runs is the step's peak
+    measured = min(engine_peak(point) for _ in range(3 if zero == 3 else 1))
     total = planned(point)["total"]
     assert 0.9 < total / measured < 1.1, f"plan {total / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB"
 
