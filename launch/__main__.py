@@ -81,4 +81,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatransformer.cli import end_process
+
+    end_process(main())
