@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatransformer.batch import IGNORE_INDEX  # noqa: E402
 from megatransformer.config import RunConfig  # noqa: E402
+from megatransformer.training.distributed import free_port  # noqa: E402
 
 if TYPE_CHECKING:
     from megatransformer.training.distributed import Dist
@@ -216,12 +216,6 @@ def join(rank: int, ranks: int, port: int) -> Dist:
     from megatransformer.training.distributed import setup
 
     return setup()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from attention import peak_bytes  # noqa: E402
 from megatransformer.config import ModelConfig  # noqa: E402
 from megatransformer.model import build_model  # noqa: E402
 from megatransformer.model.masks import batch_masks  # noqa: E402
+from megatransformer.training.distributed import free_port  # noqa: E402
 from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses  # noqa: E402
 from megatransformer.training.tiled_mlp import apply_tiled_mlp  # noqa: E402
 
@@ -121,12 +121,6 @@ def run_rank(rank: int, size: int, port: int, length: int, tiles: int, repeats: 
         }
         Path(out).write_text(json.dumps(record))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

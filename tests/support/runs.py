@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -216,9 +215,10 @@ def alive(pid: int) -> bool:
 
 
 def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    """A free port on this machine, as MASTER_PORT takes it."""
+    from megatransformer.training.distributed import free_port
+
+    return str(free_port())
 
 
 def thread_names() -> list[str]:
