@@ -90,3 +90,24 @@ def test_a_run_stopped_before_its_last_validation_is_not_read_as_finished(tmp_pa
     (tmp_path / "adamw-cosine-lr0.001" / "metrics.jsonl").write_text("")  # stopped before its first step
     with pytest.raises(SystemExit, match="unfinished run"):
         sweep(args, [("adamw", "cosine")], {"adamw": [1e-3]})
+
+
+def test_jobs_run_at_once_each_with_its_share_of_the_cpus_as_threads(tmp_path, monkeypatch):
+    import time_to_loss
+
+    args = sweep_args(tmp_path, jobs=2)
+    started = []
+
+    def trainer(command, env, **_):  # a run as the trainer leaves it, written where its run_dir override says
+        given = dict(str(a).split("=", 1) for a in command if "=" in str(a))  # (args.config is None here)
+        run_dir, lr = Path(given["run_dir"]), float(given["optim.lr"])
+        started.append(env["OMP_NUM_THREADS"])
+        write_run(args, "adamw", lr, [5.0, 4.0 + lr])
+        assert run_dir.is_dir()
+        return argparse.Namespace(returncode=0)
+
+    monkeypatch.setattr(time_to_loss.subprocess, "run", trainer)
+    monkeypatch.setattr(time_to_loss.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    runs = sweep(args, [("adamw", "cosine")], {"adamw": [1e-3, 2e-3, 4e-3]})
+    assert [r.lr for r in runs] == [1e-3, 2e-3, 4e-3] and [r.final for r in runs] == [4.001, 4.002, 4.004]
+    assert started == ["2", "2", "2"]  # 5 CPUs over 2 jobs
