@@ -45,6 +45,7 @@ class Device:
     inter_node_gbps: float  # GB/s per device across nodes (InfiniBand / RoCE)
     kind: str = "cuda"
     reserved_gib: float = 2.0  # CUDA context, cuBLAS workspaces, the caching allocator's fragmentation
+    host_gib: float = 240.0  # host memory per rank: a 2 TB node over its 8 GPUs, less the system's (--host-memory)
 
 
 # matched by substring in order (the first match wins: NVL / PCIe before their SXM names); peaks are the
@@ -389,6 +390,81 @@ def memory_parts(cfg: RunConfig, layout: Layout, device: Device, engine: bool = 
     return parts
 
 
+# ------------------------------------------------------------------------------------------------ start
+
+START_PHASES = ("construction", "engine_start", "loading")
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Bytes a rank holds at a moment, on its device and in its host's memory (one pool on a CPU)."""
+
+    device: int
+    host: int
+
+    def on(self, device: Device) -> int:
+        """What the moment needs of the memory the planner compares with ``device.memory_gib``."""
+        return self.device + self.host if device.kind == "cpu" else self.device
+
+
+def largest_layer(m: ModelConfig, tp: int) -> int:
+    """Elements of the largest module sharded construction holds whole while it initialises it: a block (its
+    parameters after tensor parallelism) or a parameter outside the blocks (the embedding table, the head)."""
+    from megatransformer.flops import one_block_per_stack
+    from megatransformer.model.tp_plan import partition_dim
+
+    model, _ = one_block_per_stack(m)
+    blocks: dict[str, int] = {}
+    outside = 0
+    for name, p in model.named_parameters():
+        size = -(-p.numel() // tp) if partition_dim(name) is not None else p.numel()
+        if ".layers.0." in name:
+            stack = name.split(".layers.0.")[0]
+            blocks[stack] = blocks.get(stack, 0) + size
+        else:
+            outside = max(outside, size)
+    return max([outside, *blocks.values()])
+
+
+def offloaded_bytes(cfg: RunConfig, layout: Layout, device: Device) -> int:
+    """Bytes an offloaded optimizer keeps in a GPU rank's host memory (fp32 masters, their gradients, Adam's
+    moments, the staging copies): what the device's figure leaves out. On a CPU they are in the device's."""
+    if not layout.offload or device.kind == "cpu":
+        return 0
+    on_host, _, _ = state_parts(cfg, layout, engine=True, host=True)
+    on_device, _, _ = state_parts(cfg, layout, engine=True, host=False)
+    return sum(on_host.values()) - sum(on_device.values())
+
+
+def start_peaks(cfg: RunConfig, layout: Layout, device: Device) -> dict[str, Peak]:
+    """Each rank's peak, device and host, at each moment before its steady steps (docs/planner.md): building the
+    model (sharded: its partition, or the whole model in the run's dtype below ZeRO-3, plus the largest module
+    whole in fp32 while it is initialised), DeepSpeed's engine start (the states exist; ZeRO-1/2 flatten the
+    weights into a copy beside them) and loading a checkpoint (one tensor at a time through the host)."""
+    m, w = cfg.model, BYTES[cfg.precision]
+    split, whole = parameter_counts(m)
+    params = split // layout.tp + whole
+    shards = layout.dp * layout.sp if layout.zero > 0 else 1
+    weights = w * (-(-params // shards) if layout.zero == 3 else params)
+    held, _, _ = state_parts(cfg, layout, engine=True, host=device.kind == "cpu")
+    states = sum(held.values())
+    reserved = int(device.reserved_gib * GIB)
+    host = offloaded_bytes(cfg, layout, device)
+    # ZeRO-1/2 and the bf16 optimizer copy the weights into one flat buffer per group: the bf16 optimizer on the
+    # device, beside them; ZeRO-1/2 there only where it has the room, else the weights go through the host
+    engine_start, flattening = Peak(reserved + states, host), 0
+    if layout.zero == 1 and cfg.precision != "fp32" and not layout.offload:
+        engine_start = Peak(max(engine_start.device, reserved + 2 * w * params), host)
+    elif layout.zero in (1, 2) and device.kind != "cpu" and engine_start.device + w * params > device.memory_gib * GIB:
+        flattening = 2 * w * params
+    largest = 4 * largest_parameter(m, layout.tp)
+    return {
+        "construction": Peak(reserved + weights + 4 * largest_layer(m, layout.tp), 0),
+        "engine_start": Peak(engine_start.device, engine_start.host + flattening),
+        "loading": Peak(reserved + states + (w * largest // 4 if device.kind != "cpu" else 0), host + largest),
+    }
+
+
 # ------------------------------------------------------------------------------------------------ time
 
 
@@ -397,7 +473,7 @@ def cpu_device(ranks: int = 1) -> Device:
     import os
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    return Device("CPU", memory / ranks, 0.0, 10.0, 10.0, kind="cpu", reserved_gib=0.0)
+    return Device("CPU", memory / ranks, 0.0, 10.0, 10.0, kind="cpu", reserved_gib=0.0, host_gib=memory / ranks)
 
 
 # ------------------------------------------------------------------------------------------------ time
@@ -469,17 +545,47 @@ def ffn_params(m: ModelConfig) -> int:
 # ------------------------------------------------------------------------------------------- choosing
 
 
+def peaks(cfg: RunConfig, layout: Layout, device: Device, memory: dict[str, int]) -> dict[str, Peak]:
+    """The start's peaks (:func:`start_peaks`) and the steady step's (``memory``, with an offloaded optimizer's
+    host part), by moment."""
+    return start_peaks(cfg, layout, device) | {"step": Peak(memory["total"], offloaded_bytes(cfg, layout, device))}
+
+
+def overflow(moments: dict[str, Peak], device: Device) -> tuple[str, str, int, float] | None:
+    """The first moment that does not fit ``device``: (moment, "device" or "host", bytes needed, GiB there), or
+    None. On a CPU the device's memory is the host's, and both count against it."""
+    for moment, peak in moments.items():
+        if peak.on(device) > device.memory_gib * GIB:
+            return moment, "host" if device.kind == "cpu" else "device", peak.on(device), device.memory_gib
+        if device.kind != "cpu" and peak.host > device.host_gib * GIB:
+            return moment, "host", peak.host, device.host_gib
+    return None
+
+
 @dataclass(frozen=True)
 class Planned:
     layout: Layout
-    memory: dict[str, int]
+    memory: dict[str, int]  # the steady step's peak, by part
+    peaks: dict[str, Peak]  # each moment's, the start's and the step's
+    need: int  # the largest of them on the device (on a CPU: device and host)
     step_seconds: float
     fits: bool
+
+    @property
+    def start_bytes(self) -> int:
+        """The largest device peak of the start (construction, engine start, loading)."""
+        return max(self.peaks[moment].device for moment in START_PHASES)
+
+    @property
+    def host_bytes(self) -> int:
+        return max(peak.host for peak in self.peaks.values())
 
     def as_dict(self) -> dict:
         return {
             **asdict(self.layout),
             "memory_bytes": self.memory,
+            "peak_bytes": {moment: asdict(peak) for moment, peak in self.peaks.items()},
+            "need_bytes": self.need,
             "step_seconds": self.step_seconds,
             "fits": self.fits,
             "describe": self.layout.describe(),
@@ -498,11 +604,13 @@ class Plan:
     def why(self) -> str:
         """One line on the first choice: why it wins, or what would fit when nothing does."""
         memory = f"{self.device.memory_gib:.1f} GiB"
+        if self.device.kind != "cpu":
+            memory += f" per device and {self.device.host_gib:,.0f} GiB of host memory per rank"
         fitting = [p for p in self.layouts if p.fits]
         if not fitting:
-            smallest = min(self.layouts, key=lambda p: p.memory["total"])
+            smallest = min(self.layouts, key=lambda p: p.need)
             return (
-                f"nothing fits in {memory} per device: the smallest need is {smallest.memory['total'] / GIB:.1f} "
+                f"nothing fits in {memory}: the smallest need is {smallest.need / GIB:.1f} "
                 f"GiB ({smallest.layout.describe()})"
             )
         best = fitting[0]
@@ -516,7 +624,7 @@ class Plan:
             quickest = min(faster, key=lambda p: p.step_seconds)
             line += (
                 f"; {len(faster)} faster ones do not fit (the fastest, {quickest.layout.describe()}, needs "
-                f"{quickest.memory['total'] / GIB:.1f} GiB)"
+                f"{quickest.need / GIB:.1f} GiB)"
             )
         return line
 
@@ -596,8 +704,10 @@ def plan(
     planned = []
     for layout in layouts:
         memory = memory_parts(cfg, layout, device)
+        moments = peaks(cfg, layout, device, memory)
         seconds = step_seconds(cfg, layout, device, gpus_per_node, flops_per_token)
-        planned.append(Planned(layout, memory, seconds, memory["total"] <= device.memory_gib * GIB))
-    planned.sort(key=lambda p: (not p.fits, p.step_seconds if p.fits else p.memory["total"], p.memory["total"]))
+        need = max(peak.on(device) for peak in moments.values())
+        planned.append(Planned(layout, memory, moments, need, seconds, overflow(moments, device) is None))
+    planned.sort(key=lambda p: (not p.fits, p.step_seconds if p.fits else p.need, p.need))
     index = next((i for i, p in enumerate(planned) if p.layout == current), None)
     return Plan(device, world, planned, skipped, index, global_batch)

@@ -37,6 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--peak-tflops", type=float, default=None, metavar="T", help="dense bf16 TFLOP/s per device (a GPU not known)"
     )
+    parser.add_argument(
+        "--host-memory",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="host memory per node, shared by its ranks (default: this machine's, or 240 GiB per GPU of the table)",
+    )
     parser.add_argument("--gpus-per-node", type=int, default=None, metavar="N", help="devices (ranks) per node")
     parser.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes")
     parser.add_argument("--top", type=int, default=10, metavar="K", help="layouts to list (0: all)")
@@ -56,11 +63,17 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < (0 if name == "top" else 1):
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {0 if name == 'top' else 1}, got {value}")
-    for name in ("gpu_memory", "peak_tflops"):
+    for name in ("gpu_memory", "peak_tflops", "host_memory"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
     device, per_node = resolve_device(args, cfg)
+    if args.host_memory is not None:
+        from dataclasses import replace
+
+        if device.kind == "cpu":
+            raise ConfigError("--host-memory is for GPU plans: a CPU's ranks share this machine's memory")
+        device = replace(device, host_gib=args.host_memory / per_node)
     world = per_node * args.nodes
     current, global_batch = config_layout(cfg, world, device.kind)
     result = plan(cfg, device, world, per_node, current, global_batch)
@@ -114,37 +127,48 @@ def local_device(cfg: RunConfig, ranks_per_node: int | None, need_peak: bool = T
         if not peak and need_peak:
             raise ConfigError(f"the planner does not know {name}: give its --gpu-memory GiB and --peak-tflops")
         memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-        return replace(known, name=name, memory_gib=memory, peak_tflops=peak), (
-            ranks_per_node or torch.cuda.device_count()
-        )
+        ranks = ranks_per_node or torch.cuda.device_count()
+        host = cpu_device(ranks).memory_gib
+        return replace(known, name=name, memory_gib=memory, peak_tflops=peak, host_gib=host), ranks
     ranks = ranks_per_node or 1
     return replace(cpu_device(ranks), peak_tflops=cpu_tflops(cfg.precision) if need_peak else 0.0), ranks
 
 
+WHEN = {
+    "construction": "while it builds the model",
+    "engine_start": "when DeepSpeed's engine starts",
+    "loading": "while it loads a checkpoint",
+    "step": "at its step's peak",
+}
+
+
 def check_layout_fits(cfg: RunConfig, world: int, ranks_per_node: int) -> None:
-    """Stop before the first step when the run's own layout cannot fit in its device's memory: one line with
-    what overflows, by how much, and the best layout that fits (``train.check_memory`` turns it off)."""
+    """Stop before any rank allocates when the run's own layout cannot fit, at its start or in its steps, in its
+    device's or its host's memory: one line with the moment, where, by how much, and the best layout that fits
+    (``train.check_memory`` turns it off)."""
     from dataclasses import replace
 
-    from megatransformer.planner import GIB, PARTS, memory_parts, plan
+    from megatransformer.planner import GIB, PARTS, memory_parts, overflow, peaks, plan
 
     device, per_node = local_device(cfg, ranks_per_node, need_peak=False)
     current, global_batch = config_layout(cfg, world, device.kind)
     if current is None:
         return  # (the layout's own checks say why)
     need = memory_parts(cfg, current, device)
-    limit = device.memory_gib * GIB
-    if need["total"] <= limit:
+    over = overflow(peaks(cfg, current, device, need), device)
+    if over is None:
         return
+    moment, where, needed, limit_gib = over
+    what = device.name if where == "device" or device.kind == "cpu" else "host (per rank)"
     largest = max(PARTS, key=lambda part: need[part])
+    detail = f" (largest part: {largest.replace('_', ' ')}, {need[largest] / GIB:.1f} GiB)" if moment == "step" else ""
     if not device.peak_tflops:  # (the step times that rank the layouts: any peak ranks a GPU's alike)
         device = replace(device, peak_tflops=cpu_tflops(cfg.precision) if device.kind == "cpu" else 1.0)
     fitting = [p for p in plan(cfg, device, world, per_node, current, global_batch).layouts if p.fits]
     best = f"the best layout that fits: {fitting[0].layout.describe()}" if fitting else "no layout fits"
     raise ConfigError(
-        f"this run's layout ({current.describe()}) needs {need['total'] / GIB:.1f} GiB per rank, "
-        f"{(need['total'] - limit) / GIB:.1f} GiB more than the {device.memory_gib:.1f} GiB of its {device.name} "
-        f"(largest part: {largest.replace('_', ' ')}, {need[largest] / GIB:.1f} GiB); {best} "
+        f"this run's layout ({current.describe()}) needs {needed / GIB:.1f} GiB per rank {WHEN[moment]}, "
+        f"{needed / GIB - limit_gib:.1f} GiB more than the {limit_gib:.1f} GiB of its {what}{detail}; {best} "
         "(megatransformer plan ranks them); train.check_memory=false skips this check"
     )
 
@@ -215,13 +239,13 @@ def render(cfg: RunConfig, result, top: int | None, verbose: bool) -> str:
         if (load := other_load()) >= 1:  # (the step times are as slow as the GEMMs were then)
             peak += f" while {load:.0f} tasks of other work ran"
     else:
-        peak = f"{d.peak_tflops:g} TFLOP/s bf16"
+        peak = f"{d.peak_tflops:g} TFLOP/s bf16, host {d.host_gib:,.0f} GiB per rank"
     lines = [
         f"plan: {parameters_text(params)} parameters, seq_len {cfg.data.seq_len}, global batch "
         f"{result.global_batch} rows, {cfg.precision}, on {result.world} x {d.name} ({d.memory_gib:,.1f} GiB, {peak})",
         f"{'#':>4}  {'layout':44s} {'GiB':>7} "
         + " ".join(f"{title:>7}" for _, title in COLUMNS)
-        + f" {'s/step':>9}  fits",
+        + f" {'start':>7} {'host':>7} {'s/step':>9}  fits",
     ]
     for i in result.shown(top):
         p = result.layouts[i]
@@ -229,6 +253,7 @@ def render(cfg: RunConfig, result, top: int | None, verbose: bool) -> str:
         lines.append(
             f"{i + 1:>4}  {p.layout.describe():44s} {p.memory['total'] / GIB:7.2f} "
             + " ".join(f"{p.memory[part] / GIB:7.2f}" for part, _ in COLUMNS)
+            + f" {p.start_bytes / GIB:7.2f} {p.host_bytes / GIB:7.2f}"
             + f" {p.step_seconds:9.3g}  {'yes' if p.fits else 'no'}{mark}"
         )
     if result.current is None:

@@ -100,7 +100,7 @@ def test_the_first_layout_fits_and_is_the_fastest_that_does() -> None:
     fitting = [p for p in result.layouts if p.fits]
     assert fitting and result.layouts[0] is fitting[0]
     assert result.layouts[0].step_seconds == min(p.step_seconds for p in fitting)
-    assert all(p.memory["total"] <= 80 * GIB for p in fitting)
+    assert all(p.memory["total"] <= 80 * GIB and p.need <= 80 * GIB for p in fitting)
     assert result.why().startswith(result.layouts[0].layout.describe() + " wins")
 
 
@@ -116,7 +116,9 @@ def test_nothing_fits_says_the_smallest_memory_that_would() -> None:
     cfg = llama(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672)
     result = plan(cfg, find_gpu("A100-40"), 1, 1, None, 8)
     assert not any(p.fits for p in result.layouts)
-    assert result.why().startswith("nothing fits in 40.0 GiB per device: the smallest need is ")
+    assert result.why().startswith(
+        "nothing fits in 40.0 GiB per device and 240 GiB of host memory per rank: the smallest need is "
+    )
 
 
 def test_plan_json_has_the_layouts_and_the_config_own_index(capsys: pytest.CaptureFixture) -> None:
@@ -128,7 +130,8 @@ def test_plan_json_has_the_layouts_and_the_config_own_index(capsys: pytest.Captu
     out = json.loads(capsys.readouterr().out)
     first, current = out["layouts"][0], out["layouts"][out["current"]]
     keys = {"dp", "tp", "sp", "zero", "activation_checkpointing", "mlp_tiles", "offload", "micro_batch"}
-    assert keys | {"memory_bytes", "step_seconds", "fits"} <= first.keys()
+    assert keys | {"memory_bytes", "peak_bytes", "need_bytes", "step_seconds", "fits"} <= first.keys()
+    assert set(first["peak_bytes"]) == {"construction", "engine_start", "loading", "step"}
     assert first["fits"] and first["memory_bytes"]["total"] == sum(
         v for k, v in first["memory_bytes"].items() if k != "total"
     )
@@ -229,3 +232,60 @@ def test_a_point_whose_rank_aborts_is_measured_once_more_and_any_other_failure_i
         outcomes = [first, second]
         with pytest.raises(mp.ProcessExitedException):
             plan_memory.engine_peak({})
+
+
+LLAMA_70B = dict(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672, vocab_size=128256)
+
+
+def test_no_rank_holds_the_whole_model_at_the_start_of_a_zero_3_run() -> None:
+    from megatransformer.planner import largest_layer, parameter_counts, start_peaks
+
+    cfg = llama(**LLAMA_70B)
+    whole = 2 * sum(parameter_counts(cfg.model))  # (bf16)
+    h100 = find_gpu("H100")
+    moments = start_peaks(cfg, layout(dp=512, zero=3), h100)
+    reserved = int(h100.reserved_gib * GIB)
+    block = 4 * largest_layer(cfg.model, 1)  # (one block of the 70B in fp32: 3.2 GiB)
+    assert moments["construction"].device - reserved == whole // 512 + block < whole / 20
+    assert all(peak.host < whole / 20 for peak in moments.values())
+    below = start_peaks(cfg, layout(dp=512, zero=2), h100)["construction"]  # the whole model, in bf16
+    assert below.device - reserved == whole + block
+
+
+def test_an_offloaded_optimizer_s_states_count_against_the_host() -> None:
+    from megatransformer.planner import overflow, parameter_counts, peaks
+
+    cfg = llama(**LLAMA_70B)
+    split, whole = parameter_counts(cfg.model)
+    h100 = find_gpu("H100")
+    offloaded = layout(dp=8, tp=8, zero=3, offload=True, activation_checkpointing=True)
+    moments = peaks(cfg, offloaded, h100, memory_parts(cfg, offloaded, h100))
+    # fp32 masters, their two gradient copies and Adam's moments of a data-parallel rank's partition of the
+    # tensor-parallel shard: 20 bytes a parameter
+    assert moments["step"].host == pytest.approx(20 * (split / 8 + whole) / 8, rel=1e-3)
+    assert overflow(moments, h100) is None
+    small_host = replace(h100, host_gib=16.0)
+    moment, where, needed, limit = overflow(moments, small_host)
+    assert (where, limit) == ("host", 16.0) and needed == moments[moment].host > 16 * GIB
+
+
+def test_train_refuses_a_layout_whose_host_cannot_hold_its_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatransformer.commands import plan as command
+    from megatransformer.config import ConfigError, load_config
+
+    small_host = replace(find_gpu("H100"), host_gib=8.0)
+    monkeypatch.setattr(command, "local_device", lambda cfg, ranks, need_peak=True: (small_host, 8))
+    overrides = [f"model.{k}={v}" for k, v in LLAMA_70B.items()] + [
+        "parallel.zero_stage=3",
+        "parallel.offload_optimizer=true",
+        "parallel.tensor_parallel=8",
+        "model.activation_checkpointing=true",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=64",
+    ]
+    with pytest.raises(ConfigError) as err:
+        command.check_layout_fits(load_config("llama-style", overrides), 64, 8)
+    line = str(err.value)
+    assert line.startswith("this run's layout (dp8 x tp8, ZeRO-3, mb 1 x 8, ckpt, offload) needs ")
+    assert "GiB per rank when DeepSpeed's engine starts, " in line
+    assert "GiB more than the 8.0 GiB of its host (per rank); " in line
