@@ -9,6 +9,7 @@ docs/gpu.md, "On CPUs".
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 
 import torch
 
@@ -16,6 +17,13 @@ from megatransformer.model.masks import AttentionMask
 from megatransformer.model.positions import Alibi
 
 CHUNK = 64  # query positions per chunk (measured best of 32-256 at seq 512 and 2048, bf16 and fp32)
+_IN_FORWARD = ContextVar("chunked_attention_forward", default=False)
+
+
+def in_core_forward() -> bool:
+    """Whether the chunked core's forward is running: its products are its own business (selective activation
+    checkpointing keeps none of them; its backward recomputes each chunk)."""
+    return _IN_FORWARD.get()
 
 
 def _rows(x: torch.Tensor, start: int, end: int, scale: float | None = None) -> torch.Tensor:
@@ -66,6 +74,19 @@ class ChunkedAttention(torch.autograd.Function):
     def forward(
         ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, alibi: Alibi | None, chunk: int
     ) -> torch.Tensor:
+        inside = _IN_FORWARD.set(True)
+        try:
+            out = ChunkedAttention._forward(q, k, v, mask, alibi, chunk)
+        finally:
+            _IN_FORWARD.reset(inside)
+        ctx.save_for_backward(q, k, v)
+        ctx.mask, ctx.alibi, ctx.chunk = mask, alibi, chunk
+        return out
+
+    @staticmethod
+    def _forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, alibi: Alibi | None, chunk: int
+    ) -> torch.Tensor:
         batch, heads, q_len, dim = q.shape
         kv_heads, kv_len = k.shape[1], k.shape[2]
         groups, scale = heads // kv_heads, 1.0 / math.sqrt(dim)
@@ -88,8 +109,6 @@ class ChunkedAttention(torch.autograd.Function):
             )
             chunk_out = torch.bmm(torch.softmax(scores, dim=-1), values[:, key_start:key_end])
             out[:, start:end] = chunk_out.view(batch, kv_heads, end - start, groups, dim).transpose(1, 2)
-        ctx.save_for_backward(q, k, v)
-        ctx.mask, ctx.alibi, ctx.chunk = mask, alibi, chunk
         return out.view(batch, q_len, heads, dim).transpose(1, 2)
 
     @staticmethod

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from megatransformer.config import ModelConfig
 from megatransformer.model.attention import KVCache
+from megatransformer.model.chunked_attention import in_core_forward
 from megatransformer.model.head import LMHead
 from megatransformer.model.layers import Block, make_norm
 from megatransformer.model.masks import AttentionMask, ModelMasks, cross_attention_mask, self_attention_mask
@@ -97,8 +98,11 @@ KEPT_BY_SELECTIVE_CHECKPOINTING = {
 
 
 def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective activation checkpointing's choice per operation: keep matrix products, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op in KEPT_BY_SELECTIVE_CHECKPOINTING else CheckpointPolicy.PREFER_RECOMPUTE
+    """Selective activation checkpointing's choice per operation: keep matrix products, recompute the rest (and
+    every product inside the chunked attention core, which keeps its inputs and recomputes its chunks itself)."""
+    if op in KEPT_BY_SELECTIVE_CHECKPOINTING and not in_core_forward():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_contexts():

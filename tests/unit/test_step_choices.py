@@ -69,9 +69,9 @@ class CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def backward_matmuls(checkpointing) -> tuple[int, list[torch.Tensor]]:
+def backward_matmuls(checkpointing, backend: str = "sdpa") -> tuple[int, list[torch.Tensor]]:
     torch.manual_seed(0)
-    model = build_model(tiny_config(activation_checkpointing=checkpointing, attention_backend="sdpa")).train()
+    model = build_model(tiny_config(activation_checkpointing=checkpointing, attention_backend=backend)).train()
     ids = torch.randint(0, 97, (2, 12))
     loss = model(input_ids=ids, labels=ids)
     with CountMatmuls() as counter:
@@ -84,6 +84,17 @@ def test_selective_checkpointing_recomputes_no_matmul_and_gives_the_same_gradien
     selective, selective_grads = backward_matmuls("selective")
     whole, _ = backward_matmuls(True)
     assert selective == plain < whole  # (per block: the forward's matmuls run again)
+    for got, want in zip(selective_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_selective_checkpointing_recomputes_the_chunked_core_and_gives_the_same_gradients():
+    """The CPU's core masks its chunks' scores in place: kept by the selective policy, they would be a cached
+    product mutated (an error in the backward), and every chunk's scores kept (the memory the core saves)."""
+    plain, plain_grads = backward_matmuls(False, "chunked")
+    selective, selective_grads = backward_matmuls("selective", "chunked")
+    whole, _ = backward_matmuls(True, "chunked")
+    assert plain < selective < whole  # (the core's products run again, the projections' do not)
     for got, want in zip(selective_grads, plain_grads, strict=True):
         torch.testing.assert_close(got, want)
 
