@@ -85,7 +85,7 @@ class Layout:
     tp: int
     sp: int
     zero: int
-    activation_checkpointing: bool
+    activation_checkpointing: bool | str  # False, True (every block's input only) or "selective" (its products)
     mlp_tiles: int
     offload: bool
     micro_batch: int
@@ -95,7 +95,7 @@ class Layout:
         degrees = " x ".join([f"dp{self.dp}"] + [f"{n}{d}" for n, d in (("tp", self.tp), ("sp", self.sp)) if d > 1])
         extras = [f"ZeRO-{self.zero}", f"mb {self.micro_batch} x {self.accum}"]
         if self.activation_checkpointing:
-            extras.append("ckpt")
+            extras.append("sel-ckpt" if self.activation_checkpointing == "selective" else "ckpt")
         if self.mlp_tiles > 1:
             extras.append(f"tiles {self.mlp_tiles}")
         if self.offload:
@@ -201,6 +201,21 @@ def block_kept(m: ModelConfig, layout: Layout, cross: bool) -> int:
     return attention + mlp
 
 
+def selective_kept(m: ModelConfig, layout: Layout, cross: bool, kind: str) -> int:
+    """Values one block keeps per position under selective activation checkpointing (the model's
+    ``KEPT_BY_SELECTIVE_CHECKPOINTING``): its input, and the outputs of its matrix products (q, k and v, o_proj,
+    the MLP's up and gate and down) and of a fused attention kernel (the core's output; the CPU's chunked core
+    keeps nothing and runs again). Multi-head latent attention is counted as without checkpointing."""
+    if m.attention == "mla":
+        return block_kept(m, layout, cross)
+    d, tp = m.d_model, layout.tp
+    kv = m.kv_heads * m.head_dim
+    fused_core = kind != "cpu" or m.attention_backend == "sdpa"
+    attention = (d + 2 * kv) // tp + (d // tp if fused_core else 0) + d
+    mlp = (2 if m.ffn == "swiglu" else 1) * m.d_ff // tp + d
+    return d + attention * (2 if cross else 1) + mlp
+
+
 def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int]:
     """Bytes of the activations kept through a micro batch's forward (``activations``), of the block that
     activation checkpointing recomputes in the backward (``recomputed``), and the largest transients on top of
@@ -215,7 +230,11 @@ def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int
     )
     per_block = [block_kept(m, layout, cross) for _, cross, _ in stacks]
     recomputed = 0
-    if layout.activation_checkpointing:  # each block's input; in the backward, one block recomputed at a time
+    if layout.activation_checkpointing == "selective":  # its products; in the backward one block's rest again
+        selective = [selective_kept(m, layout, cross, kind) for _, cross, _ in stacks]
+        blocks = sum(n * positions * v for (n, _, positions), v in zip(stacks, selective))
+        recomputed = max(p * (v - s) for (_, _, p), v, s in zip(stacks, per_block, selective)) * w
+    elif layout.activation_checkpointing:  # each block's input; in the backward, one block recomputed at a time
         blocks = sum(n * positions for n, _, positions in stacks) * m.d_model
         recomputed = max(positions * v for (_, _, positions), v in zip(stacks, per_block)) * w
     else:
@@ -491,10 +510,11 @@ def step_seconds(cfg: RunConfig, layout: Layout, device: Device, gpus_per_node: 
     tokens = layout.micro_batch * layout.accum * cfg.data.seq_len
     flops = flops_per_token * tokens / (layout.tp * layout.sp)
     mlp_share = ffn_params(m) * 6 / max(flops_per_token, 1.0)  # the MLPs' part of the FLOPs per token
-    if layout.activation_checkpointing:
-        flops *= 4 / 3  # one more forward
+    full_checkpointing = layout.activation_checkpointing is True
+    if full_checkpointing:
+        flops *= 4 / 3  # one more forward (selective: the products are kept, what runs again is memory-bound)
     if layout.mlp_tiles > 1:
-        flops *= 1 + mlp_share / 3 * (2 if layout.activation_checkpointing else 1)  # one more MLP forward each
+        flops *= 1 + mlp_share / 3 * (2 if full_checkpointing else 1)  # one more MLP forward each
     if device.kind == "cpu":
         rate = device.peak_tflops * 1e12 * CPU_STEP_EFFICIENCY
     else:
@@ -690,7 +710,7 @@ def plan(
                 continue
             per_rank = global_batch // dp
             for zero, ckpt, offload, micro in itertools.product(
-                range(4), (False, True), (False, True), divisors(per_rank)
+                range(4), (False, "selective", True), (False, True), divisors(per_rank)
             ):
                 if zero and dp * sp == 1 and not offload and cfg.precision == "fp32":
                     continue  # ZeRO over one rank partitions nothing: the engine runs stage 0

@@ -108,7 +108,7 @@ def describe(cfg: RunConfig, world_size: int) -> dict:
         p.tensor_parallel,
         sp,
         p.zero_stage,
-        cfg.model.activation_checkpointing is True,  # (selective: estimated as kept activations)
+        cfg.model.activation_checkpointing,
         cfg.model.mlp_tiles,
         p.offload_optimizer,
         micro or 1,

@@ -193,7 +193,7 @@ def config_layout(cfg: RunConfig, world: int, kind: str):
         p.tensor_parallel,
         p.sequence_parallel,
         engine_zero_stage(cfg, dp, kind),
-        m.activation_checkpointing is True,  # (selective: estimated as kept activations)
+        m.activation_checkpointing,
         m.mlp_tiles,
         p.offload_optimizer,
         sizes.micro,

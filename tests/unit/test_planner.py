@@ -29,6 +29,7 @@ POINTS = {
         "fp32",
     ),
     "checkpointing": ({"activation_checkpointing": True}, 512, "fp32"),
+    "selective-checkpointing": ({"activation_checkpointing": "selective"}, 512, "fp32"),
     "mlp-tiles": ({"mlp_tiles": 4}, 512, "fp32"),
     "bf16": ({}, 256, "bf16"),
     "two-loss-chunks": ({"vocab_size": 8192}, 1024, "fp32"),  # 2 x 1024 targets: two chunks of 2^23 logits on CPU
@@ -289,3 +290,16 @@ def test_train_refuses_a_layout_whose_host_cannot_hold_its_start(monkeypatch: py
     assert line.startswith("this run's layout (dp8 x tp8, ZeRO-3, mb 1 x 8, ckpt, offload) needs ")
     assert "GiB per rank when DeepSpeed's engine starts, " in line
     assert "GiB more than the 8.0 GiB of its host (per rank); " in line
+
+
+def test_selective_checkpointing_is_ranked_between_none_and_full() -> None:
+    cfg = llama(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336)
+    h100 = find_gpu("H100")
+    need = {
+        ckpt: memory_parts(cfg, layout(zero=3, micro_batch=2, accum=16, activation_checkpointing=ckpt), h100)
+        for ckpt in (False, "selective", True)
+    }
+    assert need[True]["activations"] < need["selective"]["activations"] < need[False]["activations"]
+    result = plan(cfg, h100, 8, 8, None, 256)
+    assert any(p.layout.activation_checkpointing == "selective" for p in result.layouts)
+    assert "sel-ckpt" in layout(activation_checkpointing="selective").describe()
