@@ -163,6 +163,26 @@ def index_record(
     }
 
 
+def check_layout(name: str, layout: ParamLayout) -> None:
+    """:func:`check_cover` of a layout read from disk, after the checks that make its arithmetic valid: a shape
+    of non-negative sizes, a split dimension of the shape that divides among the slices, pieces of those slices."""
+    if not all(isinstance(n, int) and n >= 0 for n in layout.shape) or layout.tp < 1:
+        raise ValueError(f"{name}: shape {list(layout.shape)} split {layout.tp} ways")
+    if layout.tp_dim is not None:
+        if not (isinstance(layout.tp_dim, int) and 0 <= layout.tp_dim < len(layout.shape)):
+            raise ValueError(f"{name}: split along dimension {layout.tp_dim} of shape {list(layout.shape)}")
+        if layout.shape[layout.tp_dim] % layout.tp:
+            raise ValueError(f"{name}: dimension {layout.tp_dim} of shape {list(layout.shape)} split {layout.tp} ways")
+    elif layout.tp != 1:
+        raise ValueError(f"{name}: split {layout.tp} ways along no dimension")
+    for piece in layout.pieces:
+        if not (isinstance(piece.tp_index, int) and 0 <= piece.tp_index < layout.tp):
+            raise ValueError(f"{name}: a piece of slice {piece.tp_index} of {layout.tp}")
+        if not (isinstance(piece.start, int) and isinstance(piece.stop, int) and 0 <= piece.start < piece.stop):
+            raise ValueError(f"{name}: a piece of elements [{piece.start}, {piece.stop})")
+    check_cover(name, layout)
+
+
 def check_cover(name: str, layout: ParamLayout) -> None:
     """Every element of every tensor-parallel slice in exactly one piece (else the save is wrong, not the disk)."""
     numel = math.prod(layout.slice_shape())
@@ -174,7 +194,10 @@ def check_cover(name: str, layout: ParamLayout) -> None:
                 raise ValueError(f"{name}: slice {tp_index} has a gap or an overlap at element {at}")
             at = stop
         if at != numel:
-            raise ValueError(f"{name}: slice {tp_index} covers {at} of its {numel} elements")
+            raise ValueError(
+                f"{name}: the pieces of slice {tp_index} cover {at} elements, its shape {list(layout.slice_shape())} "
+                f"{numel}"
+            )
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -263,6 +286,11 @@ class ShardedState:
             raise CheckpointDamaged(path, INDEX, "missing") from None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CheckpointDamaged(path, INDEX, f"unreadable ({err.__class__.__name__})") from None
+        for name, layout in self.params.items():  # (a reader never returns an element no piece holds)
+            try:
+                check_layout(name, layout)
+            except ValueError as err:
+                raise CheckpointDamaged(path, INDEX, f"{err} (the index does not describe its pieces)") from None
         self._open: dict[str, ShardReader] = {}
         self._sorted: dict[str, dict[int, tuple[list[int], list[Piece]]]] = {}
 
@@ -333,10 +361,23 @@ class ShardedState:
         state ``kind`` of ``name``, on any layout: only the saved elements it holds are read, each straight into
         the tensor returned (the only memory this takes)."""
         out = torch.empty(stop - start, dtype=torch.float32)
+        filled = 0
         for piece, lo, hi, at in self._spans(name, tp_index, tp, tp_dim, start, stop):
             key = piece_key(kind, name, piece.tp_index, piece.start)
             self._shard(piece.file).read_into(key, lo - piece.start, out[at : at + hi - lo])
+            filled += hi - lo
+        if filled != stop - start:  # (never memory that was not read: the index covers the shape, see check_layout)
+            raise CheckpointDamaged(
+                self.path, INDEX, f"{name}: its pieces hold {filled} of the {stop - start} elements asked for"
+            )
         return out
+
+    def check_shards(self, files: Iterator[str] | set[str]) -> None:
+        """Open each of ``files`` (shard files) as :meth:`slice_of` would: a shard of another save is an error
+        now, before any of it is read."""
+        for file in sorted(files):
+            if file.startswith("shard_"):
+                self._shard(file)
 
     def tensor(self, name: str, kind: str = MASTER) -> torch.Tensor:
         """State ``kind`` of parameter ``name`` whole, in fp32, assembled from its pieces."""
