@@ -95,3 +95,44 @@ def test_each_save_is_measured_in_the_metrics_and_the_log(tiny_data, tmp_path):
     assert len(lines) == 3 and "in the background; training stalled" in lines[0], done.stdout[-2000:]
     index = json.loads((run / "checkpoints" / "step_000003" / "index.json").read_text())
     assert index["optimizer"]["step"] == 3
+
+
+# megatransformer train, its step-4 save slowed down, ending with an error as soon as that save has started
+FAILS_WHILE_WRITING = """
+import sys, time
+from data_pipeline import DataError
+from megatransformer.checkpoint import sharded
+from megatransformer.cli import main
+from megatransformer.training.loop import Trainer
+def slow_shard(path, tensors, metadata):
+    if path.parent.name == "step_000004":
+        time.sleep(3)
+    return written_shard(path, tensors, metadata)
+def save_then_fail(self):
+    path = saved(self)
+    if path.name == "step_000004":
+        raise DataError("a data error while step 4's checkpoint is written")
+    return path
+written_shard, saved = sharded.write_safetensors, Trainer.save
+sharded.write_safetensors, Trainer.save = slow_shard, save_then_fail
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_ending_with_an_error_completes_the_save_in_flight(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    failed = subprocess.run(
+        [sys.executable, "-c", FAILS_WHILE_WRITING, *train_command()[3:], *tiny_run(tiny_data, run, steps=8)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ONE_THREAD},
+        timeout=600,
+    )
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    lines = failed.stderr.splitlines()
+    assert "megatransformer train: waiting for checkpoint step_000004, written in the background" in failed.stderr
+    assert "megatransformer train: checkpoint step_000004 complete" in lines, failed.stderr[-3000:]
+    assert lines[-1].startswith("megatransformer train: error: a data error while step 4's"), failed.stderr[-3000:]
+    root = run / "checkpoints"
+    assert (root / "latest").read_text() == "step_000004"
+    ckpt.verify_checkpoint(root / "step_000004")

@@ -445,3 +445,18 @@ def test_a_checkpoint_of_the_format_before_shards_is_refused_then_converted_and_
     resumed = train(overrides(tiny_data, run, "resume=auto"), env=ONE_THREAD)
     assert f"resumed from {old} at step 2" in resumed.stdout
     assert losses_by_step(run) == losses_by_step(trained)
+
+
+def test_two_ranks_agree_on_a_shard_of_another_save_and_fall_back_together(tiny_data, tmp_path):
+    """Rank 1's shard of the newest checkpoint taken from the older one, the manifest made to match: only rank 1
+    reads it, yet no rank loads the checkpoint; both fall back to the older one, the warning naming the file."""
+    run = tmp_path / "run"
+    train(overrides(tiny_data, run), nproc=2, env=ONE_THREAD)
+    root = run / "checkpoints"
+    shard = "shard_00001.safetensors"
+    shutil.copyfile(root / OLD / shard, root / NEW / shard)
+    ckpt.write_manifest(root / NEW)
+    resumed = train(overrides(tiny_data, run, "resume=auto", "train.max_steps=3"), nproc=2, env=ONE_THREAD)
+    assert f"resumed from {root / OLD} at step 2" in resumed.stdout, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    warning = [line for line in resumed.stderr.splitlines() if f"{shard}: a shard of another save" in line]
+    assert len(warning) == 1 and f"skipped, resuming from {OLD}" in warning[0], resumed.stderr[-3000:]
