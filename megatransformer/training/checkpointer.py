@@ -330,9 +330,8 @@ class Checkpointer:
         A collective: every rank calls it."""
         self.wait()
         began = time.perf_counter()
-        if self.group is None:  # (its own timeout: a slow rank's write, rank 0's prune on a network file system)
-            timeout = timedelta(minutes=self.cfg.checkpoint.timeout_minutes)
-            self.group = dist.new_group(backend="gloo", timeout=timeout)
+        if self.group is None:
+            self.group = writer_group(self.cfg.checkpoint.timeout_minutes)
         if self.plan is None:
             self.plan = SavePlan.build(self.engine, self.tp, self.tp_rank)
         root = ckpt.checkpoints_dir(self.cfg.run_dir)
@@ -498,6 +497,14 @@ class Checkpointer:
         self.thread.join()
         self.thread, outcome, self.outcome = None, self.outcome, None
         error, self.writer_error = self.writer_error, None
+        if error is not None and "timed out" in str(error).lower():
+            minutes = self.cfg.checkpoint.timeout_minutes
+            raise WriteFailed(
+                f"writing checkpoint {self.writing.name} failed: the ranks' writers "
+                f"did not all finish within checkpoint.timeout_minutes={minutes:g} (a slow or stalled rank, a slow "
+                "file system); the last complete checkpoint is intact (resume=auto continues from it); raise "
+                "checkpoint.timeout_minutes if the storage is slow"
+            ) from None
         if error is not None:  # (the writer's own error, its frames kept: a lost peer reads as one line)
             raise error
         if outcome is None:
@@ -594,6 +601,13 @@ class Checkpointer:
                 setattr(scaler, k, v)
         set_rng_state(saved[0]["rng"])
         return saved[0]["loader"] if same_layout else [r["loader"] for r in saved]
+
+
+def writer_group(minutes: float):
+    """The background writers' own gloo group (never the training's, whose collectives the main thread keeps
+    issuing), with its own timeout (checkpoint.timeout_minutes): a slow rank's write or rank 0's removal of old
+    checkpoints on a network file system may take longer than a training collective should wait."""
+    return dist.new_group(backend="gloo", timeout=timedelta(minutes=minutes))
 
 
 def agreed(check: Callable[[], Any]) -> Any:
