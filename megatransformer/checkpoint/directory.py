@@ -3,6 +3,7 @@ a path a user gives for a checkpoint. Layout and trust model: docs/checkpoints.m
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -128,14 +129,33 @@ def rewind_to(path: Path) -> None:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` whole, or (a failed write) leave it as it was."""
+    """Replace ``path`` with ``text`` whole, or (a failed write) leave it as it was; durable when it returns: the
+    file fsynced before it is renamed into place, its directory after (a marker a crash cannot leave empty or
+    unwritten once something was built on it)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (a rename, a new file) durable: fsync the directory itself (where
+    the file system has no fsync of a directory, as some FUSE ones, its renames are as durable as it makes them)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from megatransformer.checkpoint.directory import (
     WEIGHTS_FILES,
     default_file_mode,
     find_checkpoint,
+    fsync_dir,
     step_of,
 )
 from megatransformer.checkpoint.integrity import CheckpointDamaged, read_manifest, verify_checkpoint, write_manifest
@@ -243,7 +244,11 @@ def write_weights_checkpoint(
     (tmp / CONFIG).write_text(dump_config(cfg))
     if tokenizer is not None and Path(tokenizer).is_file():
         shutil.copyfile(tokenizer, tmp / TOKENIZER)
+    for file in tmp.iterdir():  # (durable before the manifest that vouches for them)
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
     write_manifest(tmp)  # COMPLETE, listing every file
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    fsync_dir(out.parent)
     return out

@@ -163,6 +163,26 @@ def index_record(
     }
 
 
+def check_layout(name: str, layout: ParamLayout) -> None:
+    """:func:`check_cover` of a layout read from disk, after the checks that make its arithmetic valid: a shape
+    of non-negative sizes, a split dimension of the shape that divides among the slices, pieces of those slices."""
+    if not all(isinstance(n, int) and n >= 0 for n in layout.shape) or layout.tp < 1:
+        raise ValueError(f"{name}: shape {list(layout.shape)} split {layout.tp} ways")
+    if layout.tp_dim is not None:
+        if not (isinstance(layout.tp_dim, int) and 0 <= layout.tp_dim < len(layout.shape)):
+            raise ValueError(f"{name}: split along dimension {layout.tp_dim} of shape {list(layout.shape)}")
+        if layout.shape[layout.tp_dim] % layout.tp:
+            raise ValueError(f"{name}: dimension {layout.tp_dim} of shape {list(layout.shape)} split {layout.tp} ways")
+    elif layout.tp != 1:
+        raise ValueError(f"{name}: split {layout.tp} ways along no dimension")
+    for piece in layout.pieces:
+        if not (isinstance(piece.tp_index, int) and 0 <= piece.tp_index < layout.tp):
+            raise ValueError(f"{name}: a piece of slice {piece.tp_index} of {layout.tp}")
+        if not (isinstance(piece.start, int) and isinstance(piece.stop, int) and 0 <= piece.start < piece.stop):
+            raise ValueError(f"{name}: a piece of elements [{piece.start}, {piece.stop})")
+    check_cover(name, layout)
+
+
 def check_cover(name: str, layout: ParamLayout) -> None:
     """Every element of every tensor-parallel slice in exactly one piece (else the save is wrong, not the disk)."""
     numel = math.prod(layout.slice_shape())
@@ -174,7 +194,10 @@ def check_cover(name: str, layout: ParamLayout) -> None:
                 raise ValueError(f"{name}: slice {tp_index} has a gap or an overlap at element {at}")
             at = stop
         if at != numel:
-            raise ValueError(f"{name}: slice {tp_index} covers {at} of its {numel} elements")
+            raise ValueError(
+                f"{name}: the pieces of slice {tp_index} cover {at} elements, its shape {list(layout.slice_shape())} "
+                f"{numel}"
+            )
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -263,6 +286,11 @@ class ShardedState:
             raise CheckpointDamaged(path, INDEX, "missing") from None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CheckpointDamaged(path, INDEX, f"unreadable ({err.__class__.__name__})") from None
+        for name, layout in self.params.items():  # (a reader never returns an element no piece holds)
+            try:
+                check_layout(name, layout)
+            except ValueError as err:
+                raise CheckpointDamaged(path, INDEX, f"{err} (the index does not describe its pieces)") from None
         self._open: dict[str, ShardReader] = {}
         self._sorted: dict[str, dict[int, tuple[list[int], list[Piece]]]] = {}
 
@@ -333,10 +361,23 @@ class ShardedState:
         state ``kind`` of ``name``, on any layout: only the saved elements it holds are read, each straight into
         the tensor returned (the only memory this takes)."""
         out = torch.empty(stop - start, dtype=torch.float32)
+        filled = 0
         for piece, lo, hi, at in self._spans(name, tp_index, tp, tp_dim, start, stop):
             key = piece_key(kind, name, piece.tp_index, piece.start)
             self._shard(piece.file).read_into(key, lo - piece.start, out[at : at + hi - lo])
+            filled += hi - lo
+        if filled != stop - start:  # (never memory that was not read: the index covers the shape, see check_layout)
+            raise CheckpointDamaged(
+                self.path, INDEX, f"{name}: its pieces hold {filled} of the {stop - start} elements asked for"
+            )
         return out
+
+    def check_shards(self, files: Iterator[str] | set[str]) -> None:
+        """Open each of ``files`` (shard files) as :meth:`slice_of` would: a shard of another save is an error
+        now, before any of it is read."""
+        for file in sorted(files):
+            if file.startswith("shard_"):
+                self._shard(file)
 
     def tensor(self, name: str, kind: str = MASTER) -> torch.Tensor:
         """State ``kind`` of parameter ``name`` whole, in fp32, assembled from its pieces."""
@@ -355,53 +396,67 @@ class ShardedState:
 
 def convert_consolidated(path: Path) -> Path:
     """Rewrite a checkpoint of the format before shards (DeepSpeed's states beside model.safetensors and
-    optimizer.safetensors, which hold the whole weights and Adam state) as a sharded one of one piece per
-    parameter, in place: the new directory is written beside it and swapped in when complete. The loader and
-    RNG states, trainer state, config and tokenizer are kept; DeepSpeed's files are dropped."""
+    optimizer.safetensors, which hold the whole weights and optimizer state) as a sharded one of one piece per
+    parameter, in place: the new directory is written beside it and swapped in when complete (a conversion cut
+    short is finished by :func:`finish_conversions`). The loader and RNG states, trainer state, config and
+    tokenizer are kept; DeepSpeed's files are dropped. Each parameter keeps the kinds of state it had (Muon's
+    matrices a momentum, the others Adam's moments). A file that does not hold what that format wrote is an
+    error naming it."""
     import secrets
     import shutil
 
-    from safetensors import safe_open
-
-    from megatransformer.checkpoint.directory import COMPLETE, CONFIG, OPTIMIZER, TOKENIZER, TRAINER_STATE, WEIGHTS
+    from megatransformer.checkpoint.directory import CONFIG, OPTIMIZER, TOKENIZER, TRAINER_STATE, WEIGHTS, fsync_dir
+    from megatransformer.checkpoint.files import load_safetensors
     from megatransformer.checkpoint.integrity import read_manifest, verify_checkpoint, write_manifest
 
     verify_checkpoint(path)
     if read_manifest(path) is None or not (path / OPTIMIZER).is_file():
         raise CheckpointDamaged(path, OPTIMIZER, "missing: only checkpoints with the whole optimizer state convert")
-    step = int(json.loads((path / TRAINER_STATE).read_bytes())["step"])
-    with safe_open(str(path / OPTIMIZER), framework="pt") as f:
-        meta = f.metadata() or {}
-        moments = {key: f.get_tensor(key) for key in f.keys()}
-    with safe_open(str(path / WEIGHTS), framework="pt") as f:
-        weights = {key: f.get_tensor(key) for key in f.keys()}
-    adam_step = int(meta.get("adam_step", "0"))
-    kinds = [MASTER, *sorted({key.split("/", 1)[0] for key in moments})] if adam_step else [MASTER]
-    # (the moments are per parameter, a tied one once; without them every name is kept as a parameter)
-    params = [key.split("/", 1)[1] for key in moments if key.startswith(f"{kinds[-1]}/")] if adam_step else []
-    params = params or list(weights)
-    aliases = {
-        name: next(p for p in params if torch.equal(weights[p], tensor))
-        for name, tensor in weights.items()
-        if name not in params
-    }
+    try:
+        step = json.loads((path / TRAINER_STATE).read_bytes())["step"]
+        if not isinstance(step, int) or step < 0:
+            raise ValueError("step")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointDamaged(path, TRAINER_STATE, f"no step count in it ({err.__class__.__name__})") from None
+    moments, meta = load_safetensors(path, OPTIMIZER)
+    weights, _ = load_safetensors(path, WEIGHTS)
+    try:
+        adam_step = int(meta.get("adam_step", "0"))
+        scheduler = json.loads(meta["lr_scheduler"]) if meta.get("lr_scheduler") else None
+    except ValueError as err:
+        raise CheckpointDamaged(path, OPTIMIZER, f"its metadata is unreadable ({err.__class__.__name__})") from None
+    param_kinds: dict[str, list[str]] = {}
+    if adam_step:
+        for key in moments:
+            kind, _, name = key.partition("/")
+            if name not in weights or moments[key].numel() != weights[name].numel():
+                raise CheckpointDamaged(path, OPTIMIZER, f"{key}: no weight of its size in {WEIGHTS}")
+            param_kinds.setdefault(name, []).append(kind)
+    # (the state is per parameter, a tied one once; without it every name is kept as a parameter)
+    params = [name for name in weights if name in param_kinds] or list(weights)
+    kinds = [MASTER, *sorted({kind for have in param_kinds.values() for kind in have})]
+    aliases = {}
+    for name, tensor in weights.items():
+        if name not in params:
+            same = next((p for p in params if p != name and torch.equal(weights[p], tensor)), None)
+            if same is None:
+                raise CheckpointDamaged(
+                    path, OPTIMIZER, f"no state for {name}, which is no other name of a parameter in {WEIGHTS}"
+                )
+            aliases[name] = same
     file, save = shard_file(0), secrets.token_hex(16)
     tensors: dict[str, torch.Tensor] = {}
     layouts = {}
     for name in params:
-        for kind in kinds:
+        for kind in (MASTER, *sorted(param_kinds.get(name, []))):
             tensors[piece_key(kind, name, 0, 0)] = (
                 (weights[name] if kind == MASTER else moments[f"{kind}/{name}"]).reshape(-1).float().contiguous()
             )
         layouts[name] = ParamLayout(tuple(weights[name].shape), None, 1, (Piece(0, 0, weights[name].numel(), file),))
-    record = index_record(layouts, kinds, aliases, save, step)
-    scheduler = meta.get("lr_scheduler")
-    record["optimizer"] = {
-        "step": adam_step,
-        "lr_scheduler": json.loads(scheduler) if scheduler else None,
-        "loss_scaler": None,
-    }
-    new = path.with_name(f".{path.name}.converting")
+    partial = {name: [MASTER, *sorted(have)] for name, have in param_kinds.items() if len(have) < len(kinds) - 1}
+    record = index_record(layouts, kinds, aliases, save, step, partial)
+    record["optimizer"] = {"step": adam_step, "lr_scheduler": scheduler, "loss_scaler": None}
+    new, old = _conversion_dirs(path)
     shutil.rmtree(new, ignore_errors=True)
     new.mkdir()
     entries = {file: write_safetensors(new / file, tensors, {"save": save, "step": str(step)})}
@@ -411,10 +466,43 @@ def convert_consolidated(path: Path) -> Path:
     ]
     for name in kept:
         entries[name] = write_file(new / name, (path / name).read_bytes())
-    write_manifest(new, entries)
-    old = path.with_name(f".{path.name}.consolidated")
+    write_manifest(new, entries)  # (the new directory complete: from here on the conversion is finished, not undone)
     path.rename(old)
     new.rename(path)
+    fsync_dir(path.parent)
     shutil.rmtree(old)
-    assert (path / COMPLETE).is_file()
     return path
+
+
+def _conversion_dirs(path: Path) -> tuple[Path, Path]:
+    """Where :func:`convert_consolidated` writes the new directory, and where it moves the old one aside."""
+    return path.with_name(f".{path.name}.converting"), path.with_name(f".{path.name}.consolidated")
+
+
+def finish_conversions(root: Path) -> list[str]:
+    """Finish or undo the conversions in checkpoints directory ``root`` that a kill cut short between their
+    renames (the checkpoint hidden under both of its temporary names): a complete new directory is moved into
+    place, else the old one back. Returns a line for each one done."""
+    import shutil
+
+    from megatransformer.checkpoint.directory import COMPLETE, fsync_dir
+
+    done = []
+    for new in sorted(root.glob(".step_*.converting")):
+        path = root / new.name[1 : -len(".converting")]
+        _, old = _conversion_dirs(path)
+        if path.exists():  # (a conversion cut short before its renames: the checkpoint is where it was)
+            shutil.rmtree(new, ignore_errors=True)
+            continue
+        if (new / COMPLETE).is_file():
+            new.rename(path)
+            done.append(f"{path.name}: finished its conversion to the sharded format, cut short by a kill")
+        elif old.is_dir():
+            old.rename(path)
+            done.append(f"{path.name}: undid its conversion to the sharded format, cut short by a kill")
+            shutil.rmtree(new, ignore_errors=True)
+        fsync_dir(root)
+    for old in sorted(root.glob(".step_*.consolidated")):
+        if (root / old.name[1 : -len(".consolidated")]).exists():
+            shutil.rmtree(old, ignore_errors=True)
+    return done

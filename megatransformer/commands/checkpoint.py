@@ -28,9 +28,13 @@ def convert_checkpoint(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megatransformer.checkpoint import find_checkpoint
-    from megatransformer.checkpoint.sharded import INDEX, convert_consolidated
+    from megatransformer.checkpoint.sharded import INDEX, convert_consolidated, finish_conversions
 
-    path = find_checkpoint(Path(args.checkpoint), args.checkpoint)
+    given = Path(args.checkpoint)
+    if given.parent.is_dir():  # (a conversion a kill cut short, of this checkpoint or another one beside it)
+        for line in finish_conversions(given.parent):
+            print(line)
+    path = find_checkpoint(given, args.checkpoint)
     if (path / INDEX).is_file():
         print(f"{path} is sharded already: nothing to do")
         return 0

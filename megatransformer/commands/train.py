@@ -124,12 +124,14 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         code = trainer.run()
         end_groups(trainer)  # (every collective of the run is behind it)
     except (ConfigError, DataError, WriteFailed) as err:  # found once the process group runs: end it first
+        finish_writes(trainer)
         end_groups(trainer, err)
         release(held)
         raise
     except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
         line = collective_failure(err, cfg.parallel.timeout_minutes)
         if line is None:
+            finish_writes(trainer)
             raise
         rank = os.environ.get("RANK", "0")
         dumps = [path for path in stack_dumps(cfg.run_dir) if path.stat().st_mtime >= began]  # (this run's)
@@ -144,10 +146,14 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
                 "gone: such a rank cannot answer)"
             )
         print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        finish_writes(trainer)
         if groups_end_after_failure():
             end_groups(trainer, err)
         release(held)
         return EXIT_COLLECTIVE_FAILED
+    except BaseException:  # (out of memory, a bug: the save in flight is still completed)
+        finish_writes(trainer)
+        raise
     if dist_info.is_main:
         cfg = with_closing_prompt(cfg, overrides, tokenizer)
         if code == 0:
@@ -155,6 +161,15 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         print_summary(cfg, code, time.perf_counter() - started, trainer.checkpoint, trainer.state)
     release(held)
     return code
+
+
+def finish_writes(trainer: Trainer | None) -> None:
+    """On every way out of a run that ends with an error: the checkpoint being written in the background is
+    completed first (at most checkpoint.timeout_minutes), with a line saying so (``Checkpointer.finish``)."""
+    writer = getattr(getattr(trainer, "module", None), "checkpointer", None)
+    if writer is not None:
+        main = os.environ.get("RANK", "0") == "0"
+        writer.finish(lambda line: main and print(f"megatransformer train: {line}", file=sys.stderr, flush=True))
 
 
 def end_groups(trainer: Trainer | None, err: BaseException | None = None) -> None:

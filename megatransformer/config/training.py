@@ -221,6 +221,11 @@ class CheckpointConfig(Section):
     """Most recent checkpoints kept (older ones are deleted)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """dtype of exported consolidated weights."""
+    timeout_minutes: Annotated[float, Field(gt=0, le=7 * 24 * 60)] = 30.0
+    """Longest wait of the background checkpoint writers for each other (their own gloo group, apart from
+    parallel.timeout_minutes): the slowest rank's write of its shard, rank 0's manifest and removal of old
+    checkpoints (slow on a network file system). Past it the save fails on every rank; a run ending with an
+    error waits this long at most for the save in flight."""
 
 
 class ParallelConfig(Section):

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -319,6 +320,8 @@ class Checkpointer:
         self.staging: dict[str, torch.Tensor] = {}  # reused host buffers (pinned on CUDA), one per piece
         self.done: list[SaveOutcome] = []  # finished saves not yet reported
         self.failure: str | None = None  # a failed write's line, raised at the next wait
+        self.writer_error: BaseException | None = None  # the writer thread's own error, raised at the next wait
+        self.writing: Path | None = None  # the checkpoint the thread in flight writes
 
     # -------------------------------------------------------------------------------- save
 
@@ -328,7 +331,7 @@ class Checkpointer:
         self.wait()
         began = time.perf_counter()
         if self.group is None:
-            self.group = dist.new_group(backend="gloo")
+            self.group = writer_group(self.cfg.checkpoint.timeout_minutes)
         if self.plan is None:
             self.plan = SavePlan.build(self.engine, self.tp, self.tp_rank)
         root = ckpt.checkpoints_dir(self.cfg.run_dir)
@@ -357,6 +360,7 @@ class Checkpointer:
                 files[ckpt.TOKENIZER] = Path(self.cfg.data.tokenizer).read_bytes()
         job = SaveJob(path, state.step, box[0], tensors, buffer.getvalue(), files, keep, 0.0)
         job.stall_s = time.perf_counter() - began
+        self.writing = path
         self.thread = threading.Thread(target=self._write, args=(job,), name="checkpoint-writer", daemon=True)
         self.thread.start()
         return path
@@ -396,6 +400,15 @@ class Checkpointer:
         return {"step": _adam_step(innermost_optimizer(self.engine)), "lr_scheduler": scheduler, "loss_scaler": numbers}
 
     def _write(self, job: SaveJob) -> None:
+        """The background thread: :meth:`_write_job`; its error (a collective of the writers' group that failed
+        for want of another rank) is kept for :meth:`wait` to raise in the main thread, where it ends the run in
+        one line, never a thread's traceback on stderr."""
+        try:
+            self._write_job(job)
+        except BaseException as err:  # noqa: BLE001 (raised again by _collect)
+            self.writer_error = err
+
+    def _write_job(self, job: SaveJob) -> None:
         """The background writer: this rank's files, then the ranks' agreement, then (rank 0) the manifest."""
         from safetensors import SafetensorError
 
@@ -483,10 +496,48 @@ class Checkpointer:
             return
         self.thread.join()
         self.thread, outcome, self.outcome = None, self.outcome, None
-        if outcome is None:  # (the writer itself raised: its traceback is on stderr)
-            raise RuntimeError("the checkpoint writer thread failed")
+        error, self.writer_error = self.writer_error, None
+        if error is not None and "timed out" in str(error).lower():
+            minutes = self.cfg.checkpoint.timeout_minutes
+            raise WriteFailed(
+                f"writing checkpoint {self.writing.name} failed: the ranks' writers "
+                f"did not all finish within checkpoint.timeout_minutes={minutes:g} (a slow or stalled rank, a slow "
+                "file system); the last complete checkpoint is intact (resume=auto continues from it); raise "
+                "checkpoint.timeout_minutes if the storage is slow"
+            ) from None
+        if error is not None:  # (the writer's own error, its frames kept: a lost peer reads as one line)
+            raise error
+        if outcome is None:
+            raise RuntimeError("the checkpoint writer thread ended without an outcome")
         self.done.append(outcome)
         self.failure = outcome.error
+
+    def finish(self, log: Callable[[str], None]) -> None:
+        """On a run's way out after an error: wait for the write in flight, if any, at most the writers' group's
+        timeout (checkpoint.timeout_minutes: past it the writers' collective fails anyway), and ``log`` a line
+        before and after: a save that was started is completed, or said to be lost. Never raises."""
+        thread = self.thread
+        if thread is None:
+            return
+        name = self.writing.name if self.writing is not None else "?"
+        minutes = self.cfg.checkpoint.timeout_minutes
+        if thread.is_alive():
+            log(f"waiting for checkpoint {name}, written in the background, before exiting (at most {minutes:g} min)")
+            thread.join(60 * minutes + 30)
+        if thread.is_alive():
+            log(f"checkpoint {name} was not written within {minutes:g} min: exiting without it")
+            return
+        try:
+            self._collect()
+        except BaseException as err:  # noqa: BLE001 (the run is ending with an error of its own)
+            line = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+            log(f"checkpoint {name} was not written: {line[:300]}")
+            return
+        if self.failure is not None:
+            log(self.failure)
+            self.failure = None
+            return
+        log(f"checkpoint {name} complete")
 
     # -------------------------------------------------------------------------------- load
 
@@ -497,20 +548,36 @@ class Checkpointer:
         it (the loader merges them into the global row position) and restores rank 0's RNG (every rank draws
         the same numbers)."""
         self.wait()
-        state = sharded.ShardedState(path)
         ranks = [dist.get_rank()] if same_layout else range(saved_world_size)
         layouts = param_layouts(self.engine, self.tp)
 
         def where(fragment: Fragment) -> tuple[int, int, int | None, int, int]:
             return fragment.tp_index, self.tp, layouts[fragment.name][1], fragment.start, fragment.stop
 
-        reads = {ckpt.rank_file(r) for r in ranks}
         held = local_fragments(self.engine, self.tp, self.tp_rank)
-        for fragment in held:
-            reads |= state.files_of(fragment.name, *where(fragment))
-        verify_everywhere(path, reads)  # (before the engine changes: a damaged checkpoint leaves it as it was)
-        saved = [ckpt.safe_load(path / ckpt.rank_file(r), allowed=deepspeed_safe_globals()) for r in ranks]
-        record = json.loads((path / sharded.INDEX).read_bytes())["optimizer"]
+
+        def check() -> tuple[sharded.ShardedState, list[dict], dict[str, Any]]:
+            """Everything this rank will read, checked before any of it is loaded."""
+            state = sharded.ShardedState(path)
+            for name, (shape, _) in layouts.items():
+                saved_shape = state.params[name].shape if name in state.params else None
+                if saved_shape != shape:
+                    had = f"shape {list(saved_shape)}" if saved_shape is not None else "no such parameter"
+                    raise ckpt.CheckpointDamaged(path, sharded.INDEX, f"{name}: {had}, the model's is {list(shape)}")
+            reads = {ckpt.rank_file(r) for r in ranks}
+            for fragment in held:
+                reads |= state.files_of(fragment.name, *where(fragment))
+            ckpt.verify_files(path, reads)
+            state.check_shards(reads)  # (a shard of another save, under a manifest made to match)
+            saved = [ckpt.safe_load(path / ckpt.rank_file(r), allowed=deepspeed_safe_globals()) for r in ranks]
+            try:
+                record = json.loads((path / sharded.INDEX).read_bytes())["optimizer"]
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise ckpt.CheckpointDamaged(path, sharded.INDEX, f"unreadable ({err.__class__.__name__})") from None
+            return state, saved, record
+
+        # (before the engine changes, and agreed: every rank loads, or every rank refuses with the same error)
+        state, saved, record = agreed(check)
         keys = [k for k in state.kinds if k != sharded.MASTER]
         inner = innermost_optimizer(self.engine)
         if keys:
@@ -536,20 +603,37 @@ class Checkpointer:
         return saved[0]["loader"] if same_layout else [r["loader"] for r in saved]
 
 
-def verify_everywhere(path: Path, reads: Collection[str]) -> None:
-    """Each rank verifies the files of checkpoint ``path`` it ``reads`` (their sizes and sha256 against the
-    manifest, and the pickles of its ``.pt`` files), and the ranks agree in one collective: should any rank find
-    one damaged or unsafe, every rank raises the first such rank's error, naming the file."""
-    found: ckpt.CheckpointDamaged | None = None
+def writer_group(minutes: float):
+    """The background writers' own gloo group (never the training's, whose collectives the main thread keeps
+    issuing), with its own timeout (checkpoint.timeout_minutes): a slow rank's write or rank 0's removal of old
+    checkpoints on a network file system may take longer than a training collective should wait."""
+    return dist.new_group(backend="gloo", timeout=timedelta(minutes=minutes))
+
+
+def agreed(check: Callable[[], Any]) -> Any:
+    """``check()``'s result on every rank, once the ranks agree in one collective that none found the
+    checkpoint damaged or unsafe (:class:`ckpt.CheckpointDamaged`); else every rank raises the first such rank's
+    error, naming the file: no rank loads what another refused. Any other error of a rank's check ends every
+    rank too (that rank with its own error, the others naming it), never leaving them waiting."""
+    found: ckpt.CheckpointDamaged | str | None = None
+    result, own = None, None
     try:
-        ckpt.verify_files(path, reads)
+        result = check()
     except ckpt.CheckpointDamaged as err:
         found = err
-    everyone: list[ckpt.CheckpointDamaged | None] = [None] * dist.get_world_size()
+    except Exception as err:
+        own, found = err, f"{err.__class__.__name__}: {str(err).strip()[:200]}"
+    everyone: list[ckpt.CheckpointDamaged | str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, found)
-    first = next((err for err in everyone if err is not None), None)
+    first = next((err for err in everyone if isinstance(err, ckpt.CheckpointDamaged)), None)
     if first is not None:
         raise first
+    if own is not None:
+        raise own
+    other = next(((rank, err) for rank, err in enumerate(everyone) if err is not None), None)
+    if other is not None:
+        raise RuntimeError(f"rank {other[0]} failed checking the checkpoint before loading it: {other[1]}")
+    return result
 
 
 def refresh_weights(engine) -> None:

@@ -9,7 +9,7 @@ import socket
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -56,6 +56,11 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
             "MASTER_PORT=0 cannot be reached by the other ranks; use `torchrun --standalone` "
             "or pass a free port with --master_port"
         )
+    problem = gloo_interface_problem(os.environ)
+    if problem is not None:
+        from megatransformer.config import ConfigError
+
+        raise ConfigError(problem)
     import deepspeed
     import torch.distributed as dist
 
@@ -81,6 +86,43 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
         distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, f"cuda:{local_rank}" if cuda else "cpu")
+
+
+def gloo_interface_problem(env: Mapping[str, str]) -> str | None:
+    """Why gloo, which the checkpoint writers' group uses on every device (and training on CPUs), could not reach
+    the other nodes, in one line with the fix; None when it can or the run is on one node (loopback serves).
+    gloo listens on the address this host's name resolves to, or on ``GLOO_SOCKET_IFNAME``'s interfaces; a name
+    that resolves to a loopback address (127.0.1.1, as Debian's /etc/hosts has it) fails at the first save."""
+    world = int(env.get("WORLD_SIZE", "1"))
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    if world <= local and int(env.get("SLURM_NNODES", "1")) <= 1:
+        return None
+    named = env.get("GLOO_SOCKET_IFNAME")
+    fix = (
+        f"set GLOO_SOCKET_IFNAME to the network interface of this host that reaches MASTER_ADDR="
+        f"{env.get('MASTER_ADDR', '?')} (e.g. GLOO_SOCKET_IFNAME=eth0; `ip -br addr` lists them)"
+    )
+    if named:
+        interfaces = sorted(name for _, name in socket.if_nameindex())
+        missing = [name for name in named.split(",") if name not in interfaces]
+        if missing:
+            return (
+                f"GLOO_SOCKET_IFNAME={named}: this host has no interface {missing[0]} (it has "
+                f"{', '.join(interfaces)}); {fix}"
+            )
+        return None
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return f"this host's name {host} does not resolve, so gloo (the checkpoint writers) cannot listen; {fix}"
+    if address.startswith("127.") or address == "::1":
+        return (
+            f"this host's name {host} resolves to {address}, a loopback address the other nodes cannot reach: gloo "
+            f"(the checkpoint writers' group) would fail at the first save; {fix}, or map {host} to its network "
+            "address in /etc/hosts"
+        )
+    return None
 
 
 def end_with_launcher() -> None:

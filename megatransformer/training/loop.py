@@ -376,6 +376,8 @@ class Trainer:
         self.last_save = time.monotonic()
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         began = self.spikes.protect_before()  # (a rollback in the making needs the checkpoint before it)
+        # (listed once the write in flight is done: its rotation may remove a checkpoint, or complete the one needed)
+        self.module.checkpointer.wait()
         needed = ckpt.complete_before(ckpt.checkpoints_dir(self.cfg.run_dir), began) if began is not None else []
         keep = tuple(p.name for p in needed[:1])
         self.checkpoint = self.module.save(self.state, self.train_loader.state_dict(), keep)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatransformer import checkpoint as ckpt
-from megatransformer.checkpoint.sharded import INDEX
+from megatransformer.checkpoint.sharded import INDEX, finish_conversions
 from megatransformer.config import ConfigError, RunConfig
 from megatransformer.training.distributed import on_first_rank
 from megatransformer.training.layout import (
@@ -92,7 +92,11 @@ def _resolve_resume(cfg: RunConfig, found: Sequence[ckpt.CheckpointDamaged]) -> 
     """(schedule.decay_from: where a run that has no checkpoint of its own starts.)"""
     branch = cfg.schedule.decay_from
     if cfg.resume == "auto":
-        own = ckpt.newest_intact(ckpt.checkpoints_dir(cfg.run_dir), found, rank_parts=False)
+        root = ckpt.checkpoints_dir(cfg.run_dir)
+        if root.is_dir():
+            for line in finish_conversions(root):  # (the checkpoint a kill hid mid-conversion)
+                ckpt.warn(line)
+        own = ckpt.newest_intact(root, found, rank_parts=False)
         if own is not None or branch is None:
             return own
     elif cfg.resume is None and branch is None:

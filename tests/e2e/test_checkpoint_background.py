@@ -95,3 +95,89 @@ def test_each_save_is_measured_in_the_metrics_and_the_log(tiny_data, tmp_path):
     assert len(lines) == 3 and "in the background; training stalled" in lines[0], done.stdout[-2000:]
     index = json.loads((run / "checkpoints" / "step_000003" / "index.json").read_text())
     assert index["optimizer"]["step"] == 3
+
+
+# megatransformer train, its step-4 save slowed down, ending with an error as soon as that save has started
+FAILS_WHILE_WRITING = """
+import sys, time
+from data_pipeline import DataError
+from megatransformer.checkpoint import sharded
+from megatransformer.cli import main
+from megatransformer.training.loop import Trainer
+def slow_shard(path, tensors, metadata):
+    if path.parent.name == "step_000004":
+        time.sleep(3)
+    return written_shard(path, tensors, metadata)
+def save_then_fail(self):
+    path = saved(self)
+    if path.name == "step_000004":
+        raise DataError("a data error while step 4's checkpoint is written")
+    return path
+written_shard, saved = sharded.write_safetensors, Trainer.save
+sharded.write_safetensors, Trainer.save = slow_shard, save_then_fail
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_run_ending_with_an_error_completes_the_save_in_flight(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    failed = subprocess.run(
+        [sys.executable, "-c", FAILS_WHILE_WRITING, *train_command()[3:], *tiny_run(tiny_data, run, steps=8)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ONE_THREAD},
+        timeout=600,
+    )
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    lines = failed.stderr.splitlines()
+    assert "megatransformer train: waiting for checkpoint step_000004, written in the background" in failed.stderr
+    assert "megatransformer train: checkpoint step_000004 complete" in lines, failed.stderr[-3000:]
+    assert lines[-1].startswith("megatransformer train: error: a data error while step 4's"), failed.stderr[-3000:]
+    root = run / "checkpoints"
+    assert (root / "latest").read_text() == "step_000004"
+    ckpt.verify_checkpoint(root / "step_000004")
+
+
+# megatransformer train, rank 1 killed outright while writing its shard of step 4's checkpoint
+RANK_KILLED_WHILE_WRITING = """
+import os, signal, sys
+from megatransformer.checkpoint import sharded
+from megatransformer.cli import main
+def shard(path, tensors, metadata):
+    if os.environ["RANK"] == "1" and path.parent.name == "step_000004":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return written_shard(path, tensors, metadata)
+written_shard, sharded.write_safetensors = sharded.write_safetensors, shard
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_dying_mid_save_leaves_the_survivor_one_line_not_the_writers_traceback(tiny_data, tmp_path):
+    from support.runs import free_port
+
+    run = tmp_path / "run"
+    port = free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_KILLED_WHILE_WRITING, *train_command()[3:], *tiny_run(tiny_data, run, steps=8)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                **ONE_THREAD,
+                **dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"),
+                **dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            },
+        )
+        for r in range(2)
+    ]
+    try:
+        _, err = ranks[0].communicate(timeout=600)
+    finally:
+        ranks[1].kill()
+    assert ranks[0].returncode == 4, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("megatransformer train: error: rank 0: ")]
+    assert len(errors) == 1 and "another rank is gone" in errors[0], err[-3000:]
+    assert not (run / "checkpoints" / "step_000004" / ckpt.COMPLETE).exists()

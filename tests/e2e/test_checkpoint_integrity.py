@@ -425,7 +425,12 @@ def as_consolidated(checkpoint: Path) -> None:
     state = ShardedState(checkpoint)
     optimizer = json.loads((checkpoint / "index.json").read_text())["optimizer"]
     ckpt.save_safetensors(dict(state.weights()), checkpoint / ckpt.WEIGHTS)
-    moments = {f"{kind}/{name}": state.tensor(name, kind) for kind in state.kinds[1:] for name in state.params}
+    moments = {
+        f"{kind}/{name}": state.tensor(name, kind)
+        for name in state.params
+        for kind in state.kinds_of(name)
+        if kind != "fp32"
+    }
     meta = {"adam_step": str(optimizer["step"]), "lr_scheduler": json.dumps(optimizer["lr_scheduler"])}
     ckpt.save_safetensors(moments, checkpoint / ckpt.OPTIMIZER, meta)
     unshard(checkpoint)
@@ -445,3 +450,35 @@ def test_a_checkpoint_of_the_format_before_shards_is_refused_then_converted_and_
     resumed = train(overrides(tiny_data, run, "resume=auto"), env=ONE_THREAD)
     assert f"resumed from {old} at step 2" in resumed.stdout
     assert losses_by_step(run) == losses_by_step(trained)
+
+
+def test_two_ranks_agree_on_a_shard_of_another_save_and_fall_back_together(tiny_data, tmp_path):
+    """Rank 1's shard of the newest checkpoint taken from the older one, the manifest made to match: only rank 1
+    reads it, yet no rank loads the checkpoint; both fall back to the older one, the warning naming the file."""
+    run = tmp_path / "run"
+    train(overrides(tiny_data, run), nproc=2, env=ONE_THREAD)
+    root = run / "checkpoints"
+    shard = "shard_00001.safetensors"
+    shutil.copyfile(root / OLD / shard, root / NEW / shard)
+    ckpt.write_manifest(root / NEW)
+    resumed = train(overrides(tiny_data, run, "resume=auto", "train.max_steps=3"), nproc=2, env=ONE_THREAD)
+    assert f"resumed from {root / OLD} at step 2" in resumed.stdout, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    warning = [line for line in resumed.stderr.splitlines() if f"{shard}: a shard of another save" in line]
+    assert len(warning) == 1 and f"skipped, resuming from {OLD}" in warning[0], resumed.stderr[-3000:]
+
+
+def test_a_converted_muon_checkpoint_resumes_at_zero_3(tiny_data, tmp_path):
+    """Muon's matrices have a momentum and no Adam moments: the converted index says so per parameter, so a ZeRO-3
+    resume copies no state into a view the optimizer does not have (and ZeRO-0 makes no Adam state for them)."""
+    run = tmp_path / "run"
+    muon = ["optim.name=muon", "optim.muon_lr=0.02", "train.max_steps=2", "parallel.zero_stage=0"]
+    train(overrides(tiny_data, run, *muon), env=ONE_THREAD)
+    step = run / "checkpoints" / OLD
+    as_consolidated(step)
+    cli("checkpoint", "convert", step, env=ONE_THREAD)
+    kinds = json.loads((step / "index.json").read_text())["params"]
+    adam = ("fp32", "exp_avg", "exp_avg_sq")
+    assert {tuple(p["kinds"]) for p in kinds.values()} == {("fp32", "momentum_buffer"), adam}
+    zero_3 = ["resume=auto", "train.max_steps=3", "parallel.zero_stage=3"]
+    resumed = train(overrides(tiny_data, run, *muon, *zero_3), env=ONE_THREAD)
+    assert "resuming step 2 written by 1 rank" in resumed.stdout and "Traceback" not in resumed.stderr

@@ -64,3 +64,32 @@ def test_average_last_says_why_a_run_has_fewer_checkpoints(tmp_path, keep, said)
         f"--last 5 {tmp_path}: only 2 complete checkpoints in {ckpt.checkpoints_dir(tmp_path)} ({said}"
     )
     assert len(last_checkpoints("2", str(tmp_path))) == 2
+
+
+def test_a_marker_is_fsynced_before_its_rename_and_its_directory_after(tmp_path, monkeypatch):
+    """COMPLETE and `latest` (atomic_write, write_manifest) survive a power loss once written: the file's data is
+    on disk before the rename publishes it, the rename itself after the directory's fsync."""
+    import os
+
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def fsync_of(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_of)
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(b))) or replace(a, b))
+    root = tmp_path / "checkpoints"
+    (root / "step_000001").mkdir(parents=True)
+    ckpt.write_manifest(root / "step_000001", {})
+    ckpt.atomic_write(root / ckpt.LATEST, "step_000001")
+    step = root / "step_000001"
+    assert events == [
+        ("fsync", str(step / ".COMPLETE.tmp")),
+        ("replace", str(step / ckpt.COMPLETE)),
+        ("fsync", str(step)),
+        ("fsync", str(root / ".latest.tmp")),
+        ("replace", str(root / ckpt.LATEST)),
+        ("fsync", str(root)),
+    ]

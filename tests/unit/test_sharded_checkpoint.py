@@ -93,8 +93,39 @@ def test_a_missing_shard_or_index_is_named(tmp_path):
 def test_pieces_that_leave_a_gap_or_overlap_are_a_bug_found_at_the_save():
     with pytest.raises(ValueError, match="gap or an overlap at element 3"):
         sharded.check_cover("b", ParamLayout((6,), None, 1, (Piece(0, 0, 3, "a"), Piece(0, 4, 6, "b"))))
-    with pytest.raises(ValueError, match="covers 5 of its 6 elements"):
+    with pytest.raises(ValueError, match=r"pieces of slice 0 cover 5 elements, its shape \[6\] 6"):
         sharded.check_cover("b", ParamLayout((6,), None, 1, (Piece(0, 0, 5, "a"),)))
+
+
+@pytest.mark.parametrize(
+    "edit,why",
+    [
+        (lambda p: p["w"].update(shape=[14, 6]), r"w: the pieces of slice 0 cover 36 elements, its shape \[7, 6\] 42"),
+        (lambda p: p["b"].update(shape=[7]), r"b: the pieces of slice 0 cover 6 elements, its shape \[7\] 7"),
+        (lambda p: p["v"].update(shape=[6, 7]), r"v: dimension 1 of shape \[6, 7\] split 2 ways"),
+        (lambda p: p["v"].update(tp_dim=2), r"v: split along dimension 2 of shape \[6, 6\]"),
+        (lambda p: p["b"]["pieces"][0].__setitem__(1, -3), r"b: a piece of elements \[-3, "),
+        (lambda p: p["w"]["pieces"][0].__setitem__(0, 5), r"w: a piece of slice 5 of 2"),
+    ],
+)
+def test_an_index_whose_pieces_do_not_cover_its_shapes_is_refused_by_every_reader(tmp_path, edit, why):
+    """An index.json edited to grow a parameter (its manifest made to match): no reader returns an element that
+    was never read (export wrote the extra row from uninitialized memory)."""
+    import json
+
+    write_checkpoint(tmp_path, FULL, 2, 2, DIMS)
+    record = json.loads((tmp_path / sharded.INDEX).read_text())
+    edit(record["params"])
+    (tmp_path / sharded.INDEX).write_text(json.dumps(record))
+    with pytest.raises(ckpt.CheckpointDamaged, match=f"index.json: {why}") as err:
+        ShardedState(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_a_slice_beyond_the_saved_elements_is_refused(tmp_path):
+    write_checkpoint(tmp_path, {"b": torch.arange(12.0)}, 1, 2, {"b": None})
+    with pytest.raises(ckpt.CheckpointDamaged, match="b: its pieces hold 2 of the 4 elements asked for"):
+        ShardedState(tmp_path).slice_of("b", "fp32", 0, 1, None, 10, 14)
 
 
 def test_bytes_on_disk_are_the_state_and_a_small_header(tmp_path):
