@@ -34,7 +34,7 @@ from megatransformer.training.trackers import resolved_config, run_facts
 from megatransformer.training.watchdog import Watchdog
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM/SIGINT: requeue and resume=auto
-EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
+EXIT_DIVERGED = 3  # too many non-finite, spiking or dead steps: checkpoint saved, run stopped
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: stopped at once, no checkpoint (as a shell reports it)
 ROLLED_BACK, SAVE = "rolled back", "save"  # what a step's result asks of the loop besides going on or stopping
 
@@ -127,6 +127,8 @@ class Trainer:
 
             self.downstream = Downstream(cfg, self.module, dist_info.device, tokenizer)
         self.spikes = spikes.SpikeLadder(cfg.train.spikes)
+        # (gradients that vanish, or a uniform output: a dead model, stopped as a diverged run)
+        self.dead = spikes.DeadRun(cfg.model.vocab_size, cfg.train.max_dead_steps, cfg.schedule.warmup_steps)
         self.checkpoint: Path | None = None  # the run's state on disk: the one resumed from, then the last saved
 
     # ------------------------------------------------------------------------------------ the run
@@ -337,6 +339,9 @@ class Trainer:
         if downstream or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             with watchdog.watching("validation"):  # (the tasks' numbers always beside a validation loss)
                 report.log({"step": step, **self.evaluations(downstream)})
+        if (dead := self.dead.see(step, result.loss, result.grad_norm)) is not None:
+            report.message(dead)
+            return EXIT_DIVERGED
         if self.state.bad_steps >= cfg.train.max_bad_steps:
             report.message(
                 f"stopping: {self.state.bad_steps} consecutive non-finite steps "
