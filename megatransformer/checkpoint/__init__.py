@@ -29,6 +29,7 @@ from megatransformer.checkpoint.directory import (
 from megatransformer.checkpoint.files import (
     HOW_NOT_WHAT,
     SHAPE_FIELDS,
+    DecayOrigin,
     SpikeState,
     TrainerState,
     check_same_shapes,
@@ -72,6 +73,7 @@ __all__ = [
     "WEIGHTS_FILES",
     "CheckpointDamaged",
     "CheckpointUnsafe",
+    "DecayOrigin",
     "SpikeState",
     "TrainerState",
     "atomic_write",

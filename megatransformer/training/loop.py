@@ -28,7 +28,7 @@ from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import StepResult, TrainModule
 from megatransformer.training.layout import describe_layout, zero_stage_notes
 from megatransformer.training.metrics import Reporter, finite_or_none, peak_tflops
-from megatransformer.training.optim import branch_decay, warmup_warning
+from megatransformer.training.optim import branch_decay, describe_decay, schedule_phase, warmup_warning
 from megatransformer.training.resume import decay_start, plan_resume, refusal, rollback_target, skippable
 from megatransformer.training.trackers import resolved_config, run_facts
 from megatransformer.training.watchdog import Watchdog
@@ -96,11 +96,12 @@ class Trainer:
     def __init__(
         self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None, preemption: Preemption | None = None
     ) -> None:
-        start = decay_start(cfg)
-        if start is not None:  # (a decay branched from another run's checkpoint)
-            cfg = branch_decay(cfg, start)
-        self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         self.resume = plan_resume(cfg, dist_info.world_size, torch.device(dist_info.device).type, tokenizer.sha256)
+        # (a decay branched from another run's checkpoint: where it began, resolved once and kept in the state)
+        self.decay_origin = decay_start(cfg, self.resume)
+        if self.decay_origin is not None:
+            cfg = branch_decay(cfg, self.decay_origin.step)
+        self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         self.module = TrainModule(cfg, dist_info, init_state)
         micro = self.module.sizes.micro
         pin = dist_info.device.startswith("cuda")  # batches in page-locked memory: copies that do not wait
@@ -141,6 +142,8 @@ class Trainer:
             self.checkpoint = self.resume.path
             if self.dist.is_main:
                 print(self.resume.describe(cfg, self.dist.world_size))
+        if self.decay_origin is not None and self.dist.is_main:
+            print(describe_decay(cfg, self.decay_origin.checkpoint, self.decay_origin.step))
         elif self.dist.is_main and cfg.resume == "auto":
             print(f"resume=auto: no complete checkpoint in {ckpt.checkpoints_dir(cfg.run_dir)}, starting fresh")
         if self.resume is not None:
@@ -380,6 +383,8 @@ class Trainer:
     def save(self) -> Path:
         self.last_save = time.monotonic()
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
+        self.state.schedule_phase = schedule_phase(self.cfg, self.state.step)
+        self.state.decay_from = self.decay_origin
         began = self.spikes.protect_before()  # (a rollback in the making needs the checkpoint before it)
         needed = ckpt.complete_before(ckpt.checkpoints_dir(self.cfg.run_dir), began) if began is not None else []
         keep = tuple(p.name for p in needed[:1])
