@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from megatransformer.config import ConfigError
 
@@ -456,38 +457,154 @@ def task_manager(include_paths: list[str], shipped: bool = True):
     return TaskManager(include_path=include_paths or None, include_defaults=shipped)
 
 
-def split_tasks(tasks: list[str]) -> tuple[list[str], list[str]]:
-    """(task names, folders to index): a task given as the path of a YAML file is named by its file, whose folder
-    is indexed."""
-    names, folders = [], []
+class FunctionRef(str):
+    """A task YAML's ``!function module.name`` (code lm-eval imports from the file's folder), as its text."""
+
+
+class TaskYamlLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, with lm-eval's ``!function`` read as a :class:`FunctionRef` (nothing is imported):
+    any other tag that is not plain data (``!!python/...``) is refused."""
+
+
+TaskYamlLoader.add_constructor("!function", lambda loader, node: FunctionRef(loader.construct_scalar(node)))
+
+
+def read_task_file(path: Path, what: str = "task file") -> dict:
+    """A task YAML as data (its ``!function`` tags as :class:`FunctionRef`); bad YAML is one line naming it."""
+    try:
+        spec = yaml.load(path.read_text(), Loader=TaskYamlLoader)  # noqa: S506 - a SafeLoader
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{what} {path} cannot be read ({err.__class__.__name__}: {err})") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = err.problem or err.context or "invalid YAML"
+        if "python/" in problem:
+            tag = problem.split("tag ", 1)[-1].strip().strip("'").replace("tag:yaml.org,2002:", "!!")
+            raise ConfigError(
+                f"{what} {path}{where}: the tag {tag} is refused (a task file is read as data, as yaml.safe_load "
+                "reads it); code goes in a Python file beside it, named by `!function module.function`"
+            ) from None
+        raise ConfigError(f"{what} {path} is not valid YAML{where}: {problem}; fix its syntax") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} {path} is not valid YAML: {str(err).splitlines()[0]}; fix its syntax") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{what} {path} holds no mapping of task settings (a YAML {type(spec).__name__})")
+    return spec
+
+
+def task_code(path: Path, spec: dict | None = None, seen: frozenset[Path] = frozenset()) -> list[str]:
+    """The Python a task file makes lm-eval import (its ``!function`` tags and those of the files it includes),
+    each as ``FILE (!function module.name)`` where the module is a file of the task's folder, else as the
+    module's name."""
+    path = path.resolve()
+    if path in seen:
+        return []
+    spec = read_task_file(path) if spec is None else spec
+    found: list[str] = []
+
+    def walk(value) -> None:
+        if isinstance(value, FunctionRef):
+            module = value.rpartition(".")[0]
+            local = path.parent / f"{module.replace('.', '/')}.py"
+            found.append(f"{local} (!function {value})" if local.is_file() else f"module {module} (!function {value})")
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(spec)
+    includes = spec.get("include") or []
+    for include in includes if isinstance(includes, list) else [includes]:
+        included = Path(include) if Path(str(include)).is_absolute() else path.parent / str(include)
+        if included.is_file():
+            found += task_code(included, None, seen | {path})
+    return list(dict.fromkeys(found))
+
+
+@dataclass(frozen=True)
+class TaskFile:
+    """A task named by the path of its YAML file."""
+
+    name: str
+    path: Path  # resolved
+    given: str  # as the user wrote it
+
+
+def split_tasks(tasks: list[str]) -> tuple[list[str], list[str], dict[str, TaskFile]]:
+    """(task names, folders to index, {name: its file} of the tasks given as YAML paths): a task file is loaded
+    from that very file (a task of the same name elsewhere in the indexed folders does not replace it); its
+    folder is indexed (for the files it includes and the groups it names)."""
+    names, folders, files = [], [], {}
     for task in tasks:
         path = Path(task)
         if path.suffix in (".yaml", ".yml"):
             if not path.is_file():
                 raise ConfigError(f"task file {task} does not exist")
-            import yaml
-
-            spec = yaml.safe_load(path.read_text()) or {}
-            if "task" not in spec:
+            spec = read_task_file(path)
+            if not isinstance(spec.get("task"), str) or not spec["task"]:
                 raise ConfigError(f"task file {task} names no task (its `task:` key)")
-            names.append(str(spec["task"]))
+            name = spec["task"]
+            if name in files:
+                raise ConfigError(
+                    f"task files {files[name].given} and {task} both define task {name}; rename one (its `task:` key)"
+                )
+            names.append(name)
+            files[name] = TaskFile(name, path.resolve(), task)
             folders.append(str(path.resolve().parent))
         else:
             names.append(task)
-    return names, folders
+    clash = next((name for name in names if name in files and names.count(name) > 1), None)
+    if clash is not None:
+        raise ConfigError(
+            f"task {clash} is named both by its file {files[clash].given} and by its name; give one of them"
+        )
+    return names, folders, files
 
 
 @dataclass(frozen=True)
 class Tasks:
-    """Tasks the harness knows by name in ``manager``'s index, built once (see :func:`load_tasks`)."""
+    """Tasks the harness knows by name in ``manager``'s index, or by their file, built once (see
+    :func:`load_tasks`)."""
 
     names: tuple[str, ...]
     manager: object  # lm_eval.tasks.TaskManager
+    files: tuple[tuple[str, str], ...] = ()  # (name, resolved path) of the tasks named by their file
+
+    def spec(self, name: str) -> str:
+        """What the harness loads ``name`` by: its file's path where the task was named by its file."""
+        return dict(self.files).get(name, name)
 
     def load(self) -> dict:
         """The harness's task dictionary (its ``TaskManager.load``: new task objects), data read (from the
         datasets cache after the first time)."""
-        return self.manager.load(list(self.names))
+        return self.manager.load([self.spec(name) for name in self.names])
+
+    def source(self, name: str) -> Path | None:
+        """The YAML file task ``name`` is read from (None: a group, a tag, or a task of no file)."""
+        if name in dict(self.files):
+            return Path(dict(self.files)[name])
+        entry = self.manager.task_index.get(name)
+        return Path(entry.yaml_path) if entry is not None and entry.yaml_path is not None else None
+
+    def code(self) -> list[str]:
+        """One line per task that makes lm-eval import Python (``!function``): a task folder is code."""
+        lines = []
+        for name in self.names:
+            path = self.source(name)
+            imports = task_code(path) if path is not None and not _shipped(path) else []
+            if imports:
+                lines.append(f"task {name} ({path}) imports Python: {', '.join(imports)}")
+        return lines
+
+
+def _shipped(path: Path) -> bool:
+    """Whether ``path`` is one of the task files the harness ships (its code is the harness's own)."""
+    import lm_eval.tasks
+
+    return path.resolve().is_relative_to(Path(lm_eval.tasks.__file__).resolve().parent)
 
 
 def load_tasks(tasks: list[str], include_paths: list[str] = ()) -> Tasks:
@@ -495,17 +612,19 @@ def load_tasks(tasks: list[str], include_paths: list[str] = ()) -> Tasks:
     their data: an unknown task or a missing data file fails here, in one line. Tasks that are all in the include
     paths (tasks of one's own, no groups) are indexed without the harness's shipped ones."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # (tasks read local files; nothing is downloaded)
-    names, folders = split_tasks(tasks)
+    names, folders, files = split_tasks(tasks)
     for folder in include_paths:
         if not Path(folder).is_dir():
             raise ConfigError(f"include path {folder} is not a directory")
     paths = list(dict.fromkeys([*map(str, include_paths), *folders]))
+    by_file = tuple((name, str(file.path)) for name, file in files.items())
+    named = [name for name in names if name not in files]
     if paths:
         own = task_manager(paths, shipped=False)
-        if all(name in own.all_subtasks for name in names):  # (no group or tag, which may name shipped tasks)
-            return loaded(Tasks(tuple(names), own))
-    found = Tasks(tuple(names), task_manager(paths))
-    unknown = [name for name in names if name not in found.manager.all_tasks]
+        if all(name in own.all_subtasks for name in named):  # (no group or tag, which may name shipped tasks)
+            return loaded(Tasks(tuple(names), own, by_file))
+    found = Tasks(tuple(names), task_manager(paths), by_file)
+    unknown = [name for name in named if name not in found.manager.all_tasks]
     if unknown:
         raise ConfigError(
             f"lm-eval knows no task {', '.join(unknown)} (a task of your own: its YAML's path, or its folder in "
@@ -519,11 +638,44 @@ def loaded(tasks: Tasks) -> Tasks:
     for name in tasks.names:
         try:
             with quiet():
-                tasks.manager.load([name])
+                tasks.manager.load([tasks.spec(name)])
         except Exception as err:  # noqa: BLE001 - datasets and the harness raise many kinds; one line says which
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"lm-eval task {name} cannot load: {reason}") from None
+            raise ConfigError(f"lm-eval task {name} {why_not_loaded(err, tasks, name)}") from None
     return tasks
+
+
+def why_not_loaded(err: Exception, tasks: Tasks, name: str) -> str:
+    """What the harness's ``err`` loading task ``name`` means, with what to do (its own words where they say
+    something)."""
+    path = tasks.source(name)
+    where = f"({path}) " if path is not None else ""
+    spec: dict = {}
+    if path is not None:
+        with contextlib.suppress(ConfigError):
+            spec = read_task_file(path)
+    if isinstance(err, StopIteration) or (isinstance(err, RuntimeError) and "StopIteration" in str(err)):
+        files = (spec.get("dataset_kwargs") or {}).get("data_files")
+        files = ", ".join(map(str, files.values())) if isinstance(files, dict) else files
+        return (
+            f"{where}cannot load: its data ({files or spec.get('dataset_path', 'the data set')}) holds no items "
+            "(an empty file?); put the items in it, one JSON object a line"
+        )
+    if isinstance(err, KeyError) and err.args == (None,):
+        from lm_eval.api.registry import get_metric_aggregation
+
+        metrics = [m for m in spec.get("metric_list") or [] if isinstance(m, dict)]
+        named = [m["metric"] for m in metrics if isinstance(m.get("metric"), str) and "aggregation" not in m]
+        unknown = [metric for metric in named if get_metric_aggregation(metric) is None]
+        if unknown:
+            return (
+                f"{where}cannot load: lm-eval knows no metric {', '.join(unknown)} (its metric_list); name one it "
+                "knows (acc, acc_norm, perplexity, exact_match, word_perplexity, ...), or give the metric's "
+                "aggregation"
+            )
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if not reason or reason in ("None", repr(None)):
+        reason = f"{type(err).__name__}{f' {reason}' if reason else ''}"
+    return f"{where}cannot load: {reason}"
 
 
 # The seeds lm-eval's simple_evaluate sets (python random, numpy, torch, few-shot sampling): the same numbers

@@ -203,7 +203,7 @@ def test_a_missing_data_file_is_one_line(tmp_path):
         f"task: lost\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {tmp_path / 'none.jsonl'}}}}}\n"
         "test_split: test\noutput_type: loglikelihood\ndoc_to_text: x\ndoc_to_target: y\n"
     )
-    with pytest.raises(ConfigError, match="lm-eval task lost cannot load: .*none.jsonl"):
+    with pytest.raises(ConfigError, match="lm-eval task lost .*lost.yaml.* cannot load: .*none.jsonl"):
         harness.load_tasks([str(task)])
 
 
