@@ -5,9 +5,10 @@ Loglikelihood requests scored after the same context (the choices of a multiple-
 once, each continuation after it seeing the context and itself only (``masks.shared_context_mask``); requests
 and such groups are packed, longest first, several to a row (one forward per batch of packed requests, the
 output head only where a token is scored); generation left-pads a batch of prompts (padding is a segment of its
-own) and decodes with the KV cache. Data-parallel ranks follow the harness's protocol (``rank`` /
-``world_size``: each builds its share of every task's requests; the evaluator gathers the per-item metrics
-once). Design: docs/evaluation.md.
+own) and decodes with the KV cache. Data-parallel ranks: every rank builds every request (the harness sees one
+rank), runs a share of them dealt by cost (:func:`deal`: tokens, not items) and gathers the others' answers on a
+group of the evaluation's own (``Placement.group``: its own timeout, not the training collectives'). Design:
+docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -42,15 +43,59 @@ from megatransformer.model.masks import shared_context_mask  # noqa: E402
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for tasks that name no max_gen_toks
 
 
+EVAL_GATHER_TIMEOUT_MINUTES = 180.0
+"""How long a rank waits for the others' answers (the slowest rank's share of a task): the evaluation's own group,
+not the training collectives' parallel.timeout_minutes, which a long evaluation would trip."""
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where the harness's LM runs: ``rank`` of ``world_size`` data-parallel ranks (each with the whole model),
-    on ``device``; ``forwards``: the context every forward runs in (autocast, a run's matmul precision)."""
+    on ``device``; ``forwards``: the context every forward runs in (autocast, a run's matmul precision);
+    ``group``: the process group the ranks' answers are gathered on (:func:`gather_group`; None: the default
+    one); ``gather``: instead, a function from this rank's object to every rank's (tests)."""
 
     device: torch.device
     rank: int = 0
     world_size: int = 1
     forwards: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    group: object | None = None
+    gather: Callable[[object], list] | None = None
+
+    def gather_all(self, obj: object) -> list:
+        """Every rank's ``obj``, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        if self.gather is not None:
+            return self.gather(obj)
+        out: list = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def gather_group(world_size: int):
+    """A gloo group of every rank, with :data:`EVAL_GATHER_TIMEOUT_MINUTES` (None on one rank). Every rank calls
+    it, at the same point."""
+    if world_size == 1:
+        return None
+    import datetime
+
+    timeout = datetime.timedelta(minutes=EVAL_GATHER_TIMEOUT_MINUTES)
+    return torch.distributed.new_group(backend="gloo", timeout=timeout)
+
+
+def deal(costs: list[int], ranks: int) -> list[list[int]]:
+    """Indices of ``costs`` dealt to ``ranks`` shares of about equal total cost: each, costliest first, to the
+    share with the least so far (the lowest rank of equals). Every rank deals the same."""
+    import heapq
+
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [(0, rank) for rank in range(ranks)]
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(loads)
+        shares[rank].append(index)
+        heapq.heappush(loads, (load + costs[index], rank))
+    return [sorted(share) for share in shares]
 
 
 def unsupported(arch: str) -> str | None:
@@ -225,7 +270,8 @@ class HarnessLM(TemplateLM):
         self.model, self.cfg, self.tok, self.placement = model, cfg, tokenizer, placement
         self.batch_size = batch_size
         self.max_length = max_position_embeddings(cfg.model)  # what transformers reports for the export
-        self._rank, self._world_size, self._device = placement.rank, placement.world_size, placement.device
+        # (the harness sees one rank and builds every request on each: the ranks share the work here, by cost)
+        self._rank, self._world_size, self._device = 0, 1, placement.device
         self.varlen = runs_varlen(cfg, placement.device, next(model.parameters()).dtype)
         self.shares_contexts = cfg.model.attention_window is None  # (a window counts row places, not positions)
         # the harness encodes an item's context alone once per continuation, the item's requests one after the
@@ -257,23 +303,17 @@ class HarnessLM(TemplateLM):
 
     # ------------------------------------------------------------------------------ data-parallel ranks
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
-        parts = [torch.empty_like(tensor.reshape(-1)) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, tensor.reshape(-1))
-        return torch.cat(parts)
-
-    def gather_object(self, obj, dst: int = 0):
-        if self.world_size == 1:
-            return [obj]
-        gathered = [None] * self.world_size if self.rank == dst else None
-        torch.distributed.gather_object(obj, gathered, dst=dst)
-        return gathered
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
+    def shared(self, costs: list[int], run: Callable[[list[int]], dict[int, object]]) -> dict[int, object]:
+        """``run`` on this rank's share of the items of ``costs`` (:func:`deal`: their indices), its answers
+        ({request: answer}) merged with the other ranks': the answers of every request, on every rank."""
+        ranks = self.placement.world_size
+        if ranks == 1:
+            return run(list(range(len(costs))))
+        mine = run(deal(costs, ranks)[self.placement.rank])
+        merged: dict[int, object] = {}
+        for answers in self.placement.gather_all(mine):
+            merged.update(answers)
+        return merged
 
     # ----------------------------------------------------------------------------------- scoring
 
@@ -288,8 +328,17 @@ class HarnessLM(TemplateLM):
         windows = [(ctx + cont)[-(self.max_length + 1) :] for _, ctx, cont in requests]
         continuations = [cont for _, _, cont in requests]
         groups = group_requests(windows, continuations, self.max_length if self.shares_contexts else None)
+        answers = self.shared(
+            [group.length for group in groups], lambda share: self._scored(groups, share, continuations)
+        )
+        return [answers[i] for i in range(len(requests))]
+
+    def _scored(self, groups: list[Group], share: list[int], continuations: list[list[int]]) -> dict[int, tuple]:
+        """{request: (log p, greedy)} of the requests of ``groups[share]`` (longest first, as :func:`pack` takes
+        them)."""
+        groups = [groups[g] for g in share]
         capacity = self.max_length if self.varlen else None
-        sums, misses = [0.0] * len(requests), [0] * len(requests)
+        sums, misses = {}, {}
         for rows in pack([group.length for group in groups], capacity, self.batch_size):
             layout = lay_out([[groups[g] for g in row] for row in rows], list(map(len, continuations)))
             hidden = self._packed_hidden(layout)
@@ -308,7 +357,7 @@ class HarnessLM(TemplateLM):
             missed = torch.zeros_like(totals).index_add_(0, owners, wrong)
             for i, total, miss in zip(in_batch, *torch.stack([totals, missed]).tolist()):
                 sums[i], misses[i] = total, miss
-        return [(total, miss == 0) for total, miss in zip(sums, misses)]
+        return {i: (sums[i], misses[i] == 0) for i in sums}
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text scored whole in disjoint windows of max_length tokens, every token once, the first after
@@ -347,10 +396,19 @@ class HarnessLM(TemplateLM):
         first, left-padded."""
         args = [req.args for req in requests]
         encoded = [self.tok_encode(context) for context, _ in args]
+        lengths = [
+            len(tokens) + normalize_gen_kwargs(kwargs, self.max_gen_toks)["max_gen_toks"]
+            for tokens, (_, kwargs) in zip(encoded, args)
+        ]
+        answers = self.shared(lengths, lambda share: self._generated(args, encoded, share))
+        return [answers[i] for i in range(len(requests))]
+
+    def _generated(self, args: list[tuple], encoded: list[list[int]], share: list[int]) -> dict[int, str]:
+        """{request: its generated text} of the requests in ``share``."""
         groups: dict[str, list[int]] = {}
-        for i, (_, gen_kwargs) in enumerate(args):
-            groups.setdefault(repr(sorted(gen_kwargs.items())), []).append(i)
-        results: list[str | None] = [None] * len(requests)
+        for i in share:
+            groups.setdefault(repr(sorted(args[i][1].items())), []).append(i)
+        results: dict[int, str] = {}
         eos_text = self.tok.decode([self.eot_token_id])
         for indices in groups.values():
             kwargs = normalize_gen_kwargs(args[indices[0]][1], self.max_gen_toks)
@@ -696,14 +754,9 @@ def evaluate(
     states are left as they were."""
     from lm_eval.evaluator import evaluate as harness_evaluate
 
-    loaded = tasks.load()
-    for task in loaded["tasks"].values():
-        default = task.get_config("num_fewshot")
-        if num_fewshot is not None and default != 0:
-            task.set_config(key="num_fewshot", value=num_fewshot)
-        elif default is None:
-            task.set_config(key="num_fewshot", value=0)
-        task.set_fewshot_seed(seed=SEEDS["fewshot"])
+    if limit is not None and limit < 1:
+        raise ConfigError(f"limit {limit}: give at least 1 item a task (0 evaluates nothing)")
+    loaded = configured(tasks, num_fewshot)
     with kept_random_states():
         import random
 
@@ -712,9 +765,57 @@ def evaluate(
         random.seed(SEEDS["random"])
         np.random.seed(SEEDS["numpy"])
         torch.manual_seed(SEEDS["torch"])
-        return harness_evaluate(
+        results = harness_evaluate(
             lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters, log_samples=log_samples
         )
+    return results if lm.placement.rank == 0 else None  # (every rank holds every answer: rank 0 reports)
+
+
+def configured(tasks: Tasks, num_fewshot: int | None) -> dict:
+    """The harness's task dictionary with the few-shot counts and seed ``lm_eval.simple_evaluate`` would set:
+    ``num_fewshot`` where the task's YAML does not say 0 (nor scores perplexity, loglikelihood_rolling, which
+    takes no shots), else the task's own (0 where it names none)."""
+    loaded = tasks.load()
+    for task in loaded["tasks"].values():
+        default = task.get_config("num_fewshot")
+        rolling = task.get_config("output_type") == "loglikelihood_rolling"
+        if num_fewshot is not None and default != 0 and not rolling:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif default is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=SEEDS["fewshot"])
+    return loaded
+
+
+def check_fewshot(tasks: Tasks, num_fewshot: int | None, option: str) -> None:
+    """Refuse a few-shot count (``option``'s ``num_fewshot``) that a task has too few examples to draw, before
+    anything is evaluated (the harness fails in the middle, with a traceback)."""
+    if not num_fewshot:
+        return
+    with quiet():
+        loaded = configured(tasks, num_fewshot)
+        pools = {name: _fewshot_pool(task) for name, task in loaded["tasks"].items()}
+    for name, task in loaded["tasks"].items():
+        shots, pool = task.get_config("num_fewshot") or 0, pools[name]
+        if shots == 0:
+            continue
+        itself = task.fewshot_cfg.split is not None and task.fewshot_cfg.split == task.config.test_split
+        most = pool - 1 if itself else pool
+        if shots > most:
+            source = tasks.source(name)
+            raise ConfigError(
+                f"{option} {shots}: task {name}{f' ({source})' if source else ''} has {pool} example"
+                f"{'s' * (pool != 1)} to draw shots from{' (the item itself left out)' if itself else ''}: at most "
+                f"{max(most, 0)}; lower {option}"
+            )
+
+
+def _fewshot_pool(task) -> int:
+    """How many documents the harness draws ``task``'s few-shot examples from."""
+    if not task.get_config("num_fewshot"):
+        return 0
+    docs = task.fewshot_docs()
+    return 0 if docs is None else len(docs) if hasattr(docs, "__len__") else len(list(docs))
 
 
 @contextlib.contextmanager

@@ -208,6 +208,8 @@ class Trainer:
             for warning in (warmup_warning(cfg), self.validation_warning):
                 if warning:
                     print(warning)
+            for line in self.downstream.tasks.code() if self.downstream is not None else ():
+                print(f"train.evals: {line}")  # (a task folder is code: lm-eval imports it)
         size = model_size(cfg.model, cfg.data.seq_len)
         report = Reporter(
             cfg,

@@ -215,3 +215,56 @@ def test_tasks_of_ones_own_are_indexed_without_the_shipped_ones(tiny_data, tmp_p
     assert tasks.manager.all_tasks == sorted(TASKS)  # (the folder's tasks: not the harness's thousands)
     first, again = tasks.load()["tasks"]["mt_choice"], tasks.load()["tasks"]["mt_choice"]
     assert first is not again and len(first.eval_docs) == len(again.eval_docs) == 4
+
+
+def test_shares_are_dealt_by_cost_not_by_count():
+    costs = [1000, 10, 10, 10, 10, 10, 10, 10]  # (one long document beside short items)
+    shares = harness.deal(costs, 2)
+    assert sorted(shares[0] + shares[1]) == list(range(8))
+    assert shares == [[0], [1, 2, 3, 4, 5, 6, 7]]  # (round-robin gave rank 0 1,030 tokens, rank 1 40)
+    many = list(range(1, 101))
+    loads = [sum(many[i] for i in share) for share in harness.deal(many, 4)]
+    assert max(loads) - min(loads) <= 100  # (within the costliest item of each other)
+    assert harness.deal([5], 2) == [[0], []]  # (a rank may have nothing to do)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_run_their_shares_and_every_rank_gets_every_answer(model, tok, ranks):
+    """(2 ranks on a task of 1 item: the harness's own sharding gave the second rank no item, and a traceback.)"""
+    import threading
+
+    cfg, module = model
+    ids = [tok.encode(text) for text in TEXTS]
+    reqs = [(None, ids[i][:3] or [1], ids[(i + 1) % len(ids)][:20]) for i in range(len(ids))]
+    expected = lm_of(model, tok, 2)._loglikelihood_tokens(reqs)
+    barrier, posted, ran = threading.Barrier(ranks), {}, {}
+
+    def gather(rank):
+        def exchange(obj):
+            posted[rank] = obj
+            barrier.wait()
+            everything = [posted[r] for r in range(ranks)]
+            barrier.wait()
+            return everything
+
+        return exchange
+
+    def scored(rank, requests, out):
+        placement = harness.Placement(torch.device("cpu"), rank, ranks, gather=gather(rank))
+        lm = harness.HarnessLM(module, cfg, tok, placement, 2)
+        original = lm._scored
+        lm._scored = lambda groups, share, conts: (
+            ran.setdefault(rank, []).extend(share) or original(groups, share, conts)
+        )
+        out[rank] = lm._loglikelihood_tokens(requests)
+
+    for requests, want in ((reqs, expected), (reqs[:1], expected[:1])):
+        out, ran = {}, {}
+        threads = [threading.Thread(target=scored, args=(r, requests, out)) for r in range(ranks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert all(out[r] == pytest.approx(want) for r in range(ranks))
+        shares = sum(ran.values(), [])
+        assert len(shares) == len(set(shares)) and (len(requests) == 1 or all(ran.get(r) for r in range(ranks)))
