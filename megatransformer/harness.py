@@ -17,6 +17,7 @@ import contextlib
 import functools
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,32 @@ DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for tasks that name no max_g
 EVAL_GATHER_TIMEOUT_MINUTES = 180.0
 """How long a rank waits for the others' answers (the slowest rank's share of a task): the evaluation's own group,
 not the training collectives' parallel.timeout_minutes, which a long evaluation would trip."""
+
+
+ROLLING_CHUNK = 1024
+"""Rolling windows scored at a time: the memory of a long text's scoring is bounded by it, not by the text."""
+
+
+PROGRESS_AFTER = 4096
+"""Windows of a text from which its scoring shows progress."""
+
+
+class Progress:
+    """A line on stderr (outside :func:`quiet`) every 10 % of a long piece of work, on rank 0."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.shown = what, total, total < PROGRESS_AFTER
+        self.next, self.started = 0.1, time.monotonic()
+
+    def at(self, done: int, show: bool = True) -> None:
+        if self.shown or not show or done < self.next * self.total:
+            return
+        import sys
+
+        seconds = time.monotonic() - self.started
+        sys.__stderr__.write(f"{self.what}: {done:,} of {self.total:,} windows ({seconds:.0f} s)\n")
+        sys.__stderr__.flush()
+        self.next = math.floor(10 * done / self.total + 1) / 10
 
 
 @dataclass(frozen=True)
@@ -361,23 +388,34 @@ class HarnessLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text scored whole in disjoint windows of max_length tokens, every token once, the first after
-        ``prefix_token_id`` (the harness's rule)."""
-        windows, owners = [], []
-        for owner, (text,) in enumerate(req.args for req in requests):
-            for context, continuation in map(
-                lm_utils.make_disjoint_window,
-                lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(text),
-                    prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length,
-                    context_len=1,
-                ),
-            ):
-                windows.append((None, context, continuation))
-                owners.append(owner)
+        ``prefix_token_id`` (the harness's rule). The windows are made as they are scored, :data:`ROLLING_CHUNK`
+        at a time (a 20 MB document's windows at once held gigabytes), with a progress line on stderr for
+        a long text."""
         totals = [0.0] * len(requests)
-        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows)):
-            totals[owner] += logprob
+        chunk: list[tuple] = []
+        owners: list[int] = []
+
+        def score() -> None:
+            for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(chunk)):
+                totals[owner] += logprob
+            chunk.clear()
+            owners.clear()
+
+        for owner, (text,) in enumerate(req.args for req in requests):
+            tokens = self.tok_encode(text)
+            windows = -(-len(tokens) // self.max_length)
+            progress = Progress(f"rolling loglikelihood of text {owner + 1} of {len(requests)}", windows)
+            made = lm_utils.get_rolling_token_windows(
+                token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+            )
+            for done, (context, continuation) in enumerate(map(lm_utils.make_disjoint_window, made), start=1):
+                chunk.append((None, context, continuation))
+                owners.append(owner)
+                if len(chunk) == ROLLING_CHUNK:
+                    score()
+                    progress.at(done, self.placement.rank == 0)
+        if chunk:
+            score()
         return totals
 
     def _packed_hidden(self, layout: Layout) -> torch.Tensor:

@@ -161,6 +161,26 @@ def test_rolling_scores_every_token_once_past_the_model_length(model, tok):
     assert len(tok.encode(texts[0])) > 2 * MODEL["max_seq_len"]
 
 
+def test_a_long_text_is_scored_in_bounded_chunks_of_windows_with_progress(model, tok, monkeypatch, capsys):
+    """(One 20 MB document: every window made and packed at once, 2.8 GB held and no answer in 600 s.)"""
+    import io
+    import sys
+
+    texts = [" ".join(TEXTS * 12), TEXTS[2]]
+    whole = lm_of(model, tok, 4).loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in texts]))
+    monkeypatch.setattr(harness, "ROLLING_CHUNK", 3)
+    monkeypatch.setattr(sys, "__stderr__", err := io.StringIO())
+    lm, sizes = lm_of(model, tok, 4), []
+    scored = lm._loglikelihood_tokens
+    monkeypatch.setattr(lm, "_loglikelihood_tokens", lambda reqs: sizes.append(len(reqs)) or scored(reqs))
+    monkeypatch.setattr(harness, "PROGRESS_AFTER", 1)
+    chunked = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in texts]))
+    assert chunked == pytest.approx(whole, rel=1e-6)
+    assert max(sizes) == 3 and sum(sizes) > 6  # (at most ROLLING_CHUNK windows in memory at a time)
+    lines = err.getvalue().splitlines()
+    assert lines and lines[0].startswith("rolling loglikelihood of text 1 of 2: 3 of ")
+
+
 def test_left_padded_generation_is_each_prompts_own(model, tok):
     cfg, module = model
     until = {"until": ["."], "max_gen_toks": 10, "do_sample": False}
