@@ -94,3 +94,34 @@ def test_the_task_file_named_wins_over_a_task_of_the_same_name_in_an_indexed_fol
         "both define task facts",
         "rename one",
     )
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--limit", "0"], ["--limit 0: give at least 1 item a task"]),
+        (["--samples", "/proc/no/such/samples.jsonl"], ["--samples /proc/no/such/samples.jsonl cannot be written"]),
+    ],
+)
+def test_arguments_that_would_fail_inside_the_harness_are_one_line_before_evaluating(tmp_path, capsys, args, fragments):
+    from megatransformer.cli import main
+
+    task = task_yaml(tmp_path / "t.yaml", "mt_t", items(tmp_path / "i.jsonl", 3))
+    assert main(["eval", "--checkpoint", str(tmp_path / "none"), "--tasks", str(task), *args]) == 2
+    assert_one_line(capsys.readouterr().err, "megatransformer eval: error:", *fragments)
+
+
+def test_a_few_shot_count_beyond_a_tasks_examples_is_refused_and_a_perplexity_task_keeps_none(tmp_path):
+    task = task_yaml(tmp_path / "t.yaml", "mt_t", items(tmp_path / "i.jsonl", 4))
+    rolling = tmp_path / "r.yaml"
+    rolling.write_text(
+        f"task: mt_r\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {tmp_path / 'i.jsonl'}}}}}\n"
+        'test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{context}}"\n'
+        "metric_list: [{metric: word_perplexity}]\n"
+    )
+    tasks = harness.load_tasks([str(task), str(rolling)])
+    with pytest.raises(ConfigError) as err:
+        harness.check_fewshot(tasks, 9, "--num-fewshot")
+    assert_one_line(str(err.value), "--num-fewshot 9: task mt_t", "has 4 examples to draw shots from", "at most")
+    harness.check_fewshot(tasks, 3, "--num-fewshot")
+    assert harness.configured(tasks, 3)["tasks"]["mt_r"].get_config("num_fewshot") == 0
