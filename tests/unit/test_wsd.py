@@ -168,3 +168,17 @@ def test_the_run_log_says_the_decay():
     cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"lr": 0.01})})
     line = describe_decay(cfg, "runs/s/checkpoints/step_000040", 40)
     assert line.startswith("decaying from step 40, lr 0.01, to step 50, lr 0.001, linear")
+
+
+def test_a_branch_with_checkpoints_of_its_own_restarts_without_its_source(tmp_path):
+    from megatransformer.checkpoint import COMPLETE
+    from megatransformer.training.resume import check_run_dir
+
+    own = tmp_path / "decay" / "checkpoints" / "step_000015"
+    own.mkdir(parents=True)
+    (own / COMPLETE).touch()
+    gone = str(tmp_path / "stable" / "checkpoints" / "step_000010")  # (rotated away by the stable run's keep)
+    branch = wsd(20, decay_from=gone).model_copy(update={"run_dir": str(tmp_path / "decay"), "resume": "auto"})
+    check_run_dir(branch)  # (the start is in the branch's own trainer state)
+    with pytest.raises(ConfigError, match="schedule.decay_from"):
+        check_run_dir(branch.model_copy(update={"run_dir": str(tmp_path / "fresh")}))
