@@ -143,7 +143,7 @@ class TrainConfig(Section):
     """Consecutive non-finite losses after which the run checkpoints and stops."""
     max_dead_steps: NonNegativeInt = 20
     """Consecutive steps of a dead model after which the run checkpoints and stops (exit 3, as a diverged run):
-    a gradient norm of 0, or, after schedule.warmup_steps, a loss within 1e-3 of ln(model.vocab_size) (the
+    a gradient norm of 0, or, after schedule.warmup_steps, a loss within 1e-4 of ln(model.vocab_size) (the
     output is uniform: the model predicts nothing). 0: never stop for it."""
     spikes: SpikesConfig = Field(default_factory=SpikesConfig)
     """Loss spikes: skip the update, roll back and skip the data, stop (SpikesConfig)."""

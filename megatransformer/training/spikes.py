@@ -134,7 +134,7 @@ class DeadRun:
         )
 
 
-UNIFORM_TOLERANCE = 1e-3  # a loss this close to ln(vocab) is a uniform output's
+UNIFORM_TOLERANCE = 1e-4  # a loss this close to ln(vocab) is a uniform output's (a fresh small model: ~1e-3 above)
 VANISHED = 1e-12  # a gradient norm this small moves no weight: a model's own is many orders of magnitude larger
 
 
