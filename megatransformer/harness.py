@@ -722,11 +722,23 @@ def load_tasks(tasks: list[str], include_paths: list[str] = ()) -> Tasks:
     found = Tasks(tuple(names), task_manager(paths), by_file)
     unknown = [name for name in named if name not in found.manager.all_tasks]
     if unknown:
+        unread = unreadable(paths)  # (the harness's index skips a file it cannot read, without a word)
         raise ConfigError(
             f"lm-eval knows no task {', '.join(unknown)} (a task of your own: its YAML's path, or its folder in "
-            "include_path)"
+            "include_path)" + (f"; of the indexed files, {unread}" if unread else "")
         )
     return loaded(found)
+
+
+def unreadable(folders: list[str]) -> str | None:
+    """Why the first task file of ``folders`` that cannot be read as a task is not one (None: all can)."""
+    for folder in folders:
+        for path in sorted(Path(folder).glob("**/*.yaml")):
+            try:
+                read_task_file(path)
+            except ConfigError as err:
+                return str(err)
+    return None
 
 
 def loaded(tasks: Tasks) -> Tasks:

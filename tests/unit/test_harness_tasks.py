@@ -125,3 +125,12 @@ def test_a_few_shot_count_beyond_a_tasks_examples_is_refused_and_a_perplexity_ta
     assert_one_line(str(err.value), "--num-fewshot 9: task mt_t", "has 4 examples to draw shots from", "at most")
     harness.check_fewshot(tasks, 3, "--num-fewshot")
     assert harness.configured(tasks, 3)["tasks"]["mt_r"].get_config("num_fewshot") == 0
+
+
+def test_a_task_in_an_include_path_file_that_cannot_be_read_is_named_with_the_file(tmp_path, monkeypatch):
+    own = harness.task_manager
+    monkeypatch.setattr(harness, "task_manager", lambda paths, shipped=True: own(paths, shipped=False))  # (fast)
+    (tmp_path / "t.yaml").write_text("task: mt_t\ndataset_path: json\nx: [unclosed\n")
+    with pytest.raises(ConfigError) as err:
+        harness.load_tasks(["mt_t"], [str(tmp_path)])
+    assert_one_line(str(err.value), "lm-eval knows no task mt_t", f"task file {tmp_path / 't.yaml'} is not valid YAML")
