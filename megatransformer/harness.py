@@ -5,9 +5,10 @@ Loglikelihood requests scored after the same context (the choices of a multiple-
 once, each continuation after it seeing the context and itself only (``masks.shared_context_mask``); requests
 and such groups are packed, longest first, several to a row (one forward per batch of packed requests, the
 output head only where a token is scored); generation left-pads a batch of prompts (padding is a segment of its
-own) and decodes with the KV cache. Data-parallel ranks follow the harness's protocol (``rank`` /
-``world_size``: each builds its share of every task's requests; the evaluator gathers the per-item metrics
-once). Design: docs/evaluation.md.
+own) and decodes with the KV cache. Data-parallel ranks: every rank builds every request (the harness sees one
+rank), runs a share of them dealt by cost (:func:`deal`: tokens, not items) and gathers the others' answers on a
+group of the evaluation's own (``Placement.group``: its own timeout, not the training collectives'). Design:
+docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import contextlib
 import functools
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from megatransformer.config import ConfigError
 
@@ -41,15 +44,85 @@ from megatransformer.model.masks import shared_context_mask  # noqa: E402
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for tasks that name no max_gen_toks
 
 
+EVAL_GATHER_TIMEOUT_MINUTES = 180.0
+"""How long a rank waits for the others' answers (the slowest rank's share of a task): the evaluation's own group,
+not the training collectives' parallel.timeout_minutes, which a long evaluation would trip."""
+
+
+ROLLING_CHUNK = 1024
+"""Rolling windows scored at a time: the memory of a long text's scoring is bounded by it, not by the text."""
+
+
+PROGRESS_AFTER = 4096
+"""Windows of a text from which its scoring shows progress."""
+
+
+class Progress:
+    """A line on stderr (outside :func:`quiet`) every 10 % of a long piece of work, on rank 0."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.shown = what, total, total < PROGRESS_AFTER
+        self.next, self.started = 0.1, time.monotonic()
+
+    def at(self, done: int, show: bool = True) -> None:
+        if self.shown or not show or done < self.next * self.total:
+            return
+        import sys
+
+        seconds = time.monotonic() - self.started
+        sys.__stderr__.write(f"{self.what}: {done:,} of {self.total:,} windows ({seconds:.0f} s)\n")
+        sys.__stderr__.flush()
+        self.next = math.floor(10 * done / self.total + 1) / 10
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where the harness's LM runs: ``rank`` of ``world_size`` data-parallel ranks (each with the whole model),
-    on ``device``; ``forwards``: the context every forward runs in (autocast, a run's matmul precision)."""
+    on ``device``; ``forwards``: the context every forward runs in (autocast, a run's matmul precision);
+    ``group``: the process group the ranks' answers are gathered on (:func:`gather_group`; None: the default
+    one); ``gather``: instead, a function from this rank's object to every rank's (tests)."""
 
     device: torch.device
     rank: int = 0
     world_size: int = 1
     forwards: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    group: object | None = None
+    gather: Callable[[object], list] | None = None
+
+    def gather_all(self, obj: object) -> list:
+        """Every rank's ``obj``, in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        if self.gather is not None:
+            return self.gather(obj)
+        out: list = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def gather_group(world_size: int):
+    """A gloo group of every rank, with :data:`EVAL_GATHER_TIMEOUT_MINUTES` (None on one rank). Every rank calls
+    it, at the same point."""
+    if world_size == 1:
+        return None
+    import datetime
+
+    timeout = datetime.timedelta(minutes=EVAL_GATHER_TIMEOUT_MINUTES)
+    return torch.distributed.new_group(backend="gloo", timeout=timeout)
+
+
+def deal(costs: list[int], ranks: int) -> list[list[int]]:
+    """Indices of ``costs`` dealt to ``ranks`` shares of about equal total cost: each, costliest first, to the
+    share with the least so far (the lowest rank of equals). Every rank deals the same."""
+    import heapq
+
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [(0, rank) for rank in range(ranks)]
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(loads)
+        shares[rank].append(index)
+        heapq.heappush(loads, (load + costs[index], rank))
+    return [sorted(share) for share in shares]
 
 
 def unsupported(arch: str) -> str | None:
@@ -224,7 +297,8 @@ class HarnessLM(TemplateLM):
         self.model, self.cfg, self.tok, self.placement = model, cfg, tokenizer, placement
         self.batch_size = batch_size
         self.max_length = max_position_embeddings(cfg.model)  # what transformers reports for the export
-        self._rank, self._world_size, self._device = placement.rank, placement.world_size, placement.device
+        # (the harness sees one rank and builds every request on each: the ranks share the work here, by cost)
+        self._rank, self._world_size, self._device = 0, 1, placement.device
         self.varlen = runs_varlen(cfg, placement.device, next(model.parameters()).dtype)
         self.shares_contexts = cfg.model.attention_window is None  # (a window counts row places, not positions)
         # the harness encodes an item's context alone once per continuation, the item's requests one after the
@@ -256,23 +330,17 @@ class HarnessLM(TemplateLM):
 
     # ------------------------------------------------------------------------------ data-parallel ranks
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
-        parts = [torch.empty_like(tensor.reshape(-1)) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, tensor.reshape(-1))
-        return torch.cat(parts)
-
-    def gather_object(self, obj, dst: int = 0):
-        if self.world_size == 1:
-            return [obj]
-        gathered = [None] * self.world_size if self.rank == dst else None
-        torch.distributed.gather_object(obj, gathered, dst=dst)
-        return gathered
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
+    def shared(self, costs: list[int], run: Callable[[list[int]], dict[int, object]]) -> dict[int, object]:
+        """``run`` on this rank's share of the items of ``costs`` (:func:`deal`: their indices), its answers
+        ({request: answer}) merged with the other ranks': the answers of every request, on every rank."""
+        ranks = self.placement.world_size
+        if ranks == 1:
+            return run(list(range(len(costs))))
+        mine = run(deal(costs, ranks)[self.placement.rank])
+        merged: dict[int, object] = {}
+        for answers in self.placement.gather_all(mine):
+            merged.update(answers)
+        return merged
 
     # ----------------------------------------------------------------------------------- scoring
 
@@ -287,8 +355,17 @@ class HarnessLM(TemplateLM):
         windows = [(ctx + cont)[-(self.max_length + 1) :] for _, ctx, cont in requests]
         continuations = [cont for _, _, cont in requests]
         groups = group_requests(windows, continuations, self.max_length if self.shares_contexts else None)
+        answers = self.shared(
+            [group.length for group in groups], lambda share: self._scored(groups, share, continuations)
+        )
+        return [answers[i] for i in range(len(requests))]
+
+    def _scored(self, groups: list[Group], share: list[int], continuations: list[list[int]]) -> dict[int, tuple]:
+        """{request: (log p, greedy)} of the requests of ``groups[share]`` (longest first, as :func:`pack` takes
+        them)."""
+        groups = [groups[g] for g in share]
         capacity = self.max_length if self.varlen else None
-        sums, misses = [0.0] * len(requests), [0] * len(requests)
+        sums, misses = {}, {}
         for rows in pack([group.length for group in groups], capacity, self.batch_size):
             layout = lay_out([[groups[g] for g in row] for row in rows], list(map(len, continuations)))
             hidden = self._packed_hidden(layout)
@@ -307,27 +384,38 @@ class HarnessLM(TemplateLM):
             missed = torch.zeros_like(totals).index_add_(0, owners, wrong)
             for i, total, miss in zip(in_batch, *torch.stack([totals, missed]).tolist()):
                 sums[i], misses[i] = total, miss
-        return [(total, miss == 0) for total, miss in zip(sums, misses)]
+        return {i: (sums[i], misses[i] == 0) for i in sums}
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text scored whole in disjoint windows of max_length tokens, every token once, the first after
-        ``prefix_token_id`` (the harness's rule)."""
-        windows, owners = [], []
-        for owner, (text,) in enumerate(req.args for req in requests):
-            for context, continuation in map(
-                lm_utils.make_disjoint_window,
-                lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(text),
-                    prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length,
-                    context_len=1,
-                ),
-            ):
-                windows.append((None, context, continuation))
-                owners.append(owner)
+        ``prefix_token_id`` (the harness's rule). The windows are made as they are scored, :data:`ROLLING_CHUNK`
+        at a time (a 20 MB document's windows at once held gigabytes), with a progress line on stderr for
+        a long text."""
         totals = [0.0] * len(requests)
-        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows)):
-            totals[owner] += logprob
+        chunk: list[tuple] = []
+        owners: list[int] = []
+
+        def score() -> None:
+            for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(chunk)):
+                totals[owner] += logprob
+            chunk.clear()
+            owners.clear()
+
+        for owner, (text,) in enumerate(req.args for req in requests):
+            tokens = self.tok_encode(text)
+            windows = -(-len(tokens) // self.max_length)
+            progress = Progress(f"rolling loglikelihood of text {owner + 1} of {len(requests)}", windows)
+            made = lm_utils.get_rolling_token_windows(
+                token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+            )
+            for done, (context, continuation) in enumerate(map(lm_utils.make_disjoint_window, made), start=1):
+                chunk.append((None, context, continuation))
+                owners.append(owner)
+                if len(chunk) == ROLLING_CHUNK:
+                    score()
+                    progress.at(done, self.placement.rank == 0)
+        if chunk:
+            score()
         return totals
 
     def _packed_hidden(self, layout: Layout) -> torch.Tensor:
@@ -346,10 +434,19 @@ class HarnessLM(TemplateLM):
         first, left-padded."""
         args = [req.args for req in requests]
         encoded = [self.tok_encode(context) for context, _ in args]
+        lengths = [
+            len(tokens) + normalize_gen_kwargs(kwargs, self.max_gen_toks)["max_gen_toks"]
+            for tokens, (_, kwargs) in zip(encoded, args)
+        ]
+        answers = self.shared(lengths, lambda share: self._generated(args, encoded, share))
+        return [answers[i] for i in range(len(requests))]
+
+    def _generated(self, args: list[tuple], encoded: list[list[int]], share: list[int]) -> dict[int, str]:
+        """{request: its generated text} of the requests in ``share``."""
         groups: dict[str, list[int]] = {}
-        for i, (_, gen_kwargs) in enumerate(args):
-            groups.setdefault(repr(sorted(gen_kwargs.items())), []).append(i)
-        results: list[str | None] = [None] * len(requests)
+        for i in share:
+            groups.setdefault(repr(sorted(args[i][1].items())), []).append(i)
+        results: dict[int, str] = {}
         eos_text = self.tok.decode([self.eot_token_id])
         for indices in groups.values():
             kwargs = normalize_gen_kwargs(args[indices[0]][1], self.max_gen_toks)
@@ -456,38 +553,154 @@ def task_manager(include_paths: list[str], shipped: bool = True):
     return TaskManager(include_path=include_paths or None, include_defaults=shipped)
 
 
-def split_tasks(tasks: list[str]) -> tuple[list[str], list[str]]:
-    """(task names, folders to index): a task given as the path of a YAML file is named by its file, whose folder
-    is indexed."""
-    names, folders = [], []
+class FunctionRef(str):
+    """A task YAML's ``!function module.name`` (code lm-eval imports from the file's folder), as its text."""
+
+
+class TaskYamlLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, with lm-eval's ``!function`` read as a :class:`FunctionRef` (nothing is imported):
+    any other tag that is not plain data (``!!python/...``) is refused."""
+
+
+TaskYamlLoader.add_constructor("!function", lambda loader, node: FunctionRef(loader.construct_scalar(node)))
+
+
+def read_task_file(path: Path, what: str = "task file") -> dict:
+    """A task YAML as data (its ``!function`` tags as :class:`FunctionRef`); bad YAML is one line naming it."""
+    try:
+        spec = yaml.load(path.read_text(), Loader=TaskYamlLoader)  # noqa: S506 - a SafeLoader
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{what} {path} cannot be read ({err.__class__.__name__}: {err})") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = err.problem or err.context or "invalid YAML"
+        if "python/" in problem:
+            tag = problem.split("tag ", 1)[-1].strip().strip("'").replace("tag:yaml.org,2002:", "!!")
+            raise ConfigError(
+                f"{what} {path}{where}: the tag {tag} is refused (a task file is read as data, as yaml.safe_load "
+                "reads it); code goes in a Python file beside it, named by `!function module.function`"
+            ) from None
+        raise ConfigError(f"{what} {path} is not valid YAML{where}: {problem}; fix its syntax") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what} {path} is not valid YAML: {str(err).splitlines()[0]}; fix its syntax") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{what} {path} holds no mapping of task settings (a YAML {type(spec).__name__})")
+    return spec
+
+
+def task_code(path: Path, spec: dict | None = None, seen: frozenset[Path] = frozenset()) -> list[str]:
+    """The Python a task file makes lm-eval import (its ``!function`` tags and those of the files it includes),
+    each as ``FILE (!function module.name)`` where the module is a file of the task's folder, else as the
+    module's name."""
+    path = path.resolve()
+    if path in seen:
+        return []
+    spec = read_task_file(path) if spec is None else spec
+    found: list[str] = []
+
+    def walk(value) -> None:
+        if isinstance(value, FunctionRef):
+            module = value.rpartition(".")[0]
+            local = path.parent / f"{module.replace('.', '/')}.py"
+            found.append(f"{local} (!function {value})" if local.is_file() else f"module {module} (!function {value})")
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(spec)
+    includes = spec.get("include") or []
+    for include in includes if isinstance(includes, list) else [includes]:
+        included = Path(include) if Path(str(include)).is_absolute() else path.parent / str(include)
+        if included.is_file():
+            found += task_code(included, None, seen | {path})
+    return list(dict.fromkeys(found))
+
+
+@dataclass(frozen=True)
+class TaskFile:
+    """A task named by the path of its YAML file."""
+
+    name: str
+    path: Path  # resolved
+    given: str  # as the user wrote it
+
+
+def split_tasks(tasks: list[str]) -> tuple[list[str], list[str], dict[str, TaskFile]]:
+    """(task names, folders to index, {name: its file} of the tasks given as YAML paths): a task file is loaded
+    from that very file (a task of the same name elsewhere in the indexed folders does not replace it); its
+    folder is indexed (for the files it includes and the groups it names)."""
+    names, folders, files = [], [], {}
     for task in tasks:
         path = Path(task)
         if path.suffix in (".yaml", ".yml"):
             if not path.is_file():
                 raise ConfigError(f"task file {task} does not exist")
-            import yaml
-
-            spec = yaml.safe_load(path.read_text()) or {}
-            if "task" not in spec:
+            spec = read_task_file(path)
+            if not isinstance(spec.get("task"), str) or not spec["task"]:
                 raise ConfigError(f"task file {task} names no task (its `task:` key)")
-            names.append(str(spec["task"]))
+            name = spec["task"]
+            if name in files:
+                raise ConfigError(
+                    f"task files {files[name].given} and {task} both define task {name}; rename one (its `task:` key)"
+                )
+            names.append(name)
+            files[name] = TaskFile(name, path.resolve(), task)
             folders.append(str(path.resolve().parent))
         else:
             names.append(task)
-    return names, folders
+    clash = next((name for name in names if name in files and names.count(name) > 1), None)
+    if clash is not None:
+        raise ConfigError(
+            f"task {clash} is named both by its file {files[clash].given} and by its name; give one of them"
+        )
+    return names, folders, files
 
 
 @dataclass(frozen=True)
 class Tasks:
-    """Tasks the harness knows by name in ``manager``'s index, built once (see :func:`load_tasks`)."""
+    """Tasks the harness knows by name in ``manager``'s index, or by their file, built once (see
+    :func:`load_tasks`)."""
 
     names: tuple[str, ...]
     manager: object  # lm_eval.tasks.TaskManager
+    files: tuple[tuple[str, str], ...] = ()  # (name, resolved path) of the tasks named by their file
+
+    def spec(self, name: str) -> str:
+        """What the harness loads ``name`` by: its file's path where the task was named by its file."""
+        return dict(self.files).get(name, name)
 
     def load(self) -> dict:
         """The harness's task dictionary (its ``TaskManager.load``: new task objects), data read (from the
         datasets cache after the first time)."""
-        return self.manager.load(list(self.names))
+        return self.manager.load([self.spec(name) for name in self.names])
+
+    def source(self, name: str) -> Path | None:
+        """The YAML file task ``name`` is read from (None: a group, a tag, or a task of no file)."""
+        if name in dict(self.files):
+            return Path(dict(self.files)[name])
+        entry = self.manager.task_index.get(name)
+        return Path(entry.yaml_path) if entry is not None and entry.yaml_path is not None else None
+
+    def code(self) -> list[str]:
+        """One line per task that makes lm-eval import Python (``!function``): a task folder is code."""
+        lines = []
+        for name in self.names:
+            path = self.source(name)
+            imports = task_code(path) if path is not None and not _shipped(path) else []
+            if imports:
+                lines.append(f"task {name} ({path}) imports Python: {', '.join(imports)}")
+        return lines
+
+
+def _shipped(path: Path) -> bool:
+    """Whether ``path`` is one of the task files the harness ships (its code is the harness's own)."""
+    import lm_eval.tasks
+
+    return path.resolve().is_relative_to(Path(lm_eval.tasks.__file__).resolve().parent)
 
 
 def load_tasks(tasks: list[str], include_paths: list[str] = ()) -> Tasks:
@@ -495,23 +708,37 @@ def load_tasks(tasks: list[str], include_paths: list[str] = ()) -> Tasks:
     their data: an unknown task or a missing data file fails here, in one line. Tasks that are all in the include
     paths (tasks of one's own, no groups) are indexed without the harness's shipped ones."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # (tasks read local files; nothing is downloaded)
-    names, folders = split_tasks(tasks)
+    names, folders, files = split_tasks(tasks)
     for folder in include_paths:
         if not Path(folder).is_dir():
             raise ConfigError(f"include path {folder} is not a directory")
     paths = list(dict.fromkeys([*map(str, include_paths), *folders]))
+    by_file = tuple((name, str(file.path)) for name, file in files.items())
+    named = [name for name in names if name not in files]
     if paths:
         own = task_manager(paths, shipped=False)
-        if all(name in own.all_subtasks for name in names):  # (no group or tag, which may name shipped tasks)
-            return loaded(Tasks(tuple(names), own))
-    found = Tasks(tuple(names), task_manager(paths))
-    unknown = [name for name in names if name not in found.manager.all_tasks]
+        if all(name in own.all_subtasks for name in named):  # (no group or tag, which may name shipped tasks)
+            return loaded(Tasks(tuple(names), own, by_file))
+    found = Tasks(tuple(names), task_manager(paths), by_file)
+    unknown = [name for name in named if name not in found.manager.all_tasks]
     if unknown:
+        unread = unreadable(paths)  # (the harness's index skips a file it cannot read, without a word)
         raise ConfigError(
             f"lm-eval knows no task {', '.join(unknown)} (a task of your own: its YAML's path, or its folder in "
-            "include_path)"
+            "include_path)" + (f"; of the indexed files, {unread}" if unread else "")
         )
     return loaded(found)
+
+
+def unreadable(folders: list[str]) -> str | None:
+    """Why the first task file of ``folders`` that cannot be read as a task is not one (None: all can)."""
+    for folder in folders:
+        for path in sorted(Path(folder).glob("**/*.yaml")):
+            try:
+                read_task_file(path)
+            except ConfigError as err:
+                return str(err)
+    return None
 
 
 def loaded(tasks: Tasks) -> Tasks:
@@ -519,11 +746,44 @@ def loaded(tasks: Tasks) -> Tasks:
     for name in tasks.names:
         try:
             with quiet():
-                tasks.manager.load([name])
+                tasks.manager.load([tasks.spec(name)])
         except Exception as err:  # noqa: BLE001 - datasets and the harness raise many kinds; one line says which
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"lm-eval task {name} cannot load: {reason}") from None
+            raise ConfigError(f"lm-eval task {name} {why_not_loaded(err, tasks, name)}") from None
     return tasks
+
+
+def why_not_loaded(err: Exception, tasks: Tasks, name: str) -> str:
+    """What the harness's ``err`` loading task ``name`` means, with what to do (its own words where they say
+    something)."""
+    path = tasks.source(name)
+    where = f"({path}) " if path is not None else ""
+    spec: dict = {}
+    if path is not None:
+        with contextlib.suppress(ConfigError):
+            spec = read_task_file(path)
+    if isinstance(err, StopIteration) or (isinstance(err, RuntimeError) and "StopIteration" in str(err)):
+        files = (spec.get("dataset_kwargs") or {}).get("data_files")
+        files = ", ".join(map(str, files.values())) if isinstance(files, dict) else files
+        return (
+            f"{where}cannot load: its data ({files or spec.get('dataset_path', 'the data set')}) holds no items "
+            "(an empty file?); put the items in it, one JSON object a line"
+        )
+    if isinstance(err, KeyError) and err.args == (None,):
+        from lm_eval.api.registry import get_metric_aggregation
+
+        metrics = [m for m in spec.get("metric_list") or [] if isinstance(m, dict)]
+        named = [m["metric"] for m in metrics if isinstance(m.get("metric"), str) and "aggregation" not in m]
+        unknown = [metric for metric in named if get_metric_aggregation(metric) is None]
+        if unknown:
+            return (
+                f"{where}cannot load: lm-eval knows no metric {', '.join(unknown)} (its metric_list); name one it "
+                "knows (acc, acc_norm, perplexity, exact_match, word_perplexity, ...), or give the metric's "
+                "aggregation"
+            )
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if not reason or reason in ("None", repr(None)):
+        reason = f"{type(err).__name__}{f' {reason}' if reason else ''}"
+    return f"{where}cannot load: {reason}"
 
 
 # The seeds lm-eval's simple_evaluate sets (python random, numpy, torch, few-shot sampling): the same numbers
@@ -544,14 +804,9 @@ def evaluate(
     states are left as they were."""
     from lm_eval.evaluator import evaluate as harness_evaluate
 
-    loaded = tasks.load()
-    for task in loaded["tasks"].values():
-        default = task.get_config("num_fewshot")
-        if num_fewshot is not None and default != 0:
-            task.set_config(key="num_fewshot", value=num_fewshot)
-        elif default is None:
-            task.set_config(key="num_fewshot", value=0)
-        task.set_fewshot_seed(seed=SEEDS["fewshot"])
+    if limit is not None and limit < 1:
+        raise ConfigError(f"limit {limit}: give at least 1 item a task (0 evaluates nothing)")
+    loaded = configured(tasks, num_fewshot)
     with kept_random_states():
         import random
 
@@ -560,9 +815,57 @@ def evaluate(
         random.seed(SEEDS["random"])
         np.random.seed(SEEDS["numpy"])
         torch.manual_seed(SEEDS["torch"])
-        return harness_evaluate(
+        results = harness_evaluate(
             lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters, log_samples=log_samples
         )
+    return results if lm.placement.rank == 0 else None  # (every rank holds every answer: rank 0 reports)
+
+
+def configured(tasks: Tasks, num_fewshot: int | None) -> dict:
+    """The harness's task dictionary with the few-shot counts and seed ``lm_eval.simple_evaluate`` would set:
+    ``num_fewshot`` where the task's YAML does not say 0 (nor scores perplexity, loglikelihood_rolling, which
+    takes no shots), else the task's own (0 where it names none)."""
+    loaded = tasks.load()
+    for task in loaded["tasks"].values():
+        default = task.get_config("num_fewshot")
+        rolling = task.get_config("output_type") == "loglikelihood_rolling"
+        if num_fewshot is not None and default != 0 and not rolling:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif default is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=SEEDS["fewshot"])
+    return loaded
+
+
+def check_fewshot(tasks: Tasks, num_fewshot: int | None, option: str) -> None:
+    """Refuse a few-shot count (``option``'s ``num_fewshot``) that a task has too few examples to draw, before
+    anything is evaluated (the harness fails in the middle, with a traceback)."""
+    if not num_fewshot:
+        return
+    with quiet():
+        loaded = configured(tasks, num_fewshot)
+        pools = {name: _fewshot_pool(task) for name, task in loaded["tasks"].items()}
+    for name, task in loaded["tasks"].items():
+        shots, pool = task.get_config("num_fewshot") or 0, pools[name]
+        if shots == 0:
+            continue
+        itself = task.fewshot_cfg.split is not None and task.fewshot_cfg.split == task.config.test_split
+        most = pool - 1 if itself else pool
+        if shots > most:
+            source = tasks.source(name)
+            raise ConfigError(
+                f"{option} {shots}: task {name}{f' ({source})' if source else ''} has {pool} example"
+                f"{'s' * (pool != 1)} to draw shots from{' (the item itself left out)' if itself else ''}: at most "
+                f"{max(most, 0)}; lower {option}"
+            )
+
+
+def _fewshot_pool(task) -> int:
+    """How many documents the harness draws ``task``'s few-shot examples from."""
+    if not task.get_config("num_fewshot"):
+        return 0
+    docs = task.fewshot_docs()
+    return 0 if docs is None else len(docs) if hasattr(docs, "__len__") else len(list(docs))
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from megatransformer.checkpoint.directory import (
 from megatransformer.checkpoint.files import (
     HOW_NOT_WHAT,
     SHAPE_FIELDS,
+    DecayOrigin,
     SpikeState,
     TrainerState,
     check_same_shapes,
@@ -73,6 +74,7 @@ __all__ = [
     "WEIGHTS_FILES",
     "CheckpointDamaged",
     "CheckpointUnsafe",
+    "DecayOrigin",
     "SpikeState",
     "TrainerState",
     "atomic_write",

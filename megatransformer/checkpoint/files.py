@@ -97,6 +97,16 @@ class SpikeState(BaseModel):
         return self.model_dump()
 
 
+class DecayOrigin(BaseModel):
+    """Where a decay branched with schedule.decay_from began: the checkpoint it continued (resolved once, at the
+    branch's first start) and its step, the decay's first."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    checkpoint: str
+    step: NonNegativeInt
+
+
 class TrainerState(BaseModel):
     """trainer.json: where a run stands and the layout that wrote it."""
 
@@ -111,6 +121,10 @@ class TrainerState(BaseModel):
     sequence_parallel: PositiveInt = 1
     zero_stage: Literal[0, 1, 2, 3]
     spikes: SpikeState = Field(default_factory=SpikeState)
+    schedule_phase: Literal["warmup", "stable", "decay"] | None = None  # None: written before it was recorded
+    """The learning-rate schedule's phase at this step (training/optim.py schedule_phase)."""
+    decay_from: DecayOrigin | None = None
+    """A decay branch's start (schedule.decay_from), kept by every checkpoint of the branch."""
 
     @model_validator(mode="after")
     def _spikes_before_this_step(self) -> TrainerState:

@@ -260,12 +260,19 @@ def run_tasks(args: argparse.Namespace) -> int:
     from megatransformer.config import ConfigError
     from megatransformer.inference import load_for_inference
 
-    for name, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot)):
-        if value is not None and value < 0:
-            raise ConfigError(f"{name} must be >= 0")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit}: give at least 1 item a task (--limit 0 evaluates nothing)")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError("--num-fewshot must be >= 0")
     if args.bleu or args.overrides:
         raise ConfigError("--tasks takes no --bleu and no key.path=value overrides")
+    if args.samples:
+        writable(Path(args.samples))
     tasks = harness.load_tasks(args.tasks, args.include_path)
+    harness.check_fewshot(tasks, args.num_fewshot, "--num-fewshot")
+    if int(os.environ.get("RANK", 0)) == 0:
+        for line in tasks.code():
+            say(line)  # (a task folder is code: lm-eval imports it)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if world > 1:
@@ -281,7 +288,7 @@ def run_tasks(args: argparse.Namespace) -> int:
                 f"evaluating {loaded.path} on {' '.join(tasks.names)} with lm-eval (fp32 on {device}, "
                 f"{world} rank{'s' * (world > 1)}, batches of {args.batch_size})"
             )
-        placement = harness.Placement(device, rank, world)
+        placement = harness.Placement(device, rank, world, group=harness.gather_group(world))
         lm = harness.HarnessLM(loaded.model, loaded.cfg, loaded.tokenizer, placement, args.batch_size)
         with harness.quiet():
             results = harness.evaluate(
@@ -301,6 +308,23 @@ def run_tasks(args: argparse.Namespace) -> int:
 
         print(make_table(results))
     return 0
+
+
+def writable(path: Path) -> None:
+    """Refuse a --samples path that cannot be written, before anything is evaluated."""
+    from megatransformer.config import ConfigError
+
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"--samples {path} cannot be written ({err.strerror or err.__class__.__name__}); give a writable path"
+        ) from None
+    if not existed:
+        path.unlink()
 
 
 def write_samples(path: Path, samples: dict[str, list[dict]]) -> None:

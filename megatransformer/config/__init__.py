@@ -12,6 +12,7 @@ reading of files and overrides.
 
 from megatransformer.config.core import (
     MAX_LAYERS,
+    MAX_LR,
     MAX_SEQ_LEN,
     MAX_STEPS,
     MAX_VOCAB,
@@ -53,6 +54,7 @@ __all__ = [
     "MAX_STEPS",
     "MAX_VOCAB",
     "MAX_WIDTH",
+    "MAX_LR",
     "MIN_LR",
     "CheckpointConfig",
     "ConfigError",

@@ -78,6 +78,11 @@ MIN_LR = 1e-10
 """Smallest optim.lr accepted: fine-tuning rates go down to about 1e-7; a rate of 1e-10 moves a weight of 0.02 by
 one part in a few hundred million a step, below fp32's resolution, so anything smaller (a typo such as 3e-40, or
 5e-324) would train nothing while looking like a run."""
+MAX_LR = 10.0
+"""Largest optim.lr and optim.muon_lr accepted: Adam's rates lie below about 1e-2, Muon's below about 0.1, and the
+inverse_sqrt schedule's multiplier is about 1 (the 2017 paper); a rate above 10 (a typo such as 3e4, or 1e10) kills
+the model in a step or two: its gradients vanish and its output turns uniform (training/spikes.py DeadRun stops
+such a run, but only after train.max_dead_steps steps)."""
 MAX_STEPS = 10**9
 """Largest train.max_steps accepted: the longest published pretraining runs take a few million optimizer steps;
 a billion is decades at ten steps a second, and still refuses a typo such as 1e30."""

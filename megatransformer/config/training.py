@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-from megatransformer.config.core import MAX_STEPS, MIN_LR, Fraction, Section, UnitInterval, require
+from megatransformer.config.core import MAX_LR, MAX_STEPS, MIN_LR, Fraction, Section, UnitInterval, require
 
 
 class SpikesConfig(Section):
@@ -141,6 +141,10 @@ class TrainConfig(Section):
     the latter; native: always PyTorch's bf16 kernels. Nothing changes on GPUs, in fp32 or with compile."""
     max_bad_steps: Annotated[int, Field(ge=1)] = 5
     """Consecutive non-finite losses after which the run checkpoints and stops."""
+    max_dead_steps: NonNegativeInt = 20
+    """Consecutive steps of a dead model after which the run checkpoints and stops (exit 3, as a diverged run):
+    a gradient norm of 0, or, after schedule.warmup_steps, a loss within 1e-4 of ln(model.vocab_size) (the
+    output is uniform: the model predicts nothing). 0: never stop for it."""
     spikes: SpikesConfig = Field(default_factory=SpikesConfig)
     """Loss spikes: skip the update, roll back and skip the data, stop (SpikesConfig)."""
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
@@ -162,7 +166,7 @@ class OptimConfig(Section):
     name: Literal["adamw", "adam", "muon"] = "adamw"
     """adamw: decoupled weight decay; adam: the 2017 paper's Adam (use weight_decay=0); muon: Muon (torch.optim.Muon's
     update) on the linear layers' weights, AdamW with the settings below on the rest (docs/optimizers.md)."""
-    lr: Annotated[float, Field(ge=MIN_LR)] = 3e-4
+    lr: Annotated[float, Field(ge=MIN_LR, le=MAX_LR)] = 3e-4
     """Peak learning rate (the multiplier of the inverse_sqrt schedule); with muon, AdamW's part."""
     betas: tuple[Fraction, Fraction] = (0.9, 0.95)
     """Adam beta1, beta2 (the 2017 paper: 0.9, 0.98)."""
@@ -172,7 +176,7 @@ class OptimConfig(Section):
     """Weight decay coefficient."""
     decay_norms_and_embeddings: bool = False
     """Also decay norm weights, biases and embeddings (off: they are excluded, the common practice)."""
-    muon_lr: Annotated[float, Field(ge=MIN_LR)] = 0.02
+    muon_lr: Annotated[float, Field(ge=MIN_LR, le=MAX_LR)] = 0.02
     """Muon's peak learning rate (the schedule scales it as it scales lr); with muon_adjust_lr_fn=match_rms_adamw,
     about AdamW's lr."""
     muon_momentum: Fraction = 0.95

@@ -99,6 +99,27 @@ def check_leftovers(state: dict[str, torch.Tensor], used: set[str], family: str)
         )
 
 
+def check_tied_head(state: dict[str, torch.Tensor], head: str, embedding: str, family: str) -> None:
+    """A tied model (tie_word_embeddings) whose file also holds an output head that differs from its embedding is
+    refused: transformers 5 then leaves the two untied and reads the file's head (it warns), older versions tie
+    the head to the embedding; either reading would give other logits than the other."""
+    if head not in state or embedding not in state:
+        return
+    theirs, tied = state[head], state[embedding]
+    if theirs.shape == tied.shape and torch.equal(theirs, tied):
+        return
+    gap = (
+        f"by up to {(theirs.float() - tied.float()).abs().max().item():.4g}"
+        if theirs.shape == tied.shape
+        else "in shape"
+    )
+    raise ValueError(
+        f"{family} checkpoint is tied (config.json: tie_word_embeddings) but holds a {head} that differs from "
+        f"{embedding} ({gap}): transformers then reads one or the other by version; remove {head} from the weights "
+        "(tied) or set tie_word_embeddings to false in config.json (an untied head, where the family allows one)"
+    )
+
+
 def expand_names(global_names: list, layer_names: list, n_layers: int) -> list[tuple[str, str]]:
     """(ours, theirs) weight names: the global pairs, then the ``{i}`` templates of each layer filled in."""
     pairs = list(global_names)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatransformer.config import ModelConfig
-from megatransformer.hf.family import Family, Neutral, build_config, check_leftovers, expand_names
+from megatransformer.hf.family import Family, Neutral, build_config, check_leftovers, check_tied_head, expand_names
 
 _GPT2_LAYER_NAMES = [  # (ours, GPT-2) pairs copied as they are; the attention and MLP matrices are below
     ("decoder.layers.{i}.attn_norm.weight", "transformer.h.{i}.ln_1.weight"),
@@ -135,6 +135,7 @@ def from_gpt2_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> di
     missing = [name for name in needed if name not in state]
     if missing:
         raise ValueError(f"GPT-2 checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+    check_tied_head(state, "lm_head.weight", "transformer.wte.weight", "GPT-2")
     out = {ours: state[theirs] for ours, theirs in pairs}
     out["lm_head.weight"] = state["transformer.wte.weight"]
     for i in range(cfg.n_layers):

@@ -9,7 +9,15 @@ import re
 import torch
 
 from megatransformer.config import ModelConfig
-from megatransformer.hf.family import SILU, Family, Neutral, build_config, check_leftovers, expand_names
+from megatransformer.hf.family import (
+    SILU,
+    Family,
+    Neutral,
+    build_config,
+    check_leftovers,
+    check_tied_head,
+    expand_names,
+)
 from megatransformer.hf.rope import max_position_embeddings, rope_parameters, rope_scaling_from
 
 # (our name, Llama name) templates; {i} is the layer index
@@ -137,6 +145,7 @@ def to_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
 def from_llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     state = {re.sub(r"^model\.model\.", "model.", k): v for k, v in state.items()}
     if cfg.tie_embeddings:
+        check_tied_head(state, "lm_head.weight", "model.embed_tokens.weight", "Llama")
         state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
     pairs = _name_pairs(cfg)
     missing = [theirs for _, theirs in pairs if theirs not in state]

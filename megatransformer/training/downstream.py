@@ -29,7 +29,11 @@ class Downstream:
             raise ConfigError(f"train.evals: {reason}")
         self.harness, self.cfg, self.module, self.tokenizer = harness, cfg, module, tokenizer
         self.tasks = harness.load_tasks(evals.tasks, evals.include_path)
-        self.placement = harness.Placement(torch.device(device), module.dp_rank, module.dp_size, module.matmuls)
+        harness.check_fewshot(self.tasks, evals.num_fewshot, "train.evals.num_fewshot")
+        # (the ranks' answers are gathered on a group of their own, with its own timeout: a task longer than
+        # parallel.timeout_minutes does not trip the training collectives' watchdog)
+        group = harness.gather_group(module.dp_size)
+        self.placement = harness.Placement(torch.device(device), module.dp_rank, module.dp_size, module.matmuls, group)
 
     def due(self, step: int) -> bool:
         every = self.cfg.train.evals.every

@@ -28,13 +28,13 @@ from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import StepResult, TrainModule
 from megatransformer.training.layout import describe_layout, zero_stage_notes
 from megatransformer.training.metrics import Reporter, finite_or_none, peak_tflops
-from megatransformer.training.optim import branch_decay, warmup_warning
+from megatransformer.training.optim import branch_decay, describe_decay, schedule_phase, warmup_warning
 from megatransformer.training.resume import decay_start, plan_resume, refusal, rollback_target, skippable
 from megatransformer.training.trackers import resolved_config, run_facts
 from megatransformer.training.watchdog import Watchdog
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM/SIGINT: requeue and resume=auto
-EXIT_DIVERGED = 3  # too many consecutive non-finite losses: checkpoint saved, run stopped
+EXIT_DIVERGED = 3  # too many non-finite, spiking or dead steps: checkpoint saved, run stopped
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: stopped at once, no checkpoint (as a shell reports it)
 ROLLED_BACK, SAVE = "rolled back", "save"  # what a step's result asks of the loop besides going on or stopping
 
@@ -96,11 +96,12 @@ class Trainer:
     def __init__(
         self, cfg: RunConfig, dist_info: Dist, tokenizer, init_state=None, preemption: Preemption | None = None
     ) -> None:
-        start = decay_start(cfg)
-        if start is not None:  # (a decay branched from another run's checkpoint)
-            cfg = branch_decay(cfg, start)
-        self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         self.resume = plan_resume(cfg, dist_info.world_size, torch.device(dist_info.device).type, tokenizer.sha256)
+        # (a decay branched from another run's checkpoint: where it began, resolved once and kept in the state)
+        self.decay_origin = decay_start(cfg, self.resume)
+        if self.decay_origin is not None:
+            cfg = branch_decay(cfg, self.decay_origin.step)
+        self.cfg, self.dist, self.tokenizer = cfg, dist_info, tokenizer
         self.module = TrainModule(cfg, dist_info, init_state)
         micro = self.module.sizes.micro
         pin = dist_info.device.startswith("cuda")  # batches in page-locked memory: copies that do not wait
@@ -127,6 +128,8 @@ class Trainer:
 
             self.downstream = Downstream(cfg, self.module, dist_info.device, tokenizer)
         self.spikes = spikes.SpikeLadder(cfg.train.spikes)
+        # (gradients that vanish, or a uniform output: a dead model, stopped as a diverged run)
+        self.dead = spikes.DeadRun(cfg.model.vocab_size, cfg.train.max_dead_steps, cfg.schedule.warmup_steps)
         self.checkpoint: Path | None = None  # the run's state on disk: the one resumed from, then the last saved
 
     # ------------------------------------------------------------------------------------ the run
@@ -139,6 +142,8 @@ class Trainer:
             self.checkpoint = self.resume.path
             if self.dist.is_main:
                 print(self.resume.describe(cfg, self.dist.world_size))
+        if self.decay_origin is not None and self.dist.is_main:
+            print(describe_decay(cfg, self.decay_origin.checkpoint, self.decay_origin.step))
         elif self.dist.is_main and cfg.resume == "auto":
             print(f"resume=auto: no complete checkpoint in {ckpt.checkpoints_dir(cfg.run_dir)}, starting fresh")
         if self.resume is not None:
@@ -203,6 +208,8 @@ class Trainer:
             for warning in (warmup_warning(cfg), self.validation_warning):
                 if warning:
                     print(warning)
+            for line in self.downstream.tasks.code() if self.downstream is not None else ():
+                print(f"train.evals: {line}")  # (a task folder is code: lm-eval imports it)
         size = model_size(cfg.model, cfg.data.seq_len)
         report = Reporter(
             cfg,
@@ -337,6 +344,9 @@ class Trainer:
         if downstream or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             with watchdog.watching("validation"):  # (the tasks' numbers always beside a validation loss)
                 report.log({"step": step, **self.evaluations(downstream)})
+        if (dead := self.dead.see(step, result.loss, result.grad_norm)) is not None:
+            report.message(dead)
+            return EXIT_DIVERGED
         if self.state.bad_steps >= cfg.train.max_bad_steps:
             report.message(
                 f"stopping: {self.state.bad_steps} consecutive non-finite steps "
@@ -375,6 +385,8 @@ class Trainer:
     def save(self) -> Path:
         self.last_save = time.monotonic()
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
+        self.state.schedule_phase = schedule_phase(self.cfg, self.state.step)
+        self.state.decay_from = self.decay_origin
         began = self.spikes.protect_before()  # (a rollback in the making needs the checkpoint before it)
         # (listed once the write in flight is done: its rotation may remove a checkpoint, or complete the one needed)
         self.module.checkpointer.wait()

@@ -83,6 +83,31 @@ def branch_decay(cfg: RunConfig, start_step: int) -> RunConfig:
     return cfg.model_copy(update={"schedule": schedule})
 
 
+def schedule_phase(cfg: RunConfig, step: int) -> str:
+    """The phase of ``cfg``'s schedule after ``step`` updates: warmup (the last update was below the peak on the
+    way up), stable (at the peak), or decay (below it on the way down; cosine, linear and inverse_sqrt decay
+    from the end of their warm-up on)."""
+    s, total = cfg.schedule, cfg.train.max_steps
+    if step < s.warmup_steps:
+        return "warmup"
+    if s.name == "constant":
+        return "stable"
+    if s.name != "wsd":
+        return "decay" if step > max(s.warmup_steps, 1) else "stable"
+    return "decay" if step > total - wsd_decay_steps(cfg) else "stable"
+
+
+def describe_decay(cfg: RunConfig, origin: str, start: int) -> str:
+    """The run log's line of a branched decay (``cfg`` as :func:`branch_decay` gave it)."""
+    f, end = lr_multiplier(cfg), cfg.train.max_steps
+    rates = [("lr", cfg.optim.lr)] + ([("muon_lr", cfg.optim.muon_lr)] if cfg.optim.name == "muon" else [])
+    at = lambda step: ", ".join(f"{name} {peak * f(step - 1):.4g}" for name, peak in rates)  # noqa: E731
+    return (
+        f"decaying from step {start}, {at(start)}, to step {end}, {at(end)}, {cfg.schedule.decay_shape} "
+        f"(schedule.decay_from: {origin})"
+    )
+
+
 def warmup_warning(cfg: RunConfig) -> str | None:
     """One line when the warm-up is longer than the run: the learning rate would never reach optim.lr."""
     warmup, total = cfg.schedule.warmup_steps, cfg.train.max_steps

@@ -62,14 +62,15 @@ def check_run_dir(cfg: RunConfig) -> None:
         ckpt.find_checkpoint(cfg.resume, f"resume={cfg.resume}")
     if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
         raise ConfigError(f"run_dir={cfg.run_dir} is a file, not a directory; choose another run_dir")
-    if cfg.schedule.decay_from is not None:
+    existing = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
+    # (a branch that has checkpoints of its own keeps its start in them: the source is not read again)
+    if cfg.schedule.decay_from is not None and not (cfg.resume == "auto" and existing is not None):
         branch = ckpt.find_checkpoint(cfg.schedule.decay_from, f"schedule.decay_from={cfg.schedule.decay_from}")
         if branch.resolve().is_relative_to(Path(cfg.run_dir).resolve()):
             raise ConfigError(
                 f"schedule.decay_from={cfg.schedule.decay_from} is a checkpoint of run_dir={cfg.run_dir}: give the "
                 "decay a run_dir of its own"
             )
-    existing = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
     if cfg.resume is None and existing is not None:
         raise ConfigError(
             f"run_dir={cfg.run_dir} already holds checkpoints (latest: {existing.name}); pass "
@@ -132,12 +133,51 @@ def skippable(cfg: RunConfig, err: ckpt.CheckpointDamaged) -> bool:
     return cfg.resume == "auto" and own and not isinstance(err, ckpt.CheckpointUnsafe)
 
 
-def decay_start(cfg: RunConfig) -> int | None:
-    """The step of schedule.decay_from's checkpoint, where this run's decay begins (None without one)."""
-    if cfg.schedule.decay_from is None:
+def decay_start(cfg: RunConfig, plan: ResumePlan | None) -> ckpt.DecayOrigin | None:
+    """Where this run's decay begins (None without schedule.decay_from): the origin its own checkpoint keeps
+    (``plan``: the resume), so that a restart decays from where the branch first did, even when decay_from names
+    a run that has gone on since; at the branch's first start, schedule.decay_from's checkpoint, which must be of
+    a stable phase (a wsd or constant schedule's, past its warm-up and before its decay)."""
+    value = cfg.schedule.decay_from
+    if value is None:
         return None
-    path = ckpt.find_checkpoint(cfg.schedule.decay_from, f"schedule.decay_from={cfg.schedule.decay_from}")
-    return ckpt.read_trainer_state(path).step
+    if plan is not None and plan.path.parent.resolve() == ckpt.checkpoints_dir(cfg.run_dir).resolve():
+        if plan.state.decay_from is not None:
+            return plan.state.decay_from
+        # (a checkpoint of a version that kept no origin: the source's step, as that version read it)
+        source = ckpt.find_checkpoint(value, f"schedule.decay_from={value}")
+        return ckpt.DecayOrigin(checkpoint=str(source), step=ckpt.read_trainer_state(source).step)
+    path = plan.path if plan is not None else ckpt.find_checkpoint(value, f"schedule.decay_from={value}")
+    state = plan.state if plan is not None else ckpt.read_trainer_state(path)
+    saved = plan.saved if plan is not None else ckpt.saved_config(path)
+    check_stable(value, path, state, saved)
+    return ckpt.DecayOrigin(checkpoint=str(path), step=state.step)
+
+
+def check_stable(value: str, path: Path, state: ckpt.TrainerState, saved: RunConfig) -> None:
+    """Refuse a decay_from checkpoint that is not of a stable phase: one that has decayed (a decay's own, or a
+    wsd run's past its decay's start), one of a cosine, linear or inverse_sqrt run (no stable phase: its rate
+    falls from the warm-up's end), or one still in its warm-up."""
+    from megatransformer.training.optim import schedule_phase, wsd_decay_steps
+
+    s = saved.schedule
+    phase = state.schedule_phase or schedule_phase(saved, state.step)
+    if phase == "stable" and s.name in ("wsd", "constant"):
+        return
+    where = f"schedule.decay_from={value}: {path} is at step {state.step} of a {s.name} schedule"
+    if s.name not in ("wsd", "constant"):
+        why = f"{where}, which has no stable phase (its rate falls from the end of its warm-up)"
+        fix = "branch decays from a wsd run's checkpoints (schedule.name=wsd)"
+    elif phase == "decay":
+        why = f"{where}, in its decay: it has decayed already, and a branch would raise the rate and decay again"
+        first, last = s.warmup_steps, saved.train.max_steps - wsd_decay_steps(saved)
+        fix = f"name a checkpoint of its stable phase (steps {first} to {last} of that run)"
+        if s.decay_from is not None or state.decay_from is not None:
+            fix = "name a checkpoint of the stable run it was branched from"
+    else:
+        why = f"{where}, in its warm-up (steps up to {s.warmup_steps})"
+        fix = "name a checkpoint of its stable phase, after the warm-up"
+    raise ConfigError(f"{why}; {fix}")
 
 
 def plan_resume(

@@ -100,6 +100,44 @@ def _median(values: np.ndarray) -> float:
     return float(low + high) / 2
 
 
+class DeadRun:
+    """A model that no longer learns: its gradient norm is 0 (at most :data:`VANISHED`), or (past the warm-up)
+    its loss is ln(vocab), that of a uniform output, to within :data:`UNIFORM_TOLERANCE`. Neither is a spike
+    (nothing rises) nor non-finite, so the ladder never sees it; ``limit`` consecutive such steps stop the run
+    (train.max_dead_steps)."""
+
+    def __init__(self, vocab_size: int, limit: int, after_step: int = 0) -> None:
+        self.uniform_loss = math.log(vocab_size)
+        self.limit, self.after_step = limit, after_step
+        self.since: int | None = None  # the first step of the current run of dead steps
+        self.seen: str = ""  # what the newest dead step showed
+
+    def see(self, step: int, loss: float, grad_norm: float | None) -> str | None:
+        """Judge step ``step``; returns the stop's reason once ``limit`` dead steps in a row have been seen."""
+        vanished = grad_norm is not None and grad_norm <= VANISHED
+        uniform = step > self.after_step and abs(loss - self.uniform_loss) <= UNIFORM_TOLERANCE
+        if not self.limit or not (vanished or uniform):
+            self.since = None
+            return None
+        if self.since is None:
+            self.since = step
+        self.seen = " and ".join(
+            ([f"a gradient norm of {grad_norm:.3g}"] if vanished else [])
+            + ([f"a loss of {loss:.4f}, ln(vocab) {self.uniform_loss:.4f}: a uniform output"] if uniform else [])
+        )
+        if step - self.since + 1 < self.limit:
+            return None
+        return (
+            f"stopping: step {step}: the model has stopped learning, {step - self.since + 1} steps in a row since "
+            f"step {self.since} (train.max_dead_steps={self.limit}), the last with {self.seen}; lower optim.lr "
+            "(or optim.muon_lr), raise schedule.warmup_steps, or check model.init_std"
+        )
+
+
+UNIFORM_TOLERANCE = 1e-4  # a loss this close to ln(vocab) is a uniform output's (a fresh small model: ~1e-3 above)
+VANISHED = 1e-12  # a gradient norm this small moves no weight: a model's own is many orders of magnitude larger
+
+
 @dataclass
 class SpikeEvent:
     action: str  # skip | rollback | stop

@@ -165,6 +165,17 @@ def test_non_finite_losses_skip_updates_then_stop_with_a_checkpoint(tiny_data, t
     assert [r["bad_steps"] for r in metrics(run) if "bad_steps" in r] == [1, 2]
 
 
+def test_a_model_killed_by_its_learning_rate_stops_as_a_diverged_run(tiny_data, tmp_path):
+    run = tmp_path / "dead"
+    # (as optim.muon_lr=1e10 did, now refused: gradient norm 0 from step 2, loss ln(vocab) every step, exit 0):
+    # weights of 1e-30 give hidden states and logits of ~0, a uniform output and no gradient
+    dead = ["model.init_std=1e-30", "schedule.warmup_steps=0", "train.max_dead_steps=3"]
+    result = train(tiny_run(tiny_data, run, steps=12) + dead, expect=3)
+    line = next(line for line in result.stdout.splitlines() if "stopped learning" in line)
+    assert "train.max_dead_steps=3" in line and "uniform output" in line and "gradient norm of" in line
+    assert max(r["step"] for r in metrics(run) if "loss" in r) < 12
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [

@@ -81,6 +81,8 @@ BAD_VALUES = [
     ("optim.lr=.nan", "optim.lr=nan must be a finite number"),
     ("optim.lr=nan", "optim.lr=nan must be a finite number"),
     ("optim.lr=.inf", "optim.lr=inf must be a finite number"),
+    ("optim.lr=1e10", "optim.lr=1e10 must be <= 10"),  # accepted, it trained a dead model and exited 0
+    ("optim.muon_lr=1e10", "optim.muon_lr=1e10 must be <= 10"),  # accepted, it trained a dead model and exited 0
     ("optim.betas=[0.9, 1.5]", "optim.betas[1]=1.5 must be < 1"),
     ("optim.betas=[-0.1, 0.99]", "optim.betas[0]=-0.1 must be >= 0"),
     ("optim.betas=[0.9, .nan]", "optim.betas[1]=nan must be a finite number"),

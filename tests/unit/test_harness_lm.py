@@ -161,6 +161,26 @@ def test_rolling_scores_every_token_once_past_the_model_length(model, tok):
     assert len(tok.encode(texts[0])) > 2 * MODEL["max_seq_len"]
 
 
+def test_a_long_text_is_scored_in_bounded_chunks_of_windows_with_progress(model, tok, monkeypatch, capsys):
+    """(One 20 MB document: every window made and packed at once, 2.8 GB held and no answer in 600 s.)"""
+    import io
+    import sys
+
+    texts = [" ".join(TEXTS * 12), TEXTS[2]]
+    whole = lm_of(model, tok, 4).loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in texts]))
+    monkeypatch.setattr(harness, "ROLLING_CHUNK", 3)
+    monkeypatch.setattr(sys, "__stderr__", err := io.StringIO())
+    lm, sizes = lm_of(model, tok, 4), []
+    scored = lm._loglikelihood_tokens
+    monkeypatch.setattr(lm, "_loglikelihood_tokens", lambda reqs: sizes.append(len(reqs)) or scored(reqs))
+    monkeypatch.setattr(harness, "PROGRESS_AFTER", 1)
+    chunked = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(t,) for t in texts]))
+    assert chunked == pytest.approx(whole, rel=1e-6)
+    assert max(sizes) == 3 and sum(sizes) > 6  # (at most ROLLING_CHUNK windows in memory at a time)
+    lines = err.getvalue().splitlines()
+    assert lines and lines[0].startswith("rolling loglikelihood of text 1 of 2: 3 of ")
+
+
 def test_left_padded_generation_is_each_prompts_own(model, tok):
     cfg, module = model
     until = {"until": ["."], "max_gen_toks": 10, "do_sample": False}
@@ -203,7 +223,7 @@ def test_a_missing_data_file_is_one_line(tmp_path):
         f"task: lost\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {tmp_path / 'none.jsonl'}}}}}\n"
         "test_split: test\noutput_type: loglikelihood\ndoc_to_text: x\ndoc_to_target: y\n"
     )
-    with pytest.raises(ConfigError, match="lm-eval task lost cannot load: .*none.jsonl"):
+    with pytest.raises(ConfigError, match="lm-eval task lost .*lost.yaml.* cannot load: .*none.jsonl"):
         harness.load_tasks([str(task)])
 
 
@@ -215,3 +235,56 @@ def test_tasks_of_ones_own_are_indexed_without_the_shipped_ones(tiny_data, tmp_p
     assert tasks.manager.all_tasks == sorted(TASKS)  # (the folder's tasks: not the harness's thousands)
     first, again = tasks.load()["tasks"]["mt_choice"], tasks.load()["tasks"]["mt_choice"]
     assert first is not again and len(first.eval_docs) == len(again.eval_docs) == 4
+
+
+def test_shares_are_dealt_by_cost_not_by_count():
+    costs = [1000, 10, 10, 10, 10, 10, 10, 10]  # (one long document beside short items)
+    shares = harness.deal(costs, 2)
+    assert sorted(shares[0] + shares[1]) == list(range(8))
+    assert shares == [[0], [1, 2, 3, 4, 5, 6, 7]]  # (round-robin gave rank 0 1,030 tokens, rank 1 40)
+    many = list(range(1, 101))
+    loads = [sum(many[i] for i in share) for share in harness.deal(many, 4)]
+    assert max(loads) - min(loads) <= 100  # (within the costliest item of each other)
+    assert harness.deal([5], 2) == [[0], []]  # (a rank may have nothing to do)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_run_their_shares_and_every_rank_gets_every_answer(model, tok, ranks):
+    """(2 ranks on a task of 1 item: the harness's own sharding gave the second rank no item, and a traceback.)"""
+    import threading
+
+    cfg, module = model
+    ids = [tok.encode(text) for text in TEXTS]
+    reqs = [(None, ids[i][:3] or [1], ids[(i + 1) % len(ids)][:20]) for i in range(len(ids))]
+    expected = lm_of(model, tok, 2)._loglikelihood_tokens(reqs)
+    barrier, posted, ran = threading.Barrier(ranks), {}, {}
+
+    def gather(rank):
+        def exchange(obj):
+            posted[rank] = obj
+            barrier.wait()
+            everything = [posted[r] for r in range(ranks)]
+            barrier.wait()
+            return everything
+
+        return exchange
+
+    def scored(rank, requests, out):
+        placement = harness.Placement(torch.device("cpu"), rank, ranks, gather=gather(rank))
+        lm = harness.HarnessLM(module, cfg, tok, placement, 2)
+        original = lm._scored
+        lm._scored = lambda groups, share, conts: (
+            ran.setdefault(rank, []).extend(share) or original(groups, share, conts)
+        )
+        out[rank] = lm._loglikelihood_tokens(requests)
+
+    for requests, want in ((reqs, expected), (reqs[:1], expected[:1])):
+        out, ran = {}, {}
+        threads = [threading.Thread(target=scored, args=(r, requests, out)) for r in range(ranks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert all(out[r] == pytest.approx(want) for r in range(ranks))
+        shares = sum(ran.values(), [])
+        assert len(shares) == len(set(shares)) and (len(requests) == 1 or all(ran.get(r) for r in range(ranks)))

@@ -119,3 +119,23 @@ def test_a_damaged_directory_is_refused_in_one_line(tmp_path, exported_llama, da
     with pytest.raises(ConfigError, match=message) as refusal:
         import_hf(argparse.Namespace(hf=str(directory), out=str(tmp_path / "out")))
     assert "\n" not in str(refusal.value) and name in str(refusal.value)
+
+
+@pytest.mark.parametrize("family", [GPT2, QWEN3], ids=lambda family: family.model_type)
+def test_a_tied_checkpoint_holding_another_output_head_is_refused_in_one_line(tmp_path, family):
+    """(GPT-2: imported with the embedding as its head, 36 logits away from transformers' reading of the file.)"""
+    from safetensors.torch import load_file, save_file
+
+    cfg = run_config(model=FAMILY_MODELS[family])
+    torch.manual_seed(0)
+    write_weights_checkpoint(tmp_path / "ours", cfg, randomized(build_model(cfg.model)).state_dict())
+    export(argparse.Namespace(checkpoint=str(tmp_path / "ours"), out=str(tmp_path / "hf"), format="hf", dtype="fp32"))
+    file = tmp_path / "hf" / "model.safetensors"
+    state = load_file(file)
+    embedding = next(name for name in state if name.endswith(("wte.weight", "embed_tokens.weight")))
+    save_file({**state, "lm_head.weight": state[embedding] + 1.0}, file, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="tied .* but holds a lm_head.weight that differs from") as refusal:
+        import_hf(argparse.Namespace(hf=str(tmp_path / "hf"), out=str(tmp_path / "back")))
+    assert "\n" not in str(refusal.value) and "by up to 1" in str(refusal.value)
+    save_file({**state, "lm_head.weight": state[embedding].clone()}, file, metadata={"format": "pt"})
+    assert import_hf(argparse.Namespace(hf=str(tmp_path / "hf"), out=str(tmp_path / "back"))) == 0  # (the same)

@@ -300,3 +300,29 @@ def test_the_loss_panel_marks_each_spike_and_each_rollback():
     [rollback] = [line for line in ax.lines if line.get_linestyle() == "--"]
     assert list(rollback.get_xdata()) == [91, 91] and rollback.get_label() == "run rollbacks"
     plt.close(fig)
+
+
+def test_vanished_gradients_or_a_uniform_output_for_a_window_of_steps_stop_the_run():
+    from megatransformer.training.spikes import DeadRun
+
+    uniform = math.log(256)
+    dead = DeadRun(256, limit=3, after_step=2)
+    assert dead.see(1, 5.0, 0.0) is None and dead.see(2, 5.0, 0.0) is None  # two steps without gradients
+    assert dead.see(3, 4.9, 0.7) is None  # learning again: the count starts over
+    assert dead.see(4, 5.0, 0.0) is None and dead.see(5, uniform, 0.3) is None  # a uniform output counts too
+    line = dead.see(6, uniform + 1e-5, 0.0)
+    assert_one_line(line, "step 6", "3 steps in a row since step 4", "train.max_dead_steps=3", "gradient norm of 0")
+    assert dead.see(7, 5.0, 1e-20) is not None  # (vanished: far below any model's own)
+    assert "uniform output" in line and "optim.lr" in line
+
+
+def test_a_uniform_loss_during_warm_up_or_a_near_uniform_healthy_loss_is_no_dead_run():
+    from megatransformer.training.spikes import DeadRun
+
+    uniform = math.log(32000)
+    dead = DeadRun(32000, limit=2, after_step=10)
+    assert all(dead.see(step, uniform, 0.5) is None for step in range(1, 11))  # (a zero-initialised head warms up)
+    assert all(dead.see(step, uniform + 0.01 * (step % 2), 0.5) is None for step in range(11, 30))
+    assert dead.see(30, uniform + 0.01, None) is None  # (no norm computed: judged by the loss alone)
+    never = DeadRun(32000, limit=0)
+    assert all(never.see(step, uniform, 0.0) is None for step in range(1, 100))

@@ -4,6 +4,7 @@ stable checkpoint (schedule.decay_from)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -92,3 +93,92 @@ def test_a_decay_needs_a_run_dir_of_its_own(tmp_path):
     with pytest.raises(ConfigError, match="give the decay a run_dir of its own"):
         check_run_dir(same)
     check_run_dir(same.model_copy(update={"run_dir": str(tmp_path / "decay")}))
+
+
+def trainer_state(step: int, **fields):
+    from megatransformer.checkpoint import TrainerState
+
+    return TrainerState(
+        step=step, tokens=0, bad_steps=0, tokenizer_sha256=None, world_size=1, tensor_parallel=1, zero_stage=0, **fields
+    )
+
+
+def test_the_schedule_phase_of_a_step():
+    from megatransformer.training.optim import schedule_phase
+
+    run = wsd(100, decay_steps=20)  # warm-up 10, stable to 80, decay to 100
+    assert [schedule_phase(run, s) for s in (5, 10, 80, 81, 100)] == ["warmup", "stable", "stable", "decay", "decay"]
+    cosine = run_config(schedule={"name": "cosine", "warmup_steps": 10}, train={"max_steps": 100})
+    assert schedule_phase(cosine, 50) == "decay"
+    assert schedule_phase(run_config(schedule={"name": "constant", "warmup_steps": 0}), 50) == "stable"
+
+
+@pytest.mark.parametrize(
+    "source, state, message",
+    [
+        # (a decayed checkpoint: the branch raised the rate 5.5x and decayed again, silently)
+        (wsd(100, decay_steps=20), {"step": 90}, "in its decay: it has decayed already"),
+        (wsd(100, decay_steps=20), {"step": 90, "schedule_phase": "decay"}, "steps 10 to 80 of that run"),
+        (wsd(100, decay_steps=20), {"step": 5}, "in its warm-up"),
+        # (a cosine run's checkpoint was accepted without a word)
+        (run_config(schedule={"name": "cosine", "warmup_steps": 10}), {"step": 50}, "has no stable phase"),
+    ],
+)
+def test_decay_from_a_checkpoint_outside_a_stable_phase_is_refused_saying_what_it_is(source, state, message):
+    from support import assert_one_line
+
+    from megatransformer.training.resume import check_stable
+
+    with pytest.raises(ConfigError) as err:
+        check_stable("runs/a", Path("runs/a/checkpoints/step_000090"), trainer_state(**state), source)
+    assert_one_line(str(err.value), "schedule.decay_from=runs/a", f"at step {state['step']}", message)
+    check_stable("runs/a", Path("x"), trainer_state(50), wsd(100, decay_steps=20))  # stable: accepted
+
+
+def test_a_branch_of_a_branch_is_refused():
+    from megatransformer.checkpoint import DecayOrigin
+    from megatransformer.training.resume import check_stable
+
+    branch = branch_decay(wsd(50, decay_from="runs/stable"), 40)
+    state = trainer_state(45, schedule_phase="decay", decay_from=DecayOrigin(checkpoint="s", step=40))
+    with pytest.raises(ConfigError, match="name a checkpoint of the stable run it was branched from"):
+        check_stable("runs/decay", Path("runs/decay/checkpoints/step_000045"), state, branch)
+
+
+def test_a_restarted_branch_decays_from_where_it_began_though_the_stable_run_went_on(tmp_path):
+    from megatransformer.checkpoint import COMPLETE, DecayOrigin, TrainerState
+    from megatransformer.training.resume import ResumePlan, decay_start
+
+    stable = tmp_path / "stable" / "checkpoints" / "step_000030"  # the stable run's latest, since the branch began
+    stable.mkdir(parents=True)
+    (stable / COMPLETE).touch()
+    (stable / "trainer.json").write_text(trainer_state(30).model_dump_json())
+    branch = wsd(50, decay_from=str(tmp_path / "stable")).model_copy(update={"run_dir": str(tmp_path / "decay")})
+    origin = DecayOrigin(checkpoint=str(tmp_path / "stable/checkpoints/step_000010"), step=10)
+    own = trainer_state(15, schedule_phase="decay", decay_from=origin)
+    assert TrainerState.model_validate_json(own.model_dump_json()) == own  # (trainer.json keeps it)
+    plan = ResumePlan(tmp_path / "decay" / "checkpoints" / "step_000015", own, branch, None)
+    assert decay_start(branch, plan) == origin
+
+
+def test_the_run_log_says_the_decay():
+    from megatransformer.training.optim import describe_decay
+
+    cfg = branch_decay(wsd(50, decay_from="runs/s", decay_shape="linear", min_lr_ratio=0.1), 40)
+    cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"lr": 0.01})})
+    line = describe_decay(cfg, "runs/s/checkpoints/step_000040", 40)
+    assert line.startswith("decaying from step 40, lr 0.01, to step 50, lr 0.001, linear")
+
+
+def test_a_branch_with_checkpoints_of_its_own_restarts_without_its_source(tmp_path):
+    from megatransformer.checkpoint import COMPLETE
+    from megatransformer.training.resume import check_run_dir
+
+    own = tmp_path / "decay" / "checkpoints" / "step_000015"
+    own.mkdir(parents=True)
+    (own / COMPLETE).touch()
+    gone = str(tmp_path / "stable" / "checkpoints" / "step_000010")  # (rotated away by the stable run's keep)
+    branch = wsd(20, decay_from=gone).model_copy(update={"run_dir": str(tmp_path / "decay"), "resume": "auto"})
+    check_run_dir(branch)  # (the start is in the branch's own trainer state)
+    with pytest.raises(ConfigError, match="schedule.decay_from"):
+        check_run_dir(branch.model_copy(update={"run_dir": str(tmp_path / "fresh")}))
