@@ -1,8 +1,8 @@
 """``train.compile=true`` on 2 gloo ranks: at ZeRO-3 each block's forward is compiled with DeepSpeed's hooks
 outside the graph (``compiled.gather_whole_blocks``), with tensor parallelism each block whole; neither breaks a
 graph, by dynamo's own log (``TORCH_LOGS=graph_breaks``) and by the run log, and ZeRO-3's losses are the eager
-run's. A block that reads a value to the host breaks its graph: the run log says so after the first step, with
-the reason.
+run's, with activation checkpointing too. A block that reads a value to the host breaks its graph: the run log
+says so after the first step, with the reason.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ CLEAN = "torch.compile, step 1: 1 frame(s) compiled, no graph break"  # (one gra
 
 # `megatransformer train` with every block reading its input's norm to the host: a graph break in each block
 READING_BLOCKS = """
+import sys
+
 from megatransformer.cli import main
 from megatransformer.model import layers
 
@@ -38,11 +40,17 @@ def compiler_lines(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("torch.compile, step")]
 
 
-def test_zero3_compiles_each_block_without_a_graph_break_and_trains_as_eager(tiny_data, tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_zero3_compiles_each_block_without_a_graph_break_and_trains_as_eager(tiny_data, tmp_path, checkpointing):
+    """With activation checkpointing ZeRO-3 gathers each block again for its recomputation in the backward."""
     runs = {}
     for compiled in (False, True):
         run = tmp_path / f"compile-{compiled}"
-        overrides = ["parallel.zero_stage=3", f"train.compile={str(compiled).lower()}"]
+        overrides = [
+            "parallel.zero_stage=3",
+            f"model.activation_checkpointing={str(checkpointing).lower()}",
+            f"train.compile={str(compiled).lower()}",
+        ]
         result = train(tiny_run(tiny_data, run, steps=4) + overrides, nproc=2, env=DYNAMO_LOG)
         runs[compiled] = losses(run)
         assert "Graph break" not in result.stderr  # (dynamo's log, each rank's)
