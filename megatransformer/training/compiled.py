@@ -101,10 +101,11 @@ class CompileWatch:
     def compile_key(entry) -> str:
         return f"{entry.compile_id}/{entry.start_time_us}"
 
-    def after_step(self) -> list[str]:
-        """The lines on the compiler's work during this step (empty when there was none after the first step)."""
+    def after_step(self, step: int | None = None) -> list[str]:
+        """The lines on the compiler's work during this step (empty when there was none after the first step);
+        ``step``: its number in the run (a resumed run's first step is not 1), by default counted from 1."""
         self.steps += 1
-        lines, step = [], self.steps
+        lines, step = [], self.steps if step is None else step
         breaks = self.break_counts()
         new_breaks, self.breaks = breaks - self.breaks, breaks
         for reason, count in new_breaks.items():
@@ -119,10 +120,10 @@ class CompileWatch:
                 reason = entry.recompile_reason.strip().splitlines()[0]
                 lines.append(f"torch.compile, step {step}: recompiled {where}: {reason}")
         frames = self.counts()[0]
-        if step == 1:
+        if self.steps == 1:
             n_breaks = sum(new_breaks.values())
             done = f"{n_breaks} graph break(s)" if n_breaks else "no graph break"
-            lines.insert(0, f"torch.compile, step 1: {frames - self.frames} frame(s) compiled, {done}")
+            lines.insert(0, f"torch.compile, step {step}: {frames - self.frames} frame(s) compiled, {done}")
         self.frames = frames
         return lines
 

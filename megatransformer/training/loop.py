@@ -232,7 +232,7 @@ class Trainer:
             watchdog.disarm(step_seconds)
             self.state.step = step
             collector.step(step)
-            for line in compile_watch.after_step() if compile_watch is not None else ():
+            for line in compile_watch.after_step(step) if compile_watch is not None else ():
                 report.message(line)
             report.progress(step)
             self.report_saves(report)
