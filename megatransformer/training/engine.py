@@ -43,7 +43,7 @@ from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_part
 from megatransformer.planner import reduce_bucket_elements
 from megatransformer.training import checkpointer
 from megatransformer.training.bf16_step import install_device_step, squared_norm
-from megatransformer.training.compiled import compile_blocks, compile_enabled
+from megatransformer.training.compiled import compile_blocks, compile_enabled, gather_whole_blocks
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.deepspeed_internals import data_parallel_rank
 from megatransformer.training.distributed import Dist
@@ -241,6 +241,9 @@ class TrainModule:
             optimizer = functools.partial(MuonWithAdamW, fused=True)  # (built on the parameters AutoTP shards)
         else:
             groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
+        self.compiled = compile_enabled(cfg, self.device.type)
+        if self.compiled and self.zero_stage == 3:
+            gather_whole_blocks(model)  # (ZeRO-3's hooks around each compiled block, outside its graph)
         self.engine, *_ = deepspeed.initialize(
             model=model,
             model_parameters=groups_,
@@ -256,7 +259,6 @@ class TrainModule:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
             check_batch_without_masks(self.engine)
         install_device_step(self.engine.optimizer)  # (bf16 ZeRO-1: the norm and clipping without host reads)
-        self.compiled = compile_enabled(cfg, self.device.type)
         if self.compiled:
             compile_blocks(self.engine.module)
         self.dp_rank = data_parallel_rank() if tp > 1 else dist_info.rank // sp

@@ -239,7 +239,7 @@ class Trainer:
             watchdog.disarm(step_seconds)
             self.state.step = step
             collector.step(step)
-            if compile_watch is not None and (line := compile_watch.after_step()) is not None:
+            for line in compile_watch.after_step(step) if compile_watch is not None else ():
                 report.message(line)
             report.progress(step)
             self.report_saves(report)

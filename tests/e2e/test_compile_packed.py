@@ -1,6 +1,6 @@
 """Packed batches compile once: over 50 steps of documents of changing lengths, each Transformer block compiled
 as the trainer compiles it (``compiled.compile_blocks``), the compiler works in the first two steps only: no
-recompile and no graph break after them, counted by dynamo's own counters (``compiled.CompileWatch``).
+recompile and no graph break after them, read from dynamo's own records (``compiled.CompileWatch``).
 
 The chunked core trains; the flex core runs forward only (FlexAttention has no backward on CPU); flash-attn's
 varlen path runs over the custom op of ``support.flash_ops`` (opaque to the compiler, as flash-attn's ops are),
@@ -18,7 +18,7 @@ from support.runs import losses, tiny_run, train
 
 from megatransformer.model import attention, build_model
 from megatransformer.model.masks import batch_masks
-from megatransformer.training.compiled import CompileWatch, compile_blocks
+from megatransformer.training.compiled import WARMUP_STEPS, CompileWatch, compile_blocks
 
 ROWS, T, STEPS = 2, 32, 50
 
@@ -34,7 +34,8 @@ def packed_batch(rng: np.random.Generator) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 97, (ROWS, T)), "segment_ids": torch.from_numpy(segments)}
 
 
-def compiler_work_after_warmup(backend: str, train: bool, checkpointing: bool | str = False) -> list[str]:
+def compiler_work(backend: str, train: bool, checkpointing: bool | str = False) -> tuple[list[str], list[str]]:
+    """The watch's lines on the first step, and all its lines after warm-up."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
@@ -52,25 +53,33 @@ def compiler_work_after_warmup(backend: str, train: bool, checkpointing: bool | 
                 loss.backward()
         reports.append(watch.after_step())
     assert CompileWatch.counts()[0] > 0  # (the blocks were compiled)
-    return [line for line in reports if line is not None]
+    assert reports[0][0].startswith("torch.compile, step 1: ")
+    return reports[0], [line for lines in reports[WARMUP_STEPS:] for line in lines]
 
 
 @pytest.mark.parametrize("backend, train", [("chunked", True), ("flex", False)])
 def test_packed_batches_compile_once(backend, train):
-    assert compiler_work_after_warmup(backend, train) == []
+    first, later = compiler_work(backend, train)
+    assert first[0].endswith(", no graph break") and later == []
     assert CompileWatch.graph_break_reasons() == []
 
 
 @pytest.mark.parametrize("checkpointing", [True, "selective"])
 def test_checkpointed_compiled_blocks_compile_once(checkpointing):
-    assert compiler_work_after_warmup("chunked", True, checkpointing) == []
+    first, later = compiler_work("chunked", True, checkpointing)
+    assert first[0].endswith(", no graph break") and later == []
     assert CompileWatch.graph_break_reasons() == []
 
 
 def test_packed_varlen_batches_compile_once(monkeypatch):
+    """Known, not yet fixed: in the first step inductor fails on a scalar read (``aten._local_scalar_dense``) in
+    the graphs around the varlen op and dynamo splits them (counted as "unimplemented", so the watch before this
+    one missed them); the first step's lines say so. After warm-up, nothing more compiles."""
     monkeypatch.setattr(attention, "flash_attn_module", lambda: FLASH_OPS)
-    assert compiler_work_after_warmup("flash", True) == []
-    assert CompileWatch.graph_break_reasons() == []
+    first, later = compiler_work("flash", True)
+    assert later == []
+    assert "no graph break" not in first[0]
+    assert any("graph break" in line and "Backend compiler exception" in line for line in first)
 
 
 class Doubling(torch.nn.Module):
@@ -78,23 +87,47 @@ class Doubling(torch.nn.Module):
         return x * 2
 
 
-def test_a_recompile_after_warmup_is_reported():
+def test_a_recompile_is_reported_with_its_reason():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     layer = Doubling()
     layer.compile(backend="eager", dynamic=False)
     watch = CompileWatch()
-    for _ in range(3):
+    layer(torch.ones(2, 4))
+    assert watch.after_step() == ["torch.compile, step 1: 1 frame(s) compiled, no graph break"]
+    for _ in range(2):
         layer(torch.ones(2, 4))
-        assert watch.after_step() is None
+        assert watch.after_step() == []
     layer(torch.ones(3, 4))  # a new shape, with dynamic=False: compiled again
-    line = watch.after_step()
-    assert line is not None and "1 recompile(s), 0 graph break(s) in step 4" in line
+    (line,) = watch.after_step()
+    assert line.startswith("torch.compile, step 4: recompiled forward (test_compile_packed.py:")
+    assert "size mismatch at index 0. expected 2, actual 3" in line
+
+
+class Reading(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        return y * y.sum().item()  # a host read: a graph break
+
+
+def test_a_graph_break_is_reported_from_the_first_step():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    layer = Reading()
+    layer.compile(backend="eager")
+    watch = CompileWatch()
+    layer(torch.ones(2, 4))
+    first, reason = watch.after_step()
+    assert first.startswith("torch.compile, step 1:") and first.endswith(", 1 graph break(s)")
+    assert reason.startswith("torch.compile, step 1: graph break: Unsupported Tensor.item() call")
+    layer(torch.ones(2, 4))
+    assert watch.after_step() == []  # (the same break, resumed by the graphs already compiled: no new work)
 
 
 def test_a_compiled_cpu_run_trains_as_the_eager_one_and_says_so(tiny_data, tmp_path):
-    """``train.compile=true`` on CPU: each block compiled behind DeepSpeed's engine, the run log says so and reports
-    no recompilation after warm-up, and the losses are the eager run's (the compiler may reorder float sums)."""
+    """``train.compile=true`` on CPU: each block compiled behind DeepSpeed's engine, the run log says so, that the
+    first step compiled one graph for both blocks, and reports no graph break nor recompile; the losses are the
+    eager run's (the compiler may reorder float sums)."""
     runs = {}
     for compiled in (False, True):
         run = tmp_path / f"compile-{compiled}"
@@ -102,5 +135,6 @@ def test_a_compiled_cpu_run_trains_as_the_eager_one_and_says_so(tiny_data, tmp_p
         runs[compiled] = losses(run)
         expected = "torch.compile: each Transformer block (train.compile)" if compiled else "torch.compile: off"
         assert expected in result.stdout
-        assert "after warm-up" not in result.stdout
+        compiler_lines = [line for line in result.stdout.splitlines() if line.startswith("torch.compile, step")]
+        assert compiler_lines == (["torch.compile, step 1: 1 frame(s) compiled, no graph break"] if compiled else [])
     assert runs[True] == pytest.approx(runs[False], rel=1e-3)
