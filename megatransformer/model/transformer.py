@@ -373,12 +373,14 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None, fi
     every build of one seed has the same weights. ``fill(parameter, write)``: how a parameter is written, where it
     is not whole (the caller makes it whole, calls ``write`` on it and spreads the result); by default in place."""
     if seed is None:
-        seed = int(torch.randint(0, 2**62, ()).item())
+        seed = int(torch.randint(0, 2**62, (), device="cpu").item())
     for name, param, std in initial_values(model, cfg):
 
         def write(whole: torch.Tensor, name: str = name, std: float | None = std) -> None:
             draw_into(whole, seed, name, std)
 
+        if param.is_meta:
+            continue  # (a model built on the meta device for its shapes: nothing to write)
         if fill is None:
             write(param)
         else:

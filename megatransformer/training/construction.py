@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatransformer.config import RunConfig, precision_dtype
+from megatransformer.config import RunConfig
 from megatransformer.model import ARCHITECTURES
 from megatransformer.model.transformer import init_weights
 
@@ -32,7 +32,12 @@ def build_for_run(cfg: RunConfig, zero_stage: int, ds_config: dict[str, Any]) ->
     if partitions_at_construction(cfg, zero_stage):
         import deepspeed
 
-        with deepspeed.zero.Init(config_dict_or_path=copy.deepcopy(ds_config), dtype=precision_dtype(cfg.precision)):
+        config = copy.deepcopy(ds_config)
+        # (else DeepSpeed replaces torch.nn.functional.linear for good, with a product that rounds otherwise)
+        config["zero_optimization"]["memory_efficient_linear"] = False
+        # the dtype is the config's (bf16, fp16 or fp32, as precision): DeepSpeed 0.19.8 reads an explicit fp32
+        # ``dtype`` as bf16 where the accelerator has no fp16 (`_set_dtype`: `dtype or fp16 if ... else bf16`)
+        with deepspeed.zero.Init(config_dict_or_path=config):
             model = ARCHITECTURES[cfg.model.arch](cfg.model)
         init_weights(model, cfg.model, cfg.seed, fill=fill_partitioned)
     else:

@@ -68,43 +68,34 @@ class ParameterBytes:
 
 def main(out: Path) -> None:
     info = setup()
-    cfg = run_config(model=MODEL, precision="bf16", seed=11, parallel={"zero_stage": 3})
-    ds = deepspeed_config(cfg, BatchSizes(1, 1, info.world_size), "cpu", zero_stage=3)
-    build_for_run(cfg, 3, ds)  # (once before counting: DeepSpeed's first-use allocations)
-    counter = ParameterBytes()
-    with counter:
-        model = build_for_run(cfg, 3, ds)
-    built = []
-    peak = peak_host_bytes(lambda: built.append(build_for_run(cfg, 3, ds)), python=False)
-    whole_build = peak_host_bytes(lambda: build_model(cfg.model, cfg.seed), python=False)  # (as before: fp32, whole)
-    dtype = precision_dtype(cfg.precision)
-    reference = build_model(cfg.model, cfg.seed)
-    differing = _differing(model, reference, dtype)
-    # weights a run starts from (init_from), each written by one rank into the partitioned model
-    values: dict[int, float] = {}  # (a tied tensor has one value under each of its names)
-    state = reference.state_dict(keep_vars=True)
-    weights = {n: torch.full_like(t, values.setdefault(id(t), 0.25 * len(values))) for n, t in state.items()}
-    with counter:
-        load_into_partitioned(model, weights)
-    reference.load_state_dict(weights)
-    differing_loaded = _differing(model, reference, dtype)
+    record: dict = {"world": info.world_size}
+    for precision in ("fp32", "bf16"):  # (the bf16 build is the one counted)
+        cfg = run_config(model=MODEL, precision=precision, seed=11, parallel={"zero_stage": 3})
+        ds = deepspeed_config(cfg, BatchSizes(1, 1, info.world_size), "cpu", zero_stage=3)
+        build_for_run(cfg, 3, ds)  # (once before counting: DeepSpeed's first-use allocations)
+        counter = ParameterBytes()
+        with counter:
+            model = build_for_run(cfg, 3, ds)
+        dtype = precision_dtype(cfg.precision)
+        reference = build_model(cfg.model, cfg.seed)
+        record[f"differing_{precision}"] = _differing(model, reference, dtype)
+        # weights a run starts from (init_from), each written by one rank into the partitioned model
+        values: dict[int, float] = {}  # (a tied tensor has one value under each of its names)
+        state = reference.state_dict(keep_vars=True)
+        weights = {n: torch.full_like(t, values.setdefault(id(t), 0.25 * len(values))) for n, t in state.items()}
+        with counter:
+            load_into_partitioned(model, weights)
+        reference.load_state_dict(weights)
+        record[f"differing_loaded_{precision}"] = _differing(model, reference, dtype)
     params = dict(model.named_parameters())
     # the largest module a rank may hold whole at once: an embedding table, a block, the output head
     parts = [*reference.decoder.layers, reference.embed_tokens, reference.lm_head]
-    layer = max(sum(p.numel() for p in part.parameters()) for part in parts) * dtype.itemsize
-    whole = sum(p.numel() for p in reference.parameters())
-    partition = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params.values())
-    record = {
-        "peak": peak,
-        "whole_build": whole_build,
-        "whole": whole,
-        "partition": partition,
-        "layer": layer,
-        "held": counter.most,
-        "differing": differing,
-        "differing_loaded": differing_loaded,
-        "world": info.world_size,
-    }
+    record["layer"] = max(sum(p.numel() for p in part.parameters()) for part in parts) * dtype.itemsize
+    record["whole"] = sum(p.numel() for p in reference.parameters())
+    record["partition"] = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params.values())
+    record["held"] = counter.most
+    record["peak"] = peak_host_bytes(lambda: build_for_run(cfg, 3, ds), python=False)
+    record["whole_build"] = peak_host_bytes(lambda: build_model(cfg.model, cfg.seed), python=False)  # (fp32, whole)
     (out / f"rank_{info.rank}.json").write_text(json.dumps(record))
 
 
