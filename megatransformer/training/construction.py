@@ -24,11 +24,13 @@ def partitions_at_construction(cfg: RunConfig, zero_stage: int) -> bool:
     return zero_stage == 3 and cfg.parallel.tensor_parallel == 1
 
 
-def build_for_run(cfg: RunConfig, zero_stage: int, ds_config: dict[str, Any]) -> nn.Module:
-    """The initialised model of ``cfg``: partitioned over all ranks (the ZeRO-3 group without tensor parallelism,
-    sequence-parallel peers included) in the run's precision and on its device where
-    :func:`partitions_at_construction`, else whole, fp32 on the host. torch's generators are left seeded with
-    ``cfg.seed`` either way (dropout draws alike on every layout)."""
+def build_for_run(
+    cfg: RunConfig, zero_stage: int, ds_config: dict[str, Any], device: torch.device | str = "cpu"
+) -> nn.Module:
+    """The initialised model of ``cfg``, on the run's ``device``: partitioned over all ranks (the ZeRO-3 group
+    without tensor parallelism, sequence-parallel peers included) in the run's precision where
+    :func:`partitions_at_construction`, else whole in fp32 (DeepSpeed casts it). torch's generators are left
+    seeded with ``cfg.seed`` either way (dropout draws alike on every layout)."""
     if partitions_at_construction(cfg, zero_stage):
         import deepspeed
 
@@ -41,7 +43,8 @@ def build_for_run(cfg: RunConfig, zero_stage: int, ds_config: dict[str, Any]) ->
             model = ARCHITECTURES[cfg.model.arch](cfg.model)
         init_weights(model, cfg.model, cfg.seed, fill=fill_partitioned)
     else:
-        model = ARCHITECTURES[cfg.model.arch](cfg.model)
+        with torch.device(device):  # (the host holds one block of initial values at a time, never the model)
+            model = ARCHITECTURES[cfg.model.arch](cfg.model)
         init_weights(model, cfg.model, cfg.seed)
     torch.manual_seed(cfg.seed)
     return model

@@ -222,7 +222,7 @@ class TrainModule:
             zero_stage if zero_stage is not None else engine_zero_stage(cfg, self.sizes.dp, self.device.type)
         )
         ds_config = deepspeed_config(cfg, self.sizes, dist_info.device, self.zero_stage)
-        model = build_for_run(cfg, self.zero_stage, ds_config)  # (ZeRO-3: partitioned as it is made)
+        model = build_for_run(cfg, self.zero_stage, ds_config, self.device)  # (ZeRO-3: partitioned as it is made)
         if init_state is not None:
             if partitions_at_construction(cfg, self.zero_stage):
                 load_into_partitioned(model, init_state)
