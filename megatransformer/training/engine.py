@@ -47,6 +47,7 @@ from megatransformer.training.construction import build_for_run, load_into_parti
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.deepspeed_internals import data_parallel_rank
 from megatransformer.training.distributed import Dist
+from megatransformer.training.host_memory import return_free_memory
 from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
 from megatransformer.training.muon import MuonWithAdamW, bind_to_engine, muon_param_groups
 from megatransformer.training.optim import make_scheduler, param_groups
@@ -252,6 +253,7 @@ class TrainModule:
             lr_scheduler=make_scheduler(cfg),
             mpu=mpu,
         )
+        return_free_memory()  # (the model's construction and DeepSpeed's start-up freed their transients)
         if cfg.optim.name == "muon":
             tp_group = groups.get_tensor_model_parallel_group() if tp > 1 else None
             bind_to_engine(checkpointer.innermost_optimizer(self.engine), self.engine.optimizer, tp_group)
