@@ -19,9 +19,10 @@ from megatransformer.model.transformer import init_weights
 
 
 def partitions_at_construction(cfg: RunConfig, zero_stage: int) -> bool:
-    """Whether the model is built partitioned: ZeRO-3 without tensor parallelism (AutoTP shards a whole model;
-    with it, the model is built whole on every rank and partitioned by ``deepspeed.initialize``)."""
-    return zero_stage == 3 and cfg.parallel.tensor_parallel == 1
+    """Whether the model is built partitioned: ZeRO-3 without tensor parallelism (AutoTP shards a whole model)
+    and without Muon (``muon.MuonWithAdamW`` is made on the parameters' shapes before DeepSpeed partitions them);
+    otherwise the model is built whole on every rank and partitioned by ``deepspeed.initialize``."""
+    return zero_stage == 3 and cfg.parallel.tensor_parallel == 1 and cfg.optim.name != "muon"
 
 
 def build_for_run(
