@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -212,12 +212,47 @@ def load_safetensors(path: Path, name: str) -> tuple[dict[str, torch.Tensor], di
         raise CheckpointDamaged(path, name, f"unreadable ({str(err)[:200]})") from None
 
 
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """A checkpoint's weights by name, each read whole (in fp32 from shards; as stored from model.safetensors)
+    only when looked up and not kept: a rank that writes a few of them reads only those."""
+
+    def __init__(self, path: Path) -> None:
+        from megatransformer.checkpoint.sharded import INDEX, ShardedState
+
+        self.path = path
+        self.sharded = ShardedState(path) if (path / INDEX).is_file() else None
+        if self.sharded is not None:
+            self.names = self.sharded.names()
+        else:
+            from safetensors import safe_open
+
+            with safe_open(str(path / WEIGHTS), framework="pt") as f:
+                self.names = list(f.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        if self.sharded is not None:
+            return self.sharded.tensor(name)
+        from safetensors import safe_open
+
+        with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def load_weights(
-    path: str | Path, model_cfg: ModelConfig | None = None, what: str = "checkpoint"
-) -> tuple[RunConfig, dict[str, torch.Tensor]]:
+    path: str | Path, model_cfg: ModelConfig | None = None, what: str = "checkpoint", lazy: bool = False
+) -> tuple[RunConfig, Mapping[str, torch.Tensor]]:
     """Config and whole fp32 weights of the checkpoint ``path`` means (:func:`find_checkpoint`): a training
     checkpoint's shards assembled one tensor at a time, or a weights checkpoint's model.safetensors; the files
-    read are verified against the manifest first (a damaged one is an error)."""
+    read are verified against the manifest first (a damaged one is an error). ``lazy``: as
+    :class:`LazyWeights`, each tensor read when looked up (a dict of them all otherwise)."""
     from megatransformer.checkpoint.sharded import INDEX, ShardedState
 
     path = find_checkpoint(path, what)
@@ -232,6 +267,8 @@ def load_weights(
     saved = saved_config(path)
     if model_cfg is not None:
         check_same_shapes(saved.model, model_cfg, f"{what} {path}")
+    if lazy:
+        return saved, LazyWeights(path)
     if (path / INDEX).is_file():
         return saved, dict(ShardedState(path).weights())
     return saved, load_safetensors(path, WEIGHTS)[0]

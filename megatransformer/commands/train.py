@@ -97,7 +97,10 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     busy = set_threads_for_machine()
     if busy and os.environ.get("LOCAL_RANK", "0") == "0":
         print(busy, flush=True)
-    init = ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}") if cfg.init_from else None
+    # (each tensor read when a rank writes it: at ZeRO-3 one rank reads each, never a rank the whole model)
+    init = (
+        ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}", lazy=True) if cfg.init_from else None
+    )
     init_state = init[1] if init else None
     import torch
 

@@ -14,7 +14,5 @@ def hidden_matrix_names(model: nn.Module) -> set[str]:
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, LMHead))}
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     return {
-        name
-        for name, p in model.named_parameters()
-        if p.requires_grad and id(p) in linear and id(p) not in embeddings and p.ndim == 2
+        name for name, p in model.named_parameters() if p.requires_grad and id(p) in linear and id(p) not in embeddings
     }

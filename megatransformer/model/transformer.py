@@ -7,7 +7,9 @@ Nothing here knows about parallelism or training: tensor parallelism is applied 
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -306,35 +308,87 @@ ARCHITECTURES: dict[str, type[LanguageModel]] = {
 }
 
 
-def build_model(cfg: ModelConfig) -> LanguageModel:
-    """Build and initialise the model a config describes (fp32, on the CPU)."""
+def build_model(cfg: ModelConfig, seed: int | None = None) -> LanguageModel:
+    """Build and initialise the model a config describes (fp32, on the CPU): :func:`init_weights` with ``seed``, or
+    with one drawn from torch's global generator (so ``torch.manual_seed`` still decides the model)."""
     model = ARCHITECTURES[cfg.arch](cfg)
-    init_weights(model, cfg)
+    init_weights(model, cfg, seed)
     return model
 
 
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
+INIT_BLOCK_ELEMENTS = 1 << 22  # the rows drawn at once: one generator per block, so no draw holds a whole tensor
+
+Fill = Callable[[nn.Parameter, Callable[[torch.Tensor], None]], None]
 
 
-@torch.no_grad()
-def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
-    """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 * layers) so the
-    residual stream's variance does not grow with depth (GPT-2); sqrt(d)-scaled embeddings get std d^-0.5."""
+def initial_values(model: nn.Module, cfg: ModelConfig) -> list[tuple[str, nn.Parameter, float | None]]:
+    """(name, parameter, std) of every parameter the initialisation sets: Normal(0, std), or zeros (std None).
+    Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 * layers) so the residual
+    stream's variance does not grow with depth (GPT-2); sqrt(d)-scaled embeddings get std d^-0.5. The others
+    (norms) keep the values their module sets."""
+    rules: list[tuple[str, nn.Parameter, float | None]] = []
     for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
         if isinstance(module, nn.Linear):
             if name == "lm_head" and cfg.tie_embeddings:
                 continue  # the embedding table, initialised as such
             std = cfg.init_std
             if cfg.depth_scaled_init and name.endswith(RESIDUAL_OUTPUTS):
                 std /= math.sqrt(2 * _stack_depth(model, name))
-            nn.init.normal_(module.weight, 0.0, std)
+            rules.append((prefix + "weight", module.weight, std))
             if module.bias is not None:
-                nn.init.zeros_(module.bias)
+                rules.append((prefix + "bias", module.bias, None))
         elif isinstance(module, nn.Embedding):
             std = cfg.d_model**-0.5 if cfg.scale_embeddings else cfg.init_std
-            nn.init.normal_(module.weight, 0.0, std)
+            rules.append((prefix + "weight", module.weight, std))
         elif isinstance(module, LearnedPositions):
-            nn.init.normal_(module.weight, 0.0, cfg.init_std)
+            rules.append((prefix + "weight", module.weight, cfg.init_std))
+    return rules
+
+
+def parameter_generator(seed: int, name: str, block: int) -> torch.Generator:
+    """The generator of rows block ``block`` of parameter ``name``: seeded from the run's seed and the two, so a
+    parameter's values do not depend on where, in what order or how partitioned it is built."""
+    digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+@torch.no_grad()
+def draw_into(target: torch.Tensor, seed: int, name: str, std: float | None) -> None:
+    """Fill ``target`` (the whole parameter ``name``, any device and dtype) with its initial values: fp32 draws on
+    the host, a block of rows at a time (the host holds one block), cast into ``target``."""
+    if std is None:
+        target.zero_()
+        return
+    rows = target.reshape(target.shape[0], -1) if target.dim() > 1 else target.reshape(-1, 1)
+    per_block = max(1, INIT_BLOCK_ELEMENTS // max(rows.shape[1], 1))
+    for block, start in enumerate(range(0, rows.shape[0], per_block)):
+        part = rows[start : start + per_block]
+        values = torch.empty(part.shape, dtype=torch.float32).normal_(
+            0.0, std, generator=parameter_generator(seed, name, block)
+        )
+        part.copy_(values)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None, fill: Fill | None = None) -> None:
+    """Set the parameters :func:`initial_values` names, each from generators of its own (:func:`draw_into`), so
+    every build of one seed has the same weights. ``fill(parameter, write)``: how a parameter is written, where it
+    is not whole (the caller makes it whole, calls ``write`` on it and spreads the result); by default in place."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (), device="cpu").item())
+    for name, param, std in initial_values(model, cfg):
+
+        def write(whole: torch.Tensor, name: str = name, std: float | None = std) -> None:
+            draw_into(whole, seed, name, std)
+
+        if param.is_meta:
+            continue  # (a model built on the meta device for its shapes: nothing to write)
+        if fill is None:
+            write(param)
+        else:
+            fill(param, write)
 
 
 def _stack_depth(model: nn.Module, name: str) -> int:

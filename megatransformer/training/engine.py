@@ -35,7 +35,6 @@ from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
 from megatransformer.checkpoint import TrainerState
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
 from megatransformer.flops import ModelSize, document_lengths, documents_flops, model_size
-from megatransformer.model import build_model
 from megatransformer.model.gpu_cores import VARLEN_BACKENDS, activate_for
 from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
@@ -44,9 +43,11 @@ from megatransformer.planner import reduce_bucket_elements
 from megatransformer.training import checkpointer
 from megatransformer.training.bf16_step import install_device_step, squared_norm
 from megatransformer.training.compiled import compile_blocks, compile_enabled, gather_whole_blocks
+from megatransformer.training.construction import build_for_run, load_into_partitioned, partitions_at_construction
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.deepspeed_internals import data_parallel_rank
 from megatransformer.training.distributed import Dist
+from megatransformer.training.host_memory import return_free_memory
 from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
 from megatransformer.training.muon import MuonWithAdamW, bind_to_engine, muon_param_groups
 from megatransformer.training.optim import make_scheduler, param_groups
@@ -221,10 +222,13 @@ class TrainModule:
         self.zero_stage = (
             zero_stage if zero_stage is not None else engine_zero_stage(cfg, self.sizes.dp, self.device.type)
         )
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model = build_model(cfg.model)
+        ds_config = deepspeed_config(cfg, self.sizes, dist_info.device, self.zero_stage)
+        model = build_for_run(cfg, self.zero_stage, ds_config, self.device)  # (ZeRO-3: partitioned as it is made)
         if init_state is not None:
-            checkpointer.load_weights_into(model, init_state)
+            if partitions_at_construction(cfg, self.zero_stage):
+                load_into_partitioned(model, init_state)
+            else:
+                checkpointer.load_weights_into(model, init_state)
         if cfg.model.mlp_tiles > 1:
             apply_tiled_mlp(model, cfg.model.mlp_tiles)
         # ranks of a sequence group read the same rows, each keeps its slice of them
@@ -248,10 +252,11 @@ class TrainModule:
             model=model,
             model_parameters=groups_,
             optimizer=optimizer,
-            config=deepspeed_config(cfg, self.sizes, dist_info.device, self.zero_stage),
+            config=ds_config,
             lr_scheduler=make_scheduler(cfg),
             mpu=mpu,
         )
+        return_free_memory()  # (the model's construction and DeepSpeed's start-up freed their transients)
         if cfg.optim.name == "muon":
             tp_group = groups.get_tensor_model_parallel_group() if tp > 1 else None
             bind_to_engine(checkpointer.innermost_optimizer(self.engine), self.engine.optimizer, tp_group)

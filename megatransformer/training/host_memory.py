@@ -47,3 +47,13 @@ def apply_host_memory_policy(policy: str) -> str:
     if not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, INT_MAX)):
         return "host memory: keep was refused by glibc's mallopt; its defaults apply"
     return "host memory: keep (glibc malloc: large blocks from the heap, no trimming; the process holds its peak)"
+
+
+def return_free_memory() -> None:
+    """Hand the free pages of glibc's heap back to the kernel (``malloc_trim``): the start-up's transient
+    buffers (ZeRO-3's construction gathers a parameter at a time) would otherwise stay resident under ``keep``."""
+    libc_name, _ = platform.libc_ver()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if libc_name == "glibc" else None
+    if trim is not None:
+        trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+        trim(0)

@@ -12,8 +12,9 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 
-def peak_host_bytes(run: Callable[[], Any]) -> int:
-    """The most host memory ``run()`` holds at once beyond what was held before it (what it returns counts)."""
+def peak_host_bytes(run: Callable[[], Any], python: bool = True) -> int:
+    """The most host memory ``run()`` holds at once beyond what was held before it (what it returns counts);
+    ``python`` False: torch's tensors only."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         tracemalloc.start()
         try:
@@ -33,4 +34,4 @@ def peak_host_bytes(run: Callable[[], Any]) -> int:
     for _, change in sorted(changes):
         live += change
         torch_peak = max(torch_peak, live)
-    return torch_peak + python_peak
+    return torch_peak + (python_peak if python else 0)
