@@ -1,0 +1,43 @@
+"""Put first on PYTHONPATH by ``bench/gpu_suite.py --dry``: when MT_RECORD_IMPORTS names a folder, each Python
+process writes there, as it exits, the third-party top-level modules it imported and the compile-cache variables
+it saw (``gpu_suite.CACHE_ENV``), for the suite to check against the GPU image and its wheel list."""
+
+import atexit
+import json
+import os
+import sys
+
+_FOLDER = os.environ.get("MT_RECORD_IMPORTS")
+_CACHE_VARS = (
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+    "CUTE_DSL_CACHE_DIR",
+)
+
+
+def _third_party() -> list[str]:
+    names = set()
+    for name, module in list(sys.modules.items()):
+        top = name.partition(".")[0]
+        path = getattr(module, "__file__", None) or ""
+        if top in sys.stdlib_module_names or top in sys.builtin_module_names or "-packages" not in path:
+            continue  # (the checkout's own packages and bench scripts live outside site-packages)
+        names.add(top)
+    return sorted(names)
+
+
+def _write() -> None:
+    record = {
+        "argv": " ".join(sys.argv[:3])[:200] + f" [{os.getpid()}]",
+        "modules": _third_party(),
+        "env": {name: os.environ.get(name) for name in _CACHE_VARS},
+    }
+    os.makedirs(_FOLDER, exist_ok=True)
+    with open(os.path.join(_FOLDER, f"{os.getpid()}.json"), "w") as f:
+        json.dump(record, f)
+
+
+if _FOLDER:
+    atexit.register(_write)
