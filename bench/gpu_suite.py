@@ -101,7 +101,7 @@ DRY = Workload(
 # seconds per phase (--limit PHASE=S overrides): 8 minutes in all. The 1.1B runs share the compile caches, so the
 # first compiles and the others mostly read; the packed run writes the one checkpoint (~15 GB).
 LIMITS_S = {
-    "gpu_check": 100,
+    "gpu_check": 95,
     "data": 15,
     "trainer-rows": 80,
     "bare-rows": 35,
@@ -460,11 +460,29 @@ def image_distributions() -> set[str]:
 GPU_ONLY_IMPORTS = {"flash_attn": "flash-attn-4", "cutlass": "nvidia-cutlass-dsl", "triton": "triton"}
 
 
+def allowed_distributions() -> set[str]:
+    """What the GPU machine has: the image's distributions, the wheel list's, and this checkout."""
+    return image_distributions() | set(wheel_list()) | {"megatransformer"}
+
+
+def blocked_modules() -> list[str]:
+    """Top-level modules installed here whose every distribution is neither the image's nor in the wheel list:
+    a dry run's processes are refused them (``bench/import_recorder``), as the GPU machine would be."""
+    allowed = allowed_distributions()
+    owners = importlib.metadata.packages_distributions()
+    return sorted(
+        module
+        for module, distributions in owners.items()
+        if module not in sys.stdlib_module_names and not any(canonical(d) in allowed for d in distributions)
+    )
+
+
 def import_check(modules: set[str]) -> dict:
     """The distributions behind ``modules`` (top-level names the phases' processes imported, plus
-    ``GPU_ONLY_IMPORTS``), each in the image or the wheel list, or ``missing``: it would fail on the GPU machine."""
+    ``GPU_ONLY_IMPORTS``), each in the image or the wheel list, or ``missing``: it would fail on the GPU machine.
+    (A dry run's processes cannot import the others at all: ``blocked_modules``.)"""
     owners = importlib.metadata.packages_distributions()
-    image, wheels = image_distributions(), set(wheel_list())
+    allowed, wheels = allowed_distributions(), set(wheel_list())
     needed: dict[str, str] = {}
     unowned = []
     for module in sorted(modules):
@@ -474,7 +492,7 @@ def import_check(modules: set[str]) -> dict:
         elif module not in GPU_ONLY_IMPORTS:
             unowned.append(module)
     needed.update(GPU_ONLY_IMPORTS)
-    missing = sorted({f"{d} (import {m})" for m, d in needed.items() if d not in image and d not in wheels})
+    missing = sorted({f"{d} (import {m})" for m, d in needed.items() if d not in allowed})
     return {
         "distributions": sorted(set(needed.values())),
         "from_wheels": sorted(set(needed.values()) & wheels),
@@ -487,6 +505,8 @@ def recorded_imports(folder: Path) -> tuple[set[str], dict[str, dict]]:
     """Third-party top-level modules the recorded processes imported, and each process's cache environment."""
     modules, caches = set(), {}
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if path.name == "blocked.json":
+            continue
         record = json.loads(path.read_text())
         modules.update(record["modules"])
         caches[record["argv"]] = record["env"]
@@ -511,8 +531,11 @@ def gpu_check(wl: Workload, work: Path) -> dict:
     report = {"ok": wl.device == "cpu" and done.returncode == 2, "exit": done.returncode, "stderr": done.stderr[-2000:]}
     if wl.device == "cpu":  # what its pytest run imports: the gpu tests collected (and recorded) here
         command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
-        collected = subprocess.run([*command, "tests"], cwd=ROOT, env=environment(wl, work), capture_output=True)
+        env = dict(environment(wl, work), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # (this machine's plugins are not there)
+        collected = subprocess.run([*command, "tests"], cwd=ROOT, env=env, capture_output=True, text=True)
         report["collected"] = collected.returncode == 0
+        if not report["collected"]:
+            report["collect_output"] = (collected.stdout + collected.stderr)[-3000:]
         report["ok"] = report["ok"] and report["collected"]
     return report
 
@@ -581,6 +604,9 @@ def run_suite(wl: Workload, work: Path) -> dict:
         print(f"# {name}: {report['phases_s'][name]} s", flush=True)
         return result
 
+    if wl.device == "cpu":  # (dry: every process as on the GPU image, bench/import_recorder)
+        (work / "imports").mkdir(parents=True, exist_ok=True)
+        (work / "imports" / "blocked.json").write_text(json.dumps(blocked_modules()))
     report["gpu_check"] = phase("gpu_check", lambda: gpu_check(wl, work))
     for mode in MODES:
         report[mode] = {"trainer": {"ok": False}, "bare": {"ok": False}, "trainer_over_bare": None}

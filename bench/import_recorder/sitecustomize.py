@@ -1,6 +1,8 @@
-"""Put first on PYTHONPATH by ``bench/gpu_suite.py --dry``: when MT_RECORD_IMPORTS names a folder, each Python
-process writes there, as it exits, the third-party top-level modules it imported and the compile-cache variables
-it saw (``gpu_suite.CACHE_ENV``), for the suite to check against the GPU image and its wheel list."""
+"""Put first on PYTHONPATH by ``bench/gpu_suite.py --dry``: with MT_RECORD_IMPORTS naming a folder, each Python
+process there behaves as on the GPU image, where a module that neither the image nor ``bench/gpu_wheels.sh``
+brings does not import (the top-level names listed in the folder's ``blocked.json`` are None in ``sys.modules``:
+``import`` raises ModuleNotFoundError, ``importlib.util.find_spec`` answers None), and writes, as it exits, the
+third-party top-level modules it imported and the compile-cache variables it saw."""
 
 import atexit
 import json
@@ -34,10 +36,14 @@ def _write() -> None:
         "modules": _third_party(),
         "env": {name: os.environ.get(name) for name in _CACHE_VARS},
     }
-    os.makedirs(_FOLDER, exist_ok=True)
     with open(os.path.join(_FOLDER, f"{os.getpid()}.json"), "w") as f:
         json.dump(record, f)
 
 
 if _FOLDER:
+    _blocked = os.path.join(_FOLDER, "blocked.json")
+    if os.path.isfile(_blocked):
+        with open(_blocked) as f:
+            for _name in json.load(f):
+                sys.modules.setdefault(_name, None)  # (one imported already stays: it is the interpreter's)
     atexit.register(_write)
