@@ -432,8 +432,9 @@ def canonical(name: str) -> str:
 
 
 # What the GPU machine's image is known to hold (BENCHMARKS.md section 6: its PyTorch, transformers; gpu_check ran
-# pytest there): these distributions and, as installed here, everything they require.
-IMAGE_ROOTS = ("torch", "transformers", "pytest", "pip", "setuptools")
+# pytest there, and the trainer's run to its closing curves, drawn with matplotlib since 2026-11-25): these
+# distributions and, as installed here, everything they require. Not there: zstandard (its data phase failed).
+IMAGE_ROOTS = ("torch", "transformers", "pytest", "pip", "setuptools", "matplotlib")
 IMAGE_CUDA = ("triton",)  # what PyTorch's CUDA build requires beyond a CPU build's (read here from a CPU build)
 
 
@@ -486,9 +487,9 @@ def import_check(modules: set[str]) -> dict:
     needed: dict[str, str] = {}
     unowned = []
     for module in sorted(modules):
-        distributions = owners.get(module)
-        if distributions:
-            needed[module] = canonical(distributions[0])
+        distributions = [canonical(d) for d in owners.get(module, [])]
+        if distributions:  # (the one that brings it there, else the first)
+            needed[module] = next((d for d in distributions if d in allowed), distributions[0])
         elif module not in GPU_ONLY_IMPORTS:
             unowned.append(module)
     needed.update(GPU_ONLY_IMPORTS)
@@ -530,9 +531,12 @@ def gpu_check(wl: Workload, work: Path) -> dict:
         return json.loads(report_file.read_text())
     report = {"ok": wl.device == "cpu" and done.returncode == 2, "exit": done.returncode, "stderr": done.stderr[-2000:]}
     if wl.device == "cpu":  # what its pytest run imports: the gpu tests collected (and recorded) here
-        command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+        import gpu_check as check
+
+        command = check.gpu_tests_command()
+        command.insert(command.index("pytest") + 1, "--collect-only")
         env = dict(environment(wl, work), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # (this machine's plugins are not there)
-        collected = subprocess.run([*command, "tests"], cwd=ROOT, env=env, capture_output=True, text=True)
+        collected = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         report["collected"] = collected.returncode == 0
         if not report["collected"]:
             report["collect_output"] = (collected.stdout + collected.stderr)[-3000:]

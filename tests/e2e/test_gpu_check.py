@@ -39,7 +39,15 @@ def test_every_gpu_test_of_the_repository_runs(monkeypatch, gpu_check):
     assert gpu_check.gpu_tests() == {"ok": True, "summary": "12 passed, 850 deselected in 40.0s"}
     command = commands[0]
     assert command[:3] == [sys.executable, "-m", "pytest"] and command[command.index("-m", 3) + 1] == "gpu"
-    assert command[-1] == "tests" and (REPO / "tests").is_dir()  # the whole test tree, not chosen files
+    # every file of the test tree that marks a test gpu, and no other (their imports need not be the GPU's)
+    files = command[command.index("no:cacheprovider") + 1 :]
+    marked = [
+        str(path.relative_to(REPO))
+        for path in sorted((REPO / "tests").rglob("test_*.py"))
+        if "@pytest.mark.gpu" in path.read_text() or "pytestmark = pytest.mark.gpu" in path.read_text()
+    ]
+    assert marked and set(marked) <= set(files) and "tests/unit/test_gpu_cores.py" in files
+    assert "tests/unit/test_data_inputs.py" not in files  # (pyarrow's: not on the GPU image)
 
 
 @pytest.mark.parametrize(
