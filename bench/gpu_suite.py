@@ -471,10 +471,19 @@ def blocked_modules() -> list[str]:
     a dry run's processes are refused them (``bench/import_recorder``), as the GPU machine would be."""
     allowed = allowed_distributions()
     owners = importlib.metadata.packages_distributions()
+    vendored = set()  # (setuptools puts its _vendor on sys.path: more_itertools, jaraco... come with it)
+    for distribution in importlib.metadata.distributions():
+        if canonical(distribution.metadata["Name"]) in allowed:
+            for file in distribution.files or []:
+                parts = file.parts
+                if "_vendor" in parts[:-1]:
+                    vendored.add(parts[parts.index("_vendor") + 1].removesuffix(".py"))
     return sorted(
         module
         for module, distributions in owners.items()
-        if module not in sys.stdlib_module_names and not any(canonical(d) in allowed for d in distributions)
+        if module not in sys.stdlib_module_names
+        and module not in vendored
+        and not any(canonical(d) in allowed for d in distributions)
     )
 
 
@@ -594,6 +603,10 @@ def versions() -> dict:
         "flash_registry": {core: gpu_cores.registry_impl_installed(core) for core in gpu_cores.REGISTRY_IMPLS},
         "flash_registry_torch": {core: gpu_cores.torch_refusal(core) for core in gpu_cores.REGISTRY_IMPLS},
         "date": datetime.date.today().isoformat(),
+        # every distribution installed (the image's and the wheels'): what IMAGE_ROOTS infers, read from the machine
+        "installed": sorted(
+            {f"{canonical(d.metadata['Name'])}=={d.version}" for d in importlib.metadata.distributions()}
+        ),
     }
 
 

@@ -19,10 +19,15 @@ _CACHE_VARS = (
 )
 
 
+_AT_START = {name.partition(".")[0] for name in sys.modules}  # (this interpreter's site set-up: .pth files)
+
+
 def _third_party() -> list[str]:
     names = set()
     for name, module in list(sys.modules.items()):
         top = name.partition(".")[0]
+        if top in _AT_START:
+            continue
         path = getattr(module, "__file__", None) or ""
         if top in sys.stdlib_module_names or top in sys.builtin_module_names or "-packages" not in path:
             continue  # (the checkout's own packages and bench scripts live outside site-packages)
