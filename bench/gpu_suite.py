@@ -466,18 +466,25 @@ def allowed_distributions() -> set[str]:
     return image_distributions() | set(wheel_list()) | {"megatransformer"}
 
 
-def blocked_modules() -> list[str]:
-    """Top-level modules installed here whose every distribution is neither the image's nor in the wheel list:
-    a dry run's processes are refused them (``bench/import_recorder``), as the GPU machine would be."""
-    allowed = allowed_distributions()
-    owners = importlib.metadata.packages_distributions()
-    vendored = set()  # (setuptools puts its _vendor on sys.path: more_itertools, jaraco... come with it)
+def vendored_modules(allowed: set[str]) -> set[str]:
+    """Top-level modules an allowed distribution vendors (setuptools puts its ``_vendor`` on sys.path:
+    more_itertools, jaraco, ... come with it)."""
+    vendored = set()
     for distribution in importlib.metadata.distributions():
         if canonical(distribution.metadata["Name"]) in allowed:
             for file in distribution.files or []:
                 parts = file.parts
                 if "_vendor" in parts[:-1]:
                     vendored.add(parts[parts.index("_vendor") + 1].removesuffix(".py"))
+    return vendored
+
+
+def blocked_modules() -> list[str]:
+    """Top-level modules installed here whose every distribution is neither the image's nor in the wheel list:
+    a dry run's processes are refused them (``bench/import_recorder``), as the GPU machine would be."""
+    allowed = allowed_distributions()
+    owners = importlib.metadata.packages_distributions()
+    vendored = vendored_modules(allowed)
     return sorted(
         module
         for module, distributions in owners.items()
@@ -502,7 +509,8 @@ def import_check(modules: set[str]) -> dict:
         elif module not in GPU_ONLY_IMPORTS:
             unowned.append(module)
     needed.update(GPU_ONLY_IMPORTS)
-    missing = sorted({f"{d} (import {m})" for m, d in needed.items() if d not in allowed})
+    vendored = vendored_modules(allowed)
+    missing = sorted({f"{d} (import {m})" for m, d in needed.items() if d not in allowed and m not in vendored})
     return {
         "distributions": sorted(set(needed.values())),
         "from_wheels": sorted(set(needed.values()) & wheels),
