@@ -1,7 +1,7 @@
 """The GPU suite: one command, at most 8 minutes on one H100 or H200, no network.
 
-    python bench/gpu_suite.py [--out DIR]      # on the GPU machine
-    python bench/gpu_suite.py --dry            # on a CPU: the same bookkeeping with a tiny model
+    python bench/gpu_suite.py --out DIR [--work DIR]   # on the GPU machine
+    python bench/gpu_suite.py --dry --out DIR          # on a CPU: the same bookkeeping with a tiny model
 
 1. ``bench/gpu_check.py`` (the ``gpu`` tests, the step's host syncs, a short packed run).
 2. The trainer's step against its bare step at 1.1B (TinyLlama's shape), ZeRO-1 bf16, compiled, on the same
@@ -9,13 +9,20 @@
    train``; the bare step (``--worker``) is the model with fp32 master weights, PyTorch's fused AdamW and the
    global norm clipped, fed by the same loader (``bench/train_step.py``'s Runner). Recompiles and graph breaks
    of both come from dynamo's own log (``TORCH_LOGS=recompiles,graph_breaks``) and the run log.
-3. The trainer end to end: the packed run is ~30 steps with one checkpoint, whose stall is timed from the run's
-   metrics (the step after it, less the median step).
+3. The trainer end to end: the packed run writes the suite's one checkpoint (the others ``checkpoint.final=
+   false``), its stall and size from the run's metrics.
+4. Muon at 1.1B on one rank: the trainer's step with ``optim.name=muon`` against AdamW's, and the bf16
+   Newton-Schulz iterations of one step's matrices timed alone.
+5. Tensor parallelism with compile over NCCL (tp 2, torchrun): needs two GPUs; on one it is skipped with its
+   reason (NCCL runs one rank per GPU, and at tp 1 DeepSpeed applies no AutoTP: nothing of it to check).
 
-Every figure goes to DIR/gpu_suite.json and a printed table. Exit 0 when every phase ran and the GPU check
-passed (the targets are reported, not judged), 1 otherwise, 2 without CUDA (unless --dry). Each phase has its
-own time limit (``LIMITS_S``): one that overruns is recorded as timed out and the suite goes on. ``--dry`` runs
-on the CPU with a tiny model, uncompiled, and checks that every figure the report promises is there.
+The work (data, runs, the compile caches every phase shares: ``CACHE_ENV``) goes to ``--work`` (default: a new
+directory under /tmp), never into ``--out``, which gets ``gpu_suite.json`` and ``gpu_suite.md`` only. Exit 0
+when every phase ran (or was skipped with its reason) and the GPU check passed (the targets are reported, not
+judged), 1 otherwise, 2 without CUDA (unless --dry). Each phase has its own time limit (``LIMITS_S``): one that
+overruns is recorded as timed out and the suite goes on. ``--dry`` runs every phase on the CPU with a tiny
+model, uncompiled, checks that every figure the report promises is there, and records the modules each phase's
+processes import, against the GPU image and ``bench/gpu_wheels.sh``'s list (:func:`import_check`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -41,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 CONFIG = "llama-style"
 MODES = ("rows", "packed")  # one long document per row; short documents packed
+TP = 2  # the tensor-parallel phase's degree (one GPU per rank under NCCL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +62,7 @@ class Workload:
     warmup: int  # steps before timing (compilation, allocator warm-up)
     steps: int  # timed steps of the rows runs
     e2e_steps: int  # steps of the packed run, with one checkpoint
+    muon_steps: int  # timed steps of the Muon run (after the warm-up)
     compile: bool
     device: str
     peak_tflops: float | None  # None: the trainer's table of GPUs
@@ -68,6 +78,7 @@ GPU = Workload(
     warmup=5,
     steps=10,
     e2e_steps=30,
+    muon_steps=5,
     compile=True,
     device="cuda",
     peak_tflops=None,
@@ -81,19 +92,24 @@ DRY = Workload(
     warmup=1,
     steps=3,
     e2e_steps=6,
+    muon_steps=2,
     compile=False,
     device="cpu",
     peak_tflops=1.0,
     corpus_chars=300_000,
 )
-# seconds per phase (--limit PHASE=S overrides): 8 minutes in all; the 1.1B runs compile and save 15 GB at the end
+# seconds per phase (--limit PHASE=S overrides): 8 minutes in all. The 1.1B runs share the compile caches, so the
+# first compiles and the others mostly read; the packed run writes the one checkpoint (~15 GB).
 LIMITS_S = {
-    "gpu_check": 120,
+    "gpu_check": 95,
     "data": 15,
-    "trainer-rows": 100,
-    "bare-rows": 60,
-    "trainer-packed": 130,
-    "bare-packed": 55,
+    "trainer-rows": 80,
+    "bare-rows": 35,
+    "trainer-packed": 90,
+    "bare-packed": 35,
+    "trainer-muon": 50,
+    "muon-ns": 15,
+    "trainer-tp": 55,
 }
 TARGETS = {"trainer_over_bare": 0.95, "mfu": 0.45}  # issue targets at 1.1B bf16 on an H100 / H200
 # dynamo's log lines (TORCH_LOGS=recompiles,graph_breaks) carry their artifact's tag; the run log's own do not
@@ -115,12 +131,30 @@ def megatransformer(*words: str) -> list[str]:
     return [sys.executable, "-m", "megatransformer.cli", *words]
 
 
-def environment(wl: Workload) -> dict[str, str]:
-    """This checkout's code; dynamo's recompiles and graph breaks in the output; DeepSpeed on the CPU when dry."""
+# The compile caches every phase's processes share (under the work directory): PyTorch Inductor's (its FX graph
+# and autotuning caches), Triton's kernels, and flash-attn 4's JIT-compiled CuTe DSL kernels (its persistent cache
+# is off unless enabled: flash_attn/cute/cache_utils.py in 4.0.0b36), CUTLASS's own DSL cache beside it.
+CACHE_ENV = {
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "flash-attn-4",
+    "CUTE_DSL_CACHE_DIR": "cute-dsl",
+}
+RECORDER = ROOT / "bench" / "import_recorder"  # its sitecustomize.py writes each process's imports (dry runs)
+
+
+def environment(wl: Workload, work: Path) -> dict[str, str]:
+    """This checkout's code; dynamo's recompiles and graph breaks in the output; the shared compile caches;
+    DeepSpeed on the CPU and the import recorder when dry."""
     env = dict(os.environ, TORCH_LOGS="recompiles,graph_breaks", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env.update({name: str(work / "cache" / folder) for name, folder in CACHE_ENV.items()})
+    env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
+    paths = [str(ROOT), os.environ.get("PYTHONPATH")]
     if wl.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
+        env["MT_RECORD_IMPORTS"] = str(work / "imports")
+        paths.insert(0, str(RECORDER))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     return env
 
 
@@ -131,7 +165,7 @@ def prepare_data(work: Path, wl: Workload) -> dict[str, dict[str, str]]:
     data = {mode: {"train": str(work / f"shards-{mode}"), "tokenizer": str(tokenizer)} for mode in MODES}
     if all((Path(d["train"]) / "manifest.json").is_file() for d in data.values()):
         return data  # (prepared by an earlier run into this --out; the manifest is written last)
-    run = dict(env=environment(wl), check=True, capture_output=True, timeout=limit(wl, "data"))
+    run = dict(env=environment(wl, work), check=True, capture_output=True, timeout=limit(wl, "data"))
     subprocess.run(megatransformer("data", "demo-corpus", "--out", str(corpus)), **run)
     if wl.corpus_chars is not None:
         corpus.write_text(corpus.read_text()[: wl.corpus_chars])
@@ -151,8 +185,9 @@ def prepare_data(work: Path, wl: Workload) -> dict[str, dict[str, str]]:
     return data
 
 
-def overrides(wl: Workload, data: dict[str, str], run_dir: Path, steps: int, checkpoint_every: int) -> list[str]:
-    """The trainer's (and the bare step's) run config over the llama-style one: one log line per step."""
+def overrides(wl: Workload, data: dict[str, str], run_dir: Path, steps: int, save: bool) -> list[str]:
+    """The trainer's (and the bare step's) run config over the llama-style one: one log line per step; ``save``:
+    the run's one checkpoint, at its end (``checkpoint.final``), else none."""
     m = wl.model
     fields = [
         f"run_dir={run_dir}",
@@ -180,7 +215,8 @@ def overrides(wl: Workload, data: dict[str, str], run_dir: Path, steps: int, che
         "train.eval_every=0",
         "train.eval_batches=1",
         "train.sample_prompt=",
-        f"checkpoint.every={checkpoint_every}",
+        f"checkpoint.every={steps}",
+        f"checkpoint.final={str(save).lower()}",
         "wandb.mode=disabled",
     ]
     return fields + ([f"train.peak_tflops={wl.peak_tflops}"] if wl.peak_tflops else [])
@@ -208,83 +244,83 @@ def step_times(records: list[dict]) -> list[tuple[int, float]]:
     return steps
 
 
-def checkpoint_stall(records: list[dict], every: int, typical: float) -> float | None:
-    """Seconds the checkpoint after step ``every`` added: the gap between that step's record and the next one's,
-    less a typical step."""
-    times = {r["step"]: r["time"] for r in records}
-    if every not in times or every + 1 not in times:
-        return None
-    return times[every + 1] - times[every] - typical
+def saved(records: list[dict]) -> list[dict]:
+    """The run's checkpoints from its metrics (``kind`` checkpoint): step, stall, background write, bytes."""
+    return [
+        {"step": r["step"], "stall_s": r["ckpt_stall_s"], "write_s": r["ckpt_write_s"], "gib": r["ckpt_bytes"] / 2**30}
+        for r in records
+        if r.get("kind") == "checkpoint"
+    ]
 
 
-def trainer(wl: Workload, mode: str, data: dict[str, str], work: Path) -> dict:
-    """One ``megatransformer train`` run: its median step after the warm-up, MFU, recompiles; the packed run is
-    the end-to-end one (more steps, one checkpoint timed)."""
-    end_to_end = mode == "packed"
-    steps = wl.e2e_steps if end_to_end else wl.warmup + wl.steps
-    every = steps - wl.steps // 2 if end_to_end else steps  # (a checkpoint with timed steps either side)
-    run_dir = work / f"run-{mode}"
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One ``megatransformer train`` run of the suite."""
+
+    phase: str  # its LIMITS_S key
+    mode: str  # the data: rows or packed
+    steps: int
+    save: bool = False  # the suite's one checkpoint
+    extra: tuple[str, ...] = ()  # overrides beyond the suite's
+    nproc: int = 1  # ranks (torchrun over more than one)
+    tp: int = 1  # their tensor-parallel degree (the data-parallel degree: nproc / tp)
+
+
+def trainer(wl: Workload, run: Run, data: dict[str, str], work: Path) -> dict:
+    """One ``megatransformer train`` run: its median step after the warm-up, MFU, recompiles, its checkpoint."""
+    run_dir = work / f"run-{run.phase}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = megatransformer("train", "--config", CONFIG, *overrides(wl, data, run_dir, steps, every))
+    words = ("train", "--config", CONFIG, *overrides(wl, data, run_dir, run.steps, run.save), *run.extra)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run.nproc}"]
+    command = [*launcher, "-m", "megatransformer.cli", *words] if run.nproc > 1 else megatransformer(*words)
     started = time.perf_counter()
     try:
         done = subprocess.run(
-            command, env=environment(wl), capture_output=True, text=True, timeout=limit(wl, f"trainer-{mode}")
+            command, env=environment(wl, work), capture_output=True, text=True, timeout=limit(wl, run.phase)
         )
     except subprocess.TimeoutExpired:
-        return {"ok": False, "timed_out": True, "limit_s": LIMITS_S[f"trainer-{mode}"]}
+        return {"ok": False, "timed_out": True, "limit_s": LIMITS_S[run.phase]}
     finally:
-        checkpoints = run_dir / "checkpoints"
-        sizes = checkpoint_sizes(checkpoints)
-        shutil.rmtree(checkpoints, ignore_errors=True)  # (15 GB each at 1.1B)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (15 GB at 1.1B)
     wall = time.perf_counter() - started
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    records = [r for r in records if r.get("kind") == "train"]
-    if done.returncode != 0 or len(records) != steps:
+    steps = [r for r in records if r.get("kind") == "train"]
+    if done.returncode != 0 or len(steps) != run.steps:
         return {"ok": False, "exit": done.returncode, "output": (done.stdout + done.stderr)[-3000:]}
-    timed = [(s, t) for s, t in step_times(records) if s > wl.warmup and s != every + 1]
-    median = statistics.median(t for _, t in timed)
-    mfus = [r["mfu"] for r in records if r["step"] > wl.warmup and r.get("mfu") is not None]
+    timed = [t for s, t in step_times(steps) if s > wl.warmup]
+    mfus = [r["mfu"] for r in steps if r["step"] > wl.warmup and r.get("mfu") is not None]
+    median = statistics.median(timed)
     report = {
         "ok": True,
-        "steps": steps,
+        "steps": run.steps,
         "step_s": median,
-        "tokens_per_s": wl.batch * wl.seq / median,
+        "tokens_per_s": wl.batch * wl.seq * (run.nproc // run.tp) / median,
         "mfu": statistics.median(mfus) if mfus else None,
-        "max_memory_gib": records[-1].get("max_memory_gib"),
+        "max_memory_gib": steps[-1].get("max_memory_gib"),
         "wall_s": wall,
         "attention": [line for line in done.stdout.splitlines() if line.startswith("attention:")],
         "compile": compile_events(done.stdout + done.stderr),
+        "checkpoints": saved(records),
     }
-    if end_to_end:
-        report["checkpoint_step"] = every
-        report["checkpoint_stall_s"] = checkpoint_stall(records, every, median)
-        report["checkpoint_gib"] = sizes[0] / 2**30 if sizes else None  # (the first: the one timed)
     return report
-
-
-def checkpoint_sizes(checkpoints: Path) -> list[int]:
-    """Bytes of each checkpoint directory, oldest first (their names hold the step, zero-padded)."""
-    if not checkpoints.is_dir():
-        return []
-    folders = sorted(d for d in checkpoints.iterdir() if d.is_dir())
-    return [sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) for folder in folders]
 
 
 # ------------------------------------------------------------------------------------------ the bare step
 
 
-def bare(wl: Workload, mode: str, data: dict[str, str], work: Path) -> dict:
-    """The bare step in a fresh process (``--worker``), on the batches the trainer's loader makes."""
-    command = [sys.executable, __file__, "--worker", mode, "--data", json.dumps(data), "--out", str(work)]
+def bare(wl: Workload, mode: str, data: dict[str, str], work: Path, phase: str | None = None) -> dict:
+    """The bare step (``mode`` rows or packed), or Newton-Schulz alone (``mode`` muon-ns), in a fresh process
+    (``--worker``), on the batches the trainer's loader makes."""
+    phase = phase or f"bare-{mode}"
+    command = [sys.executable, __file__, "--worker", mode, "--data", json.dumps(data), "--work", str(work)]
     command += ["--dry"] if wl.device == "cpu" else []
     try:
         done = subprocess.run(
-            command, env=environment(wl), capture_output=True, text=True, timeout=limit(wl, f"bare-{mode}")
+            command, env=environment(wl, work), capture_output=True, text=True, timeout=limit(wl, phase)
         )
     except subprocess.TimeoutExpired:
-        return {"ok": False, "timed_out": True, "limit_s": LIMITS_S[f"bare-{mode}"]}
+        return {"ok": False, "timed_out": True, "limit_s": LIMITS_S[phase]}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"ok": False, "exit": done.returncode, "output": (done.stdout + done.stderr)[-3000:]}
@@ -306,7 +342,7 @@ def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
     from megatransformer.training.metrics import peak_tflops
 
     steps = wl.warmup + wl.steps
-    cfg = load_config(CONFIG, overrides(wl, data, work / "unused", steps, steps))
+    cfg = load_config(CONFIG, overrides(wl, data, work / "unused", steps, False))
     device = torch.device(wl.device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)
@@ -342,6 +378,159 @@ def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
     return 0
 
 
+def newton_schulz(wl: Workload, data: dict[str, str], work: Path) -> int:
+    """One Muon step's Newton-Schulz iterations alone: every hidden matrix of the model (the shapes Muon
+    orthogonalises, gradient-shaped), bf16, 5 iterations each, as ``optim.muon_ns_dtype=bf16`` runs them;
+    the median of 3 timed passes after one; prints one JSON line."""
+    import torch
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from megatransformer.config import load_config
+    from megatransformer.model import build_model
+    from megatransformer.model.matrices import hidden_matrix_names
+    from megatransformer.training.muon import NS_COEFFICIENTS, NS_EPS
+
+    cfg = load_config(CONFIG, overrides(wl, data, work / "unused", 1, False))
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    names = hidden_matrix_names(model)
+    shapes = [p.shape for name, p in model.named_parameters() if name in names]
+    device = torch.device(wl.device)
+    matrices = [torch.randn(shape, device=device, dtype=torch.bfloat16) for shape in shapes]
+    steps = cfg.optim.muon_ns_steps
+    times = []
+    for _ in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for matrix in matrices:
+            _zeropower_via_newtonschulz(matrix, NS_COEFFICIENTS, steps, NS_EPS)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    # one iteration of an m x n matrix (m <= n): ~4 m^2 n + 2 m^3 FLOPs (docs/optimizers.md)
+    flops = steps * sum(4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3 for s in shapes)
+    ns_s = statistics.median(times[1:])
+    print(json.dumps({"ns_s": ns_s, "matrices": len(shapes), "ns_steps": steps, "tflops": flops / ns_s / 1e12}))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ imports
+
+
+def wheel_list() -> list[str]:
+    """The distributions ``bench/gpu_wheels.sh`` brings (its WHEELS array and DeepSpeed), as pip names them."""
+    script = (ROOT / "bench" / "gpu_wheels.sh").read_text()
+    block = script[script.index("WHEELS=(") : script.index(")", script.index("WHEELS=("))]
+    names = re.findall(r"^\s+([A-Za-z0-9_.-]+)==", block, re.MULTILINE)
+    names += re.findall(r"^DEEPSPEED=([A-Za-z0-9_.-]+)==", script, re.MULTILINE)
+    return [canonical(name) for name in names]
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# What the GPU machine's image is known to hold (BENCHMARKS.md section 6: its PyTorch, transformers; gpu_check ran
+# pytest there, and the trainer's run to its closing curves, drawn with matplotlib since 2026-11-25): these
+# distributions and, as installed here, everything they require. Not there: zstandard (its data phase failed).
+IMAGE_ROOTS = ("torch", "transformers", "pytest", "pip", "setuptools", "matplotlib")
+IMAGE_CUDA = ("triton",)  # what PyTorch's CUDA build requires beyond a CPU build's (read here from a CPU build)
+
+
+def image_distributions() -> set[str]:
+    """``IMAGE_ROOTS`` and their requirements, transitively (extras left out), by the metadata installed here."""
+    seen, todo = set(), [canonical(name) for name in IMAGE_ROOTS + IMAGE_CUDA]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for requirement in requires:
+            if "extra ==" in requirement:
+                continue
+            todo.append(canonical(re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)))
+    return seen
+
+
+# Imports of the GPU run a dry run cannot make (CUDA-only paths): the distributions that must bring them.
+GPU_ONLY_IMPORTS = {"flash_attn": "flash-attn-4", "cutlass": "nvidia-cutlass-dsl", "triton": "triton"}
+
+
+def allowed_distributions() -> set[str]:
+    """What the GPU machine has: the image's distributions, the wheel list's, and this checkout."""
+    return image_distributions() | set(wheel_list()) | {"megatransformer"}
+
+
+def vendored_modules(allowed: set[str]) -> set[str]:
+    """Top-level modules an allowed distribution vendors (setuptools puts its ``_vendor`` on sys.path:
+    more_itertools, jaraco, ... come with it)."""
+    vendored = set()
+    for distribution in importlib.metadata.distributions():
+        if canonical(distribution.metadata["Name"]) in allowed:
+            for file in distribution.files or []:
+                parts = file.parts
+                if "_vendor" in parts[:-1]:
+                    vendored.add(parts[parts.index("_vendor") + 1].removesuffix(".py"))
+    return vendored
+
+
+def blocked_modules() -> list[str]:
+    """Top-level modules installed here whose every distribution is neither the image's nor in the wheel list:
+    a dry run's processes are refused them (``bench/import_recorder``), as the GPU machine would be."""
+    allowed = allowed_distributions()
+    owners = importlib.metadata.packages_distributions()
+    vendored = vendored_modules(allowed)
+    return sorted(
+        module
+        for module, distributions in owners.items()
+        if module not in sys.stdlib_module_names
+        and module not in vendored
+        and not any(canonical(d) in allowed for d in distributions)
+    )
+
+
+def import_check(modules: set[str]) -> dict:
+    """The distributions behind ``modules`` (top-level names the phases' processes imported, plus
+    ``GPU_ONLY_IMPORTS``), each in the image or the wheel list, or ``missing``: it would fail on the GPU machine.
+    (A dry run's processes cannot import the others at all: ``blocked_modules``.)"""
+    owners = importlib.metadata.packages_distributions()
+    allowed, wheels = allowed_distributions(), set(wheel_list())
+    needed: dict[str, str] = {}
+    unowned = []
+    for module in sorted(modules):
+        distributions = [canonical(d) for d in owners.get(module, [])]
+        if distributions:  # (the one that brings it there, else the first)
+            needed[module] = next((d for d in distributions if d in allowed), distributions[0])
+        elif module not in GPU_ONLY_IMPORTS:
+            unowned.append(module)
+    needed.update(GPU_ONLY_IMPORTS)
+    vendored = vendored_modules(allowed)
+    missing = sorted({f"{d} (import {m})" for m, d in needed.items() if d not in allowed and m not in vendored})
+    return {
+        "distributions": sorted(set(needed.values())),
+        "from_wheels": sorted(set(needed.values()) & wheels),
+        "missing": missing,
+        "unowned": unowned,  # (site-packages modules without distribution metadata: reported)
+    }
+
+
+def recorded_imports(folder: Path) -> tuple[set[str], dict[str, dict]]:
+    """Third-party top-level modules the recorded processes imported, and each process's cache environment."""
+    modules, caches = set(), {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if path.name == "blocked.json":
+            continue
+        record = json.loads(path.read_text())
+        modules.update(record["modules"])
+        caches[record["argv"]] = record["env"]
+    return modules, caches
+
+
 # ------------------------------------------------------------------------------------------ the suite
 
 
@@ -350,14 +539,26 @@ def gpu_check(wl: Workload, work: Path) -> dict:
     command = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(work / "gpu_check")]
     try:
         done = subprocess.run(
-            command, env=environment(wl), capture_output=True, text=True, timeout=limit(wl, "gpu_check")
+            command, env=environment(wl, work), capture_output=True, text=True, timeout=limit(wl, "gpu_check")
         )
     except subprocess.TimeoutExpired:
         return {"ok": False, "timed_out": True, "limit_s": LIMITS_S["gpu_check"]}
     report_file = work / "gpu_check" / "gpu_check.json"
     if report_file.is_file():
         return json.loads(report_file.read_text())
-    return {"ok": wl.device == "cpu" and done.returncode == 2, "exit": done.returncode, "stderr": done.stderr[-2000:]}
+    report = {"ok": wl.device == "cpu" and done.returncode == 2, "exit": done.returncode, "stderr": done.stderr[-2000:]}
+    if wl.device == "cpu":  # what its pytest run imports: the gpu tests collected (and recorded) here
+        import gpu_check as check
+
+        command = check.gpu_tests_command()
+        command.insert(command.index("pytest") + 1, "--collect-only")
+        env = dict(environment(wl, work), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # (this machine's plugins are not there)
+        collected = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        report["collected"] = collected.returncode == 0
+        if not report["collected"]:
+            report["collect_output"] = (collected.stdout + collected.stderr)[-3000:]
+        report["ok"] = report["ok"] and report["collected"]
+    return report
 
 
 def compare(trainer_run: dict, bare_run: dict) -> dict:
@@ -365,6 +566,31 @@ def compare(trainer_run: dict, bare_run: dict) -> dict:
     if not (trainer_run.get("ok") and bare_run.get("ok")):
         return {"trainer_over_bare": None}
     return {"trainer_over_bare": bare_run["step_s"] / trainer_run["step_s"]}
+
+
+def muon_figures(muon_run: dict, ns: dict, adamw_run: dict) -> dict:
+    """Muon's step against AdamW's (the rows runs: same data, same steps timed), and Newton-Schulz's share."""
+    figures: dict = {"muon_over_adamw": None, "ns_share": None}
+    if muon_run.get("ok") and adamw_run.get("ok"):
+        figures["muon_over_adamw"] = muon_run["step_s"] / adamw_run["step_s"]
+    if muon_run.get("ok") and ns.get("ok"):
+        figures["ns_share"] = ns["ns_s"] / muon_run["step_s"]
+    return figures
+
+
+def tp_skip(wl: Workload) -> str | None:
+    """Why the tensor-parallel phase cannot run here, or None (dry runs take gloo's CPU ranks)."""
+    if wl.device != "cuda":
+        return None
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus >= TP:
+        return None
+    return (
+        f"needs {TP} GPUs, this machine has {gpus}: NCCL runs one rank per GPU, and at tensor_parallel=1 DeepSpeed "
+        "applies no AutoTP (no sharded layer, no all_reduce for dynamo to trace): nothing of it to check on one"
+    )
 
 
 def versions() -> dict:
@@ -377,17 +603,24 @@ def versions() -> dict:
     cuda = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu (dry run)",
+        "gpus": torch.cuda.device_count() if cuda else 0,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "deepspeed": importlib.metadata.version("deepspeed"),
         "flash_attn": None if flash is None else flash.__version__,
         "flash_registry": {core: gpu_cores.registry_impl_installed(core) for core in gpu_cores.REGISTRY_IMPLS},
+        "flash_registry_torch": {core: gpu_cores.torch_refusal(core) for core in gpu_cores.REGISTRY_IMPLS},
         "date": datetime.date.today().isoformat(),
+        # every distribution installed (the image's and the wheels'): what IMAGE_ROOTS infers, read from the machine
+        "installed": sorted(
+            {f"{canonical(d.metadata['Name'])}=={d.version}" for d in importlib.metadata.distributions()}
+        ),
     }
 
 
 def run_suite(wl: Workload, work: Path) -> dict:
     report: dict = {"versions": versions(), "workload": dataclasses.asdict(wl), "limits_s": LIMITS_S, "phases_s": {}}
+    report["work"] = str(work)
 
     def phase(name: str, call):
         started = time.perf_counter()
@@ -396,22 +629,54 @@ def run_suite(wl: Workload, work: Path) -> dict:
         print(f"# {name}: {report['phases_s'][name]} s", flush=True)
         return result
 
+    if wl.device == "cpu":  # (dry: every process as on the GPU image, bench/import_recorder)
+        (work / "imports").mkdir(parents=True, exist_ok=True)
+        (work / "imports" / "blocked.json").write_text(json.dumps(blocked_modules()))
     report["gpu_check"] = phase("gpu_check", lambda: gpu_check(wl, work))
     for mode in MODES:
         report[mode] = {"trainer": {"ok": False}, "bare": {"ok": False}, "trainer_over_bare": None}
+    report["muon"] = {"trainer": {"ok": False}, "ns": {"ok": False}, "muon_over_adamw": None, "ns_share": None}
+    report["tp"] = {"trainer": {"ok": False}}
     try:
         data = phase("data", lambda: prepare_data(work, wl))
     except subprocess.SubprocessError as error:  # (a command failed or overran: nothing to train on)
         stderr = (getattr(error, "stderr", None) or b"").decode(errors="replace")
         report["data"] = {"ok": False, "error": str(error), "stderr": stderr[-2000:]}
         data = None
-    for mode in MODES if data else ():
-        run = phase(f"trainer-{mode}", lambda mode=mode: trainer(wl, mode, data[mode], work))
-        reference = phase(f"bare-{mode}", lambda mode=mode: bare(wl, mode, data[mode], work))
-        report[mode] = {"trainer": run, "bare": reference, **compare(run, reference)}
+    if data:
+        for mode in MODES:
+            steps = wl.e2e_steps if mode == "packed" else wl.warmup + wl.steps
+            run = Run(f"trainer-{mode}", mode, steps, save=mode == "packed")  # (the suite's one checkpoint)
+            result = phase(run.phase, lambda run=run: trainer(wl, run, data[run.mode], work))
+            reference = phase(f"bare-{mode}", lambda mode=mode: bare(wl, mode, data[mode], work))
+            report[mode] = {"trainer": result, "bare": reference, **compare(result, reference)}
+        muon = Run("trainer-muon", "rows", wl.warmup + wl.muon_steps, extra=("optim.name=muon",))
+        muon_run = phase(muon.phase, lambda: trainer(wl, muon, data["rows"], work))
+        ns = phase("muon-ns", lambda: bare(wl, "muon-ns", data["rows"], work, phase="muon-ns"))
+        report["muon"] = {"trainer": muon_run, "ns": ns, **muon_figures(muon_run, ns, report["rows"]["trainer"])}
+        skip = tp_skip(wl)
+        if skip is not None:
+            report["tp"] = {"skipped": skip}
+        else:
+            tp = Run("trainer-tp", "rows", wl.warmup + wl.steps // 2, extra=(f"parallel.tensor_parallel={TP}",))
+            report["tp"] = {
+                "trainer": phase(
+                    tp.phase, lambda: trainer(wl, dataclasses.replace(tp, nproc=TP, tp=TP), data["rows"], work)
+                )
+            }
     report["total_s"] = round(sum(report["phases_s"].values()), 1)
-    report["ok"] = bool(report["gpu_check"].get("ok")) and all(
-        report[mode][side].get("ok") for mode in MODES for side in ("trainer", "bare")
+    if wl.device == "cpu":  # (the recorder runs in dry runs only)
+        modules, caches = recorded_imports(work / "imports")
+        report["imports"] = {**import_check(modules), "processes": len(caches)}
+        report["caches"] = sorted({json.dumps(env, sort_keys=True) for env in caches.values()})
+    sides = [report[mode][side] for mode in MODES for side in ("trainer", "bare")]
+    sides += [report["muon"]["trainer"], report["muon"]["ns"]] + (
+        [] if "skipped" in report["tp"] else [report["tp"]["trainer"]]
+    )
+    report["ok"] = (
+        bool(report["gpu_check"].get("ok"))
+        and all(side.get("ok") for side in sides)
+        and not report.get("imports", {}).get("missing")
     )
     return report
 
@@ -419,54 +684,85 @@ def run_suite(wl: Workload, work: Path) -> dict:
 def missing_figures(report: dict) -> list[str]:
     """The figures a complete report holds that this one lacks (None or absent)."""
     wanted = [f"{mode}.{side}.{key}" for mode in MODES for side in ("trainer", "bare") for key in ("step_s", "mfu")]
-    wanted += [f"{mode}.trainer.compile.recompiles" for mode in MODES] + [
-        f"{mode}.bare.compile.recompiles" for mode in MODES
-    ]
+    wanted += [f"{mode}.{side}.compile.recompiles" for side in ("trainer", "bare") for mode in MODES]
     wanted += [f"{mode}.trainer_over_bare" for mode in MODES]
-    wanted += ["packed.trainer.checkpoint_stall_s", "packed.trainer.checkpoint_gib", "packed.bare.documents_per_row"]
+    wanted += [
+        "packed.trainer.checkpoints.0.stall_s",
+        "packed.trainer.checkpoints.0.gib",
+        "packed.bare.documents_per_row",
+    ]
+    wanted += ["muon.trainer.step_s", "muon.ns.ns_s", "muon.muon_over_adamw", "muon.ns_share"]
+    wanted += (
+        ["tp.skipped"]
+        if "skipped" in report.get("tp", {})
+        else ["tp.trainer.step_s", "tp.trainer.compile.graph_breaks"]
+    )
     missing = []
     for path in wanted:
         value = report
         for key in path.split("."):
-            value = value.get(key) if isinstance(value, dict) else None
+            if isinstance(value, list):
+                value = value[int(key)] if key.isdigit() and int(key) < len(value) else None
+            else:
+                value = value.get(key) if isinstance(value, dict) else None
         if value is None:
             missing.append(path)
     return missing
 
 
 def table(report: dict) -> str:
+    """The report as Markdown: one row per run, then the checkpoint, Muon, tensor parallelism, the phases."""
+
     def number(value, form: str) -> str:
         return "-" if value is None else format(value, form)
 
     rows = [
+        f"GPU suite, {report['versions']['device']}, torch {report['versions']['torch']} "
+        f"({report['versions']['date']})",
+        "",
         "| workload | runner | step s | tokens/s | MFU | recompiles | graph breaks | trainer / bare |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
-        for side in ("trainer", "bare"):
-            r = report[mode][side]
-            c = r.get("compile", {})
-            ratio = number(report[mode]["trainer_over_bare"], ".3f") if side == "trainer" else ""
-            mfu = None if r.get("mfu") is None else 100 * r["mfu"]
-            rows.append(
-                f"| {mode} | {side} | {number(r.get('step_s'), '.4f')} | {number(r.get('tokens_per_s'), ',.0f')} "
-                f"| {number(mfu, '.1f')}% | {number(c.get('recompiles'), 'd')} | {number(c.get('graph_breaks'), 'd')} "
-                f"| {ratio} |"
-            )
-    packed = report["packed"]["trainer"]
+    runs = [(mode, side, report[mode][side]) for mode in MODES for side in ("trainer", "bare")]
+    runs += [("rows, muon", "trainer", report["muon"]["trainer"])]
+    runs += [] if "skipped" in report["tp"] else [(f"rows, tp {TP}", "trainer", report["tp"]["trainer"])]
+    for mode, side, r in runs:
+        c = r.get("compile", {})
+        ratio = number(report[mode].get("trainer_over_bare"), ".3f") if mode in MODES and side == "trainer" else ""
+        mfu = None if r.get("mfu") is None else 100 * r["mfu"]
+        state = "" if r.get("ok") else (" (timed out)" if r.get("timed_out") else " (failed)")
+        rows.append(
+            f"| {mode} | {side}{state} | {number(r.get('step_s'), '.4f')} | {number(r.get('tokens_per_s'), ',.0f')} "
+            f"| {number(mfu, '.1f')}% | {number(c.get('recompiles'), 'd')} | {number(c.get('graph_breaks'), 'd')} "
+            f"| {ratio} |"
+        )
     rows.append("")
-    stall, size = number(packed.get("checkpoint_stall_s"), ".2f"), number(packed.get("checkpoint_gib"), ".2f")
+    [save, *_] = report["packed"]["trainer"].get("checkpoints") or [{}]
     rows.append(
-        f"checkpoint at step {packed.get('checkpoint_step')}: stall {stall} s, {size} GiB; "
-        f"gpu_check ok: {report['gpu_check'].get('ok')}; "
-        f"phases {report['phases_s']} (total {report['total_s']} s)"
+        f"- checkpoint (the suite's one, packed run, step {save.get('step')}): stall "
+        f"{number(save.get('stall_s'), '.2f')} s, background write {number(save.get('write_s'), '.2f')} s, "
+        f"{number(save.get('gib'), '.2f')} GiB"
     )
+    muon = report["muon"]
+    rows.append(
+        f"- Muon: step {number(muon['trainer'].get('step_s'), '.4f')} s = "
+        f"{number(muon.get('muon_over_adamw'), '.2f')}x AdamW's; Newton-Schulz (bf16, "
+        f"{muon['ns'].get('matrices', '-')} matrices) {number(muon['ns'].get('ns_s'), '.4f')} s = "
+        f"{number(muon.get('ns_share'), '.1%')} of the step, {number(muon['ns'].get('tflops'), '.1f')} TFLOP/s"
+    )
+    if "skipped" in report["tp"]:
+        rows.append(f"- tensor parallelism: skipped: {report['tp']['skipped']}")
+    rows.append(f"- gpu_check ok: {report['gpu_check'].get('ok')}")
+    rows.append(f"- phases (s): {report['phases_s']} (total {report['total_s']} s)")
+    if "imports" in report:
+        rows.append(f"- imports: missing from the image and the wheels: {report['imports']['missing'] or 'none'}")
     return "\n".join(rows)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=None, help="work directory and gpu_suite.json (default: a new temp dir)")
+    p.add_argument("--out", type=Path, default=None, help="gpu_suite.json and gpu_suite.md (default: the work dir)")
+    p.add_argument("--work", type=Path, default=None, help="data, runs and compile caches (default: a new /tmp dir)")
     p.add_argument("--dry", action="store_true", help="on the CPU with a tiny model: checks the bookkeeping")
     p.add_argument(
         "--limit",
@@ -475,7 +771,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PHASE=S",
         help=f"a phase's time limit; phases: {list(LIMITS_S)}",
     )
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)  # the bare step of one mode
+    p.add_argument("--worker", choices=[*MODES, "muon-ns"], help=argparse.SUPPRESS)  # the bare step of one mode
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for limit in args.limit:
@@ -483,26 +779,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if phase not in LIMITS_S or not seconds.isdigit():
             p.error(f"--limit {limit}: give PHASE=SECONDS, PHASE one of {list(LIMITS_S)}")
         LIMITS_S[phase] = int(seconds)
+    if args.out is not None and args.work is not None and args.work.resolve().is_relative_to(args.out.resolve()):
+        p.error(f"--work {args.work} is inside --out {args.out}: keep the work (checkpoints, caches) outside it")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     wl = DRY if args.dry else GPU
-    out = args.out or Path(tempfile.mkdtemp(prefix="gpu_suite-"))
     if args.worker:
-        return worker(wl, args.worker, json.loads(args.data), out)
+        call = newton_schulz if args.worker == "muon-ns" else functools.partial(worker, mode=args.worker)
+        return call(wl, data=json.loads(args.data), work=args.work)
     import torch
 
     if not args.dry and not torch.cuda.is_available():
         print("gpu_suite: error: no CUDA device here; run it on a GPU machine, or --dry on a CPU", file=sys.stderr)
         return 2
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu_suite-", dir="/tmp"))
+    out = args.out or work
+    work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    report = run_suite(wl, out)
+    report = run_suite(wl, work)
     report["missing"] = missing_figures(report)
+    markdown = table(report)
     (out / "gpu_suite.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(table(report))
-    print(f"# report: {out / 'gpu_suite.json'}")
+    (out / "gpu_suite.md").write_text(markdown + "\n")
+    print(markdown)
+    print(f"# report: {out / 'gpu_suite.json'}, {out / 'gpu_suite.md'}; work: {work}")
     if report["missing"]:
         print(f"# missing figures: {', '.join(report['missing'])}")
     return 0 if report["ok"] and not report["missing"] else 1

@@ -9,7 +9,9 @@ set -euo pipefail
 
 # flash-attn 4 and what it imports (nvidia-cutlass-dsl's CUDA 12 libraries, as a plain `pip install --pre flash-attn-4`
 # installs them; they run on CUDA 13 drivers too), DeepSpeed's, webdataset's and pydantic's dependencies the
-# image may lack. Pinned: what was resolved and downloaded for Python 3.12 on manylinux x86-64 (2026-11-28).
+# image may lack, and zstandard (data_pipeline's .zst shards and inputs; not in the H200 image). Pinned: what was
+# resolved and downloaded for Python 3.12 on manylinux x86-64 (2026-11-28; zstandard's cp312 wheel, 5.5 MB,
+# 2026-12-02: the two parts grow to ~61 MB each, still under a call's 64 MiB).
 WHEELS=(
   flash-attn-4==4.0.0b36
   nvidia-cutlass-dsl==4.8.1
@@ -38,9 +40,10 @@ WHEELS=(
   tqdm==4.67.3
   packaging==26.0
   pyyaml==6.0.3
+  zstandard==0.25.0
 )
 DEEPSPEED=deepspeed==0.19.8  # a source distribution only on PyPI: built into a wheel here
-INSTALL=(flash-attn-4==4.0.0b36 deepspeed==0.19.8 webdataset==1.0.2 pydantic==2.13.4)
+INSTALL=(flash-attn-4==4.0.0b36 deepspeed==0.19.8 webdataset==1.0.2 pydantic==2.13.4 zstandard==0.25.0)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
 
 download() {
@@ -64,7 +67,7 @@ install() {
   (cd "$dir" && sha256sum --check "$(realpath "$sums")")
   tar -C "$dir" -xf "$dir/wheels.tar"
   pip install --no-index --find-links "$dir/wheels" "${INSTALL[@]}"
-  python -c "import flash_attn.cute.interface, deepspeed, webdataset, pydantic; print('installed')"
+  python -c "import flash_attn.cute.interface, deepspeed, webdataset, pydantic, zstandard; print('installed')"
 }
 
 case ${1:-} in

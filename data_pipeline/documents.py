@@ -103,8 +103,11 @@ def _open_binary(path: Path) -> IO[bytes]:
 def _lines(path: Path, on_decode_error: str, stats: DecodeStats) -> Iterator[tuple[int, str | None]]:
     """(number, text) of the file's lines; None for a line longer than 4 x MAX_DOCUMENT_CHARS bytes (read no
     further than that, counted as a document too long)."""
-    import zstandard
+    damage: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error)
+    if path.suffix == ".zst":  # (zstandard only where a file needs it)
+        import zstandard
 
+        damage += (zstandard.ZstdError,)
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
     limit = 4 * MAX_DOCUMENT_CHARS
     number = 0
@@ -130,7 +133,7 @@ def _lines(path: Path, on_decode_error: str, stats: DecodeStats) -> Iterator[tup
                     decoder.reset()
                     stats.replaced_lines += 1
                     yield number, line.decode("utf-8", errors="replace")
-    except (EOFError, OSError, zlib.error, zstandard.ZstdError) as err:
+    except damage as err:
         damaged = f"a truncated or damaged {path.suffix} file, " if path.suffix in (".gz", ".zst") else ""
         raise DataError(
             f"{path}: unreadable after line {number} ({damaged}{type(err).__name__}: {err}); fix or re-download it"

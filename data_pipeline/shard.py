@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 import numpy as np
-import zstandard
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as validated_dataclass
 
@@ -258,6 +257,8 @@ def _member(sample: dict[str, bytes], name: str, expected: Expected | None) -> b
 def _decompressed(name: str, data: bytes, limit: int | None) -> bytes:
     """A zstd member, decompressed no further than ``limit`` bytes (None: no limit); a frame need not say its
     content size (streaming compressors leave it out)."""
+    import zstandard  # (only compressed shards need it: the GPU image lacks it, bench/gpu_wheels.sh brings it)
+
     try:
         size = zstandard.frame_content_size(data)
         if limit is not None and size > limit:
@@ -312,6 +313,8 @@ class Block:
         if compression is not None:
             if compression not in COMPRESSIONS:
                 raise DataError(f"unknown compression {compression!r} (known: {', '.join(COMPRESSIONS)})")
+            import zstandard
+
             compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
             sample = {f"{name}.zst": compressor.compress(data) for name, data in sample.items()}
         return {"__key__": key, **sample}

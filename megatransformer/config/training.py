@@ -216,7 +216,10 @@ class ScheduleConfig(Section):
 
 class CheckpointConfig(Section):
     every: PositiveInt = 1000
-    """Steps between checkpoints (a final one is always written)."""
+    """Steps between checkpoints (a final one is written too, unless final=false)."""
+    final: bool = True
+    """Write a checkpoint when the run reaches train.max_steps; false: none then (benchmarks: bench/gpu_suite.py;
+    a stop, a preemption or a divergence still saves one)."""
     every_minutes: Annotated[float, Field(gt=0)] | None = None
     """Also checkpoint once this many minutes of wall time have passed since the last checkpoint (or the start),
     whichever of the two comes first. The interval that wastes least is about sqrt(2 x save time x mean time

@@ -269,9 +269,13 @@ def auto_reason(chosen: set[str], dropout: float, alibi: bool) -> str:
         ]
         if alibi or dropout:
             reasons.append(f"{', '.join(faster)} have no {'ALiBi' if alibi else 'attention dropout'}")
-        elif faster:
-            installs = "; ".join(f"{core}: {gpu_cores.REGISTRY_IMPLS[core].install}" for core in faster)
-            reasons.append(f"not installed: {installs}")
+        else:
+            installed = [core for core in faster if gpu_cores.registry_impl_installed(core)]
+            reasons += [f"{core} not taken: {gpu_cores.registry_skip(core, generation)}" for core in installed]
+            missing = [core for core in faster if core not in installed]
+            if missing:
+                installs = "; ".join(f"{core}: {gpu_cores.REGISTRY_IMPLS[core].install}" for core in missing)
+                reasons.append(f"not installed: {installs}")
     if not flash_attn_installed():
         reasons.append(f"flash-attn is not installed: {FLASH_ATTN_INSTALL}")
     return f" ({'; '.join(reasons)})" if reasons else ""

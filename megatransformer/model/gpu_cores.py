@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 from dataclasses import dataclass
 
 import torch
@@ -23,17 +24,41 @@ MASK_KINDS = ("causal", "packed documents", "prefix-LM", "cross-attention", "win
 # The cores ``auto`` tries, fastest first, per GPU generation and mask kind; the first one installed that can
 # honour the call runs. "varlen" (PyTorch's own flash kernel for varlen problems) serves masks with segments or a
 # prefix only, "sdpa" serves everything. flash-attn 3 is Hopper-only, flash-attn 4 runs on Hopper and Blackwell
-# (torchtitan: FA3 on Hopper, FA4 on Blackwell); neither has ALiBi.
+# (torchtitan: FA3 on Hopper, FA4 on Blackwell); neither has ALiBi. flash-attn 4 ranks below PyTorch's varlen
+# kernel for packed batches until measured: torch 2.13's registry calls its varlen backward without
+# ``max_seqlen`` (a grid sized by the total tokens, mostly idle blocks), and since activation routes
+# ``varlen_attn`` to it too, ``auto`` then does not activate it in a process at all (:func:`registry_skip`).
 _PLAIN = {
     "ampere": ("flash", "sdpa"),
     "hopper": ("fa3", "fa4", "flash", "sdpa"),
     "blackwell": ("fa4", "flash", "sdpa"),
 }
-_VARLEN = {generation: (*cores[:-1], "varlen", "sdpa") for generation, cores in _PLAIN.items()}
+_VARLEN = {
+    "ampere": ("flash", "varlen", "sdpa"),
+    "hopper": ("fa3", "flash", "varlen", "fa4", "sdpa"),
+    "blackwell": ("flash", "varlen", "fa4", "sdpa"),
+}
 SPEED_TABLE: dict[tuple[str, str], tuple[str, ...]] = {
     **{(generation, "causal"): cores for generation, cores in _PLAIN.items()},
     **{(generation, kind): cores for generation, cores in _VARLEN.items() for kind in MASK_KINDS[1:5]},
     **{(generation, "alibi"): ("flash", "sdpa") for generation in _PLAIN},
+}
+
+# The first PyTorch whose registry passes each core the windows ``varlen_attn`` gives it, and what goes wrong
+# before it (read from torch 2.11 and 2.13, flash-attn-4 4.0.0b36; docs/gpu.md). One table, read by one
+# resolver (:func:`torch_refusal`), for ``auto`` and for a named core alike.
+REGISTRY_TORCH: dict[str, tuple[tuple[int, int], str]] = {
+    "fa4": (
+        (2, 13),
+        "torch {version}'s varlen_attn passes flash-attn 4 the window (-1, 0): its registry rejects any window in "
+        "the backward and flash-attn 4 reads -1 as a window with no keys in the forward (wrong outputs), so packed "
+        "documents, prefix-LM and cross-attention fail",
+    ),
+    "fa3": (
+        (2, 13),
+        "torch {version}'s FA3 registration was not checked for the windows varlen_attn passes (torch 2.13's "
+        "passes them right)",
+    ),
 }
 
 
@@ -122,14 +147,53 @@ def registry_impl_installed(core: str) -> bool:
     return True
 
 
+def torch_version() -> tuple[int, int]:
+    """This PyTorch's (major, minor), read at every call (the tests set ``torch.__version__``)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return int(major), int(minor)
+
+
+def torch_refusal(core: str) -> str | None:
+    """Why this PyTorch must not run registry core ``core`` (one clause), or None where it passes windows right."""
+    first, why = REGISTRY_TORCH[core]
+    if torch_version() >= first:
+        return None
+    version = ".".join(map(str, torch_version()))
+    return f"{why.format(version=version)}; it needs torch >= {'.'.join(map(str, first))}"
+
+
+def registry_skip(core: str, generation: str) -> str | None:
+    """Why ``auto`` does not activate an installed registry core on this GPU generation (one clause), or None.
+    One core serves every call of a process (activation routes SDPA's flash backend and ``varlen_attn`` to it),
+    so a core this PyTorch runs wrongly, or one the table ranks below PyTorch's varlen kernel for a mask kind, is
+    not activated at all."""
+    refused = torch_refusal(core)
+    if refused is not None:
+        return refused
+    for kind in MASK_KINDS[1:5]:
+        cores = SPEED_TABLE[(generation, kind)]
+        if "varlen" in cores and cores.index("varlen") < cores.index(core):
+            return (
+                f"{core} ranks below PyTorch's varlen kernel for packed batches until measured (torch's registry "
+                f"calls flash-attn {core[-1]}'s varlen backward without max_seqlen); "
+                f"model.attention_backend={core} runs it"
+            )
+    return None
+
+
 @torch.compiler.assume_constant_result
 def registry_core(generation: str | None) -> str | None:
     """The registry core ``auto`` runs in this process: the first of the table's cores for ``generation`` that
-    is installed (the table ranks fa3 and fa4 alike for every mask kind, so one choice serves every call)."""
+    is installed and that ``auto`` may activate (:func:`registry_skip`); one choice serves every call."""
     if generation is None:
         return None
     for core in SPEED_TABLE[(generation, "causal")]:
-        if core in REGISTRY_IMPLS and generation in REGISTRY_IMPLS[core].generations and registry_impl_installed(core):
+        if (
+            core in REGISTRY_IMPLS
+            and generation in REGISTRY_IMPLS[core].generations
+            and registry_impl_installed(core)
+            and registry_skip(core, generation) is None
+        ):
             return core
     return None
 
@@ -186,6 +250,9 @@ def refusal(core: str, device: str, *, dropout: float, alibi: bool, dtype: torch
         return f"{what} needs a CUDA GPU, this machine has none; use model.attention_backend=auto"
     if not registry_available():
         return f"{what} needs PyTorch >= 2.11 (torch.nn.attention.activate_flash_attention_impl); use auto"
+    refused = torch_refusal(core)
+    if refused is not None:
+        return f"{what} cannot run on this PyTorch: {refused}; upgrade torch or use auto"
     if not registry_impl_installed(core):
         return f"{what} is not installed here ({impl.module} does not import): {impl.install}, or use auto"
     generation = gpu_generation()

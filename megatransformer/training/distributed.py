@@ -74,8 +74,7 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
         skip_collective_build()
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)
+    device = select_cuda_device(local_rank) if cuda else None
     if not dist.is_initialized():
         timeout = timedelta(minutes=timeout_minutes)
         # DeepSpeed makes groups of its own (ZeRO's clone of the world group, tensor/data-parallel groups)
@@ -85,7 +84,37 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
 
         distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout)
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, f"cuda:{local_rank}" if cuda else "cpu")
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, f"cuda:{device}" if cuda else "cpu")
+
+
+def cuda_device(local_rank: int, count: int) -> tuple[int, str | None]:
+    """The CUDA device a rank uses among the ``count`` it sees: ``local_rank``, or ``local_rank % count`` where
+    that is no device here (Slurm's ``--gpus-per-task=1`` or a default ``--gpu-bind`` shows each task its own
+    GPU only, as device 0), with one line for the log saying so; None when ``local_rank`` is used."""
+    if local_rank < count:
+        return local_rank, None
+    index = local_rank % count
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    line = (
+        f"device: local rank {local_rank} sees {count} GPU{'s' if count > 1 else ''} (CUDA_VISIBLE_DEVICES="
+        f"{visible}: Slurm's --gpus-per-task or --gpu-bind binds each task to its own); using cuda:{index} "
+        "(local_rank % device_count)"
+    )
+    if count > 1:
+        line += "; ranks that share a GPU fail under NCCL: give each task one GPU or all of the node's"
+    return index, line
+
+
+def select_cuda_device(local_rank: int) -> int:
+    """Make this rank's CUDA device (:func:`cuda_device`) the current one, saying so when it is not its local
+    rank; its index."""
+    import torch
+
+    index, line = cuda_device(local_rank, torch.cuda.device_count())
+    if line is not None:
+        print(line, flush=True)
+    torch.cuda.set_device(index)
+    return index
 
 
 def gloo_interface_problem(env: Mapping[str, str]) -> str | None:

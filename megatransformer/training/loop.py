@@ -257,7 +257,8 @@ class Trainer:
             with watchdog.watching("validation"):
                 report.log({"step": self.state.step, **self.evaluations(downstream=False)})
         with watchdog.watching("a checkpoint"):
-            self.save()
+            if exit_code != 0 or cfg.checkpoint.final:
+                self.save()
             self.module.checkpointer.wait()  # (the run ends with its last checkpoint complete)
         self.report_saves(report)
         watchdog.close()

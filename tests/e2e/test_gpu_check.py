@@ -39,7 +39,15 @@ def test_every_gpu_test_of_the_repository_runs(monkeypatch, gpu_check):
     assert gpu_check.gpu_tests() == {"ok": True, "summary": "12 passed, 850 deselected in 40.0s"}
     command = commands[0]
     assert command[:3] == [sys.executable, "-m", "pytest"] and command[command.index("-m", 3) + 1] == "gpu"
-    assert command[-1] == "tests" and (REPO / "tests").is_dir()  # the whole test tree, not chosen files
+    # every file of the test tree that marks a test gpu, and no other (their imports need not be the GPU's)
+    files = command[command.index("no:cacheprovider") + 1 :]
+    marked = [
+        str(path.relative_to(REPO))
+        for path in sorted((REPO / "tests").rglob("test_*.py"))
+        if "@pytest.mark.gpu" in path.read_text() or "pytestmark = pytest.mark.gpu" in path.read_text()
+    ]
+    assert marked and set(marked) <= set(files) and "tests/unit/test_gpu_cores.py" in files
+    assert "tests/unit/test_data_inputs.py" not in files  # (pyarrow's: not on the GPU image)
 
 
 @pytest.mark.parametrize(
@@ -56,10 +64,53 @@ def test_a_run_that_did_not_pass_fails_without_crashing(monkeypatch, gpu_check, 
     assert not report["ok"] and report["summary"] == (stdout or stderr).strip().splitlines()[-1]
 
 
-def test_skipped_gpu_tests_fail_the_check_with_their_reasons(monkeypatch, gpu_check):
-    skipped = "SKIPPED [11] tests/unit/test_flash_decomposition.py:198: needs CUDA and the flash-attn package"
-    pytest_run(monkeypatch, gpu_check, 0, f"..s\n{skipped}\n3 passed, 11 skipped in 5s\n")
-    assert gpu_check.gpu_tests() == {"ok": False, "summary": "3 passed, 11 skipped in 5s", "skipped": [skipped]}
+FLASH_SKIP = "SKIPPED [11] tests/unit/test_flash_decomposition.py:198: needs CUDA and the flash-attn package"
+ULYSSES_SKIP = (
+    "SKIPPED [1] tests/e2e/test_ulysses_core.py:108: needs 2 CUDA GPUs (NCCL gives each rank its own) and the "
+    "flash-attn package; CPU machines check the same exchange with gloo above"
+)
+FA4_TORCH_SKIP = "SKIPPED [7] tests/unit/test_gpu_cores.py:291: flash-attn 4 on torch 2.11.0+cu130: needs torch >= 2.13"
+FA4_MISSING_SKIP = (
+    "SKIPPED [7] tests/unit/test_gpu_cores.py:291: needs a Hopper or Blackwell GPU and flash-attn 4 "
+    "(pip install --pre flash-attn-4)"
+)
+H200_TORCH_2_11 = {"flash_attn": False, "gpus": 1, "fa4_torch_refusal": "torch 2.11's varlen_attn passes ..."}
+
+
+def test_expected_skips_are_reported_with_their_reasons_not_failed(monkeypatch, gpu_check):
+    """The first H200: no flash-attn 2 (not installable offline), one GPU, torch 2.11."""
+    skips = [FLASH_SKIP, ULYSSES_SKIP, FA4_TORCH_SKIP]
+    pytest_run(monkeypatch, gpu_check, 0, "..s\n" + "\n".join(skips) + "\n13 passed, 19 skipped in 5s\n")
+    report = gpu_check.gpu_tests(H200_TORCH_2_11)
+    assert report["ok"] and "skipped" not in report
+    assert [(s["skip"], s["rule"]) for s in report["expected_skips"]] == [
+        (FLASH_SKIP, "flash-attn 2"),
+        (ULYSSES_SKIP, "flash-attn 2"),
+        (FA4_TORCH_SKIP, "flash-attn 4 on this torch"),
+    ]
+    assert "not installable offline" in report["expected_skips"][0]["why"]
+
+
+@pytest.mark.parametrize(
+    "skip, machine",
+    [
+        (FLASH_SKIP, {**H200_TORCH_2_11, "flash_attn": True}),  # installed, yet skipped: something is wrong
+        (ULYSSES_SKIP, {**H200_TORCH_2_11, "flash_attn": True, "gpus": 2}),
+        (FA4_TORCH_SKIP, {**H200_TORCH_2_11, "fa4_torch_refusal": None}),  # this torch passes windows right
+        (FA4_MISSING_SKIP, H200_TORCH_2_11),  # flash-attn 4 comes with the wheels: its absence is a failure
+        ("SKIPPED [1] tests/e2e/test_step_probes.py:70: page-locked memory needs CUDA", H200_TORCH_2_11),
+    ],
+)
+def test_unexpected_skips_fail_the_check_with_their_reasons(monkeypatch, gpu_check, skip, machine):
+    pytest_run(monkeypatch, gpu_check, 0, f"..s\n{skip}\n3 passed, 12 skipped in 5s\n")
+    report = gpu_check.gpu_tests(machine)
+    assert not report["ok"] and report["skipped"] == [skip]
+    assert report["summary"] == "3 passed, 12 skipped in 5s"
+
+
+def test_the_machine_facts_behind_the_expected_skips_are_read_here(gpu_check):
+    facts = gpu_check.machine_facts()
+    assert facts == {"flash_attn": False, "gpus": 0, "fa4_torch_refusal": None}  # this CPU, torch 2.13
 
 
 def test_training_runs_this_interpreters_megatransformer(gpu_check, tmp_path):

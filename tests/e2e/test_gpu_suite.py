@@ -23,16 +23,18 @@ def suite():
     del sys.modules[spec.name]
 
 
-def test_the_dry_run_reports_every_figure_of_both_workloads(tmp_path):
+def test_the_dry_run_reports_every_figure_of_every_phase(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--dry", "--out", str(tmp_path)],
+        [sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--dry", "--out", str(out), "--work", str(work)],
         capture_output=True,
         text=True,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert sorted(path.name for path in out.iterdir()) == ["gpu_suite.json", "gpu_suite.md"]  # the work stays out
+    report = json.loads((out / "gpu_suite.json").read_text())
     assert report["ok"] and report["missing"] == []
-    assert report["gpu_check"]["exit"] == 2  # gpu_check's answer on a machine without CUDA
+    assert report["gpu_check"]["exit"] == 2 and report["gpu_check"]["collected"]  # no CUDA; its tests import here
     for mode in ("rows", "packed"):
         trainer, bare = report[mode]["trainer"], report[mode]["bare"]
         assert trainer["step_s"] > 0 and bare["step_s"] > 0 and 0 < trainer["mfu"] < 1 and 0 < bare["mfu"] < 1
@@ -41,9 +43,18 @@ def test_the_dry_run_reports_every_figure_of_both_workloads(tmp_path):
         assert trainer["attention"] and trainer["attention"][0].startswith("attention: auto -> chunked")
     # short documents packed, long ones one to a row
     assert report["packed"]["bare"]["documents_per_row"] > 1.5 > report["rows"]["bare"]["documents_per_row"]
-    e2e = report["packed"]["trainer"]
-    assert e2e["steps"] == 6 and e2e["checkpoint_step"] == 5 and e2e["checkpoint_gib"] > 0
-    assert isinstance(e2e["checkpoint_stall_s"], float)
+    # one checkpoint in the whole suite: the packed run's, at its end
+    [save] = report["packed"]["trainer"]["checkpoints"]
+    assert save["step"] == 6 and save["gib"] > 0 and save["stall_s"] >= 0
+    for run in (report["rows"]["trainer"], report["muon"]["trainer"], report["tp"]["trainer"]):
+        assert run["checkpoints"] == []
+    assert not list(work.glob("run-*/checkpoints/*"))  # (removed once measured: 15 GB at 1.1B)
+    # Muon against AdamW on the same rows; Newton-Schulz alone
+    muon = report["muon"]
+    assert muon["muon_over_adamw"] == pytest.approx(muon["trainer"]["step_s"] / report["rows"]["trainer"]["step_s"])
+    assert muon["ns"]["ns_s"] > 0 and muon["ns"]["matrices"] == 2 * 7 and muon["ns_share"] > 0
+    # tensor parallelism: two gloo ranks here (two GPUs there)
+    assert report["tp"]["trainer"]["ok"] and report["tp"]["trainer"]["steps"] == 2
     assert set(report["phases_s"]) == {
         "gpu_check",
         "data",
@@ -51,9 +62,23 @@ def test_the_dry_run_reports_every_figure_of_both_workloads(tmp_path):
         "bare-rows",
         "trainer-packed",
         "bare-packed",
+        "trainer-muon",
+        "muon-ns",
+        "trainer-tp",
     }
-    assert "| packed | trainer |" in done.stdout and "checkpoint at step 5" in done.stdout
-    assert not (tmp_path / "run-packed" / "checkpoints").exists()  # (removed once measured: 15 GB at 1.1B)
+    # every process of every phase imported only what the image or the wheel list has, and shared one cache
+    imports = report["imports"]
+    assert imports["missing"] == [] and imports["processes"] >= 10
+    assert {"deepspeed", "pydantic", "webdataset", "flash-attn-4"} <= set(imports["from_wheels"])
+    [caches] = [json.loads(env) for env in report["caches"]]
+    assert caches["TORCHINDUCTOR_CACHE_DIR"] == str(work / "cache" / "inductor")
+    assert caches["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(work / "cache" / "flash-attn-4")
+    assert caches["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    markdown = (out / "gpu_suite.md").read_text()
+    assert (
+        "| packed | trainer |" in markdown and "| rows, muon | trainer |" in markdown and "| rows, tp 2 |" in markdown
+    )
+    assert "checkpoint (the suite's one, packed run, step 6)" in markdown and markdown in done.stdout + "\n"
 
 
 def test_without_cuda_the_real_suite_refuses_to_start(suite, capsys):
@@ -78,18 +103,18 @@ def test_recompiles_and_graph_breaks_are_counted_from_dynamos_log(suite):
     assert events["run_log_lines"] == ["compile: 1 recompile after warm-up (forward)"]
 
 
-def test_step_times_and_the_checkpoint_stall_come_from_the_metrics(suite):
+def test_step_times_and_the_checkpoint_come_from_the_metrics(suite):
     records = [
-        {"step": 1, "tokens": 100, "tokens_per_s": 50.0, "time": 10.0},
-        {"step": 2, "tokens": 200, "tokens_per_s": 100.0, "time": 11.0},
-        {"step": 3, "tokens": 300, "tokens_per_s": 100.0, "time": 15.0},  # a checkpoint after step 2
+        {"step": 1, "tokens": 100, "tokens_per_s": 50.0, "time": 10.0, "kind": "train"},
+        {"step": 2, "tokens": 200, "tokens_per_s": 100.0, "time": 11.0, "kind": "train"},
+        {"step": 2, "kind": "checkpoint", "ckpt_stall_s": 1.5, "ckpt_write_s": 20.0, "ckpt_bytes": 3 * 2**30},
     ]
-    assert suite.step_times(records) == [(1, 2.0), (2, 1.0), (3, 1.0)]
-    assert suite.checkpoint_stall(records, 2, 1.0) == pytest.approx(3.0)
-    assert suite.checkpoint_stall(records, 3, 1.0) is None  # no step after it
+    assert suite.step_times(records[:2]) == [(1, 2.0), (2, 1.0)]
+    assert suite.saved(records) == [{"step": 2, "stall_s": 1.5, "write_s": 20.0, "gib": 3.0}]
+    assert suite.saved(records[:2]) == []
 
 
-def test_a_missing_figure_is_named(suite):
+def complete_report(tp_skipped: bool = False) -> dict:
     report = {
         mode: {
             "trainer": {"step_s": 1.0, "mfu": 0.4, "compile": {"recompiles": 0}},
@@ -98,15 +123,95 @@ def test_a_missing_figure_is_named(suite):
         }
         for mode in ("rows", "packed")
     }
-    report["packed"]["trainer"] |= {"checkpoint_stall_s": 2.0, "checkpoint_gib": 15.0}
+    report["packed"]["trainer"]["checkpoints"] = [{"step": 30, "stall_s": 2.0, "gib": 15.0, "write_s": 9.0}]
+    report["muon"] = {"trainer": {"step_s": 1.2}, "ns": {"ns_s": 0.1}, "muon_over_adamw": 1.2, "ns_share": 0.08}
+    skip = {"skipped": "needs 2 GPUs"}
+    report["tp"] = skip if tp_skipped else {"trainer": {"step_s": 1.0, "compile": {"graph_breaks": 0}}}
+    return report
+
+
+def test_a_missing_figure_is_named(suite):
+    report = complete_report()
     assert suite.missing_figures(report) == []
     report["packed"]["trainer"]["mfu"] = None
     del report["rows"]["bare"]["compile"]
-    assert suite.missing_figures(report) == ["packed.trainer.mfu", "rows.bare.compile.recompiles"]
+    report["packed"]["trainer"]["checkpoints"] = []  # the one checkpoint was not written
+    report["tp"]["trainer"] = {"ok": False}
+    assert suite.missing_figures(report) == [
+        "packed.trainer.mfu",
+        "rows.bare.compile.recompiles",
+        "packed.trainer.checkpoints.0.stall_s",
+        "packed.trainer.checkpoints.0.gib",
+        "tp.trainer.step_s",
+        "tp.trainer.compile.graph_breaks",
+    ]
+    assert suite.missing_figures(complete_report(tp_skipped=True)) == []  # a skip with its reason is complete
+
+
+def test_tensor_parallelism_is_skipped_on_one_gpu_with_its_reason(suite, monkeypatch):
+    import torch
+
+    assert suite.tp_skip(suite.DRY) is None  # (gloo's CPU ranks)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    reason = suite.tp_skip(suite.GPU)
+    assert reason.startswith("needs 2 GPUs, this machine has 1: NCCL runs one rank per GPU")
+    assert "at tensor_parallel=1 DeepSpeed applies no AutoTP" in reason
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert suite.tp_skip(suite.GPU) is None
+
+
+def test_the_wheel_list_is_read_from_gpu_wheels_sh(suite):
+    wheels = suite.wheel_list()
+    assert {"flash-attn-4", "nvidia-cutlass-dsl", "deepspeed", "zstandard", "pyyaml", "py-cpuinfo"} <= set(wheels)
+    assert "torch" not in wheels  # (the image's own)
+    assert {"torch", "transformers", "tokenizers", "numpy"} <= suite.image_distributions()
+
+
+def test_an_import_neither_the_image_nor_the_wheels_bring_is_named(suite, monkeypatch):
+    assert suite.import_check({"deepspeed", "zstandard", "numpy", "torch"})["missing"] == []
+    wheels = suite.wheel_list()
+    monkeypatch.setattr(suite, "wheel_list", lambda: [w for w in wheels if w != "zstandard"])
+    check = suite.import_check({"deepspeed", "zstandard"})
+    assert check["missing"] == ["zstandard (import zstandard)"]  # the H200's data phase, before the fix
+    monkeypatch.setattr(suite, "GPU_ONLY_IMPORTS", {"flash_attn": "flash-attn-5"})
+    assert suite.import_check(set())["missing"] == ["flash-attn-5 (import flash_attn)"]
+
+
+def test_a_dry_runs_processes_cannot_import_what_the_gpu_machine_lacks(suite, tmp_path):
+    """lm-eval and pyarrow are installed here, not on the H200's image nor in the wheel list: a dry run's
+    processes behave as there (an optional import degrades, a required one fails the phase)."""
+    blocked = suite.blocked_modules()
+    assert {"lm_eval", "pyarrow"} <= set(blocked)
+    keep = {"deepspeed", "torch", "zstandard", "megatransformer", "data_pipeline", "yaml", "matplotlib"}
+    assert not keep & set(blocked) and "more_itertools" not in blocked  # (setuptools vendors it)
+    (tmp_path / "blocked.json").write_text(json.dumps(blocked))
+    env = suite.environment(suite.DRY, tmp_path / "work")
+    env["MT_RECORD_IMPORTS"] = str(tmp_path)
+    probe = "import importlib.util, sys; print(importlib.util.find_spec('lm_eval')); import yaml; import lm_eval"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert done.stdout.splitlines() == ["None"] and "ModuleNotFoundError" in done.stderr
+    [record] = [json.loads(path.read_text()) for path in tmp_path.glob("[0-9]*.json")]
+    assert "yaml" in record["modules"] and "lm_eval" not in record["modules"]
+
+
+def test_the_work_directory_stays_outside_the_output(suite, tmp_path):
+    with pytest.raises(SystemExit):
+        suite.parse_args(["--out", str(tmp_path), "--work", str(tmp_path / "suite-work")])
+    args = suite.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    assert args.work == tmp_path / "work"
+
+
+def test_every_process_of_the_suite_shares_the_compile_caches(suite, tmp_path):
+    env = suite.environment(suite.GPU, tmp_path)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "cache" / "flash-attn-4")
+    assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"  # (flash-attn 4 keeps nothing on disk without it)
+    assert "MT_RECORD_IMPORTS" not in env and str(suite.RECORDER) not in env["PYTHONPATH"]  # (dry runs only)
+    assert str(suite.RECORDER) in suite.environment(suite.DRY, tmp_path)["PYTHONPATH"]
 
 
 def test_the_phases_fit_in_eight_minutes_and_their_limits_are_given_on_the_command_line(suite, monkeypatch):
-    assert sum(suite.LIMITS_S.values()) <= 8 * 60
+    assert sum(suite.LIMITS_S.values()) <= 8 * 60 - 10  # (10 s for start-up and the report)
     monkeypatch.setattr(suite, "LIMITS_S", dict(suite.LIMITS_S))
     suite.parse_args(["--limit", "gpu_check=200"])
     assert suite.LIMITS_S["gpu_check"] == 200

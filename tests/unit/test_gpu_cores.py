@@ -59,11 +59,15 @@ def test_the_speed_table_ranks_every_generation_and_mask_kind_ending_in_sdpa():
         registry = [core for core in cores if core in gpu_cores.REGISTRY_IMPLS]
         assert all(generation in gpu_cores.REGISTRY_IMPLS[core].generations for core in registry)
         assert not registry if kind == "alibi" else True
-        # one registry core serves every kind of a process: the same order in every row of a generation
+        # flash-attn 3 leads every row it is in; flash-attn 4 leads the plain rows and ranks below PyTorch's
+        # varlen kernel for packed batches (its varlen backward gets no max_seqlen), so auto never activates it
         causal = [c for c in gpu_cores.SPEED_TABLE[(generation, "causal")] if c in gpu_cores.REGISTRY_IMPLS]
         assert registry == ([] if kind == "alibi" else causal)
+        if "fa4" in cores and kind not in ("causal", "alibi"):
+            assert cores.index("varlen") < cores.index("fa4")
     assert gpu_cores.SPEED_TABLE[("hopper", "causal")][:2] == ("fa3", "fa4")
-    assert gpu_cores.SPEED_TABLE[("blackwell", "packed documents")][0] == "fa4"
+    assert gpu_cores.SPEED_TABLE[("hopper", "packed documents")][0] == "fa3"
+    assert gpu_cores.SPEED_TABLE[("blackwell", "causal")][0] == "fa4"
     assert "fa4" not in gpu_cores.SPEED_TABLE[("ampere", "causal")]
 
 
@@ -75,10 +79,10 @@ def test_mask_kinds_are_named_as_the_table_names_them():
 @pytest.mark.parametrize(
     "generation, installed, expected",
     [
-        ("blackwell", ("FA4",), "fa4"),
-        ("hopper", ("FA4",), "fa4"),
+        ("blackwell", ("FA4",), None),  # (ranked below varlen for packed batches: never activated by auto)
+        ("hopper", ("FA4",), None),
         ("hopper", ("FA3", "FA4"), "fa3"),
-        ("blackwell", ("FA3", "FA4"), "fa4"),  # FA3 does not run on Blackwell
+        ("blackwell", ("FA3", "FA4"), None),  # FA3 does not run on Blackwell
         ("ampere", ("FA3", "FA4"), None),  # neither runs on Ampere
     ],
 )
@@ -106,28 +110,66 @@ def test_auto_takes_the_fastest_registry_core_per_generation_and_mask(
 
 def test_activation_goes_through_torchs_registry_and_the_run_log_says_which_core_and_why(fake_impls, monkeypatch):
     install, log = fake_impls
-    install("FA4")
-    on_gpu(monkeypatch, "blackwell")
-    assert "FA4" in torch.nn.attention.list_flash_attention_impls()
+    install("FA3", "FA4")
+    on_gpu(monkeypatch, "hopper")
+    assert "FA3" in torch.nn.attention.list_flash_attention_impls()
     assert gpu_cores.activate_for("auto", "cpu") is None and log == []
-    assert gpu_cores.activate_for("auto", "cuda") == "fa4"
-    assert log == ["FA4"] and torch.nn.attention.current_flash_attention_impl() == "FA4"
-    gpu_cores.activate("fa4")  # already active: not activated again
-    assert log == ["FA4"]
+    assert gpu_cores.activate_for("auto", "cuda") == "fa3"
+    assert log == ["FA3"] and torch.nn.attention.current_flash_attention_impl() == "FA3"
+    gpu_cores.activate("fa3")  # already active: not activated again
+    assert log == ["FA3"]
     line = attention.describe_backend("auto", "cuda", BF16, 0.0)
-    assert line.startswith("attention: auto -> fa4 for every mask on cuda in bfloat16 (blackwell GPU; ")
-    assert "flash-attn 4 through PyTorch's flash registry; active: FA4" in line
-    assert attention.describe_backend("fa4", "cuda", BF16, 0.0) == (
-        "attention: fa4 (flash-attn 4 through PyTorch's flash registry; active: FA4)"
+    assert line.startswith("attention: auto -> fa3 for every mask on cuda in bfloat16 (hopper GPU; ")
+    assert "flash-attn 3 through PyTorch's flash registry; active: FA3" in line
+    assert attention.describe_backend("fa3", "cuda", BF16, 0.0) == (
+        "attention: fa3 (flash-attn 3 through PyTorch's flash registry; active: FA3)"
     )
-    # with ALiBi the line says why the registry core does not run
+    # with ALiBi the line says why the registry cores do not run
     alibi_line = attention.describe_backend("auto", "cuda", BF16, 0.0, alibi=True)
-    assert alibi_line.startswith("attention: auto -> sdpa for every mask") and "fa4 have no ALiBi" in alibi_line
+    assert alibi_line.startswith("attention: auto -> sdpa for every mask") and "fa3, fa4 have no ALiBi" in alibi_line
+    # on Blackwell flash-attn 4 is installed but not taken: the line says why and how to run it anyway
+    on_gpu(monkeypatch, "blackwell")
+    line = attention.describe_backend("auto", "cuda", BF16, 0.0)
+    assert line.startswith("attention: auto -> sdpa for causal/bidirectional, varlen for packed documents")
+    assert "fa4 not taken: fa4 ranks below PyTorch's varlen kernel for packed batches until measured" in line
+    assert "without max_seqlen); model.attention_backend=fa4 runs it" in line
     # a Blackwell without FA4: the line names the install command
     gpu_cores.registry_impl_installed.cache_clear()
     monkeypatch.delitem(sys.modules, MODULES["FA4"])
     monkeypatch.setitem(sys.modules, MODULES["FA4"], None)  # its import fails
     assert "not installed: fa4: pip install --pre flash-attn-4" in attention.describe_backend("auto", "cuda", BF16, 0.0)
+
+
+@pytest.mark.parametrize(
+    "version, runs", [("2.11.0+cu128", False), ("2.12.1", False), ("2.13.0+cpu", True), ("2.14.0a0+git1", True)]
+)
+def test_registry_cores_run_only_on_a_torch_that_passes_their_windows_right(fake_impls, monkeypatch, version, runs):
+    """torch 2.11's varlen_attn passes flash-attn 4 the window (-1, 0): its registry rejects it in the backward
+    and flash-attn 4 reads -1 as no keys in the forward. One table (``REGISTRY_TORCH``), one resolver."""
+    install, log = fake_impls
+    install("FA3", "FA4")
+    on_gpu(monkeypatch, "hopper")
+    monkeypatch.setattr(torch, "__version__", version)
+    assert gpu_cores.torch_version() == tuple(int(part) for part in version.split(".")[:2])
+    assert (gpu_cores.torch_refusal("fa4") is None) == runs and (gpu_cores.torch_refusal("fa3") is None) == runs
+    assert gpu_cores.registry_core("hopper") == ("fa3" if runs else None)
+    line = attention.describe_backend("auto", "cuda", BF16, 0.0)
+    if runs:
+        assert line.startswith("attention: auto -> fa3 for every mask")
+        check_device(run_config("fa4"), "cuda")  # a named core: the user's choice
+        return
+    assert line.startswith("attention: auto -> sdpa for causal/bidirectional, varlen for packed documents")
+    assert f"fa4 not taken: torch {version[:4]}'s varlen_attn passes flash-attn 4 the window (-1, 0)" in line
+    assert "it needs torch >= 2.13" in line and "fa3 not taken: torch" in line
+    assert gpu_cores.activate_for("auto", "cuda") is None and log == []  # nothing activated: varlen_attn stays torch's
+    for core in ("fa4", "fa3"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^model.attention_backend={core} .* cannot run on this PyTorch: .*"
+            r"needs torch >= 2.13; upgrade torch or use auto$",
+        ) as refused:
+            check_device(run_config(core), "cuda")
+        assert "\n" not in str(refused.value)
 
 
 def run_config(backend: str, **model) -> RunConfig:
@@ -238,17 +280,25 @@ def fa4_runs_here() -> bool:
     return gpu_cores.registry_impl_installed("fa4") and gpu_cores.gpu_generation() in ("hopper", "blackwell")
 
 
+FA4_CASES = [  # (windows do not combine with a prefix)
+    (name, window)
+    for name in ("causal", "bidirectional", "packed_causal", "packed_prefix_per_document")
+    for window in (None, 5)
+    if not (window and name == "packed_prefix_per_document")
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available() or not fa4_runs_here(),
     reason="needs a Hopper or Blackwell GPU and flash-attn 4 (pip install --pre flash-attn-4)",
 )
-@pytest.mark.parametrize("name", ["causal", "bidirectional", "packed_causal", "packed_prefix_per_document"])
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.skipif(
+    gpu_cores.torch_refusal("fa4") is not None, reason=f"flash-attn 4 on torch {torch.__version__}: needs torch >= 2.13"
+)
+@pytest.mark.parametrize("name, window", FA4_CASES)
 def test_real_flash_attn_4_through_torchs_registry_equals_eager(name, window):
     mask = SELF_MASKS[name]()
-    if window is not None and mask.prefix_len is not None:
-        pytest.skip("windows do not combine with a prefix")
     mask = mask.with_window(window).to("cuda")
     gpu_cores.activate("fa4")
     assert torch.nn.attention.current_flash_attention_impl() == "FA4"
