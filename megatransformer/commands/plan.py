@@ -77,14 +77,18 @@ def run(args: argparse.Namespace) -> int:
     world = per_node * args.nodes
     current, global_batch = config_layout(cfg, world, device.kind)
     result = plan(cfg, device, world, per_node, current, global_batch)
+    note = batch_note(cfg, world)
     top = args.top or None
     if args.json:
         out = result.as_dict(top)
         if not args.verbose:
             del out["skipped"]
+        out["batch_note"] = note
         print(json.dumps(out, indent=2))
         return 0
     print(render(cfg, result, top, args.verbose))
+    if note:
+        print(note)
     return 0
 
 
@@ -184,7 +188,7 @@ def config_layout(cfg: RunConfig, world: int, kind: str):
     dp = max(1, world // group)
     try:
         sizes = resolve_batch_sizes(cfg.train, dp)
-    except ConfigError:  # the batch left to the launch: one row per data-parallel rank
+    except ConfigError:  # (batch_note says so) the batch left to the launch: one row per data-parallel rank
         sizes = BatchSizes(cfg.train.micro_batch_size or 1, cfg.train.grad_accum or 1, dp)
     if world % group:
         return None, sizes.global_batch
@@ -200,6 +204,25 @@ def config_layout(cfg: RunConfig, world: int, kind: str):
         sizes.accum,
     )
     return layout, sizes.global_batch
+
+
+def batch_note(cfg: RunConfig, world: int) -> str | None:
+    """A line when the config's batch cannot be laid out on ``world`` ranks and the plan takes another
+    (:func:`config_layout`'s), saying why and which; None when the plan keeps the config's."""
+    from megatransformer.training.layout import resolve_batch_sizes
+
+    p = cfg.parallel
+    dp = max(1, world // (p.tensor_parallel * p.sequence_parallel))
+    try:
+        resolve_batch_sizes(cfg.train, dp)
+        return None
+    except ConfigError as err:
+        t = cfg.train
+        micro, accum = t.micro_batch_size or 1, t.grad_accum or 1
+        return (
+            f"note: the config's batch does not work on {world} rank{'s' * (world != 1)} ({err}): planning global "
+            f"batch {micro * accum * dp} (micro {micro} x accum {accum} x dp {dp}) instead; `train` would refuse it"
+        )
 
 
 def cpu_tflops(precision: str) -> float:

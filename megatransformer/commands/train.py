@@ -67,7 +67,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer
     from megatransformer.training.preflight import check_before_start
-    from megatransformer.training.resume import check_run_dir
+    from megatransformer.training.resume import check_run_dir, keep_saved_batch
     from megatransformer.training.run_lock import lock_run_dir
     from megatransformer.training.threads import set_threads_for_machine
     from megatransformer.training.watchdog import dump_rank, hang_dir, stack_dumps, switch_on_flight_recorder
@@ -77,6 +77,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     if cfg.data.tokenizer is None:
         raise ConfigError("data.tokenizer is not set; point it at the tokenizer.json the shards were made with")
     check_run_dir(cfg)
+    cfg, kept = keep_saved_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # (an elastic resume's batch)
+    if kept and os.environ.get("RANK", "0") == "0":
+        print(kept, flush=True)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_before_start(cfg, tokenizer)  # device and files: seconds, not after DeepSpeed's start-up
     if cfg.train.check_memory:  # an out-of-memory layout: one line now, not an error minutes in
