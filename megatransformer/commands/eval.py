@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         _check_bleu_arguments(args)
     model_overrides, run_overrides = _split_overrides(args.overrides)
     say(f"loading {args.checkpoint}")  # (PyTorch and the weights: seconds, on a busy machine tens of them)
+    from megatransformer.training.threads import say_threads
+
+    say_threads(say)  # (as train picks its threads: a busy machine's default threads wait for each other)
     from megatransformer.inference import load_for_inference
 
     loaded = load_for_inference(args.checkpoint, model_overrides=model_overrides)
@@ -265,6 +268,9 @@ def run_tasks(args: argparse.Namespace) -> int:
             raise ConfigError(f"{name} must be >= 0")
     if args.bleu or args.overrides:
         raise ConfigError("--tasks takes no --bleu and no key.path=value overrides")
+    from megatransformer.training.threads import say_threads
+
+    say_threads(say)
     tasks = harness.load_tasks(args.tasks, args.include_path)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")

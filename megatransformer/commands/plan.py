@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError, RunConfig, load_config
@@ -135,6 +136,10 @@ def local_device(cfg: RunConfig, ranks_per_node: int | None, need_peak: bool = T
         host = cpu_device(ranks).memory_gib
         return replace(known, name=name, memory_gib=memory, peak_tflops=peak, host_gib=host), ranks
     ranks = ranks_per_node or 1
+    if need_peak:  # (the GEMMs measured with the threads a run would pick here)
+        from megatransformer.training.threads import say_threads
+
+        say_threads(lambda line: print(line, file=sys.stderr, flush=True))
     return replace(cpu_device(ranks), peak_tflops=cpu_tflops(cfg.precision) if need_peak else 0.0), ranks
 
 
