@@ -257,20 +257,23 @@ def run_tasks(args: argparse.Namespace) -> int:
     """lm-eval tasks on the checkpoint, one process or each torchrun rank a share of every task's items."""
     import os
 
-    import torch
-
-    from megatransformer import harness
     from megatransformer.config import ConfigError
-    from megatransformer.inference import load_for_inference
 
     for name, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot)):
         if value is not None and value < 0:
             raise ConfigError(f"{name} must be >= 0")
     if args.bleu or args.overrides:
         raise ConfigError("--tasks takes no --bleu and no key.path=value overrides")
+    if os.environ.get("RANK", "0") == "0":  # (PyTorch and lm-eval load for tens of seconds on a busy machine)
+        say(f"loading {args.checkpoint}, PyTorch and lm-evaluation-harness for {' '.join(args.tasks)}")
     from megatransformer.training.threads import say_threads
 
     say_threads(say)
+    import torch
+
+    from megatransformer import harness
+    from megatransformer.inference import load_for_inference
+
     tasks = harness.load_tasks(args.tasks, args.include_path)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")

@@ -57,9 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    print(f"plan: {cfg.run_dir}: loading PyTorch, then ranking layouts", file=sys.stderr, flush=True)
     from megatransformer.planner import plan
 
-    cfg = load_config(args.config, args.overrides)
     for name in ("gpus_per_node", "nodes", "top"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "top" else 1):
