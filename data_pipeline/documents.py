@@ -90,13 +90,29 @@ class DecodeStats:
         return lines
 
 
+_COMPRESSED: dict[str, IO[bytes]] = {}  # the compressed file under each .gz / .zst being read, by path
+
+
+def compressed_offset(path: str) -> int | None:
+    """How many compressed bytes of ``path`` (a .gz or .zst file being read in this process) have been read so
+    far, for a progress bar; None when it is not being read."""
+    raw = _COMPRESSED.get(str(Path(path)))
+    try:
+        return None if raw is None else raw.tell()
+    except (OSError, ValueError):  # (closed meanwhile)
+        return None
+
+
 def _open_binary(path: Path) -> IO[bytes]:
     if path.suffix == ".gz":
-        return gzip.open(path, "rb")
+        stream = gzip.open(path, "rb")
+        _COMPRESSED[str(path)] = stream.fileobj
+        return stream
     if path.suffix == ".zst":
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"))
+        raw = _COMPRESSED[str(path)] = open(path, "rb")
+        return zstandard.ZstdDecompressor().stream_reader(raw)
     return open(path, "rb")
 
 
@@ -135,6 +151,8 @@ def _lines(path: Path, on_decode_error: str, stats: DecodeStats) -> Iterator[tup
         raise DataError(
             f"{path}: unreadable after line {number} ({damaged}{type(err).__name__}: {err}); fix or re-download it"
         ) from None
+    finally:
+        _COMPRESSED.pop(str(path), None)
 
 
 COLUMNAR = (".parquet", ".arrow")  # read by pyarrow; never .gz / .zst (compressed inside)

@@ -46,7 +46,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as validated_dataclass
 
 from data_pipeline import STORAGE_ERRNOS, DataError, schema_error, write_failed
-from data_pipeline.documents import DecodeStats, Document, Piece, read_documents
+from data_pipeline.documents import DecodeStats, Document, Piece, compressed_offset, read_documents
 from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_segments, save_part, segments
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
 from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
@@ -613,8 +613,11 @@ class _Reading:
 
     @property
     def position(self) -> int:
-        plain = Path(self.file or "").suffix in (".txt", ".jsonl", ".json", ".tsv")
-        return self.finished + (min(self.text, self.sizes.get(self.file, 0)) if plain else 0)
+        size = self.sizes.get(self.file, 0)
+        if Path(self.file or "").suffix in (".txt", ".jsonl", ".json", ".tsv"):
+            return self.finished + min(self.text, size)
+        compressed = compressed_offset(self.file) if self.file else None  # (.gz, .zst: the bytes read of the file)
+        return self.finished + (min(compressed, size) if compressed is not None else 0)
 
 
 def _batches(docs: Iterator[tuple[int, Document]], reading: _Reading) -> Iterator[tuple[int, np.ndarray, list[str]]]:
