@@ -235,6 +235,34 @@ def _saved_dataset_files(directory: Path) -> list[str]:
     return [str(directory / name) for name in names]
 
 
+class Reading:
+    """How far into the inputs the reading is, in bytes, for a progress bar (data shard's, data tokenizer's):
+    finished files whole, the one being read by the text taken from it (a .gz / .zst one by its compressed bytes
+    read; a part of a .parquet file when finished)."""
+
+    def __init__(self, files: list[str | Piece]) -> None:
+        self.sizes: dict[str, int] = {}
+        for f in files:
+            path = f.path if isinstance(f, Piece) else str(f)
+            self.sizes[path] = Path(path).stat().st_size if Path(path).is_file() else 0
+        self.total = sum(self.sizes.values())
+        self.finished, self.file, self.text = 0, None, 0
+
+    def add(self, doc: Document) -> None:
+        if doc.file != self.file:
+            self.finished += self.sizes.get(self.file, 0)
+            self.file, self.text = doc.file, 0
+        self.text += len(doc.text) + (len(doc.prompt) if doc.prompt else 0)
+
+    @property
+    def position(self) -> int:
+        size = self.sizes.get(self.file, 0)
+        if Path(self.file or "").suffix in (".txt", ".jsonl", ".json", ".tsv"):
+            return self.finished + min(self.text, size)
+        compressed = compressed_offset(self.file) if self.file else None  # (.gz, .zst: the bytes read of the file)
+        return self.finished + (min(compressed, size) if compressed is not None else 0)
+
+
 def read_documents(
     files: list[str | Path | Piece],
     text_field: str = "text",

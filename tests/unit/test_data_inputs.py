@@ -362,21 +362,20 @@ def test_cli_shard_part_then_merge(inputs, tiny_data, tmp_path, capsys):
 
 @pytest.mark.parametrize("suffix", [".gz", ".zst"])
 def test_the_byte_bar_of_a_compressed_input_moves_with_the_compressed_bytes_read(tmp_path, suffix):
-    """data shard's bar (shard._Reading.position) counts a .jsonl.gz / .jsonl.zst by its compressed bytes read,
+    """data shard's bar (documents.Reading.position) counts a .jsonl.gz / .jsonl.zst by its compressed bytes read,
     not only once the file is done."""
     import random
 
     import zstandard
 
-    from data_pipeline.documents import read_documents
-    from data_pipeline.shard import _Reading
+    from data_pipeline.documents import Reading, read_documents
 
     rng = random.Random(0)
     lines = "".join(json.dumps({"text": " ".join(str(rng.random()) for _ in range(50))}) + "\n" for _ in range(4000))
     path = tmp_path / f"docs.jsonl{suffix}"
     data = lines.encode()
     path.write_bytes(gzip.compress(data) if suffix == ".gz" else zstandard.ZstdCompressor().compress(data))
-    reading = _Reading([str(path)])
+    reading = Reading([str(path)])
     seen = []
     for i, doc in enumerate(read_documents([str(path)])):
         reading.add(doc)
