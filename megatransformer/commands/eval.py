@@ -351,12 +351,17 @@ def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str
 
 def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: int | None = None) -> dict:
     import torch
+    from tqdm import tqdm
 
     from megatransformer.batch import IGNORE_INDEX
     from megatransformer.training.data import build_run_loader
 
     loader = build_run_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
     loss_sum, tokens, sequences, pending = 0.0, 0, 0, []
+    total = expected_rows(cfg, split)
+    if max_batches:
+        total = min(total or max_batches * batch_size, max_batches * batch_size)
+    bar = tqdm(total=total, unit="row", desc="evaluating", file=sys.stderr, disable=not sys.stderr.isatty())
 
     text_bytes, words = 0, 0
 
@@ -372,6 +377,7 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
             text_bytes += len(text.encode())
             words += len(text.split())
         sequences += len(pending)
+        bar.update(len(pending))
         pending.clear()
 
     batches = 0
@@ -384,6 +390,8 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
                 break
     if pending and not (max_batches and batches >= max_batches):
         flush()
+    bar.total = bar.n  # (the rows expected were an estimate)
+    bar.close()
     loss = loss_sum / max(tokens, 1)
     return {
         "loss": loss,
@@ -397,10 +405,29 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
     }
 
 
+def expected_rows(cfg, split: str) -> int | None:
+    """About how many rows the evaluation reads, for its progress bar: the split's tokens over data.seq_len when
+    packed, its documents otherwise (None when the manifest cannot say)."""
+    from data_pipeline.shard import Manifest
+
+    try:
+        manifest = Manifest.load(cfg.data.valid)
+        if cfg.data.pack:
+            return max(1, manifest.tokens(split) // cfg.data.seq_len)
+        return sum(shard.documents for shard in manifest.splits.get(split, []))
+    except Exception:  # (a progress bar without a total: it counts)
+        return None
+
+
 def scored(cfg) -> str:
     """What the loss of :func:`evaluate` is over, in one line."""
+    rows = (
+        "the documents packed in order and cut where a row ends (a row's first tokens have no context before it)"
+        if cfg.data.pack
+        else "each document in rows of its own, padded (data.pack=false; one longer than a row goes on in the next, "
+        "without the context before it)"
+    )
     return (
-        f"scored: every {cfg.objective} label token of rows of data.seq_len={cfg.data.seq_len} tokens, the "
-        "documents packed in order and cut where a row ends (a row's first tokens have no context before it); "
+        f"scored: every {cfg.objective} label token of rows of data.seq_len={cfg.data.seq_len} tokens, {rows}; "
         "bytes and words are those of the labels' decoded text, special tokens left out"
     )

@@ -344,6 +344,19 @@ def _last(what: str, record: dict, step: int) -> str:
     return f"{'final ' + what:22s}" if record["step"] == step else f"{what} at step {record['step']:,}:"
 
 
+def shell_quote(text: str) -> str:
+    """``text`` as one shell word on one line: shlex's quoting, or bash's ``$'...'`` where it holds a newline or
+    another control character (an instruction prompt's), which shlex would keep literally, breaking the line."""
+    if text.isprintable():
+        return shlex.quote(text)
+    escaped = "".join(
+        {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c)
+        or (c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 128 else f"\\u{ord(c):04x}")
+        for c in text
+    )
+    return f"$'{escaped}'"
+
+
 def next_commands(cfg: RunConfig, checkpoint: Path | None = None) -> list[str]:
     """Evaluate, sample from and export the run just finished, as commands to copy; ``checkpoint``: the one to
     name when the run directory's latest is another (a damaged one the resume skipped)."""
@@ -357,7 +370,7 @@ def next_commands(cfg: RunConfig, checkpoint: Path | None = None) -> list[str]:
         commands.append(f"megatransformer eval --checkpoint {run} --data {shlex.quote(data)}")
     if cfg.model.arch != "encoder":
         prompt = cfg.train.sample_prompt or "The"
-        commands.append(f"megatransformer generate --checkpoint {run} --prompt {shlex.quote(prompt)}")
+        commands.append(f"megatransformer generate --checkpoint {run} --prompt {shell_quote(prompt)}")
     hf = hf_incompatibility(cfg.model) is None
     commands.append(
         f"megatransformer export --checkpoint {run} --format {'hf' if hf else 'safetensors'} "
