@@ -209,7 +209,8 @@ class ScheduleConfig(Section):
     decay_fraction: UnitInterval = 0.2
     """wsd: the final decay's share of train.max_steps when decay_steps is not set."""
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
-    """wsd: the decay's shape, from the peak to min_lr_ratio (1-sqrt: 1 - sqrt(progress), as OLMo-core's WSD)."""
+    """wsd: the decay's shape, from the peak to min_lr_ratio (1-sqrt: 1 - sqrt(progress), Hägele et al. 2024's
+    cooldown; OLMo-core 3.0.0's WSD decays linearly)."""
     decay_from: str | None = None
     """wsd: a checkpoint of a run's stable phase to branch a decay from: this run continues it (weights, optimizer,
     data) in its own run_dir and decays from the checkpoint's step to train.max_steps."""
