@@ -292,10 +292,12 @@ def run_tasks(args: argparse.Namespace) -> int:
             )
         placement = harness.Placement(device, rank, world)
         lm = harness.HarnessLM(loaded.model, loaded.cfg, loaded.tokenizer, placement, args.batch_size)
+        bar = task_progress(lm, sys.stderr, enabled=rank == 0 and sys.stderr.isatty())  # (before quiet's redirect)
         with harness.quiet():
             results = harness.evaluate(
                 lm, tasks, args.limit, args.num_fewshot, args.bootstrap_iters, log_samples=bool(args.samples)
             )
+        bar.close()
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
@@ -310,6 +312,36 @@ def run_tasks(args: argparse.Namespace) -> int:
 
         print(make_table(results))
     return 0
+
+
+def task_progress(lm, stream, enabled: bool = True):
+    """A bar of the harness's requests this rank scores, on ``stream`` (the harness's own bars are silenced with
+    its prints by harness.quiet): each scoring call adds its requests to the total, each packed batch its scored
+    requests to the count, a generation call its requests when done."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, unit="request", desc="lm-eval", file=stream, disable=not enabled, dynamic_ncols=True)
+    score, hidden, generate = lm._loglikelihood_tokens, lm._packed_hidden, lm.generate_until
+
+    def scoring(requests, *args, **kwargs):
+        bar.total += len(requests)
+        bar.refresh()
+        return score(requests, *args, **kwargs)
+
+    def packed(layout):
+        out = hidden(layout)
+        bar.update(len(layout.scored))
+        return out
+
+    def generating(requests, *args, **kwargs):
+        bar.total += len(requests)
+        bar.refresh()
+        out = generate(requests, *args, **kwargs)
+        bar.update(len(requests))
+        return out
+
+    lm._loglikelihood_tokens, lm._packed_hidden, lm.generate_until = scoring, packed, generating
+    return bar
 
 
 def write_samples(path: Path, samples: dict[str, list[dict]]) -> None:

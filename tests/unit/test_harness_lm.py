@@ -215,3 +215,18 @@ def test_tasks_of_ones_own_are_indexed_without_the_shipped_ones(tiny_data, tmp_p
     assert tasks.manager.all_tasks == sorted(TASKS)  # (the folder's tasks: not the harness's thousands)
     first, again = tasks.load()["tasks"]["mt_choice"], tasks.load()["tasks"]["mt_choice"]
     assert first is not again and len(first.eval_docs) == len(again.eval_docs) == 4
+
+
+def test_the_task_bar_counts_every_request_scored_and_generated(model, tok):
+    """eval --tasks' bar (commands/eval.task_progress): the harness's requests this rank scores, batch by batch."""
+    import io
+
+    from megatransformer.commands.eval import task_progress
+
+    lm = lm_of(model, tok, 2)
+    bar = task_progress(lm, io.StringIO(), enabled=True)
+    lm.loglikelihood(requests("loglikelihood", [(text, " and more of it") for text in TEXTS]))
+    assert bar.n == bar.total == len(TEXTS)
+    lm.generate_until(requests("generate_until", [(TEXTS[0], {"until": ["\n"], "max_gen_toks": 2})]))
+    assert bar.n == bar.total == len(TEXTS) + 1
+    bar.close()
