@@ -220,7 +220,7 @@ def _tokenizer(args: argparse.Namespace) -> int:
 @_guard
 def _shard(args: argparse.Namespace) -> int:
     files = _input_files(args.input)
-    print(f"sharding {len(files)} file(s) with {args.tokenizer} into {args.out}", file=sys.stderr, flush=True)
+    print(f"sharding {len(files)} file(s) with {args.tokenizer} into {args.out}", flush=True)  # (as data tokenizer)
     from data_pipeline.shard import SEGMENT_SHARDS, write_shards
 
     text_field = args.completion_field if args.prompt_field else args.text_field

@@ -264,7 +264,9 @@ def run_tasks(args: argparse.Namespace) -> int:
             raise ConfigError(f"{name} must be >= 0")
     if args.bleu or args.overrides:
         raise ConfigError("--tasks takes no --bleu and no key.path=value overrides")
-    if os.environ.get("RANK", "0") == "0":  # (PyTorch and lm-eval load for tens of seconds on a busy machine)
+    # (PyTorch and lm-eval load for tens of seconds on a busy machine; a terminal only: a task name lm-eval does not
+    # know, found once it has loaded, stays a script's one line of stderr)
+    if os.environ.get("RANK", "0") == "0" and sys.stderr.isatty():
         say(f"loading {args.checkpoint}, PyTorch and lm-evaluation-harness for {' '.join(args.tasks)}")
     from megatransformer.training.threads import say_threads
 

@@ -45,7 +45,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def export(args: argparse.Namespace) -> int:
-    print(f"exporting {args.checkpoint}: loading PyTorch and the weights", file=sys.stderr, flush=True)
     import torch
 
     from megatransformer.checkpoint import find_checkpoint, load_weights, write_weights_checkpoint
@@ -89,7 +88,7 @@ def _special_ids(tokenizer: Path) -> dict[str, int | None]:
 
 
 def import_hf(args: argparse.Namespace) -> int:
-    print(f"importing {args.hf}: loading PyTorch and the weights", file=sys.stderr, flush=True)
+    print(f"importing {args.hf}: loading PyTorch and the weights", flush=True)  # (stderr: an error's one line)
     from data_pipeline.settings import DataSettings
     from megatransformer.checkpoint import write_weights_checkpoint
     from megatransformer.config import ConfigError, RunConfig

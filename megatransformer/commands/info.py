@@ -35,7 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from megatransformer.training.layout import data_parallel_size
+
     cfg = load_config(args.config, args.overrides)
+    data_parallel_size(cfg, args.world_size or cfg.parallel.tensor_parallel * cfg.parallel.sequence_parallel)
     # (the counts need PyTorch, tens of seconds to load on a busy machine)
     print(f"info: {cfg.run_dir}: counting parameters and FLOPs (loading PyTorch)", file=sys.stderr, flush=True)
     from megatransformer.flops import attention_costs, model_size

@@ -58,9 +58,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    print(f"plan: {cfg.run_dir}: loading PyTorch, then ranking layouts", file=sys.stderr, flush=True)
-    from megatransformer.planner import plan
-
     for name in ("gpus_per_node", "nodes", "top"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "top" else 1):
@@ -69,13 +66,22 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    device, per_node = resolve_device(args, cfg)
+    # (a named GPU needs no PyTorch: one it does not know is one line; --host-memory checks the device first too)
+    early = args.gpu is not None or args.gpu_memory is not None or args.peak_tflops is not None
+    early = early or args.host_memory is not None
+    if early:
+        device, per_node = resolve_device(args, cfg)
     if args.host_memory is not None:
         from dataclasses import replace
 
         if device.kind == "cpu":
             raise ConfigError("--host-memory is for GPU plans: a CPU's ranks share this machine's memory")
         device = replace(device, host_gib=args.host_memory / per_node)
+    print(f"plan: {cfg.run_dir}: loading PyTorch, then ranking layouts", file=sys.stderr, flush=True)
+    from megatransformer.planner import plan
+
+    if not early:
+        device, per_node = resolve_device(args, cfg)
     world = per_node * args.nodes
     current, global_batch = config_layout(cfg, world, device.kind)
     result = plan(cfg, device, world, per_node, current, global_batch)

@@ -55,7 +55,7 @@ def test_plan_and_data_shard_say_what_they_do_first(tiny_data, tmp_path, capsys)
     out = tmp_path / "shards"
     shard = ["data", "shard", "--input", str(tiny_data.corpus), "--tokenizer", str(tiny_data.tokenizer)]
     assert main([*shard, "--out", str(out), "--workers", "1"]) == 0
-    assert capsys.readouterr().err.splitlines()[0] == f"sharding 1 file(s) with {tiny_data.tokenizer} into {out}"
+    assert capsys.readouterr().out.splitlines()[0] == f"sharding 1 file(s) with {tiny_data.tokenizer} into {out}"
 
 
 def test_data_tokenizer_shows_a_byte_bar_and_says_when_it_computes_the_merges(tiny_data, tmp_path, capsys):
