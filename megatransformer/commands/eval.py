@@ -268,15 +268,14 @@ def run_tasks(args: argparse.Namespace) -> int:
     # know, found once it has loaded, stays a script's one line of stderr)
     if os.environ.get("RANK", "0") == "0" and sys.stderr.isatty():
         say(f"loading {args.checkpoint}, PyTorch and lm-evaluation-harness for {' '.join(args.tasks)}")
-    from megatransformer.training.threads import say_threads
-
-    say_threads(say)
     import torch
 
     from megatransformer import harness
     from megatransformer.inference import load_for_inference
+    from megatransformer.training.threads import say_threads
 
     tasks = harness.load_tasks(args.tasks, args.include_path)
+    say_threads(say)  # (after the tasks: a name lm-eval does not know stays one line)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if world > 1:
