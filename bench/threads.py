@@ -6,6 +6,9 @@ nanoGPT's shape: forward, cross-entropy, backward, AdamW) in a fresh process per
   set=N          OMP_NUM_THREADS unset, torch.set_num_threads(N) at start (what the trainer does when it
                  picks its threads: training/threads.py)
   picked         OMP_NUM_THREADS unset, training/threads.py's choice from the cores and the load
+  V+passive      variant V with OMP_WAIT_POLICY=PASSIVE (libgomp's idle threads sleep at once instead of
+                 spinning; what the CLI sets on a busy machine); V+active: OMP_WAIT_POLICY=ACTIVE. Without
+                 either the child runs with neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT (libgomp's default)
 
 Rounds alternate the variants (the order reversed every other round), so that the background load hits all
 alike; the table gives each variant's median seconds per step and its ratio to ``default`` from the same
@@ -14,6 +17,7 @@ rounds. On a machine shared with other work, only the ratios mean anything, and 
     python bench/threads.py                       # 3 rounds of 6 steps, variants default omp=1 omp=2 set=1 set=2 picked
     python bench/threads.py --rounds 5 --steps 10
     python bench/threads.py --background 1 --variants set=2,set=1,picked   # beside 1 busy process of other work
+    python bench/threads.py --variants omp=1,omp=1+passive,omp=2,omp=2+passive   # the wait policy's cost
 
 ``--background K`` keeps K processes busy (a Python loop each, no threads of their own) for the whole run: a
 known load instead of whatever else runs.
@@ -63,9 +67,13 @@ print(json.dumps({"threads": torch.get_num_threads(), "seconds": times[1:]}))
 
 
 def run(variant: str, steps: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    variant, _, policy = variant.partition("+")
+    unset = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     if variant.startswith("omp="):
         env["OMP_NUM_THREADS"] = variant[4:]
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy.upper()
     env["PYTHONPATH"] = str(REPO)
     done = subprocess.run(
         [sys.executable, "-c", CHILD, variant, str(steps)], capture_output=True, text=True, env=env, check=True
@@ -109,10 +117,11 @@ def main() -> None:
         f"cores usable {cores}, {args.background} busy processes beside the runs, load average during the rounds "
         f"{min(loads):.1f}-{max(loads):.1f}"
     )
-    print(f"{'variant':10s} {'threads':>7s} {'s/step':>8s} {'vs ' + variants[0]:>12s}")
+    print(f"{'variant':14s} {'threads':>7s} {'s/step':>8s} {'vs ' + variants[0]:>12s}  s/step of each round")
     for variant in variants:
         median = statistics.median(seconds[variant])
-        print(f"{variant:10s} {threads[variant]:7d} {median:8.3f} {base / median:11.2f}x")
+        rounds = " ".join(f"{s:.3f}" for s in seconds[variant])
+        print(f"{variant:14s} {threads[variant]:7d} {median:8.3f} {base / median:11.2f}x  {rounds}")
 
 
 if __name__ == "__main__":

@@ -90,13 +90,29 @@ class DecodeStats:
         return lines
 
 
+_COMPRESSED: dict[str, IO[bytes]] = {}  # the compressed file under each .gz / .zst being read, by path
+
+
+def compressed_offset(path: str) -> int | None:
+    """How many compressed bytes of ``path`` (a .gz or .zst file being read in this process) have been read so
+    far, for a progress bar; None when it is not being read."""
+    raw = _COMPRESSED.get(str(Path(path)))
+    try:
+        return None if raw is None else raw.tell()
+    except (OSError, ValueError):  # (closed meanwhile)
+        return None
+
+
 def _open_binary(path: Path) -> IO[bytes]:
     if path.suffix == ".gz":
-        return gzip.open(path, "rb")
+        stream = gzip.open(path, "rb")
+        _COMPRESSED[str(path)] = stream.fileobj
+        return stream
     if path.suffix == ".zst":
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"))
+        raw = _COMPRESSED[str(path)] = open(path, "rb")
+        return zstandard.ZstdDecompressor().stream_reader(raw)
     return open(path, "rb")
 
 
@@ -138,6 +154,8 @@ def _lines(path: Path, on_decode_error: str, stats: DecodeStats) -> Iterator[tup
         raise DataError(
             f"{path}: unreadable after line {number} ({damaged}{type(err).__name__}: {err}); fix or re-download it"
         ) from None
+    finally:
+        _COMPRESSED.pop(str(path), None)
 
 
 COLUMNAR = (".parquet", ".arrow")  # read by pyarrow; never .gz / .zst (compressed inside)
@@ -218,6 +236,34 @@ def _saved_dataset_files(directory: Path) -> list[str]:
                 "give the directory `Dataset.save_to_disk` wrote"
             )
     return [str(directory / name) for name in names]
+
+
+class Reading:
+    """How far into the inputs the reading is, in bytes, for a progress bar (data shard's, data tokenizer's):
+    finished files whole, the one being read by the text taken from it (a .gz / .zst one by its compressed bytes
+    read; a part of a .parquet file when finished)."""
+
+    def __init__(self, files: list[str | Piece]) -> None:
+        self.sizes: dict[str, int] = {}
+        for f in files:
+            path = f.path if isinstance(f, Piece) else str(f)
+            self.sizes[path] = Path(path).stat().st_size if Path(path).is_file() else 0
+        self.total = sum(self.sizes.values())
+        self.finished, self.file, self.text = 0, None, 0
+
+    def add(self, doc: Document) -> None:
+        if doc.file != self.file:
+            self.finished += self.sizes.get(self.file, 0)
+            self.file, self.text = doc.file, 0
+        self.text += len(doc.text) + (len(doc.prompt) if doc.prompt else 0)
+
+    @property
+    def position(self) -> int:
+        size = self.sizes.get(self.file, 0)
+        if Path(self.file or "").suffix in (".txt", ".jsonl", ".json", ".tsv"):
+            return self.finished + min(self.text, size)
+        compressed = compressed_offset(self.file) if self.file else None  # (.gz, .zst: the bytes read of the file)
+        return self.finished + (min(compressed, size) if compressed is not None else 0)
 
 
 def read_documents(

@@ -45,7 +45,8 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as validated_dataclass
 
 from data_pipeline import STORAGE_ERRNOS, DataError, schema_error, write_failed
-from data_pipeline.documents import DecodeStats, Document, Piece, read_documents
+from data_pipeline.documents import DecodeStats, Document, read_documents
+from data_pipeline.documents import Reading as _Reading
 from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_segments, save_part, segments
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
 from data_pipeline.tokenizer import TokenizerInfo, load_tokenizer
@@ -594,30 +595,6 @@ def _tokenize(job: tuple[int, np.ndarray, list[str], bool]) -> tuple[int, np.nda
 
 
 BATCH_TEXTS, BATCH_CHARS = 2048, 1 << 21  # a tokenizer batch: whichever is reached first
-
-
-class _Reading:
-    """How far into the inputs the reading is, in bytes, for the progress bar: finished files whole, the one
-    being read by the text taken from it (a compressed one, or a part of a .parquet file, when finished)."""
-
-    def __init__(self, files: list[str | Piece]) -> None:
-        self.sizes: dict[str, int] = {}
-        for f in files:
-            path = f.path if isinstance(f, Piece) else str(f)
-            self.sizes[path] = Path(path).stat().st_size if Path(path).is_file() else 0
-        self.total = sum(self.sizes.values())
-        self.finished, self.file, self.text = 0, None, 0
-
-    def add(self, doc: Document) -> None:
-        if doc.file != self.file:
-            self.finished += self.sizes.get(self.file, 0)
-            self.file, self.text = doc.file, 0
-        self.text += len(doc.text) + (len(doc.prompt) if doc.prompt else 0)
-
-    @property
-    def position(self) -> int:
-        plain = Path(self.file or "").suffix in (".txt", ".jsonl", ".json", ".tsv")
-        return self.finished + (min(self.text, self.sizes.get(self.file, 0)) if plain else 0)
 
 
 def _batches(docs: Iterator[tuple[int, Document]], reading: _Reading) -> Iterator[tuple[int, np.ndarray, list[str]]]:

@@ -131,12 +131,15 @@ def train_tokenizer(
     n_sentinels: int = 100,
     text_field: str = "text",
     doc_per: str = "block",
+    progress: bool = False,
 ) -> TokenizerInfo:
     """Train a byte-level BPE on text files (read with ``read_documents``), write it atomically, with the files
-    that tell ``transformers`` the special tokens beside it."""
+    that tell ``transformers`` the special tokens beside it; ``progress``: a byte bar of the reading on stderr
+    (as data shard's), then a line when the merges are computed."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
+    from tqdm import tqdm
 
-    from data_pipeline.documents import read_documents
+    from data_pipeline.documents import Reading, read_documents
 
     specials = [PAD, BOS, EOS, UNK, MASK] + [sentinel(i) for i in range(n_sentinels)]
     if vocab_size < len(specials) + 256:
@@ -154,11 +157,20 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     seen = [0]
+    reading = Reading(files)
+    bar = tqdm(total=reading.total, unit="B", unit_scale=True, disable=not progress, desc="reading", file=sys.stderr)
 
     def texts():
         for doc in read_documents(files, text_field, doc_per):
             seen[0] += 1
+            reading.add(doc)
+            if seen[0] % 256 == 0:
+                bar.update(reading.position - bar.n)
             yield doc.text
+        bar.update(reading.total - bar.n)
+        bar.close()
+        if progress:
+            print(f"read {seen[0]:,} documents: computing the merges", file=sys.stderr, flush=True)
 
     tok.train_from_iterator(texts(), trainer=trainer)
     if not seen[0]:

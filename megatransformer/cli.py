@@ -19,6 +19,8 @@ from data_pipeline import DataError, WriteFailed
 from megatransformer.config import ConfigError
 
 EXIT_WRITE_FAILED = 5  # a file could not be written (disk full, quota, I/O error); what was intact stays so
+# the commands that run PyTorch's kernels: they pick their threads for the machine (training/threads.py)
+COMPUTING = ("train", "quickstart", "eval", "generate", "plan")
 
 COMMANDS = (
     "megatransformer.commands.info",
@@ -114,6 +116,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
+    if args.command in COMPUTING:  # (before torch loads libgomp, which reads it once)
+        from megatransformer.training.threads import set_wait_policy
+
+        set_wait_policy()
     try:
         return int(args.func(args) or 0)
     except (ConfigError, DataError) as err:

@@ -251,14 +251,14 @@ def _interleave(chunks: list[_Chunk]) -> Iterator[tuple[dict[str, torch.Tensor],
                 yield {key: value[u] for key, value in c.batch.items()}, c.states[u]
 
 
-def check_data(settings: LoaderSettings, tokenizer: TokenizerInfo) -> None:
-    """The checks a loader makes when built, of both splits, from the manifests alone: a run can make them
-    before its engines start."""
+def check_data(settings: LoaderSettings, tokenizer: TokenizerInfo, dp_size: int = 1) -> None:
+    """The checks a loader makes when built, of both splits, from the manifests alone (the train split's streams
+    dealt to ``dp_size`` data-parallel ranks included): a run can make them before its engines start."""
     data = settings.data
     retry = Retry(data.retries, settings.retry_wait)
-    shard_sets = resolve_datasets(data.train, "train", retry) + resolve_datasets(
-        data.valid, "valid", retry, fallback=data.train
-    )
+    train = resolve_datasets(data.train, "train", retry)
+    check_streams(train, data.streams, dp_size, data.num_workers)
+    shard_sets = train + resolve_datasets(data.valid, "valid", retry, fallback=data.train)
     check_compatible(shard_sets, tokenizer, settings.vocab_size)
     check_instructions(shard_sets, settings.objective)
 

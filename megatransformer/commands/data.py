@@ -206,7 +206,9 @@ def _tokenizer(args: argparse.Namespace) -> int:
     print(f"training a {args.vocab_size:,}-token tokenizer on {len(files)} file(s): reading every document", flush=True)
     from data_pipeline.tokenizer import train_tokenizer
 
-    info = train_tokenizer(files, args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per)
+    info = train_tokenizer(
+        files, args.vocab_size, args.out, args.sentinels, args.text_field, args.doc_per, progress=sys.stderr.isatty()
+    )
     asked = "" if info.vocab_size == args.vocab_size else f" of {args.vocab_size} asked"
     print(
         f"wrote {args.out}: {info.vocab_size} tokens{asked} (pad {info.pad_id}, bos {info.bos_id}, eos {info.eos_id}, "
@@ -217,11 +219,13 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 @_guard
 def _shard(args: argparse.Namespace) -> int:
+    files = _input_files(args.input)
+    print(f"sharding {len(files)} file(s) with {args.tokenizer} into {args.out}", flush=True)  # (as data tokenizer)
     from data_pipeline.shard import SEGMENT_SHARDS, write_shards
 
     text_field = args.completion_field if args.prompt_field else args.text_field
     manifest = write_shards(
-        _input_files(args.input),
+        files,
         args.tokenizer,
         args.out,
         args.shard_mb,

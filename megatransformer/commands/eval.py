@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         _check_bleu_arguments(args)
     model_overrides, run_overrides = _split_overrides(args.overrides)
     say(f"loading {args.checkpoint}")  # (PyTorch and the weights: seconds, on a busy machine tens of them)
+    from megatransformer.training.threads import say_threads
+
+    say_threads(say)  # (as train picks its threads: a busy machine's default threads wait for each other)
     from megatransformer.inference import load_for_inference
 
     loaded = load_for_inference(args.checkpoint, model_overrides=model_overrides)
@@ -254,11 +257,7 @@ def run_tasks(args: argparse.Namespace) -> int:
     """lm-eval tasks on the checkpoint, one process or each torchrun rank a share of every task's items."""
     import os
 
-    import torch
-
-    from megatransformer import harness
     from megatransformer.config import ConfigError
-    from megatransformer.inference import load_for_inference
 
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit {args.limit}: give at least 1 item a task (--limit 0 evaluates nothing)")
@@ -268,11 +267,22 @@ def run_tasks(args: argparse.Namespace) -> int:
         raise ConfigError("--tasks takes no --bleu and no key.path=value overrides")
     if args.samples:
         writable(Path(args.samples))
+    # (PyTorch and lm-eval load for tens of seconds on a busy machine; a terminal only: a task name lm-eval does not
+    # know, found once it has loaded, stays a script's one line of stderr)
+    if os.environ.get("RANK", "0") == "0" and sys.stderr.isatty():
+        say(f"loading {args.checkpoint}, PyTorch and lm-evaluation-harness for {' '.join(args.tasks)}")
+    import torch
+
+    from megatransformer import harness
+    from megatransformer.inference import load_for_inference
+    from megatransformer.training.threads import say_threads
+
     tasks = harness.load_tasks(args.tasks, args.include_path)
     harness.check_fewshot(tasks, args.num_fewshot, "--num-fewshot")
     if int(os.environ.get("RANK", 0)) == 0:
         for line in tasks.code():
             say(line)  # (a task folder is code: lm-eval imports it)
+    say_threads(say)  # (after the tasks: a name lm-eval does not know stays one line)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if world > 1:
@@ -290,10 +300,12 @@ def run_tasks(args: argparse.Namespace) -> int:
             )
         placement = harness.Placement(device, rank, world, group=harness.gather_group(world))
         lm = harness.HarnessLM(loaded.model, loaded.cfg, loaded.tokenizer, placement, args.batch_size)
+        bar = task_progress(lm, sys.stderr, enabled=rank == 0 and sys.stderr.isatty())  # (before quiet's redirect)
         with harness.quiet():
             results = harness.evaluate(
                 lm, tasks, args.limit, args.num_fewshot, args.bootstrap_iters, log_samples=bool(args.samples)
             )
+        bar.close()
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
@@ -325,6 +337,36 @@ def writable(path: Path) -> None:
         ) from None
     if not existed:
         path.unlink()
+
+
+def task_progress(lm, stream, enabled: bool = True):
+    """A bar of the harness's requests this rank scores, on ``stream`` (the harness's own bars are silenced with
+    its prints by harness.quiet): each scoring call adds its requests to the total, each packed batch its scored
+    requests to the count, a generation call its requests when done."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, unit="request", desc="lm-eval", file=stream, disable=not enabled, dynamic_ncols=True)
+    score, hidden, generate = lm._loglikelihood_tokens, lm._packed_hidden, lm.generate_until
+
+    def scoring(requests, *args, **kwargs):
+        bar.total += len(requests)
+        bar.refresh()
+        return score(requests, *args, **kwargs)
+
+    def packed(layout):
+        out = hidden(layout)
+        bar.update(len(layout.scored))
+        return out
+
+    def generating(requests, *args, **kwargs):
+        bar.total += len(requests)
+        bar.refresh()
+        out = generate(requests, *args, **kwargs)
+        bar.update(len(requests))
+        return out
+
+    lm._loglikelihood_tokens, lm._packed_hidden, lm.generate_until = scoring, packed, generating
+    return bar
 
 
 def write_samples(path: Path, samples: dict[str, list[dict]]) -> None:
@@ -366,12 +408,17 @@ def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str
 
 def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: int | None = None) -> dict:
     import torch
+    from tqdm import tqdm
 
     from megatransformer.batch import IGNORE_INDEX
     from megatransformer.training.data import build_run_loader
 
     loader = build_run_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
     loss_sum, tokens, sequences, pending = 0.0, 0, 0, []
+    total = expected_rows(cfg, split)
+    if max_batches:
+        total = min(total or max_batches * batch_size, max_batches * batch_size)
+    bar = tqdm(total=total, unit="row", desc="evaluating", file=sys.stderr, disable=not sys.stderr.isatty())
 
     text_bytes, words = 0, 0
 
@@ -387,6 +434,7 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
             text_bytes += len(text.encode())
             words += len(text.split())
         sequences += len(pending)
+        bar.update(len(pending))
         pending.clear()
 
     batches = 0
@@ -399,6 +447,8 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
                 break
     if pending and not (max_batches and batches >= max_batches):
         flush()
+    bar.total = bar.n  # (the rows expected were an estimate)
+    bar.close()
     loss = loss_sum / max(tokens, 1)
     return {
         "loss": loss,
@@ -412,10 +462,29 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
     }
 
 
+def expected_rows(cfg, split: str) -> int | None:
+    """About how many rows the evaluation reads, for its progress bar: the split's tokens over data.seq_len when
+    packed, its documents otherwise (None when the manifest cannot say)."""
+    from data_pipeline.shard import Manifest
+
+    try:
+        manifest = Manifest.load(cfg.data.valid)
+        if cfg.data.pack:
+            return max(1, manifest.tokens(split) // cfg.data.seq_len)
+        return sum(shard.documents for shard in manifest.splits.get(split, []))
+    except Exception:  # (a progress bar without a total: it counts)
+        return None
+
+
 def scored(cfg) -> str:
     """What the loss of :func:`evaluate` is over, in one line."""
+    rows = (
+        "the documents packed in order and cut where a row ends (a row's first tokens have no context before it)"
+        if cfg.data.pack
+        else "each document in rows of its own, padded (data.pack=false; one longer than a row goes on in the next, "
+        "without the context before it)"
+    )
     return (
-        f"scored: every {cfg.objective} label token of rows of data.seq_len={cfg.data.seq_len} tokens, the "
-        "documents packed in order and cut where a row ends (a row's first tokens have no context before it); "
+        f"scored: every {cfg.objective} label token of rows of data.seq_len={cfg.data.seq_len} tokens, {rows}; "
         "bytes and words are those of the labels' decoded text, special tokens left out"
     )

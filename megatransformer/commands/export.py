@@ -88,6 +88,7 @@ def _special_ids(tokenizer: Path) -> dict[str, int | None]:
 
 
 def import_hf(args: argparse.Namespace) -> int:
+    print(f"importing {args.hf}: loading PyTorch and the weights", flush=True)  # (stderr: an error's one line)
     from data_pipeline.settings import DataSettings
     from megatransformer.checkpoint import write_weights_checkpoint
     from megatransformer.config import ConfigError, RunConfig

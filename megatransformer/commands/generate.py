@@ -76,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"loading {args.checkpoint}", file=sys.stderr, flush=True)
     import torch
 
+    from megatransformer.training.threads import say_threads
+
+    say_threads(lambda line: print(line, file=sys.stderr, flush=True))
+
     from megatransformer.inference import beam_decode, decoder_start_id, load_for_inference, new_token_limit
     from megatransformer.model import stream
 

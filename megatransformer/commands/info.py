@@ -33,10 +33,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from megatransformer.training.layout import data_parallel_size
+
+    cfg = load_config(args.config, args.overrides)
+    data_parallel_size(cfg, args.world_size or cfg.parallel.tensor_parallel * cfg.parallel.sequence_parallel)
+    # (the counts need PyTorch, tens of seconds to load on a busy machine)
+    print(f"info: {cfg.run_dir}: counting parameters and FLOPs (loading PyTorch)", file=sys.stderr, flush=True)
     from megatransformer.flops import attention_costs, model_size
     from megatransformer.planner import BYTES
 
-    cfg = load_config(args.config, args.overrides)
     size = model_size(cfg.model, cfg.data.seq_len)
     attention = attention_costs(cfg.model, cfg.data.seq_len)
     layout = describe(cfg, args.world_size or cfg.parallel.tensor_parallel * cfg.parallel.sequence_parallel)
@@ -52,8 +59,6 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(dump_config(cfg), end="")
-    print("---")
     print(f"parameters:               {size.params:,} ({size.params / 1e6:.2f} M)")
     print(f"non-embedding parameters: {size.non_embedding_params:,} ({size.non_embedding_params / 1e6:.2f} M)")
     print(f"training FLOPs per token: {size.flops_per_token:.4g} (seq_len {size.seq_len})")
@@ -78,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     rows = f"micro batch of {micro} rows" if micro else "row (the micro batch depends on the launch)"
     print(f"activations per rank:     ~{layout['activation_bytes'] / 2**20:,.1f} MiB per {rows} (estimate)")
     print("                          (megatransformer plan: all of a rank's memory, by part, for each layout)")
+    print("--- the config, every default filled in:")
+    print(dump_config(cfg), end="")
     return 0
 
 

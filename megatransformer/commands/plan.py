@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError, RunConfig, load_config
@@ -56,8 +57,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatransformer.planner import plan
-
     cfg = load_config(args.config, args.overrides)
     for name in ("gpus_per_node", "nodes", "top"):
         value = getattr(args, name)
@@ -67,24 +66,37 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    device, per_node = resolve_device(args, cfg)
+    # (a named GPU needs no PyTorch: one it does not know is one line; --host-memory checks the device first too)
+    early = args.gpu is not None or args.gpu_memory is not None or args.peak_tflops is not None
+    early = early or args.host_memory is not None
+    if early:
+        device, per_node = resolve_device(args, cfg)
     if args.host_memory is not None:
         from dataclasses import replace
 
         if device.kind == "cpu":
             raise ConfigError("--host-memory is for GPU plans: a CPU's ranks share this machine's memory")
         device = replace(device, host_gib=args.host_memory / per_node)
+    print(f"plan: {cfg.run_dir}: loading PyTorch, then ranking layouts", file=sys.stderr, flush=True)
+    from megatransformer.planner import plan
+
+    if not early:
+        device, per_node = resolve_device(args, cfg)
     world = per_node * args.nodes
     current, global_batch = config_layout(cfg, world, device.kind)
     result = plan(cfg, device, world, per_node, current, global_batch)
+    note = batch_note(cfg, world)
     top = args.top or None
     if args.json:
         out = result.as_dict(top)
         if not args.verbose:
             del out["skipped"]
+        out["batch_note"] = note
         print(json.dumps(out, indent=2))
         return 0
     print(render(cfg, result, top, args.verbose))
+    if note:
+        print(note)
     return 0
 
 
@@ -131,6 +143,10 @@ def local_device(cfg: RunConfig, ranks_per_node: int | None, need_peak: bool = T
         host = cpu_device(ranks).memory_gib
         return replace(known, name=name, memory_gib=memory, peak_tflops=peak, host_gib=host), ranks
     ranks = ranks_per_node or 1
+    if need_peak:  # (the GEMMs measured with the threads a run would pick here)
+        from megatransformer.training.threads import say_threads
+
+        say_threads(lambda line: print(line, file=sys.stderr, flush=True))
     return replace(cpu_device(ranks), peak_tflops=cpu_tflops(cfg.precision) if need_peak else 0.0), ranks
 
 
@@ -184,7 +200,7 @@ def config_layout(cfg: RunConfig, world: int, kind: str):
     dp = max(1, world // group)
     try:
         sizes = resolve_batch_sizes(cfg.train, dp)
-    except ConfigError:  # the batch left to the launch: one row per data-parallel rank
+    except ConfigError:  # (batch_note says so) the batch left to the launch: one row per data-parallel rank
         sizes = BatchSizes(cfg.train.micro_batch_size or 1, cfg.train.grad_accum or 1, dp)
     if world % group:
         return None, sizes.global_batch
@@ -200,6 +216,25 @@ def config_layout(cfg: RunConfig, world: int, kind: str):
         sizes.accum,
     )
     return layout, sizes.global_batch
+
+
+def batch_note(cfg: RunConfig, world: int) -> str | None:
+    """A line when the config's batch cannot be laid out on ``world`` ranks and the plan takes another
+    (:func:`config_layout`'s), saying why and which; None when the plan keeps the config's."""
+    from megatransformer.training.layout import resolve_batch_sizes
+
+    p = cfg.parallel
+    dp = max(1, world // (p.tensor_parallel * p.sequence_parallel))
+    try:
+        resolve_batch_sizes(cfg.train, dp)
+        return None
+    except ConfigError as err:
+        t = cfg.train
+        micro, accum = t.micro_batch_size or 1, t.grad_accum or 1
+        return (
+            f"note: the config's batch does not work on {world} rank{'s' * (world != 1)} ({err}): planning global "
+            f"batch {micro * accum * dp} (micro {micro} x accum {accum} x dp {dp}) instead; `train` would refuse it"
+        )
 
 
 def cpu_tflops(precision: str) -> float:

@@ -1,5 +1,6 @@
-"""``megatransformer plot RUN_DIR...``: loss, learning rate, throughput and MFU curves of one or more runs, and
-the downstream tasks' metrics (train.evals) where they were evaluated."""
+"""``megatransformer plot RUN_DIR...``: loss, learning rate, gradient norm, throughput and MFU curves of one or
+more runs, and the downstream tasks' metrics (train.evals) where they were evaluated (scores of 0-1 on the left
+axis, bits per byte on the right)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ PLOT_NAME = "metrics.png"
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plot",
-        help="draw loss, learning-rate, throughput and MFU curves of runs to a PNG",
+        help="draw loss, learning-rate, gradient-norm, throughput and MFU curves of runs to a PNG",
         description="Draw the curves of metrics.jsonl of one or more runs into one PNG.",
     )
     p.add_argument("runs", nargs="+", help="run directories (holding metrics.jsonl)")
@@ -36,6 +37,7 @@ def default_out(runs: list[str | Path]) -> Path:
 PANELS = (
     ("loss", "loss", "loss"),
     ("lr", "learning rate", "learning rate"),
+    ("grad_norm", "gradient norm (log scale)", "gradient norm"),
     ("tokens_per_s", "tokens / s", "throughput"),
     ("mfu", "MFU (%)", "model FLOPs utilisation"),
     ("eval/", "metric", "downstream tasks (train.evals; perplexities: in metrics.jsonl)"),
@@ -44,10 +46,10 @@ PANELS = (
 
 def panels(metrics: list[list[dict]]) -> list[tuple[str, str, str]]:
     """(record key, y label, title) of each panel: MFU only when some run has it (a CPU run has none unless
-    train.peak_tflops is set), downstream tasks only when some run evaluated them."""
-    has_mfu = any(r.get("mfu") is not None for records in metrics for r in records)
-    has_evals = bool(eval_keys([r for records in metrics for r in records]))
-    return [panel for panel in PANELS if (panel[0] != "mfu" or has_mfu) and (panel[0] != "eval/" or has_evals)]
+    train.peak_tflops is set), the gradient norm likewise, downstream tasks only when some run evaluated them."""
+    has = {key: any(r.get(key) is not None for records in metrics for r in records) for key in ("mfu", "grad_norm")}
+    has["eval/"] = bool(eval_keys([r for records in metrics for r in records]))
+    return [panel for panel in PANELS if has.get(panel[0], True)]
 
 
 def eval_keys(records: list[dict]) -> list[str]:
@@ -67,6 +69,7 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
     shown = panels([records for _, records in metrics])
     fig = Figure(figsize=(6 * len(shown), 4.5))
     axes = fig.subplots(1, len(shown), squeeze=False)
+    bits = None  # the downstream panel's right axis: bits per byte (unbounded) beside the 0-1 scores
     for run_dir, records in metrics:
         name = Path(run_dir).resolve().name
         train = [r for r in records if "loss" in r]
@@ -78,7 +81,11 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
                     if metric.endswith("perplexity"):  # (unbounded: they would flatten the others; bits_per_byte
                         continue  # says the same)
                     points = [(r["step"], r[metric]) for r in valid if r.get(metric) is not None]
-                    ax.plot(*zip(*points), "o-", label=f"{name} {metric.removeprefix('eval/')}")
+                    if metric.endswith("bits_per_byte"):
+                        bits = bits or ax.twinx()
+                        bits.plot(*zip(*points), "s--", label=f"{name} {metric.removeprefix('eval/')} (right)")
+                    else:
+                        ax.plot(*zip(*points), "o-", label=f"{name} {metric.removeprefix('eval/')}")
                 continue
             scale = 100 if key == "mfu" else 1
             ax.plot(
@@ -90,10 +97,17 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
         if losses:
             axes.flat[0].plot(*zip(*losses), "o--", label=f"{name} valid")
         mark_spikes(axes.flat[0], name, [r for r in records if "event" in r])
-    for ax, (_, ylabel, title) in zip(axes.flat, shown):
+    for ax, (key, ylabel, title) in zip(axes.flat, shown):
         ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if key == "grad_norm" and any(line.get_ydata().size for line in ax.get_lines()):
+            ax.set_yscale("log")
+        handles, labels = ax.get_legend_handles_labels()
+        if key == "eval/" and bits is not None:
+            bits.set_ylabel("bits per byte")
+            more = bits.get_legend_handles_labels()
+            handles, labels = handles + more[0], labels + more[1]
+        ax.legend(handles, labels)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from megatransformer.training.host_memory import apply_host_memory_policy
     from megatransformer.training.loop import Preemption, Trainer
     from megatransformer.training.preflight import check_before_start
-    from megatransformer.training.resume import check_run_dir
+    from megatransformer.training.resume import check_run_dir, keep_saved_batch
     from megatransformer.training.run_lock import lock_run_dir
     from megatransformer.training.threads import set_threads_for_machine
     from megatransformer.training.watchdog import dump_rank, hang_dir, stack_dumps, switch_on_flight_recorder
@@ -77,6 +77,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     if cfg.data.tokenizer is None:
         raise ConfigError("data.tokenizer is not set; point it at the tokenizer.json the shards were made with")
     check_run_dir(cfg)
+    cfg, kept = keep_saved_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # (an elastic resume's batch)
+    if kept and os.environ.get("RANK", "0") == "0":
+        print(kept, flush=True)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_before_start(cfg, tokenizer)  # device and files: seconds, not after DeepSpeed's start-up
     if cfg.train.check_memory:  # an out-of-memory layout: one line now, not an error minutes in
@@ -344,6 +347,19 @@ def _last(what: str, record: dict, step: int) -> str:
     return f"{'final ' + what:22s}" if record["step"] == step else f"{what} at step {record['step']:,}:"
 
 
+def shell_quote(text: str) -> str:
+    """``text`` as one shell word on one line: shlex's quoting, or bash's ``$'...'`` where it holds a newline or
+    another control character (an instruction prompt's), which shlex would keep literally, breaking the line."""
+    if text.isprintable():
+        return shlex.quote(text)
+    escaped = "".join(
+        {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c)
+        or (c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 128 else f"\\u{ord(c):04x}")
+        for c in text
+    )
+    return f"$'{escaped}'"
+
+
 def next_commands(cfg: RunConfig, checkpoint: Path | None = None) -> list[str]:
     """Evaluate, sample from and export the run just finished, as commands to copy; ``checkpoint``: the one to
     name when the run directory's latest is another (a damaged one the resume skipped)."""
@@ -357,7 +373,7 @@ def next_commands(cfg: RunConfig, checkpoint: Path | None = None) -> list[str]:
         commands.append(f"megatransformer eval --checkpoint {run} --data {shlex.quote(data)}")
     if cfg.model.arch != "encoder":
         prompt = cfg.train.sample_prompt or "The"
-        commands.append(f"megatransformer generate --checkpoint {run} --prompt {shlex.quote(prompt)}")
+        commands.append(f"megatransformer generate --checkpoint {run} --prompt {shell_quote(prompt)}")
     hf = hf_incompatibility(cfg.model) is None
     commands.append(
         f"megatransformer export --checkpoint {run} --format {'hf' if hf else 'safetensors'} "

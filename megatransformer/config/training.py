@@ -119,8 +119,13 @@ class TrainConfig(Section):
     eval_every: NonNegativeInt = 0
     """Steps between validation passes (0: only at the end)."""
     eval_batches: PositiveInt = 10
-    """Micro batches per validation pass, in all: the first ones of the validation split, dealt out to the
-    data-parallel ranks (the numbers do not depend on the number of ranks)."""
+    """Micro batches per validation pass, in all, counted in the micro batch of one data-parallel rank
+    (``micro_batch_size``, or ``global_batch_size / grad_accum``): the first ``eval_batches x`` that many rows of
+    the validation split, dealt out to the data-parallel ranks, the same rows on any number of ranks
+    (``eval_rows`` sets the rows directly)."""
+    eval_rows: PositiveInt | None = None
+    """Rows of the validation split per validation pass (unset: from ``eval_batches``). A resume on another
+    layout sets it to the checkpoint's, so that the validation set stays the same (docs/checkpoints.md)."""
     compile: bool | None = None
     """torch.compile each Transformer block (training/compiled.py); unset: on for CUDA runs, off on CPUs (where
     compiling takes minutes and gains little). The run log says which, and reports any recompilation or graph
@@ -208,7 +213,8 @@ class ScheduleConfig(Section):
     decay_fraction: UnitInterval = 0.2
     """wsd: the final decay's share of train.max_steps when decay_steps is not set."""
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
-    """wsd: the decay's shape, from the peak to min_lr_ratio (1-sqrt: 1 - sqrt(progress), as OLMo-core's WSD)."""
+    """wsd: the decay's shape, from the peak to min_lr_ratio (1-sqrt: 1 - sqrt(progress), Hägele et al. 2024's
+    cooldown; OLMo-core 3.0.0's WSD decays linearly)."""
     decay_from: str | None = None
     """wsd: a checkpoint of a run's stable phase to branch a decay from: this run continues it (weights, optimizer,
     data) in its own run_dir and decays from the checkpoint's step to train.max_steps."""

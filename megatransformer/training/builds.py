@@ -18,7 +18,7 @@ WHAT = {
     COLLECTIVE: f"DeepSpeed's CPU collective ({COLLECTIVE})",
     CPU_ADAM: f"DeepSpeed's CPU Adam ({CPU_ADAM}, for parallel.offload_optimizer)",
 }
-BUILD_TIME = "2-4 min on 2 cores"
+BUILD_TIME = "2-4 min on 2 idle cores, 7 or more on a busy machine"
 
 
 def ops_to_build(world_size: int, cuda: bool, offload_optimizer: bool) -> list[str]:

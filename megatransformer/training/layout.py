@@ -61,6 +61,42 @@ def exact_batch_overrides(train: TrainConfig, global_batch: int, dp: int) -> lis
     return [f"train.{name}={value}" for name, value in values.items() if getattr(train, name) != value]
 
 
+def keep_global_batch(train: TrainConfig, global_batch: int, dp: int) -> BatchSizes | None:
+    """The layout of ``global_batch`` on ``dp`` data-parallel ranks for a resume that keeps it: ``train``'s own
+    where it gives that batch, else the micro batch kept where it divides the rows of a rank (else the largest
+    below it that does) and the accumulation derived; None when ``dp`` does not divide ``global_batch``."""
+    try:
+        sizes = resolve_batch_sizes(train, dp)
+        if sizes.global_batch == global_batch:
+            return sizes
+    except ConfigError:
+        pass
+    if global_batch % dp:
+        return None
+    rows = global_batch // dp
+    micro = max(m for m in range(1, min(train.micro_batch_size or rows, rows) + 1) if rows % m == 0)
+    return BatchSizes(micro, rows // micro, dp)
+
+
+def validation_rows(train: TrainConfig) -> int:
+    """Rows of the validation split each validation pass reads, whatever the layout: ``train.eval_rows``, else
+    ``train.eval_batches`` micro batches of one data-parallel rank's micro batch (``train.micro_batch_size``, or
+    global batch / grad_accum where the micro batch is derived)."""
+    if train.eval_rows is not None:
+        return train.eval_rows
+    micro = train.micro_batch_size
+    if micro is None:
+        total, accum = train.global_batch_size, train.grad_accum
+        micro = max(1, (total or 1) // (accum or 1))
+    return train.eval_batches * micro
+
+
+def validation_batch(rows: int, micro: int) -> int:
+    """The batch the validation split is read in: the largest that divides ``rows`` and is at most ``micro``
+    (so that a pass reads exactly ``rows`` rows)."""
+    return max(m for m in range(1, min(micro, rows) + 1) if rows % m == 0)
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)

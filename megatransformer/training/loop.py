@@ -26,7 +26,7 @@ from megatransformer.training.compiled import CompileWatch, describe_compile
 from megatransformer.training.data import build_run_loader, small_validation_warning
 from megatransformer.training.distributed import Dist
 from megatransformer.training.engine import StepResult, TrainModule
-from megatransformer.training.layout import describe_layout, zero_stage_notes
+from megatransformer.training.layout import describe_layout, validation_batch, validation_rows, zero_stage_notes
 from megatransformer.training.metrics import Reporter, finite_or_none, peak_tflops
 from megatransformer.training.optim import branch_decay, describe_decay, schedule_phase, warmup_warning
 from megatransformer.training.resume import decay_start, plan_resume, refusal, rollback_target, skippable
@@ -108,9 +108,12 @@ class Trainer:
         self.train_loader = build_run_loader(
             cfg, "train", micro, self.module.dp_rank, self.module.dp_size, tokenizer, pin_memory=pin
         )
-        self.valid_loader = build_run_loader(cfg, "valid", micro, 0, 1, tokenizer, pin_memory=pin)
+        # (the same validation rows on any layout: read in batches that divide them)
+        self.valid_rows = validation_rows(cfg.train)
+        self.valid_batch = valid_batch = validation_batch(self.valid_rows, micro)
+        self.valid_loader = build_run_loader(cfg, "valid", valid_batch, 0, 1, tokenizer, pin_memory=pin)
         # (read now: an empty split fails before training; said in run(), outside the engine's quiet start-up)
-        self.validation_warning = small_validation_warning(self.valid_loader, micro)
+        self.validation_warning = small_validation_warning(self.valid_loader, valid_batch)
         self.state = ckpt.TrainerState(
             step=0,
             tokens=0,
@@ -484,9 +487,10 @@ class Trainer:
         self.module.close()
 
     def evaluate(self) -> dict[str, float]:
-        """Validation loss over the first train.eval_batches batches of the validation split (every rank
+        """Validation loss over the first rows of the validation split (layout.validation_rows: every rank
         reads the same batches; the train module deals them across data-parallel ranks)."""
-        return self.module.evaluate([batch for _, batch in zip(range(self.cfg.train.eval_batches), self.valid_loader)])
+        batches = self.valid_rows // self.valid_batch
+        return self.module.evaluate([batch for _, batch in zip(range(batches), self.valid_loader)])
 
 
 def first_step_note(cfg: RunConfig, step: int, compiled: bool) -> str:

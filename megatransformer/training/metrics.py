@@ -153,11 +153,11 @@ class Reporter:
         if not is_main:
             return
         truncate_metrics(self.path, start_step, rollbacks)
+        self.wandb = start_wandb(cfg, tracker_config)  # (first: its warning on a line of its own, not the bar's)
         if sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
-        self.wandb = start_wandb(cfg, tracker_config)
         if cfg.tensorboard:
             self.tensorboard = TensorBoard(cfg.run_dir, start_step)
 

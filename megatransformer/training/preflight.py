@@ -25,8 +25,9 @@ from megatransformer.training.trackers import check_tensorboard
 def check_before_start(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
     """Raise ConfigError (or DataError) for a run this device or these files cannot train."""
     check_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    resolve_batch_sizes(cfg.train, data_parallel_size(cfg, int(os.environ.get("WORLD_SIZE", "1"))))  # the world fits
-    check_data(cfg, tokenizer)
+    dp = data_parallel_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    resolve_batch_sizes(cfg.train, dp)  # the world fits
+    check_data(cfg, tokenizer, dp)
     check_tensorboard(cfg)
 
 
@@ -64,7 +65,8 @@ def check_device(cfg: RunConfig, device: str) -> None:
             )
 
 
-def check_data(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:
+def check_data(cfg: RunConfig, tokenizer: TokenizerInfo, dp_size: int = 1) -> None:
     """Shards, tokenizer and model agree (the manifests' tokenizer hash and vocabulary, model.vocab_size),
-    and the objective can use the shards; the loaders check the shard files themselves when built."""
-    check_shards(loader_settings(cfg), tokenizer)
+    the objective can use the shards, and the train split feeds data.streams on ``dp_size`` data-parallel ranks
+    (before DeepSpeed starts, and builds its ops: minutes); the loaders check the shard files when built."""
+    check_shards(loader_settings(cfg), tokenizer, dp_size)

@@ -16,7 +16,9 @@ from megatransformer.training.layout import (
     data_parallel_size,
     engine_zero_stage,
     exact_batch_overrides,
+    keep_global_batch,
     resolve_batch_sizes,
+    validation_rows,
 )
 
 
@@ -76,6 +78,63 @@ def check_run_dir(cfg: RunConfig) -> None:
             f"run_dir={cfg.run_dir} already holds checkpoints (latest: {existing.name}); pass "
             "resume=auto to continue that run, or choose a new run_dir"
         )
+
+
+def keep_saved_batch(cfg: RunConfig, world_size: int) -> tuple[RunConfig, str | None]:
+    """``cfg`` for the checkpoint this run will resume from (unverified: read before any process group, the same
+    on every rank), and a line to print when it changes: the checkpoint's global batch and validation rows are
+    kept, the micro batch and accumulation derived for this world size (docs/checkpoints.md, elastic resume).
+    Left as it is: a fresh run, ``resume_elastic=allow_batch_change``, a config that sets another
+    ``train.global_batch_size`` (refused later, with the overrides that continue exactly), and a global batch
+    this layout cannot split (refused later too)."""
+    try:
+        path = _resume_source(cfg)
+        if path is None:
+            return cfg, None
+        state, saved = ckpt.read_trainer_state(path), ckpt.saved_config(path)
+        saved_sizes = resolve_batch_sizes(
+            saved.train, state.world_size // (state.tensor_parallel * state.sequence_parallel)
+        )
+        dp = data_parallel_size(cfg, world_size)
+    except ConfigError:  # (a damaged checkpoint or a layout that cannot be: said where it is verified)
+        return cfg, None
+    total, train = saved_sizes.global_batch, cfg.train
+    if cfg.resume_elastic == "allow_batch_change" or train.global_batch_size not in (None, total):
+        return cfg, None
+    sizes = keep_global_batch(train, total, dp)
+    if sizes is None:
+        return cfg, None
+    try:
+        before = resolve_batch_sizes(train, dp)
+    except ConfigError:
+        before = None
+    if before == sizes:
+        return cfg, None
+    rows = validation_rows(train)  # (in the config's micro batch: the same rows as before the micro batch changes)
+    update = {"micro_batch_size": sizes.micro, "grad_accum": sizes.accum, "global_batch_size": total, "eval_rows": rows}
+    kept = cfg.model_copy(update={"train": train.model_copy(update=update)})
+    config = (
+        f"the config's micro {before.micro} x accum {before.accum} would make it {before.global_batch}; "
+        if before
+        else ""
+    )
+    return kept, (
+        f"resume: keeping the checkpoint's global batch {total} on {dp} data-parallel rank{'s' * (dp != 1)}: "
+        f"micro {sizes.micro} x accum {sizes.accum} ({config}validation stays {rows} rows; "
+        "resume_elastic=allow_batch_change trains with the config's batch instead)"
+    )
+
+
+def _resume_source(cfg: RunConfig) -> Path | None:
+    """The checkpoint a run will start from, unverified (:func:`resolve_resume` verifies it later)."""
+    if cfg.resume == "auto":
+        own = ckpt.latest_checkpoint(ckpt.checkpoints_dir(cfg.run_dir))
+        if own is not None or cfg.schedule.decay_from is None:
+            return own
+    elif cfg.resume is None and cfg.schedule.decay_from is None:
+        return None
+    key, value = _source(cfg)
+    return ckpt.find_checkpoint(value, f"{key}={value}")
 
 
 def resolve_resume(cfg: RunConfig, found: Sequence[ckpt.CheckpointDamaged] = ()) -> Path | None:

@@ -1,15 +1,19 @@
-"""Intra-op threads for a training process that shares its machine: as many as the cores it may use and that
-other work leaves it. docs/first-run.md (threads on a busy machine) describes why."""
+"""Intra-op threads for a process that shares its machine (every command that computes): as many as the cores it
+may use and that other work leaves it, and OpenMP's idle threads sleeping instead of spinning (set before torch
+loads libgomp). docs/first-run.md (threads on a busy machine) describes why."""
 
 from __future__ import annotations
 
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # a user's choice of how OpenMP's idle threads wait
+_passive_set = False  # whether set_wait_policy set OMP_WAIT_POLICY=PASSIVE in this process
 
 
 def usable_cores(cgroup: Path = CGROUP) -> float:
@@ -54,6 +58,27 @@ def pick_threads(cores: float, load: float, processes: int = 1) -> int:
     return max(1, min(math.floor(cores / processes), math.floor(free + 0.5)))
 
 
+def set_wait_policy(environ: dict[str, str] | None = None, load: float | None = None) -> bool:
+    """Before torch is imported (libgomp reads its settings once, when it loads): OMP_WAIT_POLICY=PASSIVE when
+    other work takes cores from this process (``load``: :func:`other_load`'s), so that OpenMP's idle threads
+    sleep at once instead of spinning for milliseconds after each parallel region while the thread they wait
+    for is preempted. Left alone: a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT, a quiet machine, and a process
+    that has imported torch already. Subprocesses (torchrun's ranks, DataLoader workers) inherit it. Whether
+    it set it."""
+    global _passive_set
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in WAIT_VARIABLES) or (environ is os.environ and "torch" in sys.modules):
+        return False
+    cores = usable_cores()
+    processes = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+    load = other_load() if load is None else load
+    if pick_threads(cores, load, processes) >= max(1, math.floor(cores / processes)):
+        return False
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    _passive_set = environ is os.environ
+    return True
+
+
 def set_threads_for_machine(environ: dict[str, str] | None = None) -> str | None:
     """Unless OMP_NUM_THREADS chooses, set this process's intra-op threads from what the machine gives it;
     a line to print when other work takes cores from it (None otherwise)."""
@@ -69,8 +94,16 @@ def set_threads_for_machine(environ: dict[str, str] | None = None) -> str | None
     torch.set_num_threads(threads)
     if threads >= min(default, math.floor(cores / processes)):
         return None
+    passive = ", idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE)" if _passive_set else ""
     return (
         f"busy machine: load {load:.1f} on the {cores:g} cores this process may use: {threads} intra-op "
-        f"thread{'s' * (threads != 1)} instead of {default} (threads that wait for cores slow every step; "
+        f"thread{'s' * (threads != 1)} instead of {default}{passive} (threads that wait for cores slow every step; "
         "OMP_NUM_THREADS=N chooses)"
     )
+
+
+def say_threads(say) -> None:
+    """:func:`set_threads_for_machine` for a command other than train, its line (if any) through ``say``."""
+    line = set_threads_for_machine()
+    if line and os.environ.get("RANK", "0") == "0":
+        say(line)

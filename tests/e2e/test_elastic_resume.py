@@ -171,3 +171,33 @@ def test_bf16_masters_and_moments_move_between_zero0_and_zero1(tiny_data, tmp_pa
                 assert diff < (value - value.bfloat16().float()).abs().mean() / 20, key
             else:  # moments: as close as one bf16 step on another layout allows (~3e-4 relative measured)
                 assert diff < 1e-2 * value.abs().mean(), key
+
+
+def test_one_rank_resumes_on_two_with_its_global_batch_and_validation_rows(tiny_data, tmp_path):
+    """A config that fixes the micro batch (micro 4 x accum 2: global 8 on one rank, 16 on two) resumed on two
+    ranks without overrides: the checkpoint's global batch is kept (micro 4 x accum 1 there), said in one line,
+    and the run continues loss for loss; validation reads the same rows (the same tokens, the same loss)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    settings = tiny_run(tiny_data, one, STEPS, {"checkpoint.every": SAVED, "train.eval_every": SAVED})
+    train(settings)
+    result = train(
+        [
+            *tiny_run(tiny_data, two, STEPS, {"checkpoint.every": SAVED, "train.eval_every": SAVED}),
+            f"resume={checkpoint(one, SAVED)}",
+        ],
+        nproc=2,
+    )
+    kept = [line for line in result.stdout.splitlines() if line.startswith("resume: keeping")]
+    assert kept == [
+        "resume: keeping the checkpoint's global batch 8 on 2 data-parallel ranks: micro 4 x accum 1 (the config's "
+        "micro 4 x accum 2 would make it 16; validation stays 8 rows; resume_elastic=allow_batch_change trains "
+        "with the config's batch instead)"
+    ]
+    records = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    reference = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
+    tokens = [r["tokens"] for r in records if "loss" in r]
+    assert tokens == [r["tokens"] for r in reference if "loss" in r][SAVED:]
+    assert losses(two) == pytest.approx(losses(one)[SAVED:], abs=1e-5, rel=0)
+    (val_two,), val_one = [r for r in records if "val_loss" in r], [r for r in reference if "val_loss" in r]
+    assert val_two["val_tokens"] == val_one[-1]["val_tokens"]
+    assert val_two["val_loss"] == pytest.approx(val_one[-1]["val_loss"], abs=1e-5)

@@ -358,3 +358,27 @@ def test_cli_shard_part_then_merge(inputs, tiny_data, tmp_path, capsys):
         main([*common, "--part", "3/2"])
     assert exit.value.code == 2
     assert "'3/2' is not K/N with 1 <= K <= N" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_the_byte_bar_of_a_compressed_input_moves_with_the_compressed_bytes_read(tmp_path, suffix):
+    """data shard's bar (documents.Reading.position) counts a .jsonl.gz / .jsonl.zst by its compressed bytes read,
+    not only once the file is done."""
+    import random
+
+    import zstandard
+
+    from data_pipeline.documents import Reading, read_documents
+
+    rng = random.Random(0)
+    lines = "".join(json.dumps({"text": " ".join(str(rng.random()) for _ in range(50))}) + "\n" for _ in range(4000))
+    path = tmp_path / f"docs.jsonl{suffix}"
+    data = lines.encode()
+    path.write_bytes(gzip.compress(data) if suffix == ".gz" else zstandard.ZstdCompressor().compress(data))
+    reading = Reading([str(path)])
+    seen = []
+    for i, doc in enumerate(read_documents([str(path)])):
+        reading.add(doc)
+        if i % 500 == 499:
+            seen.append(reading.position)
+    assert 0 < seen[0] < seen[-2] < reading.total and seen == sorted(seen)

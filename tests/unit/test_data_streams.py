@@ -10,7 +10,7 @@ from support import data
 from support.data import assert_same_batches, loader_settings
 
 from data_pipeline import DataError
-from data_pipeline.loader import LoaderSettings, build_loader, merge_states
+from data_pipeline.loader import LoaderSettings, build_loader, check_data, merge_states
 from data_pipeline.shard import Manifest, write_shards
 
 GLOBAL_BATCH = 8
@@ -137,3 +137,9 @@ def test_layouts_that_do_not_divide_the_streams_fail_early(tmp_path, tiny_data, 
     ):
         build_loader(settings(tmp_path / "tiny"), "train", 2, 0, 1, tok)
     assert next(iter(build_loader(settings(tmp_path / "tiny", streams=8), "train", 2, 0, 1, tok)))
+    # the same checks from the manifests alone, before a run's engines start (and DeepSpeed builds its ops)
+    with pytest.raises(DataError, match="cannot feed data.streams=64"):
+        check_data(settings(tmp_path / "tiny"), tok, dp_size=2)
+    with pytest.raises(DataError, match="data.streams=8 cannot be dealt to 3 ranks"):
+        check_data(settings(tmp_path / "tiny", streams=8), tok, dp_size=3)
+    check_data(settings(tmp_path / "tiny", streams=8, valid=str(tiny_data.shards)), tok, dp_size=2)

@@ -288,3 +288,18 @@ def test_ranks_run_their_shares_and_every_rank_gets_every_answer(model, tok, ran
         assert all(out[r] == pytest.approx(want) for r in range(ranks))
         shares = sum(ran.values(), [])
         assert len(shares) == len(set(shares)) and (len(requests) == 1 or all(ran.get(r) for r in range(ranks)))
+
+
+def test_the_task_bar_counts_every_request_scored_and_generated(model, tok):
+    """eval --tasks' bar (commands/eval.task_progress): the harness's requests this rank scores, batch by batch."""
+    import io
+
+    from megatransformer.commands.eval import task_progress
+
+    lm = lm_of(model, tok, 2)
+    bar = task_progress(lm, io.StringIO(), enabled=True)
+    lm.loglikelihood(requests("loglikelihood", [(text, " and more of it") for text in TEXTS]))
+    assert bar.n == bar.total == len(TEXTS)
+    lm.generate_until(requests("generate_until", [(TEXTS[0], {"until": ["\n"], "max_gen_toks": 2})]))
+    assert bar.n == bar.total == len(TEXTS) + 1
+    bar.close()

@@ -55,3 +55,16 @@ def test_empty_hypotheses_are_warned_about():
     assert empty_hypotheses_warning(["", "", ""]).startswith("warning: 3 of 3 hypotheses are empty")
     assert empty_hypotheses_warning(["a"] * 8 + ["", ""]).startswith("warning: 2 of 10 hypotheses are empty")
     assert empty_hypotheses_warning(["a"] * 19 + [""]) is None
+
+
+def test_the_plot_draws_the_gradient_norm_and_bits_per_byte_on_an_axis_of_their_own(tmp_path):
+    train = [
+        {"step": s, "kind": "train", "loss": 3.0, "lr": 1e-3, "tokens_per_s": 9.0, "grad_norm": g}
+        for s, g in ((1, 8.0), (2, 0.5))
+    ]
+    valid = {"step": 2, "kind": "valid", "eval/hellaswag/acc": 0.3, "eval/wikitext/bits_per_byte": 1.7}
+    assert [key for key, _, _ in panels([train + [valid]])] == ["loss", "lr", "grad_norm", "tokens_per_s", "eval/"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*train, valid]))
+    assert draw([run], tmp_path / "plot.png").stat().st_size > 0

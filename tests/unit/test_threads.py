@@ -64,3 +64,16 @@ def test_other_work_is_counted_now_without_this_process():
 
     load = other_load(readings=3, interval=0.0)
     assert load >= 0 and load == int(load)  # (a median of three whole counts, this process left out)
+
+
+def test_the_wait_policy_is_passive_on_a_busy_machine_unless_the_user_chose(monkeypatch):
+    from megatransformer.training.threads import set_wait_policy
+
+    monkeypatch.setattr("megatransformer.training.threads.usable_cores", lambda: 2.0)
+    environ = {}
+    assert set_wait_policy(environ, load=14.0) and environ == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10000"}):
+        environ = dict(chosen)
+        assert not set_wait_policy(environ, load=14.0) and environ == chosen
+    environ = {}
+    assert not set_wait_policy(environ, load=0.0) and environ == {}  # quiet: OpenMP's default

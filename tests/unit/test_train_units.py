@@ -580,3 +580,28 @@ def test_rope_frequencies_stay_fp32_when_the_engine_casts_the_model():
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
     expected = torch.cos(4000 * inv_freq).float()
     assert torch.allclose(cos[0, 0, 0, :32], expected, atol=1e-3)  # bf16 frequencies are off by up to ~1 here
+
+
+@pytest.mark.parametrize(
+    "prompt", ["The", "it's", "### Instruction:\nSay hi.\n\n### Response:\n", "a\tb\\c 'q' \x01 é"]
+)
+def test_the_suggested_generate_command_is_one_line_that_gives_back_the_prompt(prompt):
+    """An instruction prompt's newlines would break the suggested command over lines (shlex keeps them)."""
+    import subprocess
+
+    from megatransformer.commands.train import shell_quote
+
+    quoted = shell_quote(prompt)
+    assert "\n" not in quoted
+    assert subprocess.run(["bash", "-c", f"printf %s {quoted}"], capture_output=True, text=True).stdout == prompt
+
+
+def test_eval_says_how_its_rows_are_made(tiny_data):
+    from megatransformer.commands.eval import expected_rows, scored
+    from megatransformer.config import load_config
+
+    data = [f"data.train={tiny_data.shards}", f"data.valid={tiny_data.shards}", "data.seq_len=32"]
+    packed, unpacked = load_config("quickstart", data), load_config("quickstart", [*data, "data.pack=false"])
+    assert "packed in order" in scored(packed) and "data.pack=false" not in scored(packed)
+    assert "packed" not in scored(unpacked) and "each document in rows of its own" in scored(unpacked)
+    assert expected_rows(packed, "valid") > 0 and expected_rows(unpacked, "valid") > 0
