@@ -7,6 +7,7 @@ import shutil
 from types import SimpleNamespace
 
 from megatransformer import checkpoint as ckpt
+from megatransformer.config import load_config
 from megatransformer.training.loop import Trainer
 
 
@@ -25,10 +26,11 @@ def test_the_rollback_target_is_listed_after_the_write_in_flight_rotates(tmp_pat
     saves = []
     checkpointer = SimpleNamespace(wait=write_in_flight_done)
     trainer = object.__new__(Trainer)
-    trainer.cfg = SimpleNamespace(run_dir=str(tmp_path))
+    trainer.cfg = load_config("quickstart", [f"run_dir={tmp_path}", "checkpoint.keep=1"])
     trainer.state = ckpt.TrainerState(
         step=30, tokens=0, bad_steps=0, tokenizer_sha256=None, world_size=1, tensor_parallel=1, zero_stage=0
     )
+    trainer.decay_origin = None
     trainer.spikes = SimpleNamespace(protect_before=lambda: 21, state_dict=lambda: {})
     trainer.train_loader = SimpleNamespace(state_dict=lambda: {})
     trainer.module = SimpleNamespace(
