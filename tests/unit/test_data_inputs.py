@@ -351,6 +351,7 @@ def test_cli_shard_part_then_merge(inputs, tiny_data, tmp_path, capsys):
     assert main(["data", "merge", "--out", str(out)]) == 2
     assert "megatransformer data merge: error: part 1/2 is missing" in capsys.readouterr().err
     assert main([*common, "--part", "1/2", "--workers", "1"]) == 0
+    assert capsys.readouterr().out.startswith(f"sharding {len(inputs)} file(s) with {tiny_data.tokenizer}")
     assert main(["data", "merge", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("train: ") and f"wrote {out / MANIFEST}: data.train={out} reads" in printed

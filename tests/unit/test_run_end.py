@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import shlex
-
-from megatransformer.commands.train import next_commands, with_closing_prompt
+from megatransformer.commands.train import next_commands, shell_quote, with_closing_prompt
 from megatransformer.config import load_config
 
 
@@ -17,7 +15,7 @@ def test_a_run_on_instructions_closes_with_its_first_prompt_not_the_pretraining_
     cfg = with_closing_prompt(load_config("quickstart", overrides), overrides, tok)
     first_prompt = tiny_instructions.examples()[0][0]
     assert cfg.train.sample_prompt == first_prompt != load_config("quickstart").train.sample_prompt
-    assert f"--prompt {shlex.quote(first_prompt)}" in next_commands(cfg)[1]
+    assert f"--prompt {shell_quote(first_prompt)}" in next_commands(cfg)[1]
 
 
 def test_a_prompt_given_or_text_data_keep_the_config_s_prompt(tiny_data, tiny_instructions, tok):
