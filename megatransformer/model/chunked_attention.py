@@ -74,11 +74,14 @@ class ChunkedAttention(torch.autograd.Function):
     def forward(
         ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, alibi: Alibi | None, chunk: int
     ) -> torch.Tensor:
-        inside = _IN_FORWARD.set(True)
-        try:
+        if torch.compiler.is_compiling():  # (dynamo traces no context variable; compiled, the graph is what is kept)
             out = ChunkedAttention._forward(q, k, v, mask, alibi, chunk)
-        finally:
-            _IN_FORWARD.reset(inside)
+        else:
+            inside = _IN_FORWARD.set(True)
+            try:
+                out = ChunkedAttention._forward(q, k, v, mask, alibi, chunk)
+            finally:
+                _IN_FORWARD.reset(inside)
         ctx.save_for_backward(q, k, v)
         ctx.mask, ctx.alibi, ctx.chunk = mask, alibi, chunk
         return out
