@@ -26,7 +26,7 @@ from megatransformer import checkpoint as ckpt
 from megatransformer.checkpoint import sharded
 from megatransformer.config import RunConfig, dump_config
 from megatransformer.model.tp_plan import partition_dim
-from megatransformer.training.deepspeed_internals import (
+from megatransformer.training.deepspeed.internals import (
     fragment_mapping,
     is_fragment_mapped,
     relink_fragment_state,
