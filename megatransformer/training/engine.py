@@ -45,7 +45,7 @@ from megatransformer.training import checkpointer
 from megatransformer.training.compiled import compile_blocks, compile_enabled
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.deepspeed.bf16_step import install_device_step, squared_norm
-from megatransformer.training.deepspeed.internals import data_parallel_rank
+from megatransformer.training.deepspeed.internals import data_parallel_rank, param_shape
 from megatransformer.training.deepspeed.partitions import build_partition_map
 from megatransformer.training.distributed import Dist
 from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
@@ -739,7 +739,7 @@ def check_tensor_parallel_shards(module: torch.nn.Module, full_shapes: Mapping[s
     for name, param in module.named_parameters():
         if partition_dim(name) is None or name.endswith(".bias") or name not in full_shapes:
             continue
-        shape = getattr(param, "ds_shape", param.shape)  # (ZeRO-3 keeps the shape aside)
+        shape = param_shape(param)
         if math.prod(shape) * tp != math.prod(full_shapes[name]):
             raise ConfigError(
                 f"tensor parallelism did not split {name}: it holds {tuple(shape)} of "

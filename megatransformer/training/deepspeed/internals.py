@@ -111,3 +111,62 @@ def unfused_masters(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if not hasattr(optimizer, "fp32_groups") or not hasattr(optimizer, "fp16_groups"):
         return []
     return [(p, m) for ps, ms in zip(optimizer.fp16_groups, optimizer.fp32_groups) for p, m in zip(ps, ms)]
+
+
+# ------------------------------------------------------------------------------------ checkpoints (checkpointer.py)
+
+
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """Whether ZeRO-3 partitions ``param`` (0.19.8: ``ds_id``)."""
+    return hasattr(param, "ds_id")
+
+
+def param_shape(param: torch.Tensor) -> torch.Size:
+    """``param``'s shape, also where ZeRO-3 keeps it aside (0.19.8: ``ds_shape``)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def zero3_sub_group_flat(optimizer, param: torch.Tensor) -> torch.Tensor:
+    """ZeRO-3: the flat fp32 partition of the sub-group ``param`` is in (0.19.8: ``fp32_partitioned_groups_flat``,
+    ``grad_position``, ``get_param_id``)."""
+    return optimizer.fp32_partitioned_groups_flat[optimizer.grad_position[optimizer.get_param_id(param)][0]]
+
+
+def zero3_flats_and_groups(optimizer) -> list[tuple[torch.Tensor, int]]:
+    """ZeRO-3: each sub-group's flat fp32 partition and the number of the parameter group it belongs to (0.19.8:
+    ``fp32_partitioned_groups_flat``, ``sub_group_to_group_id``)."""
+    group_of = optimizer.sub_group_to_group_id
+    return [(flat, group_of[i]) for i, flat in enumerate(optimizer.fp32_partitioned_groups_flat)]
+
+
+def flat_partitions_to_weights(optimizer) -> None:
+    """ZeRO-1/2, bf16 optimizer: the low-precision weights from the flat fp32 partitions (0.19.8:
+    ``update_lp_params``)."""
+    optimizer.update_lp_params()
+
+
+def fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch.Tensor]:
+    """bf16/fp16 without ZeRO: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer keep fp32 masters (one flat
+    tensor, or one tensor per parameter, per group) that DeepSpeed's fragment API does not know about; map each
+    low-precision parameter to its master, or with ``key`` to the master's optimizer state ``key`` (views: writing
+    them writes the state; masters without that state yet are left out). (0.19.8: ``fp16_groups``,
+    ``fp32_groups_flat``, ``fp32_groups``.)"""
+    from torch._utils import _unflatten_dense_tensors
+
+    low = getattr(optimizer, "fp16_groups", None)
+    if low is None:
+        return {}
+
+    def state_of(master: torch.Tensor) -> torch.Tensor | None:
+        return master if key is None else optimizer.optimizer.state.get(master, {}).get(key)
+
+    if hasattr(optimizer, "fp32_groups_flat"):
+        flats = [state_of(f) for f in optimizer.fp32_groups_flat]
+        high = [
+            [None] * len(params) if f is None else _unflatten_dense_tensors(f, params) for f, params in zip(flats, low)
+        ]
+    else:
+        high = [[state_of(m) for m in masters] for masters in getattr(optimizer, "fp32_groups", [])]
+    return {
+        id(p): master for params, masters in zip(low, high) for p, master in zip(params, masters) if master is not None
+    }
