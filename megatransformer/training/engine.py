@@ -131,8 +131,9 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
 
 def check_muon_layout(cfg: RunConfig) -> None:
     """Refuse the layouts :class:`MuonWithAdamW` cannot orthogonalise whole matrices in: it runs at every ZeRO
-    stage (told ZeRO's partitions, it gathers each matrix's update over the data-parallel group) with any data-,
-    tensor- and sequence-parallel degree, but not where ZeRO-Offload steps it on the host."""
+    stage (each matrix sent to its owner rank from DeepSpeed's partitions) with any data-, tensor- and
+    sequence-parallel degree, but not where ZeRO-Offload steps it on the host. (A partition layout whose fragments
+    do not tile each matrix is refused once the engine exists: ``MuonWithAdamW.bind``.)"""
     if cfg.parallel.offload_optimizer:
         raise ConfigError(
             "optim.name=muon with parallel.offload_optimizer=true: ZeRO-Offload steps the optimizer on the host, "

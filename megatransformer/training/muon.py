@@ -3,10 +3,10 @@
 Which parameters Muon updates is read from the model's structure before DeepSpeed sees it (the weights of
 ``nn.Linear`` modules, tied embeddings and the output head excluded), never from tensor shapes, which ZeRO
 flattens. The Muon update is ``torch.optim.Muon``'s, line for line (its Newton-Schulz iteration and its
-learning-rate adjustment of the matrix shape), at every ZeRO stage: where ZeRO hands the optimizer flat
-partitions, the momentum stays partitioned and the update is gathered over the data-parallel group, each matrix
-orthogonalised whole and the rank's part kept; under tensor parallelism each rank's shard of a matrix is gathered
-over the tensor-parallel group alike. Design notes and costs: docs/optimizers.md.
+learning-rate adjustment of the matrix shape), at every ZeRO stage and under tensor parallelism: each matrix is
+orthogonalised once, by an owner rank chosen to balance Newton-Schulz's FLOPs, which receives every rank's
+fragments of it (read from DeepSpeed's partition map) and sends each rank its fragments of the result. Design notes
+and costs: docs/optimizers.md.
 """
 
 from __future__ import annotations
@@ -244,6 +244,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """Orthogonalise each matrix of ``module`` once, at its owner, from the fragments ``partitions`` maps; the
         run log's line on the owners. ``tp``: the tensor-parallel degree the matrices' ``tp_dim`` splits by."""
         named = [(name, p) for name, p in module.named_parameters() if id(p) in self._tp_dims]
+        unmapped = [name for name, _ in named if name not in partitions.shapes]
+        if unmapped:
+            raise ConfigError(
+                f"optim.name=muon: DeepSpeed steps {unmapped[0]} (and {len(unmapped) - 1} more matrices) inside a "
+                "buffer its partition map does not know, a layout the Muon owner split cannot serve; use "
+                "optim.name=adamw, or another precision / parallel.zero_stage"
+            )
         shards = [(name, partitions.shapes[name], self._tp_dims[id(p)]) for name, p in named]
         unsplit = [Matrix(name, shape, dim, tp if dim is not None else 1, 0) for name, shape, dim in shards]
         owners = assign_owners([newton_schulz_flops(m.shape) for m in unsplit], partitions.world_size)
