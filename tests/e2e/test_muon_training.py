@@ -145,7 +145,10 @@ def test_two_ranks_train_the_losses_of_one(tiny_data, shared_runs, tmp_path, lay
     changes = MUON | batch | {"train.max_steps": 10, "checkpoint.every": 100}
     one = shared_runs.train(lambda run_dir: tiny_run(tiny_data, run_dir, steps=10, changes=changes))
     assert "optimizer: Muon on 14 matrices" in one.stdout
-    train(tiny_run(tiny_data, tmp_path / "two", steps=10, changes=changes) + layout, nproc=2)
+    two = train(tiny_run(tiny_data, tmp_path / "two", steps=10, changes=changes) + layout, nproc=2)
+    (owners,) = [line for line in two.stdout.splitlines() if line.startswith("Muon owners:")]
+    assert "each of 14 matrices orthogonalised once, by one of 2 ranks" in owners
+    assert owners.endswith("per rank, matrices/FLOPs: 7/50.0% 7/50.0%")
     assert losses(tmp_path / "two") == pytest.approx(losses(one.run_dir), abs=1e-5)
 
 
