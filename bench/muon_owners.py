@@ -3,8 +3,9 @@ of one or more checkouts (``--code main=/work/main --code owners=.``: before and
 
 Each run is ``--ranks`` processes of ``TrainModule.step`` on one repeated batch, ``--steps`` steps, the first
 ``--warmup`` untimed; each process is started under ``/usr/bin/time`` with ``PYTHONPATH`` at the checkout, so the
-checkout's ``megatransformer`` is the one measured. Prints one row per run: the slowest rank's median step, the
-largest peak RSS over the ranks, and the Newton-Schulz calls summed over the ranks.
+checkout's ``megatransformer`` is the one measured. Prints one row per run: the slowest rank's median step, the CPU
+seconds of all ranks over the whole run (start-up included: on a loaded machine the steadier figure), the largest
+peak RSS over the ranks, and the Newton-Schulz calls summed over the ranks.
 
     python bench/muon_owners.py --code main=/work/main --code owners=. --ranks 4 --zero 3
 """
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace, code: str, optim: str, work: Path) -> dict:
     passed += ["--model", args.model]
     processes = [
         subprocess.Popen(
-            ["/usr/bin/time", "-f", "%M", "-o", str(work / f"rss.{rank}")]
+            ["/usr/bin/time", "-f", "%M %U %S", "-o", str(work / f"rss.{rank}")]
             + [sys.executable, __file__, "--worker", str(rank), port, optim, "--out", str(work / f"rank.{rank}")]
             + passed,
             env=env,
@@ -112,12 +113,15 @@ def run(args: argparse.Namespace, code: str, optim: str, work: Path) -> dict:
     if any(p.wait() for p in processes):
         raise SystemExit(f"a rank of {optim} with {code} failed")
     ranks = [json.loads((work / f"rank.{r}").read_text()) for r in range(args.ranks)]
-    rss = [int((work / f"rss.{r}").read_text().split()[-1]) / 1024 for r in range(args.ranks)]
+    measured = [(work / f"rss.{r}").read_text().split()[-3:] for r in range(args.ranks)]
+    rss = [int(m[0]) / 1024 for m in measured]
+    cpu = [float(m[1]) + float(m[2]) for m in measured]
     return {
         "step_s": max(statistics.median(r["times"]) for r in ranks),
         "peak_rss_mib": max(rss),
         "rss_mib": rss,
         "ns_calls": sum(r["ns_calls"] for r in ranks),
+        "cpu_s": sum(cpu),
     }
 
 
@@ -129,14 +133,16 @@ def main() -> None:
     codes = dict(c.split("=", 1) for c in args.code) or {"here": "."}
     print(f"# {args.ranks} ranks, ZeRO-{args.zero}, {args.precision}, seq {args.seq_len}, model {args.model}")
     print(f"# load before: {os.getloadavg()}")
-    print("| code | optimizer | step (s) | peak RSS per rank (MiB) | Newton-Schulz calls, all ranks |")
-    print("|---|---|---|---|---|")
+    columns = ["code", "optimizer", "step (s)", "CPU s, all ranks, whole run", "peak RSS per rank (MiB)", "NS calls"]
+    print("| " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|")
     for name, code in codes.items():
         for optim in args.optims.split(","):
             with tempfile.TemporaryDirectory() as work:
                 row = run(args, code, optim, Path(work))
             rss = "/".join(f"{r:.0f}" for r in row["rss_mib"])
-            print(f"| {name} | {optim} | {row['step_s']:.2f} | {row['peak_rss_mib']:.0f} ({rss}) | {row['ns_calls']} |")
+            cells = [name, optim, f"{row['step_s']:.2f}", f"{row['cpu_s']:.0f}", f"{row['peak_rss_mib']:.0f} ({rss})"]
+            print("| " + " | ".join(cells + [str(row["ns_calls"])]) + " |")
             sys.stdout.flush()
     print(f"# load after: {os.getloadavg()}")
 
