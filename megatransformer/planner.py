@@ -532,8 +532,10 @@ def step_seconds(cfg: RunConfig, layout: Layout, device: Device, gpus_per_node: 
         volume = 2 * ring * 4 * params if layout.zero < 3 else ring * 4 * params
         if layout.zero in (1, 2):
             volume = ring * 4 * params + ring * w * params  # reduce-scatter, then all-gather of updated weights
-        if layout.zero and cfg.optim.name == "muon":  # Muon's update gathered in fp32 (training/muon.py)
-            volume += ring * 4 * muon_elements(m, layout.tp)
+        if cfg.optim.name == "muon":  # each matrix's update to its owner and back, in fp32 (training/muon.py)
+            spread = (world - 1) / world
+            held = muon_elements(m, layout.tp) / (shards if layout.zero else 1)
+            volume += 4 * held * spread * (2 if layout.zero else 1)
         seconds += volume / (outer if layout.dp > 1 else inner)
         if layout.zero == 3:
             seconds += ZERO3_GATHER_EXPOSED * 2 * ring * w * params * layout.accum / outer

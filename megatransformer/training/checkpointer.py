@@ -27,13 +27,21 @@ from megatransformer import checkpoint as ckpt
 from megatransformer.checkpoint import sharded
 from megatransformer.config import RunConfig, dump_config
 from megatransformer.model.tp_plan import partition_dim
-from megatransformer.training.deepspeed_internals import (
+from megatransformer.training.deepspeed.internals import (
+    flat_partitions_to_weights,
+    fp16_optimizer_masters,
     fragment_mapping,
+    is_flat_partitioned,
     is_fragment_mapped,
+    is_zero3,
+    is_zero3_param,
+    param_shape,
     relink_fragment_state,
+    zero3_flats_and_groups,
     zero3_fp32_state,
     zero3_partition,
     zero3_refresh_partitions,
+    zero3_sub_group_flat,
 )
 from megatransformer.training.rng import rng_state, set_rng_state
 
@@ -83,7 +91,7 @@ def param_layouts(engine, tp: int) -> dict[str, tuple[tuple[int, ...], int | Non
     layouts = {}
     for name, param in engine.module.named_parameters():
         dim = partition_dim(name) if tp > 1 else None
-        shape = list(getattr(param, "ds_shape", param.shape))
+        shape = list(param_shape(param))
         if dim is not None:
             shape[dim] *= tp
         layouts[name] = (tuple(shape), dim)
@@ -102,9 +110,9 @@ def local_fragments(engine, tp: int, tp_rank: int) -> list[Fragment]:
     fragments = []
     for name, param in engine.module.named_parameters():
         tp_index = tp_rank if tp > 1 and partition_dim(name) is not None else 0
-        if hasattr(param, "ds_id"):  # ZeRO-3
+        if is_zero3_param(param):
             opt, start, part = zero3_partition(param)
-            stop = min(start + part, param.ds_numel)
+            stop = min(start + part, param_shape(param).numel())
             if start < stop:
                 fragments.append(Fragment(name, tp_index, start, stop, _zero3_view(opt, param, stop - start)))
         elif (mapping := fragment_mapping(param)) is not None:  # ZeRO-1/2, bf16 optimizer
@@ -122,7 +130,7 @@ def _zero3_view(opt, param, n: int) -> Callable[[str], torch.Tensor | None]:
 
     def view(kind: str) -> torch.Tensor | None:
         key = None if kind == sharded.MASTER else kind
-        flat = opt.fp32_partitioned_groups_flat[opt.grad_position[opt.get_param_id(param)][0]]
+        flat = zero3_sub_group_flat(opt, param)
         if key is not None and key not in opt.optimizer.state.get(flat, {}):
             return None
         return zero3_fp32_state(opt, param, key)[:n]
@@ -162,32 +170,6 @@ def optimizer_state_keys(engine) -> list[str]:
     for state in inner.state.values():
         keys.update(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
     return sorted(keys)
-
-
-def fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch.Tensor]:
-    """bf16/fp16 without ZeRO: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer keep fp32 masters (one
-    flat tensor, or one tensor per parameter, per group) that DeepSpeed's fragment API does not know about;
-    map each low-precision parameter to its master, or with ``key`` to the master's optimizer state ``key``
-    (views: writing them writes the state; masters without that state yet are left out)."""
-    from torch._utils import _unflatten_dense_tensors
-
-    low = getattr(optimizer, "fp16_groups", None)
-    if low is None:
-        return {}
-
-    def state_of(master: torch.Tensor) -> torch.Tensor | None:
-        return master if key is None else optimizer.optimizer.state.get(master, {}).get(key)
-
-    if hasattr(optimizer, "fp32_groups_flat"):
-        flats = [state_of(f) for f in optimizer.fp32_groups_flat]
-        high = [
-            [None] * len(params) if f is None else _unflatten_dense_tensors(f, params) for f, params in zip(flats, low)
-        ]
-    else:
-        high = [[state_of(m) for m in masters] for masters in getattr(optimizer, "fp32_groups", [])]
-    return {
-        id(p): master for params, masters in zip(low, high) for p, master in zip(params, masters) if master is not None
-    }
 
 
 def _adam_step(inner: torch.optim.Optimizer) -> int:
@@ -640,15 +622,15 @@ def refresh_weights(engine) -> None:
     """The model's weights from the fp32 masters just loaded, wherever the layout keeps them apart (ZeRO-3's
     partitions, ZeRO-1/2's and the bf16 optimizer's flat groups, ZeRO-0's fp16/bf16 masters). A collective."""
     opt = engine.optimizer
-    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
+    if is_zero3(opt):
         persistent = opt.persistent_parameters
         if persistent:
             persistent[0].partition(persistent)
         zero3_refresh_partitions(opt)
         if persistent:
             persistent[0].all_gather(persistent)
-    elif hasattr(opt, "update_lp_params"):  # ZeRO-1/2, bf16 optimizer
-        opt.update_lp_params()
+    elif is_flat_partitioned(opt):  # ZeRO-1/2, bf16 optimizer
+        flat_partitions_to_weights(opt)
     else:
         masters = fp16_optimizer_masters(opt)
         with torch.no_grad():
@@ -728,8 +710,6 @@ def _ensure_state(engine, inner: torch.optim.Optimizer, saved: sharded.ShardedSt
 def _stepped(engine, inner: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
     """The tensors the torch optimizer updates, with their parameter group. ZeRO-3 puts its flat fp32
     partitions into the groups only for the duration of a step."""
-    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
-    if flats is not None:
-        group_of = engine.optimizer.sub_group_to_group_id
-        return [(flat, inner.param_groups[group_of[i]]) for i, flat in enumerate(flats)]
+    if is_zero3(engine.optimizer):
+        return [(flat, inner.param_groups[group]) for flat, group in zero3_flats_and_groups(engine.optimizer)]
     return [(p, group) for group in inner.param_groups for p in group["params"]]

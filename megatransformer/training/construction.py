@@ -16,13 +16,13 @@ from torch import nn
 from megatransformer.config import RunConfig
 from megatransformer.model import ARCHITECTURES
 from megatransformer.model.transformer import init_weights
+from megatransformer.training.deepspeed.internals import zero3_param_group
 
 
 def partitions_at_construction(cfg: RunConfig, zero_stage: int) -> bool:
-    """Whether the model is built partitioned: ZeRO-3 without tensor parallelism (AutoTP shards a whole model)
-    and without Muon (``muon.MuonWithAdamW`` is made on the parameters' shapes before DeepSpeed partitions them);
+    """Whether the model is built partitioned: ZeRO-3 without tensor parallelism (AutoTP shards a whole model);
     otherwise the model is built whole on every rank and partitioned by ``deepspeed.initialize``."""
-    return zero_stage == 3 and cfg.parallel.tensor_parallel == 1 and cfg.optim.name != "muon"
+    return zero_stage == 3 and cfg.parallel.tensor_parallel == 1
 
 
 def build_for_run(
@@ -51,10 +51,6 @@ def build_for_run(
     return model
 
 
-def is_partitioned(param: torch.Tensor) -> bool:
-    return hasattr(param, "ds_id")
-
-
 _writes = 0  # parameters written by fill_partitioned so far: which rank writes the next one
 
 
@@ -64,7 +60,7 @@ def fill_partitioned(param: nn.Parameter, write: Callable[[torch.Tensor], None])
     global _writes
     import deepspeed
 
-    group = param.ds_process_group
+    group = zero3_param_group(param)
     writer = _writes % dist.get_world_size(group)
     _writes += 1
     with deepspeed.zero.GatheredParameters([param], modifier_rank=writer), torch.no_grad():

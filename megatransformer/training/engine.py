@@ -41,15 +41,16 @@ from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
 from megatransformer.planner import reduce_bucket_elements
 from megatransformer.training import checkpointer
-from megatransformer.training.bf16_step import install_device_step, squared_norm
 from megatransformer.training.compiled import compile_blocks, compile_enabled, gather_whole_blocks
 from megatransformer.training.construction import build_for_run, load_into_partitioned, partitions_at_construction
 from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
-from megatransformer.training.deepspeed_internals import data_parallel_rank
+from megatransformer.training.deepspeed.bf16_step import install_device_step, squared_norm
+from megatransformer.training.deepspeed.internals import data_parallel_rank, param_shape
+from megatransformer.training.deepspeed.partitions import build_partition_map
 from megatransformer.training.distributed import Dist
 from megatransformer.training.host_memory import return_free_memory
 from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
-from megatransformer.training.muon import MuonWithAdamW, bind_to_engine, muon_param_groups
+from megatransformer.training.muon import MuonWithAdamW, muon_param_groups
 from megatransformer.training.optim import make_scheduler, param_groups
 from megatransformer.training.resume import ResumePlan
 from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
@@ -106,7 +107,7 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
     if optimizer is not None:
         ds["optimizer"] = optimizer
     elif ds["zero_optimization"]["stage"] > 0:
-        ds["zero_allow_untested_optimizer"] = True  # (muon.MuonWithAdamW, told ZeRO's partitions: bind_to_engine)
+        ds["zero_allow_untested_optimizer"] = True  # (muon.MuonWithAdamW, told ZeRO's partitions: MuonWithAdamW.bind)
     if ds["zero_optimization"]["stage"] > 0:
         # DeepSpeed allocates the whole bucket, 5e8 elements by default, whatever the model's size
         ds["zero_optimization"]["reduce_bucket_size"] = reduce_bucket_elements(cfg.model, p.tensor_parallel)
@@ -131,8 +132,9 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
 
 def check_muon_layout(cfg: RunConfig) -> None:
     """Refuse the layouts :class:`MuonWithAdamW` cannot orthogonalise whole matrices in: it runs at every ZeRO
-    stage (told ZeRO's partitions, it gathers each matrix's update over the data-parallel group) with any data-,
-    tensor- and sequence-parallel degree, but not where ZeRO-Offload steps it on the host."""
+    stage (each matrix sent to its owner rank from DeepSpeed's partitions) with any data-, tensor- and
+    sequence-parallel degree, but not where ZeRO-Offload steps it on the host. (A partition layout whose fragments
+    do not tile each matrix is refused once the engine exists: ``MuonWithAdamW.bind``.)"""
     if cfg.parallel.offload_optimizer:
         raise ConfigError(
             "optim.name=muon with parallel.offload_optimizer=true: ZeRO-Offload steps the optimizer on the host, "
@@ -257,9 +259,12 @@ class TrainModule:
             mpu=mpu,
         )
         return_free_memory()  # (the model's construction and DeepSpeed's start-up freed their transients)
+        self.muon_owner_line = None
         if cfg.optim.name == "muon":
-            tp_group = groups.get_tensor_model_parallel_group() if tp > 1 else None
-            bind_to_engine(checkpointer.innermost_optimizer(self.engine), self.engine.optimizer, tp_group)
+            inner = checkpointer.innermost_optimizer(self.engine)
+            tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
+            partitions = build_partition_map(self.engine, inner, self.zero_stage, tp_rank)
+            self.muon_owner_line = inner.bind(self.engine.module, partitions, tp)
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
             check_batch_without_masks(self.engine)
@@ -742,7 +747,7 @@ def check_tensor_parallel_shards(module: torch.nn.Module, full_shapes: Mapping[s
     for name, param in module.named_parameters():
         if partition_dim(name) is None or name.endswith(".bias") or name not in full_shapes:
             continue
-        shape = getattr(param, "ds_shape", param.shape)  # (ZeRO-3 keeps the shape aside)
+        shape = param_shape(param)
         if math.prod(shape) * tp != math.prod(full_shapes[name]):
             raise ConfigError(
                 f"tensor parallelism did not split {name}: it holds {tuple(shape)} of "

@@ -208,6 +208,8 @@ class Trainer:
                 print(line)
             if self.module.optimizer_line:
                 print(self.module.optimizer_line)
+            if self.module.muon_owner_line:
+                print(self.module.muon_owner_line)
             for warning in (warmup_warning(cfg), self.validation_warning):
                 if warning:
                     print(warning)

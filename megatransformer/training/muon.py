@@ -3,16 +3,16 @@
 Which parameters Muon updates is read from the model's structure before DeepSpeed sees it (the weights of
 ``nn.Linear`` modules, tied embeddings and the output head excluded), never from tensor shapes, which ZeRO
 flattens. The Muon update is ``torch.optim.Muon``'s, line for line (its Newton-Schulz iteration and its
-learning-rate adjustment of the matrix shape), at every ZeRO stage: where ZeRO hands the optimizer flat
-partitions, the momentum stays partitioned and the update is gathered over the data-parallel group, each matrix
-orthogonalised whole and the rank's part kept; under tensor parallelism each rank's shard of a matrix is gathered
-over the tensor-parallel group alike. Design notes and costs: docs/optimizers.md.
+learning-rate adjustment of the matrix shape), at every ZeRO stage and under tensor parallelism: each matrix is
+orthogonalised once, by an owner rank chosen to balance Newton-Schulz's FLOPs, which receives every rank's
+fragments of it (read from DeepSpeed's partition map) and sends each rank its fragments of the result. Design notes
+and costs: docs/optimizers.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,8 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from megatransformer.config import ConfigError, OptimConfig
 from megatransformer.model.matrices import hidden_matrix_names
 from megatransformer.model.tp_plan import partition_dim
-from megatransformer.training.deepspeed_internals import fragment_mapping
+from megatransformer.training.deepspeed.internals import param_shape
+from megatransformer.training.deepspeed.partitions import Fragment, PartitionMap
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
 NS_EPS = 1e-7
@@ -76,35 +77,144 @@ def muon_param_groups(model: nn.Module, o: OptimConfig, tensor_parallel: int) ->
 
 
 @dataclass(frozen=True)
-class MatrixPiece:
-    """The part of one Muon matrix that a rank's flat ZeRO partition holds: elements ``lp_start`` to ``lp_start +
-    numel`` of the flattened matrix, at ``hp_start`` of the partition. ``part`` > 0 (ZeRO-3: every matrix
-    partitioned on its own): each rank's partition holds ``part`` elements of the matrix from ``start`` on;
-    ``part`` = 0 (ZeRO-1/2: a group flattened, then partitioned): the matrix begins at ``start`` of the ranks'
-    partitions laid end to end."""
+class Matrix:
+    """A Muon matrix: ``shard`` is one tensor-parallel rank's part of it, ``tp`` such parts laid along ``tp_dim``
+    make it whole; ``owner`` is the rank that orthogonalises it."""
 
-    shape: torch.Size  # (this tensor-parallel rank's shard of the matrix)
-    start: int
-    part: int
-    lp_start: int
-    hp_start: int
-    numel: int
+    name: str
+    shard: torch.Size
+    tp_dim: int | None
+    tp: int
+    owner: int
 
-    def whole(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The matrix, from all ranks' partitions (``gathered``: one row per rank)."""
-        if self.part:
-            flat = gathered[:, self.start : self.start + self.part].reshape(-1)
-        else:
-            flat = gathered.view(-1)[self.start :]
-        return flat[: self.shape.numel()].view(self.shape)
+    @property
+    def shape(self) -> torch.Size:
+        if self.tp_dim is None:
+            return self.shard
+        whole = list(self.shard)
+        whole[self.tp_dim] *= self.tp
+        return torch.Size(whole)
+
+
+def newton_schulz_flops(shape: tuple[int, int]) -> int:
+    """FLOPs of one Newton-Schulz iteration on an m x n matrix (m <= n): X Xᵀ, then B = bA + cA², then BX."""
+    m, n = sorted(shape)
+    return 4 * m * m * n + 2 * m**3
+
+
+def assign_owners(costs: list[int], ranks: int) -> list[int]:
+    """The rank that orthogonalises each matrix: the costliest first, each to the least loaded rank (the lowest
+    rank among equals), so the same on every rank."""
+    loads = [0] * ranks
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owner = min(range(ranks), key=lambda r: (loads[r], r))
+        owners[i] = owner
+        loads[owner] += costs[i]
+    return owners
+
+
+def owner_line(matrices: list[Matrix], ranks: int) -> str:
+    """The run log's line on how the matrices are split among their owners."""
+    counts, flops = [0] * ranks, [0] * ranks
+    for m in matrices:
+        counts[m.owner] += 1
+        flops[m.owner] += newton_schulz_flops(m.shape)
+    total = sum(flops) or 1
+    shares = " ".join(f"{c}/{100 * f / total:.1f}%" for c, f in zip(counts, flops))
+    return (
+        f"Muon owners: each of {len(matrices)} matrices orthogonalised once, by one of {ranks} ranks "
+        f"(max/mean Newton-Schulz FLOPs {max(flops) * ranks / total:.2f}); per rank, matrices/FLOPs: {shares}"
+    )
 
 
 @dataclass(frozen=True)
-class FlatPartition:
-    """A rank's flat ZeRO partition of Muon matrices and the data-parallel group that partitions them."""
+class Exchange:
+    """What this rank sends and receives to orthogonalise the matrices of a set of flat buffers: each rank's
+    fragments of a matrix to its owner (``gather``: (buffer, offset, numel) sent; (owned matrix, tensor-parallel
+    shard, start, numel) received), the owner's result back to every rank that holds a fragment (``scatter``:
+    (owned matrix, shard, start, numel) sent; (buffer, offset, numel, matrix) received), in the order of the
+    ranks, with the element counts per rank (``*_splits``)."""
 
-    pieces: tuple[MatrixPiece, ...]
-    group: dist.ProcessGroup
+    owned: tuple[Matrix, ...]
+    gather_send: tuple[tuple[int, int, int], ...]
+    gather_send_splits: tuple[int, ...]
+    gather_recv: tuple[tuple[int, int, int, int], ...]
+    gather_recv_splits: tuple[int, ...]
+    scatter_send: tuple[tuple[int, int, int, int], ...]
+    scatter_send_splits: tuple[int, ...]
+    scatter_recv: tuple[tuple[int, int, int, Matrix], ...]
+    scatter_recv_splits: tuple[int, ...]
+
+
+def plan_exchange(matrices: dict[str, Matrix], fragments: list[Fragment], rank: int, world: int) -> Exchange:
+    """The :class:`Exchange` of ``fragments`` (every rank's, of the buffers stepped together) for ``rank``. Ranks
+    holding the same elements (ZeRO-0's replicas) send them once: the owner's copy, else the lowest rank's."""
+    order = {name: i for i, name in enumerate(matrices)}
+
+    def shard(f: Fragment) -> int:
+        return f.tp_rank if matrices[f.name].tp_dim is not None else 0
+
+    def key(f: Fragment) -> tuple[int, int, int]:
+        return order[f.name], shard(f), f.start
+
+    sources: dict[tuple, Fragment] = {}
+    for f in sorted(fragments, key=lambda f: (f.rank != matrices[f.name].owner, f.rank)):
+        sources.setdefault((f.name, shard(f), f.start, f.numel), f)
+    _check_cover(matrices, list(sources.values()), shard)
+    owned = [m for m in matrices.values() if m.owner == rank and any(f.name == m.name for f in fragments)]
+    index = {m.name: i for i, m in enumerate(owned)}
+
+    def between(pool, src: int, dst: int) -> list[Fragment]:
+        return sorted((f for f in pool if f.rank == src and matrices[f.name].owner == dst), key=key)
+
+    gather_send, gather_recv, scatter_send, scatter_recv = [], [], [], []
+    splits: list[list[int]] = [[], [], [], []]
+    for other in range(world):
+        out = between(sources.values(), rank, other)
+        gather_send += [(f.buffer, f.offset, f.numel) for f in out]
+        into = between(sources.values(), other, rank)
+        gather_recv += [(index[f.name], shard(f), f.start, f.numel) for f in into]
+        back = between(fragments, other, rank)
+        scatter_send += [(index[f.name], shard(f), f.start, f.numel) for f in back]
+        mine = between(fragments, rank, other)
+        scatter_recv += [(f.buffer, f.offset, f.numel, matrices[f.name]) for f in mine]
+        for i, part in enumerate((out, into, back, mine)):
+            splits[i].append(sum(f.numel for f in part))
+    return Exchange(
+        tuple(owned),
+        tuple(gather_send),
+        tuple(splits[0]),
+        tuple(gather_recv),
+        tuple(splits[1]),
+        tuple(scatter_send),
+        tuple(splits[2]),
+        tuple(scatter_recv),
+        tuple(splits[3]),
+    )
+
+
+def _check_cover(matrices: dict[str, Matrix], sources: list[Fragment], shard: Callable[[Fragment], int]) -> None:
+    """Every element of every tensor-parallel shard of the matrices, in exactly one fragment: else the layout is one
+    the owner split cannot serve."""
+    held: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for f in sources:
+        held.setdefault((f.name, shard(f)), []).append((f.start, f.numel))
+    names = {f.name for f in sources}
+    for name in names:
+        m = matrices[name]
+        for s in range(m.tp if m.tp_dim is not None else 1):
+            end = 0
+            for start, numel in sorted(held.get((name, s), [])):
+                if start != end:
+                    break
+                end += numel
+            if end != m.shard.numel():
+                raise ConfigError(
+                    f"optim.name=muon: DeepSpeed's partitions of {name} (tensor-parallel shard {s}) do not tile it "
+                    "(overlapping or missing elements), a layout the Muon owner split cannot serve; use "
+                    "optim.name=adamw, or another parallel.zero_stage / parallel.tensor_parallel"
+                )
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -112,21 +222,43 @@ class MuonWithAdamW(torch.optim.Optimizer):
     optimizer whose state (``momentum_buffer`` for Muon's matrices; ``exp_avg``, ``exp_avg_sq``, ``step`` for
     AdamW's tensors) saves and loads as any torch optimizer's.
 
-    Set once the engine exists (:func:`bind_to_engine`): ``tp_group``, the tensor-parallel group the ``tp_dim``
-    of a Muon group refers to; ``partitions``, the layout of each flat ZeRO partition of Muon matrices (by the
-    partition's ``id``). ``orthogonalize`` counts its calls in ``ns_calls``."""
+    Bound to an engine (:meth:`bind`), each matrix is orthogonalised once, by its owner rank: ``matrices`` (by
+    name, owners assigned), ``partitions`` (DeepSpeed's map of which rank holds which elements in which flat
+    buffer). Unbound, every matrix is orthogonalised where it is stepped. ``orthogonalize`` counts its calls in
+    ``ns_calls``."""
 
     def __init__(self, groups: list[dict], fused: bool = False) -> None:
         super().__init__(groups, {})
-        self.tp_group: dist.ProcessGroup | None = None
-        self.partitions: dict[int, FlatPartition] = {}
+        self.partitions: PartitionMap | None = None
+        self.matrices: dict[str, Matrix] = {}
         self.ns_calls = 0
+        self._exchanges: dict[tuple[int, ...], Exchange] = {}
+        self._tp_dims = {id(p): g["tp_dim"] for g in self.param_groups if g["use_muon"] for p in g["params"]}
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
-                    _check_matrix(p)
+                    _check_matrix(p, param_shape(p))  # (ZeRO-3 built partitioned: the shape it keeps aside)
         adam_groups = [g for g in self.param_groups if not g["use_muon"]]
         self._adamw = torch.optim.AdamW(adam_groups, fused=fused) if adam_groups else None
+
+    def bind(self, module: nn.Module, partitions: PartitionMap, tp: int) -> str:
+        """Orthogonalise each matrix of ``module`` once, at its owner, from the fragments ``partitions`` maps; the
+        run log's line on the owners. ``tp``: the tensor-parallel degree the matrices' ``tp_dim`` splits by."""
+        named = [(name, p) for name, p in module.named_parameters() if id(p) in self._tp_dims]
+        unmapped = [name for name, _ in named if name not in partitions.shapes]
+        if unmapped:
+            raise ConfigError(
+                f"optim.name=muon: DeepSpeed steps {unmapped[0]} (and {len(unmapped) - 1} more matrices) inside a "
+                "buffer its partition map does not know, a layout the Muon owner split cannot serve; use "
+                "optim.name=adamw, or another precision / parallel.zero_stage"
+            )
+        shards = [(name, partitions.shapes[name], self._tp_dims[id(p)]) for name, p in named]
+        unsplit = [Matrix(name, shape, dim, tp if dim is not None else 1, 0) for name, shape, dim in shards]
+        owners = assign_owners([newton_schulz_flops(m.shape) for m in unsplit], partitions.world_size)
+        self.matrices = {m.name: replace(m, owner=o) for m, o in zip(unsplit, owners)}
+        self.partitions, self._exchanges = partitions, {}
+        plan_exchange(self.matrices, partitions.of(set(self.matrices)), 0, partitions.world_size)  # (the cover check)
+        return owner_line(list(self.matrices.values()), partitions.world_size)
 
     @staticmethod
     def state_keys(group: dict) -> tuple[str, ...]:
@@ -154,13 +286,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _muon_group(self, group: dict) -> None:
         lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
-        settings = group["tp_dim"], group["ns_steps"], group["ns_dtype"]
+        updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
-            partition = self.partitions.get(id(p))
-            if partition is None:
-                _check_matrix(p)  # (a wrapper may have put its own copies of the parameters into the groups)
+            buffer = self.partitions.buffers.get(id(p)) if self.partitions is not None else None
+            if buffer is None:
+                _check_matrix(p, p.shape)  # (a wrapper may have put its own copies of the parameters into the groups)
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
@@ -168,36 +300,52 @@ class MuonWithAdamW(torch.optim.Optimizer):
             buf.lerp_(p.grad, 1 - beta)
             update = p.grad.lerp(buf, beta) if group["nesterov"] else buf
             p.mul_(1 - lr * wd)
-            if partition is None:
-                orthogonal, shape = self._orthogonalize_whole(update, *settings)
-                p.add_(orthogonal, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
-                continue
-            for piece, whole in self._gather_matrices(update, partition):
-                orthogonal, shape = self._orthogonalize_whole(whole, *settings)
-                mine = orthogonal.reshape(-1).narrow(0, piece.lp_start, piece.numel)
-                p.narrow(0, piece.hp_start, piece.numel).add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+            if buffer is None:
+                orthogonal = self.orthogonalize(update, group["ns_steps"], group["ns_dtype"])
+                p.add_(orthogonal, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+            else:
+                updates[buffer] = p, update
+        if updates:
+            self._orthogonalize_at_owners(updates, group)
 
-    @staticmethod
-    def _gather_matrices(update: torch.Tensor, partition: FlatPartition) -> list[tuple[MatrixPiece, torch.Tensor]]:
-        """Each matrix this rank's partition holds a part of, whole, from every rank's part of the update."""
-        size = dist.get_world_size(partition.group)
-        gathered = torch.empty(size * update.numel(), dtype=update.dtype, device=update.device)
-        dist.all_gather_into_tensor(gathered, update.contiguous(), group=partition.group)
-        return [(piece, piece.whole(gathered.view(size, -1))) for piece in partition.pieces]
-
-    def _orthogonalize_whole(
-        self, shard: torch.Tensor, dim: int | None, steps: int, dtype: str
-    ) -> tuple[torch.Tensor, torch.Size]:
-        """Newton-Schulz of the whole matrix whose tensor-parallel shard (along ``dim``) this rank holds; this
-        rank's part of the result, and the whole matrix's shape."""
-        if dim is None or self.tp_group is None:
-            return self.orthogonalize(shard, steps, dtype), shard.shape
-        size = dist.get_world_size(self.tp_group)
-        parts = [torch.empty_like(shard) for _ in range(size)]
-        dist.all_gather(parts, shard.contiguous(), group=self.tp_group)
-        whole = torch.cat(parts, dim)
-        mine = self.orthogonalize(whole, steps, dtype).chunk(size, dim)[dist.get_rank(self.tp_group)]
-        return mine, whole.shape
+    def _orthogonalize_at_owners(self, updates: dict[int, tuple[torch.Tensor, torch.Tensor]], group: dict) -> None:
+        """Send each rank's fragments of the matrices in the flat buffers ``updates`` (buffer number: the tensor
+        stepped, its update) to the matrices' owners, orthogonalise there, send each rank its fragments of the
+        results back and step them."""
+        key = tuple(sorted(updates))
+        exchange = self._exchanges.get(key)
+        if exchange is None:
+            fragments = [f for f in self.partitions.of(set(self.matrices)) if f.buffer in updates]
+            exchange = plan_exchange(self.matrices, fragments, _rank(), self.partitions.world_size)
+            self._exchanges[key] = exchange
+        first = next(iter(updates.values()))[1]
+        dtype, device = first.dtype, first.device
+        sent = _pack([updates[b][1].view(-1).narrow(0, at, n) for b, at, n in exchange.gather_send], first)
+        received = _all_to_all(sent, exchange.gather_recv_splits, exchange.gather_send_splits)
+        del sent
+        shards = [
+            torch.empty(m.tp if m.tp_dim is not None else 1, m.shard.numel(), dtype=dtype, device=device)
+            for m in exchange.owned
+        ]
+        at = 0
+        for i, s, start, n in exchange.gather_recv:
+            shards[i][s, start : start + n] = received[at : at + n]
+            at += n
+        del received
+        for i, m in enumerate(exchange.owned):
+            parts = [shard.view(m.shard) for shard in shards[i]]
+            whole = torch.cat(parts, m.tp_dim) if len(parts) > 1 else parts[0]
+            orthogonal = self.orthogonalize(whole, group["ns_steps"], group["ns_dtype"]).to(dtype)
+            shards[i] = torch.stack([c.reshape(-1) for c in orthogonal.chunk(len(parts), m.tp_dim or 0)])
+        sent = _pack([shards[i][s, start : start + n] for i, s, start, n in exchange.scatter_send], first)
+        del shards
+        received = _all_to_all(sent, exchange.scatter_recv_splits, exchange.scatter_send_splits)
+        del sent
+        at = 0
+        for b, offset, n, m in exchange.scatter_recv:
+            rate = _adjust_lr(group["lr"], group["adjust_lr_fn"], m.shape)
+            updates[b][0].view(-1).narrow(0, offset, n).add_(received[at : at + n], alpha=-rate)
+            at += n
 
     def orthogonalize(self, update: torch.Tensor, steps: int, dtype: str) -> torch.Tensor:
         self.ns_calls += 1
@@ -206,53 +354,28 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return newton_schulz_fp32(update, steps)
 
 
-def bind_to_engine(optimizer: MuonWithAdamW, zero, tp_group: dist.ProcessGroup | None) -> None:
-    """Tell ``optimizer`` the tensor-parallel group and the layout of the flat partitions that ``zero`` (DeepSpeed's
-    ZeRO-1/2, ZeRO-3 or bf16 optimizer wrapping it; any other wrapper hands it whole matrices) steps it with.
-
-    Read from DeepSpeed 0.19.8's wrappers: ZeRO-1/2 and the bf16 optimizer flatten each parameter group and give
-    each rank one contiguous partition (``fragment_mapping``: which elements of a parameter, where in the partition);
-    ZeRO-3 partitions each parameter on its own and lays the rank's parts of a sub-group end to end
-    (``grad_position``)."""
-    optimizer.tp_group = tp_group
-    optimizer.partitions = {}
-    muon = [g["use_muon"] for g in optimizer.param_groups]
-    if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
-        group = zero.dp_process_group
-        rank = dist.get_rank(group)
-        for sub, (flat, params) in enumerate(zip(zero.fp32_partitioned_groups_flat, zero.fp16_groups)):
-            if not muon[zero.sub_group_to_group_id[sub]]:
-                continue
-            pieces = []
-            for param in params:
-                _, offset, part = zero.grad_position[zero.get_param_id(param)]
-                numel = min(part, param.ds_numel - rank * part)
-                if numel > 0:
-                    pieces.append(MatrixPiece(param.ds_shape, offset, part, rank * part, offset, numel))
-            optimizer.partitions[id(flat)] = FlatPartition(tuple(pieces), group)
-        return
-    flats = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_groups_flat_partition", [])
-    lows = getattr(zero, "bit16_groups", None) or getattr(zero, "bf16_groups", [])
-    for i, (flat, params) in enumerate(zip(flats, lows)):
-        if not muon[i]:
-            continue
-        group = zero.real_dp_process_group[i]
-        base = dist.get_rank(group) * flat.numel()
-        pieces = []
-        for param in params:
-            mapping = fragment_mapping(param)
-            if mapping is None:
-                continue  # (wholly in other ranks' partitions)
-            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
-            pieces.append(MatrixPiece(param.shape, base + hp.start - lp.start, 0, lp.start, hp.start, lp.numel))
-        optimizer.partitions[id(flat)] = FlatPartition(tuple(pieces), group)
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _check_matrix(p: torch.Tensor) -> None:
-    if p.ndim != 2:
+def _pack(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return torch.cat(pieces) if pieces else like.new_empty(0)
+
+
+def _all_to_all(sent: torch.Tensor, recv_splits: tuple[int, ...], send_splits: tuple[int, ...]) -> torch.Tensor:
+    """Each rank's ``send_splits[r]`` elements of ``sent`` to rank r; rank r's ``recv_splits[r]`` elements to us."""
+    if len(send_splits) == 1:
+        return sent
+    received = sent.new_empty(sum(recv_splits))
+    dist.all_to_all_single(received, sent, list(recv_splits), list(send_splits))
+    return received
+
+
+def _check_matrix(p: torch.Tensor, shape: torch.Size) -> None:
+    if len(shape) != 2:
         raise ConfigError(
-            f"optim.name=muon: a Muon parameter reached the optimizer as a tensor of shape {tuple(p.shape)} (a "
-            "wrapper flattened it) whose layout the optimizer was not told (muon.bind_to_engine), so it cannot be "
+            f"optim.name=muon: a Muon parameter reached the optimizer as a tensor of shape {tuple(shape)} (a "
+            "wrapper flattened it) whose layout the optimizer was not told (MuonWithAdamW.bind), so it cannot be "
             "orthogonalised"
         )
 

@@ -2,7 +2,8 @@
 verdict on its update taken on the device, its statistics read during the next step from a staged copy), one in
 a step read at once (a logging step), after its update; the same results either way, spikes, skipped updates
 and non-finite steps included, with and without clipping, fp32 and bf16. And DeepSpeed's bf16 step's two reads
-of the gradient norm replaced (``training/bf16_step.py``) by a step that updates the weights exactly as its own."""
+of the gradient norm replaced (``training/deepspeed/bf16_step.py``) by a step that updates the weights exactly
+as its own."""
 
 from __future__ import annotations
 

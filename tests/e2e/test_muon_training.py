@@ -75,36 +75,35 @@ def one_rank(tmp_path_factory) -> dict:
     return one
 
 
-def test_newton_schulz_runs_once_per_matrix_and_step_at_zero_0_and_two_ranks_equal_one_at_zero_1_2_3(
-    one_rank, tmp_path
-):
-    """fp32 Newton-Schulz (bf16's roundings would hide a small difference); ZeRO's reductions round alike here."""
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_matrix_is_orthogonalised_once_over_two_ranks_which_train_the_losses_of_one(one_rank, tmp_path, stage):
+    """fp32 Newton-Schulz (bf16's roundings would hide a small difference); ZeRO's reductions round alike here.
+    Each matrix has one owner rank: the Newton-Schulz calls of both ranks add up to one rank's."""
     assert one_rank["ns_calls"] == MATRICES * STEPS
-    for two in stage_run(2, 0, tmp_path):
-        assert two["ns_calls"] == MATRICES * STEPS  # on each rank, on the all-reduced gradients
-        assert two["losses"] == pytest.approx(one_rank["losses"], abs=1e-5)
-    wrappers = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
-    for stage, wrapper in wrappers.items():
-        ranks = stage_run(2, stage, tmp_path)
-        assert all(
-            r["wrapper"] == wrapper and r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks
-        )
-        calls = [r["ns_calls"] for r in ranks]
-        if stage == 3:  # every matrix partitioned over both ranks: each orthogonalises it
-            assert calls == [MATRICES * STEPS] * 2
-        else:  # each rank the matrices its partition holds a part of: one of them both
-            assert 0 < min(calls) and sum(calls) == (MATRICES + 1) * STEPS
-        # the momentum partitioned: each element in one rank's partition
+    wrapper = {0: "MuonWithAdamW", 3: "DeepSpeedZeroOptimizer_Stage3"}.get(stage, "DeepSpeedZeroOptimizer")
+    ranks = stage_run(2, stage, tmp_path)
+    assert all(r["wrapper"] == wrapper and r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks)
+    calls = [r["ns_calls"] for r in ranks]
+    assert min(calls) > 0 and sum(calls) == MATRICES * STEPS
+    if stage:  # the momentum partitioned: each element in one rank's partition
         assert 0 < ranks[0]["momentum"] < ranks[0]["matrices"] == sum(r["momentum"] for r in ranks)
-        assert not any(r["adam_moments"] for r in ranks)
+    assert not any(r["adam_moments"] for r in ranks)
 
 
-def test_tensor_parallel_two_with_zero_over_two_data_parallel_ranks_equals_one_rank(one_rank, tmp_path):
-    """Four ranks: each matrix's update gathered over the data-parallel group, then its tensor-parallel shards."""
-    for stage in (1, 3):
-        ranks = stage_run(4, stage, tmp_path, tensor_parallel=2)
-        assert all(r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks)
-        assert all(r["ns_calls"] > 0 for r in ranks)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_tensor_parallel_two_over_two_data_parallel_ranks_equals_one_rank(one_rank, tmp_path, stage):
+    """Four ranks: each matrix's fragments, from both tensor-parallel shards, gathered at its one owner."""
+    ranks = stage_run(4, stage, tmp_path, tensor_parallel=2)
+    assert all(r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks)
+    calls = [r["ns_calls"] for r in ranks]
+    assert min(calls) > 0 and sum(calls) == MATRICES * STEPS
+
+
+def test_four_data_parallel_ranks_at_zero_3_equal_one_rank(one_rank, tmp_path):
+    ranks = stage_run(4, 3, tmp_path)
+    assert all(r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks)
+    calls = [r["ns_calls"] for r in ranks]
+    assert min(calls) > 0 and sum(calls) == MATRICES * STEPS
 
 
 def test_bf16_muon_runs_at_every_stage(one_rank, tmp_path):
@@ -146,7 +145,10 @@ def test_two_ranks_train_the_losses_of_one(tiny_data, shared_runs, tmp_path, lay
     changes = MUON | batch | {"train.max_steps": 10, "checkpoint.every": 100}
     one = shared_runs.train(lambda run_dir: tiny_run(tiny_data, run_dir, steps=10, changes=changes))
     assert "optimizer: Muon on 14 matrices" in one.stdout
-    train(tiny_run(tiny_data, tmp_path / "two", steps=10, changes=changes) + layout, nproc=2)
+    two = train(tiny_run(tiny_data, tmp_path / "two", steps=10, changes=changes) + layout, nproc=2)
+    (owners,) = [line for line in two.stdout.splitlines() if line.startswith("Muon owners:")]
+    assert "each of 14 matrices orthogonalised once, by one of 2 ranks" in owners
+    assert owners.endswith("per rank, matrices/FLOPs: 7/50.0% 7/50.0%")
     assert losses(tmp_path / "two") == pytest.approx(losses(one.run_dir), abs=1e-5)
 
 

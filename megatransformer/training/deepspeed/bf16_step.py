@@ -5,7 +5,7 @@ DeepSpeed computes the norm tensor by tensor and reads it on the host twice (``i
 norm, skips the update (``engine.gated_update``), which leaves weights, moments and schedule as DeepSpeed's early
 return does.
 
-Read from DeepSpeed 0.19.8 (``runtime/bf16_optimizer.py``): check on an upgrade, with ``deepspeed_internals.py``."""
+Read from DeepSpeed 0.19.8 (``runtime/bf16_optimizer.py``): check on an upgrade, with ``internals.py``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,151 @@
+"""Muon against AdamW on gloo CPU ranks: per-rank peak RSS (``/usr/bin/time -f %M``) and step time, for the code
+of one or more checkouts (``--code main=/work/main --code owners=.``: before and after a change).
+
+Each run is ``--ranks`` processes of ``TrainModule.step`` on one repeated batch, ``--steps`` steps, the first
+``--warmup`` untimed; each process is started under ``/usr/bin/time`` with ``PYTHONPATH`` at the checkout, so the
+checkout's ``megatransformer`` is the one measured. Prints one row per run: the slowest rank's median step, the CPU
+seconds of all ranks over the whole run (start-up included: on a loaded machine the steadier figure), the largest
+peak RSS over the ranks, and the Newton-Schulz calls summed over the ranks.
+
+    python bench/muon_owners.py --code main=/work/main --code owners=. --ranks 4 --zero 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = {"d_model": 768, "n_layers": 8, "n_heads": 12, "n_kv_heads": 4, "d_ff": 2048, "vocab_size": 32000}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--code", action="append", default=[], help="NAME=PATH of a checkout (repeatable)")
+    parser.add_argument("--optims", default="adamw,muon")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--zero", type=int, default=3)
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--model", default=json.dumps(MODEL), help="the model section, as JSON")
+    parser.add_argument("--worker", nargs=3, metavar=("RANK", "PORT", "OPTIM"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: the trainer's step ``args.steps`` times; its step times and Newton-Schulz calls to ``args.out``."""
+    import torch
+
+    rank, port, optim = int(args.worker[0]), args.worker[1], args.worker[2]
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(args.ranks),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(args.ranks),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        DS_ACCELERATOR="cpu",
+    )
+    torch.set_num_threads(1)
+    from megatransformer.config import RunConfig
+    from megatransformer.training.checkpointer import innermost_optimizer
+    from megatransformer.training.distributed import setup, teardown
+    from megatransformer.training.engine import TrainModule
+
+    model = {**json.loads(args.model), "max_seq_len": args.seq_len}
+    cfg = RunConfig.model_validate(
+        {
+            "model": model,
+            "data": {"seq_len": args.seq_len},
+            "optim": {"name": optim},
+            "parallel": {"zero_stage": args.zero},
+            "train": {"micro_batch_size": 1},
+            "precision": args.precision,
+        }
+    )
+    module = TrainModule(cfg, setup(), zero_stage=args.zero)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.model.vocab_size, (1, args.seq_len + 1), generator=gen)
+    batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        module.step(iter([batch] * module.sizes.accum))
+        times.append(time.perf_counter() - start)
+    calls = getattr(innermost_optimizer(module.engine), "ns_calls", 0)
+    module.close()
+    teardown()
+    Path(args.out).write_text(json.dumps({"times": times[args.warmup :], "ns_calls": calls}))
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run(args: argparse.Namespace, code: str, optim: str, work: Path) -> dict:
+    """One run of ``args.ranks`` processes with ``code``'s megatransformer: its row."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(code).resolve()), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    passed = ["--ranks", str(args.ranks), "--zero", str(args.zero), "--precision", args.precision]
+    passed += ["--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    passed += ["--model", args.model]
+    processes = [
+        subprocess.Popen(
+            ["/usr/bin/time", "-f", "%M %U %S", "-o", str(work / f"rss.{rank}")]
+            + [sys.executable, __file__, "--worker", str(rank), port, optim, "--out", str(work / f"rank.{rank}")]
+            + passed,
+            env=env,
+        )
+        for rank in range(args.ranks)
+    ]
+    if any(p.wait() for p in processes):
+        raise SystemExit(f"a rank of {optim} with {code} failed")
+    ranks = [json.loads((work / f"rank.{r}").read_text()) for r in range(args.ranks)]
+    measured = [(work / f"rss.{r}").read_text().split()[-3:] for r in range(args.ranks)]
+    rss = [int(m[0]) / 1024 for m in measured]
+    cpu = [float(m[1]) + float(m[2]) for m in measured]
+    return {
+        "step_s": max(statistics.median(r["times"]) for r in ranks),
+        "peak_rss_mib": max(rss),
+        "rss_mib": rss,
+        "ns_calls": sum(r["ns_calls"] for r in ranks),
+        "cpu_s": sum(cpu),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    codes = dict(c.split("=", 1) for c in args.code) or {"here": "."}
+    print(f"# {args.ranks} ranks, ZeRO-{args.zero}, {args.precision}, seq {args.seq_len}, model {args.model}")
+    print(f"# load before: {os.getloadavg()}")
+    columns = ["code", "optimizer", "step (s)", "CPU s, all ranks, whole run", "peak RSS per rank (MiB)", "NS calls"]
+    print("| " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|")
+    for name, code in codes.items():
+        for optim in args.optims.split(","):
+            with tempfile.TemporaryDirectory() as work:
+                row = run(args, code, optim, Path(work))
+            rss = "/".join(f"{r:.0f}" for r in row["rss_mib"])
+            cells = [name, optim, f"{row['step_s']:.2f}", f"{row['cpu_s']:.0f}", f"{row['peak_rss_mib']:.0f} ({rss})"]
+            print("| " + " | ".join(cells + [str(row["ns_calls"])]) + " |")
+            sys.stdout.flush()
+    print(f"# load after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
