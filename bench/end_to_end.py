@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import train_step  # noqa: E402
 
 from megatransformer.config import RunConfig, load_config  # noqa: E402
-from megatransformer.training.cpu_bf16 import native_bf16_gemm  # noqa: E402
+from megatransformer.training.engine.cpu_bf16 import native_bf16_gemm  # noqa: E402
 
 CONFIG = "llama-style"
 PRECISIONS = ("bf16", "fp32")
@@ -287,8 +287,8 @@ def worker(args: argparse.Namespace) -> int:
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.model import build_model
     from megatransformer.training.data import build_run_loader
-    from megatransformer.training.host_memory import apply_host_memory_policy
-    from megatransformer.training.layout import resolve_batch_sizes
+    from megatransformer.training.runtime.host_memory import apply_host_memory_policy
+    from megatransformer.training.runtime.layout import resolve_batch_sizes
 
     host_memory, cpu_bf16_matmul = WORKERS[args.worker]
     apply_host_memory_policy(host_memory)
@@ -332,7 +332,7 @@ def worker(args: argparse.Namespace) -> int:
 def bare_step(runner: train_step.Runner, batches: Iterator[dict], cfg: RunConfig) -> Callable[[], int]:
     """A step as the engine feeds the model (``engine.batch_to_device``: the loader's batch on the device, its
     masks built on the host once), without DeepSpeed around the model. Returns the positions it trained on."""
-    from megatransformer.training.engine import batch_to_device
+    from megatransformer.training.engine.train_module import batch_to_device
 
     device = torch.device(runner.device)
 
@@ -437,7 +437,7 @@ def profile_trainer(args: argparse.Namespace, shards: Path, tokenizer: Path) -> 
     from data_pipeline.loader import StreamingLoader
     from megatransformer import cli
     from megatransformer.model.transformer import DecoderLM
-    from megatransformer.training import engine
+    from megatransformer.training.engine import train_module as engine
     from megatransformer.training.loop import Trainer
 
     precision = args.precision.split(",")[0]

@@ -1,6 +1,6 @@
 """The training engine against the bare model step: what DeepSpeed and our step add around the model.
 
-``ours-engine``: one optimizer step of ``megatransformer.training.engine.TrainModule`` (DeepSpeed engine,
+``ours-engine``: one optimizer step of ``megatransformer.training.engine.train_module.TrainModule`` (DeepSpeed engine,
 ZeRO-0, the run's precision, fused AdamW, host-built attention metadata, loss normalisation, the finite check)
 on host batches as the loader delivers them. ``ours-bare``: ``bench/train_step.py``'s Runner with the same
 model, weights, batch and optimizer work, no engine around it (for bf16: fp32 master weights, as DeepSpeed).
@@ -62,8 +62,8 @@ def main() -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--zero", default="0", help="comma list of ZeRO stages to time the engine at (one rank)")
     args = train_step.parse_args(sys.argv[1:], parents=(own,))
-    from megatransformer.training.distributed import setup
-    from megatransformer.training.engine import TrainModule
+    from megatransformer.training.engine.train_module import TrainModule
+    from megatransformer.training.runtime.distributed import setup
 
     dist_info = setup()
     modes, stages = args.modes.split(","), [int(z) for z in args.zero.split(",")]

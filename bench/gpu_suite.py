@@ -338,8 +338,8 @@ def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
     from megatransformer.model import build_model
     from megatransformer.model.gpu_cores import VARLEN_BACKENDS, activate_for
     from megatransformer.training.data import build_run_loader
-    from megatransformer.training.engine import batch_to_device
-    from megatransformer.training.metrics import peak_tflops
+    from megatransformer.training.engine.train_module import batch_to_device
+    from megatransformer.training.observability.metrics import peak_tflops
 
     steps = wl.warmup + wl.steps
     cfg = load_config(CONFIG, overrides(wl, data, work / "unused", steps, False))
@@ -388,7 +388,7 @@ def newton_schulz(wl: Workload, data: dict[str, str], work: Path) -> int:
     from megatransformer.config import load_config
     from megatransformer.model import build_model
     from megatransformer.model.matrices import hidden_matrix_names
-    from megatransformer.training.muon import NS_COEFFICIENTS, NS_EPS
+    from megatransformer.training.optimizers.muon import NS_COEFFICIENTS, NS_EPS
 
     cfg = load_config(CONFIG, overrides(wl, data, work / "unused", 1, False))
     with torch.device("meta"):

@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatransformer.config import RunConfig  # noqa: E402
-from megatransformer.training import engine  # noqa: E402
-from megatransformer.training.distributed import teardown  # noqa: E402
+from megatransformer.training.engine import train_module as engine  # noqa: E402
+from megatransformer.training.runtime.distributed import teardown  # noqa: E402
 
 
 def run_config(zero: int, precision: str, accum: int, model: dict, micro: int, seq: int) -> RunConfig:
@@ -118,7 +118,7 @@ def emit(report: dict, out: Path | None) -> None:
 
 def probe(cases: list[dict], out: Path | None) -> None:
     """Prints each case's report as a JSON line, or appends it to ``out`` (ranks share stdout: lines may mix)."""
-    from megatransformer.training.distributed import setup
+    from megatransformer.training.runtime.distributed import setup
 
     dist_info = setup()
     start = fp32_moved = None
@@ -157,7 +157,7 @@ def probe(cases: list[dict], out: Path | None) -> None:
 
 
 def speed(args: argparse.Namespace) -> None:
-    from megatransformer.training.distributed import setup
+    from megatransformer.training.runtime.distributed import setup
 
     dist_info = setup()
     if args.threads:

@@ -41,7 +41,7 @@ from megatransformer.flops import document_lengths, documents_flops, model_size 
 from megatransformer.hf.llama import llama_config  # noqa: E402
 from megatransformer.model import build_model, gpu_cores  # noqa: E402
 from megatransformer.model.attention import flash_attn_installed  # noqa: E402
-from megatransformer.training.engine import batch_to_device  # noqa: E402
+from megatransformer.training.engine.train_module import batch_to_device  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16
 PRESETS = {

@@ -58,9 +58,9 @@ def worker(args: argparse.Namespace) -> None:
     )
     torch.set_num_threads(1)
     from megatransformer.config import RunConfig
-    from megatransformer.training.checkpointer import innermost_optimizer
-    from megatransformer.training.distributed import setup, teardown
-    from megatransformer.training.engine import TrainModule
+    from megatransformer.training.checkpointing.checkpointer import innermost_optimizer
+    from megatransformer.training.engine.train_module import TrainModule
+    from megatransformer.training.runtime.distributed import setup, teardown
 
     model = {**json.loads(args.model), "max_seq_len": args.seq_len}
     cfg = RunConfig.model_validate(

@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatransformer.batch import IGNORE_INDEX  # noqa: E402
 from megatransformer.config import RunConfig  # noqa: E402
-from megatransformer.training.distributed import free_port  # noqa: E402
+from megatransformer.training.runtime.distributed import free_port  # noqa: E402
 
 if TYPE_CHECKING:
-    from megatransformer.training.distributed import Dist
+    from megatransformer.training.runtime.distributed import Dist
 
 MARK = "plan_memory.measured_step"
 
@@ -181,7 +181,7 @@ def bare_peak(cfg: RunConfig, by_address: bool = False) -> int:
 
     from megatransformer.model import build_model
     from megatransformer.model.masks import batch_masks
-    from megatransformer.training.tiled_mlp import apply_tiled_mlp
+    from megatransformer.training.engine.tiled_mlp import apply_tiled_mlp
 
     def build() -> Callable[[], None]:
         torch.manual_seed(0)
@@ -213,7 +213,7 @@ def join(rank: int, ranks: int, port: int) -> Dist:
         DS_ACCELERATOR="cpu",
     )
     torch.set_num_threads(1)
-    from megatransformer.training.distributed import setup
+    from megatransformer.training.runtime.distributed import setup
 
     return setup()
 
@@ -221,8 +221,8 @@ def join(rank: int, ranks: int, port: int) -> Dist:
 def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None:
     import torch.distributed as dist
 
-    from megatransformer.training.distributed import teardown
-    from megatransformer.training.engine import TrainModule
+    from megatransformer.training.engine.train_module import TrainModule
+    from megatransformer.training.runtime.distributed import teardown
 
     cfg = run_config(point)
     dist_info = join(rank, ranks, port)

@@ -37,9 +37,9 @@ from attention import peak_bytes  # noqa: E402
 from megatransformer.config import ModelConfig  # noqa: E402
 from megatransformer.model import build_model  # noqa: E402
 from megatransformer.model.masks import batch_masks  # noqa: E402
-from megatransformer.training.distributed import free_port  # noqa: E402
-from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses  # noqa: E402
-from megatransformer.training.tiled_mlp import apply_tiled_mlp  # noqa: E402
+from megatransformer.training.engine.sequence_parallel import SequenceShard, apply_ulysses  # noqa: E402
+from megatransformer.training.engine.tiled_mlp import apply_tiled_mlp  # noqa: E402
+from megatransformer.training.runtime.distributed import free_port  # noqa: E402
 
 MODEL = dict(
     d_model=256,
@@ -83,7 +83,7 @@ def run_rank(rank: int, size: int, port: int, length: int, tiles: int, repeats: 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     import torch.distributed as dist
 
-    from megatransformer.training.distributed import setup
+    from megatransformer.training.runtime.distributed import setup
 
     setup()
     cfg = ModelConfig(max_seq_len=length, **MODEL)

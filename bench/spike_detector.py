@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from megatransformer.config import SpikesConfig
-from megatransformer.training.spikes import RECENT_STEPS, ROBUST_SIGMA, robust_threshold
+from megatransformer.training.observability.spikes import RECENT_STEPS, ROBUST_SIGMA, robust_threshold
 
 Threshold = Callable[[np.ndarray], tuple[float, float]]  # accepted values -> (level, threshold)
 
@@ -38,7 +38,7 @@ DEFAULTS = SpikesConfig()
 
 
 def current(values: np.ndarray, cfg: SpikesConfig = DEFAULTS):
-    """The detector of training/spikes.py with train.spikes' defaults."""
+    """The detector of training/observability/spikes.py with train.spikes' defaults."""
     values = values[-cfg.window :]
     return float(np.median(values[-RECENT_STEPS:])), robust_threshold(values, cfg.threshold, cfg.min_rise)
 

@@ -33,10 +33,10 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    from megatransformer.training.distributed import setup
-    from megatransformer.training.engine import TrainModule
-    from megatransformer.training.spikes import SpikeLadder
-    from megatransformer.training.watchdog import Watchdog
+    from megatransformer.training.engine.train_module import TrainModule
+    from megatransformer.training.observability.spikes import SpikeLadder
+    from megatransformer.training.observability.watchdog import Watchdog
+    from megatransformer.training.runtime.distributed import setup
 
     dist_info = setup()
     print(

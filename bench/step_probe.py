@@ -1,4 +1,4 @@
-"""Runs engine.TrainModule steps in this process under megatransformer.training.probes and prints JSON.
+"""Runs engine.TrainModule steps in this process under megatransformer.training.observability.probes and prints JSON.
 
 ``python bench/step_probe.py '[{"layers": 1, "accum": 1, "zero": 0, "objective": "prefix_lm"}, ...]'``:
 one line per case. A separate process because DeepSpeed's process group is global state.
@@ -42,9 +42,9 @@ def page_locked(source):
 
 def main(cases: list[dict]) -> None:
     from megatransformer.config import RunConfig
-    from megatransformer.training.distributed import setup
-    from megatransformer.training.engine import TrainModule
-    from megatransformer.training.probes import probe_step
+    from megatransformer.training.engine.train_module import TrainModule
+    from megatransformer.training.observability.probes import probe_step
+    from megatransformer.training.runtime.distributed import setup
 
     dist_info = setup()
     for case in cases:

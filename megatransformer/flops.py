@@ -186,3 +186,21 @@ def attention_costs(cfg: ModelConfig, seq_len: int | None = None) -> list[Attent
         flops = (6 * linear + 3 * 2 * keys * width * count) / stack_count
         costs.append(AttentionCost(kind, count, params, flops, cached))
     return costs
+
+
+def newton_schulz_flops(shape: tuple[int, int]) -> int:
+    """FLOPs of one Newton-Schulz iteration on an m x n matrix (m <= n): X Xᵀ, then B = bA + cA², then BX."""
+    m, n = sorted(shape)
+    return 4 * m * m * n + 2 * m**3
+
+
+def assign_owners(costs: list[int], ranks: int) -> list[int]:
+    """The rank that orthogonalises each matrix: the costliest first, each to the least loaded rank (the lowest
+    rank among equals), so the same on every rank."""
+    loads = [0] * ranks
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owner = min(range(ranks), key=lambda r: (loads[r], r))
+        owners[i] = owner
+        loads[owner] += costs[i]
+    return owners

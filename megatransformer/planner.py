@@ -137,6 +137,41 @@ def muon_elements(m: ModelConfig, tp: int) -> int:
     return sum(named[n].numel() // (tp if partition_dim(n) is not None else 1) * copies(n) for n in chosen)
 
 
+_OWNERS: dict[tuple[str, int], tuple[int, int]] = {}
+
+
+def muon_owner_work(m: ModelConfig, ranks: int) -> tuple[int, int]:
+    """Newton-Schulz FLOPs of one iteration at the busiest of ``ranks`` owners (each whole matrix to one owner,
+    assigned as training assigns them: ``flops.assign_owners``), and the elements of the largest matrix."""
+    key = (m.model_dump_json(), ranks)
+    if key not in _OWNERS:
+        from megatransformer.flops import assign_owners, newton_schulz_flops, one_block_per_stack
+        from megatransformer.model.matrices import hidden_matrix_names
+
+        model, copies = one_block_per_stack(m)
+        named = dict(model.named_parameters())
+        shapes = [tuple(named[n].shape) for n in hidden_matrix_names(model) for _ in range(copies(n))]
+        costs = [newton_schulz_flops(shape) for shape in shapes]
+        loads = [0] * ranks
+        for cost, owner in zip(costs, assign_owners(costs, ranks)):
+            loads[owner] += cost
+        _OWNERS[key] = max(loads), max(a * b for a, b in shapes)
+    return _OWNERS[key]
+
+
+def muon_step_bytes(cfg: RunConfig, layout: Layout) -> int:
+    """What Muon's step adds at an owner: its share of the updates sent to their owners and the results coming
+    back (fp32, both ways), and Newton-Schulz's working set on the largest matrix (the matrix in fp32, then X,
+    XXᵀ, the polynomial and the next X in the iteration's dtype)."""
+    ranks = layout.dp * layout.tp * layout.sp
+    elements = muon_elements(cfg.model, layout.tp)
+    shards = layout.dp * layout.sp if layout.zero else 1
+    _, largest = muon_owner_work(cfg.model, ranks)
+    m = min(d for d in (cfg.model.d_model, cfg.model.d_ff, largest // cfg.model.d_model) if d)
+    ns = BYTES[cfg.optim.muon_ns_dtype]
+    return 2 * 4 * -(-elements // shards) + 4 * largest + ns * (2 * largest + 2 * m * m)
+
+
 def parameter_counts(m: ModelConfig) -> tuple[int, int]:
     """(parameters tensor parallelism splits, parameters every rank keeps whole)."""
     sizes = parameter_sizes(m)
@@ -390,6 +425,8 @@ def memory_parts(cfg: RunConfig, layout: Layout, device: Device, engine: bool = 
     # the head's fp32 weight gradient, which the fused loss computes in the forward
     head_grad = cfg.model.vocab_size * cfg.model.d_model * 4
     buffers = sum(in_backward.values())
+    if cfg.optim.name == "muon" and engine:  # (the optimizer's step, right after the backward's end)
+        buffers += muon_step_bytes(cfg, layout)
     loss = acts["activations"] + acts["loss_chunk"] + head_grad
     backward = buffers + acts["activations"] + acts["recomputed"] + acts["attention_transients"] + head_grad
     parts = dict(held)
@@ -521,6 +558,10 @@ def step_seconds(cfg: RunConfig, layout: Layout, device: Device, gpus_per_node: 
         rate = device.peak_tflops * 1e12 * MFU * (0.5 if cfg.precision == "fp32" else 1.0)  # fp32: TF32
     seconds = flops / rate + layout.accum * MICRO_STEP_SECONDS[device.kind] * len_layers(m)
     world = layout.dp * layout.tp * layout.sp
+    if cfg.optim.name == "muon":  # the busiest owner's Newton-Schulz iterations (whole matrices, one owner each)
+        work, _ = muon_owner_work(m, world)
+        ns_rate = rate * (0.5 if cfg.optim.muon_ns_dtype == "fp32" and device.kind != "cpu" else 1.0)
+        seconds += cfg.optim.muon_ns_steps * work / ns_rate
     nodes = -(-world // gpus_per_node)
     inner = device.intra_node_gbps * 1e9
     outer = (device.inter_node_gbps if nodes > 1 else device.intra_node_gbps) * 1e9
@@ -532,7 +573,7 @@ def step_seconds(cfg: RunConfig, layout: Layout, device: Device, gpus_per_node: 
         volume = 2 * ring * 4 * params if layout.zero < 3 else ring * 4 * params
         if layout.zero in (1, 2):
             volume = ring * 4 * params + ring * w * params  # reduce-scatter, then all-gather of updated weights
-        if cfg.optim.name == "muon":  # each matrix's update to its owner and back, in fp32 (training/muon.py)
+        if cfg.optim.name == "muon":  # each matrix's update to its owner and back, in fp32 (optimizers/muon.py)
             spread = (world - 1) / world
             held = muon_elements(m, layout.tp) / (shards if layout.zero else 1)
             volume += 4 * held * spread * (2 if layout.zero else 1)
@@ -719,7 +760,7 @@ def plan(
                 if offload and zero == 0:
                     continue
                 if offload and cfg.optim.name == "muon":
-                    continue  # (training/engine.py check_muon_layout)
+                    continue  # (training/engine/train_module.py check_muon_layout)
                 layouts.append(Layout(dp, tp, sp, zero, ckpt, tile, offload, micro, per_rank // micro))
     if current is not None and current not in layouts:
         layouts.append(current)

@@ -1,7 +1,7 @@
 """The checkpoint format, without DeepSpeed: directory layout, integrity, trainer state and weights.
 
 Inference, export, averaging and the Hugging Face conversion read checkpoints through this package alone; the
-training side (``training/checkpointer.py``) adds DeepSpeed's states. Design: docs/checkpoints.md.
+training side (``training/checkpointing/checkpointer.py``) adds DeepSpeed's states. Design: docs/checkpoints.md.
 """
 
 from megatransformer.checkpoint.directory import (
@@ -35,7 +35,6 @@ from megatransformer.checkpoint.files import (
     TrainerState,
     check_same_shapes,
     computation_differences,
-    load_safetensors,
     load_weights,
     read_trainer_state,
     save_safetensors,
@@ -51,6 +50,7 @@ from megatransformer.checkpoint.integrity import (
     checkpoint_files,
     file_entry,
     is_rank_part,
+    load_safetensors,
     newest_intact,
     read_manifest,
     resume_candidates,

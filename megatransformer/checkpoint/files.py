@@ -35,7 +35,13 @@ from megatransformer.checkpoint.directory import (
     fsync_dir,
     step_of,
 )
-from megatransformer.checkpoint.integrity import CheckpointDamaged, read_manifest, verify_checkpoint, write_manifest
+from megatransformer.checkpoint.integrity import (
+    CheckpointDamaged,
+    load_safetensors,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
+)
 from megatransformer.config import ConfigError, ModelConfig, RunConfig, dump_config, validate
 
 # Fields that change parameter shapes or names: they must match to load weights.
@@ -66,8 +72,8 @@ RowRange = Annotated[list[NonNegativeInt], Field(min_length=2, max_length=2)]
 
 
 class SpikeState(BaseModel):
-    """The loss-spike ladder's state (training/spikes.py): the detectors' recent accepted values, the steps of
-    recent spikes, the rollbacks so far and the global rows each of them skips."""
+    """The loss-spike ladder's state (training/observability/spikes.py): the detectors' recent accepted values, the
+    steps of recent spikes, the rollbacks so far and the global rows each of them skips."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -122,7 +128,7 @@ class TrainerState(BaseModel):
     zero_stage: Literal[0, 1, 2, 3]
     spikes: SpikeState = Field(default_factory=SpikeState)
     schedule_phase: Literal["warmup", "stable", "decay"] | None = None  # None: written before it was recorded
-    """The learning-rate schedule's phase at this step (training/optim.py schedule_phase)."""
+    """The learning-rate schedule's phase at this step (training/optimizers/schedules.py schedule_phase)."""
     decay_from: DecayOrigin | None = None
     """A decay branch's start (schedule.decay_from), kept by every checkpoint of the branch."""
 
@@ -199,17 +205,6 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
 
     save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
     os.chmod(path, default_file_mode())
-
-
-def load_safetensors(path: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor and the metadata of a checkpoint's safetensors file; an unreadable one is damage."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path / name), framework="pt") as f:
-            return {key: f.get_tensor(key) for key in f.keys()}, f.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointDamaged(path, name, f"unreadable ({str(err)[:200]})") from None
 
 
 class LazyWeights(Mapping[str, torch.Tensor]):

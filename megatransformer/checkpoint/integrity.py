@@ -283,3 +283,14 @@ def safe_load(path: Path, map_location: Any = None, allowed: Sequence[type] = ()
     except (RuntimeError, OSError, EOFError, ValueError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
         raise CheckpointDamaged(path.parent, path.name, f"unreadable ({reason[:200]})") from None
+
+
+def load_safetensors(path: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor and the metadata of a checkpoint's safetensors file; an unreadable one is damage."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path / name), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}, f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointDamaged(path, name, f"unreadable ({str(err)[:200]})") from None

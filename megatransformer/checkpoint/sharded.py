@@ -406,8 +406,7 @@ def convert_consolidated(path: Path) -> Path:
     import shutil
 
     from megatransformer.checkpoint.directory import CONFIG, OPTIMIZER, TOKENIZER, TRAINER_STATE, WEIGHTS, fsync_dir
-    from megatransformer.checkpoint.files import load_safetensors
-    from megatransformer.checkpoint.integrity import read_manifest, verify_checkpoint, write_manifest
+    from megatransformer.checkpoint.integrity import load_safetensors, read_manifest, verify_checkpoint, write_manifest
 
     verify_checkpoint(path)
     if read_manifest(path) is None or not (path / OPTIMIZER).is_file():

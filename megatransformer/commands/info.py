@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from megatransformer.training.layout import data_parallel_size
+    from megatransformer.training.runtime.layout import data_parallel_size
 
     cfg = load_config(args.config, args.overrides)
     data_parallel_size(cfg, args.world_size or cfg.parallel.tensor_parallel * cfg.parallel.sequence_parallel)
@@ -93,7 +93,7 @@ def describe(cfg: RunConfig, world_size: int) -> dict:
     heads each rank of a sequence group holds (the same on every group), and the activation memory of a micro
     batch per rank (of one row when the train section leaves the micro batch to the launch)."""
     from megatransformer.planner import Layout, activation_parts
-    from megatransformer.training.layout import data_parallel_size, describe_layout, resolve_batch_sizes
+    from megatransformer.training.runtime.layout import data_parallel_size, describe_layout, resolve_batch_sizes
 
     p, length = cfg.parallel, cfg.data.seq_len
     dp = data_parallel_size(cfg, world_size)

@@ -193,7 +193,7 @@ def config_layout(cfg: RunConfig, world: int, kind: str):
     """The layout the config itself describes on ``world`` ranks (None where its tp x sp does not divide the
     world), and the global batch every layout keeps."""
     from megatransformer.planner import Layout
-    from megatransformer.training.layout import BatchSizes, engine_zero_stage, resolve_batch_sizes
+    from megatransformer.training.runtime.layout import BatchSizes, engine_zero_stage, resolve_batch_sizes
 
     p, m = cfg.parallel, cfg.model
     group = p.tensor_parallel * p.sequence_parallel
@@ -221,7 +221,7 @@ def config_layout(cfg: RunConfig, world: int, kind: str):
 def batch_note(cfg: RunConfig, world: int) -> str | None:
     """A line when the config's batch cannot be laid out on ``world`` ranks and the plan takes another
     (:func:`config_layout`'s), saying why and which; None when the plan keeps the config's."""
-    from megatransformer.training.layout import resolve_batch_sizes
+    from megatransformer.training.runtime.layout import resolve_batch_sizes
 
     p = cfg.parallel
     dp = max(1, world // (p.tensor_parallel * p.sequence_parallel))
@@ -243,7 +243,7 @@ def cpu_tflops(precision: str) -> float:
 
     import torch
 
-    from megatransformer.training.cpu_bf16 import native_bf16_gemm
+    from megatransformer.training.engine.cpu_bf16 import native_bf16_gemm
 
     dtype = torch.bfloat16 if precision != "fp32" and native_bf16_gemm() else torch.float32
     a, out = torch.randn(1024, 1024, dtype=dtype), torch.empty(1024, 1024, dtype=dtype)

@@ -63,7 +63,7 @@ def draw(runs: list[str | Path], out: str | Path) -> Path:
     known) to ``out``."""
     from matplotlib.figure import Figure  # (not pyplot: no global figures, and a caller's backend left alone)
 
-    from megatransformer.training.metrics import read_metrics
+    from megatransformer.training.observability.metrics import read_metrics
 
     metrics = [(run_dir, read_metrics(run_dir)) for run_dir in runs]  # a directory that is no run fails first
     shown = panels([records for _, records in metrics])

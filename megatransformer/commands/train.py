@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError
-from megatransformer.training.metrics import format_duration, read_metrics
+from megatransformer.training.observability.metrics import format_duration, read_metrics
 
 if TYPE_CHECKING:
     from megatransformer.checkpoint import TrainerState
@@ -56,21 +56,26 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     from data_pipeline import DataError, WriteFailed
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer import checkpoint as ckpt
-    from megatransformer.training.builds import build_notes, build_progress, ops_to_build
-    from megatransformer.training.distributed import (
+    from megatransformer.training.checkpointing.resume import check_run_dir, keep_saved_batch
+    from megatransformer.training.checkpointing.run_lock import lock_run_dir
+    from megatransformer.training.loop import Preemption, Trainer
+    from megatransformer.training.observability.watchdog import (
+        dump_rank,
+        hang_dir,
+        stack_dumps,
+        switch_on_flight_recorder,
+    )
+    from megatransformer.training.preflight import check_before_start
+    from megatransformer.training.runtime.builds import build_notes, build_progress, ops_to_build
+    from megatransformer.training.runtime.distributed import (
         EXIT_COLLECTIVE_FAILED,
         collective_failure,
         groups_end_after_failure,
         on_first_rank,
         setup,
     )
-    from megatransformer.training.host_memory import apply_host_memory_policy
-    from megatransformer.training.loop import Preemption, Trainer
-    from megatransformer.training.preflight import check_before_start
-    from megatransformer.training.resume import check_run_dir, keep_saved_batch
-    from megatransformer.training.run_lock import lock_run_dir
+    from megatransformer.training.runtime.host_memory import apply_host_memory_policy
     from megatransformer.training.threads import set_threads_for_machine
-    from megatransformer.training.watchdog import dump_rank, hang_dir, stack_dumps, switch_on_flight_recorder
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
 
@@ -182,7 +187,7 @@ def end_groups(trainer: Trainer | None, err: BaseException | None = None) -> Non
     """End the run's process groups before the interpreter's shutdown (``training.distributed.teardown``), the
     trainer's engine closed first; ``err``: the error the run stops with, whose frames hold the engine until
     cleared."""
-    from megatransformer.training.distributed import teardown
+    from megatransformer.training.runtime.distributed import teardown
 
     if err is not None:
         traceback.clear_frames(err.__traceback__)

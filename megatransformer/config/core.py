@@ -81,8 +81,8 @@ one part in a few hundred million a step, below fp32's resolution, so anything s
 MAX_LR = 10.0
 """Largest optim.lr and optim.muon_lr accepted: Adam's rates lie below about 1e-2, Muon's below about 0.1, and the
 inverse_sqrt schedule's multiplier is about 1 (the 2017 paper); a rate above 10 (a typo such as 3e4, or 1e10) kills
-the model in a step or two: its gradients vanish and its output turns uniform (training/spikes.py DeadRun stops
-such a run, but only after train.max_dead_steps steps)."""
+the model in a step or two: its gradients vanish and its output turns uniform (DeadRun in
+training/observability/spikes.py stops such a run, but only after train.max_dead_steps steps)."""
 MAX_STEPS = 10**9
 """Largest train.max_steps accepted: the longest published pretraining runs take a few million optimizer steps;
 a billion is decades at ten steps a second, and still refuses a typo such as 1e30."""

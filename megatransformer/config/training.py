@@ -11,7 +11,7 @@ from megatransformer.config.core import MAX_LR, MAX_STEPS, MIN_LR, Fraction, Sec
 
 
 class SpikesConfig(Section):
-    """Loss spikes (training/spikes.py): a step whose loss or gradient norm is non-finite or far above the
+    """Loss spikes (training/observability/spikes.py): a step whose loss or gradient norm is non-finite or far above the
     level of its recent values does not update the model; several within a short span roll the run
     back to the newest intact checkpoint before them and skip the data read since, plus a margin; too many
     rollbacks stop it."""
@@ -64,9 +64,9 @@ class SpikesConfig(Section):
 
 
 class WatchdogConfig(Section):
-    """Hang diagnosis (training/watchdog.py): a step that takes far longer than usual makes every rank write
-    the Python stacks of all its threads to RUN_DIR/hangs/rank_NNNNN.txt, before parallel.timeout_minutes
-    ends the run."""
+    """Hang diagnosis (training/observability/watchdog.py): a step that takes far longer than usual makes every
+    rank write the Python stacks of all its threads to RUN_DIR/hangs/rank_NNNNN.txt, before
+    parallel.timeout_minutes ends the run."""
 
     enabled: bool = True
     """Arm the watchdog around every step."""
@@ -127,7 +127,7 @@ class TrainConfig(Section):
     """Rows of the validation split per validation pass (unset: from ``eval_batches``). A resume on another
     layout sets it to the checkpoint's, so that the validation set stays the same (docs/checkpoints.md)."""
     compile: bool | None = None
-    """torch.compile each Transformer block (training/compiled.py); unset: on for CUDA runs, off on CPUs (where
+    """torch.compile each Transformer block (training/engine/compiled.py); unset: on for CUDA runs, off on CPUs (where
     compiling takes minutes and gains little). The run log says which, and reports any recompilation or graph
     break after the first two steps."""
     gc_every: NonNegativeInt = 1000

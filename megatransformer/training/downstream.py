@@ -8,7 +8,7 @@ import time
 import torch
 
 from megatransformer.config import ConfigError, RunConfig
-from megatransformer.training.engine import TrainModule
+from megatransformer.training.engine.train_module import TrainModule
 
 
 class Downstream:

@@ -20,18 +20,19 @@ from megatransformer.config import RunConfig, dump_config, precision_dtype
 from megatransformer.flops import model_size
 from megatransformer.model.attention import describe_backend
 from megatransformer.model.latent_attention import core_head_dim, describe_value_width
-from megatransformer.training import cpu_bf16, spikes
+from megatransformer.training.checkpointing.resume import decay_start, plan_resume, refusal, rollback_target, skippable
 from megatransformer.training.collector import GarbageCollection
-from megatransformer.training.compiled import CompileWatch, describe_compile
 from megatransformer.training.data import build_run_loader, small_validation_warning
-from megatransformer.training.distributed import Dist
-from megatransformer.training.engine import StepResult, TrainModule
-from megatransformer.training.layout import describe_layout, validation_batch, validation_rows, zero_stage_notes
-from megatransformer.training.metrics import Reporter, finite_or_none, peak_tflops
-from megatransformer.training.optim import branch_decay, describe_decay, schedule_phase, warmup_warning
-from megatransformer.training.resume import decay_start, plan_resume, refusal, rollback_target, skippable
-from megatransformer.training.trackers import resolved_config, run_facts
-from megatransformer.training.watchdog import Watchdog
+from megatransformer.training.engine import cpu_bf16
+from megatransformer.training.engine.compiled import CompileWatch, describe_compile
+from megatransformer.training.engine.train_module import StepResult, TrainModule
+from megatransformer.training.observability import spikes
+from megatransformer.training.observability.metrics import Reporter, finite_or_none, peak_tflops
+from megatransformer.training.observability.trackers import resolved_config, run_facts
+from megatransformer.training.observability.watchdog import Watchdog
+from megatransformer.training.optimizers.schedules import branch_decay, describe_decay, schedule_phase, warmup_warning
+from megatransformer.training.runtime.distributed import Dist
+from megatransformer.training.runtime.layout import describe_layout, validation_batch, validation_rows, zero_stage_notes
 
 EXIT_PREEMPTED = 124  # checkpoint saved after SIGUSR1/SIGTERM/SIGINT: requeue and resume=auto
 EXIT_DIVERGED = 3  # too many non-finite, spiking or dead steps: checkpoint saved, run stopped

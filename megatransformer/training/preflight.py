@@ -18,8 +18,8 @@ from megatransformer.config import ConfigError, RunConfig, precision_dtype
 from megatransformer.model import gpu_cores
 from megatransformer.model.attention import FLASH_ATTN_INSTALL, flash_attn_module
 from megatransformer.training.data import loader_settings
-from megatransformer.training.layout import data_parallel_size, resolve_batch_sizes
-from megatransformer.training.trackers import check_tensorboard
+from megatransformer.training.observability.trackers import check_tensorboard
+from megatransformer.training.runtime.layout import data_parallel_size, resolve_batch_sizes
 
 
 def check_before_start(cfg: RunConfig, tokenizer: TokenizerInfo) -> None:

@@ -21,8 +21,8 @@ from support.runs import ONE_THREAD, cli, losses_by_step, tiny_data_overrides, t
 
 from megatransformer import checkpoint as ckpt
 from megatransformer.config import ConfigError, validate
-from megatransformer.training import checkpointer
-from megatransformer.training.resume import plan_resume, refusal, resolve_resume, skippable
+from megatransformer.training.checkpointing import checkpointer
+from megatransformer.training.checkpointing.resume import plan_resume, refusal, resolve_resume, skippable
 
 OLD, NEW = "step_000002", "step_000004"
 # The files of a checkpoint of one rank: every kind there is.

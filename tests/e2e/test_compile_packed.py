@@ -18,7 +18,7 @@ from support.runs import losses, tiny_run, train
 
 from megatransformer.model import attention, build_model
 from megatransformer.model.masks import batch_masks
-from megatransformer.training.compiled import WARMUP_STEPS, CompileWatch, compile_blocks
+from megatransformer.training.engine.compiled import WARMUP_STEPS, CompileWatch, compile_blocks
 
 ROWS, T, STEPS = 2, 32, 50
 

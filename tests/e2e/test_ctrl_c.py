@@ -139,7 +139,7 @@ def test_a_second_ctrl_c_exits_at_once_with_one_line():
 def test_ctrl_c_while_a_rank_waits_on_a_build_lock_exits_at_once_with_one_line(tiny_data, tmp_path):
     """Rank 0 of a two-rank run that waits on another process's build of DeepSpeed's CPU collective (a lock file
     left in its build directory): a Ctrl-C exits at once, one line, no traceback, nothing saved."""
-    from megatransformer.training.builds import COLLECTIVE
+    from megatransformer.training.runtime.builds import COLLECTIVE
 
     lock = tmp_path / "torch_extensions" / COLLECTIVE / "lock"
     lock.parent.mkdir(parents=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from support import REPO
 
-from megatransformer.training.probes import CudaSyncCounter
+from megatransformer.training.observability.probes import CudaSyncCounter
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_the_packed_runs_attention_core_is_read_from_the_run_log(gpu_check):
 
 
 def test_the_step_probe_is_judged_by_cudas_own_sync_count(gpu_check):
-    sites = {"megatransformer/training/engine.py:293": 1, "deepspeed/runtime/utils.py:422": 8}
+    sites = {"megatransformer/training/engine/train_module.py:293": 1, "deepspeed/runtime/utils.py:422": 8}
     probe = {"zero": 2, "collective_devices": ["cuda:0"], "host_syncs": 5, "cuda_syncs": 9, "cuda_sync_sites": sites}
     assert gpu_check.probe_ok(probe)
     assert not gpu_check.probe_ok({**probe, "cuda_syncs": 10})  # copies, synchronize()

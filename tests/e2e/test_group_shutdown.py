@@ -29,8 +29,8 @@ GROUPS_SCRIPT = textwrap.dedent("""
     import deepspeed.runtime.zero.muon.muon_optimizer  # (ZeRO's step imports it)
 
     from megatransformer.config import RunConfig
-    from megatransformer.training.distributed import setup, teardown
-    from megatransformer.training.engine import TrainModule
+    from megatransformer.training.runtime.distributed import setup, teardown
+    from megatransformer.training.engine.train_module import TrainModule
     from support.runs import free_port, thread_names as threads
 
     sys.path.insert(0, "bench")

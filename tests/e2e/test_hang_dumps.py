@@ -10,8 +10,8 @@ from pathlib import Path
 
 from support.runs import spawn_ranks, tiny_data_overrides, tiny_model, wait_for_step, wait_ranks
 
-from megatransformer.training.distributed import EXIT_COLLECTIVE_FAILED
-from megatransformer.training.watchdog import stack_dumps
+from megatransformer.training.observability.watchdog import stack_dumps
+from megatransformer.training.runtime.distributed import EXIT_COLLECTIVE_FAILED
 
 TIMEOUT_S = 30  # parallel.timeout_minutes=0.5
 

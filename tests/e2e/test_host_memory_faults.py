@@ -17,7 +17,7 @@ import pytest
 PROBE = """
 import json, resource, sys
 import torch
-from megatransformer.training.host_memory import apply_host_memory_policy
+from megatransformer.training.runtime.host_memory import apply_host_memory_policy
 line = apply_host_memory_policy(sys.argv[1])
 sizes = [2**k for k in range(16, 25)]  # float32 elements: 256 KiB ... 64 MiB
 faults = []

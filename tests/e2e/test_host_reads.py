@@ -24,10 +24,10 @@ STEPS = textwrap.dedent("""
     from step_probe import batches
     from support.host_reads import counting_host_reads
     from megatransformer.config import RunConfig
-    from megatransformer.training import engine
-    from megatransformer.training.distributed import setup, teardown
-    from megatransformer.training.optim import lr_multiplier
-    from megatransformer.training.spikes import SpikeLadder
+    from megatransformer.training.engine import train_module as engine
+    from megatransformer.training.runtime.distributed import setup, teardown
+    from megatransformer.training.optimizers.schedules import lr_multiplier
+    from megatransformer.training.observability.spikes import SpikeLadder
 
     precision, grad_clip, every = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
     STEPS, POISONED = 12, 6  # POISONED: a step whose loss is NaN
@@ -125,9 +125,11 @@ def test_a_step_left_to_read_reads_nothing_and_a_step_read_at_once_reads_once(re
         if step % EVERY and step != len(late["reads"]):
             assert reads == [], (step, reads)
         else:  # (the result read at once, after the update; the previous step's from its staged copy)
-            assert len(reads) == 1 and reads[0].startswith("tolist at") and "training/engine.py" in reads[0], reads
+            assert (
+                len(reads) == 1 and reads[0].startswith("tolist at") and "training/engine/train_module.py" in reads[0]
+            ), reads
     for reads in report["every_step"]["reads"]:
-        assert len(reads) == 1 and "training/engine.py" in reads[0], reads
+        assert len(reads) == 1 and "training/engine/train_module.py" in reads[0], reads
 
 
 @pytest.mark.parametrize("run", ["late", "every_step"])

@@ -90,7 +90,7 @@ def test_a_rank_ends_when_its_launcher_is_killed(tmp_path):
     outright (SIGKILL), or it keeps writing into the run directory and holding its lock."""
     ready = tmp_path / "ready"
     rank = (
-        "from megatransformer.training.distributed import end_with_launcher; end_with_launcher(); "
+        "from megatransformer.training.runtime.distributed import end_with_launcher; end_with_launcher(); "
         f"open({str(ready)!r}, 'w').close(); import time; time.sleep(120)"
     )
     launcher = textwrap.dedent(f"""

@@ -29,9 +29,9 @@ MUON = {"optim.name": "muon", "optim.muon_lr": "0.02", "parallel.zero_stage": "0
 def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, parallel: dict, out: str) -> None:
     from megatransformer.config import ConfigError
     from megatransformer.planner import muon_elements
-    from megatransformer.training.checkpointer import innermost_optimizer, local_fragments
-    from megatransformer.training.distributed import teardown
-    from megatransformer.training.engine import TrainModule
+    from megatransformer.training.checkpointing.checkpointer import innermost_optimizer, local_fragments
+    from megatransformer.training.engine.train_module import TrainModule
+    from megatransformer.training.runtime.distributed import teardown
 
     cfg = run_config(
         optim={"name": "muon", "muon_ns_dtype": "bf16" if precision == "bf16" else "fp32"},

@@ -51,8 +51,8 @@ def test_engine_peak_on_two_ranks_is_the_plan_within_ten_percent(zero: int, prec
 
 def _bucket_rank(rank: int, port: int, point: dict, out: str) -> None:
     from megatransformer.planner import REDUCE_BUCKET
-    from megatransformer.training import engine
-    from megatransformer.training.distributed import teardown
+    from megatransformer.training.engine import train_module as engine
+    from megatransformer.training.runtime.distributed import teardown
 
     cfg, dist_info = run_config(point), join(rank, 2, port)
     batches = itertools.repeat(host_batch(cfg))

@@ -14,7 +14,7 @@ import time
 from support import assert_one_line
 from support.runs import metrics, tiny_run, train, train_command
 
-from megatransformer.training.run_lock import LOCK
+from megatransformer.training.checkpointing.run_lock import LOCK
 
 
 def test_a_second_run_is_refused_while_the_first_holds_the_lock_and_a_requeue_resumes(tiny_data, tmp_path):

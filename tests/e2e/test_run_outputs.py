@@ -18,8 +18,8 @@ from support.runs import FOUR_STEPS, tiny_data_overrides, train
 
 from megatransformer.config import ConfigError, load_config, validate
 from megatransformer.flops import model_size
-from megatransformer.training.metrics import start_wandb
-from megatransformer.training.trackers import check_tensorboard
+from megatransformer.training.observability.metrics import start_wandb
+from megatransformer.training.observability.trackers import check_tensorboard
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""ZeRO-3 builds the model partitioned (training/construction.py): the weights of the one-rank build of the seed, and
-of init_from, with no rank holding more than its partition and one layer."""
+"""ZeRO-3 builds the model partitioned (training/engine/construction.py): the weights of the one-rank build of the
+seed, and of init_from, with no rank holding more than its partition and one layer."""
 
 from __future__ import annotations
 

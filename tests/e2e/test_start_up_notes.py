@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from support.runs import ONE_THREAD, tiny_data_overrides, train_command
 
-from megatransformer.training.builds import COLLECTIVE, CPU_ADAM, build_notes, build_progress, ops_to_build
+from megatransformer.training.runtime.builds import COLLECTIVE, CPU_ADAM, build_notes, build_progress, ops_to_build
 
 TINY = (
     "model.d_model=32 model.n_layers=1 model.n_heads=2 model.n_kv_heads=2 model.d_ff=64 model.vocab_size=512 "

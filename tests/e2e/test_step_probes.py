@@ -1,5 +1,5 @@
 """One optimizer step waits for the device a fixed, small number of times, and its collectives run on the
-run's device: measured with megatransformer.training.probes on real DeepSpeed engines (one process, CPU).
+run's device: measured with megatransformer.training.observability.probes on real DeepSpeed engines (one process, CPU).
 
 On this CPU the run's device is the host, so the collective check can only confirm the wiring;
 ``bench/gpu_check.py`` runs the same probe on CUDA, where a host tensor in a collective is caught.

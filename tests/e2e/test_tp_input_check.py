@@ -17,8 +17,8 @@ FIRST_STEPS = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from megatransformer.config import RunConfig
-    from megatransformer.training.distributed import setup, teardown
-    from megatransformer.training.engine import TrainModule
+    from megatransformer.training.runtime.distributed import setup, teardown
+    from megatransformer.training.engine.train_module import TrainModule
     sys.path.insert(0, "bench")
     from step_probe import batches
 

@@ -84,7 +84,7 @@ def test_a_longer_run_on_resume_takes_its_schedule_from_the_first_step(tiny_data
     """Raising train.max_steps on resume stretches the cosine: the first resumed step already runs at the new
     schedule's rate (a scheduler's load restores the saved run's last rate, computed for the old length)."""
     from megatransformer.config import load_config
-    from megatransformer.training.optim import lr_multiplier
+    from megatransformer.training.optimizers.schedules import lr_multiplier
 
     run = tmp_path / "run"
     base = [*FOUR_STEPS, f"run_dir={run}", *tiny_data_overrides(tiny_data), "optim.lr=1e-2", "schedule.warmup_steps=1"]

@@ -13,8 +13,8 @@ from support.sequence import decoder_batch, encoder_decoder_batch
 from megatransformer.model.attention import BACKENDS, flash_attn_module
 from megatransformer.model.masks import batch_masks
 from megatransformer.model.positions import Alibi, alibi_slopes
-from megatransformer.training.distributed import teardown
-from megatransformer.training.sequence_parallel import pad_sequences
+from megatransformer.training.engine.sequence_parallel import pad_sequences
+from megatransformer.training.runtime.distributed import teardown
 
 H, D = 4, 8
 SP = 2
@@ -46,7 +46,7 @@ def _run_rank(rank: int, store: str, backend: str, device: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from megatransformer.training.sequence_parallel import UlyssesCore
+    from megatransformer.training.engine.sequence_parallel import UlyssesCore
 
     deepspeed.init_distributed(
         dist_backend="gloo" if device == "cpu" else "nccl",

@@ -216,7 +216,7 @@ def alive(pid: int) -> bool:
 
 def free_port() -> str:
     """A free port on this machine, as MASTER_PORT takes it."""
-    from megatransformer.training.distributed import free_port
+    from megatransformer.training.runtime.distributed import free_port
 
     return str(free_port())
 

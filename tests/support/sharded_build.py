@@ -13,11 +13,11 @@ import torch
 
 from megatransformer.config import precision_dtype
 from megatransformer.model import build_model
-from megatransformer.training import construction
-from megatransformer.training.construction import build_for_run, load_into_partitioned
-from megatransformer.training.distributed import setup
-from megatransformer.training.engine import deepspeed_config
-from megatransformer.training.layout import BatchSizes
+from megatransformer.training.engine import construction
+from megatransformer.training.engine.construction import build_for_run, load_into_partitioned
+from megatransformer.training.engine.train_module import deepspeed_config
+from megatransformer.training.runtime.distributed import setup
+from megatransformer.training.runtime.layout import BatchSizes
 from support.memory import peak_host_bytes
 from support.models import run_config
 

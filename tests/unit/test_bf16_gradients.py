@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from support.models import run_config
 
-from megatransformer.training.engine import deepspeed_config
-from megatransformer.training.layout import BatchSizes, zero_stage_notes
+from megatransformer.training.engine.train_module import deepspeed_config
+from megatransformer.training.runtime.layout import BatchSizes, zero_stage_notes
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

@@ -15,7 +15,7 @@ from megatransformer import checkpoint as ckpt
 from megatransformer.checkpoint import sharded
 from megatransformer.checkpoint.sharded import ShardedState, convert_consolidated, finish_conversions
 from megatransformer.config import validate
-from megatransformer.training.resume import resolve_resume
+from megatransformer.training.checkpointing.resume import resolve_resume
 
 WEIGHTS = {"m": torch.arange(16.0).reshape(4, 4), "b": torch.arange(4.0), "tied": torch.arange(16.0).reshape(4, 4)}
 ADAM = {f"{kind}/{name}": WEIGHTS[name] * k for k, kind in ((2, "exp_avg"), (3, "exp_avg_sq")) for name in ("m", "b")}

@@ -9,7 +9,7 @@ import torch
 from megatransformer import checkpoint as ckpt
 from megatransformer.checkpoint import integrity
 from megatransformer.config import ConfigError
-from megatransformer.training import checkpointer
+from megatransformer.training.checkpointing import checkpointer
 
 
 def test_deepspeeds_state_classes_are_allowed(tmp_path):
@@ -29,7 +29,7 @@ def test_deepspeeds_state_classes_are_allowed(tmp_path):
 
 
 def test_a_torn_last_metrics_line_is_dropped_a_bad_middle_line_is_an_error(tmp_path, capsys):
-    from megatransformer.training.metrics import truncate_metrics
+    from megatransformer.training.observability.metrics import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')

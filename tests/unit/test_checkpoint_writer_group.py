@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from megatransformer.config import ConfigError, validate
-from megatransformer.training.checkpointer import writer_group
-from megatransformer.training.distributed import gloo_interface_problem, setup
+from megatransformer.training.checkpointing.checkpointer import writer_group
+from megatransformer.training.runtime.distributed import gloo_interface_problem, setup
 
 TWO_NODES = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1"}
 
@@ -73,7 +73,7 @@ def test_a_writers_timeout_ends_the_run_in_one_line_naming_the_setting(tmp_path)
     from types import SimpleNamespace
 
     from data_pipeline import WriteFailed
-    from megatransformer.training.checkpointer import Checkpointer
+    from megatransformer.training.checkpointing.checkpointer import Checkpointer
 
     def writer() -> None:
         raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation")

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatransformer.batch import IGNORE_INDEX
 from megatransformer.model import attention, build_model, gpu_cores, masks
-from megatransformer.training import engine
+from megatransformer.training.engine import train_module as engine
 
 CUDA = torch.device("cuda")
 

@@ -13,9 +13,9 @@ import torch
 from support.host_reads import counting_host_reads
 
 from megatransformer.config import SpikesConfig
-from megatransformer.training.engine import gated_update
-from megatransformer.training.spikes import SpikeLadder
-from megatransformer.training.staged import StagedCopy
+from megatransformer.training.engine.staged import StagedCopy
+from megatransformer.training.engine.train_module import gated_update
+from megatransformer.training.observability.spikes import SpikeLadder
 
 
 def fused_engine():

@@ -9,8 +9,8 @@ import pytest
 
 from megatransformer.checkpoint.directory import COMPLETE
 from megatransformer.config import TrainConfig, dump_config, load_config
-from megatransformer.training.layout import keep_global_batch, validation_batch, validation_rows
-from megatransformer.training.resume import keep_saved_batch
+from megatransformer.training.checkpointing.resume import keep_saved_batch
+from megatransformer.training.runtime.layout import keep_global_batch, validation_batch, validation_rows
 
 
 def fake_checkpoint(run_dir, world_size: int, *overrides: str):

@@ -65,7 +65,7 @@ def test_the_trainers_numerator_counts_the_documents_of_its_batches():
     from types import SimpleNamespace
 
     from megatransformer.config import RunConfig
-    from megatransformer.training.engine import TrainModule
+    from megatransformer.training.engine.train_module import TrainModule
 
     cfg = RunConfig(model=tiny(), data={"seq_len": SEQ})
     size = model_size(cfg.model, SEQ)

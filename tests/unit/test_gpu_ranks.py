@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed
 
-from megatransformer.training import distributed
+from megatransformer.training.runtime import distributed
 
 
 @pytest.mark.parametrize("local_rank, count", [(0, 1), (0, 8), (3, 8), (7, 8)])

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from megatransformer.config import validate
-from megatransformer.training import watchdog as watchdog_module
-from megatransformer.training.watchdog import Watchdog, stack_dumps, switch_on_flight_recorder
+from megatransformer.training.observability import watchdog as watchdog_module
+from megatransformer.training.observability.watchdog import Watchdog, stack_dumps, switch_on_flight_recorder
 
 
 @pytest.fixture(autouse=True)

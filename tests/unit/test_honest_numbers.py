@@ -10,8 +10,8 @@ import pytest
 from megatransformer.commands.eval import empty_hypotheses_warning
 from megatransformer.commands.plot import draw, panels
 from megatransformer.config import validate
-from megatransformer.training.metrics import Reporter, peak_tflops
-from megatransformer.training.optim import warmup_warning
+from megatransformer.training.observability.metrics import Reporter, peak_tflops
+from megatransformer.training.optimizers.schedules import warmup_warning
 
 
 def test_a_cpu_has_no_peak_unless_one_is_given():

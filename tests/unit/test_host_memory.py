@@ -8,7 +8,7 @@ import platform
 
 import pytest
 
-from megatransformer.training.host_memory import apply_host_memory_policy
+from megatransformer.training.runtime.host_memory import apply_host_memory_policy
 
 
 def test_other_c_libraries_are_told_not_changed(monkeypatch: pytest.MonkeyPatch) -> None:

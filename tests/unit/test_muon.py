@@ -1,4 +1,4 @@
-"""Muon with AdamW (training/muon.py): torch.optim.Muon's updates, the parameters it takes, the matrices it
+"""Muon with AdamW (training/optimizers/muon.py): torch.optim.Muon's updates, the parameters it takes, the matrices it
 reassembles from ZeRO's partitions, the state it keeps, and the planner's count of it."""
 
 from __future__ import annotations
@@ -11,17 +11,11 @@ from support import REPO
 from support.models import run_config, tiny_config
 
 from megatransformer.config import ConfigError, OptimConfig, load_config
+from megatransformer.flops import assign_owners, newton_schulz_flops
 from megatransformer.model import build_model
 from megatransformer.model.matrices import hidden_matrix_names
 from megatransformer.training.deepspeed.partitions import Fragment
-from megatransformer.training.muon import (
-    Matrix,
-    MuonWithAdamW,
-    assign_owners,
-    muon_param_groups,
-    newton_schulz_flops,
-    plan_exchange,
-)
+from megatransformer.training.optimizers.muon import Matrix, MuonWithAdamW, muon_param_groups, plan_exchange
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -139,7 +133,7 @@ def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
 def test_fp32_newton_schulz_is_torchs_iteration_at_fp32_precision():
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    from megatransformer.training.muon import NS_COEFFICIENTS, NS_EPS, newton_schulz_fp32
+    from megatransformer.training.optimizers.muon import NS_COEFFICIENTS, NS_EPS, newton_schulz_fp32
 
     for shape in ((24, 40), (40, 24)):
         g = torch.randn(shape, generator=torch.Generator().manual_seed(0))

@@ -303,3 +303,24 @@ def test_selective_checkpointing_is_ranked_between_none_and_full() -> None:
     result = plan(cfg, h100, 8, 8, None, 256)
     assert any(p.layout.activation_checkpointing == "selective" for p in result.layouts)
     assert "sel-ckpt" in layout(activation_checkpointing="selective").describe()
+
+
+def test_muon_s_owners_and_their_buffers_are_counted() -> None:
+    from megatransformer.flops import model_size, newton_schulz_flops, one_block_per_stack
+    from megatransformer.model.matrices import hidden_matrix_names
+    from megatransformer.planner import muon_owner_work, muon_step_bytes, step_seconds
+
+    adamw, muon = (llama(**LLAMA_70B) for _ in range(2))
+    muon = muon.model_copy(update={"optim": muon.optim.model_copy(update={"name": "muon"})})
+    model, copies = one_block_per_stack(muon.model)
+    named = dict(model.named_parameters())
+    total = sum(newton_schulz_flops(tuple(named[n].shape)) * copies(n) for n in hidden_matrix_names(model))
+    assert muon_owner_work(muon.model, 1)[0] == total
+    busiest = muon_owner_work(muon.model, 8)[0]
+    assert total / 8 <= busiest < 1.1 * total / 8  # (560 matrices over 8 owners, balanced by their FLOPs)
+    h100 = find_gpu("H100")
+    big = layout(dp=64, tp=8, zero=3, micro_batch=2, accum=4, activation_checkpointing="selective")
+    flops = model_size(muon.model, muon.data.seq_len).flops_per_token
+    extra = step_seconds(muon, big, h100, 8, flops) - step_seconds(adamw, big, h100, 8, flops)
+    assert extra > 5 * muon_owner_work(muon.model, 512)[0] / (h100.peak_tflops * 1e12 * 0.4)
+    assert muon_step_bytes(muon, big) > 4 * 28672 * 8192  # (the largest matrix whole, in fp32, at its owner)

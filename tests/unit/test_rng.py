@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatransformer.training.rng import rng_state, set_rng_state
+from megatransformer.training.checkpointing.rng import rng_state, set_rng_state
 
 
 class FakeCudaRng:

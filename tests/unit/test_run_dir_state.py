@@ -13,8 +13,8 @@ from support.runs import trainer_state_record
 
 from data_pipeline import WriteFailed
 from megatransformer import checkpoint as ckpt
-from megatransformer.training.metrics import append_record
-from megatransformer.training.spikes import LOG, resume_state, write_log
+from megatransformer.training.observability.metrics import append_record
+from megatransformer.training.observability.spikes import LOG, resume_state, write_log
 
 BEFORE = {"losses": [3.0, 3.1], "recent": [5], "rollbacks": 0, "skip_rows": []}
 AFTER = {"losses": [3.0], "recent": [], "rollbacks": 1, "skip_rows": [[8, 96]]}

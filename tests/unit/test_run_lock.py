@@ -14,8 +14,8 @@ import pytest
 from support.models import run_config
 
 from megatransformer.config import ConfigError
-from megatransformer.training.resume import check_run_dir
-from megatransformer.training.run_lock import LOCK, lock_run_dir
+from megatransformer.training.checkpointing.resume import check_run_dir
+from megatransformer.training.checkpointing.run_lock import LOCK, lock_run_dir
 
 
 def left_record(run_dir, **record) -> None:

@@ -9,7 +9,12 @@ import torch
 from support.sequence import decoder_batch, encoder_decoder_batch
 
 from megatransformer.batch import IGNORE_INDEX, PAD_SEGMENT
-from megatransformer.training.sequence_parallel import SequenceShard, local_part, pad_sequences, replicate_kv_heads
+from megatransformer.training.engine.sequence_parallel import (
+    SequenceShard,
+    local_part,
+    pad_sequences,
+    replicate_kv_heads,
+)
 
 
 def test_slices_of_a_decoder_batch_put_back_together_make_it():
@@ -75,7 +80,7 @@ def test_info_reports_each_sequence_rank_and_activations_shrinking_with_the_degr
 
 def test_zero_partitions_over_a_sequence_group_even_with_one_data_parallel_rank():
     from megatransformer.config import validate
-    from megatransformer.training.layout import data_parallel_size, describe_layout, engine_zero_stage
+    from megatransformer.training.runtime.layout import data_parallel_size, describe_layout, engine_zero_stage
 
     cfg = validate(
         {

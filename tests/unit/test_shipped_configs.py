@@ -7,7 +7,7 @@ import pytest
 
 from megatransformer.commands.plan import batch_note
 from megatransformer.config import load_config, shipped_configs
-from megatransformer.training.layout import data_parallel_size, resolve_batch_sizes
+from megatransformer.training.runtime.layout import data_parallel_size, resolve_batch_sizes
 
 
 @pytest.mark.parametrize("name", sorted(shipped_configs()))

@@ -13,7 +13,7 @@ from support import assert_one_line
 from support.runs import trainer_state_record
 
 from megatransformer.config import SpikesConfig
-from megatransformer.training.spikes import (
+from megatransformer.training.observability.spikes import (
     GRAD_NORM,
     LOSS,
     ROLLBACK,
@@ -202,7 +202,7 @@ def test_nonsensical_thresholds_are_refused_before_anything_starts(tmp_path, cap
 
 @pytest.mark.parametrize("n", [2, 7, 200])
 def test_the_threshold_is_the_recent_level_plus_the_larger_of_the_noise_and_the_relative_rise(n):
-    from megatransformer.training.spikes import RECENT_STEPS, robust_threshold
+    from megatransformer.training.observability.spikes import RECENT_STEPS, robust_threshold
 
     values = np.random.default_rng(n).gamma(2.0, 1.5, n)
     recent = values[-RECENT_STEPS:]
@@ -261,7 +261,7 @@ class RecordingRun:
 @pytest.mark.parametrize("mode, alerted", [("online", True), ("offline", False)])
 def test_rollbacks_and_stops_alert_on_wandb_when_online(tmp_path, monkeypatch, mode, alerted):
     from megatransformer.config import load_config
-    from megatransformer.training import metrics
+    from megatransformer.training.observability import metrics
 
     cfg = load_config(os.devnull, [f"run_dir={tmp_path}", "wandb.mode=disabled"])
     reporter = metrics.Reporter(cfg, is_main=True, start_step=0)
@@ -303,7 +303,7 @@ def test_the_loss_panel_marks_each_spike_and_each_rollback():
 
 
 def test_vanished_gradients_or_a_uniform_output_for_a_window_of_steps_stop_the_run():
-    from megatransformer.training.spikes import DeadRun
+    from megatransformer.training.observability.spikes import DeadRun
 
     uniform = math.log(256)
     dead = DeadRun(256, limit=3, after_step=2)
@@ -317,7 +317,7 @@ def test_vanished_gradients_or_a_uniform_output_for_a_window_of_steps_stop_the_r
 
 
 def test_a_uniform_loss_during_warm_up_or_a_near_uniform_healthy_loss_is_no_dead_run():
-    from megatransformer.training.spikes import DeadRun
+    from megatransformer.training.observability.spikes import DeadRun
 
     uniform = math.log(32000)
     dead = DeadRun(32000, limit=2, after_step=10)

@@ -12,9 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatransformer.model import build_model
 from megatransformer.training.collector import GarbageCollection
-from megatransformer.training.compiled import compile_blocks, compile_enabled, describe_compile
-from megatransformer.training.engine import deepspeed_config
-from megatransformer.training.layout import BatchSizes
+from megatransformer.training.engine.compiled import compile_blocks, compile_enabled, describe_compile
+from megatransformer.training.engine.train_module import deepspeed_config
+from megatransformer.training.runtime.layout import BatchSizes
 
 
 @pytest.mark.parametrize(

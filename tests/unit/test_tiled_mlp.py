@@ -1,4 +1,4 @@
-"""The MLP in sequence tiles (DeepSpeed's TiledMLP, applied by training/tiled_mlp.py): the same loss and
+"""The MLP in sequence tiles (DeepSpeed's TiledMLP, applied by training/engine/tiled_mlp.py): the same loss and
 gradients as untiled, gradients marked ready for ZeRO only after the last tile, the config's checks and the
 activation estimate (ZeRO-3 and sequence parallelism end to end: tests/e2e/test_sequence_parallel.py)."""
 
@@ -13,7 +13,7 @@ from support.models import tiny_config
 from megatransformer.config import ConfigError, load_config
 from megatransformer.model import build_model
 from megatransformer.model.layers import FeedForward
-from megatransformer.training.tiled_mlp import apply_tiled_mlp, backward_tiles
+from megatransformer.training.engine.tiled_mlp import apply_tiled_mlp, backward_tiles
 
 
 def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor):

@@ -32,7 +32,7 @@ from megatransformer.config import ConfigError, TrainConfig
 )
 def test_the_advice_for_a_resume_with_another_global_batch_gives_the_saved_one(overrides, global_batch, dp, advice):
     from megatransformer.config import load_config
-    from megatransformer.training.layout import exact_batch_overrides, resolve_batch_sizes
+    from megatransformer.training.runtime.layout import exact_batch_overrides, resolve_batch_sizes
 
     cfg = load_config("quickstart", overrides)
     assert exact_batch_overrides(cfg.train, global_batch, dp) == advice
@@ -51,7 +51,7 @@ def test_the_advice_for_a_resume_with_another_global_batch_gives_the_saved_one(o
     ],
 )
 def test_batch_sizes_derive_the_third(given, dp, expected):
-    from megatransformer.training.layout import resolve_batch_sizes
+    from megatransformer.training.runtime.layout import resolve_batch_sizes
 
     sizes = resolve_batch_sizes(TrainConfig(**given), dp)
     assert (sizes.micro, sizes.accum, sizes.dp, sizes.global_batch) == expected
@@ -72,7 +72,7 @@ def test_batch_sizes_derive_the_third(given, dp, expected):
     ],
 )
 def test_inconsistent_batch_sizes_are_config_errors(given, dp, message):
-    from megatransformer.training.layout import resolve_batch_sizes
+    from megatransformer.training.runtime.layout import resolve_batch_sizes
 
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         resolve_batch_sizes(TrainConfig(**given), dp)
@@ -83,7 +83,7 @@ def test_inconsistent_batch_sizes_are_config_errors(given, dp, message):
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():
     from megatransformer.model import build_model
-    from megatransformer.training.optim import param_groups
+    from megatransformer.training.optimizers.schedules import param_groups
 
     cfg = run_config(
         model=dict(
@@ -114,7 +114,7 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
 
 
 def schedule(name: str, warmup: int = 10, steps: int = 100, **extra):
-    from megatransformer.training.optim import lr_multiplier
+    from megatransformer.training.optimizers.schedules import lr_multiplier
 
     cfg = run_config(
         schedule=dict(name=name, warmup_steps=warmup, min_lr_ratio=0.1), train=dict(max_steps=steps), **extra
@@ -148,8 +148,8 @@ def test_inverse_sqrt_is_the_papers_schedule():
 
 def test_deepspeed_config_from_run_config():
     from megatransformer.model import TP_PLAN
-    from megatransformer.training.engine import deepspeed_config
-    from megatransformer.training.layout import BatchSizes
+    from megatransformer.training.engine.train_module import deepspeed_config
+    from megatransformer.training.runtime.layout import BatchSizes
 
     cfg = run_config(
         optim=dict(name="adam", betas=[0.9, 0.98], eps=1e-9, weight_decay=0.0),
@@ -177,8 +177,8 @@ def test_zero_reduces_through_a_bucket_of_the_ranks_gradients_at_most_deepspeeds
     """What the engine gives DeepSpeed is the bucket the planner counts: every gradient a tensor-parallel rank
     holds, and DeepSpeed's default 5e8 elements for models above that; no bucket without ZeRO."""
     from megatransformer.planner import REDUCE_BUCKET, Layout, parameter_counts, reduce_bucket_elements, state_parts
-    from megatransformer.training.engine import deepspeed_config
-    from megatransformer.training.layout import BatchSizes
+    from megatransformer.training.engine.train_module import deepspeed_config
+    from megatransformer.training.runtime.layout import BatchSizes
 
     cfg = run_config(parallel=dict(zero_stage=2, tensor_parallel=2))
     split, whole = parameter_counts(cfg.model)
@@ -212,8 +212,8 @@ def test_zero_reduces_through_a_bucket_of_the_ranks_gradients_at_most_deepspeeds
     ],
 )
 def test_zero_1_and_2_on_one_data_parallel_rank_run_as_stage_0(stage, dp, precision, device, offload, runs):
-    from megatransformer.training.engine import deepspeed_config
-    from megatransformer.training.layout import BatchSizes, engine_zero_stage
+    from megatransformer.training.engine.train_module import deepspeed_config
+    from megatransformer.training.runtime.layout import BatchSizes, engine_zero_stage
 
     cfg = run_config(parallel=dict(zero_stage=stage, offload_optimizer=offload), precision=precision)
     assert engine_zero_stage(cfg, dp, device) == runs
@@ -227,7 +227,7 @@ def test_zero_1_and_2_on_one_data_parallel_rank_run_as_stage_0(stage, dp, precis
 
 
 def test_the_run_log_says_which_zero_stage_runs_and_warns_of_per_parameter_waits():
-    from megatransformer.training.layout import zero_stage_notes
+    from megatransformer.training.runtime.layout import zero_stage_notes
 
     one_rank = run_config(parallel=dict(zero_stage=2))
     assert zero_stage_notes(one_rank, 2, "cpu") == []
@@ -371,7 +371,7 @@ def gated_engine():
 def test_a_refused_update_leaves_optimizer_and_schedule_untouched(recwarn):
     """What the trainer does with a non-finite or spiking step: the wrapped optimizer's step and the
     schedule's step are no-ops for that one step, and work again afterwards."""
-    from megatransformer.training.engine import gated_update
+    from megatransformer.training.engine.train_module import gated_update
 
     param, inner, scheduler, engine = gated_engine()
     with gated_update(engine, lambda: False):
@@ -390,7 +390,7 @@ def test_the_gate_is_asked_once_when_the_optimizer_steps_and_not_when_zero_skips
     """ZeRO steps its inner optimizer once per parameter group, after computing the gradient norm: the
     decision is taken at the first of those steps and holds for the rest; a step ZeRO skips itself (non-finite
     gradients) never reaches the inner optimizer and asks nothing."""
-    from megatransformer.training.engine import gated_update
+    from megatransformer.training.engine.train_module import gated_update
 
     param, inner, scheduler, engine = gated_engine()
     asked = []
@@ -438,7 +438,7 @@ def test_shape_mismatch_lists_every_field():
 
 def test_resume_resolution(tmp_path):
     from megatransformer.checkpoint import COMPLETE
-    from megatransformer.training.resume import resolve_resume
+    from megatransformer.training.checkpointing.resume import resolve_resume
 
     root = tmp_path / "checkpoints"
     cfg = run_config(run_dir=str(tmp_path), resume="auto")
@@ -488,7 +488,7 @@ def test_rng_state_round_trip():
 
     import numpy as np
 
-    from megatransformer.training.rng import rng_state, set_rng_state
+    from megatransformer.training.checkpointing.rng import rng_state, set_rng_state
 
     state = rng_state()
     first = (random.random(), float(np.random.rand()), float(torch.rand(1)))
@@ -497,7 +497,7 @@ def test_rng_state_round_trip():
 
 
 def test_metrics_after_the_checkpoint_are_dropped_on_resume(tmp_path):
-    from megatransformer.training.metrics import truncate_metrics
+    from megatransformer.training.observability.metrics import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "val_loss": 2.5}, {"step": 3, "loss": 1.0}]
@@ -507,7 +507,7 @@ def test_metrics_after_the_checkpoint_are_dropped_on_resume(tmp_path):
 
 
 def test_wandb_defaults_to_offline_without_a_key(monkeypatch):
-    from megatransformer.training.metrics import wandb_mode
+    from megatransformer.training.observability.metrics import wandb_mode
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     assert wandb_mode(run_config()) == "offline"
@@ -526,7 +526,7 @@ def test_wandb_defaults_to_offline_without_a_key(monkeypatch):
     ],
 )
 def test_validation_batches_are_dealt_to_data_parallel_ranks(n, dp, expected):
-    from megatransformer.training.engine import eval_schedule
+    from megatransformer.training.engine.train_module import eval_schedule
 
     schedules = [eval_schedule(n, dp, rank) for rank in range(dp)]
     assert schedules == expected
@@ -551,14 +551,14 @@ def test_validation_batches_are_dealt_to_data_parallel_ranks(n, dp, expected):
     ],
 )
 def test_gpu_peaks_by_device_name(name, dtype, peak):
-    from megatransformer.training.metrics import gpu_peak_tflops
+    from megatransformer.training.observability.metrics import gpu_peak_tflops
 
     assert gpu_peak_tflops(name, dtype) == peak
 
 
 def test_tensor_parallel_shards_are_checked_after_set_up():
     """A DeepSpeed that leaves a planned layer whole (old versions ignore custom patterns) is refused by name."""
-    from megatransformer.training.engine import check_tensor_parallel_shards
+    from megatransformer.training.engine.train_module import check_tensor_parallel_shards
 
     model = torch.nn.Module()
     model.attn = torch.nn.Module()

@@ -10,7 +10,7 @@ import time
 import pytest
 from support.loopback import serving
 
-from megatransformer.training.trackers import unreachable
+from megatransformer.training.observability.trackers import unreachable
 
 
 class Answering(http.server.BaseHTTPRequestHandler):

@@ -1,5 +1,5 @@
-"""Warmup-stable-decay (training/optim.py): its shape, a longer run staying stable, and a decay branched off a
-stable checkpoint (schedule.decay_from)."""
+"""Warmup-stable-decay (training/optimizers/schedules.py): its shape, a longer run staying stable, and a decay
+branched off a stable checkpoint (schedule.decay_from)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from support.models import run_config
 
 from megatransformer.config import ConfigError
-from megatransformer.training.optim import branch_decay, lr_multiplier
+from megatransformer.training.optimizers.schedules import branch_decay, lr_multiplier
 
 
 def wsd(steps: int = 100, **schedule):
@@ -67,7 +67,7 @@ def test_bad_wsd_settings_are_refused_naming_them():
 
 def test_decay_from_starts_a_run_that_has_no_checkpoint_and_resume_auto_continues_its_own(tmp_path):
     from megatransformer.checkpoint import COMPLETE
-    from megatransformer.training.resume import resolve_resume
+    from megatransformer.training.checkpointing.resume import resolve_resume
 
     stable = tmp_path / "stable" / "checkpoints" / "step_000010"
     stable.mkdir(parents=True)
@@ -84,7 +84,7 @@ def test_decay_from_starts_a_run_that_has_no_checkpoint_and_resume_auto_continue
 
 def test_a_decay_needs_a_run_dir_of_its_own(tmp_path):
     from megatransformer.checkpoint import COMPLETE
-    from megatransformer.training.resume import check_run_dir
+    from megatransformer.training.checkpointing.resume import check_run_dir
 
     stable = tmp_path / "checkpoints" / "step_000010"
     stable.mkdir(parents=True)
@@ -104,7 +104,7 @@ def trainer_state(step: int, **fields):
 
 
 def test_the_schedule_phase_of_a_step():
-    from megatransformer.training.optim import schedule_phase
+    from megatransformer.training.optimizers.schedules import schedule_phase
 
     run = wsd(100, decay_steps=20)  # warm-up 10, stable to 80, decay to 100
     assert [schedule_phase(run, s) for s in (5, 10, 80, 81, 100)] == ["warmup", "stable", "stable", "decay", "decay"]
@@ -127,7 +127,7 @@ def test_the_schedule_phase_of_a_step():
 def test_decay_from_a_checkpoint_outside_a_stable_phase_is_refused_saying_what_it_is(source, state, message):
     from support import assert_one_line
 
-    from megatransformer.training.resume import check_stable
+    from megatransformer.training.checkpointing.resume import check_stable
 
     with pytest.raises(ConfigError) as err:
         check_stable("runs/a", Path("runs/a/checkpoints/step_000090"), trainer_state(**state), source)
@@ -137,7 +137,7 @@ def test_decay_from_a_checkpoint_outside_a_stable_phase_is_refused_saying_what_i
 
 def test_a_branch_of_a_branch_is_refused():
     from megatransformer.checkpoint import DecayOrigin
-    from megatransformer.training.resume import check_stable
+    from megatransformer.training.checkpointing.resume import check_stable
 
     branch = branch_decay(wsd(50, decay_from="runs/stable"), 40)
     state = trainer_state(45, schedule_phase="decay", decay_from=DecayOrigin(checkpoint="s", step=40))
@@ -147,7 +147,7 @@ def test_a_branch_of_a_branch_is_refused():
 
 def test_a_restarted_branch_decays_from_where_it_began_though_the_stable_run_went_on(tmp_path):
     from megatransformer.checkpoint import COMPLETE, DecayOrigin, TrainerState
-    from megatransformer.training.resume import ResumePlan, decay_start
+    from megatransformer.training.checkpointing.resume import ResumePlan, decay_start
 
     stable = tmp_path / "stable" / "checkpoints" / "step_000030"  # the stable run's latest, since the branch began
     stable.mkdir(parents=True)
@@ -162,7 +162,7 @@ def test_a_restarted_branch_decays_from_where_it_began_though_the_stable_run_wen
 
 
 def test_the_run_log_says_the_decay():
-    from megatransformer.training.optim import describe_decay
+    from megatransformer.training.optimizers.schedules import describe_decay
 
     cfg = branch_decay(wsd(50, decay_from="runs/s", decay_shape="linear", min_lr_ratio=0.1), 40)
     cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"lr": 0.01})})
@@ -172,7 +172,7 @@ def test_the_run_log_says_the_decay():
 
 def test_a_branch_with_checkpoints_of_its_own_restarts_without_its_source(tmp_path):
     from megatransformer.checkpoint import COMPLETE
-    from megatransformer.training.resume import check_run_dir
+    from megatransformer.training.checkpointing.resume import check_run_dir
 
     own = tmp_path / "decay" / "checkpoints" / "step_000015"
     own.mkdir(parents=True)

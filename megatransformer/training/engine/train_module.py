@@ -40,24 +40,33 @@ from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
 from megatransformer.planner import reduce_bucket_elements
-from megatransformer.training import checkpointer
-from megatransformer.training.compiled import compile_blocks, compile_enabled, gather_whole_blocks
-from megatransformer.training.construction import build_for_run, load_into_partitioned, partitions_at_construction
-from megatransformer.training.cpu_bf16 import gemms_as_fp32, matmul_context
+from megatransformer.training.checkpointing import checkpointer
+from megatransformer.training.checkpointing.resume import ResumePlan
 from megatransformer.training.deepspeed.bf16_step import install_device_step, squared_norm
 from megatransformer.training.deepspeed.internals import data_parallel_rank, param_shape
 from megatransformer.training.deepspeed.partitions import build_partition_map
-from megatransformer.training.distributed import Dist
-from megatransformer.training.host_memory import return_free_memory
-from megatransformer.training.layout import BatchSizes, data_parallel_size, engine_zero_stage, resolve_batch_sizes
-from megatransformer.training.muon import MuonWithAdamW, muon_param_groups
-from megatransformer.training.optim import make_scheduler, param_groups
-from megatransformer.training.resume import ResumePlan
-from megatransformer.training.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
-from megatransformer.training.spikes import SpikeLadder
-from megatransformer.training.staged import StagedCopy, StagedValue
-from megatransformer.training.tiled_mlp import apply_tiled_mlp
-from megatransformer.training.tp_input_check import check_batch_without_masks
+from megatransformer.training.engine.compiled import compile_blocks, compile_enabled, gather_whole_blocks
+from megatransformer.training.engine.construction import (
+    build_for_run,
+    load_into_partitioned,
+    partitions_at_construction,
+)
+from megatransformer.training.engine.cpu_bf16 import gemms_as_fp32, matmul_context
+from megatransformer.training.engine.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
+from megatransformer.training.engine.staged import StagedCopy, StagedValue
+from megatransformer.training.engine.tiled_mlp import apply_tiled_mlp
+from megatransformer.training.engine.tp_input_check import check_batch_without_masks
+from megatransformer.training.observability.spikes import SpikeLadder
+from megatransformer.training.optimizers.muon import MuonWithAdamW, muon_param_groups
+from megatransformer.training.optimizers.schedules import make_scheduler, param_groups
+from megatransformer.training.runtime.distributed import Dist
+from megatransformer.training.runtime.host_memory import return_free_memory
+from megatransformer.training.runtime.layout import (
+    BatchSizes,
+    data_parallel_size,
+    engine_zero_stage,
+    resolve_batch_sizes,
+)
 
 
 def deepspeed_layer_specs(plan: dict[str, str] = TP_PLAN) -> list[dict]:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from megatransformer.config import ConfigError, OptimConfig
+from megatransformer.flops import assign_owners, newton_schulz_flops
 from megatransformer.model.matrices import hidden_matrix_names
 from megatransformer.model.tp_plan import partition_dim
 from megatransformer.training.deepspeed.internals import param_shape
@@ -94,24 +95,6 @@ class Matrix:
         whole = list(self.shard)
         whole[self.tp_dim] *= self.tp
         return torch.Size(whole)
-
-
-def newton_schulz_flops(shape: tuple[int, int]) -> int:
-    """FLOPs of one Newton-Schulz iteration on an m x n matrix (m <= n): X Xᵀ, then B = bA + cA², then BX."""
-    m, n = sorted(shape)
-    return 4 * m * m * n + 2 * m**3
-
-
-def assign_owners(costs: list[int], ranks: int) -> list[int]:
-    """The rank that orthogonalises each matrix: the costliest first, each to the least loaded rank (the lowest
-    rank among equals), so the same on every rank."""
-    loads = [0] * ranks
-    owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        owner = min(range(ranks), key=lambda r: (loads[r], r))
-        owners[i] = owner
-        loads[owner] += costs[i]
-    return owners
 
 
 def owner_line(matrices: list[Matrix], ranks: int) -> str:

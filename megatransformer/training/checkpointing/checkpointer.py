@@ -27,6 +27,7 @@ from megatransformer import checkpoint as ckpt
 from megatransformer.checkpoint import sharded
 from megatransformer.config import RunConfig, dump_config
 from megatransformer.model.tp_plan import partition_dim
+from megatransformer.training.checkpointing.rng import rng_state, set_rng_state
 from megatransformer.training.deepspeed.internals import (
     flat_partitions_to_weights,
     fp16_optimizer_masters,
@@ -43,7 +44,6 @@ from megatransformer.training.deepspeed.internals import (
     zero3_refresh_partitions,
     zero3_sub_group_flat,
 )
-from megatransformer.training.rng import rng_state, set_rng_state
 
 
 @functools.cache

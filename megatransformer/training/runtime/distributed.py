@@ -64,7 +64,7 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
     import deepspeed
     import torch.distributed as dist
 
-    from megatransformer.training.builds import skip_collective_build
+    from megatransformer.training.runtime.builds import skip_collective_build
 
     # DeepSpeed gathers ZeRO and bf16 partitions with all_gather_into_tensor, which torch deprecates: a
     # FutureWarning on every rank that is DeepSpeed's to act on, not the user's

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from megatransformer import checkpoint as ckpt
 from megatransformer.config import SpikesConfig
-from megatransformer.training.metrics import finite_or_none
+from megatransformer.training.observability.metrics import finite_or_none
 
 ROBUST_SIGMA = 1.4826  # the MAD of normally distributed values times this is their standard deviation
 RECENT_STEPS = 20  # the newest accepted values: their median is the level a spike rises from

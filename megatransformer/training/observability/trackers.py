@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatransformer.config import ConfigError, RunConfig
-from megatransformer.training.layout import BatchSizes
+from megatransformer.training.runtime.layout import BatchSizes
 
 TENSORBOARD_DIR = "tensorboard"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from megatransformer import checkpoint as ckpt
 from megatransformer.checkpoint.sharded import INDEX, finish_conversions
 from megatransformer.config import ConfigError, RunConfig
-from megatransformer.training.distributed import on_first_rank
-from megatransformer.training.layout import (
+from megatransformer.training.runtime.distributed import on_first_rank
+from megatransformer.training.runtime.layout import (
     BatchSizes,
     data_parallel_size,
     engine_zero_stage,
@@ -217,7 +217,7 @@ def check_stable(value: str, path: Path, state: ckpt.TrainerState, saved: RunCon
     """Refuse a decay_from checkpoint that is not of a stable phase: one that has decayed (a decay's own, or a
     wsd run's past its decay's start), one of a cosine, linear or inverse_sqrt run (no stable phase: its rate
     falls from the warm-up's end), or one still in its warm-up."""
-    from megatransformer.training.optim import schedule_phase, wsd_decay_steps
+    from megatransformer.training.optimizers.schedules import schedule_phase, wsd_decay_steps
 
     s = saved.schedule
     phase = state.schedule_phase or schedule_phase(saved, state.step)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from data_pipeline import write_failed
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
 from megatransformer.planner import GPUS
-from megatransformer.training.trackers import TensorBoard, unreachable
+from megatransformer.training.observability.trackers import TensorBoard, unreachable
 
 if TYPE_CHECKING:  # (torch is imported where it is used: the CLI starts without it)
     import torch

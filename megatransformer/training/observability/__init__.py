@@ -1,0 +1,1 @@
+"""What a run reports and watches: metrics, trackers, host-sync probes, the hang watchdog."""

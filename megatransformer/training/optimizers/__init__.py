@@ -1,0 +1,1 @@
+"""Optimizers (Muon with AdamW) and learning-rate schedules."""
