@@ -1,5 +1,5 @@
 """Every shipped config lays out its batch as shipped, on one rank and on the README's 8, and `plan` says when it
-plans another batch than the config's (tests/e2e/test_shipped_configs.py trains each one a step)."""
+plans another batch than the config's (tests/e2e/test_shipped_configs_train.py trains each one a step)."""
 
 from __future__ import annotations
 
