@@ -34,6 +34,14 @@ def test_a_host_name_resolving_to_loopback_is_refused_across_nodes(monkeypatch):
     assert gloo_interface_problem(TWO_NODES) is None
 
 
+def test_nodes_that_meet_at_a_loopback_address_are_one_machine_s(monkeypatch):
+    """A cluster of one machine's nodes (the tests' Slurm cluster: MASTER_ADDR=127.0.0.1): loopback reaches them all."""
+    resolving_to(monkeypatch, "127.0.1.1")
+    for address in ("127.0.0.1", "localhost", "::1"):
+        assert gloo_interface_problem({**TWO_NODES, "MASTER_ADDR": address, "SLURM_NNODES": "2"}) is None
+    assert gloo_interface_problem({**TWO_NODES, "MASTER_ADDR": "node1"}) is not None
+
+
 def test_an_interface_the_host_lacks_is_named(monkeypatch):
     resolving_to(monkeypatch, "10.0.0.7")
     line = gloo_interface_problem({**TWO_NODES, "GLOO_SOCKET_IFNAME": "lo,nope0"})

@@ -126,6 +126,8 @@ def gloo_interface_problem(env: Mapping[str, str]) -> str | None:
     local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
     if world <= local and int(env.get("SLURM_NNODES", "1")) <= 1:
         return None
+    if is_loopback(env.get("MASTER_ADDR", "")):  # (the "nodes" are this host's, as a one-machine cluster's)
+        return None
     named = env.get("GLOO_SOCKET_IFNAME")
     fix = (
         f"set GLOO_SOCKET_IFNAME to the network interface of this host that reaches MASTER_ADDR="
@@ -152,6 +154,18 @@ def gloo_interface_problem(env: Mapping[str, str]) -> str | None:
             "address in /etc/hosts"
         )
     return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface, which only this machine's ranks reach."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def end_with_launcher() -> None:
