@@ -152,8 +152,7 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched(tiny_data, tmp_path
     result = train(args, expect=3, env=ONE_THREAD)
     assert "update skipped (2 in a row)" in result.stdout
     cfg = load_config(None, args)
-    torch.manual_seed(cfg.seed)  # the trainer's initialisation
-    initial = build_model(cfg.model).state_dict()
+    initial = build_model(cfg.model, cfg.seed).state_dict()  # the trainer's initialisation
     saved = weights(run)
     assert all(torch.equal(initial[name].float(), saved[name]) for name in initial)
     step = run / "checkpoints" / "step_000002"
