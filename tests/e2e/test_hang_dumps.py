@@ -49,8 +49,11 @@ def test_a_stalled_rank_leaves_a_stack_dump_per_rank_and_every_rank_exits_non_ze
     assert waited < 3 * TIMEOUT_S, waited
     dumps = stack_dumps(run)
     assert [d.name for d in dumps] == ["rank_00000.txt", "rank_00001.txt"], said[0][-3000:]
-    for dump in dumps:  # each names where its rank waited: a step of the training loop
-        assert "in advance" in dump.read_text() and "loop.py" in dump.read_text(), dump.read_text()
+    # rank 0's names where it waited: a step of the training loop; rank 1's too, unless, woken, its main thread
+    # met its gone peer's closed connection before the overdue watchdog wrote (then: the failure being handled)
+    first, second = (dump.read_text() for dump in dumps)
+    assert "in advance" in first and "loop.py" in first, first
+    assert ("in advance" in second and "loop.py" in second) or "in collective_failure" in second, second
     line = next(line for line in said[0].splitlines() if "error: rank 0:" in line)
     assert "timed out" in line and f"{run / 'hangs'}/ (rank_00000.txt)" in line
     assert "rank 1 wrote no stacks (stopped or gone" in line  # (it was stopped when rank 0 exited)
