@@ -1,22 +1,50 @@
-"""Session fixtures (tiny data, training runs several tests read) and the tiers: every test under ``e2e/`` is slow."""
+"""Session fixtures (tiny data, training runs several tests read), the tiers (every test under ``e2e/`` is slow) and
+how pytest-xdist's workers share the tests out."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import NamedTuple
+import os
+import sys
 
-import pytest
-from support.data import INSTRUCTION_VALID_EVERY
-from support.runs import SharedRuns
+# One intra-op thread in this process and in every process a test starts, unless the environment chooses: the
+# tests' ranks and pytest-xdist's workers share the machine's cores, and the thread picker's "busy machine"
+# line would otherwise come and go with the load (tests/unit/test_threads.py tests the picker itself).
+# Set before torch is first imported: OpenMP reads it once, as it loads.
+assert "torch" not in sys.modules, "tests/conftest.py must run before torch is imported"
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-E2E = Path(__file__).parent / "e2e"
+from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
+
+import pytest  # noqa: E402
+from support.data import INSTRUCTION_VALID_EVERY  # noqa: E402
+from support.runs import SharedRuns  # noqa: E402
+
+TESTS = Path(__file__).parent
+E2E = TESTS / "e2e"
+# the most workers ``-n auto`` starts: an end-to-end test runs up to four ranks of its own
+MOST_WORKERS = 4
 
 
+@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist reads the groups)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tier is the folder: tests under e2e/ (subprocesses, ranks, DeepSpeed, torch.compile) are marked slow."""
+    """The tier is the folder: tests under e2e/ (subprocesses, ranks, DeepSpeed, torch.compile) are marked slow.
+
+    Under pytest-xdist (``--dist loadgroup``, the default of ``addopts``) a file's tests run in one worker, in
+    order, so that its module fixtures are made once; the files that submit jobs to the local Slurm cluster
+    share one worker, so that their jobs never wait for each other's nodes."""
+    slurm_files = {item.path for item in items if item.get_closest_marker("slurm")}
     for item in items:
         if E2E in item.path.parents:
             item.add_marker(pytest.mark.slow)
+        group = "slurm" if item.path in slurm_files else item.path.relative_to(TESTS).as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: a worker per core, at least two (a test's ranks leave cores idle while they start, wait for
+    each other and end) and at most MOST_WORKERS (each runs up to four ranks)."""
+    return min(MOST_WORKERS, max(2, len(os.sched_getaffinity(0))))
 
 
 @pytest.fixture(scope="session")

@@ -204,12 +204,13 @@ def release(held: list) -> None:
 
 
 def print_summary(cfg: RunConfig, code: int, wall_seconds: float, checkpoint: Path | None, state: TrainerState) -> None:
-    """The run's closing summary, after drawing its curves next to metrics.jsonl; ``checkpoint`` and ``state``:
-    where the run stands (the checkpoint it saved last or resumed from, never a damaged one it skipped)."""
+    """The run's closing summary, after drawing its curves next to metrics.jsonl (``train.plot``); ``checkpoint``
+    and ``state``: where the run stands (the checkpoint it saved last or resumed from, never a damaged one it
+    skipped)."""
     from megatransformer.commands.plot import default_out, draw
 
     has_metrics = (Path(cfg.run_dir) / "metrics.jsonl").is_file()
-    plot = draw([cfg.run_dir], default_out([cfg.run_dir])) if has_metrics else None
+    plot = draw([cfg.run_dir], default_out([cfg.run_dir])) if has_metrics and cfg.train.plot else None
     print(summary(cfg, code, wall_seconds, checkpoint, plot, state))
 
 

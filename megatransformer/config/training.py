@@ -160,6 +160,9 @@ class TrainConfig(Section):
     none: MFU is logged only when this is set, a CPU's measured speed being too unsteady to divide by)."""
     sample_prompt: str | None = None
     """Text to continue with a short generated sample at the end of training (decoder models)."""
+    plot: bool = True
+    """Draw the run's curves into metrics.png at its end (what ``megatransformer plot RUN_DIR`` draws at any time
+    from metrics.jsonl); false: metrics.jsonl only, without matplotlib's second or so at every end."""
     evals: EvalsConfig = Field(default_factory=EvalsConfig)
     """lm-evaluation-harness tasks during training (EvalsConfig)."""
     check_memory: bool = True

@@ -13,7 +13,8 @@ from megatransformer.cli import main
 
 @pytest.fixture(scope="module")
 def short_run(tiny_data, tmp_path_factory):
-    """A four-step run through the real CLI: logs every 2 steps, validates at step 3 and at the end."""
+    """A four-step run through the real CLI: logs every 2 steps, validates at step 3 and at the end, draws its
+    curves."""
     run = tmp_path_factory.mktemp("console") / "run"
     overrides = [
         *FOUR_STEPS,
@@ -22,6 +23,7 @@ def short_run(tiny_data, tmp_path_factory):
         "train.sample_prompt=The function",
         "train.peak_tflops=0.5",
         "wandb.mode=disabled",
+        "train.plot=true",
     ]
     result = train(overrides, expect=None)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -43,7 +43,7 @@ def tiny_data_overrides(tiny_data) -> list[str]:
 
 
 # The short run's settings beyond the model, the run directory and the data, in the order of its overrides
-# (None: left to the config's default).
+# (None: left to the config's default); no closing plot (tests/e2e/test_console_run.py checks it).
 TINY_RUN = {
     "data.seq_len": "64",
     "train.micro_batch_size": "4",
@@ -58,6 +58,7 @@ TINY_RUN = {
     "checkpoint.every": "4",
     "checkpoint.keep": None,
     "wandb.mode": "disabled",
+    "train.plot": "false",
 }
 
 
@@ -98,6 +99,7 @@ FOUR_STEPS = [
     "train.log_every=2",
     "train.eval_every=3",
     "train.eval_batches=1",
+    "train.plot=false",
 ]
 
 

@@ -1,15 +1,9 @@
 """Fixtures of the unit tests."""
 
-import os
-
 import pytest
-import torch
 from support import flash_reference
 
 from megatransformer.model import attention
-
-if "OMP_NUM_THREADS" not in os.environ:  # (which decides, as for the trainer)
-    torch.set_num_threads(1)  # tiny tensors: more threads only wait for each other, and for a busy machine's cores
 
 
 @pytest.fixture

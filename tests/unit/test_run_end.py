@@ -1,8 +1,11 @@
-"""What a run prints at its end: the closing sample's prompt and the suggested commands."""
+"""What a run prints and draws at its end: the closing sample's prompt, the suggested commands, the curves."""
 
 from __future__ import annotations
 
-from megatransformer.commands.train import next_commands, shell_quote, with_closing_prompt
+import json
+
+from megatransformer.checkpoint import TrainerState
+from megatransformer.commands.train import next_commands, print_summary, shell_quote, with_closing_prompt
 from megatransformer.config import load_config
 
 
@@ -27,3 +30,20 @@ def test_a_prompt_given_or_text_data_keep_the_config_s_prompt(tiny_data, tiny_in
     assert with_closing_prompt(load_config("quickstart", given), given, tok).train.sample_prompt == "Q:"
     text = [f"data.train={tiny_data.shards}", f"data.tokenizer={tiny_data.tokenizer}"]
     assert with_closing_prompt(load_config("quickstart", text), text, tok).train.sample_prompt == "The function returns"
+
+
+def test_a_run_draws_its_curves_at_its_end_unless_train_plot_is_false(tmp_path, capsys):
+    records = [
+        {"step": s, "kind": "train", "time": 1.0 + s, "loss": 6.0 - s / 10, "lr": 1e-3, "tokens": 512 * s}
+        for s in (1, 2)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    state = TrainerState(
+        step=2, tokens=1024, bad_steps=0, tokenizer_sha256=None, world_size=1, tensor_parallel=1, zero_stage=0
+    )
+    for plot in (False, True):
+        cfg = load_config(None, [f"run_dir={tmp_path}", f"train.plot={str(plot).lower()}", "train.max_steps=2"])
+        print_summary(cfg, 0, 1.0, None, state)
+        printed = capsys.readouterr().out
+        assert (f"plot:                  {tmp_path / 'metrics.png'}" in printed) is plot
+        assert (tmp_path / "metrics.png").is_file() is plot
