@@ -24,14 +24,19 @@ PARTS = (
     "loss_chunk",
     "attention_transients",
     "communication_buffers",
+    "checkpoint_staging",
     "overheads",
 )
 
-# DeepSpeed's ZeRO defaults (runtime/zero/config.py): elements of the gradient reduction bucket, and of
-# ZeRO-3's prefetch bucket (parameters gathered ahead of their use)
+# DeepSpeed's ZeRO defaults (runtime/zero/config.py), in elements: the gradient reduction bucket; ZeRO-3's
+# prefetch bucket, most parameters gathered at once, reuse distance, persistence threshold and sub-group size
 REDUCE_BUCKET = 500_000_000
-CORE_CHUNK = 64  # query positions per chunk of the CPU's attention core (model/chunked_attention.py's CHUNK)
 ZERO3_PREFETCH = 50_000_000
+ZERO3_MAX_LIVE = 1_000_000_000
+ZERO3_MAX_REUSE = 1_000_000_000
+ZERO3_PERSISTENCE = 100_000
+ZERO3_SUB_GROUP = 1_000_000_000
+CORE_CHUNK = 64  # query positions per chunk of the CPU's attention core (model/chunked_attention.py's CHUNK)
 
 
 @dataclass(frozen=True)
@@ -184,11 +189,83 @@ def largest_parameter(m: ModelConfig, tp: int) -> int:
 
 
 def reduce_bucket_elements(m: ModelConfig, tp: int) -> int:
-    """Elements of ZeRO's gradient reduction bucket (DeepSpeed's ``reduce_bucket_size``): its default, or the
-    gradients of every parameter a rank holds where they are fewer. DeepSpeed allocates the whole bucket
-    whatever the model's size; one that holds every gradient reduces them all at once either way."""
+    """Elements of ZeRO-1/2's gradient reduction bucket (DeepSpeed's ``reduce_bucket_size``; ZeRO-3's:
+    :func:`zero3_sizes`): its default, or the gradients of every parameter a rank holds where they are fewer.
+    DeepSpeed allocates the whole bucket whatever the model's size; one that holds every gradient reduces them all
+    at once either way."""
     split, whole = parameter_counts(m)
     return min(REDUCE_BUCKET, -(-split // tp) + whole)
+
+
+@dataclass(frozen=True)
+class Zero3Sizes:
+    """ZeRO-3's sizes in elements, derived from the model (:func:`zero3_sizes`); what each bounds in DeepSpeed
+    0.19.8 (``runtime/zero/stage3.py``, ``partitioned_param_coordinator.py``):
+
+    - ``reduce_bucket``: the fp32 gradient bucket, allocated once; gradients are reduce-scattered whenever the next
+      would not fit (a larger parameter's is reduce-scattered from its own tensor, the bucket bypassed);
+    - ``prefetch_bucket``: the parameters gathered ahead of their use, at a time;
+    - ``max_live``: prefetching stops while this many elements are gathered (the module about to run is gathered
+      whatever the count);
+    - ``max_reuse_distance``: a module's parameters stay gathered after it ran if they are used again within this
+      many elements of the trace (the default, 1e9, keeps a smaller model's every weight from its forward to its
+      backward pass);
+    - ``persistence_threshold``: parameters of at most this many elements stay whole on every rank.
+    """
+
+    reduce_bucket: int
+    prefetch_bucket: int
+    max_live: int
+    max_reuse_distance: int
+    persistence_threshold: int
+
+    def deepspeed(self) -> dict[str, int]:
+        """The sizes as DeepSpeed's ``zero_optimization`` names them."""
+        return {
+            "reduce_bucket_size": self.reduce_bucket,
+            "stage3_prefetch_bucket_size": self.prefetch_bucket,
+            "stage3_max_live_parameters": self.max_live,
+            "stage3_max_reuse_distance": self.max_reuse_distance,
+            "stage3_param_persistence_threshold": self.persistence_threshold,
+        }
+
+
+def zero3_sizes(m: ModelConfig, tp: int) -> Zero3Sizes:
+    """ZeRO-3's sizes for model ``m`` on a tensor-parallel rank: one layer (the largest block or table,
+    :func:`largest_layer`) per bucket, gathered ahead and kept for reuse, two layers gathered at most; vectors
+    (norms, biases: at most 10 d_model elements) whole on every rank; never above DeepSpeed's defaults."""
+    layer = largest_layer(m, tp)
+    return Zero3Sizes(
+        reduce_bucket=min(REDUCE_BUCKET, layer),
+        prefetch_bucket=min(ZERO3_PREFETCH, layer),
+        max_live=min(ZERO3_MAX_LIVE, 2 * layer),
+        max_reuse_distance=min(ZERO3_MAX_REUSE, layer),
+        persistence_threshold=min(ZERO3_PERSISTENCE, 10 * m.d_model),
+    )
+
+
+def persistent_elements(m: ModelConfig, tp: int, threshold: int) -> int:
+    """Elements of the parameters ZeRO-3 keeps whole on every rank: those of at most ``threshold`` elements."""
+    sizes = ((-(-n // tp) if split else n, k) for n, split, k in parameter_sizes(m))
+    return sum(n * k for n, k in sizes if n <= threshold)
+
+
+def gathered_elements(m: ModelConfig, tp: int) -> int:
+    """ZeRO-3's gathered parameters at most, besides the persistent ones: prefetching stops at ``max_live``, and the
+    module about to run (at most the largest parameter's) is gathered whatever the count."""
+    return zero3_sizes(m, tp).max_live + largest_parameter(m, tp)
+
+
+def checkpoint_staging_bytes(cfg: RunConfig, layout: Layout) -> int:
+    """The checkpointer's host copies of the pieces a rank writes (fp32 masters and optimizer states; ranks holding
+    the same elements split them), kept from a run's first save on for the next."""
+    split, whole = parameter_counts(cfg.model)
+    writers = layout.dp * layout.sp
+    written = -(-(split // layout.tp + whole) // writers)
+    states = 2 * written  # Adam's two moments; Muon's matrices one momentum buffer
+    if cfg.optim.name == "muon":
+        states -= -(-muon_elements(cfg.model, layout.tp) // writers)
+    return 4 * (written + states)
 
 
 def core_values(m: ModelConfig, latent: bool) -> int:
@@ -395,9 +472,15 @@ def state_parts(
     held["gradients"] = 4 * part  # fp32 gradient partitions
     bucket = reduce_bucket_elements(cfg.model, layout.tp)
     step_grads = 0
-    if layout.zero == 3:  # its fp32 reduction bucket, allocated once; up to two prefetch buckets of weights
-        held["weights"] = w * part
-        held["communication_buffers"] = 4 * bucket + w * min(params, 2 * ZERO3_PREFETCH)
+    if layout.zero == 3:
+        # the partition and the persistent parameters whole; the fp32 reduction bucket (allocated once) and the
+        # gathered weights. The reduce-scatter copies the bucket (gloo, on a CPU, once more)
+        sizes = zero3_sizes(cfg.model, layout.tp)
+        persistent = persistent_elements(cfg.model, layout.tp, sizes.persistence_threshold)
+        held["weights"] = w * (part + persistent)
+        gathered = min(params - persistent, gathered_elements(cfg.model, layout.tp))
+        held["communication_buffers"] = 4 * sizes.reduce_bucket + w * gathered
+        in_backward["communication_buffers"] = 4 * sizes.reduce_bucket * (2 if host else 1)
         if layout.offload:  # the fp32 partitions' own gradients, besides the reduced ones
             held["gradients"] += 4 * part
     elif layout.zero == 1 and lp and not layout.offload:  # BF16_Optimizer: fp32 gradients of every parameter
@@ -416,10 +499,23 @@ def state_parts(
     return held, in_backward, step_grads
 
 
+def zero3_step_bytes(cfg: RunConfig, layout: Layout) -> int:
+    """ZeRO-3's optimizer step: each sub-group's reduced gradients flattened into one fp32 tensor (a sub-group
+    holds up to DeepSpeed's ``sub_group_size`` elements of the partition; offloaded, the gradients are flat
+    already)."""
+    if layout.zero != 3 or layout.offload:
+        return 0
+    split, whole = parameter_counts(cfg.model)
+    part = -(-(split // layout.tp + whole) // (layout.dp * layout.sp))
+    return 4 * min(part, ZERO3_SUB_GROUP)
+
+
 def memory_parts(cfg: RunConfig, layout: Layout, device: Device, engine: bool = True) -> dict[str, int]:
-    """Each rank's memory at its peak, by part, and ``total``: the largest of three moments, the last micro
+    """Each rank's memory at its peak, by part, and ``total``: the largest of four moments, the last micro
     batch's loss (every activation kept, the loss's chunk of logits), the last block's backward (its
-    transients, and the buffers the backward allocates) and the backward's end (every gradient)."""
+    transients, and the buffers the backward allocates), the backward's end (every gradient) and ZeRO-3's
+    optimizer step (its flat fp32 gradients). On a CPU the checkpointer's host copies count too (on a GPU they
+    are the host's: :func:`peaks`)."""
     held, in_backward, step_grads = state_parts(cfg, layout, engine, host=device.kind == "cpu")
     acts = activation_parts(cfg, layout, device.kind)
     # the head's fp32 weight gradient, which the fused loss computes in the forward
@@ -429,8 +525,12 @@ def memory_parts(cfg: RunConfig, layout: Layout, device: Device, engine: bool = 
         buffers += muon_step_bytes(cfg, layout)
     loss = acts["activations"] + acts["loss_chunk"] + head_grad
     backward = buffers + acts["activations"] + acts["recomputed"] + acts["attention_transients"] + head_grad
+    step = zero3_step_bytes(cfg, layout) if engine else 0
     parts = dict(held)
-    if buffers + step_grads > max(loss, backward):  # the peak: the backward's end
+    parts["checkpoint_staging"] = checkpoint_staging_bytes(cfg, layout) if engine and device.kind == "cpu" else 0
+    if step > max(loss, backward, buffers + step_grads):  # the peak: the optimizer's step
+        parts["gradients"] += step
+    elif buffers + step_grads > max(loss, backward):  # the peak: the backward's end
         parts["gradients"] += step_grads
         parts["communication_buffers"] += buffers
     elif loss >= backward:  # the peak: the loss
@@ -496,7 +596,8 @@ def start_peaks(cfg: RunConfig, layout: Layout, device: Device) -> dict[str, Pea
     """Each rank's peak, device and host, at each moment before its steady steps (docs/planner.md): building the
     model (sharded: its partition, or the whole model in the run's dtype below ZeRO-3, plus the largest module
     whole in fp32 while it is initialised), DeepSpeed's engine start (the states exist; ZeRO-1/2 flatten the
-    weights into a copy beside them) and loading a checkpoint (one tensor at a time through the host)."""
+    weights into a copy beside them; ZeRO-3 steps a zero gradient of its largest sub-group) and loading a
+    checkpoint (one tensor at a time through the host)."""
     m, w = cfg.model, BYTES[cfg.precision]
     split, whole = parameter_counts(m)
     params = split // layout.tp + whole
@@ -513,6 +614,10 @@ def start_peaks(cfg: RunConfig, layout: Layout, device: Device) -> dict[str, Pea
         engine_start = Peak(max(engine_start.device, reserved + 2 * w * params), host)
     elif layout.zero in (1, 2) and device.kind != "cpu" and engine_start.device + w * params > device.memory_gib * GIB:
         flattening = 2 * w * params
+    elif layout.zero == 3 and not layout.offload:
+        # ZeRO-3's optimizer starts by stepping a zero fp32 gradient as long as its largest sub-group's parameters
+        # whole, not their partition (``initialize_optimizer_states`` sizes it by ``ds_numel``)
+        engine_start = Peak(engine_start.device + 4 * min(params, shards * ZERO3_SUB_GROUP), host)
     largest = 4 * largest_parameter(m, layout.tp)
     return {
         "construction": Peak(reserved + weights + 4 * largest_layer(m, layout.tp), 0),
@@ -609,9 +714,12 @@ def ffn_params(m: ModelConfig) -> int:
 
 
 def peaks(cfg: RunConfig, layout: Layout, device: Device, memory: dict[str, int]) -> dict[str, Peak]:
-    """The start's peaks (:func:`start_peaks`) and the steady step's (``memory``, with an offloaded optimizer's
-    host part), by moment."""
-    return start_peaks(cfg, layout, device) | {"step": Peak(memory["total"], offloaded_bytes(cfg, layout, device))}
+    """The start's peaks (:func:`start_peaks`) and the steady step's (``memory``; in a GPU's host, an offloaded
+    optimizer's states and the checkpointer's copies), by moment."""
+    host = offloaded_bytes(cfg, layout, device)
+    if device.kind != "cpu":
+        host += checkpoint_staging_bytes(cfg, layout)
+    return start_peaks(cfg, layout, device) | {"step": Peak(memory["total"], host)}
 
 
 def overflow(moments: dict[str, Peak], device: Device) -> tuple[str, str, int, float] | None:

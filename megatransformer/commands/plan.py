@@ -20,6 +20,7 @@ COLUMNS = (  # (memory part, column title)
     ("loss_chunk", "loss"),
     ("attention_transients", "bwd"),
     ("communication_buffers", "comm"),
+    ("checkpoint_staging", "ckpt"),
     ("overheads", "other"),
 )
 

@@ -167,14 +167,14 @@ def test_train_check_names_the_overflow_and_the_best_layout_that_fits(monkeypatc
     from megatransformer.config import ConfigError, load_config
 
     small = command.local_device(load_config("llama-style"), 1, need_peak=False)[0]
-    monkeypatch.setattr("megatransformer.planner.cpu_device", lambda ranks: replace(small, memory_gib=4.0))
+    monkeypatch.setattr("megatransformer.planner.cpu_device", lambda ranks: replace(small, memory_gib=5.0))
     monkeypatch.setattr(command, "cpu_tflops", lambda precision: 0.1)
     cfg = load_config("llama-style", ["train.micro_batch_size=16", "train.global_batch_size=64"])
     with pytest.raises(ConfigError) as err:
         command.check_layout_fits(cfg, 1, 1)
     line = str(err.value)
     assert line.startswith("this run's layout (dp1, ZeRO-1, mb 16 x 4) needs ")
-    assert "GiB more than the 4.0 GiB of its CPU (largest part: activations" in line
+    assert "GiB more than the 5.0 GiB of its CPU (largest part: activations" in line
     assert "the best layout that fits: dp1" in line and line.endswith("train.check_memory=false skips this check")
     command.check_layout_fits(load_config("llama-style", ["train.micro_batch_size=1", "train.grad_accum=1"]), 1, 1)
 
@@ -262,8 +262,8 @@ def test_an_offloaded_optimizer_s_states_count_against_the_host() -> None:
     offloaded = layout(dp=8, tp=8, zero=3, offload=True, activation_checkpointing=True)
     moments = peaks(cfg, offloaded, h100, memory_parts(cfg, offloaded, h100))
     # fp32 masters, their two gradient copies and Adam's moments of a data-parallel rank's partition of the
-    # tensor-parallel shard: 20 bytes a parameter
-    assert moments["step"].host == pytest.approx(20 * (split / 8 + whole) / 8, rel=1e-3)
+    # tensor-parallel shard: 20 bytes a parameter; the checkpointer's copies of its masters and moments: 12 more
+    assert moments["step"].host == pytest.approx(32 * (split / 8 + whole) / 8, rel=1e-3)
     assert overflow(moments, h100) is None
     small_host = replace(h100, host_gib=16.0)
     moment, where, needed, limit = overflow(moments, small_host)

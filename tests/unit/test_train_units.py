@@ -191,6 +191,55 @@ def test_zero_reduces_through_a_bucket_of_the_ranks_gradients_at_most_deepspeeds
     assert sum(parameter_counts(large.model)) > REDUCE_BUCKET == reduce_bucket_elements(large.model, 1)
 
 
+def test_zero_3_buckets_and_gathers_a_layer_never_the_whole_model_nor_above_deepspeeds_defaults():
+    """ZeRO-3's sizes come from the model's largest layer: DeepSpeed's defaults (a 5e8 bucket, 1e9 elements gathered
+    and kept for reuse) would gather a model below 1e9 parameters whole. The engine's config and the planner read
+    the same sizes; ZeRO-1/2 keep their own bucket."""
+    from megatransformer.planner import (
+        REDUCE_BUCKET,
+        ZERO3_MAX_LIVE,
+        ZERO3_PERSISTENCE,
+        ZERO3_PREFETCH,
+        Layout,
+        largest_layer,
+        parameter_counts,
+        persistent_elements,
+        state_parts,
+        zero3_sizes,
+    )
+    from megatransformer.training.engine.train_module import deepspeed_config
+    from megatransformer.training.runtime.layout import BatchSizes
+
+    model = dict(d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=32)
+    cfg = run_config(model=model, parallel=dict(zero_stage=3))
+    layer, sizes = largest_layer(cfg.model, 1), zero3_sizes(cfg.model, 1)
+    assert (sizes.reduce_bucket, sizes.prefetch_bucket, sizes.max_reuse_distance, sizes.max_live) == (
+        layer,
+        layer,
+        layer,
+        2 * layer,
+    )
+    assert sizes.max_live < sum(parameter_counts(cfg.model))
+    assert sizes.persistence_threshold == 10 * cfg.model.d_model  # (norms: every rank keeps them whole)
+    assert persistent_elements(cfg.model, 1, sizes.persistence_threshold) == 9 * cfg.model.d_model
+    zero = deepspeed_config(cfg, BatchSizes(4, 1, 2), "cpu")["zero_optimization"]
+    assert zero == {"stage": 3, **sizes.deepspeed()}
+    held, in_backward, _ = state_parts(cfg, Layout(2, 1, 1, 3, False, 1, False, 4, 1), engine=True, host=True)
+    assert held["communication_buffers"] >= 4 * zero["reduce_bucket_size"]
+    assert in_backward["communication_buffers"] == 2 * 4 * zero["reduce_bucket_size"]  # (the copy, gloo's clone)
+    stage_2 = deepspeed_config(run_config(parallel=dict(zero_stage=2)), BatchSizes(4, 1, 2), "cpu")
+    assert stage_2["zero_optimization"].keys() == {"stage", "reduce_bucket_size", "overlap_comm"}
+    large = zero3_sizes(
+        run_config(model=dict(d_model=8192, n_layers=2, n_heads=64, d_ff=28672, vocab_size=128256)).model, 1
+    )
+    assert (large.reduce_bucket, large.prefetch_bucket, large.max_live) == (
+        REDUCE_BUCKET,
+        ZERO3_PREFETCH,
+        ZERO3_MAX_LIVE,
+    )
+    assert large.persistence_threshold == ZERO3_PERSISTENCE - 18080  # (10 d_model)
+
+
 @pytest.mark.parametrize(
     "stage,dp,precision,device,offload,runs",
     [

@@ -121,6 +121,13 @@ def is_zero3_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
+def is_gathered(param: torch.Tensor) -> bool:
+    """ZeRO-3: whether ``param`` holds its whole values now (0.19.8: ``ds_status``)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return param.ds_status == ZeroParamStatus.AVAILABLE
+
+
 def zero3_param_group(param: torch.Tensor) -> dist.ProcessGroup:
     """ZeRO-3: the group ``param`` is partitioned over (0.19.8: ``ds_process_group``)."""
     return param.ds_process_group

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,12 +39,13 @@ from megatransformer.model.gpu_cores import VARLEN_BACKENDS, activate_for
 from megatransformer.model.latent_attention import LatentAttention
 from megatransformer.model.masks import ModelMasks, batch_masks, to_device
 from megatransformer.model.tp_plan import TP_PLAN, assign_head_offsets, has_partial_gradient, partition_dim
-from megatransformer.planner import reduce_bucket_elements
+from megatransformer.planner import reduce_bucket_elements, zero3_sizes
 from megatransformer.training.checkpointing import checkpointer
 from megatransformer.training.checkpointing.resume import ResumePlan
 from megatransformer.training.deepspeed.bf16_step import install_device_step, squared_norm
 from megatransformer.training.deepspeed.internals import data_parallel_rank, param_shape
 from megatransformer.training.deepspeed.partitions import build_partition_map
+from megatransformer.training.deepspeed.saved_weights import weights_saved_by_place
 from megatransformer.training.engine.compiled import compile_blocks, compile_enabled, gather_whole_blocks
 from megatransformer.training.engine.construction import (
     build_for_run,
@@ -117,7 +118,10 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
         ds["optimizer"] = optimizer
     elif ds["zero_optimization"]["stage"] > 0:
         ds["zero_allow_untested_optimizer"] = True  # (muon.MuonWithAdamW, told ZeRO's partitions: MuonWithAdamW.bind)
-    if ds["zero_optimization"]["stage"] > 0:
+    if ds["zero_optimization"]["stage"] == 3:
+        # its buckets and gathers sized by the model's layers (DeepSpeed's defaults gather a smaller model whole)
+        ds["zero_optimization"] |= zero3_sizes(cfg.model, p.tensor_parallel).deepspeed()
+    elif ds["zero_optimization"]["stage"] > 0:
         # DeepSpeed allocates the whole bucket, 5e8 elements by default, whatever the model's size
         ds["zero_optimization"]["reduce_bucket_size"] = reduce_bucket_elements(cfg.model, p.tensor_parallel)
     if ds["zero_optimization"]["stage"] in (1, 2):
@@ -299,6 +303,8 @@ class TrainModule:
         self.matmuls = matmul_context(
             gemms_as_fp32(cfg.train.cpu_bf16_matmul, self.device, precision_dtype(cfg.precision), self.compiled)
         )
+        # ZeRO-3: a forward pass leaves the weights it gathered to be freed, not held by autograd till the backward
+        self.saved_weights = weights_saved_by_place if self.zero_stage == 3 and not self.compiled else nullcontext
         # flash-attn's varlen metadata is built only where a varlen kernel may run
         self.varlen = self.device.type == "cuda" and cfg.model.attention_backend in VARLEN_BACKENDS
         activate_for(cfg.model.attention_backend, self.device.type)  # flash-attn 4 / 3, before compiling
@@ -363,7 +369,8 @@ class TrainModule:
         for i, (whole, local) in enumerate(parts):
             inputs, labels, masks = self.to_device(local, whole)
             with self.matmuls():
-                loss = engine(**inputs, masks=masks, labels=labels, **objective)
+                with self.saved_weights():
+                    loss = engine(**inputs, masks=masks, labels=labels, **objective)
                 if "z_loss" in objective:
                     loss, z = loss
                     z_sum += z
