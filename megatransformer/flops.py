@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import torch
 from torch import nn
 
 from megatransformer.config import ModelConfig
@@ -55,13 +54,11 @@ def one_block_per_stack(cfg: ModelConfig) -> tuple[nn.Module, Callable[[str], in
     """The model of ``cfg`` with one block per stack, on the meta device, and the copies of each of its
     parameters or modules (by name) the whole model holds: a block's, one per layer of its stack (the blocks
     of a stack are alike), so that sizes are counted without building thousands of blocks."""
-    from megatransformer.model.transformer import ARCHITECTURES
+    from megatransformer.model.transformer import build_shapes
 
     one = cfg.model_copy(update={"n_layers": 1, "n_decoder_layers": 1 if cfg.n_decoder_layers else None})
     layers = {"encoder": cfg.n_layers, "decoder": cfg.decoder_layers if cfg.arch == "encoder_decoder" else cfg.n_layers}
-    with torch.device("meta"):
-        model = ARCHITECTURES[one.arch](one)  # (shapes only: initialising meta tensors would cost seconds)
-    return model, lambda name: layers[name.split(".")[0]] if ".layers.0." in name else 1
+    return build_shapes(one), lambda name: layers[name.split(".")[0]] if ".layers.0." in name else 1
 
 
 def model_size(cfg: ModelConfig, seq_len: int | None = None) -> ModelSize:

@@ -41,6 +41,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+@pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook: pytest without it, as on the GPU image, runs too)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: a worker per core, at least two (a test's ranks leave cores idle while they start, wait for
     each other and end) and at most MOST_WORKERS (each runs up to four ranks)."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from megatransformer.model import gpu_cores
 from megatransformer.model.chunked_attention import chunked_core
+from megatransformer.model.compile_marks import constant_result
 from megatransformer.model.masks import AttentionMask, VarlenProblem
 from megatransformer.model.norms import RMSNorm
 from megatransformer.model.positions import Alibi, apply_rope
@@ -148,7 +149,7 @@ def flash_attn_module():
     return flash_attn
 
 
-@torch.compiler.assume_constant_result  # (a constant of the process: see gpu_cores)
+@constant_result  # (a constant of the process: see gpu_cores)
 def flash_attn_installed() -> bool:
     return flash_attn_module() is not None
 

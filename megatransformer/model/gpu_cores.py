@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatransformer.model.compile_marks import constant_result
+
 GENERATIONS = {8: "ampere", 9: "hopper", 10: "blackwell"}  # compute capability major -> generation
 VARLEN_BACKENDS = frozenset({"auto", "flash", "fa3", "fa4", "varlen"})  # those whose GPU cores read varlen problems
 MASK_KINDS = ("causal", "packed documents", "prefix-LM", "cross-attention", "window", "alibi")
@@ -107,7 +109,7 @@ def mask_kind(mask, alibi: bool = False, cross: bool = False) -> str:
 # (``assume_constant_result``: called once while tracing, no import or CUDA query in the graph).
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def gpu_generation() -> str | None:
     """This process's GPU generation, None without CUDA or for a generation the table does not know."""
     return _gpu_generation()
@@ -181,7 +183,7 @@ def registry_skip(core: str, generation: str) -> str | None:
     return None
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def registry_core(generation: str | None) -> str | None:
     """The registry core ``auto`` runs in this process: the first of the table's cores for ``generation`` that
     is installed and that ``auto`` may activate (:func:`registry_skip`); one choice serves every call."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from megatransformer.config import ModelConfig
@@ -314,6 +315,23 @@ def build_model(cfg: ModelConfig, seed: int | None = None) -> LanguageModel:
     model = ARCHITECTURES[cfg.arch](cfg)
     init_weights(model, cfg, seed)
     return model
+
+
+def build_shapes(cfg: ModelConfig) -> LanguageModel:
+    """The model a config describes on the meta device, uninitialised: the names and shapes of its parameters, in
+    milliseconds (initialising meta tensors runs torch's reference implementations, and imports dynamo)."""
+    with torch.device("meta"), _Uninitialised():
+        return ARCHITECTURES[cfg.arch](cfg)
+
+
+class _Uninitialised(TorchFunctionMode):
+    """``torch.nn.init``'s functions leave their tensor as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
 
 
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")

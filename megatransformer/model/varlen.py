@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatransformer.model.compile_marks import constant_result
 from megatransformer.model.masks import AttentionMask, VarlenProblem
 
 # kernel(q, k, v, problem) -> out; q: [total_q, H, D], k, v: [total_k, Hkv, D] -> [total_q, H, D]
@@ -83,7 +84,7 @@ def _keywords(function: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(function).parameters)
 
 
-@torch.compiler.assume_constant_result  # (a constant of the process, read by compiled code as one)
+@constant_result  # (a constant of the process, read by compiled code as one)
 def torch_varlen_available() -> bool:
     """This PyTorch's ``varlen_attn`` takes a ``window_size`` (2.11+) and its flash kernel runs on this GPU
     (compute capability 8.0+)."""

@@ -6,6 +6,9 @@ not where that piece lies in the parameter, which a checkpoint that reshards mus
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 import torch.distributed as dist
 
@@ -182,3 +185,39 @@ def fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch
     return {
         id(p): master for params, masters in zip(low, high) for p, master in zip(params, masters) if master is not None
     }
+
+
+def import_own_muon_uncompiled() -> None:
+    """Import DeepSpeed's own Muon module with its ``torch.compile`` deferred to each function's first call.
+
+    Every ZeRO engine's start imports it (``zero/utils.is_zero_supported_optimizer``), and it compiles three
+    functions as it loads (``runtime.compiler.compile()``): dynamo and Inductor, ~3 s of every rank's start. This
+    trainer never calls them (its Muon is ``optimizers/muon.py``); a caller that does compiles them then."""
+    import sys
+
+    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    if name in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    def compile_at_first_call():
+        def decorate(fn):
+            compiled = None
+
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                if compiled is None:
+                    compiled = torch.compile(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    eager = compiler.compile
+    compiler.compile = compile_at_first_call
+    try:
+        importlib.import_module(name)
+    finally:
+        compiler.compile = eager

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatransformer.model.compile_marks import never_compiled
 from megatransformer.model.layers import FeedForward
 
 
@@ -20,7 +21,7 @@ class TiledForward:
     def __init__(self, module: nn.Module, tiles: int) -> None:
         self.module, self.tiles = module, tiles
 
-    @torch.compiler.disable  # (TiledMLP sets attributes on the weights: compiled graphs break around it)
+    @never_compiled  # (TiledMLP sets attributes on the weights: compiled graphs break around it)
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 

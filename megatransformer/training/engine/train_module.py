@@ -43,7 +43,7 @@ from megatransformer.planner import reduce_bucket_elements, zero3_sizes
 from megatransformer.training.checkpointing import checkpointer
 from megatransformer.training.checkpointing.resume import ResumePlan
 from megatransformer.training.deepspeed.bf16_step import install_device_step, squared_norm
-from megatransformer.training.deepspeed.internals import data_parallel_rank, param_shape
+from megatransformer.training.deepspeed.internals import data_parallel_rank, import_own_muon_uncompiled, param_shape
 from megatransformer.training.deepspeed.partitions import build_partition_map
 from megatransformer.training.deepspeed.saved_weights import weights_saved_by_place
 from megatransformer.training.engine.compiled import compile_blocks, compile_enabled, gather_whole_blocks
@@ -263,6 +263,7 @@ class TrainModule:
         self.compiled = compile_enabled(cfg, self.device.type)
         if self.compiled and self.zero_stage == 3:
             gather_whole_blocks(model)  # (ZeRO-3's hooks around each compiled block, outside its graph)
+        import_own_muon_uncompiled()  # (ZeRO's start imports DeepSpeed's Muon, which compiles as it loads)
         self.engine, *_ = deepspeed.initialize(
             model=model,
             model_parameters=groups_,
