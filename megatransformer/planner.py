@@ -210,7 +210,11 @@ class Zero3Sizes:
     - ``max_reuse_distance``: a module's parameters stay gathered after it ran if they are used again within this
       many elements of the trace (the default, 1e9, keeps a smaller model's every weight from its forward to its
       backward pass);
-    - ``persistence_threshold``: parameters of at most this many elements stay whole on every rank.
+    - ``persistence_threshold``: parameters of at most this many elements stay whole on every rank;
+    - ``sub_group``: elements of a rank's partition per optimizer sub-group, stepped one at a time (its gradients
+      flattened into one fp32 tensor at the step; at the engine's start a zero fp32 gradient as long as the
+      sub-group's parameters whole, not their partition: the default, 1e9, makes that the whole model below 1e9
+      elements a rank).
     """
 
     reduce_bucket: int
@@ -218,6 +222,7 @@ class Zero3Sizes:
     max_live: int
     max_reuse_distance: int
     persistence_threshold: int
+    sub_group: int
 
     def deepspeed(self) -> dict[str, int]:
         """The sizes as DeepSpeed's ``zero_optimization`` names them."""
@@ -227,13 +232,15 @@ class Zero3Sizes:
             "stage3_max_live_parameters": self.max_live,
             "stage3_max_reuse_distance": self.max_reuse_distance,
             "stage3_param_persistence_threshold": self.persistence_threshold,
+            "sub_group_size": self.sub_group,
         }
 
 
-def zero3_sizes(m: ModelConfig, tp: int) -> Zero3Sizes:
-    """ZeRO-3's sizes for model ``m`` on a tensor-parallel rank: one layer (the largest block or table,
-    :func:`largest_layer`) per bucket, gathered ahead and kept for reuse, two layers gathered at most; vectors
-    (norms, biases: at most 10 d_model elements) whole on every rank; never above DeepSpeed's defaults."""
+def zero3_sizes(m: ModelConfig, tp: int, shards: int = 1) -> Zero3Sizes:
+    """ZeRO-3's sizes for model ``m`` on a tensor-parallel rank whose parameters are partitioned over ``shards``
+    ranks: one layer (the largest block or table, :func:`largest_layer`) per bucket, gathered ahead, kept for reuse
+    and per optimizer sub-group (its share of the partition), two layers gathered at most; vectors (norms, biases:
+    at most 10 d_model elements) whole on every rank; never above DeepSpeed's defaults."""
     layer = largest_layer(m, tp)
     return Zero3Sizes(
         reduce_bucket=min(REDUCE_BUCKET, layer),
@@ -241,6 +248,7 @@ def zero3_sizes(m: ModelConfig, tp: int) -> Zero3Sizes:
         max_live=min(ZERO3_MAX_LIVE, 2 * layer),
         max_reuse_distance=min(ZERO3_MAX_REUSE, layer),
         persistence_threshold=min(ZERO3_PERSISTENCE, 10 * m.d_model),
+        sub_group=min(ZERO3_SUB_GROUP, -(-layer // shards)),
     )
 
 
@@ -506,8 +514,13 @@ def zero3_step_bytes(cfg: RunConfig, layout: Layout) -> int:
     if layout.zero != 3 or layout.offload:
         return 0
     split, whole = parameter_counts(cfg.model)
-    part = -(-(split // layout.tp + whole) // (layout.dp * layout.sp))
-    return 4 * min(part, ZERO3_SUB_GROUP)
+    shards = layout.dp * layout.sp
+    part = -(-(split // layout.tp + whole) // shards)
+    # (a sub-group closes with the parameter that fills it: at most one parameter's share more)
+    sub_group = zero3_sizes(cfg.model, layout.tp, shards).sub_group + -(
+        -largest_parameter(cfg.model, layout.tp) // shards
+    )
+    return 4 * min(part, sub_group)
 
 
 def memory_parts(cfg: RunConfig, layout: Layout, device: Device, engine: bool = True) -> dict[str, int]:
@@ -617,7 +630,8 @@ def start_peaks(cfg: RunConfig, layout: Layout, device: Device) -> dict[str, Pea
     elif layout.zero == 3 and not layout.offload:
         # ZeRO-3's optimizer starts by stepping a zero fp32 gradient as long as its largest sub-group's parameters
         # whole, not their partition (``initialize_optimizer_states`` sizes it by ``ds_numel``)
-        engine_start = Peak(engine_start.device + 4 * min(params, shards * ZERO3_SUB_GROUP), host)
+        sub_group = shards * zero3_sizes(m, layout.tp, shards).sub_group + largest_parameter(m, layout.tp)
+        engine_start = Peak(engine_start.device + 4 * min(params, sub_group), host)
     largest = 4 * largest_parameter(m, layout.tp)
     return {
         "construction": Peak(reserved + weights + 4 * largest_layer(m, layout.tp), 0),

@@ -212,7 +212,7 @@ def test_zero_3_buckets_and_gathers_a_layer_never_the_whole_model_nor_above_deep
 
     model = dict(d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=32)
     cfg = run_config(model=model, parallel=dict(zero_stage=3))
-    layer, sizes = largest_layer(cfg.model, 1), zero3_sizes(cfg.model, 1)
+    layer, sizes = largest_layer(cfg.model, 1), zero3_sizes(cfg.model, 1, shards=2)
     assert (sizes.reduce_bucket, sizes.prefetch_bucket, sizes.max_reuse_distance, sizes.max_live) == (
         layer,
         layer,
@@ -220,6 +220,7 @@ def test_zero_3_buckets_and_gathers_a_layer_never_the_whole_model_nor_above_deep
         2 * layer,
     )
     assert sizes.max_live < sum(parameter_counts(cfg.model))
+    assert sizes.sub_group == -(-layer // 2)  # (a layer's share of the partition per optimizer sub-group)
     assert sizes.persistence_threshold == 10 * cfg.model.d_model  # (norms: every rank keeps them whole)
     assert persistent_elements(cfg.model, 1, sizes.persistence_threshold) == 9 * cfg.model.d_model
     zero = deepspeed_config(cfg, BatchSizes(4, 1, 2), "cpu")["zero_optimization"]

@@ -120,7 +120,8 @@ def deepspeed_config(cfg: RunConfig, sizes: BatchSizes, device: str, zero_stage:
         ds["zero_allow_untested_optimizer"] = True  # (muon.MuonWithAdamW, told ZeRO's partitions: MuonWithAdamW.bind)
     if ds["zero_optimization"]["stage"] == 3:
         # its buckets and gathers sized by the model's layers (DeepSpeed's defaults gather a smaller model whole)
-        ds["zero_optimization"] |= zero3_sizes(cfg.model, p.tensor_parallel).deepspeed()
+        shards = sizes.dp * p.sequence_parallel  # (ZeRO partitions over sequence peers too)
+        ds["zero_optimization"] |= zero3_sizes(cfg.model, p.tensor_parallel, shards).deepspeed()
     elif ds["zero_optimization"]["stage"] > 0:
         # DeepSpeed allocates the whole bucket, 5e8 elements by default, whatever the model's size
         ds["zero_optimization"]["reduce_bucket_size"] = reduce_bucket_elements(cfg.model, p.tensor_parallel)
