@@ -41,6 +41,11 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
     longer than ``timeout_minutes`` for the other ranks fails (parallel.timeout_minutes)."""
     import torch
 
+    # dynamo loaded before the first process group: loaded after it (with the first torch.optim optimizer), it left
+    # gloo's threads running past destroy_process_group in torch 2.13 (tests/e2e/test_group_shutdown.py); every
+    # training process loads it then anyway
+    import torch._dynamo  # noqa: F401
+
     if "TORCHELASTIC_RUN_ID" in os.environ:
         end_with_launcher()
     if not torch.cuda.is_available():
