@@ -10,8 +10,9 @@ import sys
 # tests' ranks and pytest-xdist's workers share the machine's cores, and the thread picker's "busy machine"
 # line would otherwise come and go with the load (tests/unit/test_threads.py tests the picker itself).
 # Set before torch is first imported: OpenMP reads it once, as it loads.
-assert "torch" not in sys.modules, "tests/conftest.py must run before torch is imported"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # (a plugin loaded it first)
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from pathlib import Path  # noqa: E402
 from typing import NamedTuple  # noqa: E402
@@ -30,8 +31,8 @@ MOST_WORKERS = 4
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tier is the folder: tests under e2e/ (subprocesses, ranks, DeepSpeed, torch.compile) are marked slow.
 
-    Under pytest-xdist (``--dist loadgroup``, the default of ``addopts``) a file's tests run in one worker, in
-    order, so that its module fixtures are made once; the files that submit jobs to the local Slurm cluster
+    Under pytest-xdist (``--dist loadgroup``, as the README's test command runs it) a file's tests run in one
+    worker, in order, so that its module fixtures are made once; the files that submit jobs to the local Slurm cluster
     share one worker, so that their jobs never wait for each other's nodes."""
     slurm_files = {item.path for item in items if item.get_closest_marker("slurm")}
     for item in items:

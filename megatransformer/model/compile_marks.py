@@ -1,6 +1,7 @@
 """torch.compile's marks, set without importing dynamo: ``torch.compiler.assume_constant_result`` and
-``torch.compiler.disable`` import it as they decorate (~1.5 s of the start of every process, most of which never
-compile). Both are checked against torch's own decorators (tests/unit/test_compile_marks.py)."""
+``torch.compiler.disable`` import it as they decorate (~1.5 s of the start of ``eval``, ``generate``, ``export``
+and ``plan``, which never compile; a training process loads it with its optimizer). Both are checked against
+torch's own decorators (tests/unit/test_compile_marks.py)."""
 
 from __future__ import annotations
 
