@@ -19,8 +19,9 @@ COMMUNICATION_THREADS = ("gloo", "pt_gloo", "pt_tcpstore")  # (names of gloo's a
 # Each rank starts as a child of one process that imported everything once (a rank's own imports would be most
 # of its cost: DeepSpeed's ZeRO step alone pulls in torch.compile's stack), forked while that process holds its
 # main thread only, so that the child is what a fresh rank is. The child runs its rank, then leaves the loop and
-# ends as any script does, through the interpreter's shutdown: never os._exit, as multiprocessing's forked
-# children end. Each group's wait statuses go to OUT/statuses.json (negative: ended by that signal).
+# ends as the `megatransformer` command does (`cli.end_process`: the interpreter's shutdown, never os._exit, as
+# multiprocessing's forked children end). Each group's wait statuses go to OUT/statuses.json (negative: ended by
+# that signal).
 GROUPS_SCRIPT = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
@@ -28,6 +29,7 @@ GROUPS_SCRIPT = textwrap.dedent("""
     import torch
     import deepspeed.runtime.zero.muon.muon_optimizer  # (ZeRO's step imports it)
 
+    from megatransformer.cli import end_process
     from megatransformer.config import RunConfig
     from megatransformer.training.runtime.distributed import setup, teardown
     from megatransformer.training.engine.train_module import TrainModule
@@ -71,6 +73,7 @@ GROUPS_SCRIPT = textwrap.dedent("""
     child = start_groups(int(sys.argv[1]), Path(sys.argv[2]))
     if child is not None:
         run_rank(*child)
+        end_process(0)
 """)
 
 
