@@ -1,7 +1,7 @@
 """Sequence parallelism (DeepSpeed-Ulysses) end to end: ``parallel.sequence_parallel=2`` on 2 ranks trains every
 architecture and objective loss for loss like one rank (fp32, no dropout), with ZeRO-1 and ZeRO-3 (the decoder
-with ZeRO-0 and ZeRO-2 too, with a sliding window, and with its MLPs in sequence tiles); dp2 x sp2 and sp4 on 4 ranks
-too; a checkpoint continues across sp 2 <-> 1; bad layouts exit 2 with one line.
+with ZeRO-0 and ZeRO-2 too); on 4 ranks, sp4 with a sliding window and dp2 x sp2 (the decoder with its MLPs in
+sequence tiles); a checkpoint continues across sp 2 <-> 1; bad layouts exit 2 with one line.
 
 Every run is a real ``megatransformer train`` process (torchrun, gloo) with the same global batch of 4 rows.
 """
@@ -76,22 +76,15 @@ def test_two_sequence_ranks_train_like_one_rank(one_rank, two_sequence_ranks, ca
     assert grad_norms(run) == pytest.approx(grad_norms(one_rank(case)), rel=1e-4)
 
 
-def test_four_sequence_ranks_train_like_one_rank(one_rank, tiny_data, tmp_path):
-    """sp=4: one query head per rank, each of the 2 kv heads replicated on two ranks."""
-    run = tmp_path / "sp4"
-    result = train(overrides(tiny_data, run, "decoder_packed", "parallel.sequence_parallel=4"), nproc=4)
-    assert "layout: dp1 x sp4 on 4 ranks" in result.stdout
-    assert losses(run) == pytest.approx(losses(one_rank("decoder_packed")), abs=1e-5, rel=0)
-    assert grad_norms(run) == pytest.approx(grad_norms(one_rank("decoder_packed")), rel=1e-4)
-
-
-def test_a_sliding_window_over_two_sequence_ranks_trains_like_one_rank(one_rank, tiny_data, tmp_path):
-    """model.attention_window over the whole sequence (each rank's heads see the window across the slice
-    boundary), packed documents; the final validation too."""
+def test_four_sequence_ranks_train_like_one_rank_with_a_sliding_window(one_rank, tiny_data, tmp_path):
+    """sp=4: one query head per rank, each of the 2 kv heads replicated on two ranks; model.attention_window over
+    the whole sequence (each rank's heads see the window across the slices' boundaries), packed documents; the
+    final validation too."""
     window = ["model.attention_window=24"]
-    reference, run = tmp_path / "sp1", tmp_path / "sp2"
+    reference, run = tmp_path / "sp1", tmp_path / "sp4"
     train(overrides(tiny_data, reference, "decoder_packed", *window))
-    train(overrides(tiny_data, run, "decoder_packed", "parallel.sequence_parallel=2", *window), nproc=2)
+    result = train(overrides(tiny_data, run, "decoder_packed", "parallel.sequence_parallel=4", *window), nproc=4)
+    assert "layout: dp1 x sp4 on 4 ranks" in result.stdout
     assert losses(run) == pytest.approx(losses(reference), abs=1e-5, rel=0)
     assert grad_norms(run) == pytest.approx(grad_norms(reference), rel=1e-4)
     [valid], [valid_reference] = ([r["val_loss"] for r in metrics(d) if "val_loss" in r] for d in (run, reference))
@@ -100,19 +93,19 @@ def test_a_sliding_window_over_two_sequence_ranks_trains_like_one_rank(one_rank,
 
 
 def test_mlps_in_sequence_tiles_train_like_untiled(one_rank, tiny_data, tmp_path):
-    """model.mlp_tiles=2 on each rank's slice, under ZeRO-3 (its gradients reduced once, after the last tile)
-    and activation checkpointing (the tiles recomputed inside a recomputed block)."""
+    """model.mlp_tiles=2 on each rank's slice, dp2 x sp2 under ZeRO-3 (its gradients reduced once, after the last
+    tile, over all four ranks) and activation checkpointing (the tiles recomputed inside a recomputed block)."""
     run = tmp_path / "tiled"
     tiled = ["model.mlp_tiles=2", "model.activation_checkpointing=true", "parallel.zero_stage=3"]
-    train(overrides(tiny_data, run, "decoder_packed", "parallel.sequence_parallel=2", *tiled), nproc=2)
+    result = train(overrides(tiny_data, run, "decoder_packed", "parallel.sequence_parallel=2", *tiled), nproc=4)
+    assert "layout: dp2 x sp2 on 4 ranks" in result.stdout
     assert losses(run) == pytest.approx(losses(one_rank("decoder_packed")), abs=1e-5, rel=0)
     assert grad_norms(run) == pytest.approx(grad_norms(one_rank("decoder_packed")), rel=1e-4)
 
 
-# each case at one stage, both stages covered (two ranks run every case at both)
-@pytest.mark.parametrize(
-    "case, zero", [("decoder_packed", 1), ("prefix_lm", 3), ("masked_lm", 1), ("span_corruption", 3)]
-)
+# each case at one stage, both stages covered (two ranks run every case at both); the packed decoder's run is
+# test_mlps_in_sequence_tiles_train_like_untiled's
+@pytest.mark.parametrize("case, zero", [("prefix_lm", 3), ("masked_lm", 1), ("span_corruption", 3)])
 def test_data_and_sequence_parallel_on_four_ranks(one_rank, tiny_data, tmp_path, case, zero):
     """dp2 x sp2: two sequence groups read distinct rows, each splits its rows' sequences; ZeRO partitions
     over all four ranks and averages gradients over the two data-parallel groups."""
