@@ -1,6 +1,7 @@
 """Helpers the test files share (importable as ``support``: pytest's ``pythonpath`` names ``tests``).
 
-``runs``: real ``megatransformer`` processes and the files a run writes; ``models``: tiny in-process models;
+``runs``: real ``megatransformer`` processes and the files a run writes; ``ranks``: in-process gloo ranks forked
+from a server that has imported torch once; ``models``: tiny in-process models;
 ``attention``: attention inputs and masks for comparing cores; ``flash_reference``: flash-attn's contract
 on CPU; ``data``: loader batches; ``shard_server``: shards over loopback HTTP; ``loopback``: HTTP servers on
 loopback that stop at once.
