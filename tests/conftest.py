@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: a worker per core and one more, at most MOST_WORKERS (each runs up to four ranks): a test's ranks
     leave cores idle while they start, wait for each other and end, and the Slurm tests wait on the scheduler; the
-    one more keeps the cores busy then (2 cores: 28 minutes in three workers against 30.5 in two)."""
+    one more keeps the cores busy then (BENCHMARKS.md, section 5ah)."""
     return min(MOST_WORKERS, len(os.sched_getaffinity(0)) + 1)
 
 
