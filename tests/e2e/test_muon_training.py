@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from support.models import run_config
-from support.ranks import spawn_ranks
+from support.ranks import fork_ranks
 from support.runs import checkpoint, losses, losses_by_step, metrics, tiny_run, train, train_command, wait_for_step
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
@@ -64,7 +64,7 @@ def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32", *
     """What each rank saw (its losses, Newton-Schulz calls and momentum), or the refusal; ``parallel``: other
     settings of the parallel section."""
     out = tmp_path / f"seen_{ranks}_{stage}_{precision}_{'_'.join(map(str, parallel.values()))}.json"
-    spawn_ranks(_stage_rank, (ranks, free_port(), stage, precision, parallel, str(out)), ranks)
+    fork_ranks(_stage_rank, (ranks, free_port(), stage, precision, parallel, str(out)), ranks)
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(ranks)]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from support.ranks import spawn_ranks
+from support.ranks import fork_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -77,7 +77,7 @@ def test_zero_2_reduces_through_a_bucket_of_the_models_gradients_with_the_defaul
     allocated whatever the model's size), and two data-parallel ranks train to the same losses with it."""
     point = {"model": MODEL | {"max_seq_len": 128}, "seq_len": 128, "micro_batch": 2, "zero": 2, "ranks": 2}
     out = tmp_path / "seen.json"
-    spawn_ranks(_bucket_rank, (free_port(), point, str(out)), 2)
+    fork_ranks(_bucket_rank, (free_port(), point, str(out)), 2)
     seen = json.loads(out.read_text())
     assert seen["bucket"] == seen["gradients"]
     assert seen["capped"] == seen["default"]

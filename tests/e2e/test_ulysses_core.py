@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support.ranks import spawn_ranks
+from support.ranks import fork_ranks
 from support.sequence import decoder_batch, encoder_decoder_batch
 
 from megatransformer.model.attention import BACKENDS, flash_attn_module
@@ -102,7 +102,7 @@ def _values_and_grads(core, q, k, v, mask, alibi, weight):
 def test_ulysses_core_on_two_ranks_equals_the_core_on_one(backend, tmp_path):
     """Each rank's output slice and its gradients with respect to its q, k, v slices are those of the whole
     sequence's attention on one rank (DeepSpeed's all-to-all over gloo, the whole batch's masks)."""
-    spawn_ranks(_run_rank, (str(tmp_path / "store"), backend, "cpu"), SP)
+    fork_ranks(_run_rank, (str(tmp_path / "store"), backend, "cpu"), SP)
 
 
 @pytest.mark.gpu

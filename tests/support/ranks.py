@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 PRELOAD = ["torch", "torch._dynamo", "deepspeed", "megatransformer.training.engine.train_module"]
 
 
-def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
+def fork_ranks(fn: Callable[..., None], args: tuple, nprocs: int) -> None:
     """``fn(rank, *args)`` in ``nprocs`` processes forked from the fork server, joined; an error if one fails, as
     ``torch.multiprocessing.spawn``. CPU ranks only: the server runs with the environment it started with (the
     ranks set their own process-group variables) and must never touch CUDA, since it forks."""
