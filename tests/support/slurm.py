@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 JOB_TIMEOUT = 600  # s; the first job on a bare machine also JIT-builds DeepSpeed's shm op (~70 s)
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 def cluster_problem() -> str | None:
@@ -61,10 +62,16 @@ class Job:
         pytest.fail(self.report(f"job {self.id}: {what} did not happen within {timeout:.0f} s"))
 
     def wait_finished(self, timeout: float = JOB_TIMEOUT) -> dict[str, str]:
-        return self.wait(
-            lambda i: (
-                i.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-            ),
+        return self.wait(lambda i: i.get("JobState") in ENDED, timeout, "the end")
+
+    def wait_requeued(self, timeout: float = 180) -> dict[str, str]:
+        """Until the job has requeued itself and is PENDING again; fail if it ends instead. Its restart count
+        rises while it still passes through REQUEUED and COMPLETING, states in which it cannot be updated."""
+        info = self.wait(
+            lambda i: (i.get("Restarts") == "1" and i.get("JobState") == "PENDING") or i.get("JobState") in ENDED,
             timeout,
-            "the end",
+            "the requeue",
         )
+        if info.get("JobState") != "PENDING":
+            pytest.fail(self.report(f"the signalled job ended ({info.get('JobState')}) instead of requeueing itself"))
+        return info
