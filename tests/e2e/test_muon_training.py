@@ -50,7 +50,7 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, pa
         seen["ns_calls"] = innermost_optimizer(module.engine).ns_calls
         seen["wrapper"] = type(module.engine.optimizer).__name__
         # what a checkpoint saves: this rank's part of each matrix's momentum, no Adam moments
-        fragments = local_fragments(module.engine, module.tp, module.tp_rank)
+        fragments = local_fragments(module.engine, module.partitions, module.tp)
         held = [f for f in fragments if f.name.endswith("proj.weight")]
         seen["momentum"] = sum(f.view("momentum_buffer").numel() for f in held)
         seen["adam_moments"] = [f.name for f in held if f.view("exp_avg") is not None]

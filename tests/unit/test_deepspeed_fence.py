@@ -82,3 +82,13 @@ def test_the_fence_sees_attribute_and_getattr_reads():
     code = "a = opt.grad_position[0]\nb = getattr(p, 'ds_numel', 0)\nc = hasattr(p, '_hp_mapping')\nd = x.shape"
     assert sorted(name for _, name in private_reads(ast.parse(code))) == ["_hp_mapping", "ds_numel", "grad_position"]
     assert private_reads(ast.parse((FENCED / "partitions.py").read_text())) == []  # (reads through internals.py)
+
+
+def test_the_checkpointer_finds_partitions_only_through_the_map():
+    """The checkpointer's pieces are the partition map's fragments (``partitions.py``), their live state read
+    through ``masters.py``: no second description of DeepSpeed's partitions from its attributes."""
+    checkpointer = PACKAGE / "training" / "checkpointing" / "checkpointer.py"
+    imported = {
+        node.module for node in ast.walk(ast.parse(checkpointer.read_text())) if isinstance(node, ast.ImportFrom)
+    }
+    assert "megatransformer.training.deepspeed.internals" not in imported

@@ -1,5 +1,5 @@
 """The run's state in and out of the DeepSpeed engine: each rank's own part of the weights (fp32 masters where
-they exist) and optimizer state, found through DeepSpeed's fragment mappings, saved once (sharded, in the
+they exist) and optimizer state, found through the engine's partition map, saved once (sharded, in the
 background) and loaded on any layout. The directory format is ``megatransformer.checkpoint``'s;
 docs/checkpoints.md."""
 
@@ -28,22 +28,9 @@ from megatransformer.checkpoint import sharded
 from megatransformer.config import RunConfig, dump_config
 from megatransformer.model.tp_plan import partition_dim
 from megatransformer.training.checkpointing.rng import rng_state, set_rng_state
-from megatransformer.training.deepspeed.internals import (
-    flat_partitions_to_weights,
-    fp16_optimizer_masters,
-    fragment_mapping,
-    is_flat_partitioned,
-    is_fragment_mapped,
-    is_zero3,
-    is_zero3_param,
-    param_shape,
-    relink_fragment_state,
-    zero3_flats_and_groups,
-    zero3_fp32_state,
-    zero3_partition,
-    zero3_refresh_partitions,
-    zero3_sub_group_flat,
-)
+from megatransformer.training.deepspeed.masters import fragment_master, fragment_state, weights_from_masters
+from megatransformer.training.deepspeed.partitions import Fragment as MapFragment
+from megatransformer.training.deepspeed.partitions import PartitionMap
 
 
 @functools.cache
@@ -86,80 +73,44 @@ class Fragment:
         return self.name, self.tp_index, self.start, self.stop
 
 
-def param_layouts(engine, tp: int) -> dict[str, tuple[tuple[int, ...], int | None]]:
+def param_layouts(engine, partitions: PartitionMap, tp: int) -> dict[str, tuple[tuple[int, ...], int | None]]:
     """Every parameter's global shape and the dimension tensor parallelism splits (None: not split)."""
     layouts = {}
-    for name, param in engine.module.named_parameters():
+    for name, _ in engine.module.named_parameters():
         dim = partition_dim(name) if tp > 1 else None
-        shape = list(param_shape(param))
+        shape = list(partitions.shapes[name])
         if dim is not None:
             shape[dim] *= tp
         layouts[name] = (tuple(shape), dim)
     return layouts
 
 
-def local_fragments(engine, tp: int, tp_rank: int) -> list[Fragment]:
-    """This rank's fragment of every parameter it holds state for, wherever the layout keeps it: ZeRO-3's fp32
-    partitions, ZeRO-1/2's and the bf16 optimizer's fragment mappings, ZeRO-0's fp16/bf16 masters, or (ZeRO-0
-    fp32) the parameter itself with the torch optimizer's state. Ranks that hold the same elements (ZeRO-0, or
-    the replicas of a ZeRO group) each report them; :class:`SavePlan` divides them."""
+def local_fragments(engine, partitions: PartitionMap, tp: int) -> list[Fragment]:
+    """This rank's fragment of every parameter it holds state for, in the model's order, as the partition map
+    places it in the buffers the torch optimizer steps: ZeRO-3's and ZeRO-1/2's fp32 partitions, the bf16
+    optimizer's, ZeRO-0's fp16/bf16 masters, or (ZeRO-0 fp32) the parameters themselves. Ranks that hold the same
+    elements (ZeRO-0, or the replicas of a ZeRO group) each report them; :class:`SavePlan` divides them."""
     inner = innermost_optimizer(engine)
-    if any(inner.state.values()):
-        relink_fragment_state(engine.optimizer)
-    masters = functools.cache(lambda key=None: fp16_optimizer_masters(engine.optimizer, key))
-    fragments = []
-    for name, param in engine.module.named_parameters():
-        tp_index = tp_rank if tp > 1 and partition_dim(name) is not None else 0
-        if is_zero3_param(param):
-            opt, start, part = zero3_partition(param)
-            stop = min(start + part, param_shape(param).numel())
-            if start < stop:
-                fragments.append(Fragment(name, tp_index, start, stop, _zero3_view(opt, param, stop - start)))
-        elif (mapping := fragment_mapping(param)) is not None:  # ZeRO-1/2, bf16 optimizer
-            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-            fragments.append(Fragment(name, tp_index, start, start + numel, _mapped_view(mapping)))
-        elif is_fragment_mapped(param):
-            continue  # (ZeRO-1/2: wholly in another rank's partition)
-        else:  # ZeRO-0
-            fragments.append(Fragment(name, tp_index, 0, param.numel(), _replica_view(param, inner, masters)))
-    return fragments
+    order = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
+    return [
+        Fragment(f.name, tp_slice(f, tp), f.start, f.start + f.numel, functools.partial(_view, partitions, f, inner))
+        for f in sorted(partitions.mine(), key=lambda f: order[f.name])
+    ]
 
 
-def _zero3_view(opt, param, n: int) -> Callable[[str], torch.Tensor | None]:
-    """(None: the optimizer keeps no state ``kind`` for this parameter's group, as Muon's keeps no Adam moments.)"""
-
-    def view(kind: str) -> torch.Tensor | None:
-        key = None if kind == sharded.MASTER else kind
-        flat = zero3_sub_group_flat(opt, param)
-        if key is not None and key not in opt.optimizer.state.get(flat, {}):
-            return None
-        return zero3_fp32_state(opt, param, key)[:n]
-
-    return view
+def tp_slice(placed: MapFragment, tp: int) -> int:
+    """The tensor-parallel slice a fragment of the map is of: its rank's, or 0 where tensor parallelism does not
+    split the parameter (every tensor-parallel rank holds the same elements)."""
+    return placed.tp_rank if tp > 1 and partition_dim(placed.name) is not None else 0
 
 
-def _mapped_view(mapping) -> Callable[[str], torch.Tensor | None]:
-    """(None: as :func:`_zero3_view`.)"""
-
-    def view(kind: str) -> torch.Tensor | None:
-        if kind == sharded.MASTER:
-            return mapping.hp_fragment
-        return mapping.optim_fragment.get(kind) if mapping.optim_fragment else None
-
-    return view
-
-
-def _replica_view(param, inner, masters) -> Callable[[str], torch.Tensor | None]:
+def _view(
+    partitions: PartitionMap, placed: MapFragment, inner: torch.optim.Optimizer, kind: str
+) -> torch.Tensor | None:
     """(None: the optimizer keeps no state ``kind`` for this parameter, as Muon keeps no Adam moments.)"""
-
-    def view(kind: str) -> torch.Tensor | None:
-        key = None if kind == sharded.MASTER else kind
-        found = masters(key).get(id(param))
-        if found is None:
-            found = param if key is None else inner.state.get(param, {}).get(key)
-        return None if found is None else found.detach().reshape(-1)
-
-    return view
+    if kind == sharded.MASTER:
+        return fragment_master(partitions, placed)
+    return fragment_state(partitions, placed, inner, kind)
 
 
 def optimizer_state_keys(engine) -> list[str]:
@@ -190,17 +141,14 @@ class SavePlan:
     aliases: dict[str, str]
 
     @classmethod
-    def build(cls, engine, tp: int, tp_rank: int) -> SavePlan:
-        """A collective: the ranks exchange the coordinates of their fragments once."""
-        fragments = local_fragments(engine, tp, tp_rank)
-        world = dist.get_world_size()
-        everyone: list[list[tuple[str, int, int, int]] | None] = [None] * world
-        dist.all_gather_object(everyone, [f.coordinates for f in fragments])
+    def build(cls, engine, partitions: PartitionMap, tp: int) -> SavePlan:
+        """From the partition map, which holds every rank's fragments: no collective."""
+        fragments = local_fragments(engine, partitions, tp)
         holders: dict[tuple[str, int, int, int], list[int]] = {}
-        for rank, coordinates in enumerate(everyone):
-            for c in coordinates:
-                holders.setdefault(c, []).append(rank)
-        rank = dist.get_rank()
+        for placed in partitions.fragments:
+            coordinates = placed.name, tp_slice(placed, tp), placed.start, placed.start + placed.numel
+            holders.setdefault(coordinates, []).append(placed.rank)
+        rank = partitions.rank
         mine = []
         for f in fragments:
             ranks = holders[f.coordinates]
@@ -216,7 +164,7 @@ class SavePlan:
                     if lo < hi:
                         pieces.setdefault(name, []).append(sharded.Piece(tp_index, lo, hi, sharded.shard_file(r)))
             index = {}
-            for name, (shape, dim) in param_layouts(engine, tp).items():
+            for name, (shape, dim) in param_layouts(engine, partitions, tp).items():
                 layout = sharded.ParamLayout(
                     shape, dim, tp if dim is not None else 1, tuple(sorted(pieces.get(name, []), key=_order))
                 )
@@ -292,8 +240,8 @@ class Checkpointer:
     last, or removes the checkpoint when any rank's write failed. :meth:`wait` waits for the write in flight
     and raises its failure; the next save, a load, a rollback and the end of the run call it."""
 
-    def __init__(self, engine, cfg: RunConfig, tp_rank: int, device: torch.device) -> None:
-        self.engine, self.cfg, self.tp_rank, self.device = engine, cfg, tp_rank, device
+    def __init__(self, engine, partitions: PartitionMap, cfg: RunConfig, device: torch.device) -> None:
+        self.engine, self.partitions, self.cfg, self.device = engine, partitions, cfg, device
         self.tp = cfg.parallel.tensor_parallel
         self.plan: SavePlan | None = None
         self.group = None  # the background thread's process group (gloo), never the training's
@@ -315,7 +263,7 @@ class Checkpointer:
         if self.group is None:
             self.group = writer_group(self.cfg.checkpoint.timeout_minutes)
         if self.plan is None:
-            self.plan = SavePlan.build(self.engine, self.tp, self.tp_rank)
+            self.plan = SavePlan.build(self.engine, self.partitions, self.tp)
         root = ckpt.checkpoints_dir(self.cfg.run_dir)
         path = root / ckpt.step_name(state.step)
         rank = dist.get_rank()
@@ -531,12 +479,12 @@ class Checkpointer:
         the same numbers)."""
         self.wait()
         ranks = [dist.get_rank()] if same_layout else range(saved_world_size)
-        layouts = param_layouts(self.engine, self.tp)
+        layouts = param_layouts(self.engine, self.partitions, self.tp)
 
         def where(fragment: Fragment) -> tuple[int, int, int | None, int, int]:
             return fragment.tp_index, self.tp, layouts[fragment.name][1], fragment.start, fragment.stop
 
-        held = local_fragments(self.engine, self.tp, self.tp_rank)
+        fragments = local_fragments(self.engine, self.partitions, self.tp)
 
         def check() -> tuple[sharded.ShardedState, list[dict], dict[str, Any]]:
             """Everything this rank will read, checked before any of it is loaded."""
@@ -547,7 +495,7 @@ class Checkpointer:
                     had = f"shape {list(saved_shape)}" if saved_shape is not None else "no such parameter"
                     raise ckpt.CheckpointDamaged(path, sharded.INDEX, f"{name}: {had}, the model's is {list(shape)}")
             reads = {ckpt.rank_file(r) for r in ranks}
-            for fragment in held:
+            for fragment in fragments:
                 reads |= state.files_of(fragment.name, *where(fragment))
             ckpt.verify_files(path, reads)
             state.check_shards(reads)  # (a shard of another save, under a manifest made to match)
@@ -563,17 +511,13 @@ class Checkpointer:
         keys = [k for k in state.kinds if k != sharded.MASTER]
         inner = innermost_optimizer(self.engine)
         if keys:
-            _ensure_state(self.engine, inner, state, record["step"])
-        self.plan = None  # (the fragment views change with the state made here)
-        fragments = local_fragments(self.engine, self.tp, self.tp_rank)
-        if [f.coordinates for f in fragments] != [f.coordinates for f in held]:  # (what was verified is what is read)
-            raise RuntimeError("the fragments of this rank changed as the optimizer state was made")
+            _ensure_state(self.partitions, inner, state, record["step"])
         with torch.no_grad():
             for fragment in fragments:
                 for kind in state.kinds_of(fragment.name):
                     view = fragment.view(kind)
                     view.copy_(state.slice_of(fragment.name, kind, *where(fragment)).to(view.device))
-        refresh_weights(self.engine)
+        weights_from_masters(self.engine, self.partitions)
         scheduler = record["lr_scheduler"]
         if self.engine.lr_scheduler is not None and scheduler is not None:
             load_schedule(self.engine.lr_scheduler, scheduler)
@@ -618,27 +562,6 @@ def agreed(check: Callable[[], Any]) -> Any:
     return result
 
 
-def refresh_weights(engine) -> None:
-    """The model's weights from the fp32 masters just loaded, wherever the layout keeps them apart (ZeRO-3's
-    partitions, ZeRO-1/2's and the bf16 optimizer's flat groups, ZeRO-0's fp16/bf16 masters). A collective."""
-    opt = engine.optimizer
-    if is_zero3(opt):
-        persistent = opt.persistent_parameters
-        if persistent:
-            persistent[0].partition(persistent)
-        zero3_refresh_partitions(opt)
-        if persistent:
-            persistent[0].all_gather(persistent)
-    elif is_flat_partitioned(opt):  # ZeRO-1/2, bf16 optimizer
-        flat_partitions_to_weights(opt)
-    else:
-        masters = fp16_optimizer_masters(opt)
-        with torch.no_grad():
-            for param in engine.module.parameters():
-                if id(param) in masters:
-                    param.copy_(masters[id(param)].view_as(param))
-
-
 def load_weights_into(model: torch.nn.Module, weights) -> None:
     """Copy ``weights`` (a mapping of the model's state names to tensors, perhaps assembled on lookup) into
     ``model`` one tensor at a time; a missing or an extra name is an error."""
@@ -678,19 +601,19 @@ def apply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR | None) -> None:
     scheduler._last_lr = rates  # (what get_last_lr() answers; torch keeps it in this field)
 
 
-def _ensure_state(engine, inner: torch.optim.Optimizer, saved: sharded.ShardedState, step: int) -> None:
-    """Every tensor the torch optimizer steps has the state the checkpoint holds for it (the optimizer makes it
-    lazily at the first step), with the saved step count where it keeps one. An optimizer whose groups keep
-    different state (``state_keys(group)``, as muon.MuonWithAdamW's) says which; a flat ZeRO partition gets
-    those of its group."""
+def _ensure_state(partitions: PartitionMap, inner: torch.optim.Optimizer, saved: sharded.ShardedState, step: int):
+    """Every buffer the torch optimizer steps has the state the checkpoint holds for it (the optimizer makes it
+    lazily at the first step), with the saved step count where it keeps one. A buffer that is one parameter whole
+    (ZeRO-0) gets the kinds the checkpoint holds for that parameter; a flat partition those of its group: an
+    optimizer whose groups keep different state (``state_keys(group)``, as muon.MuonWithAdamW's) says which."""
     every = [k for k in saved.kinds if k != sharded.MASTER]
-    masters = fp16_optimizer_masters(engine.optimizer)
-    names = {id(masters.get(id(p), p)): name for name, p in engine.module.named_parameters()}
+    whole = {f.buffer: f.name for f in partitions.mine() if f.numel == partitions.tensors[f.buffer].numel()}
     state_keys = getattr(inner, "state_keys", lambda group: (*every, "step"))
-    for p, group in _stepped(engine, inner):
+    for number, (p, group_number) in enumerate(zip(partitions.tensors, partitions.groups)):
+        group = inner.param_groups[group_number]
         state, kept = inner.state[p], state_keys(group)
-        if id(p) in names:
-            keys = [k for k in saved.kinds_of(names[id(p)]) if k != sharded.MASTER]
+        if number in whole:
+            keys = [k for k in saved.kinds_of(whole[number]) if k != sharded.MASTER]
         else:
             keys = [k for k in every if k in kept]
         for key in keys:
@@ -705,11 +628,3 @@ def _ensure_state(engine, inner: torch.optim.Optimizer, saved: sharded.ShardedSt
         else:
             on_device = group.get("fused") or group.get("capturable")
             state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device if on_device else "cpu")
-
-
-def _stepped(engine, inner: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
-    """The tensors the torch optimizer updates, with their parameter group. ZeRO-3 puts its flat fp32
-    partitions into the groups only for the duration of a step."""
-    if is_zero3(engine.optimizer):
-        return [(flat, inner.param_groups[group]) for flat, group in zero3_flats_and_groups(engine.optimizer)]
-    return [(p, group) for group in inner.param_groups for p in group["params"]]

@@ -20,48 +20,6 @@ def data_parallel_rank() -> int:
     return groups._get_data_parallel_rank()
 
 
-def is_fragment_mapped(param: torch.Tensor) -> bool:
-    """Whether ZeRO-1/2 or the bf16 optimizer maps ``param`` to the flat partitions (its mapping may be None:
-    wholly in other ranks' partitions)."""
-    return hasattr(param, "_hp_mapping")
-
-
-def fragment_mapping(param: torch.Tensor):
-    """ZeRO-1/2's and the bf16 optimizer's map of the piece of ``param`` this rank's partition holds
-    (``lp_fragment_address``, ``hp_fragment_address``, ``hp_fragment``, ``get_optim_state_fragment``); None when
-    it holds none."""
-    return getattr(param, "_hp_mapping", None)
-
-
-def relink_fragment_state(optimizer) -> None:
-    """Map every parameter to its piece of the optimizer state again (ZeRO-1/2, bf16 optimizer; a no-op for
-    others): DeepSpeed maps them once, after the first group's step, so the other groups' are never mapped."""
-    link = getattr(optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:
-        optimizer._hp_optimizer_states_linked = False
-        link()
-
-
-def zero3_partition(param: torch.Tensor) -> tuple[object, int, int]:
-    """ZeRO-3: (the optimizer that partitions ``param``, the first element of it this rank holds, the partition's
-    size)."""
-    optimizer = param._z3_optimizer
-    size = param.ds_tensor.ds_numel
-    return optimizer, optimizer._get_param_partition_rank(param) * size, size
-
-
-def zero3_fp32_state(optimizer, param: torch.Tensor, key: str | None) -> torch.Tensor:
-    """ZeRO-3: this rank's fp32 partition of ``param``'s master (``key`` None) or optimizer state ``key``, swapped in
-    if offloaded to NVMe."""
-    return optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=True, optim_state_key=key)[0]
-
-
-def zero3_refresh_partitions(optimizer) -> None:
-    """ZeRO-3: each sub-group's low-precision partitions from its fp32 masters."""
-    for group in range(len(optimizer.fp32_partitioned_groups_flat)):
-        optimizer._reassign_or_swap_out_partitioned_parameters(group)
-
-
 # ------------------------------------------------------------------------------------ partitions (partitions.py)
 
 
@@ -75,10 +33,12 @@ def zero3_group(optimizer) -> dist.ProcessGroup:
     return optimizer.dp_process_group
 
 
-def zero3_flat_groups(optimizer) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """ZeRO-3: each sub-group's flat fp32 partition and its parameters (0.19.8: ``fp32_partitioned_groups_flat``,
-    ``fp16_groups``)."""
-    return list(zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups))
+def zero3_flat_groups(optimizer) -> list[tuple[torch.Tensor, list[torch.Tensor], int]]:
+    """ZeRO-3: each sub-group's flat fp32 partition, its parameters and the number of the torch optimizer's
+    parameter group it is stepped in (0.19.8: ``fp32_partitioned_groups_flat``, ``fp16_groups``,
+    ``sub_group_to_group_id``)."""
+    flats, group_of = optimizer.fp32_partitioned_groups_flat, optimizer.sub_group_to_group_id
+    return [(flat, params, group_of[i]) for i, (flat, params) in enumerate(zip(flats, optimizer.fp16_groups))]
 
 
 def zero3_shape(param: torch.Tensor) -> torch.Size:
@@ -108,6 +68,13 @@ def flat_partition_groups(optimizer) -> list[tuple[torch.Tensor, list[torch.Tens
     return list(zip(flats, lows))
 
 
+def fragment_mapping(param: torch.Tensor):
+    """ZeRO-1/2's and the bf16 optimizer's map of the piece of ``param`` this rank's partition holds: where it lies
+    in ``param`` (``lp_fragment_address``) and in the partition (``hp_fragment_address``); None when it holds none
+    (0.19.8: ``_hp_mapping``)."""
+    return getattr(param, "_hp_mapping", None)
+
+
 def unfused_masters(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """ZeRO-0 with fp16/bf16: (parameter, its fp32 master) where DeepSpeed's FP16_UnfusedOptimizer keeps one master
     per parameter (0.19.8: ``fp16_groups``, ``fp32_groups``); none for other optimizers."""
@@ -116,7 +83,16 @@ def unfused_masters(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(p, m) for ps, ms in zip(optimizer.fp16_groups, optimizer.fp32_groups) for p, m in zip(ps, ms)]
 
 
-# ------------------------------------------------------------------------------------ checkpoints (checkpointer.py)
+def fused_masters(optimizer) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """ZeRO-0 with fp16: (a group's flat fp32 master, the parameters it holds one after another) where DeepSpeed's
+    FP16_Optimizer keeps one master per group (0.19.8: ``fp32_groups_flat``, ``fp16_groups``); none for other
+    optimizers."""
+    if not hasattr(optimizer, "fp32_groups_flat") or not hasattr(optimizer, "fp16_groups"):
+        return []
+    return list(zip(optimizer.fp32_groups_flat, optimizer.fp16_groups))
+
+
+# ------------------------------------------------------------------------------------ parameters (ZeRO-3)
 
 
 def is_zero3_param(param: torch.Tensor) -> bool:
@@ -141,17 +117,20 @@ def param_shape(param: torch.Tensor) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
-def zero3_sub_group_flat(optimizer, param: torch.Tensor) -> torch.Tensor:
-    """ZeRO-3: the flat fp32 partition of the sub-group ``param`` is in (0.19.8: ``fp32_partitioned_groups_flat``,
-    ``grad_position``, ``get_param_id``)."""
-    return optimizer.fp32_partitioned_groups_flat[optimizer.grad_position[optimizer.get_param_id(param)][0]]
+# ------------------------------------------------------------------------------------ weights (masters.py)
 
 
-def zero3_flats_and_groups(optimizer) -> list[tuple[torch.Tensor, int]]:
-    """ZeRO-3: each sub-group's flat fp32 partition and the number of the parameter group it belongs to (0.19.8:
-    ``fp32_partitioned_groups_flat``, ``sub_group_to_group_id``)."""
-    group_of = optimizer.sub_group_to_group_id
-    return [(flat, group_of[i]) for i, flat in enumerate(optimizer.fp32_partitioned_groups_flat)]
+def zero3_weights_from_masters(optimizer) -> None:
+    """ZeRO-3: each sub-group's low-precision partitions from its fp32 masters, and the parameters it keeps whole
+    (persistent) gathered again from them. A collective (0.19.8: ``persistent_parameters``,
+    ``fp32_partitioned_groups_flat``, ``_reassign_or_swap_out_partitioned_parameters``)."""
+    persistent = optimizer.persistent_parameters
+    if persistent:
+        persistent[0].partition(persistent)
+    for group in range(len(optimizer.fp32_partitioned_groups_flat)):
+        optimizer._reassign_or_swap_out_partitioned_parameters(group)
+    if persistent:
+        persistent[0].all_gather(persistent)
 
 
 def flat_partitions_to_weights(optimizer) -> None:
@@ -160,31 +139,7 @@ def flat_partitions_to_weights(optimizer) -> None:
     optimizer.update_lp_params()
 
 
-def fp16_optimizer_masters(optimizer, key: str | None = None) -> dict[int, torch.Tensor]:
-    """bf16/fp16 without ZeRO: DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer keep fp32 masters (one flat
-    tensor, or one tensor per parameter, per group) that DeepSpeed's fragment API does not know about; map each
-    low-precision parameter to its master, or with ``key`` to the master's optimizer state ``key`` (views: writing
-    them writes the state; masters without that state yet are left out). (0.19.8: ``fp16_groups``,
-    ``fp32_groups_flat``, ``fp32_groups``.)"""
-    from torch._utils import _unflatten_dense_tensors
-
-    low = getattr(optimizer, "fp16_groups", None)
-    if low is None:
-        return {}
-
-    def state_of(master: torch.Tensor) -> torch.Tensor | None:
-        return master if key is None else optimizer.optimizer.state.get(master, {}).get(key)
-
-    if hasattr(optimizer, "fp32_groups_flat"):
-        flats = [state_of(f) for f in optimizer.fp32_groups_flat]
-        high = [
-            [None] * len(params) if f is None else _unflatten_dense_tensors(f, params) for f, params in zip(flats, low)
-        ]
-    else:
-        high = [[state_of(m) for m in masters] for masters in getattr(optimizer, "fp32_groups", [])]
-    return {
-        id(p): master for params, masters in zip(low, high) for p, master in zip(params, masters) if master is not None
-    }
+# ------------------------------------------------------------------------------------ start-up (train_module.py)
 
 
 def import_own_muon_uncompiled() -> None:

@@ -4,7 +4,7 @@ lays its partitions out: docs/architecture.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,19 +30,28 @@ class Fragment:
 @dataclass(frozen=True)
 class PartitionMap:
     """Every rank's fragments of every trainable parameter (``fragments``), each parameter's shape on its
-    tensor-parallel rank (``shapes``), and this rank's flat buffers (``buffers``: the ``id`` of each tensor the
-    torch optimizer steps, to its number; the same numbers on every rank). ZeRO-0 hands each rank every parameter
-    whole, as one buffer each."""
+    tensor-parallel rank (``shapes``), and this rank's flat buffers: ``tensors``, the fp32 tensors the torch
+    optimizer steps (its state is keyed by them), by number, the same numbers on every rank; ``buffers``, the
+    ``id`` of each to its number; ``groups``, the torch optimizer's parameter group each is stepped in. ZeRO-0
+    hands each rank every parameter whole, as one buffer each (or, in DeepSpeed's fused fp16 optimizer, one flat
+    master per group)."""
 
     zero_stage: int
     world_size: int
+    rank: int
     shapes: dict[str, torch.Size]
     fragments: tuple[Fragment, ...]
     buffers: dict[int, int]
+    tensors: tuple[torch.Tensor, ...] = field(repr=False, compare=False)
+    groups: tuple[int, ...]
 
     def of(self, names: set[str]) -> list[Fragment]:
         """The fragments of the parameters ``names``, every rank's, in the map's order."""
         return [f for f in self.fragments if f.name in names]
+
+    def mine(self) -> list[Fragment]:
+        """This rank's fragments."""
+        return [f for f in self.fragments if f.rank == self.rank]
 
 
 def build_partition_map(engine, inner: torch.optim.Optimizer, zero_stage: int, tp_rank: int) -> PartitionMap:
@@ -52,12 +61,15 @@ def build_partition_map(engine, inner: torch.optim.Optimizer, zero_stage: int, t
     wrapper = engine.optimizer
     rank = dist.get_rank() if dist.is_initialized() else 0
     local: list[Fragment] = []
-    buffers: dict[int, int] = {}
+    tensors: list[torch.Tensor] = []
+    groups: list[int] = []
     shapes: dict[str, torch.Size] = {}
+    group_of = {id(p): number for number, group in enumerate(inner.param_groups) for p in group["params"]}
     if internals.is_zero3(wrapper):
         dp_rank = dist.get_rank(internals.zero3_group(wrapper))
-        for number, (flat, params) in enumerate(internals.zero3_flat_groups(wrapper)):
-            buffers[id(flat)] = number
+        for number, (flat, params, group) in enumerate(internals.zero3_flat_groups(wrapper)):
+            tensors.append(flat)
+            groups.append(group)
             for param in params:
                 shapes[names[id(param)]] = internals.zero3_shape(param)
                 offset, part, numel = internals.zero3_place(wrapper, param)
@@ -66,7 +78,8 @@ def build_partition_map(engine, inner: torch.optim.Optimizer, zero_stage: int, t
                     local.append(Fragment(rank, tp_rank, names[id(param)], dp_rank * part, held, number, offset))
     elif internals.is_flat_partitioned(wrapper):  # ZeRO-1/2, bf16 optimizer
         for number, (flat, params) in enumerate(internals.flat_partition_groups(wrapper)):
-            buffers[id(flat)] = number
+            tensors.append(flat)
+            groups.append(group_of[id(flat)])
             for param in params:
                 shapes[names[id(param)]] = param.shape
                 mapping = internals.fragment_mapping(param)
@@ -74,19 +87,23 @@ def build_partition_map(engine, inner: torch.optim.Optimizer, zero_stage: int, t
                     lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
                     local.append(Fragment(rank, tp_rank, names[id(param)], lp.start, lp.numel, number, hp.start))
     else:  # ZeRO-0: whole parameters, or fp16/bf16 optimizers' fp32 masters of them
-        masters = {id(master): param for param, master in internals.unfused_masters(wrapper)}
-        stepped = [p for group in inner.param_groups for p in group["params"]]
-        for number, tensor in enumerate(stepped):
-            buffers[id(tensor)] = number
-            name = names.get(id(masters.get(id(tensor), tensor)))
-            if name is None:
-                continue  # (FP16_Optimizer's flat fp32 master of a whole group: no parameter's own buffer)
-            shapes[name] = tensor.shape
-            local.append(Fragment(rank, tp_rank, name, 0, tensor.numel(), number, 0))
+        masters = {id(master): [param] for param, master in internals.unfused_masters(wrapper)}
+        masters |= {id(flat): params for flat, params in internals.fused_masters(wrapper)}
+        stepped = [(p, number) for number, group in enumerate(inner.param_groups) for p in group["params"]]
+        for number, (tensor, group) in enumerate(stepped):
+            tensors.append(tensor)
+            groups.append(group)
+            offset = 0
+            for param in masters.get(id(tensor), [tensor]):
+                if id(param) in names:
+                    shapes[names[id(param)]] = param.shape
+                    local.append(Fragment(rank, tp_rank, names[id(param)], 0, param.numel(), number, offset))
+                offset += param.numel()
     world = dist.get_world_size() if dist.is_initialized() else 1
     every: list = [local]
     if world > 1:
         every = [None] * world
         dist.all_gather_object(every, local)
     fragments = tuple(f for frags in every for f in frags)
-    return PartitionMap(zero_stage, world, shapes, fragments, buffers)
+    buffers = {id(t): number for number, t in enumerate(tensors)}
+    return PartitionMap(zero_stage, world, rank, shapes, fragments, buffers, tuple(tensors), tuple(groups))

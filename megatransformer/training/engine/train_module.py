@@ -274,12 +274,12 @@ class TrainModule:
             mpu=mpu,
         )
         return_free_memory()  # (the model's construction and DeepSpeed's start-up freed their transients)
+        self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
+        inner = checkpointer.innermost_optimizer(self.engine)
+        self.partitions = build_partition_map(self.engine, inner, self.zero_stage, self.tp_rank)  # (a collective)
         self.muon_owner_line = None
         if cfg.optim.name == "muon":
-            inner = checkpointer.innermost_optimizer(self.engine)
-            tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
-            partitions = build_partition_map(self.engine, inner, self.zero_stage, tp_rank)
-            self.muon_owner_line = inner.bind(self.engine.module, partitions, tp)
+            self.muon_owner_line = inner.bind(self.engine.module, self.partitions, tp)
         if tp > 1:
             check_tensor_parallel_shards(self.engine.module, full_shapes, tp)
             check_batch_without_masks(self.engine)
@@ -288,8 +288,7 @@ class TrainModule:
             compile_blocks(self.engine.module)
         self.dp_rank = data_parallel_rank() if tp > 1 else dist_info.rank // sp
         self.dp_size = self.sizes.dp
-        self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
-        self.checkpointer = checkpointer.Checkpointer(self.engine, cfg, self.tp_rank, self.device)
+        self.checkpointer = checkpointer.Checkpointer(self.engine, self.partitions, cfg, self.device)
         if tp > 1:
             assign_head_offsets(self.engine.module, self.tp_rank, tp)
             sum_partial_gradients(self.engine.module, groups.get_tensor_model_parallel_group())
