@@ -497,13 +497,15 @@ def regions_file(args: argparse.Namespace, name: str, threads: int, policy: str)
 
 def regions_per_step(base: Path, steps: Steps, warmup: int) -> tuple[float, float]:
     """(regions, seconds inside them) per timed step of the run whose counts are in ``base``.PID: the process
-    that opened the most regions, its counts at the ends of the warm-up and of the last step (to 16 regions)."""
+    that opened the most regions, its counts at the ends of the warm-up and of the last step (to 16 regions).
+    None opened at all (no file) at one thread: ATen runs a parallel_for inline when it has one thread."""
     readings = max(
         (
             [tuple(map(float, line.split())) for line in path.read_text().splitlines() if line]
             for path in base.parent.glob(base.name + ".*")
         ),
         key=len,
+        default=[],
     )
 
     def at(when: float) -> tuple[float, float]:
