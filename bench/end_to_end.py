@@ -51,8 +51,8 @@ TRAINERS = {
     "trainer-release": (0, "release", "auto"),
     "trainer-native": (0, "keep", "native"),
 }
-# runner -> (host memory policy of its process, how its bf16 GEMMs run on a CPU)
-WORKERS = {"bare": ("keep", "auto"), "hf": ("release", "native"), "hf-keep": ("keep", "auto")}
+# runner -> (host memory policy of its process, None for the C library's defaults; how its bf16 GEMMs run on a CPU)
+WORKERS = {"bare": ("keep", "auto"), "hf": (None, "native"), "hf-keep": ("keep", "auto")}
 RUNNERS = (*TRAINERS, *WORKERS)
 DEFAULT_RUNNERS = ("trainer-z0", "trainer-release", "bare", "hf", "hf-keep")
 # the model family's overrides of the llama-style config (gpt2: the small GPT-2-style model, whose
@@ -291,7 +291,8 @@ def worker(args: argparse.Namespace) -> int:
     from megatransformer.training.runtime.layout import resolve_batch_sizes
 
     host_memory, cpu_bf16_matmul = WORKERS[args.worker]
-    apply_host_memory_policy(host_memory)
+    if host_memory is not None:
+        apply_host_memory_policy(host_memory)
     precision = args.precision
     cfg = run_config(args, precision)
     torch.manual_seed(cfg.seed)  # the trainer's initial weights

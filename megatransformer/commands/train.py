@@ -74,7 +74,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         on_first_rank,
         setup,
     )
-    from megatransformer.training.runtime.host_memory import apply_host_memory_policy
+    from megatransformer.training.runtime.host_memory import apply_host_memory_policy, map_large_blocks
     from megatransformer.training.threads import set_threads_for_machine
 
     preemption = Preemption()  # before the seconds of DeepSpeed start-up, so an early signal is not lost
@@ -101,7 +101,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         )
         for line in build_notes(ops):
             print(line, flush=True)
-    host_memory = apply_host_memory_policy(cfg.train.host_memory)  # before the first large tensor
+    map_large_blocks()  # (the start's transients go back to the kernel; the policy applies from the first step)
     busy = set_threads_for_machine()
     if busy and os.environ.get("LOCAL_RANK", "0") == "0":
         print(busy, flush=True)
@@ -121,6 +121,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             dist_info = setup(cfg.parallel.timeout_minutes)
             on_first_rank(lambda: held.append(lock_run_dir(cfg.run_dir)))  # before the run writes anything
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
+        host_memory = apply_host_memory_policy(cfg.train.host_memory)
         preemption.starting = False
         if dist_info.is_main:
             print(host_memory)

@@ -1,6 +1,6 @@
 """train.host_memory: with ``keep`` a training process stops paying page faults for the tensors every step
-allocates anew; ``release`` leaves the C library's defaults. Each policy runs in a fresh interpreter (it
-changes the process's allocator for good)."""
+allocates anew; ``release`` returns every large block. The start, under either, keeps no transient's pages. Each
+setting runs in a fresh interpreter (it changes the process's allocator for good)."""
 
 from __future__ import annotations
 
@@ -48,4 +48,46 @@ def test_keep_stops_page_faults_of_repeated_steps() -> None:
     assert statistics.median(released["faults"]) > step_pages // 4, released  # handed back, faulted in again
     assert sum(kept["faults"][5:]) < sum(released["faults"][5:]) // 4, (kept, released)  # the heap keeps them
     assert kept["line"].startswith("host memory: keep (glibc malloc"), kept
-    assert released["line"] == "host memory: release (the C library's defaults)"
+    assert released["line"].startswith("host memory: release (glibc malloc: each block"), released
+
+
+# A ZeRO-3 construction's pattern: each parameter drawn whole in fp32, cast, its partition (an eighth) kept, the
+# rest freed; 40 layers of a d-448 decoder's shapes. Prints the growth of the resident set and the partitions'
+# bytes, in MiB.
+START = """
+import sys
+import torch
+from megatransformer.training.runtime.host_memory import apply_host_memory_policy, map_large_blocks
+if sys.argv[1] == "mapped":
+    map_large_blocks()
+elif sys.argv[1] == "keep":
+    apply_host_memory_policy("keep")
+def resident():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) // 1024
+before, kept = resident(), []
+for layer in range(40):
+    for n in (448 * 448,) * 4 + (448 * 1216,) * 3 + (448,):
+        whole = torch.randn(n)
+        low = whole.to(torch.bfloat16)
+        kept.append(low[: n // 8].clone())
+        del whole, low
+print(resident() - before, sum(t.numel() * 2 for t in kept) // 2**20)
+"""
+
+
+def start_growth(setting: str) -> tuple[int, int]:
+    done = subprocess.run([sys.executable, "-c", START, setting], capture_output=True, text=True, check=True)
+    growth, partitions = done.stdout.split()
+    return int(growth), int(partitions)
+
+
+@glibc
+def test_the_start_returns_its_transients() -> None:
+    """What the start frees goes back to the kernel (map_large_blocks, the setting until the first step): the
+    process holds its partitions, not the holes the freed whole parameters left in the heap under glibc's
+    defaults or under keep (where the heap grew by ~5 times the partitions)."""
+    mapped, partitions = start_growth("mapped")
+    assert mapped < partitions + 12, (mapped, partitions)
+    for setting in ("default", "keep"):
+        growth, _ = start_growth(setting)
+        assert growth > 2 * mapped, (setting, growth, mapped)  # (the pattern does fragment an unmapped heap)
