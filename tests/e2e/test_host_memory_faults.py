@@ -57,11 +57,9 @@ def test_keep_stops_page_faults_of_repeated_steps() -> None:
 START = """
 import sys
 import torch
-from megatransformer.training.runtime.host_memory import apply_host_memory_policy, map_large_blocks
+from megatransformer.training.runtime.host_memory import map_large_blocks
 if sys.argv[1] == "mapped":
     map_large_blocks()
-elif sys.argv[1] == "keep":
-    apply_host_memory_policy("keep")
 def resident():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) // 1024
 before, kept = resident(), []
@@ -84,10 +82,8 @@ def start_growth(setting: str) -> tuple[int, int]:
 @glibc
 def test_the_start_returns_its_transients() -> None:
     """What the start frees goes back to the kernel (map_large_blocks, the setting until the first step): the
-    process holds its partitions, not the holes the freed whole parameters left in the heap under glibc's
-    defaults or under keep (where the heap grew by ~5 times the partitions)."""
+    process holds its partitions and a few MiB of torch's own, not the holes the freed whole parameters leave in
+    the heap. The same pattern without it grew by 33 MiB in most processes and by 133 in some (glibc's defaults;
+    which one depends on where the heap stood), against 27 mapped in every one, for 23 MiB of partitions."""
     mapped, partitions = start_growth("mapped")
-    assert mapped < partitions + 12, (mapped, partitions)
-    for setting in ("default", "keep"):
-        growth, _ = start_growth(setting)
-        assert growth > 2 * mapped, (setting, growth, mapped)  # (the pattern does fragment an unmapped heap)
+    assert mapped <= partitions + 6, (mapped, partitions)
