@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from start_memory import make_data
+from start_memory import make_data, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = {
@@ -107,12 +107,7 @@ def run_limited(ranks: int, limit: int, args: list[str], groups: Path, out: Path
     groups.mkdir()
     out.mkdir()
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={ranks}",
-        "--no-python",
+        *torchrun(ranks),
         sys.executable,
         "-c",
         RANK,

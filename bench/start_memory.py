@@ -59,6 +59,11 @@ def overrides(model: dict, data: tuple[Path, Path], run_dir: Path, zero: int, pr
     ]
 
 
+def torchrun(ranks: int) -> list[str]:
+    """torchrun on this machine for ``ranks`` ranks, each running the command that follows (``--no-python``)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "--no-python"]
+
+
 def peak_rss_mib(
     model: dict, data: tuple[Path, Path], root: Path, ranks: int, zero: int, precision: str
 ) -> list[float]:
@@ -68,12 +73,7 @@ def peak_rss_mib(
     wrapper.write_text(WRAPPER.format(out=out, python=sys.executable))
     wrapper.chmod(0o755)
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={ranks}",
-        "--no-python",
+        *torchrun(ranks),
         str(wrapper),
         *overrides(model, data, out / "run", zero, precision),
     ]
