@@ -159,22 +159,32 @@ WHEN = {
 }
 
 
-def check_layout_fits(cfg: RunConfig, world: int, ranks_per_node: int) -> None:
+def check_layout_fits(cfg: RunConfig, world: int, ranks_per_node: int) -> str | None:
     """Stop before any rank allocates when the run's own layout cannot fit, at its start or in its steps, in its
     device's or its host's memory: one line with the moment, where, by how much, and the best layout that fits
-    (``train.check_memory`` turns it off)."""
+    (``train.check_memory`` turns it off). A layout that fits, but only under the plan's assumption that freed
+    host memory is reused: the line that says so (else None)."""
     from dataclasses import replace
 
-    from megatransformer.planner import GIB, PARTS, memory_parts, overflow, peaks, plan
+    from megatransformer.planner import GIB, PARTS, keep_heap_growth, memory_parts, overflow, peaks, plan
 
     device, per_node = local_device(cfg, ranks_per_node, need_peak=False)
     current, global_batch = config_layout(cfg, world, device.kind)
     if current is None:
-        return  # (the layout's own checks say why)
+        return None  # (the layout's own checks say why)
     need = memory_parts(cfg, current, device)
-    over = overflow(peaks(cfg, current, device, need), device)
+    moments = peaks(cfg, current, device, need)
+    over = overflow(moments, device)
     if over is None:
-        return
+        grown = moments["step"].on(device) * keep_heap_growth(cfg, current, device)
+        if grown <= device.memory_gib * GIB:
+            return None
+        return (
+            f"memory: this layout's step needs {moments['step'].on(device) / GIB:.1f} GiB per rank of the "
+            f"{device.memory_gib:.1f} GiB here, but at ZeRO-3 under train.host_memory=keep glibc's heap grows to "
+            f"~{grown / GIB:.1f} GiB over the steps (measured up to 1.55x); train.host_memory=release holds it to the "
+            "plan, at a slower step"
+        )
     moment, where, needed, limit_gib = over
     what = device.name if where == "device" or device.kind == "cpu" else "host (per rank)"
     largest = max(PARTS, key=lambda part: need[part])

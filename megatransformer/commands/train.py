@@ -91,7 +91,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         from megatransformer.commands.plan import check_layout_fits
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        check_layout_fits(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+        note = check_layout_fits(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+        if note and os.environ.get("RANK", "0") == "0":
+            print(note, flush=True)
     ops = []  # the DeepSpeed ops this node builds or waits for, said by one rank (the build directory is per node)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         import torch

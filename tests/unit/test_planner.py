@@ -324,3 +324,29 @@ def test_muon_s_owners_and_their_buffers_are_counted() -> None:
     extra = step_seconds(muon, big, h100, 8, flops) - step_seconds(adamw, big, h100, 8, flops)
     assert extra > 5 * muon_owner_work(muon.model, 512)[0] / (h100.peak_tflops * 1e12 * 0.4)
     assert muon_step_bytes(muon, big) > 4 * 28672 * 8192  # (the largest matrix whole, in fp32, at its owner)
+
+
+@pytest.mark.parametrize("policy, zero, noted", [("keep", 3, True), ("release", 3, False), ("keep", 1, False)])
+def test_train_check_says_when_keeps_heap_growth_at_zero3_could_outgrow_the_memory(
+    monkeypatch: pytest.MonkeyPatch, policy: str, zero: int, noted: bool
+) -> None:
+    from megatransformer.commands import plan as command
+    from megatransformer.config import load_config
+    from megatransformer.planner import GIB, KEEP_HEAP_GROWTH_ZERO3, memory_parts, peaks
+
+    overrides = ["train.micro_batch_size=1", "train.grad_accum=1", "precision=bf16"]
+    cfg = load_config("llama-style", [*overrides, f"parallel.zero_stage={zero}", f"train.host_memory={policy}"])
+    device = command.local_device(cfg, 2, need_peak=False)[0]
+    layout, _ = command.config_layout(cfg, 2, "cpu")
+    step = peaks(cfg, layout, device, memory_parts(cfg, layout, device))["step"].on(device)
+    # the plan fits, with room for less than keep's growth
+    between = replace(device, memory_gib=(1 + KEEP_HEAP_GROWTH_ZERO3) / 2 * step / GIB)
+    monkeypatch.setattr("megatransformer.planner.cpu_device", lambda ranks: between)
+    note = command.check_layout_fits(cfg, 2, 2)
+    if noted:
+        assert note.startswith(f"memory: this layout's step needs {step / GIB:.1f} GiB per rank")
+        assert note.endswith("train.host_memory=release holds it to the plan, at a slower step")
+    else:
+        assert note is None
+    monkeypatch.setattr("megatransformer.planner.cpu_device", lambda ranks: replace(device, memory_gib=1e4))
+    assert command.check_layout_fits(cfg, 2, 2) is None
