@@ -1,5 +1,6 @@
-"""Muon with AdamW (training/optimizers/muon.py): torch.optim.Muon's updates, the parameters it takes, the matrices it
-reassembles from ZeRO's partitions, the state it keeps, and the planner's count of it."""
+"""Muon with AdamW (training/optimizers/muon.py): torch.optim.Muon's updates, the parameters it takes, the matrices (or
+team members' blocks of them) it reassembles from ZeRO's partitions, the teams' split Newton-Schulz, the owners'
+balance, the state it keeps, and the planner's count of it."""
 
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ def _shapes(path) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_teams_balance_the_newton_schulz_flops_of_the_shipped_configs(path):
     """At 8 ranks whole matrices are within 1.1 of the mean, and none is split. At 64 ranks these models have too few
-    matrices for that (28 to 96; the busiest owner of whole matrices holds the largest alone, 1.32 to 3.9 x the
+    matrices for that (28 to 96; the busiest owner of whole matrices holds the largest alone, 1.32 to 3.89 x the
     mean): the teams that split some of them by columns bring the busiest rank within 1.1."""
     shapes = _shapes(path)
     costs = [newton_schulz_flops(shape) for shape in shapes]
@@ -193,8 +194,8 @@ def test_teams_balance_the_newton_schulz_flops_of_the_shipped_configs(path):
 
 def test_the_team_assignment_is_a_function_of_the_costs_alone():
     """Every rank computes the same teams from the same costs (here another process, with another hash seed: no
-    set or dict order reaches them); a matrix is split only where whole matrices miss the target, into the fewest
-    ranks that reach it."""
+    set or dict order reaches them); matrices are split only where whole matrices miss the target, each team no
+    larger than its matrix's limit."""
     import os
     import subprocess
     import sys

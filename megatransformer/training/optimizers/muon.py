@@ -432,7 +432,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         del received
         for i, (m, _) in enumerate(exchange.blocks):
             if len(m.team) == 1:
-                blocks[i] = self.orthogonalize(blocks[i], group["ns_steps"], group["ns_dtype"]).to(dtype)
+                orthogonal = self.orthogonalize(blocks[i], group["ns_steps"], group["ns_dtype"])
+                blocks[i] = orthogonal.to(dtype).contiguous()  # (a tall matrix's comes back transposed)
+                del orthogonal
         if exchange.teams:
             self._orthogonalize_in_teams(exchange, blocks, group, first)
         sent = first.new_empty(sum(exchange.scatter_send_splits))
