@@ -23,6 +23,7 @@ from megatransformer.training.optimizers.muon import (
     muon_param_groups,
     newton_schulz_fp32,
     newton_schulz_member,
+    newton_schulz_steps,
     plan_exchange,
 )
 
@@ -150,6 +151,30 @@ def test_fp32_newton_schulz_is_torchs_iteration_at_fp32_precision():
         torch.testing.assert_close(ours, torchs.float(), atol=0.03, rtol=0)  # bf16's rounding apart
         singular = torch.linalg.svdvals(ours)
         assert singular.min() > 0.5 and singular.max() < 1.5  # near-orthogonal, as the quintic leaves it
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)], ids=["wide", "tall", "square"])
+def test_the_whole_matrix_iteration_paused_between_iterations_is_orthogonalize_bit_for_bit(shape):
+    """Beside split matrices an owner iterates its whole ones one iteration at a time (between the teams'
+    exchanges): the same result as torch's bf16 function and as the fp32 one, bit for bit."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    for dtype, reference in (
+        ("bf16", _zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, NS_EPS)),
+        ("fp32", newton_schulz_fp32(g, 5)),
+    ):
+        steps = newton_schulz_steps(g, 5, dtype)
+        for _ in range(5 + 1):
+            try:
+                next(steps)
+            except StopIteration as done:
+                result = done.value
+                break
+        else:
+            pytest.fail("more than steps + 1 pauses")
+        assert torch.equal(result, reference), dtype
+        assert result.dtype == reference.dtype
 
 
 def test_a_flattened_muon_parameter_is_refused():

@@ -430,13 +430,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
             blocks.append(torch.empty(r1 - r0, c1 - c0, dtype=dtype, device=device))
         _unpack(received, [(piece, blocks[i].view(-1)) for i, piece in exchange.gather_recv])
         del received
-        for i, (m, _) in enumerate(exchange.blocks):
-            if len(m.team) == 1:
+        if exchange.teams:
+            self._orthogonalize_in_teams(exchange, blocks, group, first)
+        else:
+            for i in range(len(blocks)):
                 orthogonal = self.orthogonalize(blocks[i], group["ns_steps"], group["ns_dtype"])
                 blocks[i] = orthogonal.to(dtype).contiguous()  # (a tall matrix's comes back transposed)
                 del orthogonal
-        if exchange.teams:
-            self._orthogonalize_in_teams(exchange, blocks, group, first)
         sent = first.new_empty(sum(exchange.scatter_send_splits))
         _pack(sent, [(piece, blocks[i].view(-1)) for i, piece in exchange.scatter_send])
         del blocks
@@ -452,11 +452,20 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def _orthogonalize_in_teams(self, exchange: Exchange, blocks: list, group: dict, like: torch.Tensor) -> None:
         """Newton-Schulz on this rank's blocks of split matrices (:func:`newton_schulz_member`), in step with every
         other rank: each exchange one ``all_to_all_single`` over the world, in fp32, for all teams at once (a rank
-        in no team sends and receives nothing, as often); each block replaced by its result, in ``like``'s dtype."""
+        in no team sends and receives nothing, as often). The rank's whole matrices are iterated between them, one
+        iteration before each iteration's first exchange (:func:`newton_schulz_steps`), so that each rank's work
+        between two exchanges follows its share of the FLOPs. Each block replaced by its result, in ``like``'s
+        dtype."""
         steps, world = group["ns_steps"], self.partitions.world_size
         running = []  # (block, matrix, the member's iteration)
+        wholes = []  # (block, the whole matrix's iteration)
         for i, (m, j) in enumerate(exchange.blocks):
-            if len(m.team) > 1:
+            if len(m.team) == 1:
+                self.ns_calls += 1
+                self.ns_flops += steps * newton_schulz_flops(blocks[i].shape)
+                wholes.append((i, newton_schulz_steps(blocks[i], steps, group["ns_dtype"])))
+                blocks[i] = None
+            else:
                 x = blocks[i].T if m.transposed else blocks[i]
                 side, rows = x.size(0), _cuts(x.size(0), len(m.team))
                 self.ns_parts += 1
@@ -464,7 +473,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 running.append((i, m, newton_schulz_member(x, rows, j, steps, group["ns_dtype"])))
                 blocks[i] = x = None  # (the iteration holds it)
         messages = [next(g) for _, _, g in running]
+
+        def iterate() -> None:  # (one iteration of each whole matrix; its result once done)
+            for i, g in list(wholes):
+                try:
+                    next(g)
+                except StopIteration as done:
+                    blocks[i] = done.value.to(like.dtype).contiguous()
+                    wholes.remove((i, g))
+
+        iterate()  # (their norms)
         for phase in range(1 + 3 * steps):
+            if phase % 3 == 1:
+                iterate()
             out: list[list[torch.Tensor]] = [[] for _ in range(world)]  # to each rank
             sizes: list[list[int]] = [[] for _ in range(world)]  # from each rank
             for (_, m, _), (sends, expects) in zip(running, messages):
@@ -497,6 +518,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
                     blocks[i] = (done.value.T if m.transposed else done.value).to(like.dtype).contiguous()
                 del got
             del received
+        while wholes:
+            iterate()
 
     def orthogonalize(self, update: torch.Tensor, steps: int, dtype: str) -> torch.Tensor:
         self.ns_calls += 1
@@ -547,6 +570,24 @@ def _check_matrix(p: torch.Tensor, shape: torch.Size) -> None:
             "wrapper flattened it) whose layout the optimizer was not told (MuonWithAdamW.bind), so it cannot be "
             "orthogonalised"
         )
+
+
+def newton_schulz_steps(update: torch.Tensor, steps: int, dtype: str) -> Generator[None, None, torch.Tensor]:
+    """:meth:`MuonWithAdamW.orthogonalize`'s iteration (torch's in bf16, :func:`newton_schulz_fp32`), the same
+    operations, paused after the norm and after each iteration but the last: ``steps`` + 1 ``next`` calls, the last
+    returning the result."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.bfloat16() if dtype == "bf16" else update.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=NS_EPS)
+    for _ in range(steps):
+        yield
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        del gram
+    return x.T if tall else x
 
 
 def newton_schulz_fp32(update: torch.Tensor, steps: int) -> torch.Tensor:
