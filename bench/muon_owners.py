@@ -5,7 +5,8 @@ Each run is ``--ranks`` processes of ``TrainModule.step`` on one repeated batch,
 ``--warmup`` untimed; each process is started under ``/usr/bin/time`` with ``PYTHONPATH`` at the checkout, so the
 checkout's ``megatransformer`` is the one measured. Prints one row per run: the slowest rank's median step, the CPU
 seconds of all ranks over the whole run (start-up included: on a loaded machine the steadier figure), the largest
-peak RSS over the ranks, and the Newton-Schulz calls summed over the ranks.
+peak RSS over the ranks, and the Newton-Schulz calls summed over the ranks (whole matrices, and team members' parts
+of split ones).
 
     python bench/muon_owners.py --code main=/work/main --code owners=. --ranks 4 --zero 3
 """
@@ -82,10 +83,11 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         module.step(iter([batch] * module.sizes.accum))
         times.append(time.perf_counter() - start)
-    calls = getattr(innermost_optimizer(module.engine), "ns_calls", 0)
+    optimizer = innermost_optimizer(module.engine)
+    calls, parts = getattr(optimizer, "ns_calls", 0), getattr(optimizer, "ns_parts", 0)
     module.close()
     teardown()
-    Path(args.out).write_text(json.dumps({"times": times[args.warmup :], "ns_calls": calls}))
+    Path(args.out).write_text(json.dumps({"times": times[args.warmup :], "ns_calls": calls, "ns_parts": parts}))
 
 
 def free_port() -> str:
@@ -121,6 +123,7 @@ def run(args: argparse.Namespace, code: str, optim: str, work: Path) -> dict:
         "peak_rss_mib": max(rss),
         "rss_mib": rss,
         "ns_calls": sum(r["ns_calls"] for r in ranks),
+        "ns_parts": sum(r.get("ns_parts", 0) for r in ranks),
         "cpu_s": sum(cpu),
     }
 
@@ -142,7 +145,8 @@ def main() -> None:
                 row = run(args, code, optim, Path(work))
             rss = "/".join(f"{r:.0f}" for r in row["rss_mib"])
             cells = [name, optim, f"{row['step_s']:.2f}", f"{row['cpu_s']:.0f}", f"{row['peak_rss_mib']:.0f} ({rss})"]
-            print("| " + " | ".join(cells + [str(row["ns_calls"])]) + " |")
+            calls = f"{row['ns_calls']}" + (f" + {row['ns_parts']} team parts" if row["ns_parts"] else "")
+            print("| " + " | ".join(cells + [calls]) + " |")
             sys.stdout.flush()
     print(f"# load after: {os.getloadavg()}")
 

@@ -142,39 +142,39 @@ def muon_elements(m: ModelConfig, tp: int) -> int:
     return sum(named[n].numel() // (tp if partition_dim(n) is not None else 1) * copies(n) for n in chosen)
 
 
-_OWNERS: dict[tuple[str, int], tuple[int, int]] = {}
+_OWNERS: dict[tuple[str, int], tuple[int, int, int]] = {}
 
 
-def muon_owner_work(m: ModelConfig, ranks: int) -> tuple[int, int]:
-    """Newton-Schulz FLOPs of one iteration at the busiest of ``ranks`` owners (each whole matrix to one owner,
-    assigned as training assigns them: ``flops.assign_owners``), and the elements of the largest matrix."""
+def muon_owner_work(m: ModelConfig, ranks: int) -> tuple[int, int, int]:
+    """Newton-Schulz FLOPs of one iteration at the busiest of ``ranks`` ranks (each matrix to one owner, or split
+    across a team, assigned as training assigns them: ``flops.balance_teams``), the elements of the largest block a
+    rank orthogonalises (a whole matrix, or a member's columns of one) and the side of its matrix's A = X Xᵀ."""
     key = (m.model_dump_json(), ranks)
     if key not in _OWNERS:
-        from megatransformer.flops import assign_owners, newton_schulz_flops, one_block_per_stack
+        from megatransformer.flops import balance_teams, newton_schulz_flops, one_block_per_stack, team_loads
         from megatransformer.model.matrices import hidden_matrix_names
 
         model, copies = one_block_per_stack(m)
         named = dict(model.named_parameters())
         shapes = [tuple(named[n].shape) for n in hidden_matrix_names(model) for _ in range(copies(n))]
         costs = [newton_schulz_flops(shape) for shape in shapes]
-        loads = [0] * ranks
-        for cost, owner in zip(costs, assign_owners(costs, ranks)):
-            loads[owner] += cost
-        _OWNERS[key] = max(loads), max(a * b for a, b in shapes)
+        teams = balance_teams(costs, ranks, [min(shape) for shape in shapes])
+        block, side = max((-(-a * b // len(team)), min(a, b)) for (a, b), team in zip(shapes, teams))
+        _OWNERS[key] = max(team_loads(costs, teams, ranks)), block, side
     return _OWNERS[key]
 
 
 def muon_step_bytes(cfg: RunConfig, layout: Layout) -> int:
     """What Muon's step adds at an owner: its share of the updates sent to their owners and the results coming
-    back (fp32, both ways), and Newton-Schulz's working set on the largest matrix (the matrix in fp32, then X,
-    XXᵀ, the polynomial and the next X in the iteration's dtype)."""
+    back (fp32, both ways), and Newton-Schulz's working set on the largest block (the block in fp32, then X, the
+    next X in the iteration's dtype; A = X Xᵀ and the polynomial, whole at every member of a team, plus two m x m
+    in fp32 as they are summed and sent, counted for every block)."""
     ranks = layout.dp * layout.tp * layout.sp
     elements = muon_elements(cfg.model, layout.tp)
     shards = layout.dp * layout.sp if layout.zero else 1
-    _, largest = muon_owner_work(cfg.model, ranks)
-    m = min(d for d in (cfg.model.d_model, cfg.model.d_ff, largest // cfg.model.d_model) if d)
+    _, block, m = muon_owner_work(cfg.model, ranks)
     ns = BYTES[cfg.optim.muon_ns_dtype]
-    return 2 * 4 * -(-elements // shards) + 4 * largest + ns * (2 * largest + 2 * m * m)
+    return 2 * 4 * -(-elements // shards) + 4 * block + ns * (2 * block + 2 * m * m) + 2 * 4 * m * m
 
 
 def parameter_counts(m: ModelConfig) -> tuple[int, int]:
@@ -677,8 +677,8 @@ def step_seconds(cfg: RunConfig, layout: Layout, device: Device, gpus_per_node: 
         rate = device.peak_tflops * 1e12 * MFU * (0.5 if cfg.precision == "fp32" else 1.0)  # fp32: TF32
     seconds = flops / rate + layout.accum * MICRO_STEP_SECONDS[device.kind] * len_layers(m)
     world = layout.dp * layout.tp * layout.sp
-    if cfg.optim.name == "muon":  # the busiest owner's Newton-Schulz iterations (whole matrices, one owner each)
-        work, _ = muon_owner_work(m, world)
+    if cfg.optim.name == "muon":  # the busiest rank's Newton-Schulz iterations (whole matrices or team members' parts)
+        work, _, _ = muon_owner_work(m, world)
         ns_rate = rate * (0.5 if cfg.optim.muon_ns_dtype == "fp32" and device.kind != "cpu" else 1.0)
         seconds += cfg.optim.muon_ns_steps * work / ns_rate
     nodes = -(-world // gpus_per_node)

@@ -1,5 +1,6 @@
 """Muon through DeepSpeed's engine: Newton-Schulz at every ZeRO stage (and a one-line refusal where it cannot run),
-two data-parallel (ZeRO-0 to 3), tensor-parallel or sequence-parallel ranks equal to one, a kill -9 resume equal to
+two data-parallel (ZeRO-0 to 3), tensor-parallel or sequence-parallel ranks equal to one (with matrices split across
+teams of ranks), a kill -9 resume equal to
 an uninterrupted run and continued on another layout, a ZeRO run resumed on other stages, and a wsd decay branched
 off a stable checkpoint."""
 
@@ -23,6 +24,14 @@ from plan_memory import free_port, host_batch, join  # noqa: E402
 
 STEPS = 3
 MATRICES = 7  # one layer: q, k, v, o, gate, up, down
+# d_ff 192: the 192 x 32 gate, up and down cost 4.3x q or o, so that teams balance them (flops.balance_teams): over 2
+# ranks gate (tall) split in two; over 4, gate and up across three (a block across the two tensor-parallel shards)
+# and down (wide: strided blocks) across all four
+MODEL = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=192, vocab_size=128, max_seq_len=32)
+TEAMS = {  # by world size: matrices split, team members' parts (of all split matrices) a step, the owner line's words
+    2: (1, 2, ", 1 of them split by columns across teams of 2 ranks"),
+    4: (3, 3 + 3 + 4, ", 3 of them split by columns across teams of 3 to 4 ranks"),
+}
 MUON = {"optim.name": "muon", "optim.muon_lr": "0.02", "parallel.zero_stage": "0"}
 
 
@@ -34,6 +43,7 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, pa
     from megatransformer.training.runtime.distributed import teardown
 
     cfg = run_config(
+        model=MODEL,
         optim={"name": "muon", "muon_ns_dtype": "bf16" if precision == "bf16" else "fp32"},
         parallel={"zero_stage": stage, **parallel},
         train={"micro_batch_size": 2},
@@ -47,7 +57,9 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, pa
     else:
         batches = itertools.repeat(host_batch(cfg))
         seen = {"losses": [module.step(batches).loss for _ in range(STEPS)]}
-        seen["ns_calls"] = innermost_optimizer(module.engine).ns_calls
+        optimizer = innermost_optimizer(module.engine)
+        seen |= {"ns_calls": optimizer.ns_calls, "ns_parts": optimizer.ns_parts, "ns_flops": optimizer.ns_flops}
+        seen["owners"] = module.muon_owner_line
         seen["wrapper"] = type(module.engine.optimizer).__name__
         # what a checkpoint saves: this rank's part of each matrix's momentum, no Adam moments
         fragments = local_fragments(module.engine, module.partitions, module.tp)
@@ -61,7 +73,7 @@ def _stage_rank(rank: int, ranks: int, port: int, stage: int, precision: str, pa
 
 
 def stage_run(ranks: int, stage: int, tmp_path: Path, precision: str = "fp32", **parallel) -> list[dict]:
-    """What each rank saw (its losses, Newton-Schulz calls and momentum), or the refusal; ``parallel``: other
+    """What each rank saw (its losses, Newton-Schulz work and momentum), or the refusal; ``parallel``: other
     settings of the parallel section."""
     out = tmp_path / f"seen_{ranks}_{stage}_{precision}_{'_'.join(map(str, parallel.values()))}.json"
     fork_ranks(_stage_rank, (ranks, free_port(), stage, precision, parallel, str(out)), ranks)
@@ -75,16 +87,29 @@ def one_rank(tmp_path_factory) -> dict:
     return one
 
 
+def _orthogonalised_once(one_rank: dict, ranks: list[dict]) -> None:
+    """Newton-Schulz's FLOPs summed over the ranks are one rank's (each matrix orthogonalised once: whole at its
+    owner, or a part at each member of its team), every rank does some, and the teams split what they should."""
+    world = len(ranks)
+    split, parts, words = TEAMS[world]
+    assert all(r["owners"] == ranks[0]["owners"] for r in ranks)
+    assert f"by one of {world} ranks{words} (max/mean" in ranks[0]["owners"]
+    assert sum(r["ns_calls"] for r in ranks) == (MATRICES - split) * STEPS
+    assert sum(r["ns_parts"] for r in ranks) == parts * STEPS
+    assert min(r["ns_flops"] for r in ranks) > 0 and sum(r["ns_flops"] for r in ranks) == one_rank["ns_flops"]
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_each_matrix_is_orthogonalised_once_over_two_ranks_which_train_the_losses_of_one(one_rank, tmp_path, stage):
     """fp32 Newton-Schulz (bf16's roundings would hide a small difference); ZeRO's reductions round alike here.
-    Each matrix has one owner rank: the Newton-Schulz calls of both ranks add up to one rank's."""
-    assert one_rank["ns_calls"] == MATRICES * STEPS
+    Each matrix has one owner rank, or a team (the gate projection, split by columns across both ranks): the
+    Newton-Schulz FLOPs of both ranks add up to one rank's."""
+    assert one_rank["ns_calls"] == MATRICES * STEPS and one_rank["ns_parts"] == 0
+    assert one_rank["owners"].startswith(f"Muon owners: each of {MATRICES} matrices orthogonalised once, by one of 1")
     wrapper = {0: "MuonWithAdamW", 3: "DeepSpeedZeroOptimizer_Stage3"}.get(stage, "DeepSpeedZeroOptimizer")
     ranks = stage_run(2, stage, tmp_path)
     assert all(r["wrapper"] == wrapper and r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks)
-    calls = [r["ns_calls"] for r in ranks]
-    assert min(calls) > 0 and sum(calls) == MATRICES * STEPS
+    _orthogonalised_once(one_rank, ranks)
     if stage:  # the momentum partitioned: each element in one rank's partition
         assert 0 < ranks[0]["momentum"] < ranks[0]["matrices"] == sum(r["momentum"] for r in ranks)
     assert not any(r["adam_moments"] for r in ranks)
@@ -92,18 +117,17 @@ def test_each_matrix_is_orthogonalised_once_over_two_ranks_which_train_the_losse
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tensor_parallel_two_over_two_data_parallel_ranks_equals_one_rank(one_rank, tmp_path, stage):
-    """Four ranks: each matrix's fragments, from both tensor-parallel shards, gathered at its one owner."""
+    """Four ranks: each matrix's elements, from both tensor-parallel shards, gathered at its one owner, or each
+    member's columns at the member (three matrices split, across teams of 3 and 4)."""
     ranks = stage_run(4, stage, tmp_path, tensor_parallel=2)
     assert all(r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks)
-    calls = [r["ns_calls"] for r in ranks]
-    assert min(calls) > 0 and sum(calls) == MATRICES * STEPS
+    _orthogonalised_once(one_rank, ranks)
 
 
 def test_four_data_parallel_ranks_at_zero_3_equal_one_rank(one_rank, tmp_path):
     ranks = stage_run(4, 3, tmp_path)
     assert all(r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks)
-    calls = [r["ns_calls"] for r in ranks]
-    assert min(calls) > 0 and sum(calls) == MATRICES * STEPS
+    _orthogonalised_once(one_rank, ranks)
 
 
 def test_bf16_muon_runs_at_every_stage(one_rank, tmp_path):

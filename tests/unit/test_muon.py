@@ -1,9 +1,8 @@
-"""Muon with AdamW (training/optimizers/muon.py): torch.optim.Muon's updates, the parameters it takes, the matrices it
-reassembles from ZeRO's partitions, the state it keeps, and the planner's count of it."""
+"""Muon with AdamW (training/optimizers/muon.py): torch.optim.Muon's updates, the parameters it takes, the matrices (or
+team members' blocks of them) it reassembles from ZeRO's partitions, the teams' split Newton-Schulz, the owners'
+balance, the state it keeps, and the planner's count of it."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -11,11 +10,22 @@ from support import REPO
 from support.models import run_config, tiny_config
 
 from megatransformer.config import ConfigError, OptimConfig, load_config
-from megatransformer.flops import assign_owners, newton_schulz_flops
+from megatransformer.flops import BALANCE, assign_owners, balance_teams, newton_schulz_flops, team_loads
 from megatransformer.model import build_model
 from megatransformer.model.matrices import hidden_matrix_names
 from megatransformer.training.deepspeed.partitions import Fragment
-from megatransformer.training.optimizers.muon import Matrix, MuonWithAdamW, muon_param_groups, plan_exchange
+from megatransformer.training.optimizers.muon import (
+    NS_COEFFICIENTS,
+    NS_EPS,
+    Matrix,
+    MuonWithAdamW,
+    _cuts,
+    muon_param_groups,
+    newton_schulz_fp32,
+    newton_schulz_member,
+    newton_schulz_steps,
+    plan_exchange,
+)
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -124,7 +134,8 @@ def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
         optimizer.step()
         muon.step()
         adamw.step()
-    assert optimizer.ns_calls == 5 * len(chosen)
+    assert optimizer.ns_calls == 5 * len(chosen) and optimizer.ns_parts == 0
+    assert optimizer.ns_flops == 5 * o.muon_ns_steps * sum(newton_schulz_flops(ref_params[n].shape) for n in chosen)
     for (name, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
     assert set(optimizer.state_dict()["state"][0]) == {"momentum_buffer"}
@@ -133,8 +144,6 @@ def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
 def test_fp32_newton_schulz_is_torchs_iteration_at_fp32_precision():
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    from megatransformer.training.optimizers.muon import NS_COEFFICIENTS, NS_EPS, newton_schulz_fp32
-
     for shape in ((24, 40), (40, 24)):
         g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
         ours, torchs = newton_schulz_fp32(g, 5), _zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, NS_EPS)
@@ -142,6 +151,30 @@ def test_fp32_newton_schulz_is_torchs_iteration_at_fp32_precision():
         torch.testing.assert_close(ours, torchs.float(), atol=0.03, rtol=0)  # bf16's rounding apart
         singular = torch.linalg.svdvals(ours)
         assert singular.min() > 0.5 and singular.max() < 1.5  # near-orthogonal, as the quintic leaves it
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)], ids=["wide", "tall", "square"])
+def test_the_whole_matrix_iteration_paused_between_iterations_is_orthogonalize_bit_for_bit(shape):
+    """Beside split matrices an owner iterates its whole ones one iteration at a time (between the teams'
+    exchanges): the same result as torch's bf16 function and as the fp32 one, bit for bit."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    for dtype, reference in (
+        ("bf16", _zeropower_via_newtonschulz(g, NS_COEFFICIENTS, 5, NS_EPS)),
+        ("fp32", newton_schulz_fp32(g, 5)),
+    ):
+        steps = newton_schulz_steps(g, 5, dtype)
+        for _ in range(5 + 1):
+            try:
+                next(steps)
+            except StopIteration as done:
+                result = done.value
+                break
+        else:
+            pytest.fail("more than steps + 1 pauses")
+        assert torch.equal(result, reference), dtype
+        assert result.dtype == reference.dtype
 
 
 def test_a_flattened_muon_parameter_is_refused():
@@ -157,19 +190,52 @@ def _loads(costs: list[int], ranks: int) -> list[int]:
     return loads
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_owners_balance_the_newton_schulz_flops_of_the_shipped_configs(path):
-    """At 8 ranks within 1.1 of the mean. At 64 ranks these models have too few matrices for that (72 to 96,
-    the largest more than 1.1 x the mean load): the busiest owner holds the largest matrix alone, the best any
-    split of whole matrices can do."""
+def _shapes(path) -> list[tuple[int, int]]:
     with torch.device("meta"):
         m = build_model(load_config(path).model)
     chosen = hidden_matrix_names(m)
-    costs = [newton_schulz_flops(p.shape) for name, p in m.named_parameters() if name in chosen]
-    eight = _loads(costs, 8)
-    assert max(eight) <= 1.1 * sum(costs) / 8
-    assert max(_loads(costs, 64)) == max(max(costs), math.ceil(sum(costs) / 64))
-    assert assign_owners(costs, 64) == assign_owners(list(costs), 64)  # (nothing but the costs decides)
+    return [tuple(p.shape) for name, p in m.named_parameters() if name in chosen]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_teams_balance_the_newton_schulz_flops_of_the_shipped_configs(path):
+    """At 8 ranks whole matrices are within 1.1 of the mean, and none is split. At 64 ranks these models have too few
+    matrices for that (28 to 96; the busiest owner of whole matrices holds the largest alone, 1.32 to 3.89 x the
+    mean): the teams that split some of them by columns bring the busiest rank within 1.1."""
+    shapes = _shapes(path)
+    costs = [newton_schulz_flops(shape) for shape in shapes]
+    limits = [min(shape) for shape in shapes]
+    eight = balance_teams(costs, 8, limits)
+    assert eight == [(owner,) for owner in assign_owners(costs, 8)]
+    assert max(team_loads(costs, eight, 8)) <= BALANCE * sum(costs) / 8
+    assert max(_loads(costs, 64)) > BALANCE * sum(costs) / 64  # (whole matrices cannot)
+    teams = balance_teams(costs, 64, limits)
+    assert max(team_loads(costs, teams, 64)) <= BALANCE * sum(costs) / 64
+    assert any(len(team) > 1 for team in teams)
+    for team, limit in zip(teams, limits):
+        assert len(set(team)) == len(team) <= limit and list(team) == sorted(team)
+        assert all(0 <= r < 64 for r in team)
+
+
+def test_the_team_assignment_is_a_function_of_the_costs_alone():
+    """Every rank computes the same teams from the same costs (here another process, with another hash seed: no
+    set or dict order reaches them); matrices are split only where whole matrices miss the target, each team no
+    larger than its matrix's limit."""
+    import os
+    import subprocess
+    import sys
+
+    shapes = _shapes(REPO / "configs/llama-style.yaml")
+    costs, limits = [newton_schulz_flops(shape) for shape in shapes], [min(shape) for shape in shapes]
+    teams = balance_teams(costs, 64, limits)
+    assert teams == balance_teams(list(costs), 64, list(limits))
+    code = f"from megatransformer.flops import balance_teams; print(balance_teams({costs}, 64, {limits}))"
+    env = os.environ | {"PYTHONHASHSEED": "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(teams)
+    assert balance_teams([10, 10, 10, 10], 4) == [(0,), (1,), (2,), (3,)]
+    assert balance_teams([40, 10, 10], 3) == [(0, 1), (2,), (2,)]  # (loads 20, 20, 20)
+    assert balance_teams([40, 10, 10], 3, [1, 1, 1]) == [(0,), (1,), (2,)]  # (a team no larger than its limit)
 
 
 def test_owners_balance_a_deeper_llama_style_model_over_64_ranks():
@@ -178,6 +244,56 @@ def test_owners_balance_a_deeper_llama_style_model_over_64_ranks():
     chosen = hidden_matrix_names(m)
     costs = [newton_schulz_flops(p.shape) for name, p in m.named_parameters() if name in chosen]
     assert max(_loads(costs, 64)) <= 1.1 * sum(costs) / 64
+    assert all(len(team) == 1 for team in balance_teams(costs, 64))  # (no split where whole matrices do)
+
+
+def _split_newton_schulz(w: torch.Tensor, k: int, steps: int, dtype: str) -> torch.Tensor:
+    """The Newton-Schulz of ``w`` by a team of ``k`` members in one process: each member's block as ``Matrix``
+    cuts it, their exchanges routed as the all-to-all routes them (in fp32, in member order)."""
+    m = Matrix("w", w.shape, None, 1, tuple(range(k)))
+    assert m.transposed == (w.size(0) >= w.size(1))
+    blocks = []
+    for j in range(k):
+        r0, r1, c0, c1 = m.block(j)
+        blocks.append(w[r0:r1, c0:c1].T if m.transposed else w[r0:r1, c0:c1])
+    rows = _cuts(blocks[0].size(0), k)
+    members = [newton_schulz_member(block.clone(), rows, j, steps, dtype) for j, block in enumerate(blocks)]
+    messages = [next(member) for member in members]
+    results: list[torch.Tensor | None] = [None] * k
+    exchanges = 0
+    while None in results:
+        exchanges += 1
+        for j in range(k):  # what j gets from i is what i sends j, of the size j expects
+            assert [messages[i][0][j].numel() for i in range(k)] == messages[j][1]
+        got = [[messages[i][0][j].float().reshape(-1).clone() for i in range(k)] for j in range(k)]
+        messages = []
+        for j, member in enumerate(members):
+            try:
+                messages.append(member.send(got[j]))
+            except StopIteration as done:
+                results[j] = done.value
+    assert exchanges == 1 + 3 * steps
+    assert all(r.shape == b.shape for r, b in zip(results, blocks))
+    return torch.cat([r.T for r in results] if m.transposed else results, 0 if m.transposed else 1)
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)], ids=["wide", "tall", "square"])
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_a_team_split_of_newton_schulz_is_the_iteration_of_the_whole_matrix(shape, k):
+    """k members, each with its block of columns (of the transpose, for a tall or square matrix), reproduce the
+    fp32 iteration to fp32 rounding, and torch's bf16 one to bf16's (the members' bf16 products X_i X_iᵀ summed
+    in fp32 and rounded once more: about a rounding apart); every member ends with the same A and B."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(k))
+    fp32 = _split_newton_schulz(w, k, 5, "fp32")
+    assert fp32.dtype == torch.float32 and fp32.shape == w.shape
+    torch.testing.assert_close(fp32, newton_schulz_fp32(w, 5), atol=1e-5, rtol=0)
+    bf16 = _split_newton_schulz(w, k, 5, "bf16")
+    torchs = _zeropower_via_newtonschulz(w, NS_COEFFICIENTS, 5, NS_EPS)
+    assert bf16.dtype == torch.bfloat16
+    assert (bf16.float() - torchs.float()).abs().max() < 0.03
+    assert (bf16.float() - torchs.float()).abs().mean() < 0.004
 
 
 def _route(sends: list[tuple[torch.Tensor, tuple[int, ...]]]) -> list[torch.Tensor]:
@@ -186,17 +302,64 @@ def _route(sends: list[tuple[torch.Tensor, tuple[int, ...]]]) -> list[torch.Tens
     return [torch.cat([pieces[src][dst] for src in range(len(sends))]) for dst in range(len(sends))]
 
 
+def _exchange(matrices: dict[str, Matrix], wholes: dict[str, torch.Tensor], fragments: list[Fragment], world: int):
+    """Each rank's plan of ``fragments`` (each somewhere in a rank's flat buffers, filled from ``wholes``), run as
+    the all-to-alls run them: every block reaches its rank as ``Matrix.block`` cuts it from the whole matrix, and each
+    rank gets back its elements of the blocks' results (here each element negated)."""
+
+    def shard(f: Fragment) -> torch.Tensor:
+        m = matrices[f.name]
+        return wholes[f.name].chunk(m.tp, m.tp_dim or 0)[f.tp_rank if m.tp_dim is not None else 0].reshape(-1)
+
+    buffers: list[dict[int, torch.Tensor]] = [{} for _ in range(world)]
+    for f in fragments:
+        held = buffers[f.rank].setdefault(f.buffer, torch.zeros(64))
+        held[f.offset : f.offset + f.numel] = shard(f)[f.start : f.start + f.numel]
+    plans = [plan_exchange(matrices, fragments, rank, world) for rank in range(world)]
+    sent = [
+        torch.cat([piece.of(buffers[r][b]).reshape(-1) for b, piece in plan.gather_send] or [torch.zeros(0)])
+        for r, plan in enumerate(plans)
+    ]
+    received = _route([(s, plan.gather_send_splits) for s, plan in zip(sent, plans)])
+    results = []
+    for rank, plan in enumerate(plans):
+        blocks = []
+        for m, j in plan.blocks:
+            r0, r1, c0, c1 = m.block(j)
+            blocks.append(torch.full((r1 - r0, c1 - c0), torch.nan))
+        at = 0
+        for i, piece in plan.gather_recv:
+            piece.of(blocks[i].view(-1)).copy_(received[rank][at : at + piece.numel].view(piece.rows, piece.cols))
+            at += piece.numel
+        assert at == received[rank].numel()
+        for (m, j), block in zip(plan.blocks, blocks):
+            assert rank == m.team[j]
+            r0, r1, c0, c1 = m.block(j)
+            assert torch.equal(block, wholes[m.name][r0:r1, c0:c1]), (m.name, j)
+        out = [(-block).view(-1) for block in blocks]  # (the block's "result")
+        results.append(torch.cat([piece.of(out[i]).reshape(-1) for i, piece in plan.scatter_send] or [torch.zeros(0)]))
+    back = _route([(r, plan.scatter_send_splits) for r, plan in zip(results, plans)])
+    for rank, plan in enumerate(plans):
+        at = 0
+        for b, piece, _ in plan.scatter_recv:
+            got = back[rank][at : at + piece.numel].view(piece.rows, piece.cols)
+            assert torch.equal(got, -piece.of(buffers[rank][b]))
+            at += piece.numel
+        assert at == back[rank].numel() == sum(f.numel for f in fragments if f.rank == rank)
+    assert sum(len(plan.blocks) for plan in plans) == sum(len(m.team) for m in matrices.values())
+    assert sum(sum(plan.gather_send_splits) for plan in plans) == sum(w.numel() for w in wholes.values())  # (once)
+    return plans
+
+
 def test_the_owner_exchange_gathers_each_matrix_whole_at_its_owner_and_sends_each_rank_its_fragments():
     """Three ranks, a 4 x 6 matrix split in two tensor-parallel shards (dim 1), the first partitioned over ranks 0
     and 1, the second whole on ranks 0 and 2 (replicas: sent once, by the owner), and a 3 x 3 matrix; each fragment
     somewhere in a rank's flat buffers."""
-    a = torch.arange(24.0).view(4, 6)
-    b = 100 + torch.arange(9.0).view(3, 3)
+    wholes = {"a": torch.arange(24.0).view(4, 6), "b": 100 + torch.arange(9.0).view(3, 3)}
     matrices = {
-        "a": Matrix("a", torch.Size([4, 3]), 1, 2, owner=2),
-        "b": Matrix("b", torch.Size([3, 3]), None, 1, owner=0),
+        "a": Matrix("a", torch.Size([4, 3]), 1, 2, team=(2,)),
+        "b": Matrix("b", torch.Size([3, 3]), None, 1, team=(0,)),
     }
-    shards = {("a", 0): a[:, :3].reshape(-1), ("a", 1): a[:, 3:].reshape(-1), ("b", 0): b.reshape(-1)}
     fragments = [  # (rank, tp rank, name, start, numel, buffer, offset)
         Fragment(0, 0, "a", 0, 7, 0, 2),
         Fragment(1, 0, "a", 7, 5, 0, 0),
@@ -204,47 +367,61 @@ def test_the_owner_exchange_gathers_each_matrix_whole_at_its_owner_and_sends_eac
         Fragment(2, 1, "a", 0, 12, 1, 0),
         Fragment(1, 0, "b", 0, 9, 1, 3),
     ]
-    buffers = [{0: torch.zeros(9), 1: torch.zeros(12)}, {0: torch.zeros(5), 1: torch.zeros(12)}, {}]
-    buffers[2] = {1: torch.zeros(12)}
-    for f in fragments:
-        tp = f.tp_rank if matrices[f.name].tp_dim is not None else 0
-        buffers[f.rank][f.buffer][f.offset : f.offset + f.numel] = shards[f.name, tp][f.start : f.start + f.numel]
-    plans = [plan_exchange(matrices, fragments, rank, 3) for rank in range(3)]
-    sent = [torch.cat([buffers[r][k][o : o + n] for k, o, n in plan.gather_send]) for r, plan in enumerate(plans)]
-    received = _route([(s, plan.gather_send_splits) for s, plan in zip(sent, plans)])
-    results = []
-    for rank, plan in enumerate(plans):
-        wholes = [torch.full((m.tp if m.tp_dim is not None else 1, m.shard.numel()), torch.nan) for m in plan.owned]
-        at = 0
-        for i, s, start, n in plan.gather_recv:
-            wholes[i][s, start : start + n] = received[rank][at : at + n]
-            at += n
-        whole = {m.name: torch.cat([w.view(m.shard) for w in ws], m.tp_dim or 0) for m, ws in zip(plan.owned, wholes)}
-        assert set(whole) == {name for name, m in matrices.items() if m.owner == rank}
-        for name, value in whole.items():
-            assert torch.equal(value, {"a": a, "b": b}[name])
-        out = [-w for w in wholes]  # (the owner's "result": each element negated)
-        results.append(
-            torch.cat([out[i][s, start : start + n] for i, s, start, n in plan.scatter_send] or [torch.zeros(0)])
-        )
-    back = _route([(r, plan.scatter_send_splits) for r, plan in zip(results, plans)])
-    for rank, plan in enumerate(plans):
-        at = 0
-        for k, o, n, _ in plan.scatter_recv:
-            assert torch.equal(back[rank][at : at + n], -buffers[rank][k][o : o + n])
-            at += n
-        assert at == back[rank].numel() == sum(f.numel for f in fragments if f.rank == rank)
-    assert sum(len(plan.owned) for plan in plans) == 2
-    assert sum(sum(plan.gather_send_splits) for plan in plans) == 24 + 9  # (each element once)
-    assert plans[0].gather_send_splits == (0, 0, 7) and plans[1].gather_send_splits == (
-        9,
-        0,
-        5,
-    )  # (rank 0's copy of the second shard is not sent)
+    plans = _exchange(matrices, wholes, fragments, 3)
+    assert [len(plan.blocks) for plan in plans] == [1, 0, 1] and not any(plan.teams for plan in plans)
+    # (rank 0's copy of the second shard is not sent)
+    assert plans[0].gather_send_splits == (0, 0, 7) and plans[1].gather_send_splits == (9, 0, 5)
+
+
+def test_a_team_gets_each_member_its_columns_and_no_rank_the_whole_matrix():
+    """Split matrices: a wide one (its columns strided in the weight, across two tensor-parallel shards side by
+    side), a square one (split by rows: Newton-Schulz on its transpose) and a tall one over two shards stacked by
+    rows, all from fragments that start and end mid-row; beside a whole matrix that every rank holds (ZeRO-0's
+    replicas: the owner's own copy used)."""
+    wholes = {
+        "a": torch.arange(24.0).view(4, 6),
+        "b": 100 + torch.arange(25.0).view(5, 5),
+        "c": 200 + torch.arange(42.0).view(14, 3),
+        "d": 300 + torch.arange(18.0).view(2, 9),
+    }
+    matrices = {
+        "a": Matrix("a", torch.Size([4, 3]), 1, 2, team=(0, 1, 2)),  # columns [0, 2) [2, 4) [4, 6)
+        "b": Matrix("b", torch.Size([5, 5]), None, 1, team=(1, 2)),  # rows [0, 2) [2, 5)
+        "c": Matrix("c", torch.Size([7, 3]), 0, 2, team=(0, 1, 2)),  # rows [0, 4) [4, 9) [9, 14)
+        "d": Matrix("d", torch.Size([2, 9]), None, 1, team=(1,)),
+    }
+    assert not matrices["a"].transposed and matrices["b"].transposed and matrices["c"].transposed
+    fragments = [
+        Fragment(0, 0, "a", 0, 7, 0, 1),
+        Fragment(1, 0, "a", 7, 5, 0, 0),
+        Fragment(0, 1, "a", 0, 12, 1, 0),
+        Fragment(2, 1, "a", 0, 12, 1, 0),
+        Fragment(0, 0, "b", 0, 8, 2, 0),
+        Fragment(1, 0, "b", 8, 9, 1, 20),
+        Fragment(2, 0, "b", 17, 8, 0, 0),
+        Fragment(0, 0, "c", 0, 10, 3, 0),
+        Fragment(1, 0, "c", 10, 11, 2, 0),
+        Fragment(2, 1, "c", 0, 21, 2, 0),
+        *(Fragment(r, 0, "d", 0, 18, 4, 5) for r in range(3)),
+    ]
+    plans = _exchange(matrices, wholes, fragments, 3)
+    assert [m.name for m in plans[0].teams] == ["a", "b", "c"] and all(p.teams == plans[0].teams for p in plans)
+    strided = [piece for plan in plans for _, piece in plan.gather_send if piece.rows > 1 and piece.cols < piece.stride]
+    assert strided  # (a's columns: 2-D views of the flat buffers)
+    for rank, plan in enumerate(plans):  # no rank holds a split matrix whole, nor more than its blocks of it
+        held = [(m.name, j) for m, j in plan.blocks]
+        assert held == [
+            (m, m_team.index(rank))
+            for m, m_team in (("a", (0, 1, 2)), ("b", (1, 2)), ("c", (0, 1, 2)))
+            if rank in m_team
+        ] + ([("d", 0)] if rank == 1 else [])
+    # the replicated "d" goes from rank 1's own copy to rank 1: nothing of it crosses between ranks
+    assert sum(piece.numel for b, piece in plans[0].gather_send if b == 4) == 0
+    assert sum(piece.numel for b, piece in plans[2].gather_send if b == 4) == 0
 
 
 def test_fragments_that_do_not_tile_a_matrix_are_refused():
-    matrices = {"a": Matrix("a", torch.Size([2, 3]), None, 1, owner=0)}
+    matrices = {"a": Matrix("a", torch.Size([2, 3]), None, 1, team=(0,))}
     gap = [Fragment(0, 0, "a", 0, 2, 0, 0), Fragment(1, 0, "a", 3, 3, 0, 0)]
     with pytest.raises(ConfigError, match="partitions of a .* do not tile it"):
         plan_exchange(matrices, gap, 0, 2)
