@@ -55,7 +55,8 @@ def build_for_run(
             model = ARCHITECTURES[cfg.model.arch](cfg.model)
         for prefix, module in model.named_modules():
             for name, param in list(module.named_parameters(recurse=False)):
-                if param.is_meta and partition_dim(f"{prefix}.{name}") is None:  # (replicated: whole on every rank)
+                replicated = partition_dim(f"{prefix}.{name}" if prefix else name) is None
+                if param.is_meta and replicated:  # (whole on every rank)
                     replace_parameter(module, name, torch.empty(param.shape, device=device))
         init_weights(model, cfg.model, cfg.seed)  # (the meta ones are left to slices_made_by_autotp)
     else:
