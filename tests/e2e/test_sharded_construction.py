@@ -26,3 +26,22 @@ def test_zero3_builds_the_one_rank_weights_holding_a_partition_and_a_layer(tmp_p
         assert rank["held"] <= rank["partition"] + rank["layer"], rank
         # nor did torch's allocator hold 0.6 of what the build of the whole fp32 model holds (0.4-0.5 of it)
         assert rank["peak"] < 0.6 * rank["whole_build"], rank
+
+
+def test_tensor_parallel_builds_each_ranks_slices_of_the_one_rank_weights(tmp_path):
+    """tensor_parallel=2 on 2 ranks, ZeRO-0 and ZeRO-3: AutoTP slices the linear layers on the meta device and each
+    rank makes only its slices (support/tp_build.py)."""
+    env = {**os.environ, **ONE_THREAD, "DS_ACCELERATOR": "cpu"}
+    command = [*torchrun(2), "-m", "support.tp_build", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO / "tests", env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        for case in ("0_fp32", "0_bf16", "3_fp32", "3_bf16"):
+            assert rank[f"differing_{case}"] == [] and rank[f"differing_loaded_{case}"] == [], (case, rank)
+            # init_from: the split matrices read slice by slice, none whole
+            assert rank[f"split_read_whole_{case}"] == [] and rank[f"split_not_sliced_{case}"] == [], (case, rank)
+        assert rank["shard"] < 0.6 * rank["whole"]  # (the matrices halved; embeddings and norms whole)
+        # torch's allocator never held more than the rank's parameters and one layer whole (+ DeepSpeed's start)
+        assert rank["peak"] <= rank["shard"] + rank["layer"] + (1 << 20), rank
+        assert rank["peak"] < 0.7 * rank["whole_build"], rank

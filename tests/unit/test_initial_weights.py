@@ -60,3 +60,40 @@ def test_lazy_weights_read_each_tensor_on_lookup_as_the_eager_ones(tmp_path):
     assert sorted(lazy) == sorted(eager) and len(lazy) == len(eager)
     for name in eager:
         assert torch.equal(lazy[name], eager[name]), name
+
+
+def test_a_tensor_parallel_build_leaves_only_the_split_matrices_on_the_meta_device():
+    """Every replicated parameter real with the one-rank build's values (an untied head and latent attention's
+    down-projections are linear layers too), a tied head still the embedding's table; the split ones on meta."""
+    from megatransformer.model.tp_plan import partition_dim
+    from megatransformer.training.engine.construction import build_for_run
+
+    tiny = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=128, max_seq_len=32)
+    mla = dict(n_kv_heads=None, attention="mla", kv_lora_rank=32, q_lora_rank=24)
+    for model_cfg in (tiny | dict(tie_embeddings=False, bias=True), tiny | mla, tiny):
+        cfg = run_config(model=model_cfg, seed=3, parallel={"tensor_parallel": 2, "zero_stage": 1})
+        model, reference = build_for_run(cfg, 1, {}), build_model(cfg.model, 3)
+        for name, param in model.named_parameters():
+            split = partition_dim(name) is not None
+            assert param.is_meta == split, name
+            assert split or torch.equal(param, reference.get_parameter(name)), name
+        if cfg.model.tie_embeddings:
+            assert model.lm_head.weight is model.embed_tokens.weight
+        replicated_linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+        replicated_linear = [n for n in replicated_linear if partition_dim(f"{n}.weight") is None]
+        assert bool(replicated_linear) == (cfg.model.attention == "mla"), replicated_linear  # (q_a_proj, kv_a_proj)
+
+
+def test_a_replaced_parameter_takes_its_place_in_the_parameter_groups():
+    from megatransformer.training.engine.construction import replace_parameter
+
+    linear = torch.nn.Linear(2, 3, device="meta")
+    old = linear.weight
+    old.marked = True
+    groups = [{"params": [linear.bias]}, {"params": [old]}]
+    replace_parameter(linear, "weight", torch.ones(3, 2), groups)
+    assert linear.weight is groups[1]["params"][0] is not old and linear.weight.marked
+    assert torch.equal(linear.weight, torch.ones(3, 2)) and groups[0]["params"] == [linear.bias]
+    flat = [linear.bias]
+    replace_parameter(linear, "bias", torch.zeros(3), flat)
+    assert flat[0] is linear.bias and not linear.bias.is_meta

@@ -11,6 +11,7 @@ import importlib
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def data_parallel_rank() -> int:
@@ -115,6 +116,22 @@ def zero3_param_group(param: torch.Tensor) -> dist.ProcessGroup:
 def param_shape(param: torch.Tensor) -> torch.Size:
     """``param``'s shape, also where ZeRO-3 keeps it aside (0.19.8: ``ds_shape``)."""
     return getattr(param, "ds_shape", param.shape)
+
+
+# ------------------------------------------------------------------------------------ AutoTP (construction.py)
+
+
+def is_autotp_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is one of AutoTP's tensor-parallel layers, its parameters sliced to this rank's.
+
+    DeepSpeed 0.19.8's AutoTP (``module_inject/auto_tp.py``, ``_replace_module``) builds each such layer
+    (``layers.LinearLayer``, ``LinearAllreduce``: ``TensorParallel_Layer``) around the linear layer's own parameter
+    objects, slices them in the layer's ``__init__`` (``_tp_partition``; a meta tensor stays on the meta device:
+    ``TensorParallel_Layer.move``) and only then sets the layer in the linear one's place (``setattr``, which runs
+    torch's module registration hooks)."""
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    return isinstance(module, TensorParallel_Layer)
 
 
 # ------------------------------------------------------------------------------------ weights (masters.py)

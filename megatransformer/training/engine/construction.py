@@ -1,12 +1,15 @@
 """The model a run trains, built where it runs: at ZeRO-3 partitioned as it is made (``deepspeed.zero.Init``),
 each parameter's values written once, whole, by one rank and spread; weights a run starts from (``init_from``)
-loaded the same way, one tensor at a time. Every layout gets the weights of the one-rank build of the seed
-(``transformer.init_weights``). Design: docs/architecture.md, "Building the model"."""
+loaded the same way, one tensor at a time. With tensor parallelism the linear layers' weights are made on the meta
+device, AutoTP slices them there, and each rank then makes only its slices (:func:`slices_made_by_autotp`). Every
+layout gets the weights of the one-rank build of the seed (``transformer.init_weights``). Design:
+docs/architecture.md, "Building the model"."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -15,13 +18,15 @@ from torch import nn
 
 from megatransformer.config import RunConfig
 from megatransformer.model import ARCHITECTURES
-from megatransformer.model.transformer import init_weights
-from megatransformer.training.deepspeed.internals import zero3_param_group
+from megatransformer.model.tp_plan import partition_dim
+from megatransformer.model.transformer import draw_into, init_weights, initial_values
+from megatransformer.training.deepspeed.internals import is_autotp_layer, zero3_param_group
 
 
 def partitions_at_construction(cfg: RunConfig, zero_stage: int) -> bool:
-    """Whether the model is built partitioned: ZeRO-3 without tensor parallelism (AutoTP shards a whole model);
-    otherwise the model is built whole on every rank and partitioned by ``deepspeed.initialize``."""
+    """Whether the model is built partitioned by ZeRO-3 (``deepspeed.zero.Init``): ZeRO-3 without tensor
+    parallelism. With tensor parallelism each rank builds its tensor-parallel slices (:func:`slices_made_by_autotp`)
+    and ``deepspeed.initialize`` partitions them (ZeRO-3) or keeps them whole (ZeRO-0/1/2)."""
     return zero_stage == 3 and cfg.parallel.tensor_parallel == 1
 
 
@@ -30,8 +35,10 @@ def build_for_run(
 ) -> nn.Module:
     """The initialised model of ``cfg``, on the run's ``device``: partitioned over all ranks (the ZeRO-3 group
     without tensor parallelism, sequence-parallel peers included) in the run's precision where
-    :func:`partitions_at_construction`, else whole in fp32 (DeepSpeed casts it). torch's generators are left
-    seeded with ``cfg.seed`` either way (dropout draws alike on every layout)."""
+    :func:`partitions_at_construction`; with tensor parallelism in fp32 but for its linear layers' weights, which
+    are on the meta device until ``deepspeed.initialize`` runs in :func:`slices_made_by_autotp`; else whole in
+    fp32 (DeepSpeed casts it). torch's generators are left seeded with ``cfg.seed`` either way (dropout draws alike
+    on every layout)."""
     if partitions_at_construction(cfg, zero_stage):
         import deepspeed
 
@@ -43,6 +50,15 @@ def build_for_run(
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = ARCHITECTURES[cfg.model.arch](cfg.model)
         init_weights(model, cfg.model, cfg.seed, fill=fill_partitioned)
+    elif cfg.parallel.tensor_parallel > 1:
+        with torch.device(device), linear_weights_on_meta():
+            model = ARCHITECTURES[cfg.model.arch](cfg.model)
+        for prefix, module in model.named_modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                replicated = partition_dim(f"{prefix}.{name}" if prefix else name) is None
+                if param.is_meta and replicated:  # (whole on every rank)
+                    replace_parameter(module, name, torch.empty(param.shape, device=device))
+        init_weights(model, cfg.model, cfg.seed)  # (the meta ones are left to slices_made_by_autotp)
     else:
         with torch.device(device):  # (the host holds one block of initial values at a time, never the model)
             model = ARCHITECTURES[cfg.model.arch](cfg.model)
@@ -86,3 +102,146 @@ def load_into_partitioned(model: nn.Module, weights: Mapping[str, torch.Tensor])
     with torch.no_grad():
         for name in sorted(buffers):
             model.get_buffer(name).copy_(weights[name])
+
+
+# ------------------------------------------------------------------------------------ tensor parallelism
+
+
+@contextmanager
+def linear_weights_on_meta() -> Iterator[None]:
+    """Linear layers made in it get parameters of their own on the meta device (where a linear layer is given one
+    made before, as a tied output head is, it keeps it). Their values are :func:`init_weights`' anyway."""
+    seen: dict[int, nn.Parameter] = {}  # (held, so that no id is reused while it runs)
+
+    def registered(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or id(param) in seen:
+            return None
+        if isinstance(module, nn.Linear) and not param.is_meta:
+            param = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            seen[id(param)] = param
+            return param
+        seen[id(param)] = param
+        return None
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(registered)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def replace_parameter(module: nn.Module, name: str, value: torch.Tensor, groups: list | None = None) -> None:
+    """Set a new parameter of ``value`` as ``module``'s ``name`` in place of its parameter, with the attributes set
+    on that (AutoTP's marks), and in its place in ``groups`` (parameter groups, or parameters, as
+    ``deepspeed.initialize`` takes them). (A meta parameter cannot be given a real tensor as its ``.data``, and
+    ``torch.utils.swap_tensors`` refuses a parameter DeepSpeed's engine holds a weak reference to.)"""
+    old = getattr(module, name)
+    new = nn.Parameter(value, requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    setattr(module, name, new)
+    groups = groups or []
+    for params in [g["params"] for g in groups] if groups and isinstance(groups[0], dict) else [groups]:
+        for i, param in enumerate(params):
+            if param is old:
+                params[i] = new
+
+
+@contextmanager
+def slices_made_by_autotp(
+    model: nn.Module,
+    cfg: RunConfig,
+    device: torch.device | str,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    groups: list | None = None,
+) -> Iterator[None]:
+    """Around ``deepspeed.initialize`` of a model :func:`build_for_run` built with tensor parallelism: as AutoTP
+    sets each of its layers in place, with the parameters sliced on the meta device, this rank's slices are made,
+    in fp32 on ``device``, as new parameters (in their places in ``groups``, the parameter groups or parameters
+    given to ``deepspeed.initialize`` as a list): the slices of the one-rank build's values (one whole parameter
+    drawn on the host at a time), or of ``weights`` (init_from: names of the model's state to tensors; only the
+    slices are read where ``weights`` can read a slice, :func:`read_slice`), whose other tensors are copied in whole
+    first. A parameter still on the meta device after it is an error."""
+    rules = {id(param): (name, std) for name, param, std in initial_values(model, cfg.model) if param.is_meta}
+    shapes = {id(param): param.shape for param in model.parameters() if param.is_meta}
+    if any(id(param) not in rules for param in model.parameters() if param.is_meta):
+        raise RuntimeError("a parameter on the meta device has no initial value (transformer.initial_values)")
+    if weights is not None:
+        _load_whole(model, weights)
+    tp = cfg.parallel.tensor_parallel
+
+    def installed(parent: nn.Module, child_name: str, module: nn.Module | None) -> None:
+        if module is None or not is_autotp_layer(module):
+            return
+        from deepspeed.utils import groups as deepspeed_groups
+
+        rank = deepspeed_groups.get_tensor_model_parallel_rank()
+        for attribute, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta and id(param) in rules:
+                name, std = rules.pop(id(param))
+                made = torch.empty(param.shape, dtype=torch.float32, device=device)
+                _write_slice(made, name, std, shapes[id(param)], rank, tp, cfg.seed, weights)
+                replace_parameter(module, attribute, made, groups)
+
+    handle = torch.nn.modules.module.register_module_module_registration_hook(installed)
+    try:
+        yield
+    finally:
+        handle.remove()
+    left = [name for name, param in model.named_parameters() if param.is_meta]
+    if left:
+        raise RuntimeError(f"AutoTP left parameters on the meta device, not sliced: {left[:3]}")
+
+
+def _write_slice(
+    target: torch.Tensor,
+    name: str,
+    std: float | None,
+    whole: torch.Size,
+    rank: int,
+    tp: int,
+    seed: int,
+    weights: Mapping[str, torch.Tensor] | None,
+) -> None:
+    """Tensor-parallel rank ``rank``'s slice of parameter ``name`` (of shape ``whole``) into ``target``: AutoTP's
+    split, ``tp`` equal parts along the one dimension where ``target``'s shape differs (whole where none does)."""
+    shape = target.shape
+    dims = [d for d, (n, m) in enumerate(zip(whole, shape, strict=True)) if n != m]
+    if len(dims) > 1 or (dims and shape[dims[0]] * tp != whole[dims[0]]):
+        raise RuntimeError(f"AutoTP sliced {name} {tuple(whole)} to {tuple(shape)}, not into {tp} equal parts")
+    dim = dims[0] if dims else None
+    if weights is not None:
+        target.copy_(read_slice(weights, name, dim, rank, tp))
+    elif dim is None:
+        draw_into(target, seed, name, std)
+    else:
+        values = torch.empty(whole, dtype=torch.float32)  # (the host holds this parameter whole, for a moment)
+        draw_into(values, seed, name, std)
+        target.copy_(values.narrow(dim, rank * shape[dim], shape[dim]))
+
+
+def read_slice(weights: Mapping[str, torch.Tensor], name: str, dim: int | None, index: int, parts: int) -> torch.Tensor:
+    """Part ``index`` of ``parts`` equal ones along ``dim`` (whole: None) of tensor ``name`` of ``weights``: read
+    alone where ``weights`` reads slices (``checkpoint.LazyWeights.slice``), else cut from the whole tensor."""
+    if dim is None:
+        return weights[name]
+    read = getattr(weights, "slice", None)
+    if read is not None:
+        return read(name, dim, index, parts)
+    whole = weights[name]
+    size = whole.shape[dim] // parts
+    return whole.narrow(dim, index * size, size)
+
+
+def _load_whole(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """The tensors of ``model``'s state that are not on the meta device, from ``weights``, one at a time; a
+    missing or an extra name is an error."""
+    state = model.state_dict(keep_vars=True)
+    missing, extra = sorted(set(state) - set(weights)), sorted(set(weights) - set(state))
+    if missing or extra:
+        raise ValueError(f"the weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if id(tensor) not in done and not tensor.is_meta:
+                tensor.copy_(weights[name])
+            done.add(id(tensor))

@@ -51,6 +51,7 @@ from megatransformer.training.engine.construction import (
     build_for_run,
     load_into_partitioned,
     partitions_at_construction,
+    slices_made_by_autotp,
 )
 from megatransformer.training.engine.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.engine.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
@@ -239,8 +240,9 @@ class TrainModule:
             zero_stage if zero_stage is not None else engine_zero_stage(cfg, self.sizes.dp, self.device.type)
         )
         ds_config = deepspeed_config(cfg, self.sizes, dist_info.device, self.zero_stage)
-        model = build_for_run(cfg, self.zero_stage, ds_config, self.device)  # (ZeRO-3: partitioned as it is made)
-        if init_state is not None:
+        # ZeRO-3: partitioned as it is made; tensor parallelism: each rank's slices made as AutoTP shards the model
+        model = build_for_run(cfg, self.zero_stage, ds_config, self.device)
+        if init_state is not None and tp == 1:
             if partitions_at_construction(cfg, self.zero_stage):
                 load_into_partitioned(model, init_state)
             else:
@@ -265,14 +267,16 @@ class TrainModule:
         if self.compiled and self.zero_stage == 3:
             gather_whole_blocks(model)  # (ZeRO-3's hooks around each compiled block, outside its graph)
         import_own_muon_uncompiled()  # (ZeRO's start imports DeepSpeed's Muon, which compiles as it loads)
-        self.engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=groups_,
-            optimizer=optimizer,
-            config=ds_config,
-            lr_scheduler=make_scheduler(cfg),
-            mpu=mpu,
-        )
+        sliced = slices_made_by_autotp(model, cfg, self.device, init_state, groups_) if tp > 1 else nullcontext()
+        with sliced:
+            self.engine, *_ = deepspeed.initialize(
+                model=model,
+                model_parameters=groups_,
+                optimizer=optimizer,
+                config=ds_config,
+                lr_scheduler=make_scheduler(cfg),
+                mpu=mpu,
+            )
         return_free_memory()  # (the model's construction and DeepSpeed's start-up freed their transients)
         self.tp_rank = groups.get_tensor_model_parallel_rank() if tp > 1 else 0
         inner = checkpointer.innermost_optimizer(self.engine)
