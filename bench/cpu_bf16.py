@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatransformer.training.engine.cpu_bf16 import Fp32Gemms, native_bf16_gemm  # noqa: E402
+from megatransformer.training.runtime.cpu_bf16 import Fp32Gemms, native_bf16_gemm  # noqa: E402
 
 TOKENS, D_MODEL, FFN, CHUNK, KEYS, HEAD_DIM, GROUPS = 2048, 512, 1408, 64, 512, 64, 2
 CASES = {  # name -> (operand shapes, the product)

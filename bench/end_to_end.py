@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import train_step  # noqa: E402
 
 from megatransformer.config import RunConfig, load_config  # noqa: E402
-from megatransformer.training.engine.cpu_bf16 import native_bf16_gemm  # noqa: E402
+from megatransformer.training.runtime.cpu_bf16 import native_bf16_gemm  # noqa: E402
 
 CONFIG = "llama-style"
 PRECISIONS = ("bf16", "fp32")

@@ -48,7 +48,7 @@ from megatransformer.batch import IGNORE_INDEX  # noqa: E402
 from megatransformer.config import ModelConfig  # noqa: E402
 from megatransformer.hf import hf_family  # noqa: E402
 from megatransformer.model import build_model  # noqa: E402
-from megatransformer.training.engine.cpu_bf16 import CHOICES, gemms_as_fp32, matmul_context  # noqa: E402
+from megatransformer.training.runtime.cpu_bf16 import CHOICES, gemms_as_fp32, matmul_context  # noqa: E402
 
 MODES = ("fp32", "autocast", "bf16")
 

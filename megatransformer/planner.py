@@ -395,12 +395,26 @@ def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int
     # the MLP's backward comes first, with every value of the block alive; by the attention's backward, the
     # MLP's kept values are gone
     last_mlp = local * (2 * m.d_model + (ffn_kept(m) // tp if layout.mlp_tiles == 1 else 0)) * w
+    # a CPU without bf16 GEMM kernels runs bf16 GEMMs as fp32 GEMMs of upcast operands (training/runtime/cpu_bf16):
+    # the largest, an MLP projection's, holds its input, weight and output in fp32 for a moment
+    upcast = 4 * (local * m.d_model + m.d_model * hidden + local * hidden) if fp32_gemms(cfg, kind) else 0
     return {
         "activations": kept,
         "recomputed": recomputed,
         "loss_chunk": loss_chunk,
-        "attention_transients": max(mlp, attention - last_mlp, 0),
+        "attention_transients": max(mlp, attention - last_mlp, 0) + upcast,
     }
+
+
+def fp32_gemms(cfg: RunConfig, kind: str) -> bool:
+    """Whether a run's bf16 GEMMs go through fp32 upcasts on this machine's CPU (``train.cpu_bf16_matmul``)."""
+    if kind != "cpu" or cfg.precision != "bf16":
+        return False
+    import torch
+
+    from megatransformer.training.runtime.cpu_bf16 import gemms_as_fp32
+
+    return gemms_as_fp32(cfg.train.cpu_bf16_matmul, "cpu", torch.bfloat16, compiled=bool(cfg.train.compile))
 
 
 def row_lengths(cfg: RunConfig) -> tuple[int, int]:

@@ -254,7 +254,7 @@ def cpu_tflops(precision: str) -> float:
 
     import torch
 
-    from megatransformer.training.engine.cpu_bf16 import native_bf16_gemm
+    from megatransformer.training.runtime.cpu_bf16 import native_bf16_gemm
 
     dtype = torch.bfloat16 if precision != "fp32" and native_bf16_gemm() else torch.float32
     a, out = torch.randn(1024, 1024, dtype=dtype), torch.empty(1024, 1024, dtype=dtype)

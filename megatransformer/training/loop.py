@@ -23,7 +23,6 @@ from megatransformer.model.latent_attention import core_head_dim, describe_value
 from megatransformer.training.checkpointing.resume import decay_start, plan_resume, refusal, rollback_target, skippable
 from megatransformer.training.collector import GarbageCollection
 from megatransformer.training.data import build_run_loader, small_validation_warning
-from megatransformer.training.engine import cpu_bf16
 from megatransformer.training.engine.compiled import CompileWatch, describe_compile
 from megatransformer.training.engine.train_module import StepResult, TrainModule
 from megatransformer.training.observability import spikes
@@ -31,6 +30,7 @@ from megatransformer.training.observability.metrics import Reporter, finite_or_n
 from megatransformer.training.observability.trackers import resolved_config, run_facts
 from megatransformer.training.observability.watchdog import Watchdog
 from megatransformer.training.optimizers.schedules import branch_decay, describe_decay, schedule_phase, warmup_warning
+from megatransformer.training.runtime import cpu_bf16
 from megatransformer.training.runtime.distributed import Dist
 from megatransformer.training.runtime.layout import describe_layout, validation_batch, validation_rows, zero_stage_notes
 

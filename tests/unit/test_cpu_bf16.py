@@ -1,4 +1,4 @@
-"""bf16 GEMMs as fp32 GEMMs of the bf16 operands on CPUs without bf16 kernels (training/engine/cpu_bf16.py)."""
+"""bf16 GEMMs as fp32 GEMMs of the bf16 operands on CPUs without bf16 kernels (training/runtime/cpu_bf16.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatransformer.config import ModelConfig
 from megatransformer.model import build_model
-from megatransformer.training.engine import cpu_bf16
-from megatransformer.training.engine.cpu_bf16 import Fp32Gemms, describe, gemms_as_fp32
+from megatransformer.training.runtime import cpu_bf16
+from megatransformer.training.runtime.cpu_bf16 import Fp32Gemms, describe, gemms_as_fp32
 
 BF16 = torch.bfloat16
 

@@ -53,7 +53,6 @@ from megatransformer.training.engine.construction import (
     partitions_at_construction,
     slices_made_by_autotp,
 )
-from megatransformer.training.engine.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.engine.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
 from megatransformer.training.engine.staged import StagedCopy, StagedValue
 from megatransformer.training.engine.tiled_mlp import apply_tiled_mlp
@@ -61,6 +60,7 @@ from megatransformer.training.engine.tp_input_check import check_batch_without_m
 from megatransformer.training.observability.spikes import SpikeLadder
 from megatransformer.training.optimizers.muon import MuonWithAdamW, muon_param_groups
 from megatransformer.training.optimizers.schedules import make_scheduler, param_groups
+from megatransformer.training.runtime.cpu_bf16 import gemms_as_fp32, matmul_context
 from megatransformer.training.runtime.distributed import Dist
 from megatransformer.training.runtime.host_memory import return_free_memory
 from megatransformer.training.runtime.layout import (
