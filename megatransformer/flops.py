@@ -51,15 +51,23 @@ class ModelSize:
         return asdict(self)
 
 
+_ONE_BLOCK: dict[str, tuple[nn.Module, Callable[[str], int]]] = {}
+
+
 def one_block_per_stack(cfg: ModelConfig) -> tuple[nn.Module, Callable[[str], int]]:
     """The model of ``cfg`` with one block per stack, on the meta device, and the copies of each of its
     parameters or modules (by name) the whole model holds: a block's, one per layer of its stack (the blocks
-    of a stack are alike), so that sizes are counted without building thousands of blocks."""
-    from megatransformer.model.transformer import build_shapes
+    of a stack are alike), so that sizes are counted without building thousands of blocks. Built once per
+    configuration (the planner asks for it thousands of times a plan); callers only read it."""
+    key = cfg.model_dump_json()
+    if key not in _ONE_BLOCK:
+        from megatransformer.model.transformer import build_shapes
 
-    one = cfg.model_copy(update={"n_layers": 1, "n_decoder_layers": 1 if cfg.n_decoder_layers else None})
-    layers = {"encoder": cfg.n_layers, "decoder": cfg.decoder_layers if cfg.arch == "encoder_decoder" else cfg.n_layers}
-    return build_shapes(one), lambda name: layers[name.split(".")[0]] if ".layers.0." in name else 1
+        one = cfg.model_copy(update={"n_layers": 1, "n_decoder_layers": 1 if cfg.n_decoder_layers else None})
+        decoder = cfg.decoder_layers if cfg.arch == "encoder_decoder" else cfg.n_layers
+        layers = {"encoder": cfg.n_layers, "decoder": decoder}
+        _ONE_BLOCK[key] = build_shapes(one), lambda name: layers[name.split(".")[0]] if ".layers.0." in name else 1
+    return _ONE_BLOCK[key]
 
 
 def model_size(cfg: ModelConfig, seq_len: int | None = None) -> ModelSize:
