@@ -26,8 +26,8 @@ MODEL = dict(d_model=128, n_layers=16, n_heads=4, n_kv_heads=2, d_ff=256, vocab_
 
 
 class ParameterBytes:
-    """The most bytes the parameters made in it hold at once (whole tensors, ZeRO-3 partitions), sampled as each
-    is registered and as each is written (``construction.fill_partitioned``)."""
+    """The most bytes the parameters made in it hold at once (whole tensors, ZeRO-3 partitions; none on the meta
+    device), sampled as each is registered and as each is written (``construction.fill_partitioned``)."""
 
     def __init__(self) -> None:
         self.params: list[weakref.ref] = []
@@ -37,7 +37,7 @@ class ParameterBytes:
         held = 0
         for ref in self.params:
             p = ref()
-            if p is not None:
+            if p is not None and not p.is_meta:
                 held += p.data.nbytes + (p.ds_tensor.nbytes if hasattr(p, "ds_tensor") else 0)
         self.most = max(self.most, held)
 

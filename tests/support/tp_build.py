@@ -54,13 +54,10 @@ class Reads(Mapping[str, torch.Tensor]):
 
 def engine_module(cfg, stage: int, weights=None) -> torch.nn.Module:
     """The model as ``TrainModule`` builds it and hands it to DeepSpeed (its AutoTP), without training it."""
-    model = build_for_run(cfg, stage, {})
+    config = deepspeed_config(cfg, BatchSizes(1, 1, 1), "cpu", zero_stage=stage)
+    model = build_for_run(cfg, stage, config)
     with slices_made_by_autotp(model, cfg, "cpu", weights):
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=model.parameters(),
-            config=deepspeed_config(cfg, BatchSizes(1, 1, 1), "cpu", zero_stage=stage),
-        )
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine.module
 
 
