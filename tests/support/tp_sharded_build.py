@@ -26,7 +26,7 @@ from megatransformer.training.runtime.layout import BatchSizes
 from support.memory import broadcasts_freed_here, peak_host_bytes
 from support.models import run_config
 from support.sharded_build import ParameterBytes
-from support.tp_build import MODEL, Reads, _differing
+from support.tp_build import MODEL, Reads, differing
 
 TP = 2
 
@@ -60,7 +60,7 @@ def main(out: Path) -> None:
             module = engine_module(cfg, config)
         rank = groups.get_tensor_model_parallel_rank()
         reference = build_model(cfg.model, cfg.seed)
-        record[f"differing_{precision}"] = _differing(module, reference, dtype, rank, TP)
+        record[f"differing_{precision}"] = differing(module, reference, dtype, rank, TP)
         record[f"held_{precision}"] = counter.most
         record[f"partition_{precision}"] = sum(p.ds_tensor.nbytes for p in module.parameters())
         # the largest module a rank may hold whole at once: an embedding table, a block, the output head
@@ -78,7 +78,7 @@ def main(out: Path) -> None:
         reads = Reads(LazyWeights(out / f"weights_{precision}"))
         module = engine_module(cfg, config, reads)
         reference.load_state_dict(weights)
-        record[f"differing_loaded_{precision}"] = _differing(module, reference, dtype, rank, TP)
+        record[f"differing_loaded_{precision}"] = differing(module, reference, dtype, rank, TP)
         split = sorted(n for n, _ in reference.named_parameters() if partition_dim(n) is not None)
         record[f"split_read_whole_{precision}"] = sorted(reads.whole & set(split))
         record[f"split_not_sliced_{precision}"] = sorted(set(split) - reads.sliced)

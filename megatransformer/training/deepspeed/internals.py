@@ -126,7 +126,8 @@ def zero3_partitioner(group: dist.ProcessGroup, ds_config: dict) -> Partition:
     """A function that partitions whole parameters over ``group`` as ZeRO-3 does those made in
     ``deepspeed.zero.Init`` (each broadcast from the group's first rank, then cut; its device and dtype kept). A
     collective: every rank of ``group`` partitions the same parameters in the same order (0.19.8: ``Init``, not
-    entered, and its ``_convert_to_zero_parameters``, which the engine also uses for parameters made whole)."""
+    entered, so that it patches no constructor and leaves ``torch.nn.functional.linear`` as it is, and its
+    ``_convert_to_zero_parameters``, which the engine also uses for parameters made whole)."""
     import deepspeed
     from deepspeed.utils import groups
 

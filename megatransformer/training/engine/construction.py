@@ -67,16 +67,16 @@ def build_for_run(
             partition = cast_and_partitioned(
                 zero3_partitioner(tensor_parallel_groups(tp), ds_config), precision_dtype(cfg.precision), device
             )
-        made = partitioned_as_made(partition) if partition else nullcontext()
-        with torch.device(device), linear_weights_on_meta(), made:
+        partitioning = partitioned_as_made(partition) if partition else nullcontext()
+        with torch.device(device), linear_weights_on_meta(), partitioning:
             model = ARCHITECTURES[cfg.model.arch](cfg.model)
         for prefix, module in model.named_modules():
             for name, param in list(module.named_parameters(recurse=False)):
                 replicated = partition_dim(f"{prefix}.{name}" if prefix else name) is None
                 if param.is_meta and replicated:  # (whole on every rank, or partitioned over the data-parallel)
-                    new = replace_parameter(module, name, torch.empty(param.shape, device=device))
+                    made = replace_parameter(module, name, torch.empty(param.shape, device=device))
                     if partition:
-                        partition([new])
+                        partition([made])
         if partition:  # (the root module's own, set in no parent)
             partition([p for p in model.parameters() if not p.is_meta and not is_zero3_param(p)])
         # (the meta ones are left to slices_made_by_autotp)
