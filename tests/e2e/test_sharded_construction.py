@@ -57,6 +57,7 @@ def test_zero3_with_tensor_parallelism_partitions_each_slice_as_it_is_made(tmp_p
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(4)]
     for rank in ranks:
         for precision in ("fp32", "bf16"):
+            assert rank[f"whole_after_build_{precision}"] == [], rank  # (the replicated ones partitioned too)
             assert rank[f"differing_{precision}"] == [] and rank[f"differing_loaded_{precision}"] == [], rank
             assert rank[f"split_read_whole_{precision}"] == [] and rank[f"split_not_sliced_{precision}"] == [], rank
             # a quarter of the model and ZeRO-3's padding (the split matrices halved, then everything halved)

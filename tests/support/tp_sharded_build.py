@@ -1,9 +1,9 @@
 """One rank of a ZeRO-3 build with tensor parallelism under ``torchrun`` (``python -m support.tp_sharded_build OUT``):
-tensor_parallel 2 over 4 ranks (2 data-parallel ranks), the model built and handed to ``deepspeed.initialize`` as
-the engine does (construction.py), in fp32 and bf16. Written to OUT/rank_<r>.json: the parameters whose gathered
-values are not this rank's slices of the one-rank build, before and after weights are loaded (init_from), the most
-bytes its parameters held at once and torch's host allocator's peak over the build and AutoTP's slicing, the bytes
-of its partition and of a layer."""
+tensor_parallel 2 over 4 ranks (2 data-parallel ranks), the model built and handed to ``deepspeed.initialize`` as the
+engine does (construction.py), in fp32 and bf16. Written to OUT/rank_<r>.json: the parameters left whole by the build,
+those whose gathered values are not this rank's slices of the one-rank build, before and after weights are loaded
+(init_from), the most bytes its parameters held at once and torch's host allocator's peak over the build and AutoTP's
+slicing, the bytes of its partition and of a layer."""
 
 from __future__ import annotations
 
@@ -55,6 +55,11 @@ def main(out: Path) -> None:
         del config["optimizer"]  # (the parameters alone: no optimizer's states)
         dtype = precision_dtype(precision)
         engine_module(cfg, config)  # (once before counting: DeepSpeed's first-use allocations)
+        built = build_for_run(cfg, 3, config)  # (before AutoTP: the linear layers' weights on the meta device)
+        record[f"whole_after_build_{precision}"] = [
+            name for name, p in built.named_parameters() if not p.is_meta and not hasattr(p, "ds_tensor")
+        ]
+        del built
         counter = ParameterBytes()
         with counter:
             module = engine_module(cfg, config)
