@@ -303,14 +303,13 @@ def _load_whole(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     done: set[int] = set()
     with torch.no_grad():
         for name, tensor in state.items():
-            if id(tensor) in done or tensor.is_meta:
-                pass
-            elif is_zero3_param(tensor):
+            if id(tensor) not in done and not tensor.is_meta:
 
                 def write(whole: torch.Tensor, name: str = name) -> None:
                     whole.copy_(weights[name])
 
-                fill_partitioned(tensor, write)
-            else:
-                tensor.copy_(weights[name])
+                if is_zero3_param(tensor):
+                    fill_partitioned(tensor, write)
+                else:
+                    write(tensor)
             done.add(id(tensor))
