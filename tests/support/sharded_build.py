@@ -18,7 +18,7 @@ from megatransformer.training.engine.construction import build_for_run, load_int
 from megatransformer.training.engine.train_module import deepspeed_config
 from megatransformer.training.runtime.distributed import setup
 from megatransformer.training.runtime.layout import BatchSizes
-from support.memory import peak_host_bytes
+from support.memory import broadcasts_freed_here, peak_host_bytes
 from support.models import run_config
 
 # sixteen thin layers: a layer is a small part of the model, so a whole model's bytes on a rank stand out
@@ -66,6 +66,12 @@ class ParameterBytes:
         self.sample()
 
 
+def freed_here(build, *args):
+    """``build(*args)``, each tensor it broadcasts freed on this thread (``memory.broadcasts_freed_here``)."""
+    with broadcasts_freed_here():
+        return build(*args)
+
+
 def main(out: Path) -> None:
     info = setup()
     record: dict = {"world": info.world_size}
@@ -94,7 +100,7 @@ def main(out: Path) -> None:
     record["whole"] = sum(p.numel() for p in reference.parameters())
     record["partition"] = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params.values())
     record["held"] = counter.most
-    record["peak"] = peak_host_bytes(lambda: build_for_run(cfg, 3, ds), python=False)
+    record["peak"] = peak_host_bytes(lambda: freed_here(build_for_run, cfg, 3, ds), python=False)
     record["whole_build"] = peak_host_bytes(lambda: build_model(cfg.model, cfg.seed), python=False)  # (fp32, whole)
     (out / f"rank_{info.rank}.json").write_text(json.dumps(record))
 

@@ -23,9 +23,9 @@ from megatransformer.training.engine.construction import build_for_run, slices_m
 from megatransformer.training.engine.train_module import deepspeed_config
 from megatransformer.training.runtime.distributed import setup
 from megatransformer.training.runtime.layout import BatchSizes
-from support.memory import broadcasts_freed_here, peak_host_bytes
+from support.memory import peak_host_bytes
 from support.models import run_config
-from support.sharded_build import ParameterBytes
+from support.sharded_build import ParameterBytes, freed_here
 from support.tp_build import MODEL, Reads, differing
 
 TP = 2
@@ -37,11 +37,6 @@ def engine_module(cfg, config: dict, weights=None) -> torch.nn.Module:
     with slices_made_by_autotp(model, cfg, "cpu", weights):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine.module
-
-
-def freed_here(build, *args):
-    with broadcasts_freed_here():
-        return build(*args)
 
 
 def main(out: Path) -> None:
