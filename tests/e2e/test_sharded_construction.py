@@ -45,3 +45,25 @@ def test_tensor_parallel_builds_each_ranks_slices_of_the_one_rank_weights(tmp_pa
         # torch's allocator never held more than the rank's parameters and one layer whole (+ DeepSpeed's start)
         assert rank["peak"] <= rank["shard"] + rank["layer"] + (1 << 20), rank
         assert rank["peak"] < 0.7 * rank["whole_build"], rank
+
+
+def test_zero3_with_tensor_parallelism_partitions_each_slice_as_it_is_made(tmp_path):
+    """tensor_parallel=2 over 4 ranks at ZeRO-3, fp32 and bf16: every parameter, slices and replicated ones, is
+    partitioned over the 2 data-parallel ranks as it is made (support/tp_sharded_build.py)."""
+    env = {**os.environ, **ONE_THREAD, "DS_ACCELERATOR": "cpu"}
+    command = [*torchrun(4), "-m", "support.tp_sharded_build", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO / "tests", env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(4)]
+    for rank in ranks:
+        for precision in ("fp32", "bf16"):
+            assert rank[f"whole_after_build_{precision}"] == [], rank  # (the replicated ones partitioned too)
+            assert rank[f"differing_{precision}"] == [] and rank[f"differing_loaded_{precision}"] == [], rank
+            assert rank[f"split_read_whole_{precision}"] == [] and rank[f"split_not_sliced_{precision}"] == [], rank
+            # a quarter of the model and ZeRO-3's padding (the split matrices halved, then everything halved)
+            partition = rank[f"partition_{precision}"]
+            assert partition < 0.3 * rank[f"whole_{precision}"], rank
+            # the parameters never held more than the rank's partition and one layer whole (its slices: 2x)
+            assert rank[f"held_{precision}"] <= partition + rank[f"layer_{precision}"], rank
+            # nor did torch's allocator, counting a layer in fp32 (a parameter is drawn in fp32, then cut and cast)
+            assert rank[f"peak_{precision}"] <= partition + rank["layer_fp32"], rank

@@ -18,7 +18,7 @@ from megatransformer.training.engine.construction import build_for_run, load_int
 from megatransformer.training.engine.train_module import deepspeed_config
 from megatransformer.training.runtime.distributed import setup
 from megatransformer.training.runtime.layout import BatchSizes
-from support.memory import peak_host_bytes
+from support.memory import broadcasts_freed_here, peak_host_bytes
 from support.models import run_config
 
 # sixteen thin layers: a layer is a small part of the model, so a whole model's bytes on a rank stand out
@@ -26,8 +26,8 @@ MODEL = dict(d_model=128, n_layers=16, n_heads=4, n_kv_heads=2, d_ff=256, vocab_
 
 
 class ParameterBytes:
-    """The most bytes the parameters made in it hold at once (whole tensors, ZeRO-3 partitions), sampled as each
-    is registered and as each is written (``construction.fill_partitioned``)."""
+    """The most bytes the parameters made in it hold at once (whole tensors, ZeRO-3 partitions; none on the meta
+    device), sampled as each is registered and as each is written (``construction.fill_partitioned``)."""
 
     def __init__(self) -> None:
         self.params: list[weakref.ref] = []
@@ -37,7 +37,7 @@ class ParameterBytes:
         held = 0
         for ref in self.params:
             p = ref()
-            if p is not None:
+            if p is not None and not p.is_meta:
                 held += p.data.nbytes + (p.ds_tensor.nbytes if hasattr(p, "ds_tensor") else 0)
         self.most = max(self.most, held)
 
@@ -64,6 +64,12 @@ class ParameterBytes:
         self.undo[0].remove()
         self.restore()
         self.sample()
+
+
+def freed_here(build, *args):
+    """``build(*args)``, each tensor it broadcasts freed on this thread (``memory.broadcasts_freed_here``)."""
+    with broadcasts_freed_here():
+        return build(*args)
 
 
 def main(out: Path) -> None:
@@ -94,7 +100,7 @@ def main(out: Path) -> None:
     record["whole"] = sum(p.numel() for p in reference.parameters())
     record["partition"] = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params.values())
     record["held"] = counter.most
-    record["peak"] = peak_host_bytes(lambda: build_for_run(cfg, 3, ds), python=False)
+    record["peak"] = peak_host_bytes(lambda: freed_here(build_for_run, cfg, 3, ds), python=False)
     record["whole_build"] = peak_host_bytes(lambda: build_model(cfg.model, cfg.seed), python=False)  # (fp32, whole)
     (out / f"rank_{info.rank}.json").write_text(json.dumps(record))
 

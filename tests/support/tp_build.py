@@ -54,13 +54,10 @@ class Reads(Mapping[str, torch.Tensor]):
 
 def engine_module(cfg, stage: int, weights=None) -> torch.nn.Module:
     """The model as ``TrainModule`` builds it and hands it to DeepSpeed (its AutoTP), without training it."""
-    model = build_for_run(cfg, stage, {})
+    config = deepspeed_config(cfg, BatchSizes(1, 1, 1), "cpu", zero_stage=stage)
+    model = build_for_run(cfg, stage, config)
     with slices_made_by_autotp(model, cfg, "cpu", weights):
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=model.parameters(),
-            config=deepspeed_config(cfg, BatchSizes(1, 1, 1), "cpu", zero_stage=stage),
-        )
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine.module
 
 
@@ -79,7 +76,7 @@ def main(out: Path) -> None:
             module = engine_module(cfg, stage)
             rank = groups.get_tensor_model_parallel_rank()
             reference = build_model(cfg.model, cfg.seed)
-            record[f"differing_{stage}_{precision}"] = _differing(module, reference, dtype, rank, tp)
+            record[f"differing_{stage}_{precision}"] = differing(module, reference, dtype, rank, tp)
             # weights a run starts from (init_from): a weights checkpoint, read tensor by tensor or slice by slice
             values: dict[int, float] = {}  # (a tied tensor has one value under each of its names)
             state = reference.state_dict(keep_vars=True)
@@ -90,7 +87,7 @@ def main(out: Path) -> None:
             reads = Reads(LazyWeights(out / "weights"))
             module = engine_module(cfg, stage, reads)
             reference.load_state_dict(weights)
-            record[f"differing_loaded_{stage}_{precision}"] = _differing(module, reference, dtype, rank, tp)
+            record[f"differing_loaded_{stage}_{precision}"] = differing(module, reference, dtype, rank, tp)
             split = sorted(n for n, _ in reference.named_parameters() if partition_dim(n) is not None)
             record[f"split_read_whole_{stage}_{precision}"] = sorted(reads.whole & set(split))
             record[f"split_not_sliced_{stage}_{precision}"] = sorted(set(split) - reads.sliced)
@@ -107,7 +104,7 @@ def main(out: Path) -> None:
     (out / f"rank_{info.rank}.json").write_text(json.dumps(record))
 
 
-def _differing(module: torch.nn.Module, reference: torch.nn.Module, dtype, rank: int, tp: int) -> list[str]:
+def differing(module: torch.nn.Module, reference: torch.nn.Module, dtype, rank: int, tp: int) -> list[str]:
     """The names of ``module``'s parameters (ZeRO-3's gathered) whose values are not tensor-parallel rank ``rank``'s
     slices of ``reference``'s in ``dtype``."""
     params = dict(module.named_parameters())

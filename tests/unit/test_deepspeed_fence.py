@@ -1,11 +1,12 @@
 """A fence around DeepSpeed's private state: only ``megatransformer/training/deepspeed/`` may read it.
 
 DeepSpeed keeps its partitions in attributes its documentation never names, most of them without Python's leading
-underscore (``fp32_partitioned_groups_flat``, ``grad_position``, a ZeRO-3 parameter's ``ds_numel``), so an
-underscore rule alone would miss them. The rule: no module outside the package reads, as an attribute or through
-``getattr``/``hasattr``/``setattr``, a name DeepSpeed sets on its optimizer wrappers or on parameters (the list
-below, read from DeepSpeed 0.19.8's ZeRO, bf16 and fp16 optimizers) or any ``ds_*`` attribute (ZeRO-3's on every
-parameter). A new reading of DeepSpeed's internals goes into the package, where an upgrade is checked."""
+underscore (``fp32_partitioned_groups_flat``, ``grad_position``, a ZeRO-3 parameter's ``ds_numel``), so an underscore
+rule alone would miss them. The rule: no module outside the package reads, as an attribute or through
+``getattr``/``hasattr``/``setattr``, a name DeepSpeed sets on its optimizer wrappers or on parameters, or a private
+one of ``zero.Init`` or its groups (the list below, read from DeepSpeed 0.19.8's ZeRO, bf16 and fp16 optimizers,
+``zero.Init`` and ``utils/groups.py``) or any ``ds_*`` attribute (ZeRO-3's on every parameter). A new reading of
+DeepSpeed's internals goes into the package, where an upgrade is checked."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ PRIVATE = {
     "_lazy_init_hp_params_optimizer_state",
     "_hp_optimizer_states_linked",
     "_get_data_parallel_rank",
+    "_init_tp_mesh_device",
+    "_convert_to_zero_parameters",
+    "convert_to_zero_parameters",
     "fp32_partitioned_groups_flat",
     "single_partition_of_fp32_groups",
     "fp32_groups_flat_partition",

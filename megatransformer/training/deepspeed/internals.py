@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,42 @@ def zero3_param_group(param: torch.Tensor) -> dist.ProcessGroup:
 def param_shape(param: torch.Tensor) -> torch.Size:
     """``param``'s shape, also where ZeRO-3 keeps it aside (0.19.8: ``ds_shape``)."""
     return getattr(param, "ds_shape", param.shape)
+
+
+Partition = Callable[[list[nn.Parameter]], None]
+
+
+def zero3_partitioner(group: dist.ProcessGroup, ds_config: dict) -> Partition:
+    """A function that partitions whole parameters over ``group`` as ZeRO-3 does those made in
+    ``deepspeed.zero.Init`` (each broadcast from the group's first rank, then cut; its device and dtype kept). A
+    collective: every rank of ``group`` partitions the same parameters in the same order (0.19.8: ``Init``, not
+    entered, so that it patches no constructor and leaves ``torch.nn.functional.linear`` as it is, and its
+    ``_convert_to_zero_parameters``, which the engine also uses for parameters made whole)."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    init = deepspeed.zero.Init(data_parallel_group=group, config_dict_or_path=ds_config, mpu=groups)
+    return init._convert_to_zero_parameters
+
+
+def partitioner_of(param: torch.Tensor) -> Partition:
+    """ZeRO-3: the function that partitions whole parameters as ``param`` was, over its group (0.19.8:
+    ``convert_to_zero_parameters``, as the engine partitions a model's parameters made after the others)."""
+    return param.convert_to_zero_parameters
+
+
+# ------------------------------------------------------------------------------------ groups (construction.py)
+
+
+def tensor_parallel_groups(tensor_parallel: int) -> dist.ProcessGroup:
+    """DeepSpeed's tensor- and data-parallel groups for ``tensor_parallel``, made now if they are not yet (the ones
+    ``deepspeed.initialize``'s AutoTP then finds and uses); returns the data-parallel group, which ZeRO-3
+    partitions over (0.19.8: ``groups._init_tp_mesh_device``, which the engine calls and which does nothing once
+    the groups exist)."""
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tensor_parallel)
+    return groups.get_data_parallel_group()
 
 
 # ------------------------------------------------------------------------------------ AutoTP (construction.py)

@@ -1,45 +1,56 @@
-"""The model a run trains, built where it runs: at ZeRO-3 partitioned as it is made (``deepspeed.zero.Init``),
-each parameter's values written once, whole, by one rank and spread; weights a run starts from (``init_from``)
-loaded the same way, one tensor at a time. With tensor parallelism the linear layers' weights are made on the meta
-device, AutoTP slices them there, and each rank then makes only its slices (:func:`slices_made_by_autotp`). Every
-layout gets the weights of the one-rank build of the seed (``transformer.init_weights``). Design:
-docs/architecture.md, "Building the model"."""
+"""The model a run trains, built where it runs: at ZeRO-3 partitioned as it is made, each parameter's values
+written once, whole, by one rank and spread; weights a run starts from (``init_from``) loaded the same way, one
+tensor at a time. With tensor parallelism the linear layers' weights are made on the meta device, AutoTP slices
+them there, and each rank then makes only its slices (:func:`slices_made_by_autotp`), at ZeRO-3 partitioned over
+the data-parallel ranks as each is made. Every layout gets the weights of the one-rank build of the seed
+(``transformer.init_weights``). Design: docs/architecture.md, "Building the model"."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatransformer.config import RunConfig
+from megatransformer.config import RunConfig, precision_dtype
 from megatransformer.model import ARCHITECTURES
 from megatransformer.model.tp_plan import partition_dim
 from megatransformer.model.transformer import draw_into, init_weights, initial_values
-from megatransformer.training.deepspeed.internals import is_autotp_layer, zero3_param_group
+from megatransformer.training.deepspeed.internals import (
+    Partition,
+    is_autotp_layer,
+    is_zero3_param,
+    partitioner_of,
+    tensor_parallel_groups,
+    zero3_param_group,
+    zero3_partitioner,
+)
 
 
 def partitions_at_construction(cfg: RunConfig, zero_stage: int) -> bool:
-    """Whether the model is built partitioned by ZeRO-3 (``deepspeed.zero.Init``): ZeRO-3 without tensor
-    parallelism. With tensor parallelism each rank builds its tensor-parallel slices (:func:`slices_made_by_autotp`)
-    and ``deepspeed.initialize`` partitions them (ZeRO-3) or keeps them whole (ZeRO-0/1/2)."""
-    return zero_stage == 3 and cfg.parallel.tensor_parallel == 1
+    """Whether the model is built partitioned by ZeRO-3: over all ranks (``deepspeed.zero.Init``) without tensor
+    parallelism, over the data-parallel ranks with it (:func:`partitioned_as_made`, its slices as AutoTP makes
+    them: :func:`slices_made_by_autotp`). Below ZeRO-3 the model is built whole (its slices, with tensor
+    parallelism)."""
+    return zero_stage == 3
 
 
 def build_for_run(
     cfg: RunConfig, zero_stage: int, ds_config: dict[str, Any], device: torch.device | str = "cpu"
 ) -> nn.Module:
-    """The initialised model of ``cfg``, on the run's ``device``: partitioned over all ranks (the ZeRO-3 group
-    without tensor parallelism, sequence-parallel peers included) in the run's precision where
-    :func:`partitions_at_construction`; with tensor parallelism in fp32 but for its linear layers' weights, which
-    are on the meta device until ``deepspeed.initialize`` runs in :func:`slices_made_by_autotp`; else whole in
-    fp32 (DeepSpeed casts it). torch's generators are left seeded with ``cfg.seed`` either way (dropout draws alike
-    on every layout)."""
-    if partitions_at_construction(cfg, zero_stage):
+    """The initialised model of ``cfg``, on the run's ``device``. Without tensor parallelism: partitioned over all
+    ranks (the ZeRO-3 group, sequence-parallel peers included) in the run's precision where
+    :func:`partitions_at_construction`, else whole in fp32 (DeepSpeed casts it). With tensor parallelism its linear
+    layers' weights are on the meta device until ``deepspeed.initialize`` runs in :func:`slices_made_by_autotp`;
+    the other parameters are whole in fp32, or at ZeRO-3 partitioned over the data-parallel ranks in the run's
+    precision. torch's generators are left seeded with ``cfg.seed`` either way (dropout draws alike on every
+    layout)."""
+    tp = cfg.parallel.tensor_parallel
+    if partitions_at_construction(cfg, zero_stage) and tp == 1:
         import deepspeed
 
         config = copy.deepcopy(ds_config)
@@ -50,21 +61,64 @@ def build_for_run(
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = ARCHITECTURES[cfg.model.arch](cfg.model)
         init_weights(model, cfg.model, cfg.seed, fill=fill_partitioned)
-    elif cfg.parallel.tensor_parallel > 1:
-        with torch.device(device), linear_weights_on_meta():
+    elif tp > 1:
+        partition = None
+        if partitions_at_construction(cfg, zero_stage):
+            partition = cast_and_partitioned(
+                zero3_partitioner(tensor_parallel_groups(tp), ds_config), precision_dtype(cfg.precision), device
+            )
+        partitioning = partitioned_as_made(partition) if partition else nullcontext()
+        with torch.device(device), linear_weights_on_meta(), partitioning:
             model = ARCHITECTURES[cfg.model.arch](cfg.model)
         for prefix, module in model.named_modules():
             for name, param in list(module.named_parameters(recurse=False)):
                 replicated = partition_dim(f"{prefix}.{name}" if prefix else name) is None
-                if param.is_meta and replicated:  # (whole on every rank)
-                    replace_parameter(module, name, torch.empty(param.shape, device=device))
-        init_weights(model, cfg.model, cfg.seed)  # (the meta ones are left to slices_made_by_autotp)
+                if param.is_meta and replicated:  # (whole on every rank, or partitioned over the data-parallel)
+                    made = replace_parameter(module, name, torch.empty(param.shape, device=device))
+                    if partition:
+                        partition([made])
+        if partition:  # (the root module's own, set in no parent)
+            partition([p for p in model.parameters() if not p.is_meta and not is_zero3_param(p)])
+        # (the meta ones are left to slices_made_by_autotp)
+        init_weights(model, cfg.model, cfg.seed, fill=fill_partitioned if partition else None)
     else:
         with torch.device(device):  # (the host holds one block of initial values at a time, never the model)
             model = ARCHITECTURES[cfg.model.arch](cfg.model)
         init_weights(model, cfg.model, cfg.seed)
     torch.manual_seed(cfg.seed)
     return model
+
+
+def cast_and_partitioned(partition: Partition, dtype: torch.dtype, device: torch.device | str) -> Partition:
+    """``partition``, each parameter first moved to ``device`` in ``dtype`` (the engine casts no parameter ZeRO-3
+    partitioned before it)."""
+
+    def cast_and_partition(params: list[nn.Parameter]) -> None:
+        if not params:
+            return
+        for param in params:
+            param.data = param.data.to(device=device, dtype=dtype)
+        partition(params)
+
+    return cast_and_partition
+
+
+@contextmanager
+def partitioned_as_made(partition: Partition) -> Iterator[None]:
+    """Each module made in it has its parameters partitioned (``partition``) as it is set in its parent, its
+    ``__init__`` done, as ``deepspeed.zero.Init`` partitions each module's at the end of its ``__init__``; those on
+    the meta device are left. The caller partitions the root module's own. A collective: every rank of the
+    partition's group makes the same modules."""
+
+    def registered(parent: nn.Module, name: str, module: nn.Module | None) -> None:
+        if module is not None:
+            partition([p for p in module.parameters(recurse=False) if not p.is_meta and not is_zero3_param(p)])
+
+    handle = torch.nn.modules.module.register_module_module_registration_hook(registered)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 _writes = 0  # parameters written by fill_partitioned so far: which rank writes the next one
@@ -130,11 +184,11 @@ def linear_weights_on_meta() -> Iterator[None]:
         handle.remove()
 
 
-def replace_parameter(module: nn.Module, name: str, value: torch.Tensor, groups: list | None = None) -> None:
+def replace_parameter(module: nn.Module, name: str, value: torch.Tensor, groups: list | None = None) -> nn.Parameter:
     """Set a new parameter of ``value`` as ``module``'s ``name`` in place of its parameter, with the attributes set
     on that (AutoTP's marks), and in its place in ``groups`` (parameter groups, or parameters, as
-    ``deepspeed.initialize`` takes them). (A meta parameter cannot be given a real tensor as its ``.data``, and
-    ``torch.utils.swap_tensors`` refuses a parameter DeepSpeed's engine holds a weak reference to.)"""
+    ``deepspeed.initialize`` takes them); returns it. (A meta parameter cannot be given a real tensor as its
+    ``.data``, and ``torch.utils.swap_tensors`` refuses a parameter DeepSpeed's engine holds a weak reference to.)"""
     old = getattr(module, name)
     new = nn.Parameter(value, requires_grad=old.requires_grad)
     new.__dict__.update(old.__dict__)
@@ -144,6 +198,7 @@ def replace_parameter(module: nn.Module, name: str, value: torch.Tensor, groups:
         for i, param in enumerate(params):
             if param is old:
                 params[i] = new
+    return new
 
 
 @contextmanager
@@ -155,18 +210,22 @@ def slices_made_by_autotp(
     groups: list | None = None,
 ) -> Iterator[None]:
     """Around ``deepspeed.initialize`` of a model :func:`build_for_run` built with tensor parallelism: as AutoTP
-    sets each of its layers in place, with the parameters sliced on the meta device, this rank's slices are made,
-    in fp32 on ``device``, as new parameters (in their places in ``groups``, the parameter groups or parameters
-    given to ``deepspeed.initialize`` as a list): the slices of the one-rank build's values (one whole parameter
-    drawn on the host at a time), or of ``weights`` (init_from: names of the model's state to tensors; only the
-    slices are read where ``weights`` can read a slice, :func:`read_slice`), whose other tensors are copied in whole
-    first. A parameter still on the meta device after it is an error."""
+    sets each of its layers in place, with the parameters sliced on the meta device, this rank's slices are made on
+    ``device`` as new parameters (in their places in ``groups``, the parameter groups or parameters given to
+    ``deepspeed.initialize`` as a list): in fp32, or where the model's other parameters are partitioned (ZeRO-3) in
+    their dtype and partitioned as they are, each as soon as it is made. Their values: the slices of the one-rank
+    build's (one whole parameter drawn on the host at a time), or of ``weights`` (init_from: names of the model's
+    state to tensors; only the slices are read where ``weights`` can read a slice, :func:`read_slice`), whose other
+    tensors are loaded first (each partitioned one read only by the rank that writes it). A parameter still on the
+    meta device after it is an error."""
     rules = {id(param): (name, std) for name, param, std in initial_values(model, cfg.model) if param.is_meta}
     shapes = {id(param): param.shape for param in model.parameters() if param.is_meta}
     if any(id(param) not in rules for param in model.parameters() if param.is_meta):
         raise RuntimeError("a parameter on the meta device has no initial value (transformer.initial_values)")
     if weights is not None:
         _load_whole(model, weights)
+    partitioned = next((param for param in model.parameters() if is_zero3_param(param)), None)
+    dtype = torch.float32 if partitioned is None else partitioned.dtype
     tp = cfg.parallel.tensor_parallel
 
     def installed(parent: nn.Module, child_name: str, module: nn.Module | None) -> None:
@@ -178,9 +237,11 @@ def slices_made_by_autotp(
         for attribute, param in list(module.named_parameters(recurse=False)):
             if param.is_meta and id(param) in rules:
                 name, std = rules.pop(id(param))
-                made = torch.empty(param.shape, dtype=torch.float32, device=device)
+                made = torch.empty(param.shape, dtype=dtype, device=device)
                 _write_slice(made, name, std, shapes[id(param)], rank, tp, cfg.seed, weights)
-                replace_parameter(module, attribute, made, groups)
+                made = replace_parameter(module, attribute, made, groups)
+                if partitioned is not None:
+                    partitioner_of(partitioned)([made])
 
     handle = torch.nn.modules.module.register_module_module_registration_hook(installed)
     try:
@@ -233,8 +294,8 @@ def read_slice(weights: Mapping[str, torch.Tensor], name: str, dim: int | None, 
 
 
 def _load_whole(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """The tensors of ``model``'s state that are not on the meta device, from ``weights``, one at a time; a
-    missing or an extra name is an error."""
+    """The tensors of ``model``'s state that are not on the meta device, from ``weights``, one at a time (a ZeRO-3
+    partitioned one by :func:`fill_partitioned`); a missing or an extra name is an error."""
     state = model.state_dict(keep_vars=True)
     missing, extra = sorted(set(state) - set(weights)), sorted(set(weights) - set(state))
     if missing or extra:
@@ -243,5 +304,12 @@ def _load_whole(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, tensor in state.items():
             if id(tensor) not in done and not tensor.is_meta:
-                tensor.copy_(weights[name])
+
+                def write(whole: torch.Tensor, name: str = name) -> None:
+                    whole.copy_(weights[name])
+
+                if is_zero3_param(tensor):
+                    fill_partitioned(tensor, write)
+                else:
+                    write(tensor)
             done.add(id(tensor))

@@ -11,6 +11,7 @@ and sends each rank its elements of the result. Design notes and costs: docs/opt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -49,9 +50,9 @@ def muon_param_groups(model: nn.Module, o: OptimConfig, tensor_parallel: int) ->
         if name in chosen:
             dim = partition_dim(name) if tensor_parallel > 1 else None
             muon.setdefault(dim, []).append(p)
-            muon_elements += p.numel()
+            muon_elements += math.prod(param_shape(p))
             continue
-        adam_elements += p.numel()
+        adam_elements += math.prod(param_shape(p))
         is_matrix = id(p) in linear
         (decay if o.decay_norms_and_embeddings or is_matrix else no_decay).append(p)
     muon_settings = {

@@ -1,0 +1,89 @@
+"""One rank of a ZeRO-3 build with tensor parallelism under ``torchrun`` (``python -m support.tp_sharded_build OUT``):
+tensor_parallel 2 over 4 ranks (2 data-parallel ranks), the model built and handed to ``deepspeed.initialize`` as the
+engine does (construction.py), in fp32 and bf16. Written to OUT/rank_<r>.json: the parameters left whole by the build,
+those whose gathered values are not this rank's slices of the one-rank build, before and after weights are loaded
+(init_from), the most bytes its parameters held at once and torch's host allocator's peak over the build and AutoTP's
+slicing, the bytes of its partition and of a layer."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+
+from megatransformer.checkpoint import write_weights_checkpoint
+from megatransformer.checkpoint.files import LazyWeights
+from megatransformer.config import precision_dtype
+from megatransformer.model import build_model
+from megatransformer.model.tp_plan import partition_dim
+from megatransformer.training.engine.construction import build_for_run, slices_made_by_autotp
+from megatransformer.training.engine.train_module import deepspeed_config
+from megatransformer.training.runtime.distributed import setup
+from megatransformer.training.runtime.layout import BatchSizes
+from support.memory import peak_host_bytes
+from support.models import run_config
+from support.sharded_build import ParameterBytes, freed_here
+from support.tp_build import MODEL, Reads, differing
+
+TP = 2
+
+
+def engine_module(cfg, config: dict, weights=None) -> torch.nn.Module:
+    """The model as ``TrainModule`` builds it and hands it to DeepSpeed (its AutoTP), without training it."""
+    model = build_for_run(cfg, 3, config)
+    with slices_made_by_autotp(model, cfg, "cpu", weights):
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine.module
+
+
+def main(out: Path) -> None:
+    from deepspeed.utils import groups
+
+    info = setup()
+    record: dict = {"world": info.world_size}
+    for precision in ("fp32", "bf16"):
+        cfg = run_config(model=MODEL, precision=precision, seed=11, parallel={"zero_stage": 3, "tensor_parallel": TP})
+        config = deepspeed_config(cfg, BatchSizes(1, 1, info.world_size // TP), "cpu", zero_stage=3)
+        del config["optimizer"]  # (the parameters alone: no optimizer's states)
+        dtype = precision_dtype(precision)
+        engine_module(cfg, config)  # (once before counting: DeepSpeed's first-use allocations)
+        built = build_for_run(cfg, 3, config)  # (before AutoTP: the linear layers' weights on the meta device)
+        record[f"whole_after_build_{precision}"] = [
+            name for name, p in built.named_parameters() if not p.is_meta and not hasattr(p, "ds_tensor")
+        ]
+        del built
+        counter = ParameterBytes()
+        with counter:
+            module = engine_module(cfg, config)
+        rank = groups.get_tensor_model_parallel_rank()
+        reference = build_model(cfg.model, cfg.seed)
+        record[f"differing_{precision}"] = differing(module, reference, dtype, rank, TP)
+        record[f"held_{precision}"] = counter.most
+        record[f"partition_{precision}"] = sum(p.ds_tensor.nbytes for p in module.parameters())
+        # the largest module a rank may hold whole at once: an embedding table, a block, the output head
+        parts = [*reference.decoder.layers, reference.embed_tokens, reference.lm_head]
+        record[f"layer_{precision}"] = max(sum(p.numel() for p in part.parameters()) for part in parts) * dtype.itemsize
+        record[f"whole_{precision}"] = sum(p.numel() for p in reference.parameters()) * dtype.itemsize
+        record[f"peak_{precision}"] = peak_host_bytes(lambda: freed_here(engine_module, cfg, config), python=False)
+        # weights a run starts from (init_from): a weights checkpoint, read tensor by tensor or slice by slice
+        values: dict[int, float] = {}  # (a tied tensor has one value under each of its names)
+        state = reference.state_dict(keep_vars=True)
+        weights = {n: torch.full_like(t, values.setdefault(id(t), 0.25 * len(values))) for n, t in state.items()}
+        if info.rank == 0:
+            write_weights_checkpoint(out / f"weights_{precision}", cfg, weights)
+        torch.distributed.barrier()
+        reads = Reads(LazyWeights(out / f"weights_{precision}"))
+        module = engine_module(cfg, config, reads)
+        reference.load_state_dict(weights)
+        record[f"differing_loaded_{precision}"] = differing(module, reference, dtype, rank, TP)
+        split = sorted(n for n, _ in reference.named_parameters() if partition_dim(n) is not None)
+        record[f"split_read_whole_{precision}"] = sorted(reads.whole & set(split))
+        record[f"split_not_sliced_{precision}"] = sorted(set(split) - reads.sliced)
+    (out / f"rank_{info.rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
