@@ -6,17 +6,23 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 from support import REPO
 from support.runs import ONE_THREAD, torchrun
 
 
-def test_zero3_builds_the_one_rank_weights_holding_a_partition_and_a_layer(tmp_path):
+def records_of(script: str, nproc: int, out: Path) -> list[dict]:
+    """Each rank's record of ``support.SCRIPT`` run on ``nproc`` gloo ranks, which writes them into ``out``."""
     env = {**os.environ, **ONE_THREAD, "DS_ACCELERATOR": "cpu"}
-    command = [*torchrun(2), "-m", "support.sharded_build", str(tmp_path)]
-    done = subprocess.run(command, cwd=REPO / "tests", env=env, capture_output=True, text=True, timeout=600)
+    command = [*torchrun(nproc), "-m", f"support.{script}", str(out)]
+    done = subprocess.run(command, cwd=REPO / "tests", env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(nproc)]
+
+
+def test_zero3_builds_the_one_rank_weights_holding_a_partition_and_a_layer(tmp_path):
+    ranks = records_of("sharded_build", 2, tmp_path)
     whole_bf16 = 2 * ranks[0]["whole"]
     for rank in ranks:
         for precision in ("fp32", "bf16"):
@@ -31,11 +37,7 @@ def test_zero3_builds_the_one_rank_weights_holding_a_partition_and_a_layer(tmp_p
 def test_tensor_parallel_builds_each_ranks_slices_of_the_one_rank_weights(tmp_path):
     """tensor_parallel=2 on 2 ranks, ZeRO-0 and ZeRO-3: AutoTP slices the linear layers on the meta device and each
     rank makes only its slices (support/tp_build.py)."""
-    env = {**os.environ, **ONE_THREAD, "DS_ACCELERATOR": "cpu"}
-    command = [*torchrun(2), "-m", "support.tp_build", str(tmp_path)]
-    done = subprocess.run(command, cwd=REPO / "tests", env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    ranks = records_of("tp_build", 2, tmp_path)
     for rank in ranks:
         for case in ("0_fp32", "0_bf16", "3_fp32", "3_bf16"):
             assert rank[f"differing_{case}"] == [] and rank[f"differing_loaded_{case}"] == [], (case, rank)
@@ -50,11 +52,7 @@ def test_tensor_parallel_builds_each_ranks_slices_of_the_one_rank_weights(tmp_pa
 def test_zero3_with_tensor_parallelism_partitions_each_slice_as_it_is_made(tmp_path):
     """tensor_parallel=2 over 4 ranks at ZeRO-3, fp32 and bf16: every parameter, slices and replicated ones, is
     partitioned over the 2 data-parallel ranks as it is made (support/tp_sharded_build.py)."""
-    env = {**os.environ, **ONE_THREAD, "DS_ACCELERATOR": "cpu"}
-    command = [*torchrun(4), "-m", "support.tp_sharded_build", str(tmp_path)]
-    done = subprocess.run(command, cwd=REPO / "tests", env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(4)]
+    ranks = records_of("tp_sharded_build", 4, tmp_path)
     for rank in ranks:
         for precision in ("fp32", "bf16"):
             assert rank[f"whole_after_build_{precision}"] == [], rank  # (the replicated ones partitioned too)
