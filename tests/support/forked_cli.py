@@ -26,7 +26,6 @@ PRELOAD = ("torch", "torch._dynamo", "deepspeed", "megatransformer.cli", "megatr
 PER_TEST = ("PYTEST_CURRENT_TEST",)
 # how long the other ranks have to end after one failed before they are killed (torchrun's grace period)
 GRACE_S = 30.0
-CLI_MODULE = "megatransformer.cli"
 
 
 def comparable(env: Mapping[str, str]) -> dict[str, str]:
