@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from data_pipeline import DataError, WriteFailed
 from megatransformer.config import ConfigError
+from megatransformer.console import to_stderr
 
 EXIT_WRITE_FAILED = 5  # a file could not be written (disk full, quota, I/O error); what was intact stays so
 # the commands that run PyTorch's kernels: they pick their threads for the machine (training/threads.py)
@@ -124,13 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ConfigError, DataError) as err:
         if reports_errors():
-            print(f"megatransformer {args.command}: error: {err}", file=sys.stderr)
+            to_stderr(f"megatransformer {args.command}: error: {err}")
         return 2
     except WriteFailed as err:  # (each rank its own: which rank's disk filled up matters)
-        print(f"megatransformer {args.command}: error: {err}", file=sys.stderr)
+        to_stderr(f"megatransformer {args.command}: error: {err}")
         return EXIT_WRITE_FAILED
     except KeyboardInterrupt:  # (train checkpoints on Ctrl-C once it has started: training/loop.py)
-        print(f"\nmegatransformer {args.command}: interrupted", file=sys.stderr)
+        to_stderr(f"\nmegatransformer {args.command}: interrupted")
         return 128 + signal.SIGINT  # as a shell reports a process ended by Ctrl-C
 
 

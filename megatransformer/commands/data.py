@@ -8,6 +8,7 @@ from pathlib import Path
 
 from data_pipeline import DataError
 from megatransformer.commands.arguments import add_config_argument
+from megatransformer.console import to_stderr
 
 INPUT_HELP = (
     ".txt / .jsonl / .tsv files (.gz/.zst too), .parquet / .arrow files, directories of them, or a "
@@ -178,7 +179,7 @@ def _guard(fn):
         try:
             return fn(args)
         except DataError as err:
-            print(f"megatransformer data {args.data_command}: error: {err}", file=sys.stderr)
+            to_stderr(f"megatransformer data {args.data_command}: error: {err}")
             return 2
 
     return run

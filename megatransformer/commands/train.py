@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError
+from megatransformer.console import to_stderr
 from megatransformer.training.observability.metrics import format_duration, read_metrics
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
                 f"; rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} wrote no stacks (stopped or "
                 "gone: such a rank cannot answer)"
             )
-        print(f"megatransformer train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        to_stderr(f"megatransformer train: error: rank {rank}: {line}")
         finish_writes(trainer)
         if groups_end_after_failure():
             end_groups(trainer, err)
@@ -183,7 +184,7 @@ def finish_writes(trainer: Trainer | None) -> None:
     writer = getattr(getattr(trainer, "module", None), "checkpointer", None)
     if writer is not None:
         main = os.environ.get("RANK", "0") == "0"
-        writer.finish(lambda line: main and print(f"megatransformer train: {line}", file=sys.stderr, flush=True))
+        writer.finish(lambda line: main and to_stderr(f"megatransformer train: {line}"))
 
 
 def end_groups(trainer: Trainer | None, err: BaseException | None = None) -> None:

@@ -4,6 +4,7 @@ and samples, tokenizer size notes."""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -114,6 +115,24 @@ def test_quiet_engine_holds_back_start_up_chatter(capsys):
     out, err = capsys.readouterr()
     assert "built successfully" not in out + err
     assert "shown with --verbose" in out and "context of a failure" in err
+
+
+class Writes(list):
+    """A stream that keeps each write apart, as the ranks' shared pipe sees them."""
+
+    def write(self, text: str) -> int:
+        self.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_an_error_reaches_stderr_in_one_write_so_ranks_do_not_garble_each_others(monkeypatch):
+    writes = Writes()
+    monkeypatch.setattr(sys, "stderr", writes)
+    assert main(["info", "--config", "/nonexistent.yaml"]) == 2
+    assert len(writes) == 1 and writes[0].startswith("megatransformer info: error: ") and writes[0].endswith("\n")
 
 
 def test_a_sample_is_cut_at_its_first_blank_line():
