@@ -164,17 +164,26 @@ def muon_owner_work(m: ModelConfig, ranks: int) -> tuple[int, int, int]:
     return _OWNERS[key]
 
 
-def muon_step_bytes(cfg: RunConfig, layout: Layout) -> int:
+def muon_step_bytes(cfg: RunConfig, layout: Layout, kind: str) -> int:
     """What Muon's step adds at an owner: its share of the updates sent to their owners and the results coming
-    back (fp32, both ways), and Newton-Schulz's working set on the largest block (the block in fp32, then X, the
-    next X in the iteration's dtype; A = X Xᵀ and the polynomial, whole at every member of a team, plus two m x m
-    in fp32 as they are summed and sent, counted for every block)."""
+    back (fp32, both ways), and Newton-Schulz's working set on the largest block (:func:`newton_schulz_bytes`)."""
     ranks = layout.dp * layout.tp * layout.sp
     elements = muon_elements(cfg.model, layout.tp)
     shards = layout.dp * layout.sp if layout.zero else 1
     _, block, m = muon_owner_work(cfg.model, ranks)
-    ns = BYTES[cfg.optim.muon_ns_dtype]
-    return 2 * 4 * -(-elements // shards) + 4 * block + ns * (2 * block + 2 * m * m) + 2 * 4 * m * m
+    dtype = cfg.optim.muon_ns_dtype
+    upcast = fp32_gemms(cfg, kind, dtype, compiled=False)
+    return 2 * 4 * -(-elements // shards) + newton_schulz_bytes(block, m, BYTES[dtype], upcast)
+
+
+def newton_schulz_bytes(block: int, side: int, width: int, upcast: bool) -> int:
+    """Newton-Schulz's working set on a block of ``block`` elements whose A = X Xᵀ is ``side`` x ``side``, in
+    ``width``-byte elements: the block in fp32, then X and the next X; A and the polynomial, whole at every member
+    of a team, plus two A in fp32 as they are summed and sent, counted for every block. ``upcast``: bf16 products
+    as fp32 GEMMs (:func:`fp32_gemms`), which add at their largest moment X and Xᵀ in fp32 for A = X Xᵀ and A in
+    fp32 before it is rounded (``aX + BX`` adds less: X once, B, and the product's other half)."""
+    extra = 8 * block + 2 * side * side if upcast else 0
+    return 4 * block + width * (2 * block + 2 * side * side) + 2 * 4 * side * side + extra
 
 
 def parameter_counts(m: ModelConfig) -> tuple[int, int]:
@@ -406,15 +415,18 @@ def activation_parts(cfg: RunConfig, layout: Layout, kind: str) -> dict[str, int
     }
 
 
-def fp32_gemms(cfg: RunConfig, kind: str) -> bool:
-    """Whether a run's bf16 GEMMs go through fp32 upcasts on this machine's CPU (``train.cpu_bf16_matmul``)."""
-    if kind != "cpu" or cfg.precision != "bf16":
+def fp32_gemms(cfg: RunConfig, kind: str, precision: str | None = None, compiled: bool | None = None) -> bool:
+    """Whether bf16 GEMMs go through fp32 upcasts on this machine's CPU (``train.cpu_bf16_matmul``): the model's
+    (by default: in the run's precision, compiled as the run is), or others' (Muon's Newton-Schulz: in its own
+    dtype, never compiled)."""
+    if kind != "cpu" or (precision or cfg.precision) != "bf16":
         return False
     import torch
 
     from megatransformer.training.runtime.cpu_bf16 import gemms_as_fp32
 
-    return gemms_as_fp32(cfg.train.cpu_bf16_matmul, "cpu", torch.bfloat16, compiled=bool(cfg.train.compile))
+    compiled = bool(cfg.train.compile) if compiled is None else compiled
+    return gemms_as_fp32(cfg.train.cpu_bf16_matmul, "cpu", torch.bfloat16, compiled=compiled)
 
 
 def row_lengths(cfg: RunConfig) -> tuple[int, int]:
@@ -549,7 +561,7 @@ def memory_parts(cfg: RunConfig, layout: Layout, device: Device, engine: bool = 
     head_grad = cfg.model.vocab_size * cfg.model.d_model * 4
     buffers = sum(in_backward.values())
     if cfg.optim.name == "muon" and engine:  # (the optimizer's step, right after the backward's end)
-        buffers += muon_step_bytes(cfg, layout)
+        buffers += muon_step_bytes(cfg, layout, device.kind)
     loss = acts["activations"] + acts["loss_chunk"] + head_grad
     backward = buffers + acts["activations"] + acts["recomputed"] + acts["attention_transients"] + head_grad
     step = zero3_step_bytes(cfg, layout) if engine else 0

@@ -4,6 +4,8 @@ balance, the state it keeps, and the planner's count of it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from support import REPO
@@ -26,6 +28,7 @@ from megatransformer.training.optimizers.muon import (
     newton_schulz_steps,
     plan_exchange,
 )
+from megatransformer.training.runtime.cpu_bf16 import Fp32Gemms
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -85,11 +88,15 @@ def test_tensor_parallel_groups_know_each_matrix_split():
     assert dims == {0: 10, 1: 4}  # q, k, v, gate, up by output; o, down by input
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
-def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
+@pytest.mark.parametrize(
+    ("nesterov", "adjust", "cpu_bf16_matmul"),
+    [(True, "original", "native"), (False, "match_rms_adamw", "native"), (True, "match_rms_adamw", "fp32")],
+)
+def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str, cpu_bf16_matmul: str):
     """The same model stepped by MuonWithAdamW and by torch.optim.Muon + torch.optim.AdamW on the same
-    gradients: bit for bit the same weights after five steps."""
+    gradients: bit for bit the same weights after five steps. Newton-Schulz in bf16 with PyTorch's bf16 kernels,
+    or with fp32 GEMMs of the bf16 operands (what ``auto`` picks on CPUs without bf16 kernels) as torch's Muon
+    computes under cpu_bf16.Fp32Gemms."""
     o = OptimConfig(
         name="muon",
         lr=1e-2,
@@ -103,7 +110,7 @@ def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
     )
     ours, ref = model(tie_embeddings=False), model(tie_embeddings=False)  # (an output head AdamW decays)
     groups, _ = muon_param_groups(ours, o, 1)
-    optimizer = MuonWithAdamW(groups)
+    optimizer = MuonWithAdamW(groups, cpu_bf16_matmul=cpu_bf16_matmul)
     ref_params = dict(ref.named_parameters())
     chosen = hidden_matrix_names(ref)
     muon = torch.optim.Muon(
@@ -132,7 +139,8 @@ def test_updates_equal_torch_muon_and_adamw(nesterov: bool, adjust: str):
             p.grad = torch.randn(p.shape, generator=gen)
             q.grad = p.grad.clone()
         optimizer.step()
-        muon.step()
+        with Fp32Gemms() if cpu_bf16_matmul == "fp32" else contextlib.nullcontext():
+            muon.step()
         adamw.step()
     assert optimizer.ns_calls == 5 * len(chosen) and optimizer.ns_parts == 0
     assert optimizer.ns_flops == 5 * o.muon_ns_steps * sum(newton_schulz_flops(ref_params[n].shape) for n in chosen)

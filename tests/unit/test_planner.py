@@ -8,12 +8,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import plan_memory  # noqa: E402
 from plan_memory import bare_peak, planned, run_config  # noqa: E402
+from support.memory import peak_host_bytes  # noqa: E402
 
 from megatransformer.planner import GIB, GPUS, Layout, find_gpu, memory_parts, plan  # noqa: E402
 
@@ -326,7 +328,52 @@ def test_muon_s_owners_and_their_buffers_are_counted() -> None:
     work, block, side = muon_owner_work(muon.model, 512)
     assert work <= 1.1 * total / 512  # (560 matrices over 512 ranks: some split across teams)
     assert side == 8192 and block < 28672 * 8192  # (no rank holds the largest matrix whole)
-    assert muon_step_bytes(muon, big) > 4 * block + 2 * side * side  # (the block in fp32, A and B whole)
+    assert muon_step_bytes(muon, big, "cuda") > 4 * block + 2 * side * side  # (the block in fp32, A and B whole)
+
+
+@pytest.mark.parametrize(("choice", "upcast"), [("fp32", True), ("native", False)])
+def test_bf16_newton_schulz_as_fp32_gemms_on_a_cpu_counts_its_upcasts(choice: str, upcast: bool) -> None:
+    from megatransformer.planner import muon_owner_work, muon_step_bytes
+
+    cfg = llama(**LLAMA_70B)
+    cfg = cfg.model_copy(
+        update={
+            "optim": cfg.optim.model_copy(update={"name": "muon", "muon_ns_dtype": "bf16"}),
+            "train": cfg.train.model_copy(update={"cpu_bf16_matmul": choice}),
+        }
+    )
+    ranks = layout(dp=8, zero=3)
+    _, block, side = muon_owner_work(cfg.model, 8)
+    added = muon_step_bytes(cfg, ranks, "cpu") - muon_step_bytes(cfg, ranks, "cuda")
+    assert added == (8 * block + 2 * side * side if upcast else 0)
+
+
+def test_newton_schulz_as_fp32_gemms_holds_what_the_planner_counts() -> None:
+    """The allocator's peak over one bf16 Newton-Schulz under cpu_bf16.Fp32Gemms: more than the working set
+    without the upcasts, no more than with them."""
+    from megatransformer.planner import newton_schulz_bytes
+    from megatransformer.training.optimizers.muon import newton_schulz_steps
+    from megatransformer.training.runtime.cpu_bf16 import Fp32Gemms
+
+    update = torch.randn(64, 256)
+
+    def orthogonalize() -> torch.Tensor:
+        with Fp32Gemms():
+            *_, result = newton_schulz_results(newton_schulz_steps(update, 3, "bf16"))
+        return result
+
+    peak = peak_host_bytes(orthogonalize, python=False)
+    block, side = update.numel(), 64
+    assert newton_schulz_bytes(block, side, 2, upcast=False) < peak <= newton_schulz_bytes(block, side, 2, upcast=True)
+
+
+def newton_schulz_results(steps):
+    """Every pause of a :func:`muon.newton_schulz_steps` iteration (None), then its result."""
+    try:
+        while True:
+            yield next(steps)
+    except StopIteration as done:
+        yield done.value
 
 
 @pytest.mark.parametrize("policy, zero, noted", [("keep", 3, True), ("release", 3, False), ("keep", 1, False)])

@@ -260,7 +260,8 @@ class TrainModule:
         if cfg.optim.name == "muon":
             check_muon_layout(cfg)
             groups_, self.optimizer_line = muon_param_groups(model, cfg.optim, tp)
-            optimizer = functools.partial(MuonWithAdamW, fused=True)  # (built on the parameters AutoTP shards)
+            # (built on the parameters AutoTP shards)
+            optimizer = functools.partial(MuonWithAdamW, fused=True, cpu_bf16_matmul=cfg.train.cpu_bf16_matmul)
         else:
             groups_ = param_groups(model, cfg.optim.weight_decay, cfg.optim.decay_norms_and_embeddings)
         self.compiled = compile_enabled(cfg, self.device.type)

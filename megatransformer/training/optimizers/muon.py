@@ -6,13 +6,16 @@ flattens. The Muon update is ``torch.optim.Muon``'s, line for line (its Newton-S
 learning-rate adjustment of the matrix shape), at every ZeRO stage and under tensor parallelism: each matrix is
 orthogonalised once, by an owner rank, or split by columns across a team of ranks, chosen to balance
 Newton-Schulz's FLOPs; each owner receives every rank's elements of its block (read from DeepSpeed's partition map)
-and sends each rank its elements of the result. Design notes and costs: docs/optimizers.md.
+and sends each rank its elements of the result. On a CPU without bf16 GEMM kernels, bf16 Newton-Schulz computes its
+products as fp32 GEMMs of the bf16 operands (``train.cpu_bf16_matmul``, training/runtime/cpu_bf16.py), as the
+forward and backward passes do. Design notes and costs: docs/optimizers.md.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -27,6 +30,7 @@ from megatransformer.model.matrices import hidden_matrix_names
 from megatransformer.model.tp_plan import partition_dim
 from megatransformer.training.deepspeed.internals import param_shape
 from megatransformer.training.deepspeed.partitions import Fragment, PartitionMap
+from megatransformer.training.runtime.cpu_bf16 import gemms_as_fp32, matmul_context
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
 NS_EPS = 1e-7
@@ -322,10 +326,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
     of ranks: ``matrices`` (by name, teams assigned), ``partitions`` (DeepSpeed's map of which rank holds which
     elements in which flat buffer). Unbound, every matrix is orthogonalised where it is stepped. Counted: whole
     matrices orthogonalised (``ns_calls``), team members' parts (``ns_parts``) and the FLOPs of both
-    (``ns_flops``, :func:`newton_schulz_flops` per iteration; a member's part its share of it)."""
+    (``ns_flops``, :func:`newton_schulz_flops` per iteration; a member's part its share of it).
+    ``cpu_bf16_matmul``: how bf16 Newton-Schulz multiplies on a CPU (``train.cpu_bf16_matmul``)."""
 
-    def __init__(self, groups: list[dict], fused: bool = False) -> None:
+    def __init__(self, groups: list[dict], fused: bool = False, cpu_bf16_matmul: str = "auto") -> None:
         super().__init__(groups, {})
+        self.cpu_bf16_matmul = cpu_bf16_matmul
         self.partitions: PartitionMap | None = None
         self.matrices: dict[str, Matrix] = {}
         self.ns_calls = self.ns_parts = self.ns_flops = 0
@@ -371,8 +377,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            if group["use_muon"]:
-                self._muon_group(group)
+            if group["use_muon"] and group["params"]:
+                with self._matmuls(group)():
+                    self._muon_group(group)
         if self._adamw is not None:
             # (the same group dicts and state: the LR schedule and a loaded state dict reach both halves)
             self._adamw.param_groups = [g for g in self.param_groups if not g["use_muon"]]
@@ -382,6 +389,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
             self._adamw.state = self.state
             self._adamw.step()
         return loss
+
+    def _matmuls(self, group: dict) -> Callable[[], AbstractContextManager]:
+        dtype = torch.bfloat16 if group["ns_dtype"] == "bf16" else torch.float32
+        return matmul_context(gemms_as_fp32(self.cpu_bf16_matmul, group["params"][0].device, dtype))
 
     def _muon_group(self, group: dict) -> None:
         lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]

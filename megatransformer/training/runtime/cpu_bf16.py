@@ -61,6 +61,19 @@ def _upcast(value):
     return value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
 
 
+def _upcast_each(values) -> list:
+    """``values``, each bf16 tensor upcast once however often it is passed (``addmm(A, A, A)``: one copy)."""
+    copies: dict[int, torch.Tensor] = {}
+    upcast = []
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+            if id(value) not in copies:
+                copies[id(value)] = value.float()
+            value = copies[id(value)]
+        upcast.append(value)
+    return upcast
+
+
 def _is_cpu_bf16(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 and value.device.type == "cpu"
 
@@ -78,7 +91,7 @@ class Fp32Gemms(TorchDispatchMode):
         if (func in GEMMS or in_place is not None) and any(_is_cpu_bf16(a) for a in args):
             out = args[0] if in_place is not None else kwargs.pop("out", None)
             compute = in_place or func.overloadpacket.default
-            result = compute(*map(_upcast, args), **kwargs)
+            result = compute(*_upcast_each(args), **kwargs)
             if out is None:
                 return result.to(torch.bfloat16)
             return out.copy_(result)
