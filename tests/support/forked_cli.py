@@ -119,6 +119,8 @@ def serve() -> None:
 
 def run_ranks(request: dict, answers, devnull: int) -> int:
     """Forks the request's ranks and waits for them: the first non-zero exit code, or 0."""
+    from megatransformer.training.runtime.distributed import free_port
+
     nproc = request["nproc"]
     port = free_port() if nproc > 1 else None
     ranks = {fork_rank(request, rank, port, answers, devnull): rank for rank in range(nproc)}
@@ -172,12 +174,6 @@ def fork_rank(request: dict, rank: int, port: int | None, answers, devnull: int)
     sys.argv = [cli.__file__, *request["args"]]
     cli.command()
     raise AssertionError("megatransformer.cli.command() returned")
-
-
-def free_port() -> int:
-    from megatransformer.training.runtime.distributed import free_port
-
-    return free_port()
 
 
 if __name__ == "__main__":

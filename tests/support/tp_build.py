@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import deepspeed
@@ -52,6 +52,30 @@ class Reads(Mapping[str, torch.Tensor]):
         return len(self.weights)
 
 
+def loaded(build: Callable[[Reads], torch.nn.Module], cfg, reference: torch.nn.Module, path: Path, tp: int) -> dict:
+    """A build from a weights checkpoint (init_from) that rank 0 writes at ``path``, each tensor of ``reference``
+    given one value: the parameters whose values are not this rank's slices of it, the split tensors read whole and
+    those not read as slices. ``reference`` is left holding the checkpoint's weights."""
+    from deepspeed.utils import groups
+
+    values: dict[int, float] = {}  # (a tied tensor has one value under each of its names)
+    state = reference.state_dict(keep_vars=True)
+    weights = {n: torch.full_like(t, values.setdefault(id(t), 0.25 * len(values))) for n, t in state.items()}
+    if torch.distributed.get_rank() == 0:
+        write_weights_checkpoint(path, cfg, weights)
+    torch.distributed.barrier()
+    reads = Reads(LazyWeights(path))
+    module = build(reads)
+    reference.load_state_dict(weights)
+    rank, dtype = groups.get_tensor_model_parallel_rank(), precision_dtype(cfg.precision)
+    split = sorted(n for n, _ in reference.named_parameters() if partition_dim(n) is not None)
+    return {
+        "differing_loaded": differing(module, reference, dtype, rank, tp),
+        "split_read_whole": sorted(reads.whole & set(split)),
+        "split_not_sliced": sorted(set(split) - reads.sliced),
+    }
+
+
 def engine_module(cfg, stage: int, weights=None) -> torch.nn.Module:
     """The model as ``TrainModule`` builds it and hands it to DeepSpeed (its AutoTP), without training it."""
     config = deepspeed_config(cfg, BatchSizes(1, 1, 1), "cpu", zero_stage=stage)
@@ -78,19 +102,8 @@ def main(out: Path) -> None:
             reference = build_model(cfg.model, cfg.seed)
             record[f"differing_{stage}_{precision}"] = differing(module, reference, dtype, rank, tp)
             # weights a run starts from (init_from): a weights checkpoint, read tensor by tensor or slice by slice
-            values: dict[int, float] = {}  # (a tied tensor has one value under each of its names)
-            state = reference.state_dict(keep_vars=True)
-            weights = {n: torch.full_like(t, values.setdefault(id(t), 0.25 * len(values))) for n, t in state.items()}
-            if info.rank == 0:
-                write_weights_checkpoint(out / "weights", cfg, weights)
-            torch.distributed.barrier()
-            reads = Reads(LazyWeights(out / "weights"))
-            module = engine_module(cfg, stage, reads)
-            reference.load_state_dict(weights)
-            record[f"differing_loaded_{stage}_{precision}"] = differing(module, reference, dtype, rank, tp)
-            split = sorted(n for n, _ in reference.named_parameters() if partition_dim(n) is not None)
-            record[f"split_read_whole_{stage}_{precision}"] = sorted(reads.whole & set(split))
-            record[f"split_not_sliced_{stage}_{precision}"] = sorted(set(split) - reads.sliced)
+            got = loaded(lambda reads: engine_module(cfg, stage, reads), cfg, reference, out / "weights", tp)
+            record |= {f"{key}_{stage}_{precision}": value for key, value in got.items()}
             torch.distributed.barrier()
     cfg = run_config(model=MODEL, precision="fp32", seed=11, parallel={"zero_stage": 0, "tensor_parallel": tp})
     module = engine_module(cfg, 0)

@@ -14,11 +14,8 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from megatransformer.checkpoint import write_weights_checkpoint
-from megatransformer.checkpoint.files import LazyWeights
 from megatransformer.config import precision_dtype
 from megatransformer.model import build_model
-from megatransformer.model.tp_plan import partition_dim
 from megatransformer.training.engine.construction import build_for_run, slices_made_by_autotp
 from megatransformer.training.engine.train_module import deepspeed_config
 from megatransformer.training.runtime.distributed import setup
@@ -26,7 +23,7 @@ from megatransformer.training.runtime.layout import BatchSizes
 from support.memory import peak_host_bytes
 from support.models import run_config
 from support.sharded_build import ParameterBytes, freed_here
-from support.tp_build import MODEL, Reads, differing
+from support.tp_build import MODEL, differing, loaded
 
 TP = 2
 
@@ -69,19 +66,8 @@ def main(out: Path) -> None:
         record[f"whole_{precision}"] = sum(p.numel() for p in reference.parameters()) * dtype.itemsize
         record[f"peak_{precision}"] = peak_host_bytes(lambda: freed_here(engine_module, cfg, config), python=False)
         # weights a run starts from (init_from): a weights checkpoint, read tensor by tensor or slice by slice
-        values: dict[int, float] = {}  # (a tied tensor has one value under each of its names)
-        state = reference.state_dict(keep_vars=True)
-        weights = {n: torch.full_like(t, values.setdefault(id(t), 0.25 * len(values))) for n, t in state.items()}
-        if info.rank == 0:
-            write_weights_checkpoint(out / f"weights_{precision}", cfg, weights)
-        torch.distributed.barrier()
-        reads = Reads(LazyWeights(out / f"weights_{precision}"))
-        module = engine_module(cfg, config, reads)
-        reference.load_state_dict(weights)
-        record[f"differing_loaded_{precision}"] = differing(module, reference, dtype, rank, TP)
-        split = sorted(n for n, _ in reference.named_parameters() if partition_dim(n) is not None)
-        record[f"split_read_whole_{precision}"] = sorted(reads.whole & set(split))
-        record[f"split_not_sliced_{precision}"] = sorted(set(split) - reads.sliced)
+        got = loaded(lambda reads: engine_module(cfg, config, reads), cfg, reference, out / f"weights_{precision}", TP)
+        record |= {f"{key}_{precision}": value for key, value in got.items()}
     (out / f"rank_{info.rank}.json").write_text(json.dumps(record))
 
 
