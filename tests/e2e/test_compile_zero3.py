@@ -1,8 +1,8 @@
 """``train.compile=true`` on 2 gloo ranks: at ZeRO-3 each block's forward is compiled with DeepSpeed's hooks
-outside the graph (``compiled.gather_whole_blocks``), with tensor parallelism each block whole; neither breaks a
-graph, by dynamo's own log (``TORCH_LOGS=graph_breaks``) and by the run log, and ZeRO-3's losses are the eager
-run's, with activation checkpointing too. A block that reads a value to the host breaks its graph: the run log
-says so after the first step, with the reason.
+outside the graph (``compiled.gather_whole_blocks``), with tensor parallelism each block whole, and both together on
+4 ranks; none breaks a graph, by dynamo's own log (``TORCH_LOGS=graph_breaks``) and by the run log, and ZeRO-3's
+losses are the eager run's, with activation checkpointing and with tensor parallelism too. A block that reads a
+value to the host breaks its graph: the run log says so after the first step, with the reason.
 """
 
 from __future__ import annotations
@@ -63,6 +63,20 @@ def test_tensor_parallel_compiles_each_block_without_a_graph_break(tiny_data, tm
     result = train(tiny_run(tiny_data, tmp_path / "tp", steps=3) + layout, nproc=2, env=DYNAMO_LOG)
     assert "Graph break" not in result.stderr
     assert compiler_lines(result.stdout) == [CLEAN]
+
+
+def test_zero3_with_tensor_parallelism_compiles_without_a_graph_break_and_trains_as_eager(tiny_data, tmp_path):
+    """dp2 x tp2 on 4 ranks: AutoTP's slices partitioned by ZeRO-3, each block compiled inside ZeRO-3's hooks."""
+    runs = {}
+    for compiled in (False, True):
+        run = tmp_path / f"compile-{compiled}"
+        layout = ["parallel.zero_stage=3", "parallel.tensor_parallel=2", f"train.compile={str(compiled).lower()}"]
+        result = train(tiny_run(tiny_data, run, steps=3) + layout, nproc=4, env=DYNAMO_LOG)
+        runs[compiled] = losses(run)
+        assert "layout: dp2 x tp2 on 4 ranks" in result.stdout
+        assert "Graph break" not in result.stderr
+        assert compiler_lines(result.stdout) == ([CLEAN] if compiled else [])
+    assert runs[True] == pytest.approx(runs[False], rel=1e-3)
 
 
 def test_a_graph_break_in_a_block_is_reported_after_the_first_step(tiny_data, tmp_path):
