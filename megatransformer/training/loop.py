@@ -205,6 +205,13 @@ class Trainer:
             matmuls = cpu_bf16.describe(cfg.train.cpu_bf16_matmul, self.dist.device, dtype, self.module.compiled)
             if matmuls is not None:
                 print(matmuls)
+            muon_bf16 = cfg.optim.name == "muon" and cfg.optim.muon_ns_dtype == "bf16"
+            if muon_bf16 and (dtype != torch.bfloat16 or self.module.compiled):  # (else the line above says it)
+                ns = cpu_bf16.describe(
+                    cfg.train.cpu_bf16_matmul, self.dist.device, torch.bfloat16, what="Muon's bf16 Newton-Schulz"
+                )
+                if ns is not None:
+                    print(ns)
             for line in zero_stage_notes(cfg, self.module.zero_stage, torch.device(self.dist.device).type):
                 print(line)
             if self.module.optimizer_line:

@@ -220,6 +220,7 @@ def test_a_zero_run_resumes_on_other_zero_stages_with_the_momentum_it_saved(tiny
 def test_a_decay_branched_off_a_stable_checkpoint_continues_it_in_its_own_run_dir(tiny_data, tmp_path):
     stable, branch = tmp_path / "stable", tmp_path / "decay"
     wsd = MUON | {"schedule.name": "wsd", "schedule.decay_steps": 4, "checkpoint.every": 6}
+    wsd |= {"train.cpu_bf16_matmul": "fp32"}  # (Newton-Schulz in bf16, as fp32 GEMMs: the model's are fp32)
     train(tiny_run(tiny_data, stable, steps=12, changes=wsd))
     decay = tiny_run(tiny_data, branch, steps=9, changes=wsd | {"schedule.decay_steps": None})
     # (the stable run's last checkpoint has decayed: a branch of it raised the rate 5.5x and decayed again)
@@ -227,6 +228,8 @@ def test_a_decay_branched_off_a_stable_checkpoint_continues_it_in_its_own_run_di
     assert "is at step 12 of a wsd schedule, in its decay" in refused.stderr
     result = train(decay + [f"schedule.decay_from={checkpoint(stable, 6)}", "schedule.decay_shape=linear"])
     assert "decaying from step 6, lr 0.003, muon_lr 0.02, to step 9, lr 0.0003, muon_lr 0.002, linear" in result.stdout
+    assert "Muon's bf16 Newton-Schulz: fp32 GEMMs of the bf16 operands; train.cpu_bf16_matmul=fp32" in result.stdout
+    assert "bf16 matmuls:" not in result.stdout
     ran, base = [r for r in metrics(branch) if r["kind"] == "train"], losses_by_step(stable)
     assert [r["step"] for r in ran] == [7, 8, 9] and not (branch / "checkpoints" / "step_000006").exists()
     assert ran[0]["loss"] == base[7]  # the same weights, optimizer and data as the stable run's step 7

@@ -17,7 +17,8 @@ PyTorch's fused CPU attention (SDPA's flash kernel, ``attention_backend=sdpa`` w
 transformers models run) does its products with the same slow bf16 GEMMs (a forward and backward 5x its fp32
 form's time here); it runs in fp32 too, its outputs rounded once to bf16. That form keeps the softmax's
 probabilities in fp32 for their product with the values where the bf16 kernel rounds them to bf16 first: more
-precise, not bit-identical. Every other operator passes through untouched.
+precise, not bit-identical. Every other operator passes through untouched. Muon's bf16 Newton-Schulz iterations
+run in it too (training/optimizers/muon.py).
 """
 
 from __future__ import annotations
@@ -112,14 +113,17 @@ def matmul_context(enabled: bool) -> typing.Callable[[], contextlib.AbstractCont
     return Fp32Gemms if enabled else contextlib.nullcontext
 
 
-def describe(choice: str, device: torch.device | str, dtype: torch.dtype, compiled: bool = False) -> str | None:
-    """The run log's line on how bf16 GEMMs run on a CPU (None on GPUs and in other precisions)."""
+def describe(
+    choice: str, device: torch.device | str, dtype: torch.dtype, compiled: bool = False, what: str = "bf16 matmuls"
+) -> str | None:
+    """The run log's line on how bf16 GEMMs run on a CPU (None on GPUs and in other precisions); ``what``: whose
+    (the model's, or Muon's Newton-Schulz)."""
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return None
     if gemms_as_fp32(choice, device, dtype, compiled):
         why = "" if choice == "fp32" else " (this CPU has no bf16 GEMM kernels in PyTorch)"
-        return f"bf16 matmuls: fp32 GEMMs of the bf16 operands{why}; train.cpu_bf16_matmul={choice}"
+        return f"{what}: fp32 GEMMs of the bf16 operands{why}; train.cpu_bf16_matmul={choice}"
     if compiled and choice != "native":
-        return "bf16 matmuls: the compiled model's own (train.compile=true)"
+        return f"{what}: the compiled model's own (train.compile=true)"
     slow = "" if native_bf16_gemm() else ", which on this CPU are a generic loop many times slower than fp32"
-    return f"bf16 matmuls: PyTorch's bf16 kernels{slow}; train.cpu_bf16_matmul={choice}"
+    return f"{what}: PyTorch's bf16 kernels{slow}; train.cpu_bf16_matmul={choice}"
