@@ -14,6 +14,7 @@ import threading
 import time
 
 from launch.env import DistEnv, LaunchError, detect
+from megatransformer.console import to_stderr
 
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -68,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dist = detect()
     except LaunchError as err:
-        print(f"launch: error: {err}", file=sys.stderr)
+        to_stderr(f"launch: error: {err}")
         return 2
     os.environ.update(dist.variables())
     if dist.note:
-        print(f"launch: note: {dist.note}", file=sys.stderr)
+        to_stderr(f"launch: note: {dist.note}")
     if dist.rank == 0:
         print(describe(dist), flush=True)
     from megatransformer.cli import main as cli_main
