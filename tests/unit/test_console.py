@@ -128,7 +128,7 @@ class Writes(list):
         pass
 
 
-def test_an_error_reaches_stderr_in_one_write_so_ranks_do_not_garble_each_others(monkeypatch):
+def test_an_error_reaches_stderr_in_one_write_so_ranks_do_not_garble_each_other(monkeypatch):
     writes = Writes()
     monkeypatch.setattr(sys, "stderr", writes)
     assert main(["info", "--config", "/nonexistent.yaml"]) == 2
