@@ -3,8 +3,10 @@ DeepSpeed, the trainer): a test's run then costs its own work, not the ~5 CPU-se
 importing them. Each rank is a process of its own with torchrun's rank variables (as ``srun`` starts ranks, so
 without torchrun's TORCHELASTIC_* ones), stdin from /dev/null and its output in files, and ends through the
 interpreter's shutdown as a process started from the command line does; when a rank fails, the others are
-stopped as torchrun stops them. One server per test process, started at its first run; run as a script, this
-file is the server. ``runs.train`` and ``runs.cli`` use it where the run's environment is the server's."""
+stopped as torchrun stops them. One server per test process, started at its first run, and again in the test
+process's environment when that has changed (a library or an in-process test sets variables as it goes: DeepSpeed's
+accelerator, the datasets library's offline flag); run as a script, this file is the server. ``runs.train`` and
+``runs.cli`` use it where the run's environment is the server's or the test process's own."""
 
 from __future__ import annotations
 
@@ -41,19 +43,22 @@ class ForkedCli:
         self._lock = threading.Lock()
 
     def serves(self, env: Mapping[str, str]) -> bool:
-        """Whether a run in ``env`` can be forked: the environment the server started in (or would start in now),
-        but for PER_TEST, since torch, DeepSpeed and OpenMP read theirs as they load; TESTS_FORK=0 turns it off."""
+        """Whether a run in ``env`` can be forked: the environment the server started in, or this process's (a
+        server is started in it), but for PER_TEST, since torch, DeepSpeed and OpenMP read theirs as they load;
+        a run in an environment of its own starts a new interpreter. TESTS_FORK=0 turns forking off."""
         if os.environ.get("TESTS_FORK") == "0":
             return False
-        started_in = self._env if self._server is not None else os.environ
-        return comparable(env) == comparable(started_in)
+        return comparable(env) in (comparable(self._env), comparable(os.environ))
 
-    def run(self, args: list[str], nproc: int = 1, timeout: float | None = None) -> subprocess.CompletedProcess:
-        """``megatransformer ARGS`` on ``nproc`` ranks to its end: the first failed rank's exit code (0 when every
-        rank exits 0), the ranks' standard output and error each in rank order. Past ``timeout`` s every rank and
-        the server are killed and subprocess.TimeoutExpired raised, as subprocess.run raises it."""
+    def run(
+        self, args: list[str], nproc: int = 1, timeout: float | None = None, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
+        """``megatransformer ARGS`` on ``nproc`` ranks to its end, in ``env`` (one :meth:`serves`; by default this
+        process's): the first failed rank's exit code (0 when every rank exits 0), the ranks' standard output and
+        error each in rank order. Past ``timeout`` s every rank and the server are killed and
+        subprocess.TimeoutExpired raised, as subprocess.run raises it."""
         with self._lock, tempfile.TemporaryDirectory(prefix="forked_cli_") as outputs:
-            server = self._started()
+            server = self._started(dict(os.environ if env is None else env))
             request = {"args": [str(a) for a in args], "nproc": nproc, "cwd": os.getcwd(), "outputs": outputs}
             server.stdin.write(json.dumps(request) + "\n")
             server.stdin.flush()
@@ -68,9 +73,12 @@ class ForkedCli:
                 raise subprocess.TimeoutExpired(command, timeout, read("out"), read("err"))
             return subprocess.CompletedProcess(command, answer, read("out"), read("err"))
 
-    def _started(self) -> subprocess.Popen:
+    def _started(self, env: dict[str, str]) -> subprocess.Popen:
+        """The server, started (again) where there is none running in ``env``."""
+        if self._server is not None and comparable(env) != comparable(self._env):
+            self.close()
         if self._server is None or self._server.poll() is not None:
-            self._env = dict(os.environ)
+            self._env = env
             self._server = subprocess.Popen(
                 [sys.executable, __file__],
                 stdin=subprocess.PIPE,

@@ -116,7 +116,7 @@ def cli(*args: object, check: bool = True, env: dict[str, str] | None = None) ->
     error unless it exits 0."""
     env = {**os.environ, **(env or {})}
     if FORKED.serves(env):
-        result = FORKED.run([*map(str, args)])
+        result = FORKED.run([*map(str, args)], env=env)
     else:
         result = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=env)
     if check and result.returncode != 0:
@@ -148,7 +148,7 @@ def train(
     torchrun's."""
     env = {**os.environ, **(env or {})}
     if (nproc == 1 or expect == 0) and FORKED.serves(env):
-        result = FORKED.run(["train", "--config", os.devnull, *overrides], nproc=nproc, timeout=600)
+        result = FORKED.run(["train", "--config", os.devnull, *overrides], nproc=nproc, timeout=600, env=env)
     else:
         result = subprocess.run(train_command(nproc) + overrides, capture_output=True, text=True, env=env, timeout=600)
     if expect is not None and result.returncode != expect:
