@@ -8,11 +8,11 @@ import functools
 import os
 import re
 import shutil
-import sys
 from collections.abc import Collection
 from pathlib import Path
 
 from megatransformer.config import ConfigError
+from megatransformer.console import to_stderr
 
 COMPLETE = "COMPLETE"  # the manifest, written last: a directory without it is an interrupted save
 WEIGHTS = "model.safetensors"
@@ -48,7 +48,7 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 def warn(message: str) -> None:
     """A warning on stderr, from the first rank only (every rank may take the same decision)."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+        to_stderr(f"warning: {message}")
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

@@ -193,10 +193,9 @@ def _input_files(names: list[str]) -> list[str]:
     skipped = files_not_read(names)
     if skipped:
         shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
-        print(
+        to_stderr(
             f"note: not reading {shown}: --input reads .txt, .jsonl, .json and .tsv files (plain, .gz or .zst), "
             ".parquet and .arrow files of a directory; name other files one by one",
-            file=sys.stderr,
         )
     return files
 

@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatransformer.console import to_stderr
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from megatransformer.commands.data import add_instruction_arguments
@@ -67,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
     if args.bleu or args.hypotheses:
         _check_bleu_arguments(args)
     model_overrides, run_overrides = _split_overrides(args.overrides)
-    say(f"loading {args.checkpoint}")  # (PyTorch and the weights: seconds, on a busy machine tens of them)
+    to_stderr(f"loading {args.checkpoint}")  # (PyTorch and the weights: seconds, on a busy machine tens of them)
     from megatransformer.training.threads import say_threads
 
-    say_threads(say)  # (as train picks its threads: a busy machine's default threads wait for each other)
+    say_threads(to_stderr)  # (as train picks its threads: a busy machine's default threads wait for each other)
     from megatransformer.inference import load_for_inference
 
     loaded = load_for_inference(args.checkpoint, model_overrides=model_overrides)
@@ -85,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
         raw["data"] = {**raw["data"], "train": shards, "valid": shards, "num_workers": 0, "streams": 1}
         cfg = validate(raw)
         limit = f", at most {args.max_batches} batches" if args.max_batches else ""
-        say(f"evaluating {loaded.path} on {' '.join(args.data)} ({cfg.objective}, batches of {args.batch_size}{limit})")
-        say(scored(cfg))
+        data = " ".join(args.data)
+        to_stderr(f"evaluating {loaded.path} on {data} ({cfg.objective}, batches of {args.batch_size}{limit})")
+        to_stderr(scored(cfg))
         result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
     result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
     if args.json:
@@ -196,7 +199,7 @@ def bleu_of(
         references.append(pair.text)
     if not sources:
         raise ConfigError(f"no translation pairs in {', '.join(files)}")
-    say(
+    to_stderr(
         f"translating {len(sources):,} sentences of {', '.join(files)} with {loaded.path}: beam {num_beams}, "
         f"batches of {batch_size}"
     )
@@ -208,7 +211,7 @@ def bleu_of(
         Path(hypotheses).write_text("".join(line.replace("\n", " ") + "\n" for line in outputs))
     warning = empty_hypotheses_warning(outputs)
     if warning:
-        print(warning, file=sys.stderr, flush=True)
+        to_stderr(warning)
     bleu, chrf = BLEU(), CHRF()
     bleu_score, chrf_score = bleu.corpus_score(outputs, [references]), chrf.corpus_score(outputs, [references])
     return {
@@ -270,7 +273,7 @@ def run_tasks(args: argparse.Namespace) -> int:
     # (PyTorch and lm-eval load for tens of seconds on a busy machine; a terminal only: a task name lm-eval does not
     # know, found once it has loaded, stays a script's one line of stderr)
     if os.environ.get("RANK", "0") == "0" and sys.stderr.isatty():
-        say(f"loading {args.checkpoint}, PyTorch and lm-evaluation-harness for {' '.join(args.tasks)}")
+        to_stderr(f"loading {args.checkpoint}, PyTorch and lm-evaluation-harness for {' '.join(args.tasks)}")
     import torch
 
     from megatransformer import harness
@@ -281,8 +284,8 @@ def run_tasks(args: argparse.Namespace) -> int:
     harness.check_fewshot(tasks, args.num_fewshot, "--num-fewshot")
     if int(os.environ.get("RANK", 0)) == 0:
         for line in tasks.code():
-            say(line)  # (a task folder is code: lm-eval imports it)
-    say_threads(say)  # (after the tasks: a name lm-eval does not know stays one line)
+            to_stderr(line)  # (a task folder is code: lm-eval imports it)
+    say_threads(to_stderr)  # (after the tasks: a name lm-eval does not know stays one line)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if world > 1:
@@ -294,7 +297,7 @@ def run_tasks(args: argparse.Namespace) -> int:
         if loaded.tokenizer is None:
             raise ConfigError(f"{loaded.path} has no tokenizer.json")
         if rank == 0:
-            say(
+            to_stderr(
                 f"evaluating {loaded.path} on {' '.join(tasks.names)} with lm-eval (fp32 on {device}, "
                 f"{world} rank{'s' * (world > 1)}, batches of {args.batch_size})"
             )
@@ -378,11 +381,6 @@ def write_samples(path: Path, samples: dict[str, list[dict]]) -> None:
                 metrics = {name: item[name] for name in item["metrics"]}
                 record = {"task": task, "doc_id": item["doc_id"], "resps": item["resps"], "metrics": metrics}
                 f.write(json.dumps(record, default=str) + "\n")
-
-
-def say(line: str) -> None:
-    """What the command is doing, on stderr (stdout holds the result, JSON with --json)."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str, str]:

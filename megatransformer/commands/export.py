@@ -8,8 +8,9 @@ Formats: ``safetensors`` (our consolidated weights + config + tokenizer, readabl
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+from megatransformer.console import to_stderr
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,14 +62,13 @@ def export(args: argparse.Namespace) -> int:
         if reason:
             raise ConfigError(f"cannot export as a Hugging Face model: {reason}; use --format safetensors")
         if cfg.objective == "prefix_lm":
-            print(
+            to_stderr(
                 "warning: this model was trained with objective=prefix_lm (a bidirectional prompt); "
                 "a transformers causal LM reads prompts causally, so its outputs differ from `megatransformer "
                 "generate`",
-                file=sys.stderr,
             )
         for note in hf_family(cfg.model).notes(cfg.model):
-            print(f"note: {note} (the same outputs in evaluation mode)", file=sys.stderr)
+            to_stderr(f"note: {note} (the same outputs in evaluation mode)")
         special = _special_ids(tokenizer)
         family = save_hf_dir(out, cfg.model, weights, tokenizer if tokenizer.is_file() else None, special, dtype)
         print(f"wrote a {family.architecture} directory")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatransformer.console import to_stderr
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -73,12 +75,12 @@ def run(args: argparse.Namespace) -> int:
             "--num-beams must be >= 1 and does not combine with --top-k / --top-p (beam search does not sample)"
         )
     # (PyTorch and the weights: seconds, on a busy machine tens of them; stderr: stdout holds the text)
-    print(f"loading {args.checkpoint}", file=sys.stderr, flush=True)
+    to_stderr(f"loading {args.checkpoint}")
     import torch
 
     from megatransformer.training.threads import say_threads
 
-    say_threads(lambda line: print(line, file=sys.stderr, flush=True))
+    say_threads(to_stderr)
 
     from megatransformer.inference import beam_decode, decoder_start_id, load_for_inference, new_token_limit
     from megatransformer.model import stream

@@ -8,6 +8,7 @@ import json
 
 from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError, RunConfig, dump_config, load_config
+from megatransformer.console import to_stderr
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,14 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     from megatransformer.training.runtime.layout import data_parallel_size
 
     cfg = load_config(args.config, args.overrides)
     data_parallel_size(cfg, args.world_size or cfg.parallel.tensor_parallel * cfg.parallel.sequence_parallel)
     # (the counts need PyTorch, tens of seconds to load on a busy machine)
-    print(f"info: {cfg.run_dir}: counting parameters and FLOPs (loading PyTorch)", file=sys.stderr, flush=True)
+    to_stderr(f"info: {cfg.run_dir}: counting parameters and FLOPs (loading PyTorch)")
     from megatransformer.flops import attention_costs, model_size
     from megatransformer.planner import BYTES
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError, RunConfig, load_config
+from megatransformer.console import to_stderr
 
 GEMM_SECONDS = 0.3  # how long a CPU's GEMM speed is measured
 COLUMNS = (  # (memory part, column title)
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         if device.kind == "cpu":
             raise ConfigError("--host-memory is for GPU plans: a CPU's ranks share this machine's memory")
         device = replace(device, host_gib=args.host_memory / per_node)
-    print(f"plan: {cfg.run_dir}: loading PyTorch, then ranking layouts", file=sys.stderr, flush=True)
+    to_stderr(f"plan: {cfg.run_dir}: loading PyTorch, then ranking layouts")
     from megatransformer.planner import plan
 
     if not early:
@@ -147,7 +147,7 @@ def local_device(cfg: RunConfig, ranks_per_node: int | None, need_peak: bool = T
     if need_peak:  # (the GEMMs measured with the threads a run would pick here)
         from megatransformer.training.threads import say_threads
 
-        say_threads(lambda line: print(line, file=sys.stderr, flush=True))
+        say_threads(to_stderr)
     return replace(cpu_device(ranks), peak_tflops=cpu_tflops(cfg.precision) if need_peak else 0.0), ranks
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from data_pipeline import write_failed
 from megatransformer.config import ConfigError, RunConfig, precision_dtype
+from megatransformer.console import to_stderr
 from megatransformer.planner import GPUS
 from megatransformer.training.observability.trackers import TensorBoard, unreachable
 
@@ -87,10 +88,8 @@ def truncate_metrics(path: Path, after_step: int, rollbacks: int = 0) -> None:
             record = json.loads(line)
         except ValueError:
             if number == len(lines):
-                print(
+                to_stderr(
                     f"warning: {path}: the last line ({line[:40]!r}...) is cut short (an interrupted write); dropped",
-                    file=sys.stderr,
-                    flush=True,
                 )
                 continue
             raise ConfigError(
@@ -343,10 +342,8 @@ def start_wandb(cfg: RunConfig, config: dict[str, Any] | None = None):
 
 
 def _warn_offline(reason: str, run_dir: Path) -> None:
-    print(
+    to_stderr(
         f"warning: {reason}; logging offline instead, upload later with `wandb sync {run_dir / 'wandb'}/offline-run-*`",
-        file=sys.stderr,
-        flush=True,
     )
 
 

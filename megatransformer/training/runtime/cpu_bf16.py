@@ -58,21 +58,19 @@ def native_bf16_gemm() -> bool:
     return torch.backends.cpu.get_cpu_capability() != "AVX2"  # unknown: keep PyTorch's kernels
 
 
-def _upcast(value):
-    return value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
-
-
-def _upcast_each(values) -> list:
-    """``values``, each bf16 tensor upcast once however often it is passed (``addmm(A, A, A)``: one copy)."""
+def _upcast(args, kwargs) -> tuple[list, dict]:
+    """``args`` and ``kwargs`` with each bf16 tensor upcast once however often it is passed (``addmm(A, A, A)``:
+    one copy)."""
     copies: dict[int, torch.Tensor] = {}
-    upcast = []
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
-            if id(value) not in copies:
-                copies[id(value)] = value.float()
-            value = copies[id(value)]
-        upcast.append(value)
-    return upcast
+
+    def upcast(value):
+        if not (isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16):
+            return value
+        if id(value) not in copies:
+            copies[id(value)] = value.float()
+        return copies[id(value)]
+
+    return [upcast(a) for a in args], {k: upcast(v) for k, v in kwargs.items()}
 
 
 def _is_cpu_bf16(value) -> bool:
@@ -86,13 +84,15 @@ class Fp32Gemms(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in ATTENTION and any(_is_cpu_bf16(a) for a in args):
-            outputs = func(*map(_upcast, args), **{k: _upcast(v) for k, v in kwargs.items()})
+            args, kwargs = _upcast(args, kwargs)
+            outputs = func(*args, **kwargs)
             return tuple(o.to(torch.bfloat16) if i in ATTENTION[func] else o for i, o in enumerate(outputs))
         in_place = GEMMS_IN_PLACE.get(func)
         if (func in GEMMS or in_place is not None) and any(_is_cpu_bf16(a) for a in args):
             out = args[0] if in_place is not None else kwargs.pop("out", None)
             compute = in_place or func.overloadpacket.default
-            result = compute(*_upcast_each(args), **kwargs)
+            args, kwargs = _upcast(args, kwargs)
+            result = compute(*args, **kwargs)
             if out is None:
                 return result.to(torch.bfloat16)
             return out.copy_(result)
