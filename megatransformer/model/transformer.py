@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -376,17 +376,41 @@ def parameter_generator(seed: int, name: str, block: int) -> torch.Generator:
 def draw_into(target: torch.Tensor, seed: int, name: str, std: float | None) -> None:
     """Fill ``target`` (the whole parameter ``name``, any device and dtype) with its initial values: fp32 draws on
     the host, a block of rows at a time (the host holds one block), cast into ``target``."""
+    draw_part_into(target, seed, name, std, target.shape)
+
+
+@torch.no_grad()
+def draw_part_into(
+    target: torch.Tensor, seed: int, name: str, std: float | None, whole: torch.Size, dim: int = 0, index: int = 0
+) -> None:
+    """Fill ``target`` with part ``index`` of parameter ``name`` (of shape ``whole``) cut into equal parts along
+    ``dim``: :func:`draw_into`'s values of those elements, drawn from the blocks of rows that hold them alone (the
+    host holds one block, never the whole parameter)."""
     if std is None:
         target.zero_()
         return
-    rows = target.reshape(target.shape[0], -1) if target.dim() > 1 else target.reshape(-1, 1)
-    per_block = max(1, INIT_BLOCK_ELEMENTS // max(rows.shape[1], 1))
-    for block, start in enumerate(range(0, rows.shape[0], per_block)):
-        part = rows[start : start + per_block]
-        values = torch.empty(part.shape, dtype=torch.float32).normal_(
-            0.0, std, generator=parameter_generator(seed, name, block)
-        )
-        part.copy_(values)
+    if target.dim() == 0:
+        target, whole = target.view(1), torch.Size([1])
+    size = target.shape[dim]
+    first, end = index * size, (index + 1) * size
+    for block, start, stop in _row_blocks(whole):
+        if dim == 0 and (stop <= first or start >= end):
+            continue  # (none of this part's rows)
+        values = torch.empty((stop - start, *whole[1:]), dtype=torch.float32)
+        values.normal_(0.0, std, generator=parameter_generator(seed, name, block))
+        if dim == 0:
+            low, high = max(start, first), min(stop, end)
+            target[low - first : high - first].copy_(values[low - start : high - start])
+        else:
+            target[start:stop].copy_(values.narrow(dim, first, size))
+
+
+def _row_blocks(shape: torch.Size) -> Iterator[tuple[int, int, int]]:
+    """(block, first row, end row) of each block of rows a parameter of ``shape`` is drawn in, a vector's elements
+    being its rows: as many rows as ``INIT_BLOCK_ELEMENTS`` holds, at least one."""
+    per_block = max(1, INIT_BLOCK_ELEMENTS // max(math.prod(shape[1:]), 1))
+    for block, start in enumerate(range(0, shape[0], per_block)):
+        yield block, start, min(start + per_block, shape[0])
 
 
 @torch.no_grad()

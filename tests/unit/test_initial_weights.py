@@ -3,6 +3,9 @@ the seed alone, not on where, in what order or how its parameters are made; init
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from support.models import run_config, tiny_config
 
@@ -97,3 +100,29 @@ def test_a_replaced_parameter_takes_its_place_in_the_parameter_groups():
     flat = [linear.bias]
     replace_parameter(linear, "bias", torch.zeros(3), flat)
     assert flat[0] is linear.bias and not linear.bias.is_meta
+
+
+@pytest.mark.parametrize("shape", [(10, 6), (9,), (4, 3, 6)], ids=["matrix", "vector", "three-d"])
+@pytest.mark.parametrize("dim", [0, -1], ids=["rows", "last"])
+def test_a_part_is_the_whole_draw_cut_and_a_part_of_rows_draws_only_its_blocks(monkeypatch, shape, dim):
+    """Blocks of 12 elements, so that a part's first and last blocks hold its neighbours' rows too."""
+    from megatransformer.model import transformer
+
+    monkeypatch.setattr(transformer, "INIT_BLOCK_ELEMENTS", 12)
+    whole = torch.empty(shape)
+    transformer.draw_into(whole, 7, "layer.weight", 0.02)
+    generator, drawn = transformer.parameter_generator, []
+    monkeypatch.setattr(transformer, "parameter_generator", lambda *key: drawn.append(key[2]) or generator(*key))
+    dim %= len(shape)
+    parts = 3 if shape[dim] % 3 == 0 else 2
+    rows_a_block = max(1, 12 // math.prod(shape[1:]))
+    for index, expected in enumerate(whole.chunk(parts, dim)):
+        part = torch.empty(expected.shape, dtype=torch.bfloat16)
+        drawn.clear()
+        transformer.draw_part_into(part, 7, "layer.weight", 0.02, whole.shape, dim, index)
+        assert torch.equal(part, expected.to(torch.bfloat16)), (index, part, expected)
+        if dim == 0:
+            first, end = index * expected.shape[0], (index + 1) * expected.shape[0]
+            assert drawn == list(range(first // rows_a_block, (end - 1) // rows_a_block + 1))
+        else:
+            assert drawn == list(range(-(-shape[0] // rows_a_block)))

@@ -19,7 +19,7 @@ from torch import nn
 from megatransformer.config import RunConfig, precision_dtype
 from megatransformer.model import ARCHITECTURES
 from megatransformer.model.tp_plan import partition_dim
-from megatransformer.model.transformer import draw_into, init_weights, initial_values
+from megatransformer.model.transformer import draw_into, draw_part_into, init_weights, initial_values
 from megatransformer.training.deepspeed.internals import (
     Partition,
     is_autotp_layer,
@@ -214,10 +214,10 @@ def slices_made_by_autotp(
     ``device`` as new parameters (in their places in ``groups``, the parameter groups or parameters given to
     ``deepspeed.initialize`` as a list): in fp32, or where the model's other parameters are partitioned (ZeRO-3) in
     their dtype and partitioned as they are, each as soon as it is made. Their values: the slices of the one-rank
-    build's (one whole parameter drawn on the host at a time), or of ``weights`` (init_from: names of the model's
-    state to tensors; only the slices are read where ``weights`` can read a slice, :func:`read_slice`), whose other
-    tensors are loaded first (each partitioned one read only by the rank that writes it). A parameter still on the
-    meta device after it is an error."""
+    build's (drawn a block of rows at a time, from the blocks that hold the slice alone), or of ``weights``
+    (init_from: names of the model's state to tensors; only the slices are read where ``weights`` can read a slice,
+    :func:`read_slice`), whose other tensors are loaded first (each partitioned one read only by the rank that
+    writes it). A parameter still on the meta device after it is an error."""
     rules = {id(param): (name, std) for name, param, std in initial_values(model, cfg.model) if param.is_meta}
     shapes = {id(param): param.shape for param in model.parameters() if param.is_meta}
     if any(id(param) not in rules for param in model.parameters() if param.is_meta):
@@ -275,9 +275,7 @@ def _write_slice(
     elif dim is None:
         draw_into(target, seed, name, std)
     else:
-        values = torch.empty(whole, dtype=torch.float32)  # (the host holds this parameter whole, for a moment)
-        draw_into(values, seed, name, std)
-        target.copy_(values.narrow(dim, rank * shape[dim], shape[dim]))
+        draw_part_into(target, seed, name, std, whole, dim, rank)
 
 
 def read_slice(weights: Mapping[str, torch.Tensor], name: str, dim: int | None, index: int, parts: int) -> torch.Tensor:
