@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from megatransformer.config import ConfigError, RunConfig
-from megatransformer.model import LanguageModel, build_model
+from megatransformer.model import LanguageModel, construct
 
 
 @dataclass
@@ -39,7 +39,7 @@ def load_for_inference(path: str | Path, device: str = "cpu", model_overrides: l
     directory = find_checkpoint(path, f"--checkpoint {path}")
     cfg, weights = load_weights(directory)
     cfg = with_model_overrides(cfg, model_overrides)
-    model = build_model(cfg.model)
+    model = construct(cfg.model)  # (no initial values: the checkpoint's replace them all)
     model.load_state_dict(weights)
     tokenizer_path = directory / "tokenizer.json"
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path.is_file() else None

@@ -1,4 +1,5 @@
-"""The model family. ``build_model(cfg.model)`` is the entry point; ``TP_PLAN`` the tensor-parallel plan."""
+"""The model family. ``build_model(cfg.model)`` is the entry point (``construct``: made without initial values, for
+weights to load); ``TP_PLAN`` the tensor-parallel plan."""
 
 from megatransformer.model.attention import BACKENDS, KVCache
 from megatransformer.model.generate import generate, stream
@@ -10,6 +11,7 @@ from megatransformer.model.transformer import (
     EncoderLM,
     LanguageModel,
     build_model,
+    construct,
 )
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "LanguageModel",
     "TP_PLAN",
     "build_model",
+    "construct",
     "generate",
     "stream",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -312,8 +313,17 @@ ARCHITECTURES: dict[str, type[LanguageModel]] = {
 def build_model(cfg: ModelConfig, seed: int | None = None) -> LanguageModel:
     """Build and initialise the model a config describes (fp32, on the CPU): :func:`init_weights` with ``seed``, or
     with one drawn from torch's global generator (so ``torch.manual_seed`` still decides the model)."""
-    model = ARCHITECTURES[cfg.arch](cfg)
+    model = construct(cfg)
     init_weights(model, cfg, seed)
+    return model
+
+
+def construct(cfg: ModelConfig) -> LanguageModel:
+    """The model a config describes, made (on torch's default device) with no random values: its modules' random
+    default draws skipped (:class:`RandomInitsSkipped`), for :func:`init_weights` to set."""
+    with RandomInitsSkipped(cfg) as skipping:
+        model = ARCHITECTURES[cfg.arch](cfg)
+    skipping.check(model)
     return model
 
 
@@ -334,10 +344,43 @@ class _Uninitialised(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class RandomInitsSkipped(TorchFunctionMode):
+    """Modules made in it skip ``torch.nn.init``'s random draws (a linear layer's, an embedding's), which
+    :func:`init_weights` replaces: a rank of a large model draws only the values it keeps. Its constant ones (a
+    LayerNorm's ones and zeros) run. :meth:`check` then says if a parameter it skipped is not one
+    :func:`initial_values` sets, which would be left as it was allocated."""
+
+    RANDOM = frozenset(
+        ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_")
+        + ("xavier_normal_", "orthogonal_", "sparse_")
+    )
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.skipped: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init" and func.__name__ in self.RANDOM:
+            tensor = args[0] if args else kwargs["tensor"]
+            self.skipped[id(tensor)] = tensor
+            return tensor
+        return func(*args, **kwargs)
+
+    def check(self, model: nn.Module) -> None:
+        drawn = {id(param) for _, param, _ in initial_values(model, self.cfg)}
+        left = [name for name, p in model.named_parameters() if id(p) in self.skipped and id(p) not in drawn]
+        if left:
+            raise RuntimeError(f"{left[0]}: its module's random initialisation was skipped and init_weights sets none")
+
+
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
 INIT_BLOCK_ELEMENTS = 1 << 22  # the rows drawn at once: one generator per block, so no draw holds a whole tensor
 
-Fill = Callable[[nn.Parameter, Callable[[torch.Tensor], None]], None]
+# draw(target, shape, start): elements start.. of a parameter of ``shape``, flattened, into ``target``
+Draw = Callable[[torch.Tensor, torch.Size, int], None]
+Fill = Callable[[nn.Parameter, Draw], None]
 
 
 def initial_values(model: nn.Module, cfg: ModelConfig) -> list[tuple[str, nn.Parameter, float | None]]:
@@ -376,61 +419,81 @@ def parameter_generator(seed: int, name: str, block: int) -> torch.Generator:
 def draw_into(target: torch.Tensor, seed: int, name: str, std: float | None) -> None:
     """Fill ``target`` (the whole parameter ``name``, any device and dtype) with its initial values: fp32 draws on
     the host, a block of rows at a time (the host holds one block), cast into ``target``."""
-    draw_part_into(target, seed, name, std, target.shape)
+    draw_flat_into(target, seed, name, std, target.shape)
+
+
+@torch.no_grad()
+def draw_flat_into(
+    target: torch.Tensor, seed: int, name: str, std: float | None, whole: torch.Size, start: int = 0
+) -> None:
+    """Fill contiguous ``target`` with elements ``start`` to ``start + target.numel()`` of parameter ``name`` (of
+    shape ``whole``), flattened: :func:`draw_into`'s values of those elements, drawn from the blocks of rows that
+    hold them alone (the host holds one block). Elements past the parameter's end are left as they are."""
+    flat = target.view(-1)
+    width = math.prod(whole[1:])
+    end = min(start + flat.numel(), math.prod(whole))
+    if std is None:
+        flat[: max(end - start, 0)].zero_()
+        return
+    for block, first_row, end_row in _row_blocks(whole):
+        low, high = max(first_row * width, start), min(end_row * width, end)
+        if low < high:
+            values = _drawn(seed, name, std, block, (end_row - first_row, *whole[1:])).view(-1)
+            flat[low - start : high - start].copy_(values[low - first_row * width : high - first_row * width])
 
 
 @torch.no_grad()
 def draw_part_into(
     target: torch.Tensor, seed: int, name: str, std: float | None, whole: torch.Size, dim: int = 0, index: int = 0
 ) -> None:
-    """Fill ``target`` with part ``index`` of parameter ``name`` (of shape ``whole``) cut into equal parts along
-    ``dim``: :func:`draw_into`'s values of those elements, drawn from the blocks of rows that hold them alone (the
-    host holds one block, never the whole parameter)."""
-    if std is None:
+    """Fill contiguous ``target`` with part ``index`` of parameter ``name`` (of shape ``whole``) cut into equal parts
+    along ``dim``: :func:`draw_into`'s values of those elements, drawn from the blocks of rows that hold them alone
+    (the host holds one block, never the whole parameter)."""
+    if dim == 0 or target.dim() == 0:  # (a part of rows is a flat range)
+        draw_flat_into(target, seed, name, std, whole, index * target.numel())
+    elif std is None:
         target.zero_()
-        return
-    if target.dim() == 0:
-        target, whole = target.view(1), torch.Size([1])
-    size = target.shape[dim]
-    first, end = index * size, (index + 1) * size
-    for block, start, stop in _row_blocks(whole):
-        if dim == 0 and (stop <= first or start >= end):
-            continue  # (none of this part's rows)
-        values = torch.empty((stop - start, *whole[1:]), dtype=torch.float32)
-        values.normal_(0.0, std, generator=parameter_generator(seed, name, block))
-        if dim == 0:
-            low, high = max(start, first), min(stop, end)
-            target[low - first : high - first].copy_(values[low - start : high - start])
-        else:
-            target[start:stop].copy_(values.narrow(dim, first, size))
+    else:
+        size = target.shape[dim]
+        for block, first_row, end_row in _row_blocks(whole):
+            values = _drawn(seed, name, std, block, (end_row - first_row, *whole[1:]))
+            target[first_row:end_row].copy_(values.narrow(dim, index * size, size))
+
+
+def _drawn(seed: int, name: str, std: float, block: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rows block ``block`` of parameter ``name``'s initial values, in fp32 on the host."""
+    values = torch.empty(shape, dtype=torch.float32)
+    return values.normal_(0.0, std, generator=parameter_generator(seed, name, block))
 
 
 def _row_blocks(shape: torch.Size) -> Iterator[tuple[int, int, int]]:
     """(block, first row, end row) of each block of rows a parameter of ``shape`` is drawn in, a vector's elements
     being its rows: as many rows as ``INIT_BLOCK_ELEMENTS`` holds, at least one."""
+    rows = shape[0] if len(shape) else 1
     per_block = max(1, INIT_BLOCK_ELEMENTS // max(math.prod(shape[1:]), 1))
-    for block, start in enumerate(range(0, shape[0], per_block)):
-        yield block, start, min(start + per_block, shape[0])
+    for block, start in enumerate(range(0, rows, per_block)):
+        yield block, start, min(start + per_block, rows)
 
 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None, fill: Fill | None = None) -> None:
     """Set the parameters :func:`initial_values` names, each from generators of its own (:func:`draw_into`), so
-    every build of one seed has the same weights. ``fill(parameter, write)``: how a parameter is written, where it
-    is not whole (the caller makes it whole, calls ``write`` on it and spreads the result); by default in place."""
+    every build of one seed has the same weights. ``fill(parameter, draw)``: how a parameter is written, where it
+    is not whole (the caller has ``draw`` write the elements it holds, :func:`draw_flat_into`); by default in
+    place."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), device="cpu").item())
     for name, param, std in initial_values(model, cfg):
 
-        def write(whole: torch.Tensor, name: str = name, std: float | None = std) -> None:
-            draw_into(whole, seed, name, std)
+        def draw(target: torch.Tensor, shape: torch.Size, start: int, name: str = name, std: float | None = std):
+            draw_flat_into(target, seed, name, std, shape, start)
 
         if param.is_meta:
             continue  # (a model built on the meta device for its shapes: nothing to write)
         if fill is None:
-            write(param)
+            draw(param, param.shape, 0)
         else:
-            fill(param, write)
+            fill(param, draw)
 
 
 def _stack_depth(model: nn.Module, name: str) -> int:

@@ -27,7 +27,8 @@ MODEL = dict(d_model=128, n_layers=16, n_heads=4, n_kv_heads=2, d_ff=256, vocab_
 
 class ParameterBytes:
     """The most bytes the parameters made in it hold at once (whole tensors, ZeRO-3 partitions; none on the meta
-    device), sampled as each is registered and as each is written (``construction.fill_partitioned``)."""
+    device), sampled as each is registered and as each is written (``construction.draw_own_partition``,
+    ``construction.fill_partitioned``); and how many times a parameter was gathered (``gathers``)."""
 
     def __init__(self) -> None:
         self.params: list[weakref.ref] = []
@@ -47,21 +48,39 @@ class ParameterBytes:
                 self.params.append(weakref.ref(param))
             self.sample()
 
-        def fill(param, write):
-            def counted(whole):
-                write(whole)
-                self.sample()
+        def sampled(original):
+            def fill(param, write):
+                def counted(*args):
+                    write(*args)
+                    self.sample()
 
-            original(param, counted)
+                original(param, counted)
 
-        original = construction.fill_partitioned
-        self.undo = [torch.nn.modules.module.register_module_parameter_registration_hook(registered)]
-        construction.fill_partitioned = fill
-        self.restore = lambda: setattr(construction, "fill_partitioned", original)
+            return fill
+
+        def counted_gathers(*args, **kwargs):
+            self.gathers += 1
+            return gathered(*args, **kwargs)
+
+        import deepspeed
+
+        self.gathers, gathered = 0, deepspeed.zero.GatheredParameters
+        fills = {name: getattr(construction, name) for name in ("draw_own_partition", "fill_partitioned")}
+        self.handle = torch.nn.modules.module.register_module_parameter_registration_hook(registered)
+        for name, original in fills.items():
+            setattr(construction, name, sampled(original))
+        deepspeed.zero.GatheredParameters = counted_gathers
+
+        def restore():
+            for name, original in fills.items():
+                setattr(construction, name, original)
+            deepspeed.zero.GatheredParameters = gathered
+
+        self.restore = restore
         return self
 
     def __exit__(self, *exc) -> None:
-        self.undo[0].remove()
+        self.handle.remove()
         self.restore()
         self.sample()
 
@@ -82,6 +101,7 @@ def main(out: Path) -> None:
         counter = ParameterBytes()
         with counter:
             model = build_for_run(cfg, 3, ds)
+        record[f"gathers_in_build_{precision}"] = counter.gathers
         dtype = precision_dtype(cfg.precision)
         reference = build_model(cfg.model, cfg.seed)
         record[f"differing_{precision}"] = _differing(model, reference, dtype)

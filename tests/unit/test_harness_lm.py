@@ -285,7 +285,9 @@ def test_ranks_run_their_shares_and_every_rank_gets_every_answer(model, tok, ran
             thread.start()
         for thread in threads:
             thread.join(60)
-        assert all(out[r] == pytest.approx(want) for r in range(ranks))
+        for r in range(ranks):  # (a request scored alone or in another batch: the same up to rounding)
+            assert [ll for ll, _ in out[r]] == pytest.approx([ll for ll, _ in want], rel=1e-6)
+            assert [greedy for _, greedy in out[r]] == [greedy for _, greedy in want]
         shares = sum(ran.values(), [])
         assert len(shares) == len(set(shares)) and (len(requests) == 1 or all(ran.get(r) for r in range(ranks)))
 

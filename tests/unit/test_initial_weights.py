@@ -27,21 +27,24 @@ def test_the_seed_alone_decides_the_weights():
     assert all(torch.equal(p, q) for p, q in zip(d.parameters(), build_model(cfg).parameters()))
 
 
-def test_a_parameter_written_in_another_order_in_bf16_through_a_fill_gets_the_same_values():
+def test_a_parameter_drawn_in_parts_in_another_order_in_bf16_through_a_fill_gets_the_same_values():
     cfg = tiny_config()
     reference = build_model(cfg, 5)
     model = ARCHITECTURES[cfg.arch](cfg).to(torch.bfloat16)
     pending = []
 
-    def fill(param, write):  # as a ZeRO-3 rank does: write a whole copy, then keep it (here: later, reversed)
-        pending.append((param, write))
+    def fill(param, draw):  # as ZeRO-3 ranks do: each draws its own part (here: later, in reverse, in 3 parts)
+        pending.append((param, draw))
 
     init_weights(model, cfg, 5, fill=fill)
     assert pending, "no parameter went through the fill"
-    for param, write in reversed(pending):
-        whole = torch.empty_like(param)
-        write(whole)
-        param.data.copy_(whole)
+    for param, draw in reversed(pending):
+        flat, part = param.data.view(-1), -(-param.numel() // 3)
+        padded = torch.full((3 * part,), float("nan"), dtype=param.dtype)  # (the padding past the end stays)
+        for start in range(0, 3 * part, part):
+            draw(padded[start : start + part], param.shape, start)
+        assert padded[param.numel() :].isnan().all()
+        flat.copy_(padded[: param.numel()])
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(p, q.to(torch.bfloat16)), name
 
@@ -126,3 +129,50 @@ def test_a_part_is_the_whole_draw_cut_and_a_part_of_rows_draws_only_its_blocks(m
             assert drawn == list(range(first // rows_a_block, (end - 1) // rows_a_block + 1))
         else:
             assert drawn == list(range(-(-shape[0] // rows_a_block)))
+
+
+@pytest.mark.parametrize("shape", [(10, 6), (9,), (4, 3, 6), ()], ids=["matrix", "vector", "three-d", "scalar"])
+def test_flat_partitions_across_rows_and_blocks_are_the_whole_draw_flattened(monkeypatch, shape):
+    """As ZeRO-3 partitions: 4 equal flat ranges, padded past the end, that start and end inside rows and blocks."""
+    from megatransformer.model import transformer
+
+    monkeypatch.setattr(transformer, "INIT_BLOCK_ELEMENTS", 12)
+    whole = torch.empty(shape)
+    transformer.draw_into(whole, 7, "layer.weight", 0.02)
+    part = -(-whole.numel() // 4)
+    padded = torch.full((4 * part,), float("nan"))
+    for start in range(0, 4 * part, part):
+        transformer.draw_flat_into(padded[start : start + part], 7, "layer.weight", 0.02, whole.shape, start)
+    assert torch.equal(padded[: whole.numel()], whole.view(-1)) and padded[whole.numel() :].isnan().all()
+    zeros = torch.full((part,), float("nan"))
+    transformer.draw_flat_into(zeros, 7, "layer.bias", None, whole.shape, 3 * part)
+    assert (zeros[: whole.numel() - 3 * part] == 0).all() and zeros[max(whole.numel() - 3 * part, 0) :].isnan().all()
+
+
+def test_construction_draws_nothing_and_keeps_the_constant_initialisations():
+    """A run's model is made without its modules' random default draws (init_weights sets those values): torch's
+    generator is untouched, and a LayerNorm still gets its ones and zeros."""
+    from megatransformer.model import construct
+
+    cfg = tiny_config(norm="layernorm", bias=True, tie_embeddings=False)
+    state = torch.get_rng_state()
+    model = construct(cfg)
+    assert torch.equal(torch.get_rng_state(), state)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms and all(bool((m.weight == 1).all() and (m.bias == 0).all()) for m in norms)
+
+
+def test_a_skipped_random_initialisation_that_init_weights_does_not_replace_is_an_error():
+    from megatransformer.model.transformer import RandomInitsSkipped
+
+    class WithScale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.scale = torch.nn.Parameter(torch.empty(4))
+            torch.nn.init.normal_(self.scale)
+
+    with RandomInitsSkipped(tiny_config()) as skipping:
+        model = WithScale()
+    with pytest.raises(RuntimeError, match="^scale: its module's random initialisation was skipped"):
+        skipping.check(model)

@@ -114,6 +114,14 @@ def zero3_param_group(param: torch.Tensor) -> dist.ProcessGroup:
     return param.ds_process_group
 
 
+def zero3_partition(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """ZeRO-3: this rank's partition of ``param`` and the index of its first element in the flattened parameter
+    (0.19.8: ``ds_tensor``, equal parts of the parameter padded to a multiple of its group's size, in rank order;
+    the padding past ``ds_numel`` is no parameter's)."""
+    part = param.ds_tensor
+    return part, dist.get_rank(param.ds_process_group) * part.numel()
+
+
 def param_shape(param: torch.Tensor) -> torch.Size:
     """``param``'s shape, also where ZeRO-3 keeps it aside (0.19.8: ``ds_shape``)."""
     return getattr(param, "ds_shape", param.shape)

@@ -1,9 +1,9 @@
-"""The model a run trains, built where it runs: at ZeRO-3 partitioned as it is made, each parameter's values
-written once, whole, by one rank and spread; weights a run starts from (``init_from``) loaded the same way, one
-tensor at a time. With tensor parallelism the linear layers' weights are made on the meta device, AutoTP slices
-them there, and each rank then makes only its slices (:func:`slices_made_by_autotp`), at ZeRO-3 partitioned over
-the data-parallel ranks as each is made. Every layout gets the weights of the one-rank build of the seed
-(``transformer.init_weights``). Design: docs/architecture.md, "Building the model"."""
+"""The model a run trains, built where it runs: at ZeRO-3 partitioned as it is made, each rank drawing the initial
+values of its partitions alone; weights a run starts from (``init_from``) loaded one tensor at a time, each written
+whole by one rank and spread. With tensor parallelism the linear layers' weights are made on the meta device,
+AutoTP slices them there, and each rank then makes only its slices (:func:`slices_made_by_autotp`), at ZeRO-3
+partitioned over the data-parallel ranks as each is made. Every layout gets the weights of the one-rank build of the
+seed (``transformer.init_weights``). Design: docs/architecture.md, "Building the model"."""
 
 from __future__ import annotations
 
@@ -17,16 +17,18 @@ import torch.distributed as dist
 from torch import nn
 
 from megatransformer.config import RunConfig, precision_dtype
-from megatransformer.model import ARCHITECTURES
 from megatransformer.model.tp_plan import partition_dim
-from megatransformer.model.transformer import draw_into, draw_part_into, init_weights, initial_values
+from megatransformer.model.transformer import Draw, construct, draw_into, draw_part_into, init_weights, initial_values
 from megatransformer.training.deepspeed.internals import (
     Partition,
     is_autotp_layer,
+    is_gathered,
     is_zero3_param,
+    param_shape,
     partitioner_of,
     tensor_parallel_groups,
     zero3_param_group,
+    zero3_partition,
     zero3_partitioner,
 )
 
@@ -59,8 +61,8 @@ def build_for_run(
         # the dtype is the config's (bf16, fp16 or fp32, as precision): DeepSpeed 0.19.8 reads an explicit fp32
         # ``dtype`` as bf16 where the accelerator has no fp16 (`_set_dtype`: `dtype or fp16 if ... else bf16`)
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = ARCHITECTURES[cfg.model.arch](cfg.model)
-        init_weights(model, cfg.model, cfg.seed, fill=fill_partitioned)
+            model = construct(cfg.model)
+        init_weights(model, cfg.model, cfg.seed, fill=draw_own_partition)
     elif tp > 1:
         partition = None
         if partitions_at_construction(cfg, zero_stage):
@@ -69,7 +71,7 @@ def build_for_run(
             )
         partitioning = partitioned_as_made(partition) if partition else nullcontext()
         with torch.device(device), linear_weights_on_meta(), partitioning:
-            model = ARCHITECTURES[cfg.model.arch](cfg.model)
+            model = construct(cfg.model)
         for prefix, module in model.named_modules():
             for name, param in list(module.named_parameters(recurse=False)):
                 replicated = partition_dim(f"{prefix}.{name}" if prefix else name) is None
@@ -80,10 +82,10 @@ def build_for_run(
         if partition:  # (the root module's own, set in no parent)
             partition([p for p in model.parameters() if not p.is_meta and not is_zero3_param(p)])
         # (the meta ones are left to slices_made_by_autotp)
-        init_weights(model, cfg.model, cfg.seed, fill=fill_partitioned if partition else None)
+        init_weights(model, cfg.model, cfg.seed, fill=draw_own_partition if partition else None)
     else:
         with torch.device(device):  # (the host holds one block of initial values at a time, never the model)
-            model = ARCHITECTURES[cfg.model.arch](cfg.model)
+            model = construct(cfg.model)
         init_weights(model, cfg.model, cfg.seed)
     torch.manual_seed(cfg.seed)
     return model
@@ -119,6 +121,15 @@ def partitioned_as_made(partition: Partition) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+def draw_own_partition(param: nn.Parameter, draw: Draw) -> None:
+    """Draw ZeRO-3 parameter ``param``'s initial values into this rank's partition of it alone: no rank holds it
+    whole, and no collective runs (every rank draws the values it keeps, at once)."""
+    if is_gathered(param):
+        raise RuntimeError("a ZeRO-3 parameter is gathered during the initialisation: its partition is not its value")
+    partition, start = zero3_partition(param)
+    draw(partition, param_shape(param), start)
 
 
 _writes = 0  # parameters written by fill_partitioned so far: which rank writes the next one

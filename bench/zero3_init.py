@@ -1,0 +1,123 @@
+"""The ZeRO-3 model build on gloo CPU ranks (``construction.build_for_run``: ``zero.Init`` and the initial values),
+for the code of one or more checkouts (``--code before=/tmp/before --code after=.``: before and after a change).
+
+Each run is ``--ranks`` processes; each builds the model once untimed (DeepSpeed's first-use work), then
+``--builds`` times, timed. Prints one row per checkout: the slowest rank's median build, and the CPU seconds of all
+ranks over the whole run (start-up included).
+
+    python bench/zero3_init.py --code before=/tmp/before --code after=. --ranks 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = {"d_model": 768, "n_layers": 8, "n_heads": 12, "n_kv_heads": 4, "d_ff": 2048, "vocab_size": 32000}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--code", action="append", default=[], help="NAME=PATH of a checkout (repeatable)")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--builds", type=int, default=3)
+    parser.add_argument("--model", default=json.dumps(MODEL), help="the model section, as JSON")
+    parser.add_argument("--worker", nargs=2, metavar=("RANK", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: ``build_for_run`` at ZeRO-3, once untimed, then ``args.builds`` times; the times to ``args.out``."""
+    rank, port = int(args.worker[0]), args.worker[1]
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(args.ranks),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(args.ranks),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        DS_ACCELERATOR="cpu",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from megatransformer.config import RunConfig
+    from megatransformer.training.engine.construction import build_for_run
+    from megatransformer.training.engine.train_module import deepspeed_config
+    from megatransformer.training.runtime.distributed import setup, teardown
+    from megatransformer.training.runtime.layout import BatchSizes
+
+    info = setup()
+    model = {**json.loads(args.model), "max_seq_len": 256}
+    sections = {"model": model, "data": {"seq_len": 256}, "parallel": {"zero_stage": 3}, "precision": args.precision}
+    cfg = RunConfig.model_validate(sections)
+    ds = deepspeed_config(cfg, BatchSizes(1, 1, info.world_size), "cpu", zero_stage=3)
+    build_for_run(cfg, 3, ds)
+    times = []
+    for _ in range(args.builds):
+        dist.barrier()
+        start = time.perf_counter()
+        build_for_run(cfg, 3, ds)
+        times.append(time.perf_counter() - start)
+    teardown()
+    Path(args.out).write_text(json.dumps({"times": times}))
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run(args: argparse.Namespace, code: str, work: Path) -> dict:
+    """One run of ``args.ranks`` processes with ``code``'s megatransformer: its row."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(code).resolve()), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    passed = ["--ranks", str(args.ranks), "--precision", args.precision, "--builds", str(args.builds)]
+    processes = [
+        subprocess.Popen(
+            ["/usr/bin/time", "-f", "%U %S", "-o", str(work / f"cpu.{rank}")]
+            + [sys.executable, __file__, "--worker", str(rank), port, "--out", str(work / f"rank.{rank}")]
+            + [*passed, "--model", args.model],
+            env=env,
+        )
+        for rank in range(args.ranks)
+    ]
+    if any(p.wait() for p in processes):
+        raise SystemExit(f"a rank with {code} failed")
+    ranks = [json.loads((work / f"rank.{r}").read_text()) for r in range(args.ranks)]
+    cpu = [sum(map(float, (work / f"cpu.{r}").read_text().split()[-2:])) for r in range(args.ranks)]
+    return {"build_s": max(statistics.median(r["times"]) for r in ranks), "cpu_s": sum(cpu)}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    codes = dict(c.split("=", 1) for c in args.code) or {"here": "."}
+    print(f"# {args.ranks} ranks, ZeRO-3, {args.precision}, model {args.model}")
+    print(f"# load before: {os.getloadavg()}")
+    print("| code | build (s), slowest rank's median | CPU s, all ranks, whole run |")
+    print("|---|---|---|")
+    for name, code in codes.items():
+        with tempfile.TemporaryDirectory() as work:
+            row = run(args, code, Path(work))
+        print(f"| {name} | {row['build_s']:.2f} | {row['cpu_s']:.0f} |")
+        sys.stdout.flush()
+    print(f"# load after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
