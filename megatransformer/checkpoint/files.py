@@ -257,6 +257,27 @@ class LazyWeights(Mapping[str, torch.Tensor]):
             where[dim] = slice(index * size, (index + 1) * size)
             return part[tuple(where)]
 
+    def flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start`` to ``stop`` of tensor ``name``, flattened, reading only the rows that hold them (from
+        shards: in fp32; from model.safetensors: as stored)."""
+        if name not in self.names:
+            raise KeyError(name)
+        if self.sharded is not None:
+            from megatransformer.checkpoint.sharded import MASTER
+
+            return self.sharded.slice_of(self.sharded.aliases.get(name, name), MASTER, 0, 1, None, start, stop)
+        from safetensors import safe_open
+
+        with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            if not shape:
+                return f.get_tensor(name).reshape(-1)[start:stop]
+            width = math.prod(shape[1:])
+            first = start // width
+            rows = part[first : -(-stop // width)].reshape(-1)
+            return rows[start - first * width : stop - first * width]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 

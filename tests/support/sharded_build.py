@@ -28,7 +28,7 @@ MODEL = dict(d_model=128, n_layers=16, n_heads=4, n_kv_heads=2, d_ff=256, vocab_
 class ParameterBytes:
     """The most bytes the parameters made in it hold at once (whole tensors, ZeRO-3 partitions; none on the meta
     device), sampled as each is registered and as each is written (``construction.draw_own_partition``,
-    ``construction.fill_partitioned``); and how many times a parameter was gathered (``gathers``)."""
+    ``construction.load_own_partition``); and how many times a parameter was gathered (``gathers``)."""
 
     def __init__(self) -> None:
         self.params: list[weakref.ref] = []
@@ -49,14 +49,11 @@ class ParameterBytes:
             self.sample()
 
         def sampled(original):
-            def fill(param, write):
-                def counted(*args):
-                    write(*args)
-                    self.sample()
+            def written(*args):
+                original(*args)
+                self.sample()
 
-                original(param, counted)
-
-            return fill
+            return written
 
         def counted_gathers(*args, **kwargs):
             self.gathers += 1
@@ -65,7 +62,7 @@ class ParameterBytes:
         import deepspeed
 
         self.gathers, gathered = 0, deepspeed.zero.GatheredParameters
-        fills = {name: getattr(construction, name) for name in ("draw_own_partition", "fill_partitioned")}
+        fills = {name: getattr(construction, name) for name in ("draw_own_partition", "load_own_partition")}
         self.handle = torch.nn.modules.module.register_module_parameter_registration_hook(registered)
         for name, original in fills.items():
             setattr(construction, name, sampled(original))
@@ -111,6 +108,7 @@ def main(out: Path) -> None:
         weights = {n: torch.full_like(t, values.setdefault(id(t), 0.25 * len(values))) for n, t in state.items()}
         with counter:
             load_into_partitioned(model, weights)
+        record[f"gathers_in_load_{precision}"] = counter.gathers
         reference.load_state_dict(weights)
         record[f"differing_loaded_{precision}"] = _differing(model, reference, dtype)
     params = dict(model.named_parameters())

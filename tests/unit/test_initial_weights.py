@@ -66,6 +66,9 @@ def test_lazy_weights_read_each_tensor_on_lookup_as_the_eager_ones(tmp_path):
     assert sorted(lazy) == sorted(eager) and len(lazy) == len(eager)
     for name in eager:
         assert torch.equal(lazy[name], eager[name]), name
+        flat = eager[name].reshape(-1)  # (a range that starts and ends inside rows, as a ZeRO-3 partition does)
+        lo, hi = flat.numel() // 3 + 1, max(2 * flat.numel() // 3 - 1, flat.numel() // 3 + 1)
+        assert torch.equal(lazy.flat(name, lo, hi), flat[lo:hi]) and torch.equal(lazy.flat(name, 0, 1), flat[:1])
 
 
 def test_a_tensor_parallel_build_leaves_only_the_split_matrices_on_the_meta_device():

@@ -186,3 +186,15 @@ def test_a_damaged_shard_is_found_only_by_the_ranks_that_read_it(tmp_path):
         ckpt.verify_files(tmp_path, ["shard_00001.safetensors"])
     with pytest.raises(ckpt.CheckpointDamaged, match="shard_00001.safetensors: changed since the save"):
         ckpt.verify_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("saved", [(1, 1), (2, 3)])
+def test_lazy_weights_read_a_flat_range_of_a_tensor_as_a_zero_3_partition_needs_it(tmp_path, saved):
+    from megatransformer.checkpoint.files import LazyWeights
+
+    write_checkpoint(tmp_path, FULL, *saved, DIMS)
+    lazy = LazyWeights(tmp_path)
+    for name, tensor in {**FULL, "tied.weight": FULL["w"]}.items():
+        flat = tensor.reshape(-1)
+        for lo, hi in [(0, flat.numel()), (1, 5), (5, min(17, flat.numel())), (flat.numel() - 1, flat.numel())]:
+            assert torch.equal(lazy.flat(name, lo, hi), flat[lo:hi]), (name, lo, hi)

@@ -109,11 +109,6 @@ def is_gathered(param: torch.Tensor) -> bool:
     return param.ds_status == ZeroParamStatus.AVAILABLE
 
 
-def zero3_param_group(param: torch.Tensor) -> dist.ProcessGroup:
-    """ZeRO-3: the group ``param`` is partitioned over (0.19.8: ``ds_process_group``)."""
-    return param.ds_process_group
-
-
 def zero3_partition(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     """ZeRO-3: this rank's partition of ``param`` and the index of its first element in the flattened parameter
     (0.19.8: ``ds_tensor``, equal parts of the parameter padded to a multiple of its group's size, in rank order;

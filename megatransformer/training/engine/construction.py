@@ -8,12 +8,12 @@ seed (``transformer.init_weights``). Design: docs/architecture.md, "Building the
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Mapping
+import math
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatransformer.config import RunConfig, precision_dtype
@@ -27,7 +27,6 @@ from megatransformer.training.deepspeed.internals import (
     param_shape,
     partitioner_of,
     tensor_parallel_groups,
-    zero3_param_group,
     zero3_partition,
     zero3_partitioner,
 )
@@ -132,37 +131,38 @@ def draw_own_partition(param: nn.Parameter, draw: Draw) -> None:
     draw(partition, param_shape(param), start)
 
 
-_writes = 0  # parameters written by fill_partitioned so far: which rank writes the next one
+def load_own_partition(param: nn.Parameter, weights: Mapping[str, torch.Tensor], name: str) -> None:
+    """Read this rank's partition of ZeRO-3 parameter ``param`` from tensor ``name`` of ``weights`` alone (only its
+    elements where ``weights`` reads flat ranges, ``checkpoint.LazyWeights.flat``): no collective runs, and the
+    ranks read at once."""
+    if is_gathered(param):
+        raise RuntimeError("a ZeRO-3 parameter is gathered while weights are loaded: its partition is not its value")
+    partition, start = zero3_partition(param)
+    stop = min(start + partition.numel(), math.prod(param_shape(param)))
+    if stop > start:
+        partition[: stop - start].copy_(read_flat(weights, name, start, stop))
 
 
-def fill_partitioned(param: nn.Parameter, write: Callable[[torch.Tensor], None]) -> None:
-    """Write ZeRO-3 parameter ``param`` whole: gathered on every rank, written by one (in turn, so the writing is
-    shared), broadcast and partitioned again. A collective: every rank calls it for the same parameters."""
-    global _writes
-    import deepspeed
-
-    group = zero3_param_group(param)
-    writer = _writes % dist.get_world_size(group)
-    _writes += 1
-    with deepspeed.zero.GatheredParameters([param], modifier_rank=writer), torch.no_grad():
-        if dist.get_rank(group) == writer:
-            write(param.data)
+def read_flat(weights: Mapping[str, torch.Tensor], name: str, start: int, stop: int) -> torch.Tensor:
+    """Elements ``start`` to ``stop`` of tensor ``name`` of ``weights``, flattened: read alone where ``weights``
+    reads flat ranges (``checkpoint.LazyWeights.flat``), else cut from the whole tensor."""
+    read = getattr(weights, "flat", None)
+    if read is not None:
+        return read(name, start, stop)
+    return weights[name].reshape(-1)[start:stop]
 
 
 def load_into_partitioned(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     """``weights`` (names of the model's state to tensors, perhaps read on lookup) into ZeRO-3 ``model``, one
-    tensor at a time: each read only by the rank that writes it; a missing or an extra name is an error."""
+    tensor at a time, each rank reading its partitions alone (:func:`load_own_partition`); a missing or an extra name
+    is an error."""
     params = dict(model.named_parameters())  # (a tied parameter once, under its first name)
     names = set(model.state_dict(keep_vars=True))
     missing, extra = sorted(names - set(weights)), sorted(set(weights) - names)
     if missing or extra:
         raise ValueError(f"the weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
     for name, param in params.items():
-
-        def write(whole: torch.Tensor, name: str = name) -> None:
-            whole.copy_(weights[name])
-
-        fill_partitioned(param, write)
+        load_own_partition(param, weights, name)
     buffers = {name for name, _ in model.named_buffers()} & names
     with torch.no_grad():
         for name in sorted(buffers):
@@ -304,7 +304,7 @@ def read_slice(weights: Mapping[str, torch.Tensor], name: str, dim: int | None, 
 
 def _load_whole(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     """The tensors of ``model``'s state that are not on the meta device, from ``weights``, one at a time (a ZeRO-3
-    partitioned one by :func:`fill_partitioned`); a missing or an extra name is an error."""
+    partitioned one by :func:`load_own_partition`); a missing or an extra name is an error."""
     state = model.state_dict(keep_vars=True)
     missing, extra = sorted(set(state) - set(weights)), sorted(set(weights) - set(state))
     if missing or extra:
@@ -313,12 +313,8 @@ def _load_whole(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, tensor in state.items():
             if id(tensor) not in done and not tensor.is_meta:
-
-                def write(whole: torch.Tensor, name: str = name) -> None:
-                    whole.copy_(weights[name])
-
                 if is_zero3_param(tensor):
-                    fill_partitioned(tensor, write)
+                    load_own_partition(tensor, weights, name)
                 else:
-                    write(tensor)
+                    tensor.copy_(weights[name])
             done.add(id(tensor))
