@@ -1,9 +1,11 @@
 """The ZeRO-3 model build on gloo CPU ranks (``construction.build_for_run``: ``zero.Init`` and the initial values),
-for the code of one or more checkouts (``--code before=/tmp/before --code after=.``: before and after a change).
+and init_from's load into it (``construction.load_into_partitioned`` from a weights checkpoint), for the code of one
+or more checkouts (``--code before=/tmp/before --code after=.``: before and after a change).
 
 Each run is ``--ranks`` processes; each builds the model once untimed (DeepSpeed's first-use work), then
-``--builds`` times, timed. Prints one row per checkout: the slowest rank's median build, and the CPU seconds of all
-ranks over the whole run (start-up included).
+``--builds`` times, each build timed and followed by a timed load of the weights checkpoint rank 0 wrote first.
+Prints one row per checkout: the slowest rank's median build and load, and the CPU seconds of all ranks over the
+whole run (start-up included).
 
     python bench/zero3_init.py --code before=/tmp/before --code after=. --ranks 4
 """
@@ -52,8 +54,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from megatransformer.checkpoint import write_weights_checkpoint
+    from megatransformer.checkpoint.files import LazyWeights
     from megatransformer.config import RunConfig
-    from megatransformer.training.engine.construction import build_for_run
+    from megatransformer.model import build_model
+    from megatransformer.training.engine.construction import build_for_run, load_into_partitioned
     from megatransformer.training.engine.train_module import deepspeed_config
     from megatransformer.training.runtime.distributed import setup, teardown
     from megatransformer.training.runtime.layout import BatchSizes
@@ -63,15 +68,22 @@ def worker(args: argparse.Namespace) -> None:
     sections = {"model": model, "data": {"seq_len": 256}, "parallel": {"zero_stage": 3}, "precision": args.precision}
     cfg = RunConfig.model_validate(sections)
     ds = deepspeed_config(cfg, BatchSizes(1, 1, info.world_size), "cpu", zero_stage=3)
+    weights = Path(args.out).parent / "weights"
+    if info.rank == 0:
+        write_weights_checkpoint(weights, cfg, build_model(cfg.model, cfg.seed).state_dict())
     build_for_run(cfg, 3, ds)
-    times = []
+    builds, loads = [], []
     for _ in range(args.builds):
         dist.barrier()
         start = time.perf_counter()
-        build_for_run(cfg, 3, ds)
-        times.append(time.perf_counter() - start)
+        model = build_for_run(cfg, 3, ds)
+        builds.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        load_into_partitioned(model, LazyWeights(weights))
+        loads.append(time.perf_counter() - start)
     teardown()
-    Path(args.out).write_text(json.dumps({"times": times}))
+    Path(args.out).write_text(json.dumps({"builds": builds, "loads": loads}))
 
 
 def free_port() -> str:
@@ -98,7 +110,8 @@ def run(args: argparse.Namespace, code: str, work: Path) -> dict:
         raise SystemExit(f"a rank with {code} failed")
     ranks = [json.loads((work / f"rank.{r}").read_text()) for r in range(args.ranks)]
     cpu = [sum(map(float, (work / f"cpu.{r}").read_text().split()[-2:])) for r in range(args.ranks)]
-    return {"build_s": max(statistics.median(r["times"]) for r in ranks), "cpu_s": sum(cpu)}
+    slowest = {kind: max(statistics.median(r[kind]) for r in ranks) for kind in ("builds", "loads")}
+    return {"build_s": slowest["builds"], "load_s": slowest["loads"], "cpu_s": sum(cpu)}
 
 
 def main() -> None:
@@ -109,12 +122,12 @@ def main() -> None:
     codes = dict(c.split("=", 1) for c in args.code) or {"here": "."}
     print(f"# {args.ranks} ranks, ZeRO-3, {args.precision}, model {args.model}")
     print(f"# load before: {os.getloadavg()}")
-    print("| code | build (s), slowest rank's median | CPU s, all ranks, whole run |")
-    print("|---|---|---|")
+    print("| code | build (s), slowest rank's median | load (s), slowest rank's median | CPU s, all ranks, whole run |")
+    print("|---|---|---|---|")
     for name, code in codes.items():
         with tempfile.TemporaryDirectory() as work:
             row = run(args, code, Path(work))
-        print(f"| {name} | {row['build_s']:.2f} | {row['cpu_s']:.0f} |")
+        print(f"| {name} | {row['build_s']:.2f} | {row['load_s']:.2f} | {row['cpu_s']:.0f} |")
         sys.stdout.flush()
     print(f"# load after: {os.getloadavg()}")
 
