@@ -419,45 +419,43 @@ def parameter_generator(seed: int, name: str, block: int) -> torch.Generator:
 def draw_into(target: torch.Tensor, seed: int, name: str, std: float | None) -> None:
     """Fill ``target`` (the whole parameter ``name``, any device and dtype) with its initial values: fp32 draws on
     the host, a block of rows at a time (the host holds one block), cast into ``target``."""
-    draw_flat_into(target, seed, name, std, target.shape)
+    draw_part_into(target, seed, name, std, target.shape)
 
 
 @torch.no_grad()
-def draw_flat_into(
-    target: torch.Tensor, seed: int, name: str, std: float | None, whole: torch.Size, start: int = 0
+def draw_part_into(
+    target: torch.Tensor,
+    seed: int,
+    name: str,
+    std: float | None,
+    whole: torch.Size,
+    dim: int = 0,
+    index: int = 0,
+    parts: int = 1,
+    start: int = 0,
 ) -> None:
-    """Fill contiguous ``target`` with elements ``start`` to ``start + target.numel()`` of parameter ``name`` (of
-    shape ``whole``), flattened: :func:`draw_into`'s values of those elements, drawn from the blocks of rows that
-    hold them alone (the host holds one block). Elements past the parameter's end are left as they are."""
+    """Fill contiguous ``target`` with elements ``start`` to ``start + target.numel()`` (flattened) of part ``index``
+    of ``parts`` equal ones of parameter ``name`` (of shape ``whole``) cut along ``dim``: :func:`draw_into`'s values
+    of those elements, drawn from the blocks of rows that hold them alone (the host holds one block, never the
+    parameter). Elements past the part's end are left as they are."""
+    whole = whole or torch.Size([1])
+    if dim == 0 and parts > 1:  # (a part of rows is a flat range of the whole)
+        start, index, parts = start + index * math.prod(whole) // parts, 0, 1
+    width = math.prod(whole[1:]) // parts  # (a row of the part)
     flat = target.view(-1)
-    width = math.prod(whole[1:])
-    end = min(start + flat.numel(), math.prod(whole))
+    end = min(start + flat.numel(), whole[0] * width)
     if std is None:
         flat[: max(end - start, 0)].zero_()
         return
     for block, first_row, end_row in _row_blocks(whole):
         low, high = max(first_row * width, start), min(end_row * width, end)
         if low < high:
-            values = _drawn(seed, name, std, block, (end_row - first_row, *whole[1:])).view(-1)
-            flat[low - start : high - start].copy_(values[low - first_row * width : high - first_row * width])
-
-
-@torch.no_grad()
-def draw_part_into(
-    target: torch.Tensor, seed: int, name: str, std: float | None, whole: torch.Size, dim: int = 0, index: int = 0
-) -> None:
-    """Fill contiguous ``target`` with part ``index`` of parameter ``name`` (of shape ``whole``) cut into equal parts
-    along ``dim``: :func:`draw_into`'s values of those elements, drawn from the blocks of rows that hold them alone
-    (the host holds one block, never the whole parameter)."""
-    if dim == 0 or target.dim() == 0:  # (a part of rows is a flat range)
-        draw_flat_into(target, seed, name, std, whole, index * target.numel())
-    elif std is None:
-        target.zero_()
-    else:
-        size = target.shape[dim]
-        for block, first_row, end_row in _row_blocks(whole):
             values = _drawn(seed, name, std, block, (end_row - first_row, *whole[1:]))
-            target[first_row:end_row].copy_(values.narrow(dim, index * size, size))
+            if parts > 1:
+                size = whole[dim] // parts
+                values = values.narrow(dim, index * size, size)
+            values = values.reshape(-1)
+            flat[low - start : high - start].copy_(values[low - first_row * width : high - first_row * width])
 
 
 def _drawn(seed: int, name: str, std: float, block: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -469,24 +467,23 @@ def _drawn(seed: int, name: str, std: float, block: int, shape: tuple[int, ...])
 def _row_blocks(shape: torch.Size) -> Iterator[tuple[int, int, int]]:
     """(block, first row, end row) of each block of rows a parameter of ``shape`` is drawn in, a vector's elements
     being its rows: as many rows as ``INIT_BLOCK_ELEMENTS`` holds, at least one."""
-    rows = shape[0] if len(shape) else 1
     per_block = max(1, INIT_BLOCK_ELEMENTS // max(math.prod(shape[1:]), 1))
-    for block, start in enumerate(range(0, rows, per_block)):
-        yield block, start, min(start + per_block, rows)
+    for block, start in enumerate(range(0, shape[0], per_block)):
+        yield block, start, min(start + per_block, shape[0])
 
 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None, fill: Fill | None = None) -> None:
     """Set the parameters :func:`initial_values` names, each from generators of its own (:func:`draw_into`), so
     every build of one seed has the same weights. ``fill(parameter, draw)``: how a parameter is written, where it
-    is not whole (the caller has ``draw`` write the elements it holds, :func:`draw_flat_into`); by default in
+    is not whole (the caller has ``draw`` write the elements it holds, :func:`draw_part_into`); by default in
     place."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), device="cpu").item())
     for name, param, std in initial_values(model, cfg):
 
         def draw(target: torch.Tensor, shape: torch.Size, start: int, name: str = name, std: float | None = std):
-            draw_flat_into(target, seed, name, std, shape, start)
+            draw_part_into(target, seed, name, std, shape, start=start)
 
         if param.is_meta:
             continue  # (a model built on the meta device for its shapes: nothing to write)

@@ -125,13 +125,18 @@ def test_a_part_is_the_whole_draw_cut_and_a_part_of_rows_draws_only_its_blocks(m
     for index, expected in enumerate(whole.chunk(parts, dim)):
         part = torch.empty(expected.shape, dtype=torch.bfloat16)
         drawn.clear()
-        transformer.draw_part_into(part, 7, "layer.weight", 0.02, whole.shape, dim, index)
+        transformer.draw_part_into(part, 7, "layer.weight", 0.02, whole.shape, dim, index, parts)
         assert torch.equal(part, expected.to(torch.bfloat16)), (index, part, expected)
         if dim == 0:
             first, end = index * expected.shape[0], (index + 1) * expected.shape[0]
             assert drawn == list(range(first // rows_a_block, (end - 1) // rows_a_block + 1))
         else:
             assert drawn == list(range(-(-shape[0] // rows_a_block)))
+        halves = torch.full((2 * -(-expected.numel() // 2),), float("nan"))  # (a part partitioned over 2 ranks)
+        for start in (0, halves.numel() // 2):
+            into = halves[start : start + halves.numel() // 2]
+            transformer.draw_part_into(into, 7, "layer.weight", 0.02, whole.shape, dim, index, parts, start)
+        assert torch.equal(halves[: expected.numel()], expected.reshape(-1))
 
 
 @pytest.mark.parametrize("shape", [(10, 6), (9,), (4, 3, 6), ()], ids=["matrix", "vector", "three-d", "scalar"])
@@ -145,10 +150,10 @@ def test_flat_partitions_across_rows_and_blocks_are_the_whole_draw_flattened(mon
     part = -(-whole.numel() // 4)
     padded = torch.full((4 * part,), float("nan"))
     for start in range(0, 4 * part, part):
-        transformer.draw_flat_into(padded[start : start + part], 7, "layer.weight", 0.02, whole.shape, start)
+        transformer.draw_part_into(padded[start : start + part], 7, "layer.weight", 0.02, whole.shape, start=start)
     assert torch.equal(padded[: whole.numel()], whole.view(-1)) and padded[whole.numel() :].isnan().all()
     zeros = torch.full((part,), float("nan"))
-    transformer.draw_flat_into(zeros, 7, "layer.bias", None, whole.shape, 3 * part)
+    transformer.draw_part_into(zeros, 7, "layer.bias", None, whole.shape, start=3 * part)
     assert (zeros[: whole.numel() - 3 * part] == 0).all() and zeros[max(whole.numel() - 3 * part, 0) :].isnan().all()
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from megatransformer.config import RunConfig, precision_dtype
 from megatransformer.model.tp_plan import partition_dim
-from megatransformer.model.transformer import Draw, construct, draw_into, draw_part_into, init_weights, initial_values
+from megatransformer.model.transformer import Draw, construct, draw_part_into, init_weights, initial_values
 from megatransformer.training.deepspeed.internals import (
     Partition,
     is_autotp_layer,
@@ -224,8 +224,9 @@ def slices_made_by_autotp(
     sets each of its layers in place, with the parameters sliced on the meta device, this rank's slices are made on
     ``device`` as new parameters (in their places in ``groups``, the parameter groups or parameters given to
     ``deepspeed.initialize`` as a list): in fp32, or where the model's other parameters are partitioned (ZeRO-3) in
-    their dtype and partitioned as they are, each as soon as it is made. Their values: the slices of the one-rank
-    build's (drawn a block of rows at a time, from the blocks that hold the slice alone), or of ``weights``
+    their dtype and partitioned as they are, each as soon as it is made, each rank then writing its own partition.
+    Their values: the slices of the one-rank build's (drawn a block of rows at a time, from the blocks that hold
+    the slice, or the partition, alone), or of ``weights``
     (init_from: names of the model's state to tensors; only the slices are read where ``weights`` can read a slice,
     :func:`read_slice`), whose other tensors are loaded first (each partitioned one read only by the rank that
     writes it). A parameter still on the meta device after it is an error."""
@@ -249,10 +250,14 @@ def slices_made_by_autotp(
             if param.is_meta and id(param) in rules:
                 name, std = rules.pop(id(param))
                 made = torch.empty(param.shape, dtype=dtype, device=device)
-                _write_slice(made, name, std, shapes[id(param)], rank, tp, cfg.seed, weights)
                 made = replace_parameter(module, attribute, made, groups)
-                if partitioned is not None:
+                whole = shapes[id(param)]
+                if partitioned is None:
+                    _write_slice(made, name, std, whole, param.shape, rank, tp, cfg.seed, weights)
+                else:  # (partitioned unwritten; then each rank writes its own partition of the slice)
                     partitioner_of(partitioned)([made])
+                    partition, start = zero3_partition(made)
+                    _write_slice(partition, name, std, whole, param.shape, rank, tp, cfg.seed, weights, start)
 
     handle = torch.nn.modules.module.register_module_module_registration_hook(installed)
     try:
@@ -264,29 +269,34 @@ def slices_made_by_autotp(
         raise RuntimeError(f"AutoTP left parameters on the meta device, not sliced: {left[:3]}")
 
 
+@torch.no_grad()
 def _write_slice(
     target: torch.Tensor,
     name: str,
     std: float | None,
     whole: torch.Size,
+    shape: torch.Size,
     rank: int,
     tp: int,
     seed: int,
     weights: Mapping[str, torch.Tensor] | None,
+    start: int = 0,
 ) -> None:
-    """Tensor-parallel rank ``rank``'s slice of parameter ``name`` (of shape ``whole``) into ``target``: AutoTP's
-    split, ``tp`` equal parts along the one dimension where ``target``'s shape differs (whole where none does)."""
-    shape = target.shape
+    """Elements ``start`` to ``start + target.numel()`` (flattened; those past its end left as they are) of
+    tensor-parallel rank ``rank``'s slice, of ``shape``, of parameter ``name`` (of shape ``whole``) into contiguous
+    ``target``: AutoTP's split, ``tp`` equal parts along the one dimension where ``shape`` differs (whole where none
+    does)."""
     dims = [d for d, (n, m) in enumerate(zip(whole, shape, strict=True)) if n != m]
     if len(dims) > 1 or (dims and shape[dims[0]] * tp != whole[dims[0]]):
         raise RuntimeError(f"AutoTP sliced {name} {tuple(whole)} to {tuple(shape)}, not into {tp} equal parts")
-    dim = dims[0] if dims else None
     if weights is not None:
-        target.copy_(read_slice(weights, name, dim, rank, tp))
-    elif dim is None:
-        draw_into(target, seed, name, std)
+        values = read_slice(weights, name, dims[0] if dims else None, rank, tp).reshape(-1)
+        values = values[start : start + target.numel()]
+        target.view(-1)[: values.numel()].copy_(values)
+    elif dims:
+        draw_part_into(target, seed, name, std, whole, dims[0], rank, tp, start)
     else:
-        draw_part_into(target, seed, name, std, whole, dim, rank)
+        draw_part_into(target, seed, name, std, whole, start=start)
 
 
 def read_slice(weights: Mapping[str, torch.Tensor], name: str, dim: int | None, index: int, parts: int) -> torch.Tensor:
