@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,23 +45,15 @@ def parse_args() -> argparse.Namespace:
 def worker(args: argparse.Namespace) -> None:
     """One rank: the trainer's step ``args.steps`` times; its step times and Newton-Schulz calls to ``args.out``."""
     import torch
+    from gloo_ranks import join
 
-    rank, port, optim = int(args.worker[0]), args.worker[1], args.worker[2]
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(args.ranks),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(args.ranks),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=port,
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
     from megatransformer.config import RunConfig
     from megatransformer.training.checkpointing.checkpointer import innermost_optimizer
     from megatransformer.training.engine.train_module import TrainModule
-    from megatransformer.training.runtime.distributed import setup, teardown
+    from megatransformer.training.runtime.distributed import teardown
 
+    info = join(int(args.worker[0]), args.ranks, args.worker[1])
+    optim = args.worker[2]
     model = {**json.loads(args.model), "max_seq_len": args.seq_len}
     cfg = RunConfig.model_validate(
         {
@@ -74,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
             "precision": args.precision,
         }
     )
-    module = TrainModule(cfg, setup(), zero_stage=args.zero)
+    module = TrainModule(cfg, info, zero_stage=args.zero)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (1, args.seq_len + 1), generator=gen)
     batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
@@ -90,15 +81,11 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps({"times": times[args.warmup :], "ns_calls": calls, "ns_parts": parts}))
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def run(args: argparse.Namespace, code: str, optim: str, work: Path) -> dict:
     """One run of ``args.ranks`` processes with ``code``'s megatransformer: its row."""
-    port = free_port()
+    from megatransformer.training.runtime.distributed import free_port
+
+    port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(Path(code).resolve()), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     passed = ["--ranks", str(args.ranks), "--zero", str(args.zero), "--precision", args.precision]
     passed += ["--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]

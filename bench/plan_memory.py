@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
@@ -35,12 +33,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gloo_ranks import join  # noqa: E402
+
 from megatransformer.batch import IGNORE_INDEX  # noqa: E402
 from megatransformer.config import RunConfig  # noqa: E402
 from megatransformer.training.runtime.distributed import free_port  # noqa: E402
-
-if TYPE_CHECKING:
-    from megatransformer.training.runtime.distributed import Dist
 
 MARK = "plan_memory.measured_step"
 
@@ -199,23 +196,6 @@ def bare_peak(cfg: RunConfig, by_address: bool = False) -> int:
         return lambda: runner.step(input_ids, labels, masks=masks, **batch)
 
     return live_peak(build, by_address=by_address)
-
-
-def join(rank: int, ranks: int, port: int) -> Dist:
-    """This process as gloo rank ``rank`` of ``ranks`` (one thread), through the trainer's own set-up."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(ranks),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(ranks),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
-    from megatransformer.training.runtime.distributed import setup
-
-    return setup()
 
 
 def engine_rank(rank: int, ranks: int, port: int, point: dict, out: str) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,30 +39,19 @@ def parse_args() -> argparse.Namespace:
 
 def worker(args: argparse.Namespace) -> None:
     """One rank: ``build_for_run`` at ZeRO-3, once untimed, then ``args.builds`` times; the times to ``args.out``."""
-    rank, port = int(args.worker[0]), args.worker[1]
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(args.ranks),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(args.ranks),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=port,
-        DS_ACCELERATOR="cpu",
-    )
-    import torch
     import torch.distributed as dist
+    from gloo_ranks import join
 
-    torch.set_num_threads(1)
     from megatransformer.checkpoint import write_weights_checkpoint
     from megatransformer.checkpoint.files import LazyWeights
     from megatransformer.config import RunConfig
     from megatransformer.model import build_model
     from megatransformer.training.engine.construction import build_for_run, load_into_partitioned
     from megatransformer.training.engine.train_module import deepspeed_config
-    from megatransformer.training.runtime.distributed import setup, teardown
+    from megatransformer.training.runtime.distributed import teardown
     from megatransformer.training.runtime.layout import BatchSizes
 
-    info = setup()
+    info = join(int(args.worker[0]), args.ranks, args.worker[1])
     model = {**json.loads(args.model), "max_seq_len": 256}
     sections = {"model": model, "data": {"seq_len": 256}, "parallel": {"zero_stage": 3}, "precision": args.precision}
     cfg = RunConfig.model_validate(sections)
@@ -86,15 +74,11 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps({"builds": builds, "loads": loads}))
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def run(args: argparse.Namespace, code: str, work: Path) -> dict:
     """One run of ``args.ranks`` processes with ``code``'s megatransformer: its row."""
-    port = free_port()
+    from megatransformer.training.runtime.distributed import free_port
+
+    port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(Path(code).resolve()), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     passed = ["--ranks", str(args.ranks), "--precision", args.precision, "--builds", str(args.builds)]
     processes = [
