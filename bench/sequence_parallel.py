@@ -72,20 +72,11 @@ def packed_row(length: int, vocab: int) -> dict[str, torch.Tensor]:
 
 
 def run_rank(rank: int, size: int, port: int, length: int, tiles: int, repeats: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(size),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     import torch.distributed as dist
+    from gloo_ranks import join
 
-    from megatransformer.training.runtime.distributed import setup
-
-    setup()
+    join(rank, size, port)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     cfg = ModelConfig(max_seq_len=length, **MODEL)
     torch.manual_seed(0)
     model = build_model(cfg)
