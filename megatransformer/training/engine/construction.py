@@ -1,6 +1,6 @@
 """The model a run trains, built where it runs: at ZeRO-3 partitioned as it is made, each rank drawing the initial
-values of its partitions alone; weights a run starts from (``init_from``) loaded one tensor at a time, each written
-whole by one rank and spread. With tensor parallelism the linear layers' weights are made on the meta device,
+values of its partitions alone; weights a run starts from (``init_from``) loaded one tensor at a time, each rank
+reading its partitions alone. With tensor parallelism the linear layers' weights are made on the meta device,
 AutoTP slices them there, and each rank then makes only its slices (:func:`slices_made_by_autotp`), at ZeRO-3
 partitioned over the data-parallel ranks as each is made. Every layout gets the weights of the one-rank build of the
 seed (``transformer.init_weights``). Design: docs/architecture.md, "Building the model"."""
@@ -226,10 +226,10 @@ def slices_made_by_autotp(
     ``deepspeed.initialize`` as a list): in fp32, or where the model's other parameters are partitioned (ZeRO-3) in
     their dtype and partitioned as they are, each as soon as it is made, each rank then writing its own partition.
     Their values: the slices of the one-rank build's (drawn a block of rows at a time, from the blocks that hold
-    the slice, or the partition, alone), or of ``weights``
-    (init_from: names of the model's state to tensors; only the slices are read where ``weights`` can read a slice,
-    :func:`read_slice`), whose other tensors are loaded first (each partitioned one read only by the rank that
-    writes it). A parameter still on the meta device after it is an error."""
+    the slice, or the partition, alone), or of ``weights`` (init_from: names of the model's state to tensors; only
+    the slices are read where ``weights`` can read a slice, :func:`read_slice`), whose other tensors are loaded
+    first (each rank reading its partitions of the partitioned ones alone). A parameter still on the meta device
+    after it is an error."""
     rules = {id(param): (name, std) for name, param, std in initial_values(model, cfg.model) if param.is_meta}
     shapes = {id(param): param.shape for param in model.parameters() if param.is_meta}
     if any(id(param) not in rules for param in model.parameters() if param.is_meta):
