@@ -257,15 +257,21 @@ class LazyWeights(Mapping[str, torch.Tensor]):
             where[dim] = slice(index * size, (index + 1) * size)
             return part[tuple(where)]
 
-    def flat(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``start`` to ``stop`` of tensor ``name``, flattened, reading only the rows that hold them (from
-        shards: in fp32; from model.safetensors: as stored)."""
+    def flat(
+        self, name: str, start: int, stop: int, dim: int | None = None, index: int = 0, parts: int = 1
+    ) -> torch.Tensor:
+        """Elements ``start`` to ``stop`` (flattened) of part ``index`` of ``parts`` equal ones of tensor ``name``
+        along ``dim`` (the whole tensor: None), reading only the rows that hold them (from shards: in fp32, whatever
+        the layout they were saved in; from model.safetensors: as stored)."""
         if name not in self.names:
             raise KeyError(name)
+        if dim is None:
+            index, parts = 0, 1
         if self.sharded is not None:
             from megatransformer.checkpoint.sharded import MASTER
 
-            return self.sharded.slice_of(self.sharded.aliases.get(name, name), MASTER, 0, 1, None, start, stop)
+            stored = self.sharded.aliases.get(name, name)
+            return self.sharded.slice_of(stored, MASTER, index, parts, dim, start, stop)
         from safetensors import safe_open
 
         with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
@@ -273,9 +279,16 @@ class LazyWeights(Mapping[str, torch.Tensor]):
             shape = part.get_shape()
             if not shape:
                 return f.get_tensor(name).reshape(-1)[start:stop]
-            width = math.prod(shape[1:])
+            if dim == 0 and parts > 1:  # (a part of rows is a flat range of the whole)
+                offset = index * math.prod(shape) // parts
+                start, stop, index, parts = start + offset, stop + offset, 0, 1
+            width = math.prod(shape[1:]) // parts  # (a row of the part)
             first = start // width
-            rows = part[first : -(-stop // width)].reshape(-1)
+            where = [slice(first, -(-stop // width))] + [slice(None)] * (len(shape) - 1)
+            if parts > 1:
+                size = shape[dim] // parts
+                where[dim] = slice(index * size, (index + 1) * size)
+            rows = part[tuple(where)].reshape(-1)
             return rows[start - first * width : stop - first * width]
 
     def __iter__(self) -> Iterator[str]:

@@ -45,6 +45,11 @@ class Reads(Mapping[str, torch.Tensor]):
         self.sliced.add(name)
         return self.weights.slice(name, dim, index, parts)
 
+    def flat(self, name: str, start: int, stop: int, dim: int | None, index: int, parts: int) -> torch.Tensor:
+        if dim is not None:  # (a range of a slice: ZeRO-3's partition of it)
+            self.sliced.add(name)
+        return self.weights.flat(name, start, stop, dim, index, parts)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.weights)
 
@@ -54,13 +59,16 @@ class Reads(Mapping[str, torch.Tensor]):
 
 def loaded(build: Callable[[Reads], torch.nn.Module], cfg, reference: torch.nn.Module, path: Path, tp: int) -> dict:
     """A build from a weights checkpoint (init_from) that rank 0 writes at ``path``, each tensor of ``reference``
-    given one value: the parameters whose values are not this rank's slices of it, the split tensors read whole and
+    given random values: the parameters whose values are not this rank's slices of it, the split tensors read whole and
     those not read as slices. ``reference`` is left holding the checkpoint's weights."""
     from deepspeed.utils import groups
 
-    values: dict[int, float] = {}  # (a tied tensor has one value under each of its names)
+    values: dict[int, torch.Tensor] = {}  # (a tied tensor has the same values under each of its names)
     state = reference.state_dict(keep_vars=True)
-    weights = {n: torch.full_like(t, values.setdefault(id(t), 0.25 * len(values))) for n, t in state.items()}
+    generator = torch.Generator().manual_seed(5)  # (values that differ in every element: a misplaced read shows)
+    weights = {
+        n: values.setdefault(id(t), torch.randn(t.shape, generator=generator, dtype=t.dtype)) for n, t in state.items()
+    }
     if torch.distributed.get_rank() == 0:
         write_weights_checkpoint(path, cfg, weights)
     torch.distributed.barrier()

@@ -69,6 +69,11 @@ def test_lazy_weights_read_each_tensor_on_lookup_as_the_eager_ones(tmp_path):
         flat = eager[name].reshape(-1)  # (a range that starts and ends inside rows, as a ZeRO-3 partition does)
         lo, hi = flat.numel() // 3 + 1, max(2 * flat.numel() // 3 - 1, flat.numel() // 3 + 1)
         assert torch.equal(lazy.flat(name, lo, hi), flat[lo:hi]) and torch.equal(lazy.flat(name, 0, 1), flat[:1])
+        for dim in range(eager[name].dim()):  # (a tensor-parallel slice along each dimension, partitioned)
+            if eager[name].shape[dim] % 2 == 0:
+                part = eager[name].chunk(2, dim)[1].reshape(-1)
+                lo, hi = part.numel() // 3 + 1, max(2 * part.numel() // 3 - 1, part.numel() // 3 + 1)
+                assert torch.equal(lazy.flat(name, lo, hi, dim, 1, 2), part[lo:hi]), (name, dim)
 
 
 def test_a_tensor_parallel_build_leaves_only_the_split_matrices_on_the_meta_device():

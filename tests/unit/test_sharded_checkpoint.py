@@ -195,6 +195,10 @@ def test_lazy_weights_read_a_flat_range_of_a_tensor_as_a_zero_3_partition_needs_
     write_checkpoint(tmp_path, FULL, *saved, DIMS)
     lazy = LazyWeights(tmp_path)
     for name, tensor in {**FULL, "tied.weight": FULL["w"]}.items():
-        flat = tensor.reshape(-1)
-        for lo, hi in [(0, flat.numel()), (1, 5), (5, min(17, flat.numel())), (flat.numel() - 1, flat.numel())]:
-            assert torch.equal(lazy.flat(name, lo, hi), flat[lo:hi]), (name, lo, hi)
+        dim = DIMS.get(name, 0)
+        for parts in (1, 2, 3) if dim is not None else (1,):
+            for index, part in enumerate(tensor.chunk(parts, dim or 0)):  # (a tensor-parallel slice, partitioned)
+                flat = part.reshape(-1)
+                for lo, hi in [(0, flat.numel()), (1, 5), (5, min(17, flat.numel())), (flat.numel() - 1, flat.numel())]:
+                    got = lazy.flat(name, lo, hi, dim, index, parts)
+                    assert torch.equal(got, flat[lo:hi]), (name, parts, index, lo, hi)

@@ -143,13 +143,26 @@ def load_own_partition(param: nn.Parameter, weights: Mapping[str, torch.Tensor],
         partition[: stop - start].copy_(read_flat(weights, name, start, stop))
 
 
-def read_flat(weights: Mapping[str, torch.Tensor], name: str, start: int, stop: int) -> torch.Tensor:
-    """Elements ``start`` to ``stop`` of tensor ``name`` of ``weights``, flattened: read alone where ``weights``
-    reads flat ranges (``checkpoint.LazyWeights.flat``), else cut from the whole tensor."""
+def read_flat(
+    weights: Mapping[str, torch.Tensor],
+    name: str,
+    start: int,
+    stop: int,
+    dim: int | None = None,
+    index: int = 0,
+    parts: int = 1,
+) -> torch.Tensor:
+    """Elements ``start`` to ``stop`` (flattened) of part ``index`` of ``parts`` equal ones along ``dim`` (the whole
+    tensor: None) of tensor ``name`` of ``weights``: read alone where ``weights`` reads flat ranges
+    (``checkpoint.LazyWeights.flat``), else cut from the whole tensor."""
     read = getattr(weights, "flat", None)
     if read is not None:
-        return read(name, start, stop)
-    return weights[name].reshape(-1)[start:stop]
+        return read(name, start, stop, dim, index, parts)
+    whole = weights[name]
+    if dim is not None:
+        size = whole.shape[dim] // parts
+        whole = whole.narrow(dim, index * size, size)
+    return whole.reshape(-1)[start:stop]
 
 
 def load_into_partitioned(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
@@ -289,10 +302,13 @@ def _write_slice(
     dims = [d for d, (n, m) in enumerate(zip(whole, shape, strict=True)) if n != m]
     if len(dims) > 1 or (dims and shape[dims[0]] * tp != whole[dims[0]]):
         raise RuntimeError(f"AutoTP sliced {name} {tuple(whole)} to {tuple(shape)}, not into {tp} equal parts")
-    if weights is not None:
-        values = read_slice(weights, name, dims[0] if dims else None, rank, tp).reshape(-1)
-        values = values[start : start + target.numel()]
-        target.view(-1)[: values.numel()].copy_(values)
+    if weights is not None and start == 0 and target.shape == shape:
+        target.copy_(read_slice(weights, name, dims[0] if dims else None, rank, tp))
+    elif weights is not None:
+        stop = min(start + target.numel(), math.prod(shape))
+        if stop > start:
+            values = read_flat(weights, name, start, stop, dims[0] if dims else None, rank, tp)
+            target.view(-1)[: stop - start].copy_(values)
     elif dims:
         draw_part_into(target, seed, name, std, whole, dims[0], rank, tp, start)
     else:
