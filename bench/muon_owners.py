@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -83,35 +82,19 @@ def worker(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, code: str, optim: str, work: Path) -> dict:
     """One run of ``args.ranks`` processes with ``code``'s megatransformer: its row."""
-    from megatransformer.training.runtime.distributed import free_port
+    from gloo_ranks import run_ranks
 
-    port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": str(Path(code).resolve()), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     passed = ["--ranks", str(args.ranks), "--zero", str(args.zero), "--precision", args.precision]
     passed += ["--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    passed += ["--model", args.model]
-    processes = [
-        subprocess.Popen(
-            ["/usr/bin/time", "-f", "%M %U %S", "-o", str(work / f"rss.{rank}")]
-            + [sys.executable, __file__, "--worker", str(rank), port, optim, "--out", str(work / f"rank.{rank}")]
-            + passed,
-            env=env,
-        )
-        for rank in range(args.ranks)
-    ]
-    if any(p.wait() for p in processes):
-        raise SystemExit(f"a rank of {optim} with {code} failed")
-    ranks = [json.loads((work / f"rank.{r}").read_text()) for r in range(args.ranks)]
-    measured = [(work / f"rss.{r}").read_text().split()[-3:] for r in range(args.ranks)]
-    rss = [int(m[0]) / 1024 for m in measured]
-    cpu = [float(m[1]) + float(m[2]) for m in measured]
+    ranks = run_ranks(__file__, code, args.ranks, work, [optim], [*passed, "--model", args.model])
+    rss = [r.peak_rss_mib for r in ranks]
     return {
-        "step_s": max(statistics.median(r["times"]) for r in ranks),
+        "step_s": max(statistics.median(r.record["times"]) for r in ranks),
         "peak_rss_mib": max(rss),
         "rss_mib": rss,
-        "ns_calls": sum(r["ns_calls"] for r in ranks),
-        "ns_parts": sum(r.get("ns_parts", 0) for r in ranks),
-        "cpu_s": sum(cpu),
+        "ns_calls": sum(r.record["ns_calls"] for r in ranks),
+        "ns_parts": sum(r.record.get("ns_parts", 0) for r in ranks),
+        "cpu_s": sum(r.cpu_s for r in ranks),
     }
 
 

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,26 +75,12 @@ def worker(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, code: str, work: Path) -> dict:
     """One run of ``args.ranks`` processes with ``code``'s megatransformer: its row."""
-    from megatransformer.training.runtime.distributed import free_port
+    from gloo_ranks import run_ranks
 
-    port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": str(Path(code).resolve()), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     passed = ["--ranks", str(args.ranks), "--precision", args.precision, "--builds", str(args.builds)]
-    processes = [
-        subprocess.Popen(
-            ["/usr/bin/time", "-f", "%U %S", "-o", str(work / f"cpu.{rank}")]
-            + [sys.executable, __file__, "--worker", str(rank), port, "--out", str(work / f"rank.{rank}")]
-            + [*passed, "--model", args.model],
-            env=env,
-        )
-        for rank in range(args.ranks)
-    ]
-    if any(p.wait() for p in processes):
-        raise SystemExit(f"a rank with {code} failed")
-    ranks = [json.loads((work / f"rank.{r}").read_text()) for r in range(args.ranks)]
-    cpu = [sum(map(float, (work / f"cpu.{r}").read_text().split()[-2:])) for r in range(args.ranks)]
-    slowest = {kind: max(statistics.median(r[kind]) for r in ranks) for kind in ("builds", "loads")}
-    return {"build_s": slowest["builds"], "load_s": slowest["loads"], "cpu_s": sum(cpu)}
+    ranks = run_ranks(__file__, code, args.ranks, work, [], [*passed, "--model", args.model])
+    slowest = {kind: max(statistics.median(r.record[kind]) for r in ranks) for kind in ("builds", "loads")}
+    return {"build_s": slowest["builds"], "load_s": slowest["loads"], "cpu_s": sum(r.cpu_s for r in ranks)}
 
 
 def main() -> None:
