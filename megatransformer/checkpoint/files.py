@@ -235,28 +235,6 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
             return f.get_tensor(name)
 
-    def slice(self, name: str, dim: int, index: int, parts: int) -> torch.Tensor:
-        """Part ``index`` of ``parts`` equal ones of tensor ``name`` along ``dim``, reading only its elements (from
-        shards: in fp32, whatever the layout they were saved in)."""
-        if name not in self.names:
-            raise KeyError(name)
-        if self.sharded is not None:
-            from megatransformer.checkpoint.sharded import MASTER
-
-            stored = self.sharded.aliases.get(name, name)
-            shape = list(self.sharded.params[stored].shape)
-            shape[dim] //= parts
-            count = math.prod(shape)
-            return self.sharded.slice_of(stored, MASTER, index, parts, dim, 0, count).view(shape)
-        from safetensors import safe_open
-
-        with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
-            part = f.get_slice(name)
-            size = part.get_shape()[dim] // parts
-            where = [slice(None)] * len(part.get_shape())
-            where[dim] = slice(index * size, (index + 1) * size)
-            return part[tuple(where)]
-
     def flat(
         self, name: str, start: int, stop: int, dim: int | None = None, index: int = 0, parts: int = 1
     ) -> torch.Tensor:

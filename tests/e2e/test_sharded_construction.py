@@ -27,8 +27,9 @@ def test_zero3_builds_the_one_rank_weights_holding_a_partition_and_a_layer(tmp_p
     for rank in ranks:
         for precision in ("fp32", "bf16"):
             assert rank[f"differing_{precision}"] == [] and rank[f"differing_loaded_{precision}"] == [], rank
-            # (each rank draws, and reads from init_from's weights, its partitions alone)
+            # (each rank draws, and reads from init_from's weights, its partitions alone: none gathers or broadcasts)
             assert rank[f"gathers_in_build_{precision}"] == rank[f"gathers_in_load_{precision}"] == 0, rank
+            assert rank[f"broadcasts_in_build_{precision}"] == rank[f"broadcasts_in_load_{precision}"] == 0, rank
         assert rank["partition"] <= whole_bf16 / 2 + 1024  # (ZeRO-3 pads each partition to a few elements)
         # the parameters never held more than this rank's partition and one layer whole (the whole model: 4.1x)
         assert rank["held"] <= rank["partition"] + rank["layer"], rank
@@ -58,6 +59,7 @@ def test_zero3_with_tensor_parallelism_partitions_each_slice_as_it_is_made(tmp_p
     for rank in ranks:
         for precision in ("fp32", "bf16"):
             assert rank[f"whole_after_build_{precision}"] == [], rank  # (the replicated ones partitioned too)
+            assert rank[f"broadcasts_{precision}"] == 0, rank  # (each partition written by its rank alone)
             assert rank[f"differing_{precision}"] == [] and rank[f"differing_loaded_{precision}"] == [], rank
             assert rank[f"split_read_whole_{precision}"] == [] and rank[f"split_not_sliced_{precision}"] == [], rank
             # a quarter of the model and ZeRO-3's padding (the split matrices halved, then everything halved)

@@ -1,13 +1,12 @@
 """The peak host memory a piece of code takes, counted without clocks: torch's CPU allocator's allocations and
 frees as the profiler records them (its event tree, in the order they happen) and Python's own (tracemalloc:
 bytes, numpy arrays); the two peaks added, an upper bound of the true one. The profiler records this thread's
-frees only: :func:`broadcasts_freed_here` keeps a tensor a collective holds from being freed on another."""
+frees only: a tensor a collective's worker thread frees last counts as held to the end."""
 
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from torch._C._profiler import _EventType
@@ -37,31 +36,3 @@ def peak_host_bytes(run: Callable[[], Any], python: bool = True) -> int:
         live += change
         torch_peak = max(torch_peak, live)
     return torch_peak + (python_peak if python else 0)
-
-
-@contextmanager
-def broadcasts_freed_here() -> Iterator[None]:
-    """DeepSpeed's broadcasts in it (``deepspeed.comm.broadcast``) hold what they sent until the next one has
-    returned, and let it go on this thread. ZeRO-3 frees a parameter's whole tensor just after it broadcasts it
-    (``zero.Init`` partitioning a parameter), and gloo's worker thread, which holds it until it is done with it,
-    then often drops the last reference: a free the profiler never records, so that the tensor counts as held to
-    the end. With this each counts till the next broadcast (an upper bound)."""
-    from deepspeed import comm
-
-    broadcast = comm.broadcast
-    sent: list = []
-
-    def broadcast_and_hold(tensor, src, group=None, async_op=False, **kwargs):
-        work = broadcast(tensor, src, group=group, async_op=True, **kwargs)
-        if async_op:
-            return work
-        work.wait()
-        sent[:] = [work]  # (the previous one's tensor let go here)
-        return None
-
-    comm.broadcast = broadcast_and_hold
-    try:
-        yield
-    finally:
-        comm.broadcast = broadcast
-        sent.clear()

@@ -18,7 +18,7 @@ from megatransformer.training.engine.construction import build_for_run, load_int
 from megatransformer.training.engine.train_module import deepspeed_config
 from megatransformer.training.runtime.distributed import setup
 from megatransformer.training.runtime.layout import BatchSizes
-from support.memory import broadcasts_freed_here, peak_host_bytes
+from support.memory import peak_host_bytes
 from support.models import run_config
 
 # sixteen thin layers: a layer is a small part of the model, so a whole model's bytes on a rank stand out
@@ -59,19 +59,25 @@ class ParameterBytes:
             self.gathers += 1
             return gathered(*args, **kwargs)
 
+        def counted_broadcasts(*args, **kwargs):
+            self.broadcasts += 1
+            return broadcast(*args, **kwargs)
+
         import deepspeed
+        from deepspeed import comm
 
         self.gathers, gathered = 0, deepspeed.zero.GatheredParameters
+        self.broadcasts, broadcast = 0, comm.broadcast
         fills = {name: getattr(construction, name) for name in ("draw_own_partition", "load_own_partition")}
         self.handle = torch.nn.modules.module.register_module_parameter_registration_hook(registered)
         for name, original in fills.items():
             setattr(construction, name, sampled(original))
-        deepspeed.zero.GatheredParameters = counted_gathers
+        deepspeed.zero.GatheredParameters, comm.broadcast = counted_gathers, counted_broadcasts
 
         def restore():
             for name, original in fills.items():
                 setattr(construction, name, original)
-            deepspeed.zero.GatheredParameters = gathered
+            deepspeed.zero.GatheredParameters, comm.broadcast = gathered, broadcast
 
         self.restore = restore
         return self
@@ -80,12 +86,6 @@ class ParameterBytes:
         self.handle.remove()
         self.restore()
         self.sample()
-
-
-def freed_here(build, *args):
-    """``build(*args)``, each tensor it broadcasts freed on this thread (``memory.broadcasts_freed_here``)."""
-    with broadcasts_freed_here():
-        return build(*args)
 
 
 def main(out: Path) -> None:
@@ -99,6 +99,7 @@ def main(out: Path) -> None:
         with counter:
             model = build_for_run(cfg, 3, ds)
         record[f"gathers_in_build_{precision}"] = counter.gathers
+        record[f"broadcasts_in_build_{precision}"] = counter.broadcasts
         dtype = precision_dtype(cfg.precision)
         reference = build_model(cfg.model, cfg.seed)
         record[f"differing_{precision}"] = _differing(model, reference, dtype)
@@ -109,6 +110,7 @@ def main(out: Path) -> None:
         with counter:
             load_into_partitioned(model, weights)
         record[f"gathers_in_load_{precision}"] = counter.gathers
+        record[f"broadcasts_in_load_{precision}"] = counter.broadcasts
         reference.load_state_dict(weights)
         record[f"differing_loaded_{precision}"] = _differing(model, reference, dtype)
     params = dict(model.named_parameters())
@@ -118,7 +120,7 @@ def main(out: Path) -> None:
     record["whole"] = sum(p.numel() for p in reference.parameters())
     record["partition"] = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params.values())
     record["held"] = counter.most
-    record["peak"] = peak_host_bytes(lambda: freed_here(build_for_run, cfg, 3, ds), python=False)
+    record["peak"] = peak_host_bytes(lambda: build_for_run(cfg, 3, ds), python=False)
     record["whole_build"] = peak_host_bytes(lambda: build_model(cfg.model, cfg.seed), python=False)  # (fp32, whole)
     (out / f"rank_{info.rank}.json").write_text(json.dumps(record))
 

@@ -41,12 +41,8 @@ class Reads(Mapping[str, torch.Tensor]):
         self.whole.add(name)
         return self.weights[name]
 
-    def slice(self, name: str, dim: int, index: int, parts: int) -> torch.Tensor:
-        self.sliced.add(name)
-        return self.weights.slice(name, dim, index, parts)
-
     def flat(self, name: str, start: int, stop: int, dim: int | None, index: int, parts: int) -> torch.Tensor:
-        if dim is not None:  # (a range of a slice: ZeRO-3's partition of it)
+        if dim is not None:  # (a slice, or a range of it: ZeRO-3's partition of it)
             self.sliced.add(name)
         return self.weights.flat(name, start, stop, dim, index, parts)
 

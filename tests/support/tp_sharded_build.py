@@ -22,7 +22,7 @@ from megatransformer.training.runtime.distributed import setup
 from megatransformer.training.runtime.layout import BatchSizes
 from support.memory import peak_host_bytes
 from support.models import run_config
-from support.sharded_build import ParameterBytes, freed_here
+from support.sharded_build import ParameterBytes
 from support.tp_build import MODEL, differing, loaded
 
 TP = 2
@@ -59,12 +59,13 @@ def main(out: Path) -> None:
         reference = build_model(cfg.model, cfg.seed)
         record[f"differing_{precision}"] = differing(module, reference, dtype, rank, TP)
         record[f"held_{precision}"] = counter.most
+        record[f"broadcasts_{precision}"] = counter.broadcasts
         record[f"partition_{precision}"] = sum(p.ds_tensor.nbytes for p in module.parameters())
         # the largest module a rank may hold whole at once: an embedding table, a block, the output head
         parts = [*reference.decoder.layers, reference.embed_tokens, reference.lm_head]
         record[f"layer_{precision}"] = max(sum(p.numel() for p in part.parameters()) for part in parts) * dtype.itemsize
         record[f"whole_{precision}"] = sum(p.numel() for p in reference.parameters()) * dtype.itemsize
-        record[f"peak_{precision}"] = peak_host_bytes(lambda: freed_here(engine_module, cfg, config), python=False)
+        record[f"peak_{precision}"] = peak_host_bytes(lambda: engine_module(cfg, config), python=False)
         # weights a run starts from (init_from): a weights checkpoint, read tensor by tensor or slice by slice
         got = loaded(lambda reads: engine_module(cfg, config, reads), cfg, reference, out / f"weights_{precision}", TP)
         record |= {f"{key}_{precision}": value for key, value in got.items()}

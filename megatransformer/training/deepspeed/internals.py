@@ -125,16 +125,36 @@ def param_shape(param: torch.Tensor) -> torch.Size:
 Partition = Callable[[list[nn.Parameter]], None]
 
 
+def zero3_init_unwritten(**kwargs):
+    """``deepspeed.zero.Init(**kwargs)``, whose parameters are partitioned as they are, unwritten: each rank cuts
+    its partition out of its own values, and no rank broadcasts them (0.19.8: ``_zero_init_param`` broadcasts each
+    parameter whole from the group's first rank first). For parameters that hold equal values on every rank (a
+    norm's ones), or whose partitions each rank writes afterwards (``construction.draw_own_partition``); the
+    function it binds to each parameter to partition others (:func:`partitioner_of`) partitions alike."""
+    return _unwritten_init_class()(**kwargs)
+
+
+@functools.cache
+def _unwritten_init_class() -> type:
+    import deepspeed
+
+    class PartitionedUnwritten(deepspeed.zero.Init):
+        def _zero_init_param(self, param: nn.Parameter) -> None:
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return PartitionedUnwritten
+
+
 def zero3_partitioner(group: dist.ProcessGroup, ds_config: dict) -> Partition:
     """A function that partitions whole parameters over ``group`` as ZeRO-3 does those made in
-    ``deepspeed.zero.Init`` (each broadcast from the group's first rank, then cut; its device and dtype kept). A
-    collective: every rank of ``group`` partitions the same parameters in the same order (0.19.8: ``Init``, not
-    entered, so that it patches no constructor and leaves ``torch.nn.functional.linear`` as it is, and its
-    ``_convert_to_zero_parameters``, which the engine also uses for parameters made whole)."""
-    import deepspeed
+    :func:`zero3_init_unwritten` (each cut as it is, unwritten; its device and dtype kept). A collective: every rank
+    of ``group`` partitions the same parameters in the same order (0.19.8: ``Init``, not entered, so that it patches
+    no constructor and leaves ``torch.nn.functional.linear`` as it is, and its ``_convert_to_zero_parameters``,
+    which the engine also uses for parameters made whole)."""
     from deepspeed.utils import groups
 
-    init = deepspeed.zero.Init(data_parallel_group=group, config_dict_or_path=ds_config, mpu=groups)
+    init = zero3_init_unwritten(data_parallel_group=group, config_dict_or_path=ds_config, mpu=groups)
     return init._convert_to_zero_parameters
 
 

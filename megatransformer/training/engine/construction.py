@@ -27,6 +27,7 @@ from megatransformer.training.deepspeed.internals import (
     param_shape,
     partitioner_of,
     tensor_parallel_groups,
+    zero3_init_unwritten,
     zero3_partition,
     zero3_partitioner,
 )
@@ -52,14 +53,12 @@ def build_for_run(
     layout)."""
     tp = cfg.parallel.tensor_parallel
     if partitions_at_construction(cfg, zero_stage) and tp == 1:
-        import deepspeed
-
         config = copy.deepcopy(ds_config)
         # (else DeepSpeed replaces torch.nn.functional.linear for good, with a product that rounds otherwise)
         config["zero_optimization"]["memory_efficient_linear"] = False
         # the dtype is the config's (bf16, fp16 or fp32, as precision): DeepSpeed 0.19.8 reads an explicit fp32
         # ``dtype`` as bf16 where the accelerator has no fp16 (`_set_dtype`: `dtype or fp16 if ... else bf16`)
-        with deepspeed.zero.Init(config_dict_or_path=config):
+        with zero3_init_unwritten(config_dict_or_path=config):
             model = construct(cfg.model)
         init_weights(model, cfg.model, cfg.seed, fill=draw_own_partition)
     elif tp > 1:
@@ -240,7 +239,7 @@ def slices_made_by_autotp(
     their dtype and partitioned as they are, each as soon as it is made, each rank then writing its own partition.
     Their values: the slices of the one-rank build's (drawn a block of rows at a time, from the blocks that hold
     the slice, or the partition, alone), or of ``weights`` (init_from: names of the model's state to tensors; only
-    the slices are read where ``weights`` can read a slice, :func:`read_slice`), whose other tensors are loaded
+    the slices are read where ``weights`` reads flat ranges, :func:`read_flat`), whose other tensors are loaded
     first (each rank reading its partitions of the partitioned ones alone). A parameter still on the meta device
     after it is an error."""
     rules = {id(param): (name, std) for name, param, std in initial_values(model, cfg.model) if param.is_meta}
@@ -302,9 +301,7 @@ def _write_slice(
     dims = [d for d, (n, m) in enumerate(zip(whole, shape, strict=True)) if n != m]
     if len(dims) > 1 or (dims and shape[dims[0]] * tp != whole[dims[0]]):
         raise RuntimeError(f"AutoTP sliced {name} {tuple(whole)} to {tuple(shape)}, not into {tp} equal parts")
-    if weights is not None and start == 0 and target.shape == shape:
-        target.copy_(read_slice(weights, name, dims[0] if dims else None, rank, tp))
-    elif weights is not None:
+    if weights is not None:
         stop = min(start + target.numel(), math.prod(shape))
         if stop > start:
             values = read_flat(weights, name, start, stop, dims[0] if dims else None, rank, tp)
@@ -313,19 +310,6 @@ def _write_slice(
         draw_part_into(target, seed, name, std, whole, dims[0], rank, tp, start)
     else:
         draw_part_into(target, seed, name, std, whole, start=start)
-
-
-def read_slice(weights: Mapping[str, torch.Tensor], name: str, dim: int | None, index: int, parts: int) -> torch.Tensor:
-    """Part ``index`` of ``parts`` equal ones along ``dim`` (whole: None) of tensor ``name`` of ``weights``: read
-    alone where ``weights`` reads slices (``checkpoint.LazyWeights.slice``), else cut from the whole tensor."""
-    if dim is None:
-        return weights[name]
-    read = getattr(weights, "slice", None)
-    if read is not None:
-        return read(name, dim, index, parts)
-    whole = weights[name]
-    size = whole.shape[dim] // parts
-    return whole.narrow(dim, index * size, size)
 
 
 def _load_whole(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
