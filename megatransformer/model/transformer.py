@@ -376,7 +376,9 @@ class RandomInitsSkipped(TorchFunctionMode):
 
 
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
-INIT_BLOCK_ELEMENTS = 1 << 22  # the rows drawn at once: one generator per block, so no draw holds a whole tensor
+# the rows drawn at once, one generator each: no draw holds a whole tensor, and a rank that holds a small partition of
+# a large matrix (ZeRO-3 over many ranks) draws little more than it (bench/init_draws.py)
+INIT_BLOCK_ELEMENTS = 1 << 18
 
 # draw(target, shape, start): elements start.. of a parameter of ``shape``, flattened, into ``target``
 Draw = Callable[[torch.Tensor, torch.Size, int], None]
