@@ -86,7 +86,8 @@ def main() -> None:
             transformer.INIT_BLOCK_ELEMENTS = block
             rows = [rank_draws(params, dp, rank) for rank in (0, dp // 2, dp - 1)]
             seconds, drawn, owned = max(rows)
-            print(f"| {dp} | {block:,} | {seconds:.2f} | {drawn / 1e6:,.0f} | {owned / 1e6:,.0f} | {drawn / owned:.2f} |")
+            millions = f"{drawn / 1e6:,.0f} | {owned / 1e6:,.0f}"
+            print(f"| {dp} | {block:,} | {seconds:.2f} | {millions} | {drawn / owned:.2f} |")
 
 
 if __name__ == "__main__":
