@@ -11,6 +11,7 @@ import hashlib
 import math
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -420,7 +421,7 @@ def parameter_generator(seed: int, name: str, block: int) -> torch.Generator:
 @torch.no_grad()
 def draw_into(target: torch.Tensor, seed: int, name: str, std: float | None) -> None:
     """Fill ``target`` (the whole parameter ``name``, any device and dtype) with its initial values: fp32 draws on
-    the host, a block of rows at a time (the host holds one block), cast into ``target``."""
+    the host, a block of rows at a time (a block a thread at once), cast into ``target``."""
     draw_part_into(target, seed, name, std, target.shape)
 
 
@@ -438,8 +439,8 @@ def draw_part_into(
 ) -> None:
     """Fill contiguous ``target`` with elements ``start`` to ``start + target.numel()`` (flattened) of part ``index``
     of ``parts`` equal ones of parameter ``name`` (of shape ``whole``) cut along ``dim``: :func:`draw_into`'s values
-    of those elements, drawn from the blocks of rows that hold them alone (the host holds one block, never the
-    parameter). Elements past the part's end are left as they are."""
+    of those elements, drawn from the blocks of rows that hold them alone (the host holds a block a thread, never
+    the parameter). Elements past the part's end are left as they are."""
     whole = whole or torch.Size([1])
     if dim == 0 and parts > 1:  # (a part of rows is a flat range of the whole)
         start, index, parts = start + index * math.prod(whole) // parts, 0, 1
@@ -449,15 +450,35 @@ def draw_part_into(
     if std is None:
         flat[: max(end - start, 0)].zero_()
         return
-    for block, first_row, end_row in _row_blocks(whole):
+    rows = [(b, first, stop) for b, first, stop in _row_blocks(whole) if first * width < end and stop * width > start]
+
+    def write(block: int, first_row: int, end_row: int) -> None:
+        values = _drawn(seed, name, std, block, (end_row - first_row, *whole[1:]))
+        if parts > 1:
+            size = whole[dim] // parts
+            values = values.narrow(dim, index * size, size)
         low, high = max(first_row * width, start), min(end_row * width, end)
-        if low < high:
-            values = _drawn(seed, name, std, block, (end_row - first_row, *whole[1:]))
-            if parts > 1:
-                size = whole[dim] // parts
-                values = values.narrow(dim, index * size, size)
-            values = values.reshape(-1)
-            flat[low - start : high - start].copy_(values[low - first_row * width : high - first_row * width])
+        flat[low - start : high - start].copy_(values.reshape(-1)[low - first_row * width : high - first_row * width])
+
+    _on_intra_op_threads(write, rows)
+
+
+def _on_intra_op_threads(work: Callable[..., None], items: list[tuple]) -> None:
+    """``work(*item)`` for each of ``items``, on as many threads at once as torch's intra-op threads, each of them
+    running its ops on one (a block's draw is one serial kernel; parallel copies beside them would have OpenMP's
+    threads spin for cores the draws need). ``work`` of different items must touch different memory."""
+    intra_op = torch.get_num_threads()
+    if min(intra_op, len(items)) <= 1:
+        for item in items:
+            work(*item)
+        return
+    torch.set_num_threads(1)  # (read by each new thread as it starts)
+    try:
+        with ThreadPoolExecutor(min(intra_op, len(items)), thread_name_prefix="initial-values") as pool:
+            for done in [pool.submit(work, *item) for item in items]:
+                done.result()
+    finally:
+        torch.set_num_threads(intra_op)
 
 
 def _drawn(seed: int, name: str, std: float, block: int, shape: tuple[int, ...]) -> torch.Tensor:

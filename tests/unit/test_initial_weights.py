@@ -4,6 +4,7 @@ the seed alone, not on where, in what order or how its parameters are made; init
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -134,9 +135,9 @@ def test_a_part_is_the_whole_draw_cut_and_a_part_of_rows_draws_only_its_blocks(m
         assert torch.equal(part, expected.to(torch.bfloat16)), (index, part, expected)
         if dim == 0:
             first, end = index * expected.shape[0], (index + 1) * expected.shape[0]
-            assert drawn == list(range(first // rows_a_block, (end - 1) // rows_a_block + 1))
+            assert sorted(drawn) == list(range(first // rows_a_block, (end - 1) // rows_a_block + 1))
         else:
-            assert drawn == list(range(-(-shape[0] // rows_a_block)))
+            assert sorted(drawn) == list(range(-(-shape[0] // rows_a_block)))
         halves = torch.full((2 * -(-expected.numel() // 2),), float("nan"))  # (a part partitioned over 2 ranks)
         for start in (0, halves.numel() // 2):
             into = halves[start : start + halves.numel() // 2]
@@ -160,6 +161,33 @@ def test_flat_partitions_across_rows_and_blocks_are_the_whole_draw_flattened(mon
     zeros = torch.full((part,), float("nan"))
     transformer.draw_part_into(zeros, 7, "layer.bias", None, whole.shape, start=3 * part)
     assert (zeros[: whole.numel() - 3 * part] == 0).all() and zeros[max(whole.numel() - 3 * part, 0) :].isnan().all()
+
+
+def test_blocks_are_drawn_on_the_intra_op_threads_each_running_on_one_with_the_same_values_for_any_number(monkeypatch):
+    from megatransformer.model import transformer
+
+    monkeypatch.setattr(transformer, "INIT_BLOCK_ELEMENTS", 64)
+    drawn, threads = transformer._drawn, {}
+
+    def recorded(*args):
+        threads[threading.current_thread().name] = torch.get_num_threads()
+        return drawn(*args)
+
+    monkeypatch.setattr(transformer, "_drawn", recorded)
+    values, default = {}, torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            threads.clear()
+            values[count] = torch.empty(200, 32)
+            transformer.draw_into(values[count], 5, "layer.weight", 0.02)
+            assert torch.get_num_threads() == count  # (as it was)
+            pool = {name.startswith("initial-values_") for name in threads}
+            assert pool == {count > 1} and len(threads) <= count, threads  # (one thread: the caller's)
+            assert count == 1 or set(threads.values()) == {1}, threads
+    finally:
+        torch.set_num_threads(default)
+    assert torch.equal(values[1], values[3])
 
 
 def test_construction_draws_nothing_and_keeps_the_constant_initialisations():
