@@ -82,7 +82,7 @@ def build_for_run(
         # (the meta ones are left to slices_made_by_autotp)
         init_weights(model, cfg.model, cfg.seed, fill=draw_own_partition if partition else None)
     else:
-        with torch.device(device):  # (the host holds a few blocks of initial values at a time, never the model)
+        with torch.device(device):  # (the host holds a block of initial values a thread at a time, never the model)
             model = construct(cfg.model)
         init_weights(model, cfg.model, cfg.seed)
     torch.manual_seed(cfg.seed)
