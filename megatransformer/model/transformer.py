@@ -483,7 +483,7 @@ def _on_intra_op_threads(work: Callable[..., None], items: list[tuple]) -> None:
 
 def _drawn(seed: int, name: str, std: float, block: int, shape: tuple[int, ...]) -> torch.Tensor:
     """Rows block ``block`` of parameter ``name``'s initial values, in fp32 on the host."""
-    values = torch.empty(shape, dtype=torch.float32)
+    values = torch.empty(shape, dtype=torch.float32, device="cpu")  # (whatever the default device)
     return values.normal_(0.0, std, generator=parameter_generator(seed, name, block))
 
 

@@ -190,6 +190,16 @@ def test_blocks_are_drawn_on_the_intra_op_threads_each_running_on_one_with_the_s
     assert torch.equal(values[1], values[3])
 
 
+def test_the_draws_are_the_hosts_whatever_the_default_device():
+    from megatransformer.model import transformer
+
+    expected, target = torch.empty(64, 8), torch.empty(64, 8)
+    transformer.draw_into(expected, 1, "layer.weight", 0.02)
+    with torch.device("meta"):  # (as a model is made on the run's device)
+        transformer.draw_into(target, 1, "layer.weight", 0.02)
+    assert torch.equal(target, expected)
+
+
 def test_construction_draws_nothing_and_keeps_the_constant_initialisations():
     """A run's model is made without its modules' random default draws (init_weights sets those values): torch's
     generator is untouched, and a LayerNorm still gets its ones and zeros."""
