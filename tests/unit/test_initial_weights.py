@@ -200,6 +200,24 @@ def test_the_draws_are_the_hosts_whatever_the_default_device():
     assert torch.equal(target, expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA; the CPU tests above check the same threads")
+def test_a_cuda_parameter_gets_the_hosts_draws_written_from_every_thread(monkeypatch):
+    from megatransformer.model import transformer
+
+    monkeypatch.setattr(transformer, "INIT_BLOCK_ELEMENTS", 1024)
+    expected = torch.empty(512, 64)
+    transformer.draw_into(expected, 3, "layer.weight", 0.02)
+    default = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        target = torch.empty(512, 64, dtype=torch.bfloat16, device="cuda")
+        transformer.draw_into(target, 3, "layer.weight", 0.02)
+    finally:
+        torch.set_num_threads(default)
+    assert torch.equal(target.cpu(), expected.to(torch.bfloat16))
+
+
 def test_construction_draws_nothing_and_keeps_the_constant_initialisations():
     """A run's model is made without its modules' random default draws (init_weights sets those values): torch's
     generator is untouched, and a LayerNorm still gets its ones and zeros."""
