@@ -51,12 +51,11 @@ def parse_args() -> argparse.Namespace:
 
 def rank_draws(params: list[tuple[str, torch.Size, float | None]], dp: int, rank: int) -> tuple[float, int, int]:
     """(seconds, elements drawn, elements owned) of rank ``rank`` of ``dp`` drawing its partitions in bf16."""
-    drawn = 0
+    sizes: list[int] = []  # (appended to from the drawing threads)
     original = transformer._drawn
 
     def counted(seed, name, std, block, shape):
-        nonlocal drawn
-        drawn += math.prod(shape)
+        sizes.append(math.prod(shape))
         return original(seed, name, std, block, shape)
 
     transformer._drawn = counted
@@ -71,7 +70,7 @@ def rank_draws(params: list[tuple[str, torch.Size, float | None]], dp: int, rank
             owned += max(0, min(part, math.prod(shape) - rank * part))
     finally:
         transformer._drawn = original
-    return seconds, drawn, owned
+    return seconds, sum(sizes), owned
 
 
 def main() -> None:
