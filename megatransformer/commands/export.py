@@ -53,7 +53,7 @@ def export(args: argparse.Namespace) -> int:
     from megatransformer.hf import hf_family, hf_incompatibility, save_hf_dir
 
     checkpoint = find_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
-    cfg, weights = load_weights(checkpoint)
+    cfg, weights = load_weights(checkpoint, lazy=args.format == "hf")  # (a transformers directory: a layer at a time)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     out = Path(args.out)
     tokenizer = checkpoint / "tokenizer.json"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -18,6 +20,8 @@ from megatransformer.hf.mistral import MISTRAL
 from megatransformer.hf.qwen3 import QWEN3
 
 FAMILIES = (LLAMA, MISTRAL, GPT2, QWEN3, DEEPSEEK_V3)
+SHARD_BYTES = 5 * 10**9  # the most a weights file holds (transformers' save_pretrained: max_shard_size="5GB")
+LAYER = re.compile(r"\.layers\.(\d+)\.")
 # transformers families close to ours that our blocks cannot express, and why
 UNEXPRESSIBLE = {
     "olmo2": "OLMo 2 normalises each sub-layer's output inside the residual (x + norm(f(x))) and its QK-norm spans "
@@ -42,17 +46,17 @@ def hf_family(cfg: ModelConfig) -> Family:
 def save_hf_dir(
     out: Path,
     cfg: ModelConfig,
-    state: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
     tokenizer_json: Path | None = None,
     special_ids: dict[str, int | None] | None = None,
     dtype: torch.dtype = torch.float32,
     family: Family | None = None,
+    shard_bytes: int = SHARD_BYTES,
 ) -> Family:
-    """Write a ``transformers`` model directory (config.json, model.safetensors, tokenizer files) that loads with
-    no custom code, for ``family`` (default: the first one ``cfg`` maps onto). Written to a temporary directory,
-    renamed when complete."""
-    from megatransformer.checkpoint import save_safetensors
-
+    """Write a ``transformers`` model directory (config.json, the weights, tokenizer files) that loads with no
+    custom code, for ``family`` (default: the first one ``cfg`` maps onto), from ``state`` (our names; a mapping
+    that reads each tensor when looked up, ``checkpoint.LazyWeights``, is read a layer at a time:
+    :func:`write_hf_weights`). Written to a temporary directory, renamed when complete."""
     family = family or hf_family(cfg)
     special_ids = special_ids or {}
     config = {
@@ -69,8 +73,7 @@ def save_hf_dir(
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in family.to_hf(state, cfg).items()}
-    save_safetensors(tensors, tmp / "model.safetensors")
+    write_hf_weights(tmp, family, cfg, state, dtype, shard_bytes)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(
         json.dumps(
@@ -89,6 +92,72 @@ def save_hf_dir(
         shutil.rmtree(out)
     tmp.rename(out)
     return family
+
+
+def write_hf_weights(
+    directory: Path,
+    family: Family,
+    cfg: ModelConfig,
+    state: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    shard_bytes: int = SHARD_BYTES,
+) -> None:
+    """``family``'s tensors of ``state`` in ``dtype`` into ``directory``: model.safetensors, or where they take more
+    than ``shard_bytes``, shards of at most that (a larger tensor alone) and their index, as ``save_pretrained``
+    writes them. The family's conversion runs once for each layer and once for the rest, with that part's tensors
+    read and the others' shapes alone (on the meta device), so one layer's tensors and one shard are held at once,
+    never the model."""
+    from megatransformer.checkpoint import save_safetensors
+    from megatransformer.model.transformer import build_shapes
+
+    shapes = build_shapes(cfg).state_dict(keep_vars=True)
+    unknown = sorted(set(state) - set(shapes))
+    if unknown:
+        raise ValueError(f"the weights do not fit the model: unexpected {unknown[:3]}")
+    expected = set(family.to_hf({name: shapes[name] for name in state}, cfg))
+    shard: dict[str, torch.Tensor] = {}
+    files: list[tuple[list[str], int]] = []  # (the names and bytes of each shard written)
+
+    def write_shard() -> None:
+        save_safetensors(shard, directory / f"shard-{len(files)}.safetensors")
+        files.append((list(shard), sum(t.nbytes for t in shard.values())))
+        shard.clear()
+
+    for part in _parts(state):
+        view = {name: state[name] if name in part else shapes[name] for name in state}
+        for name, tensor in family.to_hf(view, cfg).items():
+            if tensor.is_meta:
+                continue
+            if name not in expected:
+                raise RuntimeError(f"{family.name}'s conversion wrote {name} twice")
+            expected.discard(name)
+            tensor = tensor.detach().to(dtype).contiguous().clone()  # (safetensors refuses shared storage)
+            if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > shard_bytes:
+                write_shard()
+            shard[name] = tensor
+    if expected:
+        raise RuntimeError(f"{family.name}'s conversion left {sorted(expected)[:3]} unwritten")
+    write_shard()
+    if len(files) == 1:
+        (directory / "shard-0.safetensors").rename(directory / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    for k, (names, _) in enumerate(files):
+        file = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        (directory / f"shard-{k}.safetensors").rename(directory / file)
+        weight_map |= dict.fromkeys(names, file)
+    total = sum(size for _, size in files)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _parts(state: Mapping[str, torch.Tensor]) -> list[set[str]]:
+    """``state``'s names, those outside the layers first, then each layer's (``...layers.<i>.``)."""
+    parts: dict[int, set[str]] = {}
+    for name in state:
+        found = LAYER.search(name)
+        parts.setdefault(-1 if found is None else int(found.group(1)), set()).add(name)
+    return [parts[key] for key in sorted(parts)]
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

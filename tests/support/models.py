@@ -47,16 +47,16 @@ def randomized(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def assert_exported_logits_match(directory, cfg: ModelConfig, family, length: int = 40) -> None:
-    """A randomized model of ``cfg`` exported to ``directory`` loads in transformers as ``family`` with the same
-    logits, and imports back to the same config and weights."""
+def assert_exported_logits_match(directory, cfg: ModelConfig, family, length: int = 40, **options) -> None:
+    """A randomized model of ``cfg`` exported to ``directory`` (``save_hf_dir``'s ``options``) loads in transformers
+    as ``family`` with the same logits, and imports back to the same config and weights."""
     import transformers
 
     from megatransformer.hf import load_hf_dir, save_hf_dir
 
     torch.manual_seed(0)
     ours = randomized(build_model(cfg)).eval()
-    assert save_hf_dir(directory, cfg, ours.state_dict()) is family
+    assert save_hf_dir(directory, cfg, ours.state_dict(), **options) is family
     theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     assert type(theirs).__name__ == family.architecture
     ids = torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
