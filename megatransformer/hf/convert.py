@@ -116,12 +116,15 @@ def write_hf_weights(
         raise ValueError(f"the weights do not fit the model: unexpected {unknown[:3]}")
     expected = set(family.to_hf({name: shapes[name] for name in state}, cfg))
     shard: dict[str, torch.Tensor] = {}
+    held = 0  # (the bytes of shard's tensors)
     files: list[tuple[list[str], int]] = []  # (the names and bytes of each shard written)
 
     def write_shard() -> None:
+        nonlocal held
         save_safetensors(shard, directory / f"shard-{len(files)}.safetensors")
-        files.append((list(shard), sum(t.nbytes for t in shard.values())))
+        files.append((list(shard), held))
         shard.clear()
+        held = 0
 
     for part in _parts(state):
         view = {name: state[name] if name in part else shapes[name] for name in state}
@@ -132,9 +135,10 @@ def write_hf_weights(
                 raise RuntimeError(f"{family.name}'s conversion wrote {name} twice")
             expected.discard(name)
             tensor = tensor.detach().to(dtype).contiguous().clone()  # (safetensors refuses shared storage)
-            if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > shard_bytes:
+            if shard and held + tensor.nbytes > shard_bytes:
                 write_shard()
             shard[name] = tensor
+            held += tensor.nbytes
     if expected:
         raise RuntimeError(f"{family.name}'s conversion left {sorted(expected)[:3]} unwritten")
     write_shard()

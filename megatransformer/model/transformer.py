@@ -468,13 +468,14 @@ def _on_intra_op_threads(work: Callable[..., None], items: list[tuple]) -> None:
     running its ops on one (a block's draw is one serial kernel; parallel copies beside them would have OpenMP's
     threads spin for cores the draws need). ``work`` of different items must touch different memory."""
     intra_op = torch.get_num_threads()
-    if min(intra_op, len(items)) <= 1:
+    threads = min(intra_op, len(items))
+    if threads <= 1:
         for item in items:
             work(*item)
         return
     torch.set_num_threads(1)  # (read by each new thread as it starts)
     try:
-        with ThreadPoolExecutor(min(intra_op, len(items)), thread_name_prefix="initial-values") as pool:
+        with ThreadPoolExecutor(threads, thread_name_prefix="initial-values") as pool:
             for done in [pool.submit(work, *item) for item in items]:
                 done.result()
     finally:
