@@ -37,7 +37,6 @@ from megatransformer.checkpoint.files import (
     computation_differences,
     load_weights,
     read_trainer_state,
-    save_safetensors,
     saved_config,
     shape_differences,
     write_trainer_state,
@@ -59,6 +58,14 @@ from megatransformer.checkpoint.integrity import (
     verify_files,
     write_manifest,
 )
+from megatransformer.checkpoint.weights_files import (
+    SHARD_BYTES,
+    WEIGHTS_INDEX,
+    WeightsFiles,
+    indexed_files,
+    save_safetensors,
+    write_weights_files,
+)
 
 __all__ = [
     "COMPLETE",
@@ -68,10 +75,13 @@ __all__ = [
     "OPTIMIZER",
     "HOW_NOT_WHAT",
     "SHAPE_FIELDS",
+    "SHARD_BYTES",
     "TOKENIZER",
     "TRAINER_STATE",
     "WEIGHTS",
     "WEIGHTS_FILES",
+    "WEIGHTS_INDEX",
+    "WeightsFiles",
     "CheckpointDamaged",
     "CheckpointUnsafe",
     "DecayOrigin",
@@ -87,6 +97,7 @@ __all__ = [
     "complete_checkpoints",
     "file_entry",
     "find_checkpoint",
+    "indexed_files",
     "is_rank_part",
     "latest_checkpoint",
     "load_safetensors",
@@ -109,5 +120,6 @@ __all__ = [
     "warn",
     "write_manifest",
     "write_trainer_state",
+    "write_weights_files",
     "write_weights_checkpoint",
 ]

@@ -4,10 +4,9 @@ the run config, and the consolidated weights (safetensors) that fine-tuning, eva
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,17 +30,22 @@ from megatransformer.checkpoint.directory import (
     TRAINER_STATE,
     WEIGHTS,
     WEIGHTS_FILES,
-    default_file_mode,
     find_checkpoint,
     fsync_dir,
     step_of,
 )
 from megatransformer.checkpoint.integrity import (
     CheckpointDamaged,
-    load_safetensors,
     read_manifest,
     verify_checkpoint,
     write_manifest,
+)
+from megatransformer.checkpoint.weights_files import (
+    SHARD_BYTES,
+    WEIGHTS_INDEX,
+    WeightsFiles,
+    weights_file_names,
+    write_weights_files,
 )
 from megatransformer.config import ConfigError, ModelConfig, RunConfig, dump_config, validate
 
@@ -199,75 +203,41 @@ def check_same_shapes(saved: ModelConfig, current: ModelConfig, what: str) -> No
 # ------------------------------------------------------------------------------------ weights
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """safetensors' ``save_file``, but with the mode any other file gets (0644 under the usual umask):
-    safetensors writes a private temporary file (0600) and renames it."""
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
-    os.chmod(path, default_file_mode())
-
-
 class LazyWeights(Mapping[str, torch.Tensor]):
-    """A checkpoint's weights by name, each read whole (in fp32 from shards; as stored from model.safetensors)
-    only when looked up and not kept: a rank that writes a few of them reads only those."""
+    """A checkpoint's weights by name, each read whole (in fp32 from shards; as stored from a weights checkpoint's
+    files) only when looked up and not kept: a rank that writes a few of them reads only those."""
 
     def __init__(self, path: Path) -> None:
         from megatransformer.checkpoint.sharded import INDEX, ShardedState
 
         self.path = path
         self.sharded = ShardedState(path) if (path / INDEX).is_file() else None
-        if self.sharded is not None:
-            self.names = self.sharded.names()
-        else:
-            from safetensors import safe_open
-
-            with safe_open(str(path / WEIGHTS), framework="pt") as f:
-                self.names = list(f.keys())
+        self.files = None if self.sharded is not None else WeightsFiles(path, weights_file_names(path))
+        self.names = self.sharded.names() if self.sharded is not None else list(self.files)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.names:
             raise KeyError(name)
         if self.sharded is not None:
             return self.sharded.tensor(name)
-        from safetensors import safe_open
-
-        with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
-            return f.get_tensor(name)
+        return self.files[name]
 
     def flat(
         self, name: str, start: int, stop: int, dim: int | None = None, index: int = 0, parts: int = 1
     ) -> torch.Tensor:
         """Elements ``start`` to ``stop`` (flattened) of part ``index`` of ``parts`` equal ones of tensor ``name``
         along ``dim`` (the whole tensor: None), reading only the rows that hold them (from shards: in fp32, whatever
-        the layout they were saved in; from model.safetensors: as stored)."""
+        the layout they were saved in; from a weights checkpoint: as stored)."""
         if name not in self.names:
             raise KeyError(name)
+        if self.sharded is None:
+            return self.files.flat(name, start, stop, dim, index, parts)
+        from megatransformer.checkpoint.sharded import MASTER
+
         if dim is None:
             index, parts = 0, 1
-        if self.sharded is not None:
-            from megatransformer.checkpoint.sharded import MASTER
-
-            stored = self.sharded.aliases.get(name, name)
-            return self.sharded.slice_of(stored, MASTER, index, parts, dim, start, stop)
-        from safetensors import safe_open
-
-        with safe_open(str(self.path / WEIGHTS), framework="pt") as f:
-            part = f.get_slice(name)
-            shape = part.get_shape()
-            if not shape:
-                return f.get_tensor(name).reshape(-1)[start:stop]
-            if dim == 0 and parts > 1:  # (a part of rows is a flat range of the whole)
-                offset = index * math.prod(shape) // parts
-                start, stop, index, parts = start + offset, stop + offset, 0, 1
-            width = math.prod(shape[1:]) // parts  # (a row of the part)
-            first = start // width
-            where = [slice(first, -(-stop // width))] + [slice(None)] * (len(shape) - 1)
-            if parts > 1:
-                size = shape[dim] // parts
-                where[dim] = slice(index * size, (index + 1) * size)
-            rows = part[tuple(where)].reshape(-1)
-            return rows[start - first * width : stop - first * width]
+        stored = self.sharded.aliases.get(name, name)
+        return self.sharded.slice_of(stored, MASTER, index, parts, dim, start, stop)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -279,9 +249,9 @@ class LazyWeights(Mapping[str, torch.Tensor]):
 def load_weights(
     path: str | Path, model_cfg: ModelConfig | None = None, what: str = "checkpoint", lazy: bool = False
 ) -> tuple[RunConfig, Mapping[str, torch.Tensor]]:
-    """Config and whole fp32 weights of the checkpoint ``path`` means (:func:`find_checkpoint`): a training
-    checkpoint's shards assembled one tensor at a time, or a weights checkpoint's model.safetensors; the files
-    read are verified against the manifest first (a damaged one is an error). ``lazy``: as
+    """Config and whole weights of the checkpoint ``path`` means (:func:`find_checkpoint`): a training
+    checkpoint's shards assembled one tensor at a time in fp32, or a weights checkpoint's files as stored; the
+    files read are verified against the manifest first (a damaged one is an error). ``lazy``: as
     :class:`LazyWeights`, each tensor read when looked up (a dict of them all otherwise)."""
     from megatransformer.checkpoint.sharded import INDEX, ShardedState
 
@@ -290,10 +260,15 @@ def load_weights(
         manifest = read_manifest(path) or {}
         shards = [name for name in manifest if name.startswith("shard_")]
         verify_checkpoint(path, only=(*WEIGHTS_FILES, INDEX, *shards))
-    elif (path / WEIGHTS).is_file():
-        verify_checkpoint(path, only=WEIGHTS_FILES)
+    elif (path / WEIGHTS).is_file() or (path / WEIGHTS_INDEX).is_file():
+        verify_checkpoint(path, only=(*WEIGHTS_FILES, WEIGHTS_INDEX))
+        if (path / WEIGHTS_INDEX).is_file():
+            verify_checkpoint(path, only=weights_file_names(path))
     else:
-        raise ConfigError(f"{what}: {path} is not a complete checkpoint (expected {COMPLETE} and {INDEX} or {WEIGHTS})")
+        raise ConfigError(
+            f"{what}: {path} is not a complete checkpoint (expected {COMPLETE} and {INDEX}, {WEIGHTS} or "
+            f"{WEIGHTS_INDEX})"
+        )
     saved = saved_config(path)
     if model_cfg is not None:
         check_same_shapes(saved.model, model_cfg, f"{what} {path}")
@@ -301,27 +276,33 @@ def load_weights(
         return saved, LazyWeights(path)
     if (path / INDEX).is_file():
         return saved, dict(ShardedState(path).weights())
-    return saved, load_safetensors(path, WEIGHTS)[0]
+    return saved, dict(LazyWeights(path).items())
 
 
 def write_weights_checkpoint(
-    out: str | Path, cfg: RunConfig, weights: dict[str, torch.Tensor], tokenizer: str | Path | None = None
+    out: str | Path,
+    cfg: RunConfig,
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    tokenizer: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    shard_bytes: int = SHARD_BYTES,
 ) -> Path:
-    """A weights-only checkpoint directory (model.safetensors, config.yaml, tokenizer.json, COMPLETE with the
+    """A weights-only checkpoint directory (the weights' files, config.yaml, tokenizer.json, COMPLETE with the
     manifest of its files) that eval, generate, export and init_from read like a training checkpoint's; written
-    under a temporary name and renamed when complete, replacing ``out``."""
+    under a temporary name and renamed when complete, replacing ``out``. ``weights``: a mapping (one that reads
+    each tensor when looked up, :class:`LazyWeights`, is read a tensor at a time) or (name, tensor) pairs, each
+    taken when the last is written; ``dtype``: what they are stored in (as given: None); ``shard_bytes``: the
+    most one file holds (:func:`write_weights_files`)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    stored, seen = {}, set()
-    for name, tensor in weights.items():  # safetensors stores no two tensors of one storage (tied weights, views)
-        tensor = tensor.contiguous()
-        if tensor.untyped_storage().data_ptr() in seen:
-            tensor = tensor.clone(memory_format=torch.contiguous_format)  # (a plain clone keeps a view's strides)
-        seen.add(tensor.untyped_storage().data_ptr())
-        stored[name] = tensor
-    save_safetensors(stored, tmp / WEIGHTS)
+    pairs = weights.items() if isinstance(weights, Mapping) else weights
+    try:
+        write_weights_files(tmp, ((name, t if dtype is None else t.to(dtype)) for name, t in pairs), shard_bytes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     (tmp / CONFIG).write_text(dump_config(cfg))
     if tokenizer is not None and Path(tokenizer).is_file():
         shutil.copyfile(tokenizer, tmp / TOKENIZER)

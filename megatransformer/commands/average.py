@@ -1,16 +1,17 @@
 """``megatransformer average``: the parameter mean of several checkpoints, as one checkpoint.
 
 Vaswani et al. (2017) evaluated the average of the last 5 (base) or 20 (big) checkpoints, written at
-10-minute intervals. The mean is taken in fp32 (accumulated in fp64) over the whole weights of each checkpoint
-(a training checkpoint's shards assembled one tensor at a time), so any training layout (data/tensor parallel,
-ZeRO stage) can be averaged; the result is a weights-only checkpoint directory that ``eval``, ``generate``,
-``export`` and ``init_from=`` accept. It takes the config and tokenizer of the newest checkpoint given; all must
-have the same model shape and tokenizer.
+10-minute intervals. The mean is taken in fp32 (accumulated in fp64) over the whole weights of each checkpoint,
+a tensor at a time (a training checkpoint's shards assembled one tensor at a time), so any training layout
+(data/tensor parallel, ZeRO stage) and any model size can be averaged; the result is a weights-only checkpoint
+directory that ``eval``, ``generate``, ``export`` and ``init_from=`` accept. It takes the config and tokenizer of
+the newest checkpoint given; all must have the same model shape and tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -79,42 +80,46 @@ def _fewer_why(newest: Path, wanted: int) -> str:
 
 
 def average_checkpoints(paths: list[Path]):
-    """(config, fp32 mean weights, tokenizer.json path or None) of ``paths``; the config and tokenizer are the
-    last checkpoint's. Refuses checkpoints of another model shape or tokenizer than the first."""
-    import torch
-
+    """(config, fp32 mean weights as (name, tensor) pairs, tokenizer.json path or None) of ``paths``; each mean is
+    taken when the pair is, from one tensor of each checkpoint, so one tensor's sum is held at a time. The
+    config and tokenizer are the last checkpoint's. Refuses checkpoints of another model shape or tokenizer than
+    the first."""
     from megatransformer.checkpoint import SHAPE_FIELDS, find_checkpoint, load_weights
     from megatransformer.config import ConfigError
 
     # a run or checkpoints directory stands for its latest checkpoint
     paths = [find_checkpoint(p, f"--checkpoints {p}") for p in paths]
-    sums: dict[str, torch.Tensor] = {}
+    sources = []
     first_cfg, first_tokenizer = None, None
     for path in paths:
-        cfg, weights = load_weights(path)
+        cfg, weights = load_weights(path, lazy=True)
+        sources.append(weights)
         tokenizer = path / "tokenizer.json"
         tokenizer_bytes = tokenizer.read_bytes() if tokenizer.is_file() else None
         if first_cfg is None:
             first_cfg, first_tokenizer = cfg, tokenizer_bytes
-        else:
-            diffs = [
-                f"model.{f}={getattr(cfg.model, f)} (not {getattr(first_cfg.model, f)})"
-                for f in SHAPE_FIELDS
-                if getattr(cfg.model, f) != getattr(first_cfg.model, f)
-            ]
-            if diffs:
-                raise ConfigError(
-                    f"cannot average checkpoints of different model shapes: {path} has {', '.join(diffs)} of {paths[0]}"
-                )
-            if tokenizer_bytes != first_tokenizer:
-                raise ConfigError(
-                    f"checkpoint {path} has another tokenizer.json than {paths[0]}: average checkpoints of one run only"
-                )
-        for name, tensor in weights.items():
-            if name in sums:
-                sums[name] += tensor.double()
-            else:
-                sums[name] = tensor.double()
-    mean = {name: (total / len(paths)).float() for name, total in sums.items()}
+            continue
+        diffs = [
+            f"model.{f}={getattr(cfg.model, f)} (not {getattr(first_cfg.model, f)})"
+            for f in SHAPE_FIELDS
+            if getattr(cfg.model, f) != getattr(first_cfg.model, f)
+        ]
+        if diffs:
+            raise ConfigError(
+                f"cannot average checkpoints of different model shapes: {path} has {', '.join(diffs)} of {paths[0]}"
+            )
+        if tokenizer_bytes != first_tokenizer:
+            raise ConfigError(
+                f"checkpoint {path} has another tokenizer.json than {paths[0]}: average checkpoints of one run only"
+            )
     tokenizer = paths[-1] / "tokenizer.json"
-    return cfg, mean, tokenizer if tokenizer.is_file() else None
+    return cfg, _means(sources), tokenizer if tokenizer.is_file() else None
+
+
+def _means(sources: list) -> Iterator:
+    """Each tensor's mean over ``sources`` in fp32, accumulated in fp64."""
+    for name in sources[0]:
+        total = sources[0][name].double()
+        for weights in sources[1:]:
+            total += weights[name].double()
+        yield name, (total / len(sources)).float()

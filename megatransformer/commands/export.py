@@ -53,7 +53,7 @@ def export(args: argparse.Namespace) -> int:
     from megatransformer.hf import hf_family, hf_incompatibility, save_hf_dir
 
     checkpoint = find_checkpoint(args.checkpoint, f"--checkpoint {args.checkpoint}")
-    cfg, weights = load_weights(checkpoint, lazy=args.format == "hf")  # (a transformers directory: a layer at a time)
+    cfg, weights = load_weights(checkpoint, lazy=True)  # (read a tensor, or a layer, at a time)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     out = Path(args.out)
     tokenizer = checkpoint / "tokenizer.json"
@@ -73,7 +73,7 @@ def export(args: argparse.Namespace) -> int:
         family = save_hf_dir(out, cfg.model, weights, tokenizer if tokenizer.is_file() else None, special, dtype)
         print(f"wrote a {family.architecture} directory")
     else:
-        write_weights_checkpoint(out, cfg, {k: v.to(dtype) for k, v in weights.items()}, tokenizer)
+        write_weights_checkpoint(out, cfg, weights, tokenizer, dtype)
     print(f"exported {checkpoint} -> {out} ({args.format}, {args.dtype})")
     return 0
 
@@ -94,12 +94,12 @@ def import_hf(args: argparse.Namespace) -> int:
     from megatransformer.config import ConfigError, RunConfig
     from megatransformer.hf import load_hf_dir
 
+    out = Path(args.out)
     try:
         model_cfg, weights = load_hf_dir(Path(args.hf))
+        run_cfg = RunConfig(model=model_cfg, data=DataSettings(seq_len=min(512, model_cfg.max_seq_len)))
+        write_weights_checkpoint(out, run_cfg, weights, Path(args.hf) / "tokenizer.json")  # (a layer at a time)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    out = Path(args.out)
-    run_cfg = RunConfig(model=model_cfg, data=DataSettings(seq_len=min(512, model_cfg.max_seq_len)))
-    write_weights_checkpoint(out, run_cfg, weights, Path(args.hf) / "tokenizer.json")
     print(f"imported {args.hf} -> {out}; start a run from it with init_from={out}")
     return 0

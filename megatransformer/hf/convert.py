@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from data_pipeline.tokenizer import load_tokenizer, write_transformers_files
+from megatransformer.checkpoint import SHARD_BYTES, write_weights_files
 from megatransformer.config import ModelConfig
 from megatransformer.hf.deepseek import DEEPSEEK_V3
 from megatransformer.hf.family import Family
@@ -20,8 +21,7 @@ from megatransformer.hf.mistral import MISTRAL
 from megatransformer.hf.qwen3 import QWEN3
 
 FAMILIES = (LLAMA, MISTRAL, GPT2, QWEN3, DEEPSEEK_V3)
-SHARD_BYTES = 5 * 10**9  # the most a weights file holds (transformers' save_pretrained: max_shard_size="5GB")
-LAYER = re.compile(r"\.layers\.(\d+)\.")
+LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 # transformers families close to ours that our blocks cannot express, and why
 UNEXPRESSIBLE = {
     "olmo2": "OLMo 2 normalises each sub-layer's output inside the residual (x + norm(f(x))) and its QK-norm spans "
@@ -102,61 +102,48 @@ def write_hf_weights(
     dtype: torch.dtype,
     shard_bytes: int = SHARD_BYTES,
 ) -> None:
-    """``family``'s tensors of ``state`` in ``dtype`` into ``directory``: model.safetensors, or where they take more
-    than ``shard_bytes``, shards of at most that (a larger tensor alone) and their index, as ``save_pretrained``
-    writes them. The family's conversion runs once for each layer and once for the rest, with that part's tensors
-    read and the others' shapes alone (on the meta device), so one layer's tensors and one shard are held at once,
-    never the model."""
-    from megatransformer.checkpoint import save_safetensors
+    """``family``'s tensors of ``state`` in ``dtype`` into ``directory`` as ``save_pretrained`` writes them
+    (:func:`~megatransformer.checkpoint.write_weights_files`), converted a layer at a time
+    (:func:`convert_by_layer`): one layer's tensors and one file are held at once, never the model."""
     from megatransformer.model.transformer import build_shapes
 
     shapes = build_shapes(cfg).state_dict(keep_vars=True)
     unknown = sorted(set(state) - set(shapes))
     if unknown:
         raise ValueError(f"the weights do not fit the model: unexpected {unknown[:3]}")
-    expected = set(family.to_hf({name: shapes[name] for name in state}, cfg))
-    shard: dict[str, torch.Tensor] = {}
-    held = 0  # (the bytes of shard's tensors)
-    files: list[tuple[list[str], int]] = []  # (the names and bytes of each shard written)
+    converted = convert_by_layer(
+        lambda part: family.to_hf(part, cfg), state, {name: shapes[name] for name in state}, family.name
+    )
+    write_weights_files(directory, ((name, tensor.to(dtype)) for name, tensor in converted), shard_bytes)
 
-    def write_shard() -> None:
-        nonlocal held
-        save_safetensors(shard, directory / f"shard-{len(files)}.safetensors")
-        files.append((list(shard), held))
-        shard.clear()
-        held = 0
 
+def convert_by_layer(
+    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    state: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, torch.Tensor],
+    family: str,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """What ``convert`` makes of ``state`` (a mapping that may read each tensor when looked up), a part at a
+    time: it runs once for the tensors outside the layers and once for each layer's, with that part's tensors
+    read and the others' ``shapes`` alone (tensors on the meta device). A conversion that writes a tensor twice
+    or leaves one unwritten is an error."""
+    expected = set(convert(dict(shapes)))
     for part in _parts(state):
         view = {name: state[name] if name in part else shapes[name] for name in state}
-        for name, tensor in family.to_hf(view, cfg).items():
+        for name, tensor in convert(view).items():
             if tensor.is_meta:
                 continue
             if name not in expected:
-                raise RuntimeError(f"{family.name}'s conversion wrote {name} twice")
+                raise RuntimeError(f"{family}'s conversion wrote {name} twice")
             expected.discard(name)
-            tensor = tensor.detach().to(dtype).contiguous().clone()  # (safetensors refuses shared storage)
-            if shard and held + tensor.nbytes > shard_bytes:
-                write_shard()
-            shard[name] = tensor
-            held += tensor.nbytes
+            yield name, tensor
     if expected:
-        raise RuntimeError(f"{family.name}'s conversion left {sorted(expected)[:3]} unwritten")
-    write_shard()
-    if len(files) == 1:
-        (directory / "shard-0.safetensors").rename(directory / "model.safetensors")
-        return
-    weight_map: dict[str, str] = {}
-    for k, (names, _) in enumerate(files):
-        file = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
-        (directory / f"shard-{k}.safetensors").rename(directory / file)
-        weight_map |= dict.fromkeys(names, file)
-    total = sum(size for _, size in files)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        raise RuntimeError(f"{family}'s conversion left {sorted(expected)[:3]} unwritten")
 
 
 def _parts(state: Mapping[str, torch.Tensor]) -> list[set[str]]:
-    """``state``'s names, those outside the layers first, then each layer's (``...layers.<i>.``)."""
+    """``state``'s names, those outside the layers first, then each layer's (``...layers.<i>.``, GPT-2's
+    ``h.<i>.``)."""
     parts: dict[int, set[str]] = {}
     for name in state:
         found = LAYER.search(name)
@@ -164,13 +151,15 @@ def _parts(state: Mapping[str, torch.Tensor]) -> list[set[str]]:
     return [parts[key] for key in sorted(parts)]
 
 
-def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Llama, Mistral, Qwen3, GPT-2 or DeepSeek-V3 directory (config.json + *.safetensors, possibly sharded)
-    into our names."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The config of a Llama, Mistral, Qwen3, GPT-2 or DeepSeek-V3 directory (config.json + *.safetensors,
+    possibly sharded) and its weights in our names, read and converted a layer at a time as they are taken
+    (:func:`convert_by_layer`). The config, the tensors' names and their shapes are checked here; a tensor's
+    values (a tied head that differs from its embedding) when it is read."""
+    from megatransformer.checkpoint import WEIGHTS_INDEX, WeightsFiles, indexed_files
 
-    config_path = Path(path) / "config.json"
+    path = Path(path)
+    config_path = path / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{path} has no config.json; expected a Hugging Face model directory")
     try:
@@ -194,18 +183,20 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         cfg = family.model_config(hf)
     except KeyError as err:
         raise ValueError(f"{config_path} lacks {err.args[0]!r}, which a {family.name} config holds") from None
-    files = sorted(Path(path).glob("*.safetensors"))
+    # (the index, where there is one: a directory may hold other formats' files beside, Mistral's consolidated)
+    indexed = (path / WEIGHTS_INDEX).is_file()
+    files = indexed_files(path) if indexed else [file.name for file in sorted(path.glob("*.safetensors"))]
     if not files:
         raise ValueError(f"{path} has no .safetensors weights (convert .bin weights with transformers first)")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            state.update(load_file(str(file)))
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"{file} is not a readable safetensors file ({err}); download it again") from None
-    weights = family.from_hf(state, cfg, **family.weight_options(hf))
-    _check_shapes(weights, cfg, path)
-    return cfg, weights
+    theirs = WeightsFiles(path, files)
+    shapes = {name: theirs.meta(name) for name in theirs}
+    options = family.weight_options(hf)
+
+    def convert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return family.from_hf(state, cfg, **options)
+
+    _check_shapes(convert(shapes), cfg, path)
+    return cfg, convert_by_layer(convert, theirs, shapes, family.name)
 
 
 def _check_shapes(weights: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> None:

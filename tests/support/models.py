@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 
 from megatransformer.config import ModelConfig, RunConfig
@@ -63,6 +65,7 @@ def assert_exported_logits_match(directory, cfg: ModelConfig, family, length: in
     with torch.no_grad():
         assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
     back_cfg, back = load_hf_dir(directory)
+    back = dict(back)
     assert back_cfg.model_dump() == cfg.model_dump()
     for name, tensor in ours.state_dict().items():
         assert torch.equal(back[name], tensor), name
@@ -104,3 +107,19 @@ def gpt2_style(**overrides) -> ModelConfig:
         norm_eps=1e-5,
     )
     return ModelConfig(**{**base, **overrides})
+
+
+class ReadOnLookup(Mapping[str, torch.Tensor]):
+    """``state``, each tensor a new copy when looked up (as ``checkpoint.LazyWeights`` reads one from its file)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.state[name].clone()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)

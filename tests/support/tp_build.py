@@ -15,7 +15,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from megatransformer.checkpoint import write_weights_checkpoint
+from megatransformer.checkpoint import SHARD_BYTES, write_weights_checkpoint
 from megatransformer.checkpoint.files import LazyWeights
 from megatransformer.config import precision_dtype
 from megatransformer.model import build_model
@@ -53,10 +53,18 @@ class Reads(Mapping[str, torch.Tensor]):
         return len(self.weights)
 
 
-def loaded(build: Callable[[Reads], torch.nn.Module], cfg, reference: torch.nn.Module, path: Path, tp: int) -> dict:
-    """A build from a weights checkpoint (init_from) that rank 0 writes at ``path``, each tensor of ``reference``
-    given random values: the parameters whose values are not this rank's slices of it, the split tensors read whole and
-    those not read as slices. ``reference`` is left holding the checkpoint's weights."""
+def loaded(
+    build: Callable[[Reads], torch.nn.Module],
+    cfg,
+    reference: torch.nn.Module,
+    path: Path,
+    tp: int,
+    shard_bytes: int = SHARD_BYTES,
+) -> dict:
+    """A build from a weights checkpoint (init_from) that rank 0 writes at ``path`` (in files of ``shard_bytes``),
+    each tensor of ``reference`` given random values: the parameters whose values are not this rank's slices of it,
+    the split tensors read whole and those not read as slices. ``reference`` is left holding the checkpoint's
+    weights."""
     from deepspeed.utils import groups
 
     values: dict[int, torch.Tensor] = {}  # (a tied tensor has the same values under each of its names)
@@ -66,7 +74,7 @@ def loaded(build: Callable[[Reads], torch.nn.Module], cfg, reference: torch.nn.M
         n: values.setdefault(id(t), torch.randn(t.shape, generator=generator, dtype=t.dtype)) for n, t in state.items()
     }
     if torch.distributed.get_rank() == 0:
-        write_weights_checkpoint(path, cfg, weights)
+        write_weights_checkpoint(path, cfg, weights, shard_bytes=shard_bytes)
     torch.distributed.barrier()
     reads = Reads(LazyWeights(path))
     module = build(reads)
@@ -78,6 +86,11 @@ def loaded(build: Callable[[Reads], torch.nn.Module], cfg, reference: torch.nn.M
         "split_read_whole": sorted(reads.whole & set(split)),
         "split_not_sliced": sorted(set(split) - reads.sliced),
     }
+
+
+def a_fifth(model: torch.nn.Module) -> int:
+    """A fifth of ``model``'s bytes: weights files that hold it in five or more."""
+    return sum(t.nbytes for t in model.state_dict().values()) // 5
 
 
 def engine_module(cfg, stage: int, weights=None) -> torch.nn.Module:
@@ -105,8 +118,10 @@ def main(out: Path) -> None:
             rank = groups.get_tensor_model_parallel_rank()
             reference = build_model(cfg.model, cfg.seed)
             record[f"differing_{stage}_{precision}"] = differing(module, reference, dtype, rank, tp)
-            # weights a run starts from (init_from): a weights checkpoint, read tensor by tensor or slice by slice
-            got = loaded(lambda reads: engine_module(cfg, stage, reads), cfg, reference, out / "weights", tp)
+            # weights a run starts from (init_from): a weights checkpoint, read tensor by tensor or slice by slice,
+            # from one file (fp32) or from files of a fifth of the model (bf16)
+            files = SHARD_BYTES if precision == "fp32" else a_fifth(reference)
+            got = loaded(lambda reads: engine_module(cfg, stage, reads), cfg, reference, out / "weights", tp, files)
             record |= {f"{key}_{stage}_{precision}": value for key, value in got.items()}
             torch.distributed.barrier()
     cfg = run_config(model=MODEL, precision="fp32", seed=11, parallel={"zero_stage": 0, "tensor_parallel": tp})

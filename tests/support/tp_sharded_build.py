@@ -14,6 +14,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
+from megatransformer.checkpoint import SHARD_BYTES
 from megatransformer.config import precision_dtype
 from megatransformer.model import build_model
 from megatransformer.training.engine.construction import build_for_run, slices_made_by_autotp
@@ -23,7 +24,7 @@ from megatransformer.training.runtime.layout import BatchSizes
 from support.memory import peak_host_bytes
 from support.models import run_config
 from support.sharded_build import ParameterBytes
-from support.tp_build import MODEL, differing, loaded
+from support.tp_build import MODEL, a_fifth, differing, loaded
 
 TP = 2
 
@@ -67,7 +68,8 @@ def main(out: Path) -> None:
         record[f"whole_{precision}"] = sum(p.numel() for p in reference.parameters()) * dtype.itemsize
         record[f"peak_{precision}"] = peak_host_bytes(lambda: engine_module(cfg, config), python=False)
         # weights a run starts from (init_from): a weights checkpoint, read tensor by tensor or slice by slice
-        got = loaded(lambda reads: engine_module(cfg, config, reads), cfg, reference, out / f"weights_{precision}", TP)
+        files = SHARD_BYTES if precision == "fp32" else a_fifth(reference)  # (one file, or files of a fifth)
+        got = loaded(lambda r: engine_module(cfg, config, r), cfg, reference, out / f"weights_{precision}", TP, files)
         record |= {f"{key}_{precision}": value for key, value in got.items()}
     (out / f"rank_{info.rank}.json").write_text(json.dumps(record))
 

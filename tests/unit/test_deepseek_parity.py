@@ -85,7 +85,7 @@ def test_a_transformers_deepseek_v3_imports_to_the_same_function(tmp_path, q_lor
     cfg, weights = load_hf_dir(tmp_path / "hf")
     assert (cfg.attention, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.v_head_dim) == ("mla", 32, q_lora_rank, 12)
     ours = build_model(cfg).eval()
-    ours.load_state_dict(weights)
+    ours.load_state_dict(dict(weights))
     ids = torch.randint(0, 211, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-4

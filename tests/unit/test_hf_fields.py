@@ -318,7 +318,7 @@ def test_each_field_of_transformers_imports_to_the_same_logits_or_is_refused_by_
                 refused.add(key)
                 continue
             ours = build_model(cfg).eval()
-            ours.load_state_dict(weights)
+            ours.load_state_dict(dict(weights))
             with torch.no_grad():
                 difference = (ours(IDS) - theirs(IDS).logits).abs().max().item()
             assert difference < 1e-4, (key, value, difference)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
 from support.memory import peak_host_bytes
-from support.models import assert_exported_logits_match, gpt2_style, llama_style, run_config
+from support.models import ReadOnLookup, assert_exported_logits_match, gpt2_style, llama_style, run_config
 
 from megatransformer.checkpoint import load_weights, write_weights_checkpoint
 from megatransformer.hf import GPT2, LLAMA, hf_incompatibility, load_hf_dir, save_hf_dir
@@ -78,22 +77,6 @@ def test_an_export_larger_than_a_shard_is_written_in_shards_that_transformers_lo
     assert index["metadata"]["total_size"] == total
 
 
-class ReadOnLookup(Mapping[str, torch.Tensor]):
-    """``state``, each tensor a new copy when looked up (as ``checkpoint.LazyWeights`` reads one from its file)."""
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self.state = state
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.state[name].clone()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.state)
-
-    def __len__(self) -> int:
-        return len(self.state)
-
-
 def test_an_export_reads_a_layer_at_a_time_and_holds_a_shard_never_the_model(tmp_path):
     """From weights read on lookup (as `export --format hf` reads a checkpoint): torch's host allocator holds a
     layer's tensors and a shard at most, never the model (the whole state: 1.0); and from a weights checkpoint the
@@ -107,7 +90,7 @@ def test_an_export_reads_a_layer_at_a_time_and_holds_a_shard_never_the_model(tmp
     _, lazy = load_weights(path, lazy=True)
     save_hf_dir(tmp_path / "from_checkpoint", cfg, lazy, shard_bytes=whole // 12)
     for directory in ("hf", "from_checkpoint"):
-        _, back = load_hf_dir(tmp_path / directory)
+        back = dict(load_hf_dir(tmp_path / directory)[1])
         for name, tensor in state.items():
             assert torch.equal(back[name], tensor), (directory, name)
 

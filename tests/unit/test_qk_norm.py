@@ -129,7 +129,7 @@ def test_a_qwen3_directory_written_by_transformers_imports_with_its_norms(tmp_pa
     cfg, state = load_hf_dir(tmp_path / "hf")
     assert cfg.qk_norm and hf_family(cfg) is QWEN3
     ours = build_model(cfg).eval()
-    ours.load_state_dict(state)
+    ours.load_state_dict(dict(state))
     assert torch.equal(ours.decoder.layers[1].self_attn.k_norm.weight, theirs.model.layers[1].self_attn.k_norm.weight)
     ids = torch.randint(0, cfg.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
