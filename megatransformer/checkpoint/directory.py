@@ -8,7 +8,8 @@ import functools
 import os
 import re
 import shutil
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from megatransformer.config import ConfigError
@@ -143,6 +144,23 @@ def atomic_write(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+@contextmanager
+def replaced_when_written(out: Path) -> Iterator[Path]:
+    """A new directory beside ``out`` to write into: when the block ends it replaces ``out`` (its rename made
+    durable), and when the block raises it is removed, ``out`` left as it was."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    fsync_dir(out.parent)
 
 
 def fsync_dir(path: Path) -> None:

@@ -31,7 +31,7 @@ from megatransformer.checkpoint.directory import (
     WEIGHTS,
     WEIGHTS_FILES,
     find_checkpoint,
-    fsync_dir,
+    replaced_when_written,
     step_of,
 )
 from megatransformer.checkpoint.integrity import (
@@ -294,23 +294,14 @@ def write_weights_checkpoint(
     taken when the last is written; ``dtype``: what they are stored in (as given: None); ``shard_bytes``: the
     most one file holds (:func:`write_weights_files`)."""
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     pairs = weights.items() if isinstance(weights, Mapping) else weights
-    try:
+    with replaced_when_written(out) as tmp:
         write_weights_files(tmp, ((name, t if dtype is None else t.to(dtype)) for name, t in pairs), shard_bytes)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (tmp / CONFIG).write_text(dump_config(cfg))
-    if tokenizer is not None and Path(tokenizer).is_file():
-        shutil.copyfile(tokenizer, tmp / TOKENIZER)
-    for file in tmp.iterdir():  # (durable before the manifest that vouches for them)
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
-    write_manifest(tmp)  # COMPLETE, listing every file
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    fsync_dir(out.parent)
+        (tmp / CONFIG).write_text(dump_config(cfg))
+        if tokenizer is not None and Path(tokenizer).is_file():
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+        for file in tmp.iterdir():  # (durable before the manifest that vouches for them)
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        write_manifest(tmp)  # COMPLETE, listing every file
     return out

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from data_pipeline.tokenizer import load_tokenizer, write_transformers_files
-from megatransformer.checkpoint import SHARD_BYTES, write_weights_files
+from megatransformer.checkpoint import SHARD_BYTES, replaced_when_written, write_weights_files
 from megatransformer.config import ModelConfig
 from megatransformer.hf.deepseek import DEEPSEEK_V3
 from megatransformer.hf.family import Family
@@ -59,38 +59,23 @@ def save_hf_dir(
     :func:`write_hf_weights`). Written to a temporary directory, renamed when complete."""
     family = family or hf_family(cfg)
     special_ids = special_ids or {}
+    tokens = {f"{kind}_token_id": special_ids.get(kind) for kind in ("bos", "eos", "pad")}
     config = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
         **family.config(cfg),
         # (rope_theta where older transformers read it)
         **({"rope_theta": cfg.rope_theta} if family in (LLAMA, MISTRAL, QWEN3, DEEPSEEK_V3) else {}),
-        "bos_token_id": special_ids.get("bos"),
-        "eos_token_id": special_ids.get("eos"),
-        "pad_token_id": special_ids.get("pad"),
+        **tokens,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_hf_weights(tmp, family, cfg, state, dtype, shard_bytes)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "generation_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token_id": special_ids.get("bos"),
-                "eos_token_id": special_ids.get("eos"),
-                "pad_token_id": special_ids.get("pad"),
-            },
-            indent=2,
-        )
-    )
-    if tokenizer_json is not None:
-        shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
-        write_transformers_files(load_tokenizer(tmp / "tokenizer.json"), tmp, model_max_length=cfg.max_seq_len)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with replaced_when_written(Path(out)) as tmp:
+        write_hf_weights(tmp, family, cfg, state, dtype, shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(tokens, indent=2))
+        if tokenizer_json is not None:
+            shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
+            write_transformers_files(load_tokenizer(tmp / "tokenizer.json"), tmp, model_max_length=cfg.max_seq_len)
     return family
 
 
