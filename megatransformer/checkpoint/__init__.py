@@ -64,6 +64,7 @@ from megatransformer.checkpoint.weights_files import (
     WEIGHTS_INDEX,
     WeightsFiles,
     indexed_files,
+    is_weights_file,
     save_safetensors,
     write_weights_files,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "find_checkpoint",
     "indexed_files",
     "is_rank_part",
+    "is_weights_file",
     "latest_checkpoint",
     "load_safetensors",
     "load_weights",

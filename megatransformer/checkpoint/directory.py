@@ -8,7 +8,7 @@ import functools
 import os
 import re
 import shutil
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -147,9 +147,19 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 @contextmanager
-def replaced_when_written(out: Path) -> Iterator[Path]:
+def replaced_when_written(out: Path, ours: Callable[[str], bool]) -> Iterator[Path]:
     """A new directory beside ``out`` to write into: when the block ends it replaces ``out`` (its rename made
-    durable), and when the block raises it is removed, ``out`` left as it was."""
+    durable), and when the block raises it is removed, ``out`` left as it was. ``out`` may hold only files that
+    ``ours`` accepts (what the same writer wrote there before): anything else is refused before a file is written,
+    never deleted."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file; write to a new or empty directory")
+    foreign = sorted(p.name for p in out.iterdir() if not (p.is_file() and ours(p.name))) if out.exists() else []
+    if foreign:
+        raise ConfigError(
+            f"{out} holds {foreign[0]}, which this command does not write, and would be replaced: write to a new "
+            "or empty directory"
+        )
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -44,6 +44,7 @@ from megatransformer.checkpoint.weights_files import (
     SHARD_BYTES,
     WEIGHTS_INDEX,
     WeightsFiles,
+    is_weights_file,
     weights_file_names,
     write_weights_files,
 )
@@ -295,7 +296,7 @@ def write_weights_checkpoint(
     most one file holds (:func:`write_weights_files`)."""
     out = Path(out)
     pairs = weights.items() if isinstance(weights, Mapping) else weights
-    with replaced_when_written(out) as tmp:
+    with replaced_when_written(out, lambda name: name in (*WEIGHTS_FILES, COMPLETE) or is_weights_file(name)) as tmp:
         write_weights_files(tmp, ((name, t if dtype is None else t.to(dtype)) for name, t in pairs), shard_bytes)
         (tmp / CONFIG).write_text(dump_config(cfg))
         if tokenizer is not None and Path(tokenizer).is_file():

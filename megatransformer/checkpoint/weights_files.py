@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,12 @@ from megatransformer.checkpoint.directory import WEIGHTS, default_file_mode
 
 SHARD_BYTES = 5 * 10**9  # the most a weights file holds (transformers' save_pretrained: max_shard_size="5GB")
 WEIGHTS_INDEX = "model.safetensors.index.json"
+_PART = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def is_weights_file(name: str) -> bool:
+    """A name :func:`write_weights_files` writes."""
+    return name in (WEIGHTS, WEIGHTS_INDEX) or _PART.fullmatch(name) is not None
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -62,7 +69,7 @@ def write_weights_files(
         return
     weight_map: dict[str, str] = {}
     for k, (names, _) in enumerate(files):
-        file = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        file = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"  # (as _PART)
         (directory / f"shard-{k}.safetensors").rename(directory / file)
         weight_map |= dict.fromkeys(names, file)
     index = {"metadata": {"total_size": sum(size for _, size in files)}, "weight_map": dict(sorted(weight_map.items()))}

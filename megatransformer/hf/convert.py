@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from data_pipeline.tokenizer import load_tokenizer, write_transformers_files
-from megatransformer.checkpoint import SHARD_BYTES, replaced_when_written, write_weights_files
+from megatransformer.checkpoint import SHARD_BYTES, is_weights_file, replaced_when_written, write_weights_files
 from megatransformer.config import ModelConfig
 from megatransformer.hf.deepseek import DEEPSEEK_V3
 from megatransformer.hf.family import Family
@@ -21,6 +21,14 @@ from megatransformer.hf.mistral import MISTRAL
 from megatransformer.hf.qwen3 import QWEN3
 
 FAMILIES = (LLAMA, MISTRAL, GPT2, QWEN3, DEEPSEEK_V3)
+# what a directory holds besides its weights' files
+DIRECTORY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 # transformers families close to ours that our blocks cannot express, and why
 UNEXPRESSIBLE = {
@@ -69,7 +77,7 @@ def save_hf_dir(
         **tokens,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    with replaced_when_written(Path(out)) as tmp:
+    with replaced_when_written(Path(out), lambda name: name in DIRECTORY_FILES or is_weights_file(name)) as tmp:
         write_hf_weights(tmp, family, cfg, state, dtype, shard_bytes)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(tokens, indent=2))

@@ -191,3 +191,31 @@ def test_average_takes_each_tensors_mean_holding_one_tensor_of_each_not_the_mode
     for name, tensor in state.items():
         assert torch.allclose(read[name], tensor * 2, rtol=1e-6, atol=0), name
     assert peak < 0.5 * whole(state), (peak, whole(state))
+
+
+@pytest.mark.parametrize("command", ["export safetensors", "export hf", "average", "import"])
+def test_an_out_directory_holding_other_files_is_refused_and_kept_one_written_before_is_replaced(
+    tmp_path, capsys, command
+):
+    """Each command writes its directory beside --out and renames it over, so --out may hold only what such a
+    command wrote there before: a run directory or a parent given by mistake is refused in one line, untouched."""
+    from support import assert_one_line
+
+    from megatransformer.cli import main
+
+    cfg = run_config(model=llama_style().model_dump())
+    source = ckpt.write_weights_checkpoint(tmp_path / "source", cfg, build_model(cfg.model).state_dict())
+    save_hf_dir(tmp_path / "hf", cfg.model, build_model(cfg.model).state_dict())
+    out = tmp_path / "out"
+    argv = {
+        "export safetensors": ["export", "--checkpoint", str(source), "--out", str(out)],
+        "export hf": ["export", "--checkpoint", str(source), "--out", str(out), "--format", "hf"],
+        "average": ["average", "--checkpoints", str(source), str(source), "--out", str(out)],
+        "import": ["import", "--hf", str(tmp_path / "hf"), "--out", str(out)],
+    }[command]
+    assert main(argv) == 0 and main(argv) == 0  # (the second replaces the first's files)
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert_one_line(capsys.readouterr().err, f"{out} holds notes.txt, which this command does not write")
+    assert (out / "notes.txt").read_text() == "mine" and not out.with_name("out.tmp").exists()
