@@ -11,8 +11,9 @@ the newest checkpoint given; all must have the same model shape and tokenizer.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -116,7 +117,7 @@ def average_checkpoints(paths: list[Path]):
     return cfg, _means(sources), tokenizer if tokenizer.is_file() else None
 
 
-def _means(sources: list) -> Iterator:
+def _means(sources: list[Mapping[str, Any]]) -> Iterator[tuple[str, Any]]:
     """Each tensor's mean over ``sources`` in fp32, accumulated in fp64."""
     for name in sources[0]:
         total = sources[0][name].double()
