@@ -102,6 +102,11 @@ def find_checkpoint(path: str | Path, what: str) -> Path:
             if found is None:
                 raise ConfigError(f"{what}: {root} holds no complete checkpoint (every save there was cut short)")
             return found
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        raise ConfigError(
+            f"{what} is a Hugging Face model directory, not a checkpoint: convert it with `megatransformer import "
+            f"--hf {path} --out CHECKPOINT` and give that checkpoint"
+        )
     raise ConfigError(
         f"{what}: no complete checkpoint there (expected a step_NNNNNN directory, a run's "
         "checkpoints directory or a run directory)"

@@ -15,6 +15,7 @@ from megatransformer import checkpoint as ckpt
 from megatransformer.checkpoint import WEIGHTS, WEIGHTS_INDEX, WeightsFiles, write_weights_files
 from megatransformer.checkpoint.weights_files import weights_file_names
 from megatransformer.commands.average import average_checkpoints
+from megatransformer.config import ConfigError
 from megatransformer.hf import load_hf_dir, save_hf_dir
 from megatransformer.model import build_model
 
@@ -219,3 +220,12 @@ def test_an_out_directory_holding_other_files_is_refused_and_kept_one_written_be
     assert main(argv) == 2
     assert_one_line(capsys.readouterr().err, f"{out} holds notes.txt, which this command does not write")
     assert (out / "notes.txt").read_text() == "mine" and not out.with_name("out.tmp").exists()
+
+
+def test_a_transformers_directory_given_as_a_checkpoint_names_the_import_that_converts_it(tmp_path):
+    cfg = run_config(model=llama_style().model_dump())
+    save_hf_dir(tmp_path / "hf", cfg.model, build_model(cfg.model).state_dict())
+    with pytest.raises(ConfigError) as err:
+        ckpt.load_weights(tmp_path / "hf", what=f"init_from={tmp_path / 'hf'}")
+    message = str(err.value)
+    assert "is a Hugging Face model directory" in message and f"import --hf {tmp_path / 'hf'}" in message
