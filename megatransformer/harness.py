@@ -77,10 +77,12 @@ class Progress:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the harness's LM runs: ``rank`` of ``world_size`` data-parallel ranks (each with the whole model),
-    on ``device``; ``forwards``: the context every forward runs in (autocast, a run's matmul precision);
-    ``group``: the process group the ranks' answers are gathered on (:func:`gather_group`; None: the default
-    one); ``gather``: instead, a function from this rank's object to every rank's (tests)."""
+    """Where the harness's LM runs: ``rank`` of ``world_size`` data-parallel ranks, on ``device``; ``forwards``:
+    the context every forward runs in (autocast, a run's matmul precision); ``group``: the process group the
+    ranks' answers are gathered on (:func:`gather_group`; None: the default one); ``gather``: instead, a function
+    from this rank's object to every rank's (tests). ``lockstep``: every rank runs each forward with the others
+    (ZeRO-3: a forward gathers each layer's parameters from every rank), a rank whose share is done running
+    stand-in forwards of one token until every share is (:meth:`any_working`)."""
 
     device: torch.device
     rank: int = 0
@@ -88,6 +90,16 @@ class Placement:
     forwards: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     group: object | None = None
     gather: Callable[[object], list] | None = None
+    lockstep: bool = False
+
+    def any_working(self, working: bool) -> bool:
+        """With ``lockstep`` on several ranks, before each forward: whether any rank still has a forward of its
+        share to run (every rank asks, the same number of times); True otherwise."""
+        if not self.lockstep or self.world_size == 1:
+            return True
+        flag = torch.tensor([int(working)])
+        torch.distributed.all_reduce(flag, group=self.group)
+        return bool(flag.item())
 
     def gather_all(self, obj: object) -> list:
         """Every rank's ``obj``, in rank order."""
@@ -330,13 +342,19 @@ class HarnessLM(TemplateLM):
 
     # ------------------------------------------------------------------------------ data-parallel ranks
 
-    def shared(self, costs: list[int], run: Callable[[list[int]], dict[int, object]]) -> dict[int, object]:
+    def shared(
+        self, costs: list[int], run: Callable[[list[int]], dict[int, object]], stand_in: Callable[[], object]
+    ) -> dict[int, object]:
         """``run`` on this rank's share of the items of ``costs`` (:func:`deal`: their indices), its answers
-        ({request: answer}) merged with the other ranks': the answers of every request, on every rank."""
+        ({request: answer}) merged with the other ranks': the answers of every request, on every rank. In
+        lockstep, ``stand_in`` (a forward of one token, through the modules ``run``'s forwards call) runs while
+        another rank's share is not done."""
         ranks = self.placement.world_size
         if ranks == 1:
             return run(list(range(len(costs))))
         mine = run(deal(costs, ranks)[self.placement.rank])
+        while self.placement.lockstep and self.placement.any_working(False):
+            stand_in()
         merged: dict[int, object] = {}
         for answers in self.placement.gather_all(mine):
             merged.update(answers)
@@ -356,7 +374,9 @@ class HarnessLM(TemplateLM):
         continuations = [cont for _, _, cont in requests]
         groups = group_requests(windows, continuations, self.max_length if self.shares_contexts else None)
         answers = self.shared(
-            [group.length for group in groups], lambda share: self._scored(groups, share, continuations)
+            [group.length for group in groups],
+            lambda share: self._scored(groups, share, continuations),
+            lambda: self._scored_batch(lay_out([[Group([0], [(0, [])])]], [1]), [[0]]),
         )
         return [answers[i] for i in range(len(requests))]
 
@@ -365,26 +385,28 @@ class HarnessLM(TemplateLM):
         them)."""
         groups = [groups[g] for g in share]
         capacity = self.max_length if self.varlen else None
-        sums, misses = {}, {}
+        answers = {}
         for rows in pack([group.length for group in groups], capacity, self.batch_size):
             layout = lay_out([[groups[g] for g in row] for row in rows], list(map(len, continuations)))
-            hidden = self._packed_hidden(layout)
-            in_batch = [request for request, _ in layout.scored]
-            device = hidden.device
-            where = torch.tensor([p for _, places in layout.scored for p in places], device=device)
-            owners = torch.tensor([k for k, (_, places) in enumerate(layout.scored) for _ in places], device=device)
-            targets = torch.tensor([t for request in in_batch for t in continuations[request]], device=device)
-            with torch.no_grad(), self.placement.forwards():
-                logits = self.model.lm_head(hidden.flatten(0, 1)[where])
-            logprobs = logits.float().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
-            wrong = (logits.argmax(-1) != targets).double()
-            totals = torch.zeros(len(in_batch), dtype=torch.float64, device=device).index_add_(
-                0, owners, logprobs.double()
-            )
-            missed = torch.zeros_like(totals).index_add_(0, owners, wrong)
-            for i, total, miss in zip(in_batch, *torch.stack([totals, missed]).tolist()):
-                sums[i], misses[i] = total, miss
-        return {i: (sums[i], misses[i] == 0) for i in sums}
+            self.placement.any_working(True)
+            answers.update(self._scored_batch(layout, continuations))
+        return answers
+
+    def _scored_batch(self, layout: Layout, continuations: list[list[int]]) -> dict[int, tuple]:
+        """{request: (log p, greedy)} of the requests ``layout`` scores, from one forward."""
+        hidden = self._packed_hidden(layout)
+        in_batch = [request for request, _ in layout.scored]
+        device = hidden.device
+        where = torch.tensor([p for _, places in layout.scored for p in places], device=device)
+        owners = torch.tensor([k for k, (_, places) in enumerate(layout.scored) for _ in places], device=device)
+        targets = torch.tensor([t for request in in_batch for t in continuations[request]], device=device)
+        with torch.no_grad(), self.placement.forwards():
+            logits = self.model.lm_head(hidden.flatten(0, 1)[where])
+        logprobs = logits.float().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+        wrong = (logits.argmax(-1) != targets).double()
+        totals = torch.zeros(len(in_batch), dtype=torch.float64, device=device).index_add_(0, owners, logprobs.double())
+        missed = torch.zeros_like(totals).index_add_(0, owners, wrong)
+        return {i: (total, miss == 0) for i, total, miss in zip(in_batch, *torch.stack([totals, missed]).tolist())}
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text scored whole in disjoint windows of max_length tokens, every token once, the first after
@@ -438,7 +460,11 @@ class HarnessLM(TemplateLM):
             len(tokens) + normalize_gen_kwargs(kwargs, self.max_gen_toks)["max_gen_toks"]
             for tokens, (_, kwargs) in zip(encoded, args)
         ]
-        answers = self.shared(lengths, lambda share: self._generated(args, encoded, share))
+        answers = self.shared(
+            lengths,
+            lambda share: self._generated(args, encoded, share),
+            lambda: self._logits(torch.zeros(1, 1, dtype=torch.long, device=self.device)),
+        )
         return [answers[i] for i in range(len(requests))]
 
     def _generated(self, args: list[tuple], encoded: list[list[int]], share: list[int]) -> dict[int, str]:
@@ -500,7 +526,7 @@ class HarnessLM(TemplateLM):
         done = [False] * len(prompts)
         with torch.no_grad(), self.placement.forwards():
             caches = self.model.new_caches(len(prompts), width + max_new)
-            logits = self.model(ids, position_ids=positions, segment_ids=segments, caches=caches)
+            logits = self._forward(ids, position_ids=positions, segment_ids=segments, caches=caches)
             for step in range(max_new):
                 tokens = sample_next(logits[:, -1].float(), **sampling).tolist()
                 for r, token in enumerate(tokens):
@@ -515,10 +541,19 @@ class HarnessLM(TemplateLM):
                     break
                 segments = torch.cat([segments, segments.new_ones(len(prompts), 1)], dim=1)
                 next_ids = torch.tensor(tokens, device=device)[:, None]
-                logits = self.model(
+                logits = self._forward(
                     next_ids, position_ids=(lengths + step)[:, None], segment_ids=segments, caches=caches
                 )
         return new
+
+    def _forward(self, ids: torch.Tensor, **inputs) -> torch.Tensor:
+        """The model's logits of ``ids``, in lockstep with the other ranks (:meth:`Placement.any_working`)."""
+        self.placement.any_working(True)
+        return self._logits(ids, **inputs)
+
+    def _logits(self, ids: torch.Tensor, **inputs) -> torch.Tensor:
+        with torch.no_grad(), self.placement.forwards():
+            return self.model(ids, **inputs)
 
 
 @contextlib.contextmanager

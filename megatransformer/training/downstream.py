@@ -1,5 +1,5 @@
 """train.evals: lm-evaluation-harness tasks run in the training process, every data-parallel rank on its share
-of the items (docs/evaluation.md)."""
+of the items, at ZeRO-3 each forward in step with the other ranks (docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ class Downstream:
 
     def __init__(self, cfg: RunConfig, module: TrainModule, device: str, tokenizer) -> None:
         evals = cfg.train.evals
-        refusal = module.whole_model_refusal()
+        refusal = module.own_inputs_refusal()
         if refusal:
             raise ConfigError(
-                f"train.evals runs the whole model on each rank, and {refusal}; evaluate the checkpoints "
+                f"train.evals runs the model on each rank's own items, and {refusal}; evaluate the checkpoints "
                 "with `megatransformer eval --tasks` instead"
             )
         from megatransformer import harness
@@ -33,7 +33,9 @@ class Downstream:
         # (the ranks' answers are gathered on a group of their own, with its own timeout: a task longer than
         # parallel.timeout_minutes does not trip the training collectives' watchdog)
         group = harness.gather_group(module.dp_size)
-        self.placement = harness.Placement(torch.device(device), module.dp_rank, module.dp_size, module.matmuls, group)
+        self.placement = harness.Placement(
+            torch.device(device), module.dp_rank, module.dp_size, module.matmuls, group, lockstep=module.zero_stage == 3
+        )
 
     def due(self, step: int) -> bool:
         every = self.cfg.train.evals.every

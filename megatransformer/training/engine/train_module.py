@@ -600,18 +600,17 @@ class TrainModule:
         loss = loss_sum / max(targets, 1)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(targets)}
 
-    def whole_model_refusal(self) -> str | None:
-        """Why this rank does not hold the whole model to run on its own (:meth:`plain_model`), or None."""
-        if self.zero_stage == 3:
-            return "ZeRO stage 3 partitions the parameters across ranks"
+    def own_inputs_refusal(self) -> str | None:
+        """Why this rank cannot run :meth:`plain_model` on inputs of its own, or None. (At ZeRO-3 it can, in
+        step with the other ranks: each forward gathers the parameters from all of them.)"""
         if self.tp > 1 or self.sequence is not None:
             return "tensor and sequence parallelism split the model's work across ranks"
         return None
 
     @contextmanager
     def plain_model(self) -> Iterator[torch.nn.Module]:
-        """The model as a module this rank runs alone (in the run's precision, evaluation mode), outside
-        DeepSpeed's forward; only where :meth:`whole_model_refusal` is None."""
+        """The model as a module this rank runs (in the run's precision, evaluation mode), outside DeepSpeed's
+        forward; on inputs of its own only where :meth:`own_inputs_refusal` is None."""
         self.engine.eval()
         try:
             yield self.engine.module
