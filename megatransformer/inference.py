@@ -46,6 +46,24 @@ def load_for_inference(path: str | Path, device: str = "cpu", model_overrides: l
     return Loaded(cfg, model.to(device).eval(), tokenizer, directory)
 
 
+def load_partitioned(path: str | Path, device: str) -> Loaded:
+    """The checkpoint's model partitioned over the process group's ranks by ZeRO-3 on each rank's ``device`` (the
+    accelerator's current one), each rank reading its partitions alone
+    (``training.engine.construction.partitioned_for_inference``): every rank runs each forward together."""
+    import torch
+
+    from data_pipeline.tokenizer import load_tokenizer
+    from megatransformer.checkpoint import find_checkpoint, load_weights
+    from megatransformer.training.engine.construction import partitioned_for_inference
+
+    directory = find_checkpoint(path, f"--checkpoint {path}")
+    cfg, weights = load_weights(directory, lazy=True)
+    model = partitioned_for_inference(cfg, weights, torch.distributed.get_world_size())
+    tokenizer_path = directory / "tokenizer.json"
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path.is_file() else None
+    return Loaded(cfg, model, tokenizer, directory)
+
+
 def with_model_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """``cfg`` with ``model.*`` overrides that keep the weights' shapes (a window, a RoPE scaling, a longer
     max_seq_len, another attention core...); one that would change a shape or that acts only in training is

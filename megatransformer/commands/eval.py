@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatransformer.console import to_stderr
+from megatransformer.console import held_stdout, to_stderr
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give --data (loss and perplexity) or --tasks (lm-eval tasks), one of them")
     if args.tasks:
         return run_tasks(args)
+    if args.zero_stage:
+        raise ConfigError("--zero-stage applies to --tasks; --data evaluates the whole model on one process")
     if args.bleu or args.hypotheses:
         _check_bleu_arguments(args)
     model_overrides, run_overrides = _split_overrides(args.overrides)
@@ -254,6 +256,14 @@ def add_task_arguments(p: argparse.ArgumentParser) -> None:
         help="with --tasks: bootstrap resamples for the standard errors that need them (0: none; lm-eval's default)",
     )
     p.add_argument("--samples", default=None, help="with --tasks: every item's responses and metrics, as JSONL here")
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 3],
+        default=0,
+        help="with --tasks: 0, each torchrun rank holds the whole model; 3, a part of it (ZeRO-3: each forward "
+        "gathers a layer's parameters from every rank), for a model larger than one device",
+    )
 
 
 def run_tasks(args: argparse.Namespace) -> int:
@@ -268,6 +278,8 @@ def run_tasks(args: argparse.Namespace) -> int:
         raise ConfigError("--num-fewshot must be >= 0")
     if args.bleu or args.overrides:
         raise ConfigError("--tasks takes no --bleu and no key.path=value overrides")
+    if args.zero_stage == 3 and int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        raise ConfigError("--zero-stage 3 partitions the model over torchrun's ranks: run it under torchrun, 2 or more")
     if args.samples:
         writable(Path(args.samples))
     # (PyTorch and lm-eval load for tens of seconds on a busy machine; a terminal only: a task name lm-eval does not
@@ -277,7 +289,7 @@ def run_tasks(args: argparse.Namespace) -> int:
     import torch
 
     from megatransformer import harness
-    from megatransformer.inference import load_for_inference
+    from megatransformer.inference import load_for_inference, load_partitioned
     from megatransformer.training.threads import say_threads
 
     tasks = harness.load_tasks(args.tasks, args.include_path)
@@ -293,15 +305,21 @@ def run_tasks(args: argparse.Namespace) -> int:
             torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        loaded = load_for_inference(args.checkpoint, device=str(device))
+        if args.zero_stage == 3:
+            with held_stdout():
+                loaded = load_partitioned(args.checkpoint, str(device))
+        else:
+            loaded = load_for_inference(args.checkpoint, str(device))
         if loaded.tokenizer is None:
             raise ConfigError(f"{loaded.path} has no tokenizer.json")
         if rank == 0:
+            held = f", ZeRO-3: 1/{world} of the weights a rank" if args.zero_stage == 3 else ""
             to_stderr(
                 f"evaluating {loaded.path} on {' '.join(tasks.names)} with lm-eval (fp32 on {device}, "
-                f"{world} rank{'s' * (world > 1)}, batches of {args.batch_size})"
+                f"{world} rank{'s' * (world > 1)}{held}, batches of {args.batch_size})"
             )
-        placement = harness.Placement(device, rank, world, group=harness.gather_group(world))
+        group = harness.gather_group(world)
+        placement = harness.Placement(device, rank, world, group=group, lockstep=args.zero_stage == 3)
         lm = harness.HarnessLM(loaded.model, loaded.cfg, loaded.tokenizer, placement, args.batch_size)
         bar = task_progress(lm, sys.stderr, enabled=rank == 0 and sys.stderr.isatty())  # (before quiet's redirect)
         with harness.quiet():

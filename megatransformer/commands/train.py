@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import shlex
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatransformer.commands.arguments import add_config_argument
 from megatransformer.config import ConfigError
-from megatransformer.console import to_stderr
+from megatransformer.console import held_stdout, to_stderr
 from megatransformer.training.observability.metrics import format_duration, read_metrics
 
 if TYPE_CHECKING:
@@ -120,7 +117,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     held = []  # the run directory's lock, on the first rank (the job's ranks share it)
     trainer = None
     try:
-        with build_progress(ops, sys.stdout), quiet_engine(verbose):  # (quiet_engine holds back stdout)
+        with build_progress(ops, sys.stdout), held_stdout(verbose):  # (held_stdout holds DeepSpeed's back)
             dist_info = setup(cfg.parallel.timeout_minutes)
             on_first_rank(lambda: held.append(lock_run_dir(cfg.run_dir)))  # before the run writes anything
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
@@ -270,27 +267,6 @@ def format_sample(prompt: str, continuation: str) -> str:
     """The end-of-training sample, cut at its first blank line (an untrained model repeats newlines)."""
     cut = continuation.split("\n\n", 1)[0].rstrip()
     return f"sample: {prompt}{cut}"
-
-
-@contextlib.contextmanager
-def quiet_engine(verbose: bool) -> Iterator[None]:
-    """Hold back what DeepSpeed prints on stdout while it starts (``deepspeed_shm_comm_op built successfully``
-    and the like) unless ``verbose``; if start-up fails unexpectedly, what it printed goes to stderr with the
-    error (a bad config or input is its own one line: exit 2)."""
-    from data_pipeline import DataError
-
-    if verbose:
-        yield
-        return
-    held = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(held):
-            yield
-    except (ConfigError, DataError):
-        raise
-    except BaseException:
-        sys.stderr.write(held.getvalue())
-        raise
 
 
 def summary(

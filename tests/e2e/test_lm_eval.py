@@ -39,11 +39,11 @@ def trained(tiny_data, tmp_path_factory) -> dict:
     return {"root": root, "run_dir": run_dir, "hf": hf, "ours": ours}
 
 
-def ours_eval(ckpt: Path, tasks: Path, samples: Path, nproc: int = 1) -> dict:
-    """``megatransformer eval --tasks`` (all four, --json): its JSON and its per-item samples."""
+def ours_eval(ckpt: Path, tasks: Path, samples: Path, nproc: int = 1, options: tuple[str, ...] = ()) -> dict:
+    """``megatransformer eval --tasks`` (all four, --json, ``options``): its JSON and its per-item samples."""
     launcher = torchrun(nproc) if nproc > 1 else [sys.executable]
     command = [*launcher, "-m", "megatransformer.cli", "eval", "--checkpoint", str(ckpt), "--include-path"]
-    command += [str(tasks), "--tasks", *TASKS, "--batch-size", "4", "--bootstrap-iters", "0", "--json"]
+    command += [str(tasks), "--tasks", *TASKS, "--batch-size", "4", "--bootstrap-iters", "0", "--json", *options]
     result = run(command + ["--samples", str(samples)])
     return {"tasks": json.loads(result.stdout)["tasks"], "samples": read_samples(samples)}
 
@@ -116,8 +116,12 @@ def response(value, output_type: str):
     return float(value) if output_type == "loglikelihood_rolling" else value
 
 
-def test_two_ranks_give_the_numbers_of_one(trained):
-    two = ours_eval(checkpoint(trained["run_dir"], STEPS), trained["root"] / "tasks", trained["root"] / "two.jsonl", 2)
+@pytest.mark.parametrize("options", [(), ("--zero-stage", "3", "--batch-size", "1")], ids=["whole", "zero3"])
+def test_two_ranks_give_the_numbers_of_one(trained, options):
+    """Each rank with the whole model, or with half of it (ZeRO-3, the ranks' forwards in step: batches of one
+    item, so that the shares take different numbers of forwards)."""
+    root = trained["root"]
+    two = ours_eval(checkpoint(trained["run_dir"], STEPS), root / "tasks", root / "two.jsonl", 2, options)
     assert_same(two["tasks"], trained["ours"]["tasks"], "two ranks")
     assert set(two["samples"]) == set(trained["ours"]["samples"])
     for key, item in trained["ours"]["samples"].items():

@@ -102,14 +102,14 @@ def test_configs_are_addressable_by_name_from_any_directory(tmp_path, monkeypatc
 # ------------------------------------------------------------------------------------------- console
 
 
-def test_quiet_engine_holds_back_start_up_chatter(capsys):
-    from megatransformer.commands.train import quiet_engine
+def test_held_stdout_holds_back_start_up_chatter(capsys):
+    from megatransformer.console import held_stdout
 
-    with quiet_engine(verbose=False):
+    with held_stdout(verbose=False):
         print("DeepSpeed deepspeed_shm_comm_op built successfully")
-    with quiet_engine(verbose=True):
+    with held_stdout(verbose=True):
         print("shown with --verbose")
-    with pytest.raises(RuntimeError), quiet_engine(verbose=False):
+    with pytest.raises(RuntimeError), held_stdout(verbose=False):
         print("context of a failure")
         raise RuntimeError("start-up failed")
     out, err = capsys.readouterr()

@@ -101,6 +101,7 @@ def test_the_task_file_named_wins_over_a_task_of_the_same_name_in_an_indexed_fol
     [
         (["--limit", "0"], ["--limit 0: give at least 1 item a task"]),
         (["--samples", "/proc/no/such/samples.jsonl"], ["--samples /proc/no/such/samples.jsonl cannot be written"]),
+        (["--zero-stage", "3"], ["--zero-stage 3 partitions the model over torchrun's ranks: run it under torchrun"]),
     ],
 )
 def test_arguments_that_would_fail_inside_the_harness_are_one_line_before_evaluating(tmp_path, capsys, args, fragments):
@@ -109,6 +110,14 @@ def test_arguments_that_would_fail_inside_the_harness_are_one_line_before_evalua
     task = task_yaml(tmp_path / "t.yaml", "mt_t", items(tmp_path / "i.jsonl", 3))
     assert main(["eval", "--checkpoint", str(tmp_path / "none"), "--tasks", str(task), *args]) == 2
     assert_one_line(capsys.readouterr().err, "megatransformer eval: error:", *fragments)
+
+
+def test_zero_stage_applies_to_tasks_only(tmp_path, capsys):
+    from megatransformer.cli import main
+
+    argv = ["eval", "--checkpoint", str(tmp_path), "--data", str(tmp_path / "t.txt"), "--zero-stage", "3"]
+    assert main(argv) == 2
+    assert_one_line(capsys.readouterr().err, "--zero-stage applies to --tasks")
 
 
 def test_a_few_shot_count_beyond_a_tasks_examples_is_refused_and_a_perplexity_task_keeps_none(tmp_path):
