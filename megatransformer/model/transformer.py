@@ -466,17 +466,24 @@ def draw_part_into(
 def _on_intra_op_threads(work: Callable[..., None], items: list[tuple]) -> None:
     """``work(*item)`` for each of ``items``, on as many threads at once as torch's intra-op threads, each of them
     running its ops on one (a block's draw is one serial kernel; parallel copies beside them would have OpenMP's
-    threads spin for cores the draws need). ``work`` of different items must touch different memory."""
+    threads spin for cores the draws need), in the caller's grad mode. ``work`` of different items must touch
+    different memory."""
     intra_op = torch.get_num_threads()
     threads = min(intra_op, len(items))
     if threads <= 1:
         for item in items:
             work(*item)
         return
+    grad = torch.is_grad_enabled()  # (thread-local: a new thread starts with it on, whatever the caller's)
+
+    def run(item: tuple) -> None:
+        with torch.set_grad_enabled(grad):
+            work(*item)
+
     torch.set_num_threads(1)  # (read by each new thread as it starts)
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="initial-values") as pool:
-            for done in [pool.submit(work, *item) for item in items]:
+            for done in [pool.submit(run, item) for item in items]:
                 done.result()
     finally:
         torch.set_num_threads(intra_op)

@@ -190,6 +190,25 @@ def test_blocks_are_drawn_on_the_intra_op_threads_each_running_on_one_with_the_s
     assert torch.equal(values[1], values[3])
 
 
+def test_a_model_built_on_several_threads_outside_no_grad_is_the_one_thread_build(monkeypatch):
+    """A user's build_model (grad mode on) of parameters larger than a block: the pool's threads write into the
+    parameters in the caller's grad mode (a thread starts with grad mode on: an in-place write into a view of a
+    parameter made under no_grad was refused there)."""
+    from megatransformer.model import transformer
+
+    monkeypatch.setattr(transformer, "INIT_BLOCK_ELEMENTS", 64)
+    default = torch.get_num_threads()
+    built = {}
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            assert torch.is_grad_enabled()
+            built[count] = build_model(tiny_config(), seed=4).state_dict()
+    finally:
+        torch.set_num_threads(default)
+    assert all(torch.equal(built[1][name], built[3][name]) for name in built[1])
+
+
 def test_the_draws_are_the_hosts_whatever_the_default_device():
     from megatransformer.model import transformer
 
