@@ -306,6 +306,9 @@ def run_tasks(args: argparse.Namespace) -> int:
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         if args.zero_stage == 3:
+            from megatransformer.training.runtime.host_memory import map_large_blocks
+
+            map_large_blocks()  # (each layer's gathered parameters returned to the kernel when freed, not kept)
             with held_stdout():
                 loaded = load_partitioned(args.checkpoint, str(device))
         else:
