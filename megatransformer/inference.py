@@ -46,9 +46,9 @@ def load_for_inference(path: str | Path, device: str = "cpu", model_overrides: l
     return Loaded(cfg, model.to(device).eval(), tokenizer, directory)
 
 
-def load_partitioned(path: str | Path, device: str) -> Loaded:
-    """The checkpoint's model partitioned over the process group's ranks by ZeRO-3 on each rank's ``device`` (the
-    accelerator's current one), each rank reading its partitions alone
+def load_partitioned(path: str | Path) -> Loaded:
+    """The checkpoint's model partitioned over the process group's ranks by ZeRO-3, on each rank's current device
+    (DeepSpeed's accelerator's), each rank reading its partitions alone
     (``training.engine.construction.partitioned_for_inference``): every rank runs each forward together."""
     import torch
 

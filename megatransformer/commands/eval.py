@@ -299,7 +299,14 @@ def run_tasks(args: argparse.Namespace) -> int:
             to_stderr(line)  # (a task folder is code: lm-eval imports it)
     say_threads(to_stderr)  # (after the tasks: a name lm-eval does not know stays one line)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():  # (the rank's GPU as training picks it: Slurm may show a task its own GPU only)
+        from megatransformer.training.runtime.distributed import cuda_device
+
+        index, line = cuda_device(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count())
+        if line is not None:
+            to_stderr(line)
+        device = torch.device(f"cuda:{index}")
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -310,7 +317,7 @@ def run_tasks(args: argparse.Namespace) -> int:
 
             map_large_blocks()  # (each layer's gathered parameters returned to the kernel when freed, not kept)
             with held_stdout():
-                loaded = load_partitioned(args.checkpoint, str(device))
+                loaded = load_partitioned(args.checkpoint)  # (on the device set above)
         else:
             loaded = load_for_inference(args.checkpoint, str(device))
         if loaded.tokenizer is None:
