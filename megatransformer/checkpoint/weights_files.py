@@ -74,7 +74,6 @@ def write_weights_files(
         weight_map |= dict.fromkeys(names, file)
     index = {"metadata": {"total_size": sum(size for _, size in files)}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
-    os.chmod(directory / WEIGHTS_INDEX, default_file_mode())
 
 
 def indexed_files(directory: Path) -> list[str]:
