@@ -50,6 +50,7 @@ def test_quickstart_from_a_regular_install_in_an_empty_directory(tmp_path):
     python, script = venv / "bin" / "python", venv / "bin" / "megatransformer"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the installed copy
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    env["OMP_NUM_THREADS"] = "2"  # (a user's machine: more than one intra-op thread, unlike the other tests)
     install = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(source)],
         env=env,
@@ -72,7 +73,7 @@ def test_quickstart_from_a_regular_install_in_an_empty_directory(tmp_path):
     result = run(
         str(script),
         "quickstart",
-        "model.d_model=64",
+        "model.d_model=128",  # (an embedding of more than one block of initial values: drawn on the threads)
         "model.n_layers=1",
         "model.d_ff=128",
         "data.seq_len=32",
