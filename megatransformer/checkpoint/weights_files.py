@@ -138,7 +138,9 @@ class WeightsFiles(Mapping[str, torch.Tensor]):
             dtype = part[:0].dtype if shape else f.get_tensor(name).dtype  # (an empty slice reads no data)
         return torch.empty(shape, dtype=dtype, device="meta")
 
-    def flat(self, name: str, start: int, stop: int, dim: int | None = None, index: int = 0, parts: int = 1):
+    def flat(
+        self, name: str, start: int, stop: int, dim: int | None = None, index: int = 0, parts: int = 1
+    ) -> torch.Tensor:
         """Elements ``start`` to ``stop`` (flattened) of part ``index`` of ``parts`` equal ones of tensor ``name``
         along ``dim`` (the whole tensor: None), reading only the rows that hold them."""
         with self._open(self.file_of[name]) as f:

@@ -177,8 +177,10 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tens
     except KeyError as err:
         raise ValueError(f"{config_path} lacks {err.args[0]!r}, which a {family.name} config holds") from None
     # (the index, where there is one: a directory may hold other formats' files beside, Mistral's consolidated)
-    indexed = (path / WEIGHTS_INDEX).is_file()
-    files = indexed_files(path) if indexed else [file.name for file in sorted(path.glob("*.safetensors"))]
+    if (path / WEIGHTS_INDEX).is_file():
+        files = indexed_files(path)
+    else:
+        files = [file.name for file in sorted(path.glob("*.safetensors"))]
     if not files:
         raise ValueError(f"{path} has no .safetensors weights (convert .bin weights with transformers first)")
     theirs = WeightsFiles(path, files)
