@@ -71,9 +71,12 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
 
     from megatransformer.training.runtime.builds import skip_collective_build
 
-    # DeepSpeed gathers ZeRO and bf16 partitions with all_gather_into_tensor, which torch deprecates: a
-    # FutureWarning on every rank that is DeepSpeed's to act on, not the user's
-    warnings.filterwarnings("ignore", r"`torch\.distributed\.all_gather_into_tensor` is deprecated", FutureWarning)
+    # DeepSpeed gathers ZeRO and bf16 partitions with all_gather_into_tensor and reduces ZeRO-3's gradients with
+    # reduce_scatter_tensor, which torch deprecates: FutureWarnings on every rank, shown again every step (the
+    # warnings registry is reset whenever a filter changes), that are DeepSpeed's to act on, not the user's
+    warnings.filterwarnings(
+        "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning
+    )
 
     if os.environ["WORLD_SIZE"] == "1":
         skip_collective_build()
