@@ -148,7 +148,7 @@ class Trainer:
                 print(self.resume.describe(cfg, self.dist.world_size))
         if self.decay_origin is not None and self.dist.is_main:
             print(describe_decay(cfg, self.decay_origin.checkpoint, self.decay_origin.step))
-        elif self.dist.is_main and cfg.resume == "auto":
+        elif self.resume is None and self.dist.is_main and cfg.resume == "auto":
             print(f"resume=auto: no complete checkpoint in {ckpt.checkpoints_dir(cfg.run_dir)}, starting fresh")
         if self.resume is not None:
             state = spikes.resume_state(self.resume.path, self.state.spikes, cfg.run_dir)

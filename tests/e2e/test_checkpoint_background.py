@@ -75,6 +75,7 @@ def test_a_kill_during_a_background_write_resumes_exactly_from_the_previous_chec
     (root / "step_000008" / "shard_00001.safetensors").write_bytes(b"as a killed run on two ranks leaves it")
     resumed = train([*overrides, "resume=auto"], env=ONE_THREAD)
     assert f"resumed from {root / 'step_000004'} at step 4" in resumed.stdout
+    assert "starting fresh" not in resumed.stdout  # (a resume=auto run that resumed says only that)
     assert losses_by_step(run) == losses_by_step(reference)
     ckpt.verify_checkpoint(root / "step_000008")  # (saved again whole: nothing of the killed save is left)
 

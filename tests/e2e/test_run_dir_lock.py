@@ -43,6 +43,7 @@ def test_a_second_run_is_refused_while_the_first_holds_the_lock_and_a_requeue_re
     requeued = train(overrides)
     assert f"taking over the lock of pid {first.pid} on host {socket.gethostname()}" in requeued.stderr
     assert f"resumed from {run / 'checkpoints' / saved} at step {int(saved[5:])}" in requeued.stdout
+    assert "starting fresh" not in requeued.stdout  # (a resume=auto run that resumed says only that)
     steps = [r["step"] for r in metrics(run) if "loss" in r]
     assert steps == list(range(1, 13))  # every step once: nothing written twice, nothing cut
     assert (run / LOCK).read_text() == ""  # released at the end
