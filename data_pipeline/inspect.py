@@ -124,7 +124,7 @@ def inspect_batches(
         print(f"{split} data {d['directory']}: format {d['format']}, {d['compression'] or 'uncompressed'}{size}")
     print(f"objective {objective}, {len(batches)} batches of {micro}")
     for key, value in stats.items():
-        print(f"  {key:26s} {value:,.4f}")
+        print(f"  {key:26s} {value:,.0f}" if value >= 1000 else f"  {key:26s} {value:.4f}")
     return 0
 
 
