@@ -1,6 +1,7 @@
 """Faults outside the run's control do not kill it or hang it: an unreachable W&B server (the run goes on,
-logging offline) and a stalled rank (the others exit non-zero after parallel.timeout_minutes, with one line
-naming the collective that timed out). Real `megatransformer train` processes, torchrun for two ranks."""
+logging offline), a stalled rank (the others exit non-zero after parallel.timeout_minutes, with one line
+naming the collective that timed out) and a dead one (at once, one line). Real `megatransformer train`
+processes, torchrun for two ranks, or started as srun starts them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,18 @@ import subprocess
 from pathlib import Path
 
 import psutil
-from support.runs import metrics, tiny_data_overrides, tiny_model, train, train_command, wait_for_step
+from support.runs import (
+    metrics,
+    spawn_ranks,
+    tiny_data_overrides,
+    tiny_model,
+    train,
+    train_command,
+    wait_for_step,
+    wait_ranks,
+)
+
+from megatransformer.training.runtime.distributed import EXIT_COLLECTIVE_FAILED
 
 TINY = [
     *tiny_model(),
@@ -119,3 +131,25 @@ def test_stalled_rank_makes_the_other_exit_naming_the_timed_out_collective(tiny_
     assert "[rank" not in stderr  # no traceback from a rank: torchrun's report of the failure is the only one
     assert stderr.count("Traceback") == 1 and "raise ChildFailedError" in stderr
     assert "exitcode  : 4" in stderr  # torchrun's summary: rank 0 exited with EXIT_COLLECTIVE_FAILED
+
+
+def test_a_dead_zero3_rank_makes_the_other_exit_at_once_with_one_line(tiny_data, tmp_path):
+    """Ranks as srun starts them (no torchrun to end the others): rank 1 killed mid-run; rank 0, waiting in a
+    gather of ZeRO-3's (DeepSpeed waits on its handles itself) or in another collective, ends with one line
+    and EXIT_COLLECTIVE_FAILED, long before any timeout, not with a traceback."""
+    run, log = tmp_path / "run", tmp_path / "train"
+    extra = ("train.max_steps=100000", "parallel.zero_stage=3", "wandb.mode=disabled")
+    ranks = spawn_ranks(overrides(tiny_data, run, *extra), log)
+    try:
+        wait_for_step(run, 3, ranks, Path(f"{log}.rank0.log"))
+        ranks[1].kill()
+        code = wait_ranks(ranks[:1], log, timeout=120)[0]  # (parallel.timeout_minutes: the default 30)
+    finally:
+        for rank in ranks:
+            rank.kill()
+    said = Path(f"{log}.rank0.log").read_text()
+    assert code == EXIT_COLLECTIVE_FAILED, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    line = next(line for line in said.splitlines() if "megatransformer train: error: rank 0:" in line)
+    assert "failed: another rank is gone (" in line and line.endswith(")"), line  # (gloo's reason: closed, reset)
+    assert "GLHF" not in line  # (gloo's advice after the reason is left out)

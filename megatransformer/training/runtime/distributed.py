@@ -223,8 +223,21 @@ def groups_end_after_failure() -> bool:
 
 
 _COMM_FILES = (f"torch{os.sep}distributed{os.sep}", f"deepspeed{os.sep}comm{os.sep}")
+# ZeRO-3 waits on its parameter gathers' handles itself (each layer's, before its forward and backward), outside
+# the two above: the commonest place a ZeRO-3 rank meets a peer that stalled or died
+_ZERO3_GATHER = f"deepspeed{os.sep}runtime{os.sep}zero{os.sep}partition_parameters.py"
 _OWN_FILES = (f"megatransformer{os.sep}", f"data_pipeline{os.sep}")
 _PEER_GONE = re.compile(r"connection (closed|reset|refused)|broken pipe", re.IGNORECASE)
+
+
+def _collective(frames: list[traceback.FrameSummary]) -> str | None:
+    """The collective a traceback failed in, as its line names it; None if it failed in none."""
+    comm = [f for f in frames if any(part in f.filename for part in _COMM_FILES)]
+    if comm:
+        return comm[-1].name
+    if any(f.filename.endswith(_ZERO3_GATHER) for f in frames):
+        return "ZeRO-3's gather of a layer's parameters"
+    return None
 
 
 def collective_failure(err: BaseException, timeout_minutes: float) -> str | None:
@@ -232,8 +245,8 @@ def collective_failure(err: BaseException, timeout_minutes: float) -> str | None
     than the timeout, or when a peer's connection drops): which collective, called from where, and why;
     None for any other error. The traceback names the collective; gloo's message does not."""
     frames = traceback.extract_tb(err.__traceback__)
-    comm = [f for f in frames if any(part in f.filename for part in _COMM_FILES)]
-    if not comm:
+    collective = _collective(frames)
+    if collective is None:
         return None
     own = [f for f in frames if any(part in f.filename for part in _OWN_FILES)]
     # the innermost two of our frames: e.g. "in step (engine.py:154) < run (loop.py:106)"
@@ -241,13 +254,14 @@ def collective_failure(err: BaseException, timeout_minutes: float) -> str | None
         " in " + " < ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})" for f in own[:-3:-1]) if own else ""
     )
     reason = re.sub(r"^\[[^\]]*\] ", "", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+    reason = reason.split(". This is typically caused by")[0]  # (gloo's advice: to look at the other rank's log)
     if "timed out" in reason.lower():
         return (
-            f"{comm[-1].name}{where} timed out: no answer from another rank within parallel.timeout_minutes="
+            f"{collective}{where} timed out: no answer from another rank within parallel.timeout_minutes="
             f"{timeout_minutes:g}; a rank is stalled or dead ({reason})"
         )
     if _PEER_GONE.search(reason):
-        return f"{comm[-1].name}{where} failed: another rank is gone ({reason})"
+        return f"{collective}{where} failed: another rank is gone ({reason})"
     return None
 
 
