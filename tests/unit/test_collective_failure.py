@@ -46,7 +46,8 @@ def test_zero3s_own_wait_on_a_layers_gather_is_named_when_the_peer_is_gone():
         message=GLOO_PEER_GONE,
     )
     line = failure_of(call)
-    assert line is not None and line.startswith("ZeRO-3's gather of a layer's parameters in _packed_hidden (harness.py:")
+    assert line is not None
+    assert line.startswith("ZeRO-3's gather of a layer's parameters in _packed_hidden (harness.py:")
     assert line.endswith("failed: another rank is gone (Connection closed by peer [127.0.0.1]:30860)")
 
 
