@@ -1,6 +1,7 @@
-"""Peak resident memory of the commands that write a model's weights: ``export`` (``--format safetensors`` and
-``hf``), ``average`` of two checkpoints and ``import --hf``, each measured from outside (``/usr/bin/time -f %M``)
-and less the same command on a tiny model (the process's own cost), as a fraction of the model's fp32 bytes. Each
+"""Peak resident memory of the commands that read or write a model's weights: ``export`` (``--format safetensors``
+and ``hf``), ``average`` of two checkpoints, ``import --hf`` and ``generate`` (one token: loading the model is
+the work), each measured from outside (``/usr/bin/time -f %M``) and less the same command on a tiny model (the
+process's own cost), as a fraction of the model's fp32 bytes. Each
 checkout given (``--code NAME=PATH``, repeatable: this one, a worktree of an earlier commit) runs every command,
 the checkouts alternating over ``--rounds``, so an earlier version and this one are read side by side.
 
@@ -37,12 +38,15 @@ def commands(source: Path, out: Path) -> dict[str, list[str]]:
         "export hf bf16": ["export", "--checkpoint", c1, "--out", str(out), "--format", "hf", "--dtype", "bf16"],
         "average 2": ["average", "--checkpoints", c1, c2, "--out", str(out)],
         "import hf (bf16)": ["import", "--hf", hf, "--out", str(out)],
+        "generate 1 token": ["generate", "--checkpoint", c1, "--prompt", "The", "--max-new-tokens", "1"],
     }
 
 
 def make_sources(model: dict, root: Path) -> int:
-    """Two fp32 weights checkpoints of a random Llama-style model and its bf16 transformers directory, in
-    ``root``; the model's fp32 bytes."""
+    """Two fp32 weights checkpoints of a random Llama-style model (with a tokenizer) and its bf16
+    transformers directory, in ``root``; the model's fp32 bytes."""
+    from data_pipeline.corpus import write_demo_corpus
+    from data_pipeline.tokenizer import train_tokenizer
     from megatransformer.checkpoint import write_weights_checkpoint
     from megatransformer.config import RunConfig
     from megatransformer.hf import save_hf_dir
@@ -50,8 +54,10 @@ def make_sources(model: dict, root: Path) -> int:
 
     cfg = RunConfig.model_validate({"model": model | {"max_seq_len": 128}, "data": {"seq_len": 128}})
     state = build_model(cfg.model, 0).state_dict()
-    write_weights_checkpoint(root / "c1", cfg, state)
-    write_weights_checkpoint(root / "c2", cfg, ((name, tensor * 2) for name, tensor in state.items()))
+    tokenizer = root / "tokenizer.json"
+    train_tokenizer([str(write_demo_corpus(root / "corpus.txt", max_bytes=100_000))], 1024, tokenizer)
+    write_weights_checkpoint(root / "c1", cfg, state, tokenizer)
+    write_weights_checkpoint(root / "c2", cfg, ((name, tensor * 2) for name, tensor in state.items()), tokenizer)
     save_hf_dir(root / "hf", cfg.model, state, dtype=torch.bfloat16)
     return sum(tensor.nbytes for tensor in state.values())
 

@@ -32,18 +32,20 @@ TRAINING_ONLY = (
 
 
 def load_for_inference(path: str | Path, device: str = "cpu", model_overrides: list[str] = ()) -> Loaded:
-    """The checkpoint's model, with ``model.*`` overrides applied (see :func:`with_model_overrides`)."""
+    """The checkpoint's model on ``device``, with ``model.*`` overrides applied (see :func:`with_model_overrides`):
+    made there, then its weights read into it one tensor at a time (the host holds one tensor, not the model)."""
     from data_pipeline.tokenizer import load_tokenizer
-    from megatransformer.checkpoint import find_checkpoint, load_weights
+    from megatransformer.checkpoint import find_checkpoint, load_state, load_weights
 
     directory = find_checkpoint(path, f"--checkpoint {path}")
-    cfg, weights = load_weights(directory)
+    cfg, weights = load_weights(directory, lazy=True)
     cfg = with_model_overrides(cfg, model_overrides)
-    model = construct(cfg.model)  # (no initial values: the checkpoint's replace them all)
-    model.load_state_dict(weights)
+    with torch.device(device):
+        model = construct(cfg.model)  # (no initial values: the checkpoint's replace them all)
+    load_state(model, weights)
     tokenizer_path = directory / "tokenizer.json"
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path.is_file() else None
-    return Loaded(cfg, model.to(device).eval(), tokenizer, directory)
+    return Loaded(cfg, model.eval(), tokenizer, directory)
 
 
 def load_partitioned(path: str | Path) -> Loaded:

@@ -247,6 +247,29 @@ class LazyWeights(Mapping[str, torch.Tensor]):
         return len(self.names)
 
 
+def load_state(
+    model: torch.nn.Module,
+    weights: Mapping[str, torch.Tensor],
+    load: Callable[[torch.Tensor, Mapping[str, torch.Tensor], str], object] | None = None,
+) -> None:
+    """``model``'s state from ``weights`` (names to tensors, perhaps read on lookup, :class:`LazyWeights`) one tensor
+    at a time, a tied one once, each by ``load(tensor, weights, name)`` (default: copied in, cast to its dtype and
+    device); tensors on the meta device are left as they are. A missing or an extra name is an error."""
+    state = model.state_dict(keep_vars=True)
+    missing, extra = sorted(set(state) - set(weights)), sorted(set(weights) - set(state))
+    if missing or extra:
+        raise ValueError(f"the weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if id(tensor) not in done and not tensor.is_meta:
+                if load is None:
+                    tensor.copy_(weights[name])
+                else:
+                    load(tensor, weights, name)
+            done.add(id(tensor))
+
+
 def load_weights(
     path: str | Path, model_cfg: ModelConfig | None = None, what: str = "checkpoint", lazy: bool = False
 ) -> tuple[RunConfig, Mapping[str, torch.Tensor]]:

@@ -1,5 +1,6 @@
-"""Weights files in save_pretrained's layout (checkpoint/weights_files.py) and the commands that write them a
-tensor at a time: a weights checkpoint in shards, `export --format safetensors`, `import` and `average`."""
+"""Weights files in save_pretrained's layout (checkpoint/weights_files.py) and the commands that write or read them
+a tensor at a time: a weights checkpoint in shards, `export --format safetensors`, `import`, `average`, and the
+model eval and generate load."""
 
 from __future__ import annotations
 
@@ -138,6 +139,24 @@ def test_a_weights_checkpoint_is_written_a_tensor_at_a_time_holding_a_file_never
     assert peak < 0.3 * whole(state), (peak, whole(state))
     _, read = ckpt.load_weights(out)
     assert all(torch.equal(read[name], tensor.bfloat16()) for name, tensor in state.items())
+
+
+def test_eval_and_generate_make_the_model_and_read_the_checkpoint_into_it_a_tensor_at_a_time(
+    tmp_path, state, monkeypatch
+):
+    """load_for_inference (eval, generate) holds the model and one tensor of the checkpoint at a time, not the
+    model twice (it read the weights whole, then loaded them: 2.0), and the model is the checkpoint's. (The
+    checkpoint's reads are ReadOnLookup's: torch's profiler counts each file safetensors maps as allocated.)"""
+    from megatransformer.inference import load_for_inference
+
+    cfg = run_config(model=CFG.model_dump())
+    path = ckpt.write_weights_checkpoint(tmp_path / "w", cfg, state)
+    read = ReadOnLookup(state)
+    monkeypatch.setattr(ckpt, "load_weights", lambda _, lazy=False: (cfg, read if lazy else dict(read.items())))
+    loaded: list = []
+    peak = peak_host_bytes(lambda: loaded.append(load_for_inference(path).model), python=False)
+    assert peak < 1.25 * whole(state), (peak, whole(state))
+    assert all(torch.equal(loaded[0].state_dict()[name], tensor) for name, tensor in state.items())
 
 
 def test_a_failed_write_leaves_neither_the_checkpoint_nor_its_temporary_directory(tmp_path, state):

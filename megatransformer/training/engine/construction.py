@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatransformer.checkpoint import load_state
 from megatransformer.config import RunConfig, precision_dtype
 from megatransformer.model.tp_plan import partition_dim
 from megatransformer.model.transformer import Draw, construct, draw_part_into, init_weights, initial_values
@@ -165,20 +166,17 @@ def read_flat(
 
 
 def load_into_partitioned(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """``weights`` (names of the model's state to tensors, perhaps read on lookup) into ZeRO-3 ``model``, one
-    tensor at a time, each rank reading its partitions alone (:func:`load_own_partition`); a missing or an extra name
-    is an error."""
-    params = dict(model.named_parameters())  # (a tied parameter once, under its first name)
-    names = set(model.state_dict(keep_vars=True))
-    missing, extra = sorted(names - set(weights)), sorted(set(weights) - names)
-    if missing or extra:
-        raise ValueError(f"the weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
-    for name, param in params.items():
-        load_own_partition(param, weights, name)
-    buffers = {name for name, _ in model.named_buffers()} & names
-    with torch.no_grad():
-        for name in sorted(buffers):
-            model.get_buffer(name).copy_(weights[name])
+    """``weights`` (names of the model's state to tensors, perhaps read on lookup) into ``model``, one tensor at a
+    time, each rank reading its partitions of ZeRO-3's parameters alone (:func:`load_own_partition`); tensors on the
+    meta device are left as they are; a missing or an extra name is an error."""
+    load_state(model, weights, _load_tensor)
+
+
+def _load_tensor(tensor: torch.Tensor, weights: Mapping[str, torch.Tensor], name: str) -> None:
+    if is_zero3_param(tensor):
+        load_own_partition(tensor, weights, name)
+    else:
+        tensor.copy_(weights[name])
 
 
 def partitioned_for_inference(cfg: RunConfig, weights: Mapping[str, torch.Tensor], world_size: int) -> nn.Module:
@@ -264,7 +262,7 @@ def slices_made_by_autotp(
     if any(id(param) not in rules for param in model.parameters() if param.is_meta):
         raise RuntimeError("a parameter on the meta device has no initial value (transformer.initial_values)")
     if weights is not None:
-        _load_whole(model, weights)
+        load_into_partitioned(model, weights)
     partitioned = next((param for param in model.parameters() if is_zero3_param(param)), None)
     dtype = torch.float32 if partitioned is None else partitioned.dtype
     tp = cfg.parallel.tensor_parallel
@@ -327,21 +325,3 @@ def _write_slice(
         draw_part_into(target, seed, name, std, whole, dims[0], rank, tp, start)
     else:
         draw_part_into(target, seed, name, std, whole, start=start)
-
-
-def _load_whole(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """The tensors of ``model``'s state that are not on the meta device, from ``weights``, one at a time (a ZeRO-3
-    partitioned one by :func:`load_own_partition`); a missing or an extra name is an error."""
-    state = model.state_dict(keep_vars=True)
-    missing, extra = sorted(set(state) - set(weights)), sorted(set(weights) - set(state))
-    if missing or extra:
-        raise ValueError(f"the weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
-    done: set[int] = set()
-    with torch.no_grad():
-        for name, tensor in state.items():
-            if id(tensor) not in done and not tensor.is_meta:
-                if is_zero3_param(tensor):
-                    load_own_partition(tensor, weights, name)
-                else:
-                    tensor.copy_(weights[name])
-            done.add(id(tensor))
