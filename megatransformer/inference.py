@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,23 @@ class Loaded:
     model: LanguageModel
     tokenizer: object | None  # data_pipeline.tokenizer.TokenizerInfo
     path: Path
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def inference_device(say: Callable[[str], None]) -> str:
+    """Where a command runs the model: this rank's GPU as training picks it (``LOCAL_RANK``'s; Slurm may show a task
+    its own GPU only, which ``say`` is told), or the CPU where there is none."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    from megatransformer.training.runtime.distributed import cuda_device
+
+    index, line = cuda_device(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count())
+    if line is not None:
+        say(line)
+    return f"cuda:{index}"
 
 
 # Model fields that act only in training: an override of one would change nothing in evaluation or generation.
@@ -157,7 +176,7 @@ def beam_decode(
             batch = indices[start : start + batch_size]
             best = beam_search(
                 loaded.model,
-                torch.tensor([prompts[i] for i in batch]),
+                torch.tensor([prompts[i] for i in batch], device=loaded.device),
                 limit,
                 num_beams,
                 tok.eos_id,

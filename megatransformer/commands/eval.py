@@ -75,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
     from megatransformer.training.threads import say_threads
 
     say_threads(to_stderr)  # (as train picks its threads: a busy machine's default threads wait for each other)
-    from megatransformer.inference import load_for_inference
+    from megatransformer.inference import inference_device, load_for_inference
 
-    loaded = load_for_inference(args.checkpoint, model_overrides=model_overrides)
+    loaded = load_for_inference(args.checkpoint, inference_device(to_stderr), model_overrides)
     if loaded.tokenizer is None:
         raise ConfigError(f"{loaded.path} has no tokenizer.json")
     if args.bleu:
@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
         cfg = validate(raw)
         limit = f", at most {args.max_batches} batches" if args.max_batches else ""
         data = " ".join(args.data)
-        to_stderr(f"evaluating {loaded.path} on {data} ({cfg.objective}, batches of {args.batch_size}{limit})")
+        to_stderr(
+            f"evaluating {loaded.path} on {data} ({cfg.objective}, fp32 on {loaded.device}, batches of "
+            f"{args.batch_size}{limit})"
+        )
         to_stderr(scored(cfg))
         result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
     result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
@@ -289,7 +292,7 @@ def run_tasks(args: argparse.Namespace) -> int:
     import torch
 
     from megatransformer import harness
-    from megatransformer.inference import load_for_inference, load_partitioned
+    from megatransformer.inference import inference_device, load_for_inference, load_partitioned
     from megatransformer.training.threads import say_threads
 
     tasks = harness.load_tasks(args.tasks, args.include_path)
@@ -299,14 +302,7 @@ def run_tasks(args: argparse.Namespace) -> int:
             to_stderr(line)  # (a task folder is code: lm-eval imports it)
     say_threads(to_stderr)  # (after the tasks: a name lm-eval does not know stays one line)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cpu")
-    if torch.cuda.is_available():  # (the rank's GPU as training picks it: Slurm may show a task its own GPU only)
-        from megatransformer.training.runtime.distributed import cuda_device
-
-        index, line = cuda_device(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count())
-        if line is not None:
-            to_stderr(line)
-        device = torch.device(f"cuda:{index}")
+    device = torch.device(inference_device(to_stderr))
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -440,6 +436,7 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
     from megatransformer.training.data import build_run_loader
 
     loader = build_run_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
+    device = next(model.parameters()).device
     loss_sum, tokens, sequences, pending = 0.0, 0, 0, []
     total = expected_rows(cfg, split)
     if max_batches:
@@ -450,7 +447,7 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
 
     def flush() -> None:
         nonlocal loss_sum, tokens, sequences, text_bytes, words
-        batch = {k: torch.cat([b[k] for b in pending]) for k in pending[0]}
+        batch = {k: torch.cat([b[k] for b in pending]).to(device) for k in pending[0]}
         labels = batch.pop("labels")
         with torch.no_grad():
             loss_sum += model(**batch, labels=labels).item()

@@ -82,10 +82,16 @@ def run(args: argparse.Namespace) -> int:
 
     say_threads(to_stderr)
 
-    from megatransformer.inference import beam_decode, decoder_start_id, load_for_inference, new_token_limit
+    from megatransformer.inference import (
+        beam_decode,
+        decoder_start_id,
+        inference_device,
+        load_for_inference,
+        new_token_limit,
+    )
     from megatransformer.model import stream
 
-    loaded = load_for_inference(args.checkpoint, model_overrides=args.overrides)
+    loaded = load_for_inference(args.checkpoint, inference_device(to_stderr), args.overrides)
     tok = loaded.tokenizer
     if tok is None:
         raise ConfigError(f"{loaded.path} has no tokenizer.json to encode the prompt with")
@@ -100,13 +106,15 @@ def run(args: argparse.Namespace) -> int:
         text = tok.decode(tokens, skip_special=True)
         print(args.prompt + text if loaded.cfg.model.arch == "decoder" else text)
         return 0
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator(device=loaded.device).manual_seed(
+        args.seed
+    )  # (the same seed, another device: other draws)
     tokens, shown = [], ""
     if loaded.cfg.model.arch == "decoder":
         sys.stdout.write(args.prompt)
     for token in stream(
         loaded.model,
-        torch.tensor([prompt]),
+        torch.tensor([prompt], device=loaded.device),
         max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,

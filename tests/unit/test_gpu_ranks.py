@@ -1,5 +1,6 @@
 """A rank's GPU and its end, on a CPU: the device a rank takes where Slurm shows each task one GPU (a faked
-device count), and whether its process groups are ended after a failed collective (a faked backend name)."""
+device count), the device eval and generate run on, and whether its process groups are ended after a failed
+collective (a faked backend name)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,22 @@ def test_slurms_one_gpu_per_task_gives_every_rank_the_one_it_sees_and_says_so(mo
 def test_fewer_gpus_than_local_ranks_wrap_around_and_warn_that_nccl_refuses_shared_gpus():
     index, line = distributed.cuda_device(5, 2)
     assert index == 1 and "using cuda:1" in line and "ranks that share a GPU fail under NCCL" in line
+
+
+@pytest.mark.parametrize(
+    "cuda, local_rank, device", [(False, "1", "cpu"), (True, "1", "cuda:1"), (True, "3", "cuda:1")]
+)
+def test_eval_and_generate_run_on_the_ranks_gpu_as_training_picks_it_or_on_the_cpu(
+    monkeypatch, cuda, local_rank, device
+):
+    from megatransformer.inference import inference_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    said: list[str] = []
+    assert inference_device(said.append) == device
+    assert said == ([distributed.cuda_device(3, 2)[1]] if local_rank == "3" else [])
 
 
 @pytest.mark.parametrize(
