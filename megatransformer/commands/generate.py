@@ -106,9 +106,8 @@ def run(args: argparse.Namespace) -> int:
         text = tok.decode(tokens, skip_special=True)
         print(args.prompt + text if loaded.cfg.model.arch == "decoder" else text)
         return 0
-    generator = torch.Generator(device=loaded.device).manual_seed(
-        args.seed
-    )  # (the same seed, another device: other draws)
+    # (the same seed on another device draws other samples)
+    generator = torch.Generator(device=loaded.device).manual_seed(args.seed)
     tokens, shown = [], ""
     if loaded.cfg.model.arch == "decoder":
         sys.stdout.write(args.prompt)
