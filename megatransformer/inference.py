@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatransformer.config import ConfigError, RunConfig
+from megatransformer.config import ConfigError, RunConfig, precision_dtype
 from megatransformer.model import LanguageModel, construct
 
 
@@ -50,16 +51,19 @@ TRAINING_ONLY = (
 )
 
 
-def load_for_inference(path: str | Path, device: str = "cpu", model_overrides: list[str] = ()) -> Loaded:
-    """The checkpoint's model on ``device``, with ``model.*`` overrides applied (see :func:`with_model_overrides`):
-    made there, then its weights read into it one tensor at a time (the host holds one tensor, not the model)."""
+def load_for_inference(
+    path: str | Path, device: str = "cpu", model_overrides: list[str] = (), dtype: str = "fp32"
+) -> Loaded:
+    """The checkpoint's model on ``device`` in ``dtype`` (fp32 | bf16), with ``model.*`` overrides applied (see
+    :func:`with_model_overrides`): made there, then its weights read into it one tensor at a time (the host holds
+    one tensor, not the model), each cast as it is copied in."""
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.checkpoint import find_checkpoint, load_state, load_weights
 
     directory = find_checkpoint(path, f"--checkpoint {path}")
     cfg, weights = load_weights(directory, lazy=True)
     cfg = with_model_overrides(cfg, model_overrides)
-    with torch.device(device):
+    with torch.device(device), default_dtype(precision_dtype(dtype)):
         model = construct(cfg.model)  # (no initial values: the checkpoint's replace them all)
     load_state(model, weights)
     tokenizer_path = directory / "tokenizer.json"
@@ -67,7 +71,18 @@ def load_for_inference(path: str | Path, device: str = "cpu", model_overrides: l
     return Loaded(cfg, model.eval(), tokenizer, directory)
 
 
-def load_partitioned(path: str | Path) -> Loaded:
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Tensors made inside without a dtype are ``dtype`` (a model's parameters and buffers, as casting it after)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def load_partitioned(path: str | Path, dtype: str = "fp32") -> Loaded:
     """The checkpoint's model partitioned over the process group's ranks by ZeRO-3, on each rank's current device
     (DeepSpeed's accelerator's), each rank reading its partitions alone
     (``training.engine.construction.partitioned_for_inference``): every rank runs each forward together."""
@@ -79,7 +94,7 @@ def load_partitioned(path: str | Path) -> Loaded:
 
     directory = find_checkpoint(path, f"--checkpoint {path}")
     cfg, weights = load_weights(directory, lazy=True)
-    model = partitioned_for_inference(cfg, weights, torch.distributed.get_world_size())
+    model = partitioned_for_inference(cfg, weights, torch.distributed.get_world_size(), precision_dtype(dtype))
     tokenizer_path = directory / "tokenizer.json"
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path.is_file() else None
     return Loaded(cfg, model, tokenizer, directory)

@@ -9,10 +9,12 @@ with per-sample seeds, then batched; the last partial batch is kept).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from megatransformer.console import held_stdout, to_stderr
@@ -42,6 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (does not change the numbers)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all data)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="the weights' and activations' dtype: bf16 halves the model's memory (a bf16 run's own weights)",
+    )
     add_instruction_arguments(p)
     p.add_argument(
         "--bleu",
@@ -77,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     say_threads(to_stderr)  # (as train picks its threads: a busy machine's default threads wait for each other)
     from megatransformer.inference import inference_device, load_for_inference
 
-    loaded = load_for_inference(args.checkpoint, inference_device(to_stderr), model_overrides)
+    loaded = load_for_inference(args.checkpoint, inference_device(to_stderr), model_overrides, args.dtype)
     if loaded.tokenizer is None:
         raise ConfigError(f"{loaded.path} has no tokenizer.json")
     if args.bleu:
@@ -91,11 +99,12 @@ def run(args: argparse.Namespace) -> int:
         limit = f", at most {args.max_batches} batches" if args.max_batches else ""
         data = " ".join(args.data)
         to_stderr(
-            f"evaluating {loaded.path} on {data} ({cfg.objective}, fp32 on {loaded.device}, batches of "
+            f"evaluating {loaded.path} on {data} ({cfg.objective}, {args.dtype} on {loaded.device}, batches of "
             f"{args.batch_size}{limit})"
         )
         to_stderr(scored(cfg))
-        result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches)
+        forwards = bf16_matmuls(args.dtype, loaded.device)
+        result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches, forwards)
     result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
     if args.json:
         print(json.dumps(result, indent=2))
@@ -313,19 +322,20 @@ def run_tasks(args: argparse.Namespace) -> int:
 
             map_large_blocks()  # (each layer's gathered parameters returned to the kernel when freed, not kept)
             with held_stdout():
-                loaded = load_partitioned(args.checkpoint)  # (on the device set above)
+                loaded = load_partitioned(args.checkpoint, args.dtype)  # (on the device set above)
         else:
-            loaded = load_for_inference(args.checkpoint, str(device))
+            loaded = load_for_inference(args.checkpoint, str(device), dtype=args.dtype)
         if loaded.tokenizer is None:
             raise ConfigError(f"{loaded.path} has no tokenizer.json")
         if rank == 0:
             held = f", ZeRO-3: 1/{world} of the weights a rank" if args.zero_stage == 3 else ""
             to_stderr(
-                f"evaluating {loaded.path} on {' '.join(tasks.names)} with lm-eval (fp32 on {device}, "
+                f"evaluating {loaded.path} on {' '.join(tasks.names)} with lm-eval ({args.dtype} on {device}, "
                 f"{world} rank{'s' * (world > 1)}{held}, batches of {args.batch_size})"
             )
         group = harness.gather_group(world)
-        placement = harness.Placement(device, rank, world, group=group, lockstep=args.zero_stage == 3)
+        forwards = bf16_matmuls(args.dtype, device)
+        placement = harness.Placement(device, rank, world, forwards, group, lockstep=args.zero_stage == 3)
         lm = harness.HarnessLM(loaded.model, loaded.cfg, loaded.tokenizer, placement, args.batch_size)
         bar = task_progress(lm, sys.stderr, enabled=rank == 0 and sys.stderr.isatty())  # (before quiet's redirect)
         with harness.quiet():
@@ -428,7 +438,24 @@ def _as_shards(args: argparse.Namespace, tokenizer: str, tmp: Path) -> tuple[str
     return str(tmp / "shards"), "train"  # every document went to the (only) split
 
 
-def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: int | None = None) -> dict:
+def bf16_matmuls(dtype: str, device) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context the forwards run in: in bf16 on a CPU without bf16 GEMM kernels, fp32 GEMMs of the bf16 operands
+    (the same products and sums, many times faster there), as a bf16 run's own forwards (``cpu_bf16.py``)."""
+    from megatransformer.config import precision_dtype
+    from megatransformer.training.runtime.cpu_bf16 import gemms_as_fp32, matmul_context
+
+    return matmul_context(gemms_as_fp32("auto", device, precision_dtype(dtype)))
+
+
+def evaluate(
+    model,
+    cfg,
+    tokenizer,
+    split: str,
+    batch_size: int,
+    max_batches: int | None = None,
+    forwards: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict:
     import torch
     from tqdm import tqdm
 
@@ -449,7 +476,7 @@ def evaluate(model, cfg, tokenizer, split: str, batch_size: int, max_batches: in
         nonlocal loss_sum, tokens, sequences, text_bytes, words
         batch = {k: torch.cat([b[k] for b in pending]).to(device) for k in pending[0]}
         labels = batch.pop("labels")
-        with torch.no_grad():
+        with torch.no_grad(), forwards():
             loss_sum += model(**batch, labels=labels).item()
         tokens += int((labels != IGNORE_INDEX).sum())
         for row in labels:

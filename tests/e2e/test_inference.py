@@ -151,6 +151,19 @@ def test_eval_does_not_depend_on_batch_size(pretrained):
     assert evaluating.startswith(f"evaluating {results[1]['checkpoint']} on {pretrained['shards']} (")
     assert results[0]["tokens"] == results[1]["tokens"] > 0
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5)
+    assert "(autoregressive, fp32 on cpu, batches of 3)" in evaluating
+
+
+def test_eval_in_bf16_is_the_fp32_numbers_to_bf16s_precision(pretrained):
+    """--dtype bf16: the model's weights and activations in bf16 (its GEMMs in fp32 where this CPU has no bf16
+    kernels): near the fp32 loss, not equal to it."""
+    source = ("--checkpoint", pretrained["run"], "--data", pretrained["shards"])
+    runs = {dtype: cli("eval", *source, "--dtype", dtype, "--json") for dtype in ("fp32", "bf16")}
+    results = {dtype: json.loads(run.stdout) for dtype, run in runs.items()}
+    assert "(autoregressive, bf16 on cpu, batches of 8)" in runs["bf16"].stderr
+    assert results["bf16"]["tokens"] == results["fp32"]["tokens"]
+    assert results["bf16"]["loss"] == pytest.approx(results["fp32"]["loss"], rel=1e-2)
+    assert results["bf16"]["loss"] != results["fp32"]["loss"]
 
 
 def test_generate_streams_a_continuation(pretrained):

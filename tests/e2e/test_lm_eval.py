@@ -144,24 +144,26 @@ def test_training_logs_the_tasks(trained):
     assert all(record["eval_s"] > 0 for record in evaluated.values())  # (the seconds the tasks took)
 
 
-def test_zero3_ranks_evaluate_in_training_in_step_with_the_numbers_of_the_checkpoint(tiny_data, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_ranks_evaluate_in_training_in_step_with_the_numbers_of_the_checkpoint(precision, tiny_data, tmp_path):
     """At ZeRO-3 every forward gathers each layer's parameters from both ranks, so the ranks run their shares'
     forwards in step, a rank whose share is done running one-token stand-ins until the other's is (all four kinds
     of task: choices, loglikelihood, rolling, generation). The numbers logged are those of the checkpoint
-    evaluated afterwards on one process."""
+    evaluated afterwards on one process, in the run's precision (``--dtype bf16``: the bf16 weights a bf16 run
+    evaluates, its fp32 masters rounded, and its forwards' GEMMs)."""
     yamls = write_tasks(tiny_data.corpus, tmp_path / "tasks")
     tasks = "[" + ", ".join(str(path) for path in yamls.values()) + "]"
     run_dir = tmp_path / "run"
     overrides = tiny_run(tiny_data, run_dir, 4, {"checkpoint.every": 4, "train.grad_accum": 1})
     evals = [f"train.evals.tasks={tasks}", "train.evals.every=4", "train.evals.batch_size=1"]  # (uneven shares)
-    train(overrides + ["parallel.zero_stage=3", *evals], 2, env=OFFLINE)
+    train(overrides + ["parallel.zero_stage=3", f"precision={precision}", *evals], 2, env=OFFLINE)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = next(r for r in records if any(key.startswith("eval/") for key in r))
-    ours = ours_eval(checkpoint(run_dir, 4), tmp_path / "tasks", tmp_path / "after.jsonl")
+    ours = ours_eval(checkpoint(run_dir, 4), tmp_path / "tasks", tmp_path / "after.jsonl", 1, ("--dtype", precision))
     expected = {f"{task}/{metric}": value for task, values in ours["tasks"].items() for metric, value in values.items()}
     got = {key.removeprefix("eval/"): value for key, value in logged.items() if key.startswith("eval/")}
     assert logged["step"] == 4 and set(got) == set(expected)
-    assert_same(in_log_space(got), in_log_space(expected), "ZeRO-3, step 4")
+    assert_same(in_log_space(got), in_log_space(expected), f"ZeRO-3, {precision}, step 4")
 
 
 @pytest.mark.parametrize(

@@ -179,17 +179,21 @@ def _load_tensor(tensor: torch.Tensor, weights: Mapping[str, torch.Tensor], name
         tensor.copy_(weights[name])
 
 
-def partitioned_for_inference(cfg: RunConfig, weights: Mapping[str, torch.Tensor], world_size: int) -> nn.Module:
-    """``cfg``'s model in fp32, partitioned over the ``world_size`` ranks as it is made, with ``weights`` loaded
-    (each rank reading its partitions alone), under DeepSpeed's ZeRO-3 without an optimizer: a module in evaluation
-    mode whose every forward gathers each layer's parameters from all ranks, which run their forwards together."""
+def partitioned_for_inference(
+    cfg: RunConfig, weights: Mapping[str, torch.Tensor], world_size: int, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """``cfg``'s model in ``dtype`` (fp32 or bf16), partitioned over the ``world_size`` ranks as it is made, with
+    ``weights`` loaded (each rank reading its partitions alone), under DeepSpeed's ZeRO-3 without an optimizer: a
+    module in evaluation mode whose every forward gathers each layer's parameters from all ranks, which run their
+    forwards together."""
     import deepspeed
 
     from megatransformer.planner import zero3_sizes
 
     zero = {"stage": 3, "memory_efficient_linear": False, **zero3_sizes(cfg.model, 1, world_size).deepspeed()}
     config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world_size, "zero_optimization": zero}
-    with zero3_init_unwritten(config_dict_or_path=config):  # (no dtype: fp32, as the config's precisions are off)
+    config["bf16"] = {"enabled": dtype == torch.bfloat16}  # (the dtype is the config's, as in build_for_run)
+    with zero3_init_unwritten(config_dict_or_path=config):
         model = construct(cfg.model)
     load_into_partitioned(model, weights)
     engine, *_ = deepspeed.initialize(model=model, config=config)
