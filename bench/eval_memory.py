@@ -4,7 +4,7 @@ whole model (``--zero-stage 0``) or a part of it (``--zero-stage 3``: the forwar
 bytes. One multiple-choice task of items made from the demo corpus; random weights (the memory and the work do not
 depend on them).
 
-    OMP_NUM_THREADS=1 python bench/eval_memory.py --ranks 2 --rounds 2
+    OMP_NUM_THREADS=1 python bench/eval_memory.py --ranks 2 --rounds 2 [--dtype bf16]
 
 Memory is not load-sensitive; the seconds are (compare them side by side only).
 """
@@ -71,7 +71,7 @@ def make_checkpoint(model: dict, tokenizer: Path, out: Path) -> int:
     return sum(tensor.nbytes for tensor in state.values())
 
 
-def measured(checkpoint: Path, tasks: Path, ranks: int, zero: int, root: Path) -> tuple[list[float], float]:
+def measured(checkpoint: Path, tasks: Path, ranks: int, zero: int, root: Path, dtype: str) -> tuple[list[float], float]:
     """Each rank's peak RSS (MiB) and the command's seconds."""
     out = Path(tempfile.mkdtemp(dir=root))
     wrapper = out / "rank.sh"
@@ -80,7 +80,7 @@ def measured(checkpoint: Path, tasks: Path, ranks: int, zero: int, root: Path) -
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     command += ["--no-python", str(wrapper), "eval", "--checkpoint", str(checkpoint), "--include-path", str(tasks)]
     command += ["--tasks", "bench_choice", "--batch-size", "4", "--bootstrap-iters", "0", "--json"]
-    command += ["--zero-stage", str(zero)]
+    command += ["--zero-stage", str(zero)] + (["--dtype", dtype] if dtype != "fp32" else [])
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_DATASETS_OFFLINE": "1"}
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="runs of each stage, alternating")
     parser.add_argument("--items", type=int, default=24)
     parser.add_argument("--model", default=json.dumps(BIG), help="the model's fields as JSON")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="eval's --dtype")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -103,13 +104,16 @@ def main() -> None:
         whole = make_checkpoint(json.loads(args.model), tokenizer, root / "big")
         make_checkpoint(TINY, tokenizer, root / "tiny")
         load = os.getloadavg()
-        print(f"# model {whole / 2**20:,.0f} MiB in fp32, {args.ranks} ranks, {args.items} items, load {load}")
+        print(
+            f"# model {whole / 2**20:,.0f} MiB in fp32, eval --dtype {args.dtype}, {args.ranks} ranks, {args.items} "
+            f"items, load {load}"
+        )
         print("| --zero-stage | peak RSS per rank above the tiny model's, MiB (fraction of the model) | seconds |")
         print("|---|---|---|")
         for _ in range(args.rounds):
             for zero in (0, 3):
-                big, seconds = measured(root / "big", tasks, args.ranks, zero, root)
-                tiny, _ = measured(root / "tiny", tasks, args.ranks, zero, root)
+                big, seconds = measured(root / "big", tasks, args.ranks, zero, root, args.dtype)
+                tiny, _ = measured(root / "tiny", tasks, args.ranks, zero, root, args.dtype)
                 above = [b - t for b, t in zip(big, tiny)]
                 cells = " / ".join(f"{mib:,.0f} ({mib * 2**20 / whole:.2f})" for mib in above)
                 print(f"| {zero} | {cells} | {seconds:.1f} |")
