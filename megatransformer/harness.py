@@ -77,7 +77,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the harness's LM runs: ``rank`` of ``world_size`` data-parallel ranks, on ``device``; ``forwards``:
+    """Where the harness's LM runs: ``rank`` of ``world_size`` data-parallel ranks (tensor-parallel peers share
+    theirs: the same share, the same forwards, each summing their parts), on ``device``; ``forwards``:
     the context every forward runs in (autocast, a run's matmul precision); ``group``: the process group the
     ranks' answers are gathered on (:func:`gather_group`; None: the default one); ``gather``: instead, a function
     from this rank's object to every rank's (tests). ``lockstep``: every rank runs each forward with the others
@@ -102,12 +103,12 @@ class Placement:
         return bool(flag.item())
 
     def gather_all(self, obj: object) -> list:
-        """Every rank's ``obj``, in rank order."""
+        """Every rank's ``obj``, in rank order (of the group's ranks: tensor-parallel peers each give theirs)."""
         if self.world_size == 1:
             return [obj]
         if self.gather is not None:
             return self.gather(obj)
-        out: list = [None] * self.world_size
+        out: list = [None] * torch.distributed.get_world_size(self.group)
         torch.distributed.all_gather_object(out, obj, group=self.group)
         return out
 

@@ -144,26 +144,38 @@ def test_training_logs_the_tasks(trained):
     assert all(record["eval_s"] > 0 for record in evaluated.values())  # (the seconds the tasks took)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_zero3_ranks_evaluate_in_training_in_step_with_the_numbers_of_the_checkpoint(precision, tiny_data, tmp_path):
+@pytest.mark.parametrize(
+    "layout, precision, ranks",
+    [
+        ("parallel.zero_stage=3", "fp32", 2),
+        ("parallel.zero_stage=3", "bf16", 2),
+        ("parallel.tensor_parallel=2", "fp32", 2),
+        ("parallel.tensor_parallel=2", "fp32", 4),  # (2 data-parallel ranks of 2 tensor-parallel peers)
+    ],
+    ids=["zero3", "zero3-bf16", "tp2", "dp2-tp2"],
+)
+def test_ranks_that_share_the_model_evaluate_in_training_with_the_numbers_of_the_checkpoint(
+    layout, precision, ranks, tiny_data, tmp_path
+):
     """At ZeRO-3 every forward gathers each layer's parameters from both ranks, so the ranks run their shares'
     forwards in step, a rank whose share is done running one-token stand-ins until the other's is (all four kinds
-    of task: choices, loglikelihood, rolling, generation). The numbers logged are those of the checkpoint
-    evaluated afterwards on one process, in the run's precision (``--dtype bf16``: the bf16 weights a bf16 run
-    evaluates, its fp32 masters rounded, and its forwards' GEMMs)."""
+    of task: choices, loglikelihood, rolling, generation); with tensor parallelism both ranks run the same share,
+    each forward summing their parts. The numbers logged are those of the checkpoint evaluated afterwards on one
+    process, in the run's precision (``--dtype bf16``: the bf16 weights a bf16 run evaluates, its fp32 masters
+    rounded, and its forwards' GEMMs)."""
     yamls = write_tasks(tiny_data.corpus, tmp_path / "tasks")
     tasks = "[" + ", ".join(str(path) for path in yamls.values()) + "]"
     run_dir = tmp_path / "run"
     overrides = tiny_run(tiny_data, run_dir, 4, {"checkpoint.every": 4, "train.grad_accum": 1})
     evals = [f"train.evals.tasks={tasks}", "train.evals.every=4", "train.evals.batch_size=1"]  # (uneven shares)
-    train(overrides + ["parallel.zero_stage=3", f"precision={precision}", *evals], 2, env=OFFLINE)
+    train(overrides + [layout, f"precision={precision}", *evals], ranks, env=OFFLINE)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = next(r for r in records if any(key.startswith("eval/") for key in r))
     ours = ours_eval(checkpoint(run_dir, 4), tmp_path / "tasks", tmp_path / "after.jsonl", 1, ("--dtype", precision))
     expected = {f"{task}/{metric}": value for task, values in ours["tasks"].items() for metric, value in values.items()}
     got = {key.removeprefix("eval/"): value for key, value in logged.items() if key.startswith("eval/")}
     assert logged["step"] == 4 and set(got) == set(expected)
-    assert_same(in_log_space(got), in_log_space(expected), f"ZeRO-3, {precision}, step 4")
+    assert_same(in_log_space(got), in_log_space(expected), f"{layout}, {precision}, step 4")
 
 
 @pytest.mark.parametrize(
@@ -176,3 +188,15 @@ def test_zero3_ranks_evaluate_in_training_in_step_with_the_numbers_of_the_checkp
 def test_bad_task_arguments_are_one_line_before_loading(args, message):
     result = cli("eval", "--checkpoint", "no/such/checkpoint", *args, check=False, env=OFFLINE)
     assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_sequence_parallel_runs_refuse_in_training_tasks_before_the_first_step(tiny_data, tmp_path):
+    """Each rank holds a part of every row: the harness's rows cannot be split so; the run says so and stops."""
+    yamls = write_tasks(tiny_data.corpus, tmp_path / "tasks")
+    overrides = tiny_run(tiny_data, tmp_path / "run", 4) + ["parallel.sequence_parallel=2"]
+    result = train(overrides + [f"train.evals.tasks=[{yamls['mt_choice']}]"], 2, expect=None, env=OFFLINE)
+    assert result.returncode != 0
+    assert "train.evals runs the model on each rank's own items, and sequence parallelism splits each row" in (
+        result.stderr
+    )
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -602,9 +602,10 @@ class TrainModule:
 
     def own_inputs_refusal(self) -> str | None:
         """Why this rank cannot run :meth:`plain_model` on inputs of its own, or None. (At ZeRO-3 it can, in
-        step with the other ranks: each forward gathers the parameters from all of them.)"""
-        if self.tp > 1 or self.sequence is not None:
-            return "tensor and sequence parallelism split the model's work across ranks"
+        step with the other ranks: each forward gathers the parameters from all of them; with tensor parallelism
+        too, its tensor-parallel peers running the same inputs: each forward sums their parts.)"""
+        if self.sequence is not None:
+            return "sequence parallelism splits each row across ranks"
         return None
 
     @contextmanager
