@@ -124,6 +124,11 @@ class Manifest:
                     f"{directory} does not exist; give a shard directory written by `megatransformer data shard`"
                 )
             if not path.is_file():
+                if any(p.is_dir() for p in Path(directory).glob("part-*-of-*")):
+                    raise DataError(
+                        f"{directory} has no {MANIFEST} yet, only parts of `megatransformer data shard --part K/N`: "
+                        f"join them with `megatransformer data merge --out {directory}` once all are finished"
+                    )
                 raise missing
             data = path.read_bytes()
         invalid = f"{path} is not a valid shard manifest"

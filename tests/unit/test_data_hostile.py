@@ -386,6 +386,11 @@ def parts(tiny_data, tmp_path):
     return out
 
 
+def test_training_on_parts_not_yet_merged_names_the_merge(parts, tok):
+    with pytest.raises(DataError, match=rf"{parts} has no manifest.json yet, only parts .* merge --out {parts}`"):
+        build_loader(loader_settings(parts, seed=0), "train", 2, 0, 1, tok)
+
+
 @pytest.mark.parametrize("part", [[0, 0], [-1, -1], [3, 2], [1, "2"], "1/2"])
 def test_merge_refuses_a_part_record_that_is_not_a_part(parts, part):
     record = parts / "part-00001-of-00002" / PART_RECORD
