@@ -128,6 +128,20 @@ def test_two_ranks_give_the_numbers_of_one(trained, options):
         assert_same(two["samples"][key], item, f"two ranks {key}")
 
 
+def test_zero3_ranks_in_bf16_give_the_numbers_of_one_process_in_bf16(trained):
+    """``--dtype bf16`` at ``--zero-stage 3``: each rank's partitions made in bf16, the same numbers item by item as
+    the whole bf16 model on one process (both in batches of one: bf16 rounds what another batch shape would sum
+    in another order)."""
+    root, saved = trained["root"], checkpoint(trained["run_dir"], STEPS)
+    options = ("--batch-size", "1", "--dtype", "bf16")
+    one = ours_eval(saved, root / "tasks", root / "bf16.jsonl", 1, options)
+    two = ours_eval(saved, root / "tasks", root / "bf16-two.jsonl", 2, ("--zero-stage", "3", *options))
+    assert_same(two["tasks"], one["tasks"], "bf16, two ranks")
+    for key, item in one["samples"].items():
+        assert_same(two["samples"][key], item, f"bf16, two ranks {key}")
+    assert one["tasks"] != trained["ours"]["tasks"]  # (fp32's differ)
+
+
 def test_training_logs_the_tasks(trained):
     records = [json.loads(line) for line in (trained["run_dir"] / "metrics.jsonl").read_text().splitlines()]
     evaluated = {r["step"]: r for r in records if any(key.startswith("eval/") for key in r)}
