@@ -355,6 +355,12 @@ class Trainer:
             return None
         last = step == cfg.train.max_steps
         downstream = self.downstream is not None and (last or self.downstream.due(step))
+        if downstream and result.stop:  # (the tasks may take longer than a preemption's warning leaves: save first)
+            report.message(
+                f"step {step}: train.evals skipped: {self.preemption.reason()}; evaluate the checkpoint saved now "
+                "with `megatransformer eval --tasks`"
+            )
+            downstream = False
         if downstream or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             with watchdog.watching("validation"):  # (the tasks' numbers always beside a validation loss)
                 report.log({"step": step, **self.evaluations(downstream)})

@@ -214,3 +214,35 @@ def test_sequence_parallel_runs_refuse_in_training_tasks_before_the_first_step(t
         result.stderr
     )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_preempted_step_is_saved_before_its_tasks_which_are_skipped_with_a_line(tiny_data, tmp_path):
+    """The tasks may take longer than Slurm's warning leaves before the kill: a step whose ranks agreed to stop
+    saves at once, the tasks due then skipped with a line naming the checkpoint to evaluate instead."""
+    import os
+    import signal
+
+    from support.runs import train_command, wait_for_step
+
+    yamls = write_tasks(tiny_data.corpus, tmp_path / "tasks")
+    run_dir = tmp_path / "run"
+    overrides = tiny_run(tiny_data, run_dir, 1000, {"checkpoint.every": 1000, "wandb.mode": "disabled"})
+    evals = [f"train.evals.tasks=[{yamls['mt_choice']}]", "train.evals.every=1"]  # (due at every step)
+    log = (tmp_path / "out.log").open("w")
+    process = subprocess.Popen(
+        [*train_command(), *overrides, *evals], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE}
+    )
+    try:
+        wait_for_step(run_dir, 2, [process], tmp_path / "out.log")
+        process.send_signal(signal.SIGUSR1)
+        assert process.wait(timeout=300) == 124
+    finally:
+        if process.poll() is None:
+            process.kill()
+        log.close()
+    output = (tmp_path / "out.log").read_text()
+    saved = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step_"))
+    assert f"step {saved}: train.evals skipped: preempted; evaluate the checkpoint saved now" in output, output[-2000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any(key.startswith("eval/") for r in records if r["step"] == saved for key in r)
+    assert all(any(key.startswith("eval/") for key in r) for r in records if "val_loss" in r and r["step"] < saved)
