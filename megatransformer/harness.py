@@ -83,7 +83,8 @@ class Placement:
     ranks' answers are gathered on (:func:`gather_group`; None: the default one); ``gather``: instead, a function
     from this rank's object to every rank's (tests). ``lockstep``: every rank runs each forward with the others
     (ZeRO-3: a forward gathers each layer's parameters from every rank), a rank whose share is done running
-    stand-in forwards of one token until every share is (:meth:`any_working`)."""
+    stand-in forwards of one token until every share is (:meth:`any_working`). ``stop``: whether this rank was
+    asked to stop (a preemption): the evaluation then ends, on every rank, with :class:`Interrupted`."""
 
     device: torch.device
     rank: int = 0
@@ -92,15 +93,23 @@ class Placement:
     group: object | None = None
     gather: Callable[[object], list] | None = None
     lockstep: bool = False
+    stop: Callable[[], bool] | None = None
 
     def any_working(self, working: bool) -> bool:
-        """With ``lockstep`` on several ranks, before each forward: whether any rank still has a forward of its
-        share to run (every rank asks, the same number of times); True otherwise."""
+        """Before each forward. With ``lockstep`` on several ranks: whether any rank still has a forward of its
+        share to run (every rank asks, the same number of times), and :class:`Interrupted` on every rank at once
+        should one be asked to stop; otherwise True, or Interrupted on this rank (:meth:`HarnessLM.shared` tells
+        the others)."""
+        stopping = self.stop is not None and self.stop()
         if not self.lockstep or self.world_size == 1:
+            if stopping:
+                raise Interrupted
             return True
-        flag = torch.tensor([int(working)])
-        torch.distributed.all_reduce(flag, group=self.group)
-        return bool(flag.item())
+        flags = torch.tensor([int(working), int(stopping)])
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        if flags[1]:
+            raise Interrupted
+        return bool(flags[0])
 
     def gather_all(self, obj: object) -> list:
         """Every rank's ``obj``, in rank order (of the group's ranks: tensor-parallel peers each give theirs)."""
@@ -111,6 +120,10 @@ class Placement:
         out: list = [None] * torch.distributed.get_world_size(self.group)
         torch.distributed.all_gather_object(out, obj, group=self.group)
         return out
+
+
+class Interrupted(Exception):
+    """The evaluation ended early on every rank: a rank was asked to stop (:attr:`Placement.stop`)."""
 
 
 def gather_group(world_size: int):
@@ -353,11 +366,17 @@ class HarnessLM(TemplateLM):
         ranks = self.placement.world_size
         if ranks == 1:
             return run(list(range(len(costs))))
-        mine = run(deal(costs, ranks)[self.placement.rank])
-        while self.placement.lockstep and self.placement.any_working(False):
-            stand_in()
+        try:
+            mine: dict[int, object] | None = run(deal(costs, ranks)[self.placement.rank])
+            while self.placement.lockstep and self.placement.any_working(False):
+                stand_in()
+        except Interrupted:
+            mine = None  # (told to the others in the gather: none is left waiting for this rank's answers)
+        every = self.placement.gather_all(mine)
+        if any(answers is None for answers in every):
+            raise Interrupted
         merged: dict[int, object] = {}
-        for answers in self.placement.gather_all(mine):
+        for answers in every:
             merged.update(answers)
         return merged
 
@@ -571,6 +590,8 @@ def quiet() -> Iterator[None]:
     try:
         with contextlib.redirect_stderr(notes), contextlib.redirect_stdout(notes):
             yield
+    except Interrupted:
+        raise
     except BaseException:
         sys.stderr.write(notes.getvalue()[-5000:])
         raise

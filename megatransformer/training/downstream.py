@@ -4,6 +4,7 @@ of the items, at ZeRO-3 each forward in step with the other ranks (docs/evaluati
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -14,7 +15,9 @@ from megatransformer.training.engine.train_module import TrainModule
 class Downstream:
     """The run's harness tasks, loaded before the first step (a task that cannot load stops the run there)."""
 
-    def __init__(self, cfg: RunConfig, module: TrainModule, device: str, tokenizer) -> None:
+    def __init__(
+        self, cfg: RunConfig, module: TrainModule, device: str, tokenizer, stop: Callable[[], bool] | None = None
+    ) -> None:
         evals = cfg.train.evals
         refusal = module.own_inputs_refusal()
         if refusal:
@@ -28,13 +31,21 @@ class Downstream:
         if reason:
             raise ConfigError(f"train.evals: {reason}")
         self.harness, self.cfg, self.module, self.tokenizer = harness, cfg, module, tokenizer
+        self.interrupted = False  # (the last run's tasks ended early: a rank was asked to stop)
         self.tasks = harness.load_tasks(evals.tasks, evals.include_path)
         harness.check_fewshot(self.tasks, evals.num_fewshot, "train.evals.num_fewshot")
         # (the ranks' answers are gathered on a group of their own, with its own timeout: a task longer than
         # parallel.timeout_minutes does not trip the training collectives' watchdog)
         group = harness.gather_group(module.dp_size)
+        # (a preemption ends the tasks between two forwards: the checkpoint comes first, see run)
         self.placement = harness.Placement(
-            torch.device(device), module.dp_rank, module.dp_size, module.matmuls, group, lockstep=module.zero_stage == 3
+            torch.device(device),
+            module.dp_rank,
+            module.dp_size,
+            module.matmuls,
+            group,
+            lockstep=module.zero_stage == 3,
+            stop=stop,
         )
 
     def due(self, step: int) -> bool:
@@ -43,13 +54,19 @@ class Downstream:
 
     def run(self) -> dict[str, float | None]:
         """``{"eval/<task>/<metric>": value, "eval_s": seconds the tasks took}`` on rank 0 (empty on the
-        others)."""
+        others, and on every rank with :attr:`interrupted` set when a rank was asked to stop meanwhile: the
+        tasks may take longer than a preemption's warning leaves before the kill)."""
         started = time.perf_counter()
         evals, cfg = self.cfg.train.evals, self.cfg
         batch_size = evals.batch_size or self.module.sizes.micro
-        with self.module.plain_model() as model, self.harness.quiet():
-            lm = self.harness.HarnessLM(model, cfg, self.tokenizer, self.placement, batch_size)
-            results = self.harness.evaluate(lm, self.tasks, evals.limit, evals.num_fewshot)
+        self.interrupted = False
+        try:
+            with self.module.plain_model() as model, self.harness.quiet():
+                lm = self.harness.HarnessLM(model, cfg, self.tokenizer, self.placement, batch_size)
+                results = self.harness.evaluate(lm, self.tasks, evals.limit, evals.num_fewshot)
+        except self.harness.Interrupted:
+            self.interrupted = True
+            return {}
         if results is None:
             return {}
         metrics = {

@@ -130,7 +130,9 @@ class Trainer:
         if cfg.train.evals.tasks:
             from megatransformer.training.downstream import Downstream
 
-            self.downstream = Downstream(cfg, self.module, dist_info.device, tokenizer)
+            self.downstream = Downstream(
+                cfg, self.module, dist_info.device, tokenizer, lambda: self.preemption.requested
+            )
         self.spikes = spikes.SpikeLadder(cfg.train.spikes)
         # (gradients that vanish, or a uniform output: a dead model, stopped as a diverged run)
         self.dead = spikes.DeadRun(cfg.model.vocab_size, cfg.train.max_dead_steps, cfg.schedule.warmup_steps)
@@ -364,6 +366,11 @@ class Trainer:
         if downstream or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             with watchdog.watching("validation"):  # (the tasks' numbers always beside a validation loss)
                 report.log({"step": step, **self.evaluations(downstream)})
+            if downstream and self.downstream.interrupted:  # (the next step agrees to stop and saves)
+                report.message(
+                    f"step {step}: train.evals interrupted: {self.preemption.reason()}; the run checkpoints after "
+                    "the next step: evaluate that checkpoint with `megatransformer eval --tasks`"
+                )
         if (dead := self.dead.see(step, result.loss, result.grad_norm)) is not None:
             report.message(dead)
             return EXIT_DIVERGED
@@ -492,7 +499,8 @@ class Trainer:
         return path, rows
 
     def evaluations(self, downstream: bool) -> dict[str, float | None]:
-        """The validation loss and, with ``downstream``, the harness's tasks (train.evals): one record."""
+        """The validation loss and, with ``downstream``, the harness's tasks (train.evals): one record (without
+        the tasks where a preemption ended them: ``Downstream.interrupted``)."""
         record = self.evaluate()
         if downstream:
             record.update(self.downstream.run())
