@@ -366,10 +366,10 @@ class Trainer:
         if downstream or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
             with watchdog.watching("validation"):  # (the tasks' numbers always beside a validation loss)
                 report.log({"step": step, **self.evaluations(downstream)})
-            if downstream and self.downstream.interrupted:  # (the next step agrees to stop and saves)
+            if downstream and self.downstream.interrupted:  # (the next step agrees to stop and saves; the last saves)
                 report.message(
-                    f"step {step}: train.evals interrupted: {self.preemption.reason()}; the run checkpoints after "
-                    "the next step: evaluate that checkpoint with `megatransformer eval --tasks`"
+                    f"step {step}: train.evals interrupted: {self.preemption.reason()}; evaluate the checkpoint the "
+                    "run saves next with `megatransformer eval --tasks`"
                 )
         if (dead := self.dead.see(step, result.loss, result.grad_norm)) is not None:
             report.message(dead)

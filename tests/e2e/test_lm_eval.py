@@ -247,7 +247,7 @@ def test_a_preemption_during_the_tasks_ends_them_and_the_next_step_saves(ranks, 
         for process in processes:
             process.kill()
     output = Path(f"{log}.rank0.log").read_text()
-    assert "step 2: train.evals interrupted: preempted; the run checkpoints after the next step" in output, output
+    assert "step 2: train.evals interrupted: preempted; evaluate the checkpoint the run saves next" in output, output
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_000003"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_2 = next(r for r in records if r["step"] == 2 and "val_loss" in r)
