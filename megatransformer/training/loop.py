@@ -29,7 +29,13 @@ from megatransformer.training.observability import spikes
 from megatransformer.training.observability.metrics import Reporter, finite_or_none, peak_tflops
 from megatransformer.training.observability.trackers import resolved_config, run_facts
 from megatransformer.training.observability.watchdog import Watchdog
-from megatransformer.training.optimizers.schedules import branch_decay, describe_decay, schedule_phase, warmup_warning
+from megatransformer.training.optimizers.schedules import (
+    branch_decay,
+    describe_decay,
+    schedule_change,
+    schedule_phase,
+    warmup_warning,
+)
 from megatransformer.training.runtime import cpu_bf16
 from megatransformer.training.runtime.distributed import Dist
 from megatransformer.training.runtime.layout import describe_layout, validation_batch, validation_rows, zero_stage_notes
@@ -148,6 +154,8 @@ class Trainer:
             self.checkpoint = self.resume.path
             if self.dist.is_main:
                 print(self.resume.describe(cfg, self.dist.world_size))
+                if (change := self.schedule_change()) is not None:
+                    print(change)
         if self.decay_origin is not None and self.dist.is_main:
             print(describe_decay(cfg, self.decay_origin.checkpoint, self.decay_origin.step))
         elif self.resume is None and self.dist.is_main and cfg.resume == "auto":
@@ -160,6 +168,14 @@ class Trainer:
         if self.dist.is_main:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.run_dir) / "config.yaml").write_text(dump_config(cfg))
+
+    def schedule_change(self) -> str | None:
+        """The line of a resume that trains on at other learning rates than its checkpoint's schedule gave (not
+        at a decay branch's start, whose decay is meant and has a line of its own; not past train.max_steps)."""
+        branch_start = self.decay_origin is not None and self.resume.saved.schedule.decay_from is None
+        if branch_start or self.state.step >= self.cfg.train.max_steps:
+            return None
+        return schedule_change(self.resume.saved, self.cfg, self.state.step)
 
     def load_resume(self) -> tuple[ckpt.TrainerState, dict | list[dict]]:
         """Load the checkpoint this run resumes from; with resume=auto, one of the run's own in which a rank finds

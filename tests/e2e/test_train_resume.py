@@ -90,8 +90,13 @@ def test_a_longer_run_on_resume_takes_its_schedule_from_the_first_step(tiny_data
     base = [*FOUR_STEPS, f"run_dir={run}", *tiny_data_overrides(tiny_data), "optim.lr=1e-2", "schedule.warmup_steps=1"]
     base += ["train.log_every=1", "train.eval_every=0", "wandb.mode=disabled"]
     train([*base, "train.max_steps=2"], env=ONE_THREAD)
-    train([*base, "train.max_steps=6", "resume=auto"], env=ONE_THREAD)
+    resumed = train([*base, "train.max_steps=6", "resume=auto"], env=ONE_THREAD)
     rates = {r["step"]: r["lr"] for r in metrics(run) if "lr" in r}
     schedule = lr_multiplier(load_config(str(run / "config.yaml"), []))
     assert schedule(2) != lr_multiplier(load_config(str(run / "config.yaml"), ["train.max_steps=2"]))(2)
     assert [rates[step] for step in (3, 4, 5, 6)] == pytest.approx([1e-2 * schedule(step - 1) for step in (3, 4, 5, 6)])
+    assert (
+        "resume: the learning-rate schedule differs from the checkpoint's (train.max_steps=6 (2 there)): step 3 "
+        f"trains at lr {rates[3]:.4g}, not lr 0.001; the checkpoint's rate had decayed and rises again\n"
+        in resumed.stdout
+    )

@@ -182,3 +182,34 @@ def test_a_branch_with_checkpoints_of_its_own_restarts_without_its_source(tmp_pa
     check_run_dir(branch)  # (the start is in the branch's own trainer state)
     with pytest.raises(ConfigError, match="schedule.decay_from"):
         check_run_dir(branch.model_copy(update={"run_dir": str(tmp_path / "fresh")}))
+
+
+def test_a_resume_that_changes_the_rate_says_so_and_one_that_undoes_a_decay_says_how_to_decay_again():
+    from megatransformer.training.optimizers.schedules import schedule_change
+
+    stable = wsd(100, decay_steps=20)
+    assert schedule_change(stable, wsd(300, decay_steps=20), 50) is None  # still stable: the same rate
+    assert schedule_change(stable, stable, 95) is None
+    line = schedule_change(stable, wsd(300, decay_steps=20), 90)  # in the decay of 100 steps, stable in 300
+    assert line is not None and line.startswith(
+        "resume: the learning-rate schedule differs from the checkpoint's (train.max_steps=300 (100 there)): "
+        "step 91 trains at lr 0.0003, not lr 7.751e-05"
+    )
+    assert "had decayed and rises again" in line and "schedule.decay_from" in line
+    lower = schedule_change(
+        stable, stable.model_copy(update={"optim": stable.optim.model_copy(update={"lr": 1e-4})}), 50
+    )
+    assert lower == (
+        "resume: the learning-rate schedule differs from the checkpoint's (optim.lr=0.0001 (0.0003 there)): "
+        "step 51 trains at lr 0.0001, not lr 0.0003"
+    )
+
+
+def test_an_extended_decay_branch_says_its_rate_rises_again():
+    from megatransformer.training.optimizers.schedules import schedule_change
+
+    finished = branch_decay(wsd(50, decay_from="runs/s"), 40)
+    extended = branch_decay(wsd(60, decay_from="runs/s"), 40)
+    line = schedule_change(finished, extended, 50)
+    assert line is not None and "(train.max_steps=60 (50 there))" in line and "rises again" in line
+    assert schedule_change(finished, branch_decay(wsd(50, decay_from="runs/s"), 40), 45) is None

@@ -108,6 +108,41 @@ def describe_decay(cfg: RunConfig, origin: str, start: int) -> str:
     )
 
 
+def schedule_change(saved: RunConfig, now: RunConfig, step: int) -> str | None:
+    """One line when a resume at ``step`` trains the next step at other learning rates than the checkpoint's
+    schedule would have (``saved``: its config; a changed train.max_steps, optim.lr or schedule): the settings
+    that differ and the rates; None when they agree."""
+    names = ["lr"] + (["muon_lr"] if now.optim.name == "muon" else [])
+
+    def settings(cfg: RunConfig) -> dict[str, object]:
+        values = {"train.max_steps": cfg.train.max_steps, **{f"optim.{n}": getattr(cfg.optim, n) for n in names}}
+        values |= {f"schedule.{key}": value for key, value in cfg.schedule.model_dump().items()}
+        if cfg.schedule.decay_from is not None:
+            del values["schedule.decay_steps"]  # (a branch's follow from its train.max_steps)
+        return values
+
+    def rates(cfg: RunConfig) -> list[float]:
+        return [getattr(cfg.optim, name) * lr_multiplier(cfg)(step) for name in names]
+
+    then, rate = rates(saved), rates(now)
+    if all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(then, rate)):
+        return None
+    before, after = settings(saved), settings(now)
+    changed = ", ".join(
+        f"{key}={value} ({before.get(key)} there)" for key, value in after.items() if value != before.get(key)
+    )
+    shown = lambda values: ", ".join(f"{name} {value:.4g}" for name, value in zip(names, values))  # noqa: E731
+    line = (
+        f"resume: the learning-rate schedule differs from the checkpoint's ({changed}): step {step + 1} trains at "
+        f"{shown(rate)}, not {shown(then)}"
+    )
+    if rate[0] > then[0] and schedule_phase(saved, step) == "decay":
+        line += "; the checkpoint's rate had decayed and rises again"
+        if saved.schedule.name == "wsd":
+            line += " (to train on and then decay, branch a decay from a stable checkpoint: schedule.decay_from)"
+    return line
+
+
 def warmup_warning(cfg: RunConfig) -> str | None:
     """One line when the warm-up is longer than the run: the learning rate would never reach optim.lr."""
     warmup, total = cfg.schedule.warmup_steps, cfg.train.max_steps
