@@ -77,8 +77,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the harness's LM runs: ``rank`` of ``world_size`` data-parallel ranks (tensor-parallel peers share
-    theirs: the same share, the same forwards, each summing their parts), on ``device``; ``forwards``:
+    """Where the harness's LM runs: share ``rank`` of ``world_size`` shares of the items (tensor-parallel peers take
+    the same share: the same forwards, each summing their parts), on ``device``; ``forwards``:
     the context every forward runs in (autocast, a run's matmul precision); ``group``: the process group the
     ranks' answers are gathered on (:func:`gather_group`; None: the default one); ``gather``: instead, a function
     from this rank's object to every rank's (tests). ``lockstep``: every rank runs each forward with the others

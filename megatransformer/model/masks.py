@@ -141,7 +141,10 @@ class AttentionMask:
         """``~dense(...)`` of query rows q_start:q_end and keys k_start:kv_len: True where attention is not
         allowed. Rendered once per mask and kept (up to RENDERED_LIMIT elements in all): the mask is built once
         per batch and handed to every layer, whose chunked core asks for the same chunks in forward and
-        backward (16 renders of each with 8 layers)."""
+        backward (16 renders of each with 8 layers). Not kept under ``torch.compile``, whose graph renders it
+        anyway: the cache's contents would be guarded, a graph for an empty cache and another for a filled one."""
+        if torch.compiler.is_compiling():
+            return ~self.dense(q_len, kv_len, device, q_start, q_end, k_start)
         key = (q_len, kv_len, q_start, q_end, k_start, str(device))
         rendered = self._rendered
         if key in rendered:

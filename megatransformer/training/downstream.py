@@ -1,5 +1,6 @@
-"""train.evals: lm-evaluation-harness tasks run in the training process, every data-parallel rank on its share
-of the items, at ZeRO-3 each forward in step with the other ranks (docs/evaluation.md)."""
+"""train.evals: lm-evaluation-harness tasks run in the training process, every data-parallel rank (and each of
+its sequence-parallel peers) on its share of the items, at ZeRO-3 each forward in step with the other ranks
+(docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,6 @@ class Downstream:
         self, cfg: RunConfig, module: TrainModule, device: str, tokenizer, stop: Callable[[], bool] | None = None
     ) -> None:
         evals = cfg.train.evals
-        refusal = module.own_inputs_refusal()
-        if refusal:
-            raise ConfigError(
-                f"train.evals runs the model on each rank's own items, and {refusal}; evaluate the checkpoints "
-                "with `megatransformer eval --tasks` instead"
-            )
         from megatransformer import harness
 
         reason = harness.unsupported(cfg.model.arch)
@@ -36,12 +31,13 @@ class Downstream:
         harness.check_fewshot(self.tasks, evals.num_fewshot, "train.evals.num_fewshot")
         # (the ranks' answers are gathered on a group of their own, with its own timeout: a task longer than
         # parallel.timeout_minutes does not trip the training collectives' watchdog)
-        group = harness.gather_group(module.dp_size)
+        share, shares = module.item_share()
+        group = harness.gather_group(shares)
         # (a preemption ends the tasks between two forwards: the checkpoint comes first, see run)
         self.placement = harness.Placement(
             torch.device(device),
-            module.dp_rank,
-            module.dp_size,
+            share,
+            shares,
             module.matmuls,
             group,
             lockstep=module.zero_stage == 3,

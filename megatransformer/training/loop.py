@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -56,6 +58,15 @@ class Window:
     def add(self, result: StepResult) -> None:
         self.tokens += result.tokens
         self.flops += result.model_flops
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (validation, train.evals) is not the steps': throughput and MFU are the training's."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - started
 
     def take(self) -> dict[str, float | None]:
         """Throughput and MFU over the window (None without a peak), and a new window from now."""
@@ -143,6 +154,7 @@ class Trainer:
         # (gradients that vanish, or a uniform output: a dead model, stopped as a diverged run)
         self.dead = spikes.DeadRun(cfg.model.vocab_size, cfg.train.max_dead_steps, cfg.schedule.warmup_steps)
         self.checkpoint: Path | None = None  # the run's state on disk: the one resumed from, then the last saved
+        self.compile_watch: CompileWatch | None = None  # (compiled runs, from the first step on)
 
     # ------------------------------------------------------------------------------------ the run
 
@@ -255,7 +267,7 @@ class Trainer:
         report.message(first_step_note(cfg, self.state.step, self.module.compiled))
         batches = iter(self.train_loader)
         collector = GarbageCollection(cfg.train.gc_every)
-        compile_watch = CompileWatch() if self.module.compiled else None
+        self.compile_watch = CompileWatch() if self.module.compiled else None
         self.last_save = time.monotonic()
         window = Window(peak_flops)
         exit_code = 0
@@ -270,7 +282,7 @@ class Trainer:
             watchdog.disarm(step_seconds)
             self.state.step = step
             collector.step(step)
-            for line in compile_watch.after_step(step) if compile_watch is not None else ():
+            for line in self.compile_watch.after_step(step) if self.compile_watch is not None else ():
                 report.message(line)
             report.progress(step)
             self.report_saves(report)
@@ -380,8 +392,10 @@ class Trainer:
             )
             downstream = False
         if downstream or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-            with watchdog.watching("validation"):  # (the tasks' numbers always beside a validation loss)
+            with watchdog.watching("validation"), window.paused():  # (the tasks' numbers beside a validation loss)
                 report.log({"step": step, **self.evaluations(downstream)})
+            for line in self.compile_watch.after_evaluation(step) if self.compile_watch is not None else ():
+                report.message(line)
             if downstream and self.downstream.interrupted:  # (the next step agrees to stop and saves; the last saves)
                 report.message(
                     f"step {step}: train.evals interrupted: {self.preemption.reason()}; evaluate the checkpoint the "

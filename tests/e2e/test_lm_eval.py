@@ -165,8 +165,10 @@ def test_training_logs_the_tasks(trained):
         ("parallel.zero_stage=3", "bf16", 2),
         ("parallel.tensor_parallel=2", "fp32", 2),
         ("parallel.tensor_parallel=2", "fp32", 4),  # (2 data-parallel ranks of 2 tensor-parallel peers)
+        ("parallel.sequence_parallel=2", "fp32", 2),
+        ("parallel.sequence_parallel=2 parallel.zero_stage=3", "fp32", 4),  # (2 data-parallel ranks of 2 peers)
     ],
-    ids=["zero3", "zero3-bf16", "tp2", "dp2-tp2"],
+    ids=["zero3", "zero3-bf16", "tp2", "dp2-tp2", "sp2", "dp2-sp2-zero3"],
 )
 def test_ranks_that_share_the_model_evaluate_in_training_with_the_numbers_of_the_checkpoint(
     layout, precision, ranks, tiny_data, tmp_path
@@ -174,7 +176,8 @@ def test_ranks_that_share_the_model_evaluate_in_training_with_the_numbers_of_the
     """At ZeRO-3 every forward gathers each layer's parameters from both ranks, so the ranks run their shares'
     forwards in step, a rank whose share is done running one-token stand-ins until the other's is (all four kinds
     of task: choices, loglikelihood, rolling, generation); with tensor parallelism both ranks run the same share,
-    each forward summing their parts. The numbers logged are those of the checkpoint evaluated afterwards on one
+    each forward summing their parts; with sequence parallelism each rank runs whole rows of its own share. The
+    numbers logged are those of the checkpoint evaluated afterwards on one
     process, in the run's precision (``--dtype bf16``: the bf16 weights a bf16 run evaluates, its fp32 masters
     rounded, and its forwards' GEMMs)."""
     yamls = write_tasks(tiny_data.corpus, tmp_path / "tasks")
@@ -182,7 +185,7 @@ def test_ranks_that_share_the_model_evaluate_in_training_with_the_numbers_of_the
     run_dir = tmp_path / "run"
     overrides = tiny_run(tiny_data, run_dir, 4, {"checkpoint.every": 4, "train.grad_accum": 1})
     evals = [f"train.evals.tasks={tasks}", "train.evals.every=4", "train.evals.batch_size=1"]  # (uneven shares)
-    train(overrides + [layout, f"precision={precision}", *evals], ranks, env=OFFLINE)
+    train(overrides + [*layout.split(), f"precision={precision}", *evals], ranks, env=OFFLINE)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = next(r for r in records if any(key.startswith("eval/") for key in r))
     ours = ours_eval(checkpoint(run_dir, 4), tmp_path / "tasks", tmp_path / "after.jsonl", 1, ("--dtype", precision))
@@ -190,6 +193,31 @@ def test_ranks_that_share_the_model_evaluate_in_training_with_the_numbers_of_the
     got = {key.removeprefix("eval/"): value for key, value in logged.items() if key.startswith("eval/")}
     assert logged["step"] == 4 and set(got) == set(expected)
     assert_same(in_log_space(got), in_log_space(expected), f"{layout}, {precision}, step 4")
+
+
+def test_a_compiled_run_evaluates_its_tasks_without_compiling_again(tiny_data, tmp_path):
+    """The tasks' forwards have shapes the training step never runs: the compiled blocks run them eagerly rather
+    than compile again for them (a line of the compile watch each, up to dynamo's limit), and the numbers logged
+    are those of the checkpoint evaluated afterwards."""
+    yamls = write_tasks(tiny_data.corpus, tmp_path / "tasks")
+    tasks = "[" + ", ".join(str(path) for path in yamls.values()) + "]"
+    run_dir = tmp_path / "run"
+    overrides = tiny_run(tiny_data, run_dir, 4, {"checkpoint.every": 2, "train.compile": True})
+    result = train(overrides + [f"train.evals.tasks={tasks}", "train.evals.every=2"], env=OFFLINE)
+    recompiles = [line for line in result.stdout.splitlines() if "recompile" in line]
+    assert all(line.startswith("torch.compile, step 2's evaluation: recompiled") for line in recompiles)
+    # (the validation's forwards compile once without gradients, and once for its packed rows; the tasks' rows
+    # would compile for each new length up to dynamo's limit)
+    assert [line.split(": ", 2)[2].split("  ")[0].strip() for line in recompiles] == [
+        "0/0: GLOBAL_STATE changed: grad_mode",
+        "0/1: mask.q_segments is None",
+    ]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = next(r for r in records if r["step"] == 2 and any(key.startswith("eval/") for key in r))
+    ours = ours_eval(checkpoint(run_dir, 2), tmp_path / "tasks", tmp_path / "after.jsonl")
+    expected = {f"{task}/{metric}": value for task, values in ours["tasks"].items() for metric, value in values.items()}
+    got = {key.removeprefix("eval/"): value for key, value in logged.items() if key.startswith("eval/")}
+    assert_same(in_log_space(got), in_log_space(expected), "compiled, step 2")
 
 
 @pytest.mark.parametrize(
@@ -202,18 +230,6 @@ def test_ranks_that_share_the_model_evaluate_in_training_with_the_numbers_of_the
 def test_bad_task_arguments_are_one_line_before_loading(args, message):
     result = cli("eval", "--checkpoint", "no/such/checkpoint", *args, check=False, env=OFFLINE)
     assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1
-
-
-def test_sequence_parallel_runs_refuse_in_training_tasks_before_the_first_step(tiny_data, tmp_path):
-    """Each rank holds a part of every row: the harness's rows cannot be split so; the run says so and stops."""
-    yamls = write_tasks(tiny_data.corpus, tmp_path / "tasks")
-    overrides = tiny_run(tiny_data, tmp_path / "run", 4) + ["parallel.sequence_parallel=2"]
-    result = train(overrides + [f"train.evals.tasks=[{yamls['mt_choice']}]"], 2, expect=None, env=OFFLINE)
-    assert result.returncode != 0
-    assert "train.evals runs the model on each rank's own items, and sequence parallelism splits each row" in (
-        result.stderr
-    )
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "zero3-two-ranks"])

@@ -9,6 +9,7 @@ checkpointing and DeepSpeed's hooks stay outside the graphs. The design: docs/gp
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 
 import torch
@@ -61,6 +62,14 @@ def compile_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
+def eager_on_recompile() -> contextlib.AbstractContextManager:
+    """Compiled code where a graph already compiled fits, eager code where it would have to compile again
+    (forwards of shapes the step never runs: evaluations), so that no recompile counts against dynamo's limit;
+    torch before 2.6 has no such stance: nothing changes."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return contextlib.nullcontext() if set_stance is None else set_stance("eager_on_recompile")
+
+
 class CompileWatch:
     """What the compiler did during each step, read from dynamo's own records after the step (Python state on the
     host: no device sync): every graph break (with its reason, counted per distinct reason) and every recompile
@@ -105,27 +114,38 @@ class CompileWatch:
         """The lines on the compiler's work during this step (empty when there was none after the first step);
         ``step``: its number in the run (a resumed run's first step is not 1), by default counted from 1."""
         self.steps += 1
-        lines, step = [], self.steps if step is None else step
+        step = self.steps if step is None else step
+        lines, breaks = self.news(f"step {step}")
+        frames = self.counts()[0]
+        if self.steps == 1:
+            done = f"{breaks} graph break(s)" if breaks else "no graph break"
+            lines.insert(0, f"torch.compile, step {step}: {frames - self.frames} frame(s) compiled, {done}")
+        self.frames = frames
+        return lines
+
+    def after_evaluation(self, step: int) -> list[str]:
+        """The lines on the compiler's work during step ``step``'s validation and train.evals (a graph for
+        forwards without gradients, say), empty when there was none."""
+        self.frames = self.counts()[0]
+        return self.news(f"step {step}'s evaluation")[0]
+
+    def news(self, where: str) -> tuple[list[str], int]:
+        """A line for each graph break and recompile since the last call, saying ``where``; and the breaks' count."""
+        lines = []
         breaks = self.break_counts()
         new_breaks, self.breaks = breaks - self.breaks, breaks
         for reason, count in new_breaks.items():
-            lines.append(f"torch.compile, step {step}: graph break{f' x{count}' if count > 1 else ''}: {reason}")
+            lines.append(f"torch.compile, {where}: graph break{f' x{count}' if count > 1 else ''}: {reason}")
         for entry in self.compilation_metrics():
             key = self.compile_key(entry)
             if key in self.compiles:
                 continue
             self.compiles.add(key)
             if entry.recompile_reason:
-                where = f"{entry.co_name} ({os.path.basename(entry.co_filename or '?')}:{entry.co_firstlineno})"
+                at = f"{entry.co_name} ({os.path.basename(entry.co_filename or '?')}:{entry.co_firstlineno})"
                 reason = entry.recompile_reason.strip().splitlines()[0]
-                lines.append(f"torch.compile, step {step}: recompiled {where}: {reason}")
-        frames = self.counts()[0]
-        if self.steps == 1:
-            n_breaks = sum(new_breaks.values())
-            done = f"{n_breaks} graph break(s)" if n_breaks else "no graph break"
-            lines.insert(0, f"torch.compile, step {step}: {frames - self.frames} frame(s) compiled, {done}")
-        self.frames = frames
-        return lines
+                lines.append(f"torch.compile, {where}: recompiled {at}: {reason}")
+        return lines, sum(new_breaks.values())
 
     @staticmethod
     def graph_break_reasons() -> list[str]:

@@ -9,7 +9,8 @@ the core sees the whole sequence for ``heads / sp`` heads under the whole batch'
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -159,3 +160,18 @@ def apply_ulysses(model: torch.nn.Module, group, rank: int, size: int) -> None:
     for module in model.modules():
         if isinstance(module, (Attention, LatentAttention)):
             module.core = UlyssesCore(module.core, group, rank, size)
+
+
+@contextmanager
+def whole_sequences(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` with its attention cores as they were before :func:`apply_ulysses`: a rank runs whole sequences
+    of its own, with every head, exchanging nothing with its sequence-parallel peers (each holds all the
+    weights, or at ZeRO-3 gathers them as any forward does)."""
+    wrapped = {m: m.core for m in model.modules() if isinstance(getattr(m, "core", None), UlyssesCore)}
+    for module, ulysses in wrapped.items():
+        module.core = ulysses.core
+    try:
+        yield model
+    finally:
+        for module, ulysses in wrapped.items():
+            module.core = ulysses

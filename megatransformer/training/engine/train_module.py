@@ -46,14 +46,24 @@ from megatransformer.training.deepspeed.bf16_step import install_device_step, sq
 from megatransformer.training.deepspeed.internals import data_parallel_rank, import_own_muon_uncompiled, param_shape
 from megatransformer.training.deepspeed.partitions import build_partition_map
 from megatransformer.training.deepspeed.saved_weights import weights_saved_by_place
-from megatransformer.training.engine.compiled import compile_blocks, compile_enabled, gather_whole_blocks
+from megatransformer.training.engine.compiled import (
+    compile_blocks,
+    compile_enabled,
+    eager_on_recompile,
+    gather_whole_blocks,
+)
 from megatransformer.training.engine.construction import (
     build_for_run,
     load_into_partitioned,
     partitions_at_construction,
     slices_made_by_autotp,
 )
-from megatransformer.training.engine.sequence_parallel import SequenceShard, apply_ulysses, sequence_groups
+from megatransformer.training.engine.sequence_parallel import (
+    SequenceShard,
+    apply_ulysses,
+    sequence_groups,
+    whole_sequences,
+)
 from megatransformer.training.engine.staged import StagedCopy, StagedValue
 from megatransformer.training.engine.tiled_mlp import apply_tiled_mlp
 from megatransformer.training.engine.tp_input_check import check_batch_without_masks
@@ -600,21 +610,24 @@ class TrainModule:
         loss = loss_sum / max(targets, 1)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": int(targets)}
 
-    def own_inputs_refusal(self) -> str | None:
-        """Why this rank cannot run :meth:`plain_model` on inputs of its own, or None. (At ZeRO-3 it can, in
-        step with the other ranks: each forward gathers the parameters from all of them; with tensor parallelism
-        too, its tensor-parallel peers running the same inputs: each forward sums their parts.)"""
-        if self.sequence is not None:
-            return "sequence parallelism splits each row across ranks"
-        return None
+    def item_share(self) -> tuple[int, int]:
+        """(this rank's share, the number of shares) of items each rank runs :meth:`plain_model` on alone: one a
+        data-parallel rank, and one each of its sequence-parallel peers (the plain model runs whole sequences);
+        tensor-parallel peers run the same share, the same forwards, each summing their parts. At ZeRO-3 every
+        rank runs each forward in step with the others: a forward gathers the parameters from all of them."""
+        if self.sequence is None:
+            return self.dp_rank, self.dp_size
+        return self.dp_rank * self.sequence.size + self.sequence.rank, self.dp_size * self.sequence.size
 
     @contextmanager
     def plain_model(self) -> Iterator[torch.nn.Module]:
-        """The model as a module this rank runs (in the run's precision, evaluation mode), outside DeepSpeed's
-        forward; on inputs of its own only where :meth:`own_inputs_refusal` is None."""
+        """The model as a module this rank runs on inputs of its own (in the run's precision, evaluation mode),
+        outside DeepSpeed's forward: whole sequences, also under sequence parallelism (:func:`whole_sequences`);
+        compiled code where it fits the inputs, eager where it would have to compile again."""
         self.engine.eval()
         try:
-            yield self.engine.module
+            with whole_sequences(self.engine.module) as model, eager_on_recompile():
+                yield model
         finally:
             self.engine.train()
 
