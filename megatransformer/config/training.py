@@ -141,8 +141,8 @@ class TrainConfig(Section):
     holds its peak host memory, and at ZeRO-3 on a CPU a step's gathers of many sizes leave it fragmented (up to
     1.55x the planned peak, and ``train`` says when that would not fit; BENCHMARKS.md 5ak). release: every block of
     128 KiB or more is mapped alone and goes back to the system when freed (ZeRO-3's CPU step 1.4-1.8x slower on an
-    AVX2 machine). Either applies from the first step on; the start (construction, engine start, loading) runs as
-    release does."""
+    AVX2 machine, a ZeRO-0 step about 2x slower: BENCHMARKS.md 5as). Either applies from the first step on; the
+    start (construction, engine start, loading) runs as release does."""
     cpu_bf16_matmul: Literal["auto", "fp32", "native"] = "auto"
     """How a bf16 run's matrix products run on a CPU. auto: PyTorch's bf16 kernels where it has them for this
     CPU (oneDNN: AVX-512, AMX, Arm BF16), else fp32 GEMMs of the bf16 operands, which give the same products
