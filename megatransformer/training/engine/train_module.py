@@ -626,7 +626,7 @@ class TrainModule:
         compiled code where it fits the inputs, eager where it would have to compile again."""
         self.engine.eval()
         try:
-            with whole_sequences(self.engine.module) as model, eager_on_recompile():
+            with whole_sequences(self.engine.module) as model, eager_on_recompile() if self.compiled else nullcontext():
                 yield model
         finally:
             self.engine.train()
