@@ -151,9 +151,10 @@ def end_process(code: int) -> NoReturn:
 def reports_errors() -> bool:
     """Whether this process prints a config or data error. The ranks of a node read the same config and
     files, so an error found before the process group starts is the same on each: local rank 0 prints it.
-    Once the group has started, an error may be one rank's own, and every rank prints its own."""
-    dist = sys.modules.get("torch.distributed")
-    started = dist is not None and dist.is_available() and dist.is_initialized()
+    Once the group has started, an error may be one rank's own, and every rank prints its own (also after the
+    group has ended: a run ends its groups before it stops with the error)."""
+    distributed = sys.modules.get("megatransformer.training.runtime.distributed")
+    started = distributed is not None and distributed.group_started()
     return started or os.environ.get("LOCAL_RANK", "0") == "0"
 
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from megatransformer.checkpoint import TrainerState
     from megatransformer.config import RunConfig
     from megatransformer.training.loop import Trainer
+    from megatransformer.training.runtime.failure_board import FailureBoard
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,6 +73,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         on_first_rank,
         setup,
     )
+    from megatransformer.training.runtime.failure_board import FailureBoard
     from megatransformer.training.runtime.host_memory import apply_host_memory_policy, map_large_blocks
     from megatransformer.training.threads import set_threads_for_machine
 
@@ -115,10 +117,13 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     if torch.cuda.is_available():
         switch_on_flight_recorder(cfg.run_dir)  # (before the process group starts)
     held = []  # the run directory's lock, on the first rank (the job's ranks share it)
-    trainer = None
+    trainer = board = None
     try:
         with build_progress(ops, sys.stdout), held_stdout(verbose):  # (held_stdout holds DeepSpeed's back)
             dist_info = setup(cfg.parallel.timeout_minutes)
+            board = FailureBoard.connect()  # (another rank's failure ends this one at once, not after the timeout)
+            if board is not None:
+                board.watch(end_after_peer)
             on_first_rank(lambda: held.append(lock_run_dir(cfg.run_dir)))  # before the run writes anything
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
         host_memory = apply_host_memory_policy(cfg.train.host_memory)
@@ -134,17 +139,25 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             if changed:
                 print(f"init_from={cfg.init_from}: this model differs from the checkpoint's: {', '.join(changed)}")
         code = trainer.run()
+        if board is not None:
+            board.close()
         end_groups(trainer)  # (every collective of the run is behind it)
     except (ConfigError, DataError, WriteFailed) as err:  # found once the process group runs: end it first
+        stop_watching(board)
         finish_writes(trainer)
+        tell_peers(board, str(err))
         end_groups(trainer, err)
         release(held)
         raise
     except RuntimeError as err:  # a stalled or dead rank: one line per rank, not a traceback from each
+        stop_watching(board)
         line = collective_failure(err, cfg.parallel.timeout_minutes)
         if line is None:
             finish_writes(trainer)
+            tell_peers(board, one_line(err))
             raise
+        if board is not None and (first := board.read()) is not None:
+            line += f"; {first.replace(':', ' failed first:', 1)}"
         rank = os.environ.get("RANK", "0")
         dumps = [path for path in stack_dumps(cfg.run_dir) if path.stat().st_mtime >= began]  # (this run's)
         if dumps:
@@ -159,12 +172,16 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             )
         to_stderr(f"megatransformer train: error: rank {rank}: {line}")
         finish_writes(trainer)
+        tell_peers(board, line)
         if groups_end_after_failure():
             end_groups(trainer, err)
         release(held)
         return EXIT_COLLECTIVE_FAILED
-    except BaseException:  # (out of memory, a bug: the save in flight is still completed)
+    except BaseException as err:  # (out of memory, a bug: the save in flight is still completed)
+        stop_watching(board)
         finish_writes(trainer)
+        if isinstance(err, Exception):
+            tell_peers(board, one_line(err))
         raise
     if dist_info.is_main:
         cfg = with_closing_prompt(cfg, overrides, tokenizer)
@@ -173,6 +190,36 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
         print_summary(cfg, code, time.perf_counter() - started, trainer.checkpoint, trainer.state)
     release(held)
     return code
+
+
+def end_after_peer(line: str) -> None:
+    """(The failure board's thread.) Another rank failed: this one ends now, naming it, rather than wait for the
+    collective timeout in which NCCL would hold it."""
+    from megatransformer.training.runtime.distributed import EXIT_COLLECTIVE_FAILED
+
+    rank = os.environ.get("RANK", "0")
+    to_stderr(f"megatransformer train: error: rank {rank}: ending: {line.replace(':', ' failed:', 1)}")
+    sys.stderr.flush()
+    os._exit(EXIT_COLLECTIVE_FAILED)
+
+
+def stop_watching(board: FailureBoard | None) -> None:
+    """This rank fails: it ends by its own path (its checkpoint in flight completed first), not by another's post."""
+    if board is not None:
+        board.stop()
+
+
+def tell_peers(board: FailureBoard | None, line: str) -> None:
+    """This rank fails with ``line``, its writes finished: posted for the others (:class:`FailureBoard`), then
+    the board closed."""
+    if board is not None:
+        board.post(line)
+        board.close(failed=True)
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def finish_writes(trainer: Trainer | None) -> None:

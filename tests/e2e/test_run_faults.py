@@ -10,6 +10,8 @@ import re
 import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -153,3 +155,69 @@ def test_a_dead_zero3_rank_makes_the_other_exit_at_once_with_one_line(tiny_data,
     line = next(line for line in said.splitlines() if "megatransformer train: error: rank 0:" in line)
     assert "failed: another rank is gone (" in line and line.endswith(")"), line  # (gloo's reason: closed, reset)
     assert "GLHF" not in line  # (gloo's advice after the reason is left out)
+
+
+# megatransformer train whose rank 1 finds a damaged batch at step 4 (a real DataError, raised where the step reads)
+RANK_1_FAILS_AT_STEP_4 = """
+import os, sys
+from data_pipeline import DataError
+from megatransformer.cli import main
+from megatransformer.training.engine import train_module
+advance = train_module.TrainModule.advance
+def advance_or_fail(self, batches, stop, spikes, save_due, index, read_now):
+    if os.environ["RANK"] == "1" and index == 4:
+        raise DataError("train-000003.tar: a damaged sample")
+    return advance(self, batches, stop, spikes, save_due, index, read_now)
+train_module.TrainModule.advance = advance_or_fail
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_that_fails_tells_the_others_which_end_naming_it(tiny_data, tmp_path):
+    """Ranks as srun starts them: rank 1 stops with an error of its own; rank 0 ends at once naming rank 1's error
+    (posted on the job's store before rank 1 closed its connections), not only "another rank is gone"."""
+    run, log, script = tmp_path / "run", tmp_path / "train", tmp_path / "fails.py"
+    script.write_text(RANK_1_FAILS_AT_STEP_4)
+    ranks = spawn_ranks(
+        overrides(tiny_data, run, "train.max_steps=100000", "wandb.mode=disabled"),
+        log,
+        command=[sys.executable, str(script), *train_command()[3:]],
+    )
+    codes = wait_ranks(ranks, log, timeout=300)
+    said = [Path(f"{log}.rank{rank}.log").read_text() for rank in (0, 1)]
+    assert codes == [EXIT_COLLECTIVE_FAILED, 2], said[0][-3000:]
+    assert "megatransformer train: error: train-000003.tar: a damaged sample" in said[1]
+    line = next(line for line in said[0].splitlines() if "megatransformer train: error: rank 0:" in line)
+    assert line.endswith("; rank 1 failed first: train-000003.tar: a damaged sample"), line
+    assert "Traceback" not in said[0], said[0][-3000:]
+
+
+def test_a_rank_stalled_where_nccl_would_not_tell_ends_when_its_peer_posts_a_failure(tiny_data, tmp_path):
+    """Under NCCL a rank learns of a failed peer only at the collective timeout (30 minutes by default); gloo's
+    wait on a stopped peer is the same. Rank 1 is stopped mid-run and its failure posted on the job's store, as
+    a failing rank posts it: rank 0 ends within seconds, naming it, with EXIT_COLLECTIVE_FAILED."""
+    import torch.distributed as dist
+
+    from megatransformer.training.runtime.failure_board import STORE_TIMEOUT, FailureBoard
+
+    run, log = tmp_path / "run", tmp_path / "train"
+    ranks = spawn_ranks(overrides(tiny_data, run, "train.max_steps=100000", "wandb.mode=disabled"), log)
+    try:
+        wait_for_step(run, 3, ranks, Path(f"{log}.rank0.log"))
+        ranks[1].send_signal(signal.SIGSTOP)
+        port = int(psutil.Process(ranks[1].pid).environ()["MASTER_PORT"])
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT, wait_for_workers=False)
+        FailureBoard(store, rank=1, world_size=2).post("RuntimeError: CUDA error: an illegal memory access")
+        posted = time.monotonic()
+        code = wait_ranks(ranks[:1], log, timeout=120)[0]  # (parallel.timeout_minutes: the default 30)
+        waited = time.monotonic() - posted
+    finally:
+        for rank in ranks:
+            rank.kill()
+    said = Path(f"{log}.rank0.log").read_text()
+    assert code == EXIT_COLLECTIVE_FAILED, said[-3000:]
+    assert waited < 60  # (a poll every POLL_SECONDS; the timeout is 30 minutes)
+    assert (
+        "megatransformer train: error: rank 0: ending: rank 1 failed: RuntimeError: CUDA error: an illegal memory "
+        "access" in said
+    ), said[-3000:]

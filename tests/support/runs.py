@@ -240,9 +240,12 @@ def thread_names() -> list[str]:
     return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
 
 
-def spawn_ranks(overrides: list[str], log: Path, world: int = 2) -> list[subprocess.Popen]:
+def spawn_ranks(
+    overrides: list[str], log: Path, world: int = 2, command: list[str] | None = None
+) -> list[subprocess.Popen]:
     """``world`` training ranks started directly with RANK / WORLD_SIZE / MASTER_* in their environment (as srun
-    does), so that each rank's pid and exit code are the caller's; rank r writes to ``{log}.rank{r}.log``."""
+    does), so that each rank's pid and exit code are the caller's; rank r writes to ``{log}.rank{r}.log``.
+    ``command``: instead of ``megatransformer train``'s, followed by the overrides."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -257,7 +260,8 @@ def spawn_ranks(overrides: list[str], log: Path, world: int = 2) -> list[subproc
             "MASTER_PORT": port,
         }
         with open(f"{log}.rank{rank}.log", "a") as out:
-            procs.append(subprocess.Popen(train_command() + overrides, env=env, stdout=out, stderr=subprocess.STDOUT))
+            argv = (command or train_command()) + overrides
+            procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT))
     return procs
 
 

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 EXIT_COLLECTIVE_FAILED = 4  # a collective timed out or lost a peer: another rank is stalled or dead
+_started = False  # a process group has run in this process (it may have ended since)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
 
         distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout)
+    global _started
+    _started = True
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, f"cuda:{device}" if cuda else "cpu")
 
 
@@ -191,6 +194,12 @@ def end_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != launcher:  # (the launcher ended before the signal was asked for)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def group_started() -> bool:
+    """Whether this process has run a process group (:func:`setup`), ended or not: an error found since may be
+    this rank's own."""
+    return _started
 
 
 def teardown() -> None:

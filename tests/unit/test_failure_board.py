@@ -1,0 +1,72 @@
+"""The failure board (training/runtime/failure_board.py) on a real TCP store: the first failure posted is the one
+every rank reads, a rank ignores its own, a watching rank is told within a poll, and the store's host waits for
+the others to read before it ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatransformer.training.runtime import failure_board
+from megatransformer.training.runtime.failure_board import FailureBoard
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+
+def client(store) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+
+def test_the_first_failure_posted_is_the_one_read(store):
+    first, second, reader = (FailureBoard(client(store), rank, 3) for rank in (2, 1, 0))
+    assert reader.read() is None
+    first.post("DataError: train-000003.tar: a damaged sample")
+    second.post("all_reduce failed: another rank is gone")
+    assert reader.read() == "rank 2: DataError: train-000003.tar: a damaged sample"
+
+
+def test_a_new_attempt_does_not_read_the_last_ones_failure(store):
+    FailureBoard(client(store), 1, 2, attempt="0").post("boom")
+    assert FailureBoard(client(store), 0, 2, attempt="1").read() is None
+
+
+def test_a_watching_rank_is_told_of_another_ranks_failure_within_a_poll(store, monkeypatch):
+    monkeypatch.setattr(failure_board, "POLL_SECONDS", 0.05)
+    told: list[str] = []
+    done = threading.Event()
+    watcher = FailureBoard(client(store), 0, 2)
+    watcher.watch(lambda line: (told.append(line), done.set()))
+    watcher.post("its own failure is not news")  # (a rank that posted ends by its own path)
+    time.sleep(0.2)
+    assert told == []
+    store.delete_key(watcher.key)
+    FailureBoard(client(store), 1, 2).post("OutOfMemoryError: CUDA out of memory")
+    assert done.wait(5)
+    assert told == ["rank 1: OutOfMemoryError: CUDA out of memory"]
+    watcher.close()
+
+
+def test_the_rank_that_holds_the_store_waits_for_the_others_after_its_failure(store, monkeypatch):
+    monkeypatch.setattr(failure_board, "POLL_SECONDS", 0.3)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    host, peer = FailureBoard(client(store), 0, 2), FailureBoard(client(store), 1, 2)
+    started = time.monotonic()
+    host.close(failed=True)  # (the peer never ends: a poll and a second, so that it could read the line)
+    assert time.monotonic() - started >= 1.3
+    host, peer = FailureBoard(client(store), 0, 2, attempt="1"), FailureBoard(client(store), 1, 2, attempt="1")
+    threading.Timer(0.2, peer.close).start()
+    host.close(failed=True)
+    assert store.add(host.ended, 0) == 2  # (both ended: the host left as soon as its peer had)
+    host = FailureBoard(client(store), 0, 2, attempt="2")
+    monkeypatch.setattr(failure_board, "POLL_SECONDS", 60.0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # (torchrun's agent holds the store: no wait)
+    started = time.monotonic()
+    host.close(failed=True)
+    assert time.monotonic() - started < 30
