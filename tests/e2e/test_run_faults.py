@@ -188,7 +188,8 @@ def test_a_rank_that_fails_tells_the_others_which_end_naming_it(tiny_data, tmp_p
     assert codes == [EXIT_COLLECTIVE_FAILED, 2], said[0][-3000:]
     assert "megatransformer train: error: train-000003.tar: a damaged sample" in said[1]
     line = next(line for line in said[0].splitlines() if "megatransformer train: error: rank 0:" in line)
-    assert line.endswith("; rank 1 failed first: train-000003.tar: a damaged sample"), line
+    # (its collective's error naming the first failure, or, had its next read of the board come first, the board's)
+    assert re.search(r"rank 1 failed( first)?: train-000003\.tar: a damaged sample$", line), line
     assert "Traceback" not in said[0], said[0][-3000:]
 
 
