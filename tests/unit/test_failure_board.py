@@ -70,3 +70,23 @@ def test_the_rank_that_holds_the_store_waits_for_the_others_after_its_failure(st
     started = time.monotonic()
     host.close(failed=True)
     assert time.monotonic() - started < 30
+
+
+def test_a_store_that_does_not_answer_leaves_the_run_without_a_board_and_says_so(monkeypatch, capsys):
+    from megatransformer.training.runtime.distributed import free_port
+
+    monkeypatch.setattr(failure_board, "STORE_TIMEOUT", timedelta(seconds=1))
+    port = free_port()  # (nothing listens there)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    assert FailureBoard.connect() is None
+    said = capsys.readouterr().err
+    assert said.startswith(f"warning: the job's store at 127.0.0.1:{port} does not answer (")
+    assert said.endswith("should a rank fail, the others wait parallel.timeout_minutes before they end\n")
+
+
+def test_one_rank_has_no_board(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert FailureBoard.connect() is None

@@ -41,13 +41,23 @@ class FailureBoard:
             return None
         import torch.distributed as dist
 
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=STORE_TIMEOUT,
-            wait_for_workers=False,
-        )
+        from megatransformer.console import to_stderr
+
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=STORE_TIMEOUT,
+                wait_for_workers=False,
+            )
+        except (RuntimeError, OSError) as err:
+            to_stderr(
+                f"warning: the job's store at {where} does not answer ({str(err).strip().splitlines()[0]}): should a "
+                "rank fail, the others wait parallel.timeout_minutes before they end"
+            )
+            return None
         return cls(store, int(os.environ["RANK"]), world, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def post(self, line: str) -> None:
