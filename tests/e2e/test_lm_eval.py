@@ -177,9 +177,8 @@ def test_ranks_that_share_the_model_evaluate_in_training_with_the_numbers_of_the
     forwards in step, a rank whose share is done running one-token stand-ins until the other's is (all four kinds
     of task: choices, loglikelihood, rolling, generation); with tensor parallelism both ranks run the same share,
     each forward summing their parts; with sequence parallelism each rank runs whole rows of its own share. The
-    numbers logged are those of the checkpoint evaluated afterwards on one
-    process, in the run's precision (``--dtype bf16``: the bf16 weights a bf16 run evaluates, its fp32 masters
-    rounded, and its forwards' GEMMs)."""
+    numbers logged are those of the checkpoint evaluated afterwards on one process, in the run's precision
+    (``--dtype bf16``: the bf16 weights a bf16 run evaluates, its fp32 masters rounded, and its forwards' GEMMs)."""
     yamls = write_tasks(tiny_data.corpus, tmp_path / "tasks")
     tasks = "[" + ", ".join(str(path) for path in yamls.values()) + "]"
     run_dir = tmp_path / "run"
