@@ -166,7 +166,7 @@ class Trainer:
             self.checkpoint = self.resume.path
             if self.dist.is_main:
                 print(self.resume.describe(cfg, self.dist.world_size))
-                if (change := self.schedule_change()) is not None:
+                if (change := self.resumed_schedule_line()) is not None:
                     print(change)
         if self.decay_origin is not None and self.dist.is_main:
             print(describe_decay(cfg, self.decay_origin.checkpoint, self.decay_origin.step))
@@ -181,7 +181,7 @@ class Trainer:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.run_dir) / "config.yaml").write_text(dump_config(cfg))
 
-    def schedule_change(self) -> str | None:
+    def resumed_schedule_line(self) -> str | None:
         """The line of a resume that trains on at other learning rates than its checkpoint's schedule gave (not
         at a decay branch's start, whose decay is meant and has a line of its own; not past train.max_steps)."""
         branch_start = self.decay_origin is not None and self.resume.saved.schedule.decay_from is None

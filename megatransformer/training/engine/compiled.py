@@ -126,7 +126,6 @@ class CompileWatch:
     def after_evaluation(self, step: int) -> list[str]:
         """The lines on the compiler's work during step ``step``'s validation and train.evals (a graph for
         forwards without gradients, say), empty when there was none."""
-        self.frames = self.counts()[0]
         return self.news(f"step {step}'s evaluation")[0]
 
     def news(self, where: str) -> tuple[list[str], int]:
