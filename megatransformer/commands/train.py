@@ -156,7 +156,7 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             finish_writes(trainer)
             tell_peers(board, one_line(err))
             raise
-        if board is not None and (first := board.read()) is not None:
+        if board is not None and (first := board.read() or board.gone()) is not None:
             line += f"; {first.replace(':', ' failed first:', 1)}"
         rank = os.environ.get("RANK", "0")
         dumps = [path for path in stack_dumps(cfg.run_dir) if path.stat().st_mtime >= began]  # (this run's)

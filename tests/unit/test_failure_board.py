@@ -1,9 +1,13 @@
 """The failure board (training/runtime/failure_board.py) on a real TCP store: the first failure posted is the one
-every rank reads, a rank ignores its own, a watching rank is told within a poll, and the store's host waits for
-the others to read before it ends."""
+every rank reads, a rank ignores its own, a watching rank is told within a poll, a peer process on this machine
+killed outright is posted as gone (real processes), and the store's host waits for the others to read before it
+ends."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import threading
 import time
 from datetime import timedelta
@@ -12,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from megatransformer.training.runtime import failure_board
-from megatransformer.training.runtime.failure_board import FailureBoard
+from megatransformer.training.runtime.failure_board import FailureBoard, Process
 
 
 @pytest.fixture
@@ -63,13 +67,82 @@ def test_the_rank_that_holds_the_store_waits_for_the_others_after_its_failure(st
     host, peer = FailureBoard(client(store), 0, 2, attempt="1"), FailureBoard(client(store), 1, 2, attempt="1")
     threading.Timer(0.2, peer.close).start()
     host.close(failed=True)
-    assert store.add(host.ended, 0) == 2  # (both ended: the host left as soon as its peer had)
+    assert store.check([f"{host.ended}/0", f"{host.ended}/1"])  # (both ended: the host left as soon as its peer had)
     host = FailureBoard(client(store), 0, 2, attempt="2")
     monkeypatch.setattr(failure_board, "POLL_SECONDS", 60.0)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # (torchrun's agent holds the store: no wait)
     started = time.monotonic()
     host.close(failed=True)
     assert time.monotonic() - started < 30
+
+
+def registered_peer(store, rank: int) -> subprocess.Popen:
+    """A real process of this machine, said on the board to be ``rank``'s (as a watching rank says its own)."""
+    peer = subprocess.Popen(["sleep", "60"])
+    store.set(f"{failure_board.PROCESS}/0/{rank}", str(Process.of(peer.pid)))
+    return peer
+
+
+def watching(store, rank: int, world_size: int) -> tuple[FailureBoard, list[str], threading.Event]:
+    told: list[str] = []
+    done = threading.Event()
+    board = FailureBoard(client(store), rank, world_size)
+    board.watch(lambda line: (told.append(line), done.set()))
+    return board, told, done
+
+
+def test_a_peer_on_this_machine_killed_outright_is_posted_as_gone(store, monkeypatch):
+    monkeypatch.setattr(failure_board, "POLL_SECONDS", 0.05)
+    peer = registered_peer(store, 1)
+    watcher, told, done = watching(store, 0, 3)
+    time.sleep(0.2)
+    assert told == []  # (alive)
+    peer.send_signal(signal.SIGKILL)  # (not reaped here: a zombie, as until its parent reads its exit)
+    assert done.wait(5)
+    peer.wait()
+    (line,) = told
+    assert line == (
+        f"rank 1: its process ended without a line (pid {peer.pid} on {os.uname().nodename}; killed? the kernel's "
+        "out-of-memory kills are listed by dmesg)"
+    )
+    assert FailureBoard(client(store), 2, 3).read() == line  # (posted for the ranks of other machines)
+    watcher.close()
+
+
+def test_a_peer_that_ended_its_run_is_not_taken_for_gone(store, monkeypatch):
+    monkeypatch.setattr(failure_board, "POLL_SECONDS", 0.05)
+    peer = registered_peer(store, 1)
+    FailureBoard(client(store), 1, 2).close()  # (its run ended: it says so before its process goes)
+    peer.kill()
+    peer.wait()
+    watcher, told, _ = watching(store, 0, 2)
+    time.sleep(0.3)
+    assert told == [] and watcher.read() is None
+    watcher.close()
+
+
+def test_peers_elsewhere_are_not_watched(store, monkeypatch):
+    """A peer on another machine (another boot) or in another PID namespace: its pid means nothing here."""
+    monkeypatch.setattr(failure_board, "POLL_SECONDS", 0.05)
+    here = Process.of(os.getpid())
+    gone = 2**22 + 1  # (above the kernel's pid_max: no process has it)
+    elsewhere = (
+        Process("another-boot", here.namespace, gone, "1", "n2"),
+        Process(here.boot, "pid:[1]", gone, "1", "container"),
+    )
+    for rank, process in enumerate(elsewhere, start=1):
+        store.set(f"{failure_board.PROCESS}/0/{rank}", str(process))
+    watcher, told, _ = watching(store, 0, 3)
+    time.sleep(0.3)
+    assert told == [] and watcher.neighbours == {1: None, 2: None}
+    watcher.close()
+
+
+def test_a_process_is_known_by_its_start_time_as_well_as_its_pid():
+    here = Process.of(os.getpid())
+    assert here.running()
+    assert not Process(here.boot, here.namespace, here.pid, str(int(here.started) + 1), here.host).running()
+    assert Process.parse(str(here)).running()
 
 
 def test_a_store_that_does_not_answer_leaves_the_run_without_a_board_and_says_so(monkeypatch, capsys):

@@ -4,21 +4,28 @@ Under NCCL a rank learns that a peer has failed only when its next collective ti
 30 by default), so a rank that stops with an error would leave every other rank of the job waiting that long;
 torchrun's agents end a failed job's other processes, but srun (the shipped Slurm script) does not. The rank
 that fails posts one line on the board (a key of the TCP store at MASTER_ADDR:MASTER_PORT); every rank reads the
-board every few seconds from a thread of its own and, finding another rank's line, ends itself with it. A rank
-killed outright (SIGKILL, the kernel's out-of-memory killer, a lost node) posts nothing: its peers wait for the
+board every few seconds from a thread of its own and, finding another rank's line, ends itself with it.
+
+A rank killed outright (SIGKILL, the kernel's out-of-memory killer) posts nothing, so each rank also says on the
+board which process it is, and the ranks of one machine look after each other: a peer whose process is gone
+without having ended its run is posted, by the first rank to see it, as having ended without a line. What that
+cannot see (a lost node; the store's own host, rank 0 under srun, killed) leaves its peers waiting for the
 timeout, with the hang watchdog's stacks and NCCL's flight recorder.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 KEY = "megatransformer/failure"
 ENDED = "megatransformer/ended"
+PROCESS = "megatransformer/process"
 POLL_SECONDS = 5.0  # how often each rank reads the board: a round trip to the store's host
 STORE_TIMEOUT = timedelta(seconds=10)
 
@@ -26,12 +33,15 @@ STORE_TIMEOUT = timedelta(seconds=10)
 class FailureBoard:
     """This job's board (:meth:`connect`): :meth:`post` a failure, :meth:`read` it, :meth:`watch` for one."""
 
-    def __init__(self, store, rank: int, world_size: int, attempt: str = "0") -> None:
+    def __init__(self, store, rank: int, world_size: int, attempt: str = "0", machine: range | None = None) -> None:
+        """``machine``: the ranks that may share this rank's machine (all where None); the others are not watched."""
         self.store, self.rank, self.world_size = store, rank, world_size
+        self.machine = range(world_size) if machine is None else machine
         # (torchrun's agent keeps its store across restarts: each attempt has its own keys)
-        self.key, self.ended = f"{KEY}/{attempt}", f"{ENDED}/{attempt}"
+        self.key, self.ended, self.process = f"{KEY}/{attempt}", f"{ENDED}/{attempt}", f"{PROCESS}/{attempt}"
         self.closing = threading.Event()
         self.thread: threading.Thread | None = None
+        self.neighbours: dict[int, Process | None] = {}  # each peer's process where this rank can see it, else None
 
     @classmethod
     def connect(cls) -> FailureBoard | None:
@@ -58,12 +68,15 @@ class FailureBoard:
                 "rank fail, the others wait parallel.timeout_minutes before they end"
             )
             return None
-        return cls(store, int(os.environ["RANK"]), world, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        first = rank - local_rank  # (torchrun and srun's default block distribution number a node's ranks in a row)
+        machine = range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return cls(store, rank, world, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), machine)
 
-    def post(self, line: str) -> None:
-        """This rank failed with ``line``; the first rank to post is the one the others name."""
+    def post(self, line: str, rank: int | None = None) -> None:
+        """This rank (or ``rank``, seen gone) failed with ``line``; the first post is the one the others read."""
         try:
-            self.store.compare_set(self.key, "", f"rank {self.rank}: {line}")
+            self.store.compare_set(self.key, "", f"rank {self.rank if rank is None else rank}: {line}")
         except (RuntimeError, OSError):  # (the store's host is gone: its rank failed first)
             pass
 
@@ -75,7 +88,14 @@ class FailureBoard:
             return None
 
     def watch(self, on_failure: Callable[[str], object]) -> None:
-        """From now on, every :data:`POLL_SECONDS`, ``on_failure(line)`` once another rank has posted ``line``."""
+        """From now on, every :data:`POLL_SECONDS`, ``on_failure(line)`` once another rank has posted ``line``, or
+        this rank has seen a peer on its machine gone without a word (and posted that for the others)."""
+        me = Process.of(os.getpid())
+        if me is not None:
+            try:
+                self.store.set(f"{self.process}/{self.rank}", str(me))
+            except (RuntimeError, OSError):
+                pass
         self.thread = threading.Thread(
             target=self._watch, args=(on_failure,), name="megatransformer-failure-board", daemon=True
         )
@@ -93,21 +113,109 @@ class FailureBoard:
         second): its exit takes the store, and the line, with it."""
         self.stop()
         try:
-            self.store.add(self.ended, 1)
+            self._say_ended()
             if failed and self.rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+                everyone = [f"{self.ended}/{rank}" for rank in range(self.world_size)]
                 deadline = time.monotonic() + POLL_SECONDS + 1
-                while self.store.add(self.ended, 0) < self.world_size and time.monotonic() < deadline:
+                while not self.store.check(everyone) and time.monotonic() < deadline:
                     time.sleep(0.1)
         except (RuntimeError, OSError):
             pass
 
+    def gone(self) -> str | None:
+        """``rank R: line`` for the first peer on this machine whose process has gone without ending its run (that
+        line posted for the others), or None."""
+        self._meet_neighbours()
+        for rank, process in sorted(self.neighbours.items()):
+            # (gone first, then not ended: a rank says it ended before its process goes)
+            if process is not None and not process.running() and self._not_ended(rank):
+                line = f"its process ended without a line ({process.described()})"
+                self.post(line, rank=rank)
+                return f"rank {rank}: {line}"
+        return None
+
     def _watch(self, on_failure: Callable[[str], object]) -> None:
         while not self.closing.wait(POLL_SECONDS):
-            line = self.read()
+            line = self.read() or self.gone()
             if line is not None and not line.startswith(f"rank {self.rank}:"):
                 try:
-                    self.store.add(self.ended, 1)
+                    self._say_ended()
                 except (RuntimeError, OSError):
                     pass
-                on_failure(line)
+                on_failure(self.read() or line)  # (the first post, should another rank's have come first)
                 return
+
+    def _say_ended(self) -> None:
+        self.store.set(f"{self.ended}/{self.rank}", "")
+
+    def _not_ended(self, rank: int) -> bool:
+        """Whether ``rank`` is known not to have ended its run (False where the store cannot tell)."""
+        try:
+            return not self.store.check([f"{self.ended}/{rank}"])
+        except (RuntimeError, OSError):
+            return False
+
+    def _meet_neighbours(self) -> None:
+        """Learn, once each, the process of every peer that has said which it is: kept where this rank can watch
+        it (the same machine and process namespace), None otherwise."""
+        unmet = [rank for rank in self.machine if rank != self.rank and rank not in self.neighbours]
+        me = Process.of(os.getpid()) if unmet else None
+        for rank in unmet:
+            key = f"{self.process}/{rank}"
+            try:
+                if not self.store.check([key]):
+                    continue
+                theirs = Process.parse(self.store.get(key).decode())
+            except (RuntimeError, OSError):
+                return
+            self.neighbours[rank] = theirs if me is not None and theirs.beside(me) else None
+
+
+class Process:
+    """A process as Linux's /proc names it, across machines: the boot (which machine, which start of it), the PID
+    namespace, the pid and its start time (a pid is used again once its process is gone)."""
+
+    def __init__(self, boot: str, namespace: str, pid: int, started: str, host: str) -> None:
+        self.boot, self.namespace, self.pid, self.started, self.host = boot, namespace, pid, started, host
+
+    @classmethod
+    def of(cls, pid: int) -> Process | None:
+        """Process ``pid`` of this machine and PID namespace; None where it has none or /proc does not say (not
+        Linux)."""
+        try:
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+            namespace = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            return None
+        stat = _stat(pid)
+        return None if stat is None else cls(boot, namespace, pid, stat[1], socket.gethostname())
+
+    @classmethod
+    def parse(cls, text: str) -> Process:
+        boot, namespace, pid, started, host = text.split(" ", 4)
+        return cls(boot, namespace, int(pid), started, host)
+
+    def __str__(self) -> str:
+        return f"{self.boot} {self.namespace} {self.pid} {self.started} {self.host}"
+
+    def beside(self, other: Process) -> bool:
+        """Whether ``other`` sees this process in its /proc (the same machine, booted once, and PID namespace)."""
+        return (self.boot, self.namespace) == (other.boot, other.namespace)
+
+    def running(self) -> bool:
+        """False once the process has ended (a zombie has: only its parent's reading of its exit is left)."""
+        stat = _stat(self.pid)
+        return stat is not None and stat[1] == self.started and stat[0] not in "ZX"
+
+    def described(self) -> str:
+        return f"pid {self.pid} on {self.host}; killed? the kernel's out-of-memory kills are listed by dmesg"
+
+
+def _stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of process ``pid`` from /proc/PID/stat, or None where there is none."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # (after the name, which may hold spaces and brackets)
+    return fields[0], fields[19]
