@@ -143,6 +143,24 @@ def test_a_process_is_known_by_its_start_time_as_well_as_its_pid():
     assert here.running()
     assert not Process(here.boot, here.namespace, here.pid, str(int(here.started) + 1), here.host).running()
     assert Process.parse(str(here)).running()
+    assert Process.parse("not a process") is None and Process.parse("b ns pid 1 host") is None
+
+
+def test_a_watcher_that_fails_says_so(store, monkeypatch, capsys):
+    monkeypatch.setattr(failure_board, "POLL_SECONDS", 0.05)
+
+    def broken(self):
+        raise ValueError("a store answer it cannot read")
+
+    monkeypatch.setattr(FailureBoard, "read", broken)
+    watcher = FailureBoard(client(store), 3, 4)
+    watcher.watch(lambda line: None)
+    watcher.thread.join(5)
+    assert not watcher.thread.is_alive()
+    assert capsys.readouterr().err == (
+        "warning: rank 3: the failure board's watcher stopped (ValueError: a store answer it cannot read): should "
+        "another rank fail, this one waits parallel.timeout_minutes before it ends\n"
+    )
 
 
 def test_a_store_that_does_not_answer_leaves_the_run_without_a_board_and_says_so(monkeypatch, capsys):

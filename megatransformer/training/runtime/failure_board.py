@@ -135,6 +135,17 @@ class FailureBoard:
         return None
 
     def _watch(self, on_failure: Callable[[str], object]) -> None:
+        try:
+            self._poll(on_failure)
+        except Exception as err:  # (a thread's error would end it unseen)
+            from megatransformer.console import to_stderr
+
+            to_stderr(
+                f"warning: rank {self.rank}: the failure board's watcher stopped ({type(err).__name__}: {err}): "
+                "should another rank fail, this one waits parallel.timeout_minutes before it ends"
+            )
+
+    def _poll(self, on_failure: Callable[[str], object]) -> None:
         while not self.closing.wait(POLL_SECONDS):
             line = self.read() or self.gone()
             if line is not None and not line.startswith(f"rank {self.rank}:"):
@@ -165,10 +176,11 @@ class FailureBoard:
             try:
                 if not self.store.check([key]):
                     continue
-                theirs = Process.parse(self.store.get(key).decode())
+                said = self.store.get(key).decode()
             except (RuntimeError, OSError):
                 return
-            self.neighbours[rank] = theirs if me is not None and theirs.beside(me) else None
+            theirs = Process.parse(said)
+            self.neighbours[rank] = theirs if me is not None and theirs is not None and theirs.beside(me) else None
 
 
 class Process:
@@ -191,8 +203,12 @@ class Process:
         return None if stat is None else cls(boot, namespace, pid, stat[1], socket.gethostname())
 
     @classmethod
-    def parse(cls, text: str) -> Process:
-        boot, namespace, pid, started, host = text.split(" ", 4)
+    def parse(cls, text: str) -> Process | None:
+        """The process ``str(process)`` said; None for any other text."""
+        fields = text.split(" ", 4)
+        if len(fields) != 5 or not fields[2].isdigit():
+            return None
+        boot, namespace, pid, started, host = fields
         return cls(boot, namespace, int(pid), started, host)
 
     def __str__(self) -> str:
@@ -217,5 +233,5 @@ def _stat(pid: int) -> tuple[str, str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2 :].split()  # (after the name, which may hold spaces and brackets)
-    return fields[0], fields[19]
+    fields = text[text.rfind(")") + 2 :].split()  # (after the name, which may hold spaces and brackets)
+    return (fields[0], fields[19]) if len(fields) > 19 else None
