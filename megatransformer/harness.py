@@ -39,6 +39,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 
 from megatransformer.batch import PAD_SEGMENT  # noqa: E402
 from megatransformer.model.generate import sample_next  # noqa: E402
+from megatransformer.model.gpu_cores import VARLEN_BACKENDS  # noqa: E402
 from megatransformer.model.masks import shared_context_mask  # noqa: E402
 
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for tasks that name no max_gen_toks
@@ -173,7 +174,7 @@ def runs_varlen(cfg, device: torch.device, dtype: torch.dtype) -> bool:
         packed = AttentionMask(True, prefix_len=torch.zeros(1))  # (any mask that is not plain causal)
         alibi = cfg.model.position == "alibi"
         backend = auto_backend(device.type, dtype, packed, 0.0, core_head_dim(cfg.model), alibi)
-    return device.type == "cuda" and backend in ("flash", "varlen")
+    return device.type == "cuda" and backend in VARLEN_BACKENDS
 
 
 def pack(lengths: list[int], capacity: int | None, max_rows: int) -> list[list[list[int]]]:

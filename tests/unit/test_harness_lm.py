@@ -60,6 +60,23 @@ def direct_greedy(module, context: list[int], continuation: list[int]) -> bool:
     return logits[-len(continuation) :].argmax(-1).tolist() == continuation
 
 
+@pytest.mark.parametrize(
+    "backend, varlen",
+    [("fa4", True), ("fa3", True), ("flash", True), ("varlen", True), ("sdpa", False), ("flex", False)],
+)
+def test_rows_are_packed_to_capacity_for_every_varlen_core(backend, varlen, monkeypatch):
+    """(flash-attn 3 and 4 read the varlen problems too: ``attention_backend=auto``'s choice on a Hopper GPU)"""
+    from megatransformer.model import attention
+
+    cuda = torch.device("cuda")
+    named = RunConfig.model_validate({"model": MODEL | {"attention_backend": backend}, "data": {"seq_len": 48}})
+    assert harness.runs_varlen(named, cuda, torch.bfloat16) is varlen
+    assert harness.runs_varlen(named, torch.device("cpu"), torch.bfloat16) is False
+    monkeypatch.setattr(attention, "auto_backend", lambda *args: backend)
+    auto = RunConfig.model_validate({"model": MODEL | {"attention_backend": "auto"}, "data": {"seq_len": 48}})
+    assert harness.runs_varlen(auto, cuda, torch.bfloat16) is varlen
+
+
 def test_pack_fills_rows_longest_first_within_capacity():
     batches = harness.pack([9, 7, 5, 4, 3, 2, 2, 1], capacity=10, max_rows=2)
     assert batches == [[[0, 7], [1, 4]], [[2, 3], [5, 6]]]
