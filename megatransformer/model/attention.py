@@ -10,6 +10,7 @@ scores of the allowed entries.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -79,11 +80,21 @@ def flex_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None 
             "model.attention_backend=sdpa (flex serves CPU inference and GPU training)"
         )
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention)  # (a second shape, an evaluation's, makes it dynamic)
     batch = q.shape[0] if (mask.q_segments is not None or mask.prefix_len is not None) else None
     block_mask = create_block_mask(mask.mask_mod(), batch, None, q.shape[2], k.shape[2], device=q.device)
     score_mod = None if alibi is None else alibi.score_mod()
-    return _compiled_flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else compiling_stance():
+        return _compiled_flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+
+
+def compiling_stance() -> contextlib.AbstractContextManager:
+    """torch.compile's default stance, which compiles what it has not, for FlexAttention called from eager code:
+    under another stance (a compiled run's evaluations run ``eager_on_recompile``) it would run its unfused
+    reference, which holds every score of every head."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # (torch 2.6)
+    return contextlib.nullcontext() if set_stance is None else set_stance("default")
 
 
 def flash_core(q, k, v, mask: AttentionMask, dropout: float, alibi: Alibi | None = None) -> torch.Tensor:

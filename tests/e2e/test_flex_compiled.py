@@ -33,3 +33,25 @@ def test_compiled_flex_equals_eager(name):
         got, want = BACKENDS["flex"](q, k, v, mask, 0.0, alibi), eager_core(q, k, v, mask, 0.0, alibi)
     keep = real_queries(mask, q_len)
     assert torch.allclose(got * keep, want * keep, atol=1e-5), (got - want).abs().max()
+
+
+def test_flex_compiles_under_a_compiled_runs_evaluation_stance(recwarn):
+    """A compiled run evaluates under ``eager_on_recompile`` (``TrainModule.plain_model``), where a frame that would
+    compile again runs eagerly: FlexAttention run eagerly is its unfused reference, every score of every head held
+    at once. Its kernel compiles still, new lengths after a first made dynamic: one compile more, not one a length."""
+    from torch._dynamo.utils import counters
+
+    from megatransformer.training.engine.compiled import eager_on_recompile
+
+    mask = SELF_MASKS["causal"]()
+    flex = BACKENDS["flex"]
+    with torch.no_grad():
+        flex(*(t.detach() for t in qkv(T, T)), mask, 0.0)  # (the step's length, compiled as a run would)
+        frames = counters["frames"]["ok"]
+        with eager_on_recompile():
+            for length in (T - 3, T + 5, T - 7):
+                q, k, v = (t.detach() for t in qkv(length, length))
+                got, want = flex(q, k, v, mask, 0.0), eager_core(q, k, v, mask, 0.0)
+                assert torch.allclose(got, want, atol=1e-5), (length, (got - want).abs().max())
+    assert not [w for w in recwarn if "unfused implementation" in str(w.message)]
+    assert counters["frames"]["ok"] - frames <= 2
