@@ -547,7 +547,7 @@ class HarnessLM(TemplateLM):
         done = [False] * len(prompts)
         with torch.no_grad(), self.placement.forwards():
             caches = self.model.new_caches(len(prompts), width + max_new)
-            logits = self._forward(ids, position_ids=positions, segment_ids=segments, caches=caches)
+            logits = self._forward(ids, position_ids=positions, segment_ids=segments, caches=caches, logits_to_keep=1)
             for step in range(max_new):
                 tokens = sample_next(logits[:, -1].float(), **sampling).tolist()
                 for r, token in enumerate(tokens):

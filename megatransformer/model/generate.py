@@ -97,12 +97,12 @@ def _decoder_step(model, prompt, previous, use_cache, max_new_tokens, _start, pr
     """With a cache, only the prompt's forward needs ``prefix_len``: later queries see every cached key."""
     if previous is None:
         caches = model.new_caches(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
-        return _State(model(prompt, caches=caches, prefix_len=prefix_len), prompt, caches)
+        return _State(model(prompt, caches=caches, prefix_len=prefix_len, logits_to_keep=1), prompt, caches)
     state, token = previous
     tokens = torch.cat([state.tokens, token[:, None]], dim=1)
     if use_cache:
-        return _State(model(token[:, None], caches=state.caches), tokens, state.caches)
-    return _State(model(tokens, prefix_len=prefix_len), tokens)
+        return _State(model(token[:, None], caches=state.caches, logits_to_keep=1), tokens, state.caches)
+    return _State(model(tokens, prefix_len=prefix_len, logits_to_keep=1), tokens)
 
 
 def _encoder_decoder_step(model, source, previous, use_cache, max_new_tokens, start_id):
@@ -113,12 +113,14 @@ def _encoder_decoder_step(model, source, previous, use_cache, max_new_tokens, st
         tokens = source.new_full((source.shape[0], 1), start_id)
         caches = model.new_caches(source.shape[0], max_new_tokens + 1) if use_cache else None
         memory_kvs = model.project_memory(memory) if use_cache else None
-        logits = model.decode(tokens, memory, caches=caches, memory_kvs=memory_kvs)
+        logits = model.decode(tokens, memory, caches=caches, memory_kvs=memory_kvs, logits_to_keep=1)
         return _State(logits, tokens, caches, memory, memory_kvs)
     state, token = previous
     tokens = torch.cat([state.tokens, token[:, None]], dim=1)
     if use_cache:
-        logits = model.decode(token[:, None], state.memory, caches=state.caches, memory_kvs=state.memory_kvs)
+        logits = model.decode(
+            token[:, None], state.memory, caches=state.caches, memory_kvs=state.memory_kvs, logits_to_keep=1
+        )
     else:
-        logits = model.decode(tokens, state.memory)
+        logits = model.decode(tokens, state.memory, logits_to_keep=1)
     return _State(logits, tokens, state.caches, state.memory, state.memory_kvs)

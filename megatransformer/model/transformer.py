@@ -161,6 +161,11 @@ class LanguageModel(nn.Module):
         return [KVCache(batch, heads, max_len, key_dim, dtype, device, window, value_dim) for _ in range(n)]
 
 
+def last_positions(hidden: torch.Tensor, count: int) -> torch.Tensor:
+    """``hidden`` [B, T, d] of the last ``count`` positions (0: all of them)."""
+    return hidden[:, -count:] if count else hidden
+
+
 class DecoderLM(LanguageModel):
     """Decoder-only causal LM (optionally with a bidirectional prefix per row: prefix-LM)."""
 
@@ -180,16 +185,18 @@ class DecoderLM(LanguageModel):
         labels: torch.Tensor | None = None,
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """``masks``: built once per batch on the host (training); else built here from the inputs.
         ``labels``: return the summed token loss instead of the logits (``z_loss`` > 0: the pair of it with the
-        z-loss added and the z-loss, see ``head.linear_cross_entropy``)."""
+        z-loss added and the z-loss, see ``head.linear_cross_entropy``). ``logits_to_keep``: the logits of the
+        last that many positions only (0: every position's), as a generation step needs."""
         held, seen = (caches[0].length, caches[0].seen) if caches else (0, 0)
         if position_ids is None:
             position_ids = default_positions(input_ids, seen)
         mask = masks.decoder if masks is not None else self_attention_mask(True, segment_ids, prefix_len, held)
         hidden = self.decoder(self.embed_tokens(input_ids), position_ids, mask, caches=caches)
-        return self.lm_head(hidden, labels, label_smoothing, z_loss)
+        return self.lm_head(last_positions(hidden, logits_to_keep), labels, label_smoothing, z_loss)
 
 
 class EncoderLM(LanguageModel):
@@ -252,7 +259,9 @@ class EncoderDecoderLM(LanguageModel):
         labels: torch.Tensor | None = None,
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
+        """``logits_to_keep``: as :meth:`DecoderLM.forward`'s."""
         held, seen = (caches[0].length, caches[0].seen) if caches else (0, 0)
         if decoder_position_ids is None:
             decoder_position_ids = default_positions(decoder_input_ids, seen)
@@ -271,7 +280,7 @@ class EncoderDecoderLM(LanguageModel):
             caches=caches,
             memory_kvs=memory_kvs,
         )
-        return self.lm_head(hidden, labels, label_smoothing, z_loss)
+        return self.lm_head(last_positions(hidden, logits_to_keep), labels, label_smoothing, z_loss)
 
     def project_memory(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Cross-attention keys/values of every decoder layer, computed once for generation."""

@@ -201,7 +201,13 @@ def test_a_long_text_is_scored_in_bounded_chunks_of_windows_with_progress(model,
 def test_left_padded_generation_is_each_prompts_own(model, tok):
     cfg, module = model
     until = {"until": ["."], "max_gen_toks": 10, "do_sample": False}
-    batched = lm_of(model, tok, 8).generate_until(requests("generate_until", [(t, until) for t in TEXTS]))
+    head_rows = set()  # (the output head runs on each row's last position alone: [B, T, V] logits are large)
+    hook = module.lm_head.register_forward_hook(lambda head, args, out: head_rows.add(out.shape[1]))
+    try:
+        batched = lm_of(model, tok, 8).generate_until(requests("generate_until", [(t, until) for t in TEXTS]))
+    finally:
+        hook.remove()
+    assert head_rows == {1}
     for text, result in zip(TEXTS, batched):
         ids = tok.encode(text)[-(MODEL["max_seq_len"] - 10) :]  # (room for the new tokens: as the harness cuts)
         alone = generate(module, torch.tensor([ids]), 10, eos_id=tok.eos_id)[0].tolist()

@@ -377,6 +377,28 @@ def test_generation_stops_at_eos_and_pads_finished_rows():
     assert (out[0, first:] == eos).all()
 
 
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_runs_the_output_head_on_the_last_position_alone(arch, use_cache):
+    """(A prompt's logits over a large vocabulary, [B, T, V], would outweigh the model's activations.)"""
+    model = model_for(arch=arch)
+    prompt = tokens(2, 7)
+    head_rows = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: head_rows.append(out.shape[1]))
+    try:
+        generate(model, prompt, 4, use_cache=use_cache, decoder_start_id=0)
+    finally:
+        hook.remove()
+    assert head_rows == [1] * 4
+    if arch == "decoder":
+        last, every = model(prompt, logits_to_keep=1), model(prompt)
+    else:
+        memory = model.encode(prompt)
+        last, every = model.decode(prompt, memory, logits_to_keep=1), model.decode(prompt, memory)
+    assert last.shape == (2, 1, VOCAB)
+    torch.testing.assert_close(last, every[:, -1:])  # (a GEMM of one row rounds as one of seven may not)
+
+
 def test_top_k_one_is_greedy():
     model = model_for()
     prompt = tokens(2, 5)
