@@ -79,13 +79,14 @@ class Progress:
 @dataclass(frozen=True)
 class Placement:
     """Where the harness's LM runs: share ``rank`` of ``world_size`` shares of the items (tensor-parallel peers take
-    the same share: the same forwards, each summing their parts), on ``device``; ``forwards``:
-    the context every forward runs in (autocast, a run's matmul precision); ``group``: the process group the
-    ranks' answers are gathered on (:func:`gather_group`; None: the default one); ``gather``: instead, a function
-    from this rank's object to every rank's (tests). ``lockstep``: every rank runs each forward with the others
-    (ZeRO-3: a forward gathers each layer's parameters from every rank), a rank whose share is done running
-    stand-in forwards of one token until every share is (:meth:`any_working`). ``stop``: whether this rank was
-    asked to stop (a preemption): the evaluation then ends, on every rank, with :class:`Interrupted`."""
+    the same share: the same forwards, each summing their parts), on ``device``; ``forwards``: the context every
+    forward runs in (autocast, a run's matmul precision); ``group``: the process group the ranks' answers are
+    gathered on (:func:`gather_group`; None: the default one); ``gather``: instead, a function from this rank's
+    object to every rank's (tests). ``lockstep`` (several ranks, ``group`` every one): every rank runs each forward
+    with the others (ZeRO-3: a forward gathers each layer's parameters from every rank; tensor parallelism: peers sum
+    their parts, and should one stop alone the other would wait in the forward's sum), a rank whose share is done
+    running stand-in forwards of one token until every share is (:meth:`any_working`). ``stop``: whether this rank
+    was asked to stop (a preemption): the evaluation then ends, on every rank, with :class:`Interrupted`."""
 
     device: torch.device
     rank: int = 0
@@ -102,7 +103,7 @@ class Placement:
         should one be asked to stop; otherwise True, or Interrupted on this rank (:meth:`HarnessLM.shared` tells
         the others)."""
         stopping = self.stop is not None and self.stop()
-        if not self.lockstep or self.world_size == 1:
+        if not self.lockstep:
             if stopping:
                 raise Interrupted
             return True

@@ -335,7 +335,7 @@ def run_tasks(args: argparse.Namespace) -> int:
             )
         group = harness.gather_group(world)
         forwards = bf16_matmuls(args.dtype, device)
-        placement = harness.Placement(device, rank, world, forwards, group, lockstep=args.zero_stage == 3)
+        placement = harness.Placement(device, rank, world, forwards, group, lockstep=args.zero_stage == 3 and world > 1)
         lm = harness.HarnessLM(loaded.model, loaded.cfg, loaded.tokenizer, placement, args.batch_size)
         bar = task_progress(lm, sys.stderr, enabled=rank == 0 and sys.stderr.isatty())  # (before quiet's redirect)
         with harness.quiet():

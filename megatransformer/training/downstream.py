@@ -32,16 +32,12 @@ class Downstream:
         # (the ranks' answers are gathered on a group of their own, with its own timeout: a task longer than
         # parallel.timeout_minutes does not trip the training collectives' watchdog)
         share, shares = module.item_share()
-        group = harness.gather_group(shares)
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        lockstep = (module.zero_stage == 3 or module.tp > 1) and ranks > 1
+        group = harness.gather_group(ranks if shares > 1 or lockstep else 1)
         # (a preemption ends the tasks between two forwards: the checkpoint comes first, see run)
         self.placement = harness.Placement(
-            torch.device(device),
-            share,
-            shares,
-            module.matmuls,
-            group,
-            lockstep=module.zero_stage == 3,
-            stop=stop,
+            torch.device(device), share, shares, module.matmuls, group, lockstep=lockstep, stop=stop
         )
 
     def due(self, step: int) -> bool:

@@ -231,12 +231,19 @@ def test_bad_task_arguments_are_one_line_before_loading(args, message):
     assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "zero3-two-ranks"])
-def test_a_preemption_during_the_tasks_ends_them_and_the_next_step_saves(ranks, tiny_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "ranks, layout, signalled",
+    [(1, [], [0]), (2, ["parallel.zero_stage=3"], [0, 1]), (2, ["parallel.tensor_parallel=2"], [1])],
+    ids=["one-rank", "zero3-two-ranks", "tp2-one-rank-signalled"],
+)
+def test_a_preemption_during_the_tasks_ends_them_and_the_next_step_saves(
+    ranks, layout, signalled, tiny_data, tmp_path, monkeypatch
+):
     """The signal arrives while the tasks run (seconds of rolling windows, one at a time): they end at the next
-    forward, on every rank (at ZeRO-3 the ranks' forwards are in step: they end at the same one), without their
+    forward, on every rank (at ZeRO-3 and with tensor parallelism the ranks' forwards are in step: they end at the
+    same one, even where one rank has the signal before the other, whose forward would wait for it), without their
     numbers, and the run checkpoints after the next step and exits 124 rather than finishing them. Two ranks are
-    started as srun starts them, each signalled, as srun relays a signal."""
+    started as srun starts them, each signalled as srun relays a signal, or one alone."""
     import signal
 
     from support.runs import spawn_ranks, train_command, wait_for_step, wait_ranks
@@ -252,11 +259,11 @@ def test_a_preemption_during_the_tasks_ends_them_and_the_next_step_saves(ranks, 
         with open(f"{log}.rank0.log", "w") as out:
             processes = [subprocess.Popen([*train_command(), *overrides], stdout=out, stderr=subprocess.STDOUT)]
     else:
-        processes = spawn_ranks([*overrides, "parallel.zero_stage=3"], log)
+        processes = spawn_ranks([*overrides, *layout], log)
     try:
         wait_for_step(run_dir, 2, processes, Path(f"{log}.rank0.log"))  # (logged just before its tasks start)
-        for process in processes:
-            process.send_signal(signal.SIGUSR1)
+        for rank in signalled:
+            processes[rank].send_signal(signal.SIGUSR1)
         assert wait_ranks(processes, log) == [124] * ranks
     finally:
         for process in processes:
