@@ -156,7 +156,7 @@ def test_a_dead_zero3_rank_makes_the_other_exit_at_once_with_one_line(tiny_data,
     assert "GLHF" not in line  # (gloo's advice after the reason is left out)
     # which rank, and that it said nothing: its process is gone (under NCCL, which does not notice, the board's
     # watcher says it); after gloo's reason for the collective (closed, reset), or first should the watcher's poll be
-    gone = f"its process ended without a line (pid {ranks[1].pid} on {os.uname().nodename}; killed? "
+    gone = f"its process ended without a line (pid {ranks[1].pid} on {os.uname().nodename}: killed, "
     assert re.search(r"failed: another rank is gone \(.+\); rank 1 failed first: ", line) or re.search(
         r"rank 0: ending: rank 1 failed: ", line
     ), line

@@ -102,8 +102,9 @@ def test_a_peer_on_this_machine_killed_outright_is_posted_as_gone(store, monkeyp
     peer.wait()
     (line,) = told
     assert line == (
-        f"rank 1: its process ended without a line (pid {peer.pid} on {os.uname().nodename}; killed? the kernel's "
-        "out-of-memory kills are listed by dmesg)"
+        f"rank 1: its process ended without a line (pid {peer.pid} on {os.uname().nodename}: killed, as by the "
+        "kernel's out-of-memory killer (dmesg lists those), or aborted, as by NCCL's watchdog after a failed "
+        "collective (its log says))"
     )
     assert FailureBoard(client(store), 2, 3).read() == line  # (posted for the ranks of other machines)
     watcher.close()

@@ -224,7 +224,10 @@ class Process:
         return stat is not None and stat[1] == self.started and stat[0] not in "ZX"
 
     def described(self) -> str:
-        return f"pid {self.pid} on {self.host}; killed? the kernel's out-of-memory kills are listed by dmesg"
+        return (
+            f"pid {self.pid} on {self.host}: killed, as by the kernel's out-of-memory killer (dmesg lists those), or "
+            "aborted, as by NCCL's watchdog after a failed collective (its log says)"
+        )
 
 
 def _stat(pid: int) -> tuple[str, str] | None:
