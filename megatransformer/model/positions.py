@@ -28,6 +28,11 @@ class SinusoidalPositions(nn.Module):
         super().__init__()
         self.register_buffer("table", sinusoidal_table(max_len, dim), persistent=False)
 
+    def reset_buffers(self) -> None:
+        """The table made again, in fp32 on its device (a build that casts every tensor made in it, ZeRO-3's, made it
+        in the run's precision)."""
+        self.table = sinusoidal_table(*self.table.shape).to(self.table.device)
+
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return self.table[position_ids]
 

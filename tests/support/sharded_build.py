@@ -21,8 +21,11 @@ from megatransformer.training.runtime.layout import BatchSizes
 from support.memory import peak_host_bytes
 from support.models import run_config
 
-# sixteen thin layers: a layer is a small part of the model, so a whole model's bytes on a rank stand out
-MODEL = dict(d_model=128, n_layers=16, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=256, max_seq_len=32)
+# sixteen thin layers: a layer is a small part of the model, so a whole model's bytes on a rank stand out; the
+# paper's position table, a buffer made in the build
+MODEL = dict(
+    d_model=128, n_layers=16, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=256, max_seq_len=32, position="sinusoidal"
+)
 
 
 class ParameterBytes:
@@ -126,12 +129,14 @@ def main(out: Path) -> None:
 
 
 def _differing(model: torch.nn.Module, reference: torch.nn.Module, dtype: torch.dtype) -> list[str]:
-    """The names of ZeRO-3 ``model``'s parameters whose gathered values are not ``reference``'s in ``dtype``."""
+    """The names of ZeRO-3 ``model``'s parameters whose gathered values are not ``reference``'s in ``dtype``, and of
+    its buffers that are not ``reference``'s (DeepSpeed leaves buffers as the model makes them)."""
     import deepspeed
 
     params = dict(model.named_parameters())
+    buffers = [name for name, buffer in model.named_buffers() if not torch.equal(buffer, reference.get_buffer(name))]
     with deepspeed.zero.GatheredParameters(list(params.values())):
-        return [
+        return buffers + [
             name
             for name, param in params.items()
             if not torch.equal(param.data, reference.get_parameter(name).detach().to(dtype))

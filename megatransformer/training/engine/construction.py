@@ -61,6 +61,7 @@ def build_for_run(
         # ``dtype`` as bf16 where the accelerator has no fp16 (`_set_dtype`: `dtype or fp16 if ... else bf16`)
         with zero3_init_unwritten(config_dict_or_path=config):
             model = construct(cfg.model)
+        remake_buffers(model)
         init_weights(model, cfg.model, cfg.seed, fill=draw_own_partition)
     elif tp > 1:
         partition = None
@@ -88,6 +89,15 @@ def build_for_run(
         init_weights(model, cfg.model, cfg.seed)
     torch.manual_seed(cfg.seed)
     return model
+
+
+def remake_buffers(model: nn.Module) -> None:
+    """Each module's buffers made again (``reset_buffers``) after ``deepspeed.zero.Init``, which casts every floating
+    tensor made under it, torch.arange's too, to the run's precision: DeepSpeed leaves buffers as the model makes
+    them otherwise, and a bf16 position table is wrong by up to 2."""
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
 
 
 def cast_and_partitioned(partition: Partition, dtype: torch.dtype, device: torch.device | str) -> Partition:
@@ -195,6 +205,7 @@ def partitioned_for_inference(
     config["bf16"] = {"enabled": dtype == torch.bfloat16}  # (the dtype is the config's, as in build_for_run)
     with zero3_init_unwritten(config_dict_or_path=config):
         model = construct(cfg.model)
+    remake_buffers(model)
     load_into_partitioned(model, weights)
     engine, *_ = deepspeed.initialize(model=model, config=config)
     return engine.module.eval()
