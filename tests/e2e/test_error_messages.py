@@ -9,7 +9,7 @@ import shutil
 import subprocess
 
 import pytest
-from support.runs import launch_command
+from support.runs import launch_command, torchrun
 
 from data_pipeline import DataError
 from data_pipeline.shard import Manifest
@@ -134,21 +134,38 @@ def test_absurd_step_counts_are_refused(value, message):
 
 
 def test_a_config_error_is_printed_by_the_first_local_rank_only(monkeypatch, capsys):
+    from megatransformer import cli
+
+    slept = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert main(["info", "--config", "quickstart", "train.max_stepz=3"]) == 2
     assert capsys.readouterr().err == ""
+    assert slept == [cli.QUIET_RANK_EXIT_DELAY]  # (it exits after the rank that prints)
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert main(["info", "--config", "quickstart", "train.max_stepz=3"]) == 2
     assert "did you mean 'train.max_steps'?" in capsys.readouterr().err
 
 
-def test_under_torchrun_a_config_error_is_printed_once():
+# `python -m launch`, rank 0 a second late, as on a loaded machine: torchrun ends the others once one has failed
+LAUNCH_WITH_RANK_0_LATE = """
+import os, runpy, time
+if os.environ["LOCAL_RANK"] == "0":
+    time.sleep(1.5)
+runpy.run_module("launch", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("rank_0_late", [False, True], ids=["together", "rank-0-late"])
+def test_under_torchrun_a_config_error_is_printed_once(rank_0_late, tmp_path):
+    command = launch_command(2)
+    if rank_0_late:
+        script = tmp_path / "launch_late.py"
+        script.write_text(LAUNCH_WITH_RANK_0_LATE)
+        command = [*torchrun(2), str(script)]
     result = subprocess.run(
-        [*launch_command(2), "--config", "quickstart", "train.max_stepz=3"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [*command, "--config", "quickstart", "train.max_stepz=3"], capture_output=True, text=True, timeout=600
     )
     assert result.returncode != 0
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "megatransformer train: error" in line]
