@@ -31,11 +31,12 @@ def inference_device(say: Callable[[str], None]) -> str:
     its own GPU only, which ``say`` is told), or the CPU where there is none."""
     if not torch.cuda.is_available():
         return "cpu"
-    from megatransformer.training.runtime.distributed import cuda_device
+    from megatransformer.training.runtime.distributed import cuda_device, tell_deepspeed_the_device
 
     index, line = cuda_device(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count())
     if line is not None:
         say(line)
+        tell_deepspeed_the_device(index)  # (eval --zero-stage 3 builds the model under DeepSpeed's zero.Init)
     return f"cuda:{index}"
 
 

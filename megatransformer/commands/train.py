@@ -121,7 +121,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     try:
         with build_progress(ops, sys.stdout), held_stdout(verbose):  # (held_stdout holds DeepSpeed's back)
             dist_info = setup(cfg.parallel.timeout_minutes)
-            board = FailureBoard.connect()  # (another rank's failure ends this one at once, not after the timeout)
+            board = FailureBoard.connect(
+                dist_info.local_rank
+            )  # (another rank's failure ends this one at once, not after the timeout)
             if board is not None:
                 board.watch(end_after_peer)
             on_first_rank(lambda: held.append(lock_run_dir(cfg.run_dir)))  # before the run writes anything

@@ -87,6 +87,7 @@ class Preemption:
         self.requested = self.interrupted = False
         self.starting = True  # until the trainer is built
         self.pid = os.getpid()  # (DataLoader workers inherit the handlers: Ctrl-C there is the main process's)
+        self.says = os.environ.get("LOCAL_RANK", "0") == "0"  # (torchrun signals every rank: the first says it)
         for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
@@ -95,14 +96,14 @@ class Preemption:
             return
         if signum == signal.SIGINT:
             if self.starting:
-                if os.environ.get("LOCAL_RANK", "0") == "0":
+                if self.says:
                     os.write(2, b"\nCtrl-C while starting (nothing trained yet to checkpoint): exiting now\n")
                 os._exit(EXIT_INTERRUPTED)
             if self.interrupted:
                 os.write(2, b"\nmegatransformer train: interrupted again: exiting now, without a checkpoint\n")
                 os._exit(EXIT_INTERRUPTED)
             self.interrupted = True
-            if os.environ.get("LOCAL_RANK", "0") == "0":  # (torchrun signals every rank)
+            if self.says:
                 os.write(2, b"\nCtrl-C: checkpointing after this step, then exiting (Ctrl-C again: exit now)\n")
         self.requested = True
 

@@ -173,7 +173,7 @@ def test_a_store_that_does_not_answer_leaves_the_run_without_a_board_and_says_so
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    assert FailureBoard.connect() is None
+    assert FailureBoard.connect(local_rank=1) is None
     said = capsys.readouterr().err
     assert said.startswith(f"warning: the job's store at 127.0.0.1:{port} does not answer (")
     assert said.endswith("should a rank fail, the others wait parallel.timeout_minutes before they end\n")
@@ -181,4 +181,4 @@ def test_a_store_that_does_not_answer_leaves_the_run_without_a_board_and_says_so
 
 def test_one_rank_has_no_board(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert FailureBoard.connect() is None
+    assert FailureBoard.connect(local_rank=0) is None

@@ -4,6 +4,8 @@ collective (a faked backend name)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed
@@ -19,6 +21,7 @@ def test_a_rank_takes_its_local_rank_where_that_device_exists(local_rank, count)
 def test_slurms_one_gpu_per_task_gives_every_rank_the_one_it_sees_and_says_so(monkeypatch, capsys):
     """``--gpus-per-task=1``: each task sees its GPU as device 0; LOCAL_RANK 3 is no device there."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
@@ -28,7 +31,16 @@ def test_slurms_one_gpu_per_task_gives_every_rank_the_one_it_sees_and_says_so(mo
         "device: local rank 3 sees 1 GPU (CUDA_VISIBLE_DEVICES=3: Slurm's --gpus-per-task or --gpu-bind binds each "
         "task to its own); using cuda:0 (local_rank % device_count)"
     )
+    # DeepSpeed's zero.Init and engine take the device from LOCAL_RANK: now the device's index
+    assert os.environ["LOCAL_RANK"] == "0"
     assert distributed.select_cuda_device(0) == 0 and capsys.readouterr().out == ""  # rank 0: nothing to say
+
+
+def test_a_rank_whose_local_rank_is_a_device_here_keeps_it(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    assert distributed.select_cuda_device(3) == 3 and os.environ["LOCAL_RANK"] == "3"
 
 
 def test_fewer_gpus_than_local_ranks_wrap_around_and_warn_that_nccl_refuses_shared_gpus():
@@ -50,6 +62,7 @@ def test_eval_and_generate_run_on_the_ranks_gpu_as_training_picks_it_or_on_the_c
     said: list[str] = []
     assert inference_device(said.append) == device
     assert said == ([distributed.cuda_device(3, 2)[1]] if local_rank == "3" else [])
+    assert os.environ["LOCAL_RANK"] == ("1" if local_rank == "3" else local_rank)  # (DeepSpeed's device, too)
 
 
 @pytest.mark.parametrize(

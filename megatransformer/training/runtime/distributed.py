@@ -125,7 +125,15 @@ def select_cuda_device(local_rank: int) -> int:
     if line is not None:
         print(line, flush=True)
     torch.cuda.set_device(index)
+    tell_deepspeed_the_device(index)
     return index
+
+
+def tell_deepspeed_the_device(index: int) -> None:
+    """DeepSpeed takes its CUDA device from LOCAL_RANK (``zero.Init``, the engine), which is no device where
+    :func:`cuda_device` fell back: there LOCAL_RANK becomes the device's index (this rank's place on its node is
+    read before: the process's first-on-node lines; the failure board takes it from the process group's start)."""
+    os.environ["LOCAL_RANK"] = str(index)
 
 
 def gloo_interface_problem(env: Mapping[str, str]) -> str | None:

@@ -44,8 +44,9 @@ class FailureBoard:
         self.neighbours: dict[int, Process | None] = {}  # each peer's process where this rank can see it, else None
 
     @classmethod
-    def connect(cls) -> FailureBoard | None:
-        """A client of the job's store, from the environment the process group started from; None for one rank."""
+    def connect(cls, local_rank: int) -> FailureBoard | None:
+        """A client of the job's store, from the environment the process group started from, for the rank
+        ``local_rank`` on its node; None for one rank."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
             return None
@@ -68,7 +69,7 @@ class FailureBoard:
                 "rank fail, the others wait parallel.timeout_minutes before they end"
             )
             return None
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        rank = int(os.environ["RANK"])
         first = rank - local_rank  # (torchrun and srun's default block distribution number a node's ranks in a row)
         machine = range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         return cls(store, rank, world, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), machine)
