@@ -1,4 +1,4 @@
-"""The GPU suite: one command, at most 8 minutes on one H100 or H200, no network.
+"""The GPU suite: one command on one H100 or H200, no network; with the wheels' install, one device call of 600 s.
 
     python bench/gpu_suite.py --out DIR [--work DIR]   # on the GPU machine
     python bench/gpu_suite.py --dry --out DIR          # on a CPU: the same bookkeeping with a tiny model
@@ -7,8 +7,9 @@
 2. The trainer's step against its bare step at 1.1B (TinyLlama's shape), ZeRO-1 bf16, compiled, on the same
    batches: rows of one long document each, then packed short documents. The trainer is ``megatransformer
    train``; the bare step (``--worker``) is the model with fp32 master weights, PyTorch's fused AdamW and the
-   global norm clipped, fed by the same loader (``bench/train_step.py``'s Runner). Recompiles and graph breaks
-   of both come from dynamo's own log (``TORCH_LOGS=recompiles,graph_breaks``) and the run log.
+   global norm clipped, fed by the same loader (``bench/train_step.py``'s Runner), each Transformer block compiled
+   as the trainer compiles it. Recompiles and graph breaks of both come from dynamo's own log
+   (``TORCH_LOGS=recompiles,graph_breaks``) and the run log.
 3. The trainer end to end: the packed run writes the suite's one checkpoint (the others ``checkpoint.final=
    false``), its stall and size from the run's metrics.
 4. Muon at 1.1B on one rank: the trainer's step with ``optim.name=muon`` against AdamW's, and the bf16
@@ -17,17 +18,21 @@
    reason (NCCL runs one rank per GPU, and at tp 1 DeepSpeed applies no AutoTP: nothing of it to check).
 
 The work (data, runs, the compile caches every phase shares: ``CACHE_ENV``) goes to ``--work`` (default: a new
-directory under /tmp), never into ``--out``, which gets ``gpu_suite.json`` and ``gpu_suite.md`` only. Exit 0
-when every phase ran (or was skipped with its reason) and the GPU check passed (the targets are reported, not
-judged), 1 otherwise, 2 without CUDA (unless --dry). Each phase has its own time limit (``LIMITS_S``): one that
-overruns is recorded as timed out and the suite goes on. ``--dry`` runs every phase on the CPU with a tiny
-model, uncompiled, checks that every figure the report promises is there, and records the modules each phase's
-processes import, against the GPU image and ``bench/gpu_wheels.sh``'s list (:func:`import_check`).
+directory under /tmp; each process's output in its ``logs/``), never into ``--out``, which gets ``gpu_suite.json``
+and ``gpu_suite.md`` only, written after every phase and after an exception (what is known by then). Exit 0 when
+every phase ran (or was skipped with its reason) and the GPU check passed (the targets are reported, not judged), 1
+otherwise, 2 without CUDA (unless --dry). Each phase has its own time limit (``LIMITS_S``) and runs in a session of
+its own: one that overruns is killed with every process below it, recorded as timed out with what it had printed
+and logged, and the suite goes on. ``--dry`` runs every phase on the CPU with a tiny model, uncompiled, checks
+that every figure the report promises is there, and records the modules each phase's processes import, against the
+GPU image and ``bench/gpu_wheels.sh``'s core list (:func:`import_check`).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -36,11 +41,13 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,19 +105,25 @@ DRY = Workload(
     peak_tflops=1.0,
     corpus_chars=300_000,
 )
-# seconds per phase (--limit PHASE=S overrides): 8 minutes in all. The 1.1B runs share the compile caches, so the
-# first compiles and the others mostly read; the packed run writes the one checkpoint (~15 GB).
+# Seconds per phase (--limit PHASE=S overrides), sized for a first run with empty compile caches (compile is on by
+# default on CUDA): the first 1.1B process compiles a Transformer block's graphs into the shared caches and the later
+# ones mostly read them; gpu_check compiles its own small model; the packed run writes the one checkpoint (~15 GB).
+# One device call holds the wheels' install and the suite on one GPU, where trainer-tp is skipped: 520 s of phases
+# + INSTALL_S + START_S = 565 s of CALL_S's 600 (two GPUs add trainer-tp's 55 s: lower another phase's limit there).
 LIMITS_S = {
-    "gpu_check": 95,
+    "gpu_check": 150,
     "data": 15,
     "trainer-rows": 80,
-    "bare-rows": 35,
-    "trainer-packed": 90,
-    "bare-packed": 35,
+    "bare-rows": 45,
+    "trainer-packed": 110,
+    "bare-packed": 45,
     "trainer-muon": 50,
-    "muon-ns": 15,
+    "muon-ns": 25,
     "trainer-tp": 55,
 }
+CALL_S = 600  # one device call: bench/gpu_wheels.sh install core, then the suite (docs/gpu.md)
+INSTALL_S = 30  # the install: ~11 MB of wheels from one tar, no network
+START_S = 15  # the suite's own start-up (torch, versions) and its reports
 TARGETS = {"trainer_over_bare": 0.95, "mfu": 0.45}  # issue targets at 1.1B bf16 on an H100 / H200
 # dynamo's log lines (TORCH_LOGS=recompiles,graph_breaks) carry their artifact's tag; the run log's own do not
 RECOMPILE = re.compile(r"\[__recompiles\].*Recompiling function")
@@ -122,6 +135,92 @@ RUN_LOG_COMPILE = re.compile(r"recompil|graph break", re.IGNORECASE)
 def limit(wl: Workload, phase: str) -> int | None:
     """A phase's time limit on the GPU; none in a dry run (a busy CPU's pace says nothing)."""
     return LIMITS_S[phase] if wl.device == "cuda" else None
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+
+def run_process(
+    command: list[str], env: dict[str, str], timeout: float | None, log: Path
+) -> subprocess.CompletedProcess:
+    """``command`` in a session of its own, its output to ``log``.out and ``log``.err (text). Past ``timeout`` seconds
+    its whole process tree is killed and TimeoutExpired raised with the output so far; whatever happens, nothing of it
+    is left running (a test, a step probe or a rank holding the GPU)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    paths = Path(f"{log}.out"), Path(f"{log}.err")
+    timed_out = False
+    with open(paths[0], "w") as out, open(paths[1], "w") as err:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=err, start_new_session=True)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            kill_tree(process)
+    stdout, stderr = (path.read_text(errors="replace") for path in paths)
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL ``process``'s process group and the group of every process below it (torchrun starts each rank in a
+    session of its own), then reap it. Not SIGTERM: the trainer answers it with a checkpoint."""
+    groups = {process.pid}
+    for pid in descendants(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(pid))
+    groups.discard(os.getpgrp())  # (never the suite's own)
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+    process.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, from /proc."""
+    children = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent = int(stat.read_text().rpartition(")")[2].split()[1])  # (the field after the command's name)
+            children[parent].append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children[todo.pop()]
+        found += below
+        todo += below
+    return found
+
+
+def outputs(stdout: str, stderr: str) -> dict:
+    """The ends of a process's output, for the report (the whole of it stays in the work directory's logs/)."""
+    return {"stdout": stdout[-2000:], "stderr": stderr[-3000:]}
+
+
+def overran(error: subprocess.TimeoutExpired, phase: str) -> dict:
+    """A phase past its limit: what it had printed by then."""
+    return {"ok": False, "timed_out": True, "limit_s": LIMITS_S[phase], **outputs(error.output, error.stderr)}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """A run's metrics.jsonl, as far as it was written: a line cut off by a killed run (or otherwise unreadable)
+    is skipped."""
+    records = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def last_json(text: str) -> dict | None:
+    """The last line of ``text`` that is a JSON object (a worker's one line of results), or None."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                return json.loads(line)
+    return None
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -160,20 +259,26 @@ def environment(wl: Workload, work: Path) -> dict[str, str]:
 
 def prepare_data(work: Path, wl: Workload) -> dict[str, dict[str, str]]:
     """The demo corpus (built in, no network) sharded twice with one tokenizer: as files of ~4 rows' worth of
-    text each (one document per file: rows of one document) and as its short blocks (packed)."""
+    text each (one document per file: rows of one document) and as its short blocks (packed). Its commands share
+    the data phase's limit (TimeoutExpired past it; CalledProcessError where one fails)."""
     corpus, tokenizer = work / "corpus.txt", work / "tokenizer.json"
     data = {mode: {"train": str(work / f"shards-{mode}"), "tokenizer": str(tokenizer)} for mode in MODES}
     if all((Path(d["train"]) / "manifest.json").is_file() for d in data.values()):
-        return data  # (prepared by an earlier run into this --out; the manifest is written last)
-    run = dict(env=environment(wl, work), check=True, capture_output=True, timeout=limit(wl, "data"))
-    subprocess.run(megatransformer("data", "demo-corpus", "--out", str(corpus)), **run)
+        return data  # (prepared by an earlier run into this --work; the manifest is written last)
+    env, seconds = environment(wl, work), limit(wl, "data")
+    deadline = None if seconds is None else time.monotonic() + seconds
+
+    def run(name: str, *words: str) -> None:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        done = run_process(megatransformer(*words), env, left, work / "logs" / f"data-{name}")
+        if done.returncode != 0:
+            raise subprocess.CalledProcessError(done.returncode, done.args, done.stdout, done.stderr)
+
+    run("corpus", "data", "demo-corpus", "--out", str(corpus))
     if wl.corpus_chars is not None:
         corpus.write_text(corpus.read_text()[: wl.corpus_chars])
     vocab = str(wl.tokenizer_vocab)
-    subprocess.run(
-        megatransformer("data", "tokenizer", "--input", str(corpus), "--vocab-size", vocab, "--out", str(tokenizer)),
-        **run,
-    )
+    run("tokenizer", "data", "tokenizer", "--input", str(corpus), "--vocab-size", vocab, "--out", str(tokenizer))
     long_docs = work / "long"
     long_docs.mkdir(exist_ok=True)
     text, size = corpus.read_text(), 4 * 4 * wl.seq  # ~4 characters a token: ~4 rows a document
@@ -181,8 +286,18 @@ def prepare_data(work: Path, wl: Workload) -> dict[str, dict[str, str]]:
         (long_docs / f"{i // size:05d}.txt").write_text(text[i : i + size])
     for mode, source, per in (("rows", long_docs, "file"), ("packed", corpus, "block")):
         shard = ("data", "shard", "--input", str(source), "--tokenizer", str(tokenizer), "--out", data[mode]["train"])
-        subprocess.run(megatransformer(*shard, "--doc-per", per, "--overwrite"), **run)
+        run(f"shard-{mode}", *shard, "--doc-per", per, "--overwrite")
     return data
+
+
+def data_phase(wl: Workload, work: Path) -> dict:
+    """The data phase's result: the shards of each mode (``paths``), or why there are none (nothing to train on)."""
+    try:
+        return {"ok": True, "paths": prepare_data(work, wl)}
+    except subprocess.TimeoutExpired as error:
+        return overran(error, "data")
+    except subprocess.CalledProcessError as error:
+        return {"ok": False, "error": str(error), **outputs(error.output, error.stderr)}
 
 
 def overrides(wl: Workload, data: dict[str, str], run_dir: Path, steps: int, save: bool) -> list[str]:
@@ -273,21 +388,23 @@ def trainer(wl: Workload, run: Run, data: dict[str, str], work: Path) -> dict:
     words = ("train", "--config", CONFIG, *overrides(wl, data, run_dir, run.steps, run.save), *run.extra)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run.nproc}"]
     command = [*launcher, "-m", "megatransformer.cli", *words] if run.nproc > 1 else megatransformer(*words)
+    metrics = run_dir / "metrics.jsonl"
     started = time.perf_counter()
     try:
-        done = subprocess.run(
-            command, env=environment(wl, work), capture_output=True, text=True, timeout=limit(wl, run.phase)
-        )
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "timed_out": True, "limit_s": LIMITS_S[run.phase]}
+        done = run_process(command, environment(wl, work), limit(wl, run.phase), work / "logs" / run.phase)
+    except subprocess.TimeoutExpired as error:  # (what it had done by then: the compiler's work, the steps logged)
+        return {
+            **overran(error, run.phase),
+            "compile": compile_events(error.output + error.stderr),
+            "metrics": read_metrics(metrics),
+        }
     finally:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # (15 GB at 1.1B)
     wall = time.perf_counter() - started
-    metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    records = read_metrics(metrics)
     steps = [r for r in records if r.get("kind") == "train"]
     if done.returncode != 0 or len(steps) != run.steps:
-        return {"ok": False, "exit": done.returncode, "output": (done.stdout + done.stderr)[-3000:]}
+        return {"ok": False, "exit": done.returncode, **outputs(done.stdout, done.stderr), "metrics": records}
     timed = [t for s, t in step_times(steps) if s > wl.warmup]
     mfus = [r["mfu"] for r in steps if r["step"] > wl.warmup and r.get("mfu") is not None]
     median = statistics.median(timed)
@@ -316,15 +433,13 @@ def bare(wl: Workload, mode: str, data: dict[str, str], work: Path, phase: str |
     command = [sys.executable, __file__, "--worker", mode, "--data", json.dumps(data), "--work", str(work)]
     command += ["--dry"] if wl.device == "cpu" else []
     try:
-        done = subprocess.run(
-            command, env=environment(wl, work), capture_output=True, text=True, timeout=limit(wl, phase)
-        )
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "timed_out": True, "limit_s": LIMITS_S[phase]}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        return {"ok": False, "exit": done.returncode, "output": (done.stdout + done.stderr)[-3000:]}
-    return {"ok": True, **json.loads(lines[-1]), "compile": compile_events(done.stdout + done.stderr)}
+        done = run_process(command, environment(wl, work), limit(wl, phase), work / "logs" / phase)
+    except subprocess.TimeoutExpired as error:
+        return {**overran(error, phase), "compile": compile_events(error.output + error.stderr)}
+    result = last_json(done.stdout)
+    if done.returncode != 0 or result is None:
+        return {"ok": False, "exit": done.returncode, **outputs(done.stdout, done.stderr)}
+    return {"ok": True, **result, "compile": compile_events(done.stdout + done.stderr)}
 
 
 def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
@@ -338,6 +453,7 @@ def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
     from megatransformer.model import build_model
     from megatransformer.model.gpu_cores import VARLEN_BACKENDS, activate_for
     from megatransformer.training.data import build_run_loader
+    from megatransformer.training.engine.compiled import compile_blocks
     from megatransformer.training.engine.train_module import batch_to_device
     from megatransformer.training.observability.metrics import peak_tflops
 
@@ -350,7 +466,9 @@ def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
     activate_for(backend, device.type)
     o = cfg.optim
     adamw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=True)
-    runner = train_step.Runner("ours", model, "bf16", wl.device, wl.compile, adamw, grad_clip=cfg.train.grad_clip)
+    if wl.compile:  # each Transformer block, as the trainer compiles them: its graphs, read from the shared caches
+        compile_blocks(model)
+    runner = train_step.Runner("ours", model, "bf16", wl.device, False, adamw, grad_clip=cfg.train.grad_clip)
     batches = iter(build_run_loader(cfg, "train", wl.batch, 0, 1, load_tokenizer(cfg.data.tokenizer)))
     varlen = device.type == "cuda" and backend in VARLEN_BACKENDS
     size = model_size(cfg.model, wl.seq)
@@ -418,12 +536,14 @@ def newton_schulz(wl: Workload, data: dict[str, str], work: Path) -> int:
 # ------------------------------------------------------------------------------------------ imports
 
 
-def wheel_list() -> list[str]:
-    """The distributions ``bench/gpu_wheels.sh`` brings (its WHEELS array and DeepSpeed), as pip names them."""
+def wheel_list(mode: str = "core") -> list[str]:
+    """The distributions ``bench/gpu_wheels.sh`` brings in ``mode``, as pip names them: core, its CORE array and
+    DeepSpeed (what a GPU run installs on an image whose torch is older than 2.13); fa4, its FA4 array too."""
     script = (ROOT / "bench" / "gpu_wheels.sh").read_text()
-    block = script[script.index("WHEELS=(") : script.index(")", script.index("WHEELS=("))]
-    names = re.findall(r"^\s+([A-Za-z0-9_.-]+)==", block, re.MULTILINE)
-    names += re.findall(r"^DEEPSPEED=([A-Za-z0-9_.-]+)==", script, re.MULTILINE)
+    names = re.findall(r"^DEEPSPEED=([A-Za-z0-9_.-]+)==", script, re.MULTILINE)
+    for array in ("CORE", "FA4") if mode == "fa4" else ("CORE",):
+        block = re.search(rf"^{array}=\((.*?)^\)", script, re.MULTILINE | re.DOTALL).group(1)
+        names += re.findall(r"^\s+([A-Za-z0-9_.-]+)==", block, re.MULTILINE)
     return [canonical(name) for name in names]
 
 
@@ -457,13 +577,37 @@ def image_distributions() -> set[str]:
     return seen
 
 
-# Imports of the GPU run a dry run cannot make (CUDA-only paths): the distributions that must bring them.
-GPU_ONLY_IMPORTS = {"flash_attn": "flash-attn-4", "cutlass": "nvidia-cutlass-dsl", "triton": "triton"}
+# Imports of the GPU run a dry run cannot make (CUDA-only paths): the distributions that must bring them. flash-attn
+# 4's are optional: core mode leaves them out (the project then runs PyTorch's kernels), the fa4 list must bring them.
+GPU_ONLY_IMPORTS = {"triton": "triton"}
+FA4_IMPORTS = {"flash_attn": "flash-attn-4", "cutlass": "nvidia-cutlass-dsl"}
 
 
-def allowed_distributions() -> set[str]:
-    """What the GPU machine has: the image's distributions, the wheel list's, and this checkout."""
-    return image_distributions() | set(wheel_list()) | {"megatransformer"}
+def allowed_distributions(mode: str = "core") -> set[str]:
+    """What the GPU machine has: the image's distributions, the wheel list's (``mode``), and this checkout."""
+    return image_distributions() | set(wheel_list(mode)) | {"megatransformer"}
+
+
+def unmet_requirements(mode: str = "core") -> list[str]:
+    """Requirements of the wheel list's distributions (their metadata as installed here; extras and other
+    platforms' left out) that neither the image nor the list brings: pip's install there would stop on them."""
+    from packaging.requirements import Requirement
+
+    allowed = allowed_distributions(mode)
+    unmet = set()
+    for name in wheel_list(mode):
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue  # (not installed here: read on the GPU machine, by pip)
+        for line in requires:
+            requirement = Requirement(line)
+            marker = requirement.marker
+            if marker and not marker.evaluate({"extra": "", "python_version": "3.12", "sys_platform": "linux"}):
+                continue
+            if canonical(requirement.name) not in allowed:
+                unmet.add(f"{canonical(requirement.name)} (required by {name})")
+    return sorted(unmet)
 
 
 def vendored_modules(allowed: set[str]) -> set[str]:
@@ -496,8 +640,10 @@ def blocked_modules() -> list[str]:
 
 def import_check(modules: set[str]) -> dict:
     """The distributions behind ``modules`` (top-level names the phases' processes imported, plus
-    ``GPU_ONLY_IMPORTS``), each in the image or the wheel list, or ``missing``: it would fail on the GPU machine.
-    (A dry run's processes cannot import the others at all: ``blocked_modules``.)"""
+    ``GPU_ONLY_IMPORTS``), each in the image or the core wheel list, or ``missing``: it would fail on the GPU machine,
+    as would a requirement of the list's distributions that neither brings (:func:`unmet_requirements`);
+    ``missing_fa4``: flash-attn 4's imports that the fa4 list lacks. (A dry run's processes cannot import what the
+    image and the core list lack at all: ``blocked_modules``.)"""
     owners = importlib.metadata.packages_distributions()
     allowed, wheels = allowed_distributions(), set(wheel_list())
     needed: dict[str, str] = {}
@@ -506,15 +652,17 @@ def import_check(modules: set[str]) -> dict:
         distributions = [canonical(d) for d in owners.get(module, [])]
         if distributions:  # (the one that brings it there, else the first)
             needed[module] = next((d for d in distributions if d in allowed), distributions[0])
-        elif module not in GPU_ONLY_IMPORTS:
+        elif module not in GPU_ONLY_IMPORTS and module not in FA4_IMPORTS:
             unowned.append(module)
     needed.update(GPU_ONLY_IMPORTS)
     vendored = vendored_modules(allowed)
     missing = sorted({f"{d} (import {m})" for m, d in needed.items() if d not in allowed and m not in vendored})
+    with_fa4 = allowed_distributions("fa4")
     return {
         "distributions": sorted(set(needed.values())),
         "from_wheels": sorted(set(needed.values()) & wheels),
-        "missing": missing,
+        "missing": missing + unmet_requirements(),
+        "missing_fa4": sorted(f"{d} (import {m})" for m, d in FA4_IMPORTS.items() if d not in with_fa4),
         "unowned": unowned,  # (site-packages modules without distribution metadata: reported)
     }
 
@@ -537,13 +685,12 @@ def recorded_imports(folder: Path) -> tuple[set[str], dict[str, dict]]:
 def gpu_check(wl: Workload, work: Path) -> dict:
     """``bench/gpu_check.py``'s report (dry: its answer on a machine without CUDA, exit 2)."""
     command = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(work / "gpu_check")]
-    try:
-        done = subprocess.run(
-            command, env=environment(wl, work), capture_output=True, text=True, timeout=limit(wl, "gpu_check")
-        )
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "timed_out": True, "limit_s": LIMITS_S["gpu_check"]}
     report_file = work / "gpu_check" / "gpu_check.json"
+    report_file.unlink(missing_ok=True)  # (an earlier run's, in this --work)
+    try:
+        done = run_process(command, environment(wl, work), limit(wl, "gpu_check"), work / "logs" / "gpu_check")
+    except subprocess.TimeoutExpired as error:
+        return overran(error, "gpu_check")
     if report_file.is_file():
         return json.loads(report_file.read_text())
     report = {"ok": wl.device == "cpu" and done.returncode == 2, "exit": done.returncode, "stderr": done.stderr[-2000:]}
@@ -618,66 +765,104 @@ def versions() -> dict:
     }
 
 
-def run_suite(wl: Workload, work: Path) -> dict:
-    report: dict = {"versions": versions(), "workload": dataclasses.asdict(wl), "limits_s": LIMITS_S, "phases_s": {}}
-    report["work"] = str(work)
+NOT_RUN = {"ok": False, "not_run": True}  # a phase's place in the report until it has run
 
-    def phase(name: str, call):
-        started = time.perf_counter()
-        result = call()
-        report["phases_s"][name] = round(time.perf_counter() - started, 1)
-        print(f"# {name}: {report['phases_s'][name]} s", flush=True)
-        return result
 
-    if wl.device == "cpu":  # (dry: every process as on the GPU image, bench/import_recorder)
-        (work / "imports").mkdir(parents=True, exist_ok=True)
-        (work / "imports" / "blocked.json").write_text(json.dumps(blocked_modules()))
-    report["gpu_check"] = phase("gpu_check", lambda: gpu_check(wl, work))
+def new_report(wl: Workload, work: Path, disk: str) -> dict:
+    """The report before any phase has run."""
+    report: dict = {"ok": False, "work": str(work), "disk": disk, "workload": dataclasses.asdict(wl)}
+    report.update(limits_s=LIMITS_S, phases_s={}, gpu_check=dict(NOT_RUN), data=dict(NOT_RUN))
     for mode in MODES:
-        report[mode] = {"trainer": {"ok": False}, "bare": {"ok": False}, "trainer_over_bare": None}
-    report["muon"] = {"trainer": {"ok": False}, "ns": {"ok": False}, "muon_over_adamw": None, "ns_share": None}
-    report["tp"] = {"trainer": {"ok": False}}
-    try:
-        data = phase("data", lambda: prepare_data(work, wl))
-    except subprocess.SubprocessError as error:  # (a command failed or overran: nothing to train on)
-        stderr = (getattr(error, "stderr", None) or b"").decode(errors="replace")
-        report["data"] = {"ok": False, "error": str(error), "stderr": stderr[-2000:]}
-        data = None
-    if data:
-        for mode in MODES:
-            steps = wl.e2e_steps if mode == "packed" else wl.warmup + wl.steps
-            run = Run(f"trainer-{mode}", mode, steps, save=mode == "packed")  # (the suite's one checkpoint)
-            result = phase(run.phase, lambda run=run: trainer(wl, run, data[run.mode], work))
-            reference = phase(f"bare-{mode}", lambda mode=mode: bare(wl, mode, data[mode], work))
-            report[mode] = {"trainer": result, "bare": reference, **compare(result, reference)}
-        muon = Run("trainer-muon", "rows", wl.warmup + wl.muon_steps, extra=("optim.name=muon",))
-        muon_run = phase(muon.phase, lambda: trainer(wl, muon, data["rows"], work))
-        ns = phase("muon-ns", lambda: bare(wl, "muon-ns", data["rows"], work, phase="muon-ns"))
-        report["muon"] = {"trainer": muon_run, "ns": ns, **muon_figures(muon_run, ns, report["rows"]["trainer"])}
-        skip = tp_skip(wl)
-        if skip is not None:
-            report["tp"] = {"skipped": skip}
-        else:
-            tp = Run("trainer-tp", "rows", wl.warmup + wl.steps // 2, extra=(f"parallel.tensor_parallel={TP}",))
-            report["tp"] = {
-                "trainer": phase(
-                    tp.phase, lambda: trainer(wl, dataclasses.replace(tp, nproc=TP, tp=TP), data["rows"], work)
-                )
-            }
+        report[mode] = {"trainer": dict(NOT_RUN), "bare": dict(NOT_RUN)}
+    report["muon"] = {"trainer": dict(NOT_RUN), "ns": dict(NOT_RUN)}
+    report["tp"] = {"trainer": dict(NOT_RUN)}
+    return report
+
+
+def summarise(report: dict) -> None:
+    """The figures that follow from the phases' results so far: the ratios, the total time, ok, what is missing."""
+    for mode in MODES:
+        report[mode].update(compare(report[mode]["trainer"], report[mode]["bare"]))
+    muon = report["muon"]
+    muon.update(muon_figures(muon["trainer"], muon["ns"], report["rows"]["trainer"]))
     report["total_s"] = round(sum(report["phases_s"].values()), 1)
-    if wl.device == "cpu":  # (the recorder runs in dry runs only)
-        modules, caches = recorded_imports(work / "imports")
-        report["imports"] = {**import_check(modules), "processes": len(caches)}
-        report["caches"] = sorted({json.dumps(env, sort_keys=True) for env in caches.values()})
     sides = [report[mode][side] for mode in MODES for side in ("trainer", "bare")]
-    sides += [report["muon"]["trainer"], report["muon"]["ns"]] + (
-        [] if "skipped" in report["tp"] else [report["tp"]["trainer"]]
-    )
+    sides += [muon["trainer"], muon["ns"]] + ([] if "skipped" in report["tp"] else [report["tp"]["trainer"]])
     report["ok"] = (
         bool(report["gpu_check"].get("ok"))
         and all(side.get("ok") for side in sides)
         and not report.get("imports", {}).get("missing")
+        and not report.get("imports", {}).get("missing_fa4")
+        and "error" not in report
     )
+    report["missing"] = missing_figures(report)
+
+
+def write_report(report: dict, out: Path) -> str:
+    """``gpu_suite.json`` and ``gpu_suite.md`` in ``out`` from the report as it stands, each replaced whole (a suite
+    killed while writing leaves the previous ones); returns the Markdown."""
+    summarise(report)
+    markdown = table(report)
+    for name, text in (("gpu_suite.json", json.dumps(report, indent=2)), ("gpu_suite.md", markdown)):
+        partial = out / f"{name}.partial"
+        partial.write_text(text + "\n")
+        partial.replace(out / name)
+    return markdown
+
+
+def run_suite(wl: Workload, work: Path, out: Path, disk: str = "") -> dict:
+    """Every phase in turn; the report is written to ``out`` after each one, and after an exception with what is
+    known by then (the exception goes on)."""
+    report = new_report(wl, work, disk)
+
+    def phase(name: str, call, *place: str) -> dict:
+        """One phase: its result put at ``report[place[0]][place[1]]...``, its time recorded, the report written."""
+        started = time.perf_counter()
+        try:
+            result = call()
+            target = report
+            for key in place[:-1]:
+                target = target[key]
+            target[place[-1]] = result
+            return result
+        finally:
+            report["phases_s"][name] = round(time.perf_counter() - started, 1)
+            print(f"# {name}: {report['phases_s'][name]} s", flush=True)
+            write_report(report, out)
+
+    try:
+        report["versions"] = versions()
+        skip = tp_skip(wl)
+        if skip is not None:
+            report["tp"] = {"skipped": skip}
+        write_report(report, out)
+        if wl.device == "cpu":  # (dry: every process as on the GPU image, bench/import_recorder)
+            (work / "imports").mkdir(parents=True, exist_ok=True)
+            (work / "imports" / "blocked.json").write_text(json.dumps(blocked_modules()))
+        phase("gpu_check", lambda: gpu_check(wl, work), "gpu_check")
+        data = phase("data", lambda: data_phase(wl, work), "data").get("paths")
+        if data:  # (else nothing to train on)
+            for mode in MODES:
+                steps = wl.e2e_steps if mode == "packed" else wl.warmup + wl.steps
+                run = Run(f"trainer-{mode}", mode, steps, save=mode == "packed")  # (the suite's one checkpoint)
+                phase(run.phase, lambda run=run: trainer(wl, run, data[run.mode], work), mode, "trainer")
+                phase(f"bare-{mode}", lambda mode=mode: bare(wl, mode, data[mode], work), mode, "bare")
+            muon = Run("trainer-muon", "rows", wl.warmup + wl.muon_steps, extra=("optim.name=muon",))
+            phase(muon.phase, lambda: trainer(wl, muon, data["rows"], work), "muon", "trainer")
+            phase("muon-ns", lambda: bare(wl, "muon-ns", data["rows"], work, phase="muon-ns"), "muon", "ns")
+            if skip is None:
+                tp = Run("trainer-tp", "rows", wl.warmup + wl.steps // 2, extra=(f"parallel.tensor_parallel={TP}",))
+                tp = dataclasses.replace(tp, nproc=TP, tp=TP)
+                phase(tp.phase, lambda: trainer(wl, tp, data["rows"], work), "tp", "trainer")
+        if wl.device == "cpu":  # (the recorder runs in dry runs only)
+            modules, caches = recorded_imports(work / "imports")
+            report["imports"] = {**import_check(modules), "processes": len(caches)}
+            report["caches"] = sorted({json.dumps(env, sort_keys=True) for env in caches.values()})
+    except BaseException:
+        report["error"] = traceback.format_exc()[-3000:]
+        raise
+    finally:
+        write_report(report, out)
     return report
 
 
@@ -716,9 +901,14 @@ def table(report: dict) -> str:
     def number(value, form: str) -> str:
         return "-" if value is None else format(value, form)
 
+    def state(run: dict) -> str:
+        if run.get("ok"):
+            return ""
+        return " (timed out)" if run.get("timed_out") else " (not run)" if run.get("not_run") else " (failed)"
+
+    versions = report.get("versions", {})
     rows = [
-        f"GPU suite, {report['versions']['device']}, torch {report['versions']['torch']} "
-        f"({report['versions']['date']})",
+        f"GPU suite, {versions.get('device')}, torch {versions.get('torch')} ({versions.get('date')})",
         "",
         "| workload | runner | step s | tokens/s | MFU | recompiles | graph breaks | trainer / bare |",
         "|---|---|---|---|---|---|---|---|",
@@ -730,9 +920,8 @@ def table(report: dict) -> str:
         c = r.get("compile", {})
         ratio = number(report[mode].get("trainer_over_bare"), ".3f") if mode in MODES and side == "trainer" else ""
         mfu = None if r.get("mfu") is None else 100 * r["mfu"]
-        state = "" if r.get("ok") else (" (timed out)" if r.get("timed_out") else " (failed)")
         rows.append(
-            f"| {mode} | {side}{state} | {number(r.get('step_s'), '.4f')} | {number(r.get('tokens_per_s'), ',.0f')} "
+            f"| {mode} | {side}{state(r)} | {number(r.get('step_s'), '.4f')} | {number(r.get('tokens_per_s'), ',.0f')} "
             f"| {number(mfu, '.1f')}% | {number(c.get('recompiles'), 'd')} | {number(c.get('graph_breaks'), 'd')} "
             f"| {ratio} |"
         )
@@ -752,10 +941,13 @@ def table(report: dict) -> str:
     )
     if "skipped" in report["tp"]:
         rows.append(f"- tensor parallelism: skipped: {report['tp']['skipped']}")
-    rows.append(f"- gpu_check ok: {report['gpu_check'].get('ok')}")
+    rows.append(f"- gpu_check ok: {report['gpu_check'].get('ok')}; data ok: {report['data'].get('ok')}")
     rows.append(f"- phases (s): {report['phases_s']} (total {report['total_s']} s)")
     if "imports" in report:
-        rows.append(f"- imports: missing from the image and the wheels: {report['imports']['missing'] or 'none'}")
+        imports = report["imports"]
+        rows.append(f"- imports: missing from the image and the wheels: {imports['missing'] or 'none'}")
+    if "error" in report:
+        rows.append(f"- stopped by an error: {report['error'].strip().splitlines()[-1]}")
     return "\n".join(rows)
 
 
@@ -799,12 +991,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or work
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    report = run_suite(wl, work)
-    report["missing"] = missing_figures(report)
-    markdown = table(report)
-    (out / "gpu_suite.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "gpu_suite.md").write_text(markdown + "\n")
-    print(markdown)
+    disk = subprocess.run(["df", "-h", str(work)], capture_output=True, text=True).stdout
+    print(disk, end="", flush=True)  # (the packed run's checkpoint takes ~15 GB of it)
+    report = run_suite(wl, work, out, disk)
+    print(table(report))
     print(f"# report: {out / 'gpu_suite.json'}, {out / 'gpu_suite.md'}; work: {work}")
     if report["missing"]:
         print(f"# missing figures: {', '.join(report['missing'])}")

@@ -68,8 +68,9 @@ def test_the_dry_run_reports_every_figure_of_every_phase(tmp_path):
     }
     # every process of every phase imported only what the image or the wheel list has, and shared one cache
     imports = report["imports"]
-    assert imports["missing"] == [] and imports["processes"] >= 10
-    assert {"deepspeed", "pydantic", "webdataset", "flash-attn-4"} <= set(imports["from_wheels"])
+    assert imports["missing"] == [] and imports["missing_fa4"] == [] and imports["processes"] >= 10
+    assert {"deepspeed", "pydantic", "webdataset"} <= set(imports["from_wheels"])  # (the core list's)
+    assert "flash-attn-4" not in imports["from_wheels"]
     [caches] = [json.loads(env) for env in report["caches"]]
     assert caches["TORCHINDUCTOR_CACHE_DIR"] == str(work / "cache" / "inductor")
     assert caches["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(work / "cache" / "flash-attn-4")
@@ -161,20 +162,25 @@ def test_tensor_parallelism_is_skipped_on_one_gpu_with_its_reason(suite, monkeyp
 
 
 def test_the_wheel_list_is_read_from_gpu_wheels_sh(suite):
-    wheels = suite.wheel_list()
-    assert {"flash-attn-4", "nvidia-cutlass-dsl", "deepspeed", "zstandard", "pyyaml", "py-cpuinfo"} <= set(wheels)
-    assert "torch" not in wheels  # (the image's own)
+    core, fa4 = suite.wheel_list(), suite.wheel_list("fa4")
+    assert {"deepspeed", "zstandard", "pydantic", "pydantic-core", "typing-extensions", "py-cpuinfo"} <= set(core)
+    assert not {"flash-attn-4", "nvidia-cutlass-dsl"} & set(core)  # (core mode: no flash-attn 4)
+    assert set(core) | {"flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels"} <= set(fa4)
+    assert "torch" not in fa4  # (the image's own)
     assert {"torch", "transformers", "tokenizers", "numpy"} <= suite.image_distributions()
 
 
 def test_an_import_neither_the_image_nor_the_wheels_bring_is_named(suite, monkeypatch):
     assert suite.import_check({"deepspeed", "zstandard", "numpy", "torch"})["missing"] == []
-    wheels = suite.wheel_list()
-    monkeypatch.setattr(suite, "wheel_list", lambda: [w for w in wheels if w != "zstandard"])
+    wheels = suite.wheel_list
+    monkeypatch.setattr(suite, "wheel_list", lambda mode="core": [w for w in wheels(mode) if w != "zstandard"])
     check = suite.import_check({"deepspeed", "zstandard"})
     assert check["missing"] == ["zstandard (import zstandard)"]  # the H200's data phase, before the fix
-    monkeypatch.setattr(suite, "GPU_ONLY_IMPORTS", {"flash_attn": "flash-attn-5"})
-    assert suite.import_check(set())["missing"] == ["flash-attn-5 (import flash_attn)"]
+    monkeypatch.setattr(suite, "GPU_ONLY_IMPORTS", {"triton": "triton-9"})
+    assert suite.import_check(set())["missing"] == ["triton-9 (import triton)"]
+    monkeypatch.setattr(suite, "FA4_IMPORTS", {"flash_attn": "flash-attn-5"})
+    check = suite.import_check(set())
+    assert check["missing_fa4"] == ["flash-attn-5 (import flash_attn)"] and "flash-attn-5" not in str(check["missing"])
 
 
 def test_a_dry_runs_processes_cannot_import_what_the_gpu_machine_lacks(suite, tmp_path):
@@ -210,8 +216,10 @@ def test_every_process_of_the_suite_shares_the_compile_caches(suite, tmp_path):
     assert str(suite.RECORDER) in suite.environment(suite.DRY, tmp_path)["PYTHONPATH"]
 
 
-def test_the_phases_fit_in_eight_minutes_and_their_limits_are_given_on_the_command_line(suite, monkeypatch):
-    assert sum(suite.LIMITS_S.values()) <= 8 * 60 - 10  # (10 s for start-up and the report)
+def test_the_phases_and_the_install_fit_in_one_device_call_and_limits_are_given_on_the_command_line(suite, monkeypatch):
+    one_gpu = sum(seconds for phase, seconds in suite.LIMITS_S.items() if phase != "trainer-tp")  # (tp: two GPUs)
+    assert one_gpu + suite.INSTALL_S + suite.START_S <= suite.CALL_S == 600
+    assert suite.LIMITS_S["gpu_check"] >= 150 and suite.LIMITS_S["trainer-packed"] >= 110  # (empty compile caches)
     monkeypatch.setattr(suite, "LIMITS_S", dict(suite.LIMITS_S))
     suite.parse_args(["--limit", "gpu_check=200"])
     assert suite.LIMITS_S["gpu_check"] == 200
