@@ -3,24 +3,21 @@ judges the step probe, and the CUDA sync counter it gates on (torch.cuda's sync 
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
-from support import REPO
+from support import REPO, bench_script
 
 from megatransformer.training.observability.probes import CudaSyncCounter
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with bench_script("gpu_check") as module:
+        yield module
 
 
 def pytest_run(monkeypatch, gpu_check, returncode: int, stdout: str, stderr: str = "") -> list[list[str]]:

@@ -4,23 +4,18 @@ checkpoint's stall."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
-from support import REPO
+from support import REPO, bench_script
 
 
 @pytest.fixture(scope="module")
 def suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "bench" / "gpu_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with bench_script("gpu_suite") as module:
+        yield module
 
 
 def test_the_dry_run_reports_every_figure_of_every_phase(tmp_path):

@@ -4,24 +4,19 @@ every phase and after an exception; the core wheel list brings every requirement
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 
 import pytest
-from support import REPO
+from support import bench_script
 
 
 @pytest.fixture(scope="module")
 def suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "bench" / "gpu_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with bench_script("gpu_suite") as module:
+        yield module
 
 
 def alive(pid: int) -> bool:
