@@ -152,8 +152,8 @@ def end_process(code: int) -> NoReturn:
 
 
 # A rank that leaves an error to local rank 0 exits this much later: torchrun ends a job's other processes as soon
-# as one fails (it looks every 0.1 s), which on a loaded machine ended rank 0 before it had printed the line. Rank
-# 0's exit ends this one as soon (torchrun); under srun the job ends this much later.
+# as one fails (it looks every 0.1 s), which on a loaded machine ended rank 0 before it had printed the line. Under
+# torchrun this rank is ended as soon as rank 0 exits; under srun the job ends this much later.
 QUIET_RANK_EXIT_DELAY = 5.0
 
 

@@ -29,8 +29,8 @@ class SinusoidalPositions(nn.Module):
         self.register_buffer("table", sinusoidal_table(max_len, dim), persistent=False)
 
     def reset_buffers(self) -> None:
-        """The table made again, in fp32 on its device (a build that casts every tensor made in it, ZeRO-3's, made it
-        in the run's precision)."""
+        """The table made again, in fp32 on its device (a build that casts every tensor made in it to the run's
+        precision made it in bf16)."""
         self.table = sinusoidal_table(*self.table.shape).to(self.table.device)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
