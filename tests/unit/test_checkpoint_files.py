@@ -93,3 +93,22 @@ def test_a_marker_is_fsynced_before_its_rename_and_its_directory_after(tmp_path,
         ("replace", str(root / ckpt.LATEST)),
         ("fsync", str(root)),
     ]
+
+
+def test_the_staging_copies_lie_whole_in_blocks_of_a_power_of_two_kept_from_save_to_save(monkeypatch):
+    """(CUDA's pinned allocator rounds each allocation up to a power of two: a buffer a piece took up to twice the
+    pieces' bytes; blocks of a power of two lose a tail each)"""
+    monkeypatch.setattr(checkpointer, "STAGING_BLOCK_BYTES", 64)  # (16 fp32 elements)
+    staging = checkpointer.StagingBlocks(pinned=False)
+    sizes = [5, 7, 6, 20, 3, 0]  # (a piece larger than a block: blocks of its power of two, 32)
+    views = staging.views(sizes)
+    assert [v.numel() for v in views] == sizes
+    assert [b.numel() for b in staging.blocks] == [18, 23]  # (20 does not fit after 18 of 32: a new block)
+    assert all(b.numel() <= 32 for b in staging.blocks)
+    spans = sorted((v.data_ptr(), v.data_ptr() + 4 * v.numel()) for v in views if v.numel())
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # (no two pieces overlap)
+    for size, view in zip(sizes, views):
+        view.copy_(torch.arange(size, dtype=torch.float32))
+    assert [v.tolist() for v in views] == [list(map(float, range(size))) for size in sizes]
+    assert all(a is b for a, b in zip(staging.views(sizes), views))  # (the same buffers at the next save)
+    assert [v.numel() for v in staging.views([4, 4])] == [4, 4] and len(staging.blocks) == 1
