@@ -240,11 +240,13 @@ def main() -> int:
         "deepspeed": importlib.metadata.version("deepspeed"),
         "flash_attn": None if flash is None else flash.__version__,
         "flash_registry": {core: gpu_cores.registry_impl_installed(core) for core in gpu_cores.REGISTRY_IMPLS},
-        "gpu_tests": gpu_tests(),
-        "step_probe": step_probe(),
-        "training": training(out),
     }
-    report["ok"] = all(report[k]["ok"] for k in ("gpu_tests", "step_probe", "training"))
+    parts = {"gpu_tests": gpu_tests, "step_probe": step_probe, "training": lambda: training(out)}
+    for name, part in parts.items():  # (the report on disk after each: what is known, should a time limit end it)
+        report[name] = part()
+        print(f"gpu_check: {name}: {'ok' if report[name]['ok'] else 'FAILED'}", flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    report["ok"] = all(report[name]["ok"] for name in parts)
     text = json.dumps(report, indent=2)
     (out / "gpu_check.json").write_text(text + "\n")
     print(text)

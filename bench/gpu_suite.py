@@ -689,8 +689,9 @@ def gpu_check(wl: Workload, work: Path) -> dict:
     report_file.unlink(missing_ok=True)  # (an earlier run's, in this --work)
     try:
         done = run_process(command, environment(wl, work), limit(wl, "gpu_check"), work / "logs" / "gpu_check")
-    except subprocess.TimeoutExpired as error:
-        return overran(error, "gpu_check")
+    except subprocess.TimeoutExpired as error:  # (with the parts it had finished, written after each)
+        finished = json.loads(report_file.read_text()) if report_file.is_file() else {}
+        return {**overran(error, "gpu_check"), "finished": finished}
     if report_file.is_file():
         return json.loads(report_file.read_text())
     report = {"ok": wl.device == "cpu" and done.returncode == 2, "exit": done.returncode, "stderr": done.stderr[-2000:]}

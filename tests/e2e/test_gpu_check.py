@@ -3,6 +3,7 @@ judges the step probe, and the CUDA sync counter it gates on (torch.cuda's sync 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import warnings
@@ -167,3 +168,22 @@ def test_cuda_sync_counter_counts_cudas_sync_warnings(monkeypatch):
     assert syncs.total == 3 and modes == ["warn", "default"]
     [(site, waits)] = syncs.sites.items()  # where each wait was asked for: this file's line
     assert site.split(":")[0].endswith("test_gpu_check.py") and waits == 3
+
+
+def test_the_report_is_on_disk_after_each_part(monkeypatch, gpu_check, tmp_path):
+    """A time limit that ends the check in its training run leaves the tests' and the probe's results written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(gpu_check, "gpu_tests", lambda: {"ok": True, "passed": 64})
+    monkeypatch.setattr(gpu_check, "step_probe", lambda: {"ok": True})
+
+    def ended(out):
+        raise KeyboardInterrupt  # (as the suite's kill would end it, mid-run)
+
+    monkeypatch.setattr(gpu_check, "training", ended)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main()
+    written = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert written["gpu_tests"] == {"ok": True, "passed": 64} and written["step_probe"] == {"ok": True}
+    assert "training" not in written and "ok" not in written
