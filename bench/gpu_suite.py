@@ -163,11 +163,13 @@ def run_process(
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def kill_tree(process: subprocess.Popen) -> None:
+def kill_tree(process: subprocess.Popen, seconds: float = 10.0) -> None:
     """SIGKILL ``process``'s process group and the group of every process below it (torchrun starts each rank in a
-    session of its own), then reap it. Not SIGTERM: the trainer answers it with a checkpoint."""
+    session of its own), reap it, and wait (at most ``seconds``) until every one has ended: the next phase finds the
+    GPU free. Not SIGTERM: the trainer answers it with a checkpoint."""
+    below = descendants(process.pid)
     groups = {process.pid}
-    for pid in descendants(process.pid):
+    for pid in below:
         with contextlib.suppress(ProcessLookupError):
             groups.add(os.getpgid(pid))
     groups.discard(os.getpgrp())  # (never the suite's own)
@@ -175,6 +177,17 @@ def kill_tree(process: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, signal.SIGKILL)
     process.wait()
+    deadline = time.monotonic() + seconds
+    while any(map(running, below)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` has not ended (a zombie has: only its parent's reading of its exit is left)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def descendants(pid: int) -> list[int]:

@@ -19,15 +19,6 @@ def suite():
         yield module
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie left for an init that does not reap it counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 # A process that writes its pid to the file named (whole, once there) and sleeps.
 SLEEPER = (
     "import os, sys, time; open(sys.argv[1] + '~', 'w').write(str(os.getpid())); "
@@ -70,10 +61,7 @@ def test_a_phase_past_its_limit_is_killed_with_its_whole_tree_and_keeps_its_outp
     assert "Graph break" in caught.value.stderr
     assert (tmp_path / "logs" / "phase.out").read_text() == caught.value.output  # (the whole log stays)
     child, rank = tree_pids(tmp_path)
-    deadline = time.monotonic() + 10
-    while (alive(child) or alive(rank)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(child) and not alive(rank)
+    assert not suite.running(child) and not suite.running(rank)  # (ended by the time the phase's result is back)
 
 
 def test_a_trainer_phase_past_its_limit_keeps_its_output_and_the_metrics_written(suite, tmp_path, monkeypatch):
@@ -88,7 +76,7 @@ def test_a_trainer_phase_past_its_limit_keeps_its_output_and_the_metrics_written
     assert result["ok"] is False and result["timed_out"] and result["limit_s"] == suite.LIMITS_S["trainer-rows"]
     assert result["stdout"] == "step 1 done\nwaiting\n" and result["compile"]["graph_breaks"] == 1
     assert result["metrics"] == [{"kind": "train", "step": 1, "tokens": 10, "tokens_per_s": 5.0}]  # (cut line skipped)
-    assert not any(map(alive, tree_pids(tmp_path / "run-trainer-rows")))
+    assert not any(map(suite.running, tree_pids(tmp_path / "run-trainer-rows")))
 
 
 def test_what_a_finished_phase_leaves_in_its_process_group_is_killed(suite, tmp_path):
@@ -96,9 +84,9 @@ def test_what_a_finished_phase_leaves_in_its_process_group_is_killed(suite, tmp_
     assert suite.run_process(command, {}, 30, tmp_path / "phase").returncode == 0
     left = int((tmp_path / "left").read_text())
     deadline = time.monotonic() + 10
-    while alive(left) and time.monotonic() < deadline:
+    while suite.running(left) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not alive(left)
+    assert not suite.running(left)
 
 
 def test_unparsable_metrics_lines_are_skipped(suite, tmp_path):
