@@ -237,7 +237,8 @@ STAGING_BLOCK_BYTES = 1 << 30
 
 
 class StagingBlocks:
-    """Host memory for a rank's pieces of state, kept from save to save: fp32 views into blocks of
+    """Host memory for a rank's pieces of state, kept from save to save: a buffer each in pageable memory; where
+    pinned (CUDA), fp32 views into blocks of
     :data:`STAGING_BLOCK_BYTES` (or, for a larger piece, the next power of two), each piece whole in one, the pieces in
     turn; pinned on CUDA, whose allocator rounds every pinned allocation up to a power of two: a buffer a piece
     would have taken 1.4x the pieces' bytes on average and up to 2x, unswappable; the blocks lose a block's tail to
@@ -257,6 +258,9 @@ class StagingBlocks:
         return self.pieces
 
     def _laid_out(self, sizes: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if not self.pinned:  # (nothing rounds pageable memory; one large block would not fit the heap's holes)
+            pieces = [torch.empty(size, dtype=torch.float32) for size in sizes]
+            return pieces, pieces
         block = max([STAGING_BLOCK_BYTES // 4, *(1 << (size - 1).bit_length() for size in sizes if size)])
         fills: list[int] = []  # (the elements each block holds)
         places = []  # (block, offset) of each piece
