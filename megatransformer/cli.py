@@ -13,7 +13,6 @@ import importlib
 import os
 import signal
 import sys
-import time
 from typing import NoReturn
 
 from data_pipeline import DataError, WriteFailed
@@ -125,10 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ConfigError, DataError) as err:
+        from megatransformer.training.runtime import failure_board
+
         if reports_errors():
             to_stderr(f"megatransformer {args.command}: error: {err}")
+            failure_board.say_printed()
         else:
-            time.sleep(QUIET_RANK_EXIT_DELAY)
+            failure_board.wait_until_printed()
         return 2
     except WriteFailed as err:  # (each rank its own: which rank's disk filled up matters)
         to_stderr(f"megatransformer {args.command}: error: {err}")
@@ -149,12 +151,6 @@ def end_process(code: int) -> NoReturn:
     loaded (about a second a process) to free memory the process returns anyway. Not for in-process callers."""
     gc.freeze()
     sys.exit(code)
-
-
-# A rank that leaves an error to local rank 0 exits this much later: torchrun ends a job's other processes as soon
-# as one fails (it looks every 0.1 s), which on a loaded machine ended rank 0 before it had printed the line. Under
-# torchrun this rank is ended as soon as rank 0 exits; under srun the job ends this much later.
-QUIET_RANK_EXIT_DELAY = 5.0
 
 
 def reports_errors() -> bool:

@@ -48,7 +48,7 @@ from megatransformer.checkpoint.weights_files import (
     weights_file_names,
     write_weights_files,
 )
-from megatransformer.config import ConfigError, ModelConfig, RunConfig, dump_config, validate
+from megatransformer.config import ConfigError, ModelConfig, RunConfig, dump_config, validate, without_retired
 
 # Fields that change parameter shapes or names: they must match to load weights.
 SHAPE_FIELDS = (
@@ -172,7 +172,7 @@ def write_trainer_state(path: Path, state: TrainerState) -> None:
 
 
 def saved_config(path: Path) -> RunConfig:
-    return read_file(path, CONFIG, lambda text: validate(yaml.safe_load(text)))
+    return read_file(path, CONFIG, lambda text: validate(without_retired(yaml.safe_load(text))))
 
 
 def shape_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:

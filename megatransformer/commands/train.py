@@ -141,6 +141,8 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             if changed:
                 print(f"init_from={cfg.init_from}: this model differs from the checkpoint's: {', '.join(changed)}")
         code = trainer.run()
+        cfg = on_first_rank(lambda: with_closing_prompt(cfg, overrides, tokenizer))  # (the first rank reads data)
+        sample = closing_sample(cfg, trainer, tokenizer) if code == 0 else None
         if board is not None:
             board.close()
         end_groups(trainer)  # (every collective of the run is behind it)
@@ -186,9 +188,8 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             tell_peers(board, one_line(err))
         raise
     if dist_info.is_main:
-        cfg = with_closing_prompt(cfg, overrides, tokenizer)
-        if code == 0:
-            print_sample(cfg, trainer.checkpoint, tokenizer)
+        if sample is not None:
+            print(sample, flush=True)
         print_summary(cfg, code, time.perf_counter() - started, trainer.checkpoint, trainer.state)
     release(held)
     return code
@@ -296,43 +297,28 @@ def first_instruction_prompt(cfg: RunConfig, tokenizer) -> str | None:
     return tokenizer.decode(block.ids[start : start + int(block.prompt_lens[0])].tolist(), skip_special=True)
 
 
-def print_sample(cfg: RunConfig, checkpoint: Path, tokenizer, max_new_tokens: int = 40) -> None:
-    """Greedy continuation of train.sample_prompt with the final weights (decoder models)."""
+def closing_sample(cfg: RunConfig, trainer: Trainer, tokenizer, max_new_tokens: int = 40) -> str | None:
+    """The first rank's line of a greedy continuation of ``train.sample_prompt`` by the final weights (decoder
+    models), run in the engine as it stands: where each forward needs every rank (ZeRO-3, tensor parallelism)
+    every rank runs it, for exactly ``max_new_tokens`` forwards (none stops at its own end-of-text), and no rank
+    ever holds more of the model than training did."""
     import torch
 
-    from megatransformer.inference import load_for_inference
     from megatransformer.model import generate
-    from megatransformer.planner import parameter_counts
 
+    module = trainer.module
     if not cfg.train.sample_prompt or cfg.model.arch != "decoder":
-        return
-    held, free = sum(parameter_counts(cfg.model)) * 4, available_host_bytes()
-    if free is not None and held > SAMPLE_HOST_SHARE * free:
-        print(
-            f"sample: skipped: the model's {held / 2**20:,.0f} MiB in fp32 would take more than this host has free "
-            f"({free / 2**20:,.0f} MiB); continue train.sample_prompt with `megatransformer generate` where it fits"
-        )
-        return
-    model = load_for_inference(checkpoint).model
-    prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)])
-    new = generate(model, prompt, max_new_tokens, temperature=0.0, eos_id=tokenizer.eos_id)
-    print(format_sample(cfg.train.sample_prompt, tokenizer.decode(new[0].tolist(), skip_special=True)))
-    sys.stdout.flush()
-
-
-SAMPLE_HOST_SHARE = 0.8  # of the host's available memory the closing sample may take (the model in fp32)
-
-
-def available_host_bytes() -> int | None:
-    """The host memory the kernel can give without swapping (``MemAvailable``); None where it does not say."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        return None
+    if not (trainer.dist.is_main or module.forwards_together):
+        return None
+    max_new_tokens = min(max_new_tokens, cfg.model.max_seq_len // 2)
+    room = cfg.model.max_seq_len - max_new_tokens  # (a long instruction's prompt: its end)
+    prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)[-room:]], device=module.device)
+    with torch.no_grad(), module.plain_model() as model, module.matmuls():
+        new = generate(model, prompt, max_new_tokens, temperature=0.0)[0].tolist()
+    if tokenizer.eos_id in new:
+        new = new[: new.index(tokenizer.eos_id)]
+    return format_sample(cfg.train.sample_prompt, tokenizer.decode(new, skip_special=True))
 
 
 def format_sample(prompt: str, continuation: str) -> str:

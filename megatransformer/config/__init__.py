@@ -33,6 +33,7 @@ from megatransformer.config.loading import (
     resolve_config,
     shipped_configs,
     validate,
+    without_retired,
 )
 from megatransformer.config.model import ModelConfig, RopeScaling
 from megatransformer.config.run import RunConfig
@@ -81,4 +82,5 @@ __all__ = [
     "resolve_config",
     "shipped_configs",
     "validate",
+    "without_retired",
 ]

@@ -106,6 +106,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(raw).__name__}")
     raw = apply_overrides(raw, list(overrides))
+    refuse_retired(raw)
     try:
         return schema.model_validate(raw)
     except ValidationError as err:
@@ -148,6 +149,37 @@ def _keep_typed_text(raw: dict[str, Any], overrides: list[str], err: ValidationE
             node[loc[-1]] = typed[loc]
             kept = True
     return kept
+
+
+RETIRED = {
+    "checkpoint.dtype": "it set nothing; `megatransformer export --dtype` sets the dtype of exported weights",
+}
+"""Keys this version no longer has, and why: refused in a config, dropped from a config a checkpoint saved."""
+
+
+def refuse_retired(raw: dict[str, Any]) -> None:
+    for key, why in RETIRED.items():
+        if _pop(raw, key, dry=True):
+            raise ConfigError(f"{key} is no longer a setting ({why}); remove it")
+
+
+def without_retired(raw: dict[str, Any]) -> dict[str, Any]:
+    """A saved config without the keys of :data:`RETIRED` (they changed nothing where they were written)."""
+    for key in RETIRED:
+        _pop(raw, key)
+    return raw
+
+
+def _pop(raw: Any, key: str, dry: bool = False) -> bool:
+    """Whether ``raw`` has the dotted ``key``; removed unless ``dry``."""
+    *sections, name = key.split(".")
+    for section in sections:
+        raw = raw.get(section) if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or name not in raw:
+        return False
+    if not dry:
+        del raw[name]
+    return True
 
 
 def validate(raw: dict[str, Any], schema: type[Section] = RunConfig):

@@ -239,8 +239,6 @@ class CheckpointConfig(Section):
     between failures) (Young/Daly); the run log says each save's stall and write time."""
     keep: PositiveInt = 3
     """Most recent checkpoints kept (older ones are deleted)."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """dtype of exported consolidated weights."""
     timeout_minutes: Annotated[float, Field(gt=0, le=7 * 24 * 60)] = 30.0
     """Longest wait of the background checkpoint writers for each other (their own gloo group, apart from
     parallel.timeout_minutes): the slowest rank's write of its shard, rank 0's manifest and removal of old

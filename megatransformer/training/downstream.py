@@ -33,8 +33,9 @@ class Downstream:
         # parallel.timeout_minutes does not trip the training collectives' watchdog)
         share, shares = module.item_share()
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        lockstep = (module.zero_stage == 3 or module.tp > 1) and ranks > 1
+        lockstep = module.forwards_together
         group = harness.gather_group(ranks if shares > 1 or lockstep else 1)
+        self.timeout_minutes = harness.EVAL_GATHER_TIMEOUT_MINUTES  # (the longest wait of a rank in the tasks)
         # (a preemption ends the tasks between two forwards: the checkpoint comes first, see run)
         self.placement = harness.Placement(
             torch.device(device), share, shares, module.matmuls, group, lockstep=lockstep, stop=stop

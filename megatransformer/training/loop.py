@@ -393,7 +393,13 @@ class Trainer:
             )
             downstream = False
         if downstream or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-            with watchdog.watching("validation"), window.paused():  # (the tasks' numbers beside a validation loss)
+            # (the tasks' answers are gathered on a group with a timeout of its own: the tasks may take hours)
+            watched = (
+                watchdog.watching("validation and train.evals", self.downstream.timeout_minutes)
+                if downstream
+                else watchdog.watching("validation")
+            )
+            with watched, window.paused():  # (the tasks' numbers beside a validation loss)
                 report.log({"step": step, **self.evaluations(downstream)})
             for line in self.compile_watch.after_evaluation(step) if self.compile_watch is not None else ():
                 report.message(line)

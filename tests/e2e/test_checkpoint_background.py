@@ -180,5 +180,7 @@ def test_a_rank_dying_mid_save_leaves_the_survivor_one_line_not_the_writers_trac
     assert ranks[0].returncode == 4, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("megatransformer train: error: rank 0: ")]
-    assert len(errors) == 1 and "another rank is gone" in errors[0], err[-3000:]
+    # (gloo's reason for the failed collective, or first should the failure board's watcher see the process gone)
+    assert len(errors) == 1, err[-3000:]
+    assert "another rank is gone" in errors[0] or "rank 1 failed: its process ended without a line" in errors[0]
     assert not (run / "checkpoints" / "step_000004" / ckpt.COMPLETE).exists()

@@ -134,26 +134,29 @@ def test_absurd_step_counts_are_refused(value, message):
 
 
 def test_a_config_error_is_printed_by_the_first_local_rank_only(monkeypatch, capsys):
-    from megatransformer import cli
+    from megatransformer.training.runtime import failure_board
 
-    slept = []
-    monkeypatch.setattr(cli.time, "sleep", slept.append)
+    said = []
+    monkeypatch.setattr(failure_board, "wait_until_printed", lambda: said.append("waited"))
+    monkeypatch.setattr(failure_board, "say_printed", lambda: said.append("printed"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert main(["info", "--config", "quickstart", "train.max_stepz=3"]) == 2
     assert capsys.readouterr().err == ""
-    assert slept == [cli.QUIET_RANK_EXIT_DELAY]  # (it exits after the rank that prints)
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert main(["info", "--config", "quickstart", "train.max_stepz=3"]) == 2
     assert "did you mean 'train.max_steps'?" in capsys.readouterr().err
+    assert said == ["waited", "printed"]  # (the quiet rank exits once the first has printed)
 
 
-# `python -m launch`, rank 0 a second late, as on a loaded machine: torchrun ends the others once one has failed
-LAUNCH_WITH_RANK_0_LATE = """
-import os, runpy, time
+# `megatransformer train` under torchrun, rank 0 ten seconds late, as on a loaded machine: torchrun ends the others
+# once one has failed (rank 0 has no signal handler before the trainer's)
+TRAIN_WITH_RANK_0_LATE = """
+import os, runpy, sys, time
 if os.environ["LOCAL_RANK"] == "0":
-    time.sleep(1.5)
-runpy.run_module("launch", run_name="__main__")
+    time.sleep(10)
+sys.argv[1:1] = ["train"]
+runpy.run_module("megatransformer.cli", run_name="__main__")
 """
 
 
@@ -161,8 +164,8 @@ runpy.run_module("launch", run_name="__main__")
 def test_under_torchrun_a_config_error_is_printed_once(rank_0_late, tmp_path):
     command = launch_command(2)
     if rank_0_late:
-        script = tmp_path / "launch_late.py"
-        script.write_text(LAUNCH_WITH_RANK_0_LATE)
+        script = tmp_path / "train_late.py"
+        script.write_text(TRAIN_WITH_RANK_0_LATE)
         command = [*torchrun(2), str(script)]
     result = subprocess.run(
         [*command, "--config", "quickstart", "train.max_stepz=3"], capture_output=True, text=True, timeout=600

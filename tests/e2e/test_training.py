@@ -6,6 +6,7 @@ Every run is a real `megatransformer train` process (torchrun for several ranks,
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 
@@ -73,14 +74,23 @@ def test_data_parallel_ranks_read_disjoint_data(tiny_data, tmp_path):
 
 def test_validation_is_split_across_data_parallel_ranks_with_one_rank_numbers(tiny_data, tmp_path):
     """Three validation batches over two ZeRO-3 ranks (2 + 1, the second rank runs a dropped forward to keep
-    the parameter gathers in step) give the loss and token count of one rank evaluating all three."""
-    two, one = tmp_path / "two", tmp_path / "one"
-    frozen = ["train.max_steps=1", "optim.lr=1e-10", "train.eval_batches=3"]  # the same weights in both runs
-    train(tiny_run(tiny_data, two) + frozen + ["parallel.zero_stage=3"], nproc=2)
-    train(tiny_run(tiny_data, one) + frozen)
+    the parameter gathers in step) give the loss and token count of one rank evaluating all three; the closing
+    sample, each of its forwards run by both ranks on their partitions or slices (no checkpoint read: none was
+    written), is the one rank's."""
+    two, one, tp2 = tmp_path / "two", tmp_path / "one", tmp_path / "tp2"
+    frozen = ["train.max_steps=1", "optim.lr=1e-10", "train.eval_batches=3"]  # the same weights in every run
+    frozen += ["train.sample_prompt=The", "checkpoint.final=false", "checkpoint.every=100"]
+    out_two = train(tiny_run(tiny_data, two) + frozen + ["parallel.zero_stage=3"], nproc=2).stdout
+    out_tp2 = train(tiny_run(tiny_data, tp2) + frozen + ["parallel.tensor_parallel=2"], nproc=2).stdout
+    out_one = train(tiny_run(tiny_data, one) + frozen).stdout
+    assert not (two / "checkpoints").exists()
     (val_two,), (val_one,) = ([r for r in metrics(run) if "val_loss" in r] for run in (two, one))
     assert val_two["val_tokens"] == val_one["val_tokens"] > 2 * 4 * 64  # three batches of 4 x 64, less boundaries
     assert val_two["val_loss"] == pytest.approx(val_one["val_loss"], rel=1e-6)
+    (sample,) = re.findall(r"^sample: The.*$", out_one, re.M)
+    assert len(sample) > len("sample: The")
+    for out in (out_two, out_tp2):
+        assert re.findall(r"^sample: The.*$", out, re.M) == [sample]
 
 
 def test_tensor_parallel_equals_single_rank(tiny_data, tmp_path):

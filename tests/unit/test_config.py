@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import yaml
 from support import REPO
 
 from data_pipeline.settings import Dataset, DataSettings, ObjectiveArgs
@@ -100,6 +103,24 @@ def test_malformed_files_are_config_errors(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_config(path)
+
+
+def test_a_retired_key_is_refused_with_why_and_dropped_from_a_saved_config(tmp_path):
+    from megatransformer.checkpoint.files import saved_config
+
+    for given in (["checkpoint.dtype=bf16"], []):
+        path = tmp_path / "run.yaml"
+        path.write_text("checkpoint: {dtype: bf16}\n")
+        with pytest.raises(
+            ConfigError, match=r"^checkpoint.dtype is no longer a setting \(.*export --dtype.*\); remove it$"
+        ):
+            load_config(os.devnull if given else path, given)
+    saved = tmp_path / "step_000001"
+    saved.mkdir()
+    written = yaml.safe_load(dump_config(load_config("quickstart")))  # (by a version that had the key)
+    written["checkpoint"] |= {"every": 7, "dtype": "fp32"}
+    (saved / "config.yaml").write_text(yaml.safe_dump(written))
+    assert saved_config(saved).checkpoint.every == 7
 
 
 def test_missing_file_is_a_config_error(tmp_path):

@@ -3,7 +3,6 @@ and samples, tokenizer size notes."""
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 
@@ -11,7 +10,6 @@ import pytest
 
 from megatransformer.cli import build_parser, main, parse_args
 from megatransformer.config import ConfigError, load_config, shipped_configs
-from megatransformer.model.transformer import build_shapes
 
 # ---------------------------------------------------------------------------------------- parsing, help
 
@@ -142,40 +140,6 @@ def test_a_sample_is_cut_at_its_first_blank_line():
 
     assert format_sample("The function", " returns\n\n\n\n\n\n") == "sample: The function returns"
     assert format_sample("The", " a\nb\n\nc") == "sample: The a\nb"
-
-
-@pytest.mark.parametrize("free_mib, sampled", [(1, False), (4096, True), (None, True)])
-def test_the_closing_sample_is_skipped_with_a_line_where_the_model_would_not_fit_the_hosts_free_memory(
-    monkeypatch, capsys, free_mib, sampled
-):
-    """The sample loads the whole model on rank 0's host, in fp32 (29 MiB here): a model larger than that host's
-    free memory would end a finished run out of memory instead. (None: a host that does not say.)"""
-    from support.models import run_config
-
-    from megatransformer.commands import train
-
-    cfg = run_config(train={"sample_prompt": "The"}, model={"d_model": 128, "n_layers": 4, "n_heads": 4})
-    assert round(sum(p.numel() for p in build_shapes(cfg.model).parameters()) * 4 / 2**20) == 29
-    loads: list = []
-    monkeypatch.setattr(train, "available_host_bytes", lambda: None if free_mib is None else free_mib * 2**20)
-    monkeypatch.setattr("megatransformer.inference.load_for_inference", lambda path: loads.append(path) or 1 / 0)
-    if sampled:
-        with pytest.raises(ZeroDivisionError):  # (it went on to load the model)
-            train.print_sample(cfg, "ckpt", tokenizer=None)
-        assert loads == ["ckpt"]
-        return
-    train.print_sample(cfg, "ckpt", tokenizer=None)
-    assert loads == []
-    assert capsys.readouterr().out == (
-        "sample: skipped: the model's 29 MiB in fp32 would take more than this host has free (1 MiB); continue "
-        "train.sample_prompt with `megatransformer generate` where it fits\n"
-    )
-
-
-def test_the_hosts_available_memory_is_read_from_the_kernel():
-    from megatransformer.commands.train import available_host_bytes
-
-    assert 0 < available_host_bytes() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # ----------------------------------------------------------------------------------------- tokenizer

@@ -87,6 +87,16 @@ def test_work_between_steps_leaves_its_stacks_before_the_collective_timeout(tmp_
     assert "(watchdog limit 0.5 s" in text  # 0.48 s, as the docstring says
 
 
+def test_work_on_groups_of_a_longer_timeout_is_watched_against_theirs(tmp_path):
+    """train.evals gather on a group of their own timeout (hours): past 0.8 x the training's they are not a hang."""
+    cfg = validate({"run_dir": str(tmp_path), "parallel": {"timeout_minutes": 0.01}})
+    dog = Watchdog(cfg, rank=1)
+    with dog.watching("validation and train.evals", timeout_minutes=1.0):
+        time.sleep(1.0)  # (twice the training groups' 0.48 s)
+    dog.close()
+    assert stack_dumps(tmp_path) == []
+
+
 def test_the_flight_recorder_is_switched_on_without_overriding_the_users_choice(tmp_path):
     environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
     switch_on_flight_recorder(tmp_path, environ)

@@ -619,6 +619,13 @@ class TrainModule:
             return self.dp_rank, self.dp_size
         return self.dp_rank * self.sequence.size + self.sequence.rank, self.dp_size * self.sequence.size
 
+    @property
+    def forwards_together(self) -> bool:
+        """Whether each forward of :meth:`plain_model` needs every rank (ZeRO-3 gathers each layer's parameters
+        from all of them; tensor-parallel peers sum their parts): the ranks then run their forwards in step."""
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        return (self.zero_stage == 3 or self.tp > 1) and ranks > 1
+
     @contextmanager
     def plain_model(self) -> Iterator[torch.nn.Module]:
         """The model as a module this rank runs on inputs of its own (in the run's precision, evaluation mode),

@@ -65,10 +65,11 @@ class Watchdog:
         self.armed = (now, now + (self.limit() if limit is None else limit), what)
 
     @contextlib.contextmanager
-    def watching(self, what: str) -> Iterator[None]:
+    def watching(self, what: str, timeout_minutes: float | None = None) -> Iterator[None]:
         """Around collective work that is not a step (a checkpoint, validation): its stacks once it has run for
-        0.8 x the collective timeout, so that a peer stalled there leaves them too."""
-        self.arm(self.cap, what)
+        0.8 x the collective timeout (``timeout_minutes``: of the groups that work waits on, where not the
+        training's), so that a peer stalled there leaves them too."""
+        self.arm(self.cap if timeout_minutes is None else TIMEOUT_SHARE * timeout_minutes * 60, what)
         try:
             yield
         finally:

@@ -27,7 +27,10 @@ KEY = "megatransformer/failure"
 ENDED = "megatransformer/ended"
 PROCESS = "megatransformer/process"
 POLL_SECONDS = 5.0  # how often each rank reads the board: a round trip to the store's host
+STORE_HOST_WAIT_SECONDS = 3 * POLL_SECONDS  # (a busy machine's watcher threads may each read late)
 STORE_TIMEOUT = timedelta(seconds=10)
+PRINTED = "megatransformer/printed"
+PRINTED_WAIT_SECONDS = 120.0  # (costs nothing where it is used: torchrun ends the waiting rank as the printer exits)
 
 
 class FailureBoard:
@@ -50,29 +53,20 @@ class FailureBoard:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
             return None
-        import torch.distributed as dist
-
         from megatransformer.console import to_stderr
 
-        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         try:
-            store = dist.TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                is_master=False,
-                timeout=STORE_TIMEOUT,
-                wait_for_workers=False,
-            )
+            store = job_store()
         except (RuntimeError, OSError) as err:
             to_stderr(
-                f"warning: the job's store at {where} does not answer ({str(err).strip().splitlines()[0]}): should a "
-                "rank fail, the others wait parallel.timeout_minutes before they end"
+                f"warning: the job's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} does not answer "
+                f"({str(err).strip().splitlines()[0]}): should a rank fail, the others wait "
+                "parallel.timeout_minutes before they end"
             )
             return None
         rank = int(os.environ["RANK"])
-        first = rank - local_rank  # (torchrun and srun's default block distribution number a node's ranks in a row)
-        machine = range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        return cls(store, rank, world, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), machine)
+        machine = range(first_rank_of_machine(local_rank), first_rank_of_machine(local_rank) + local_world_size())
+        return cls(store, rank, world, attempt(), machine)
 
     def post(self, line: str, rank: int | None = None) -> None:
         """This rank (or ``rank``, seen gone) failed with ``line``; the first post is the one the others read."""
@@ -110,14 +104,14 @@ class FailureBoard:
 
     def close(self, failed: bool = False) -> None:
         """Stop watching, and say this rank has ended. The rank whose process holds the store (rank 0 under srun)
-        waits, after a failure, until the others have ended or read the board (at most :data:`POLL_SECONDS` and a
-        second): its exit takes the store, and the line, with it."""
+        waits, after a failure, until the others have ended or read the board (at most
+        :data:`STORE_HOST_WAIT_SECONDS`): its exit takes the store, and the line, with it."""
         self.stop()
         try:
             self._say_ended()
             if failed and self.rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
                 everyone = [f"{self.ended}/{rank}" for rank in range(self.world_size)]
-                deadline = time.monotonic() + POLL_SECONDS + 1
+                deadline = time.monotonic() + STORE_HOST_WAIT_SECONDS
                 while not self.store.check(everyone) and time.monotonic() < deadline:
                     time.sleep(0.1)
         except (RuntimeError, OSError):
@@ -182,6 +176,63 @@ class FailureBoard:
                 return
             theirs = Process.parse(said)
             self.neighbours[rank] = theirs if me is not None and theirs is not None and theirs.beside(me) else None
+
+
+def job_store(timeout: timedelta = STORE_TIMEOUT):
+    """A client of the job's TCP store at MASTER_ADDR:MASTER_PORT (torchrun's agent's, or rank 0's once its
+    process group has started); RuntimeError or OSError where it does not answer."""
+    import torch.distributed as dist
+
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(address, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def attempt() -> str:
+    """This job's attempt: torchrun's agent keeps its store across restarts, so each attempt has its own keys."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def first_rank_of_machine(local_rank: int) -> int:
+    """(torchrun and srun's default block distribution number a machine's ranks in a row.)"""
+    return int(os.environ.get("RANK", "0")) - local_rank
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+# An error found before the process group starts is the same on each rank of a machine, and its first local rank
+# prints it; torchrun ends a job's other processes as soon as one exits with an error (it looks every 0.1 s), so
+# the others exit only once it has printed, or torchrun could end it first.
+
+
+def say_printed() -> None:
+    """(The first local rank under torchrun, its error printed.) Its machine's other ranks may exit now."""
+    if not _under_torchrun():
+        return
+    try:
+        job_store().set(_printed_key(), "")
+    except (RuntimeError, OSError):
+        pass
+
+
+def wait_until_printed() -> None:
+    """(Another local rank under torchrun, with the same error.) Return once the first local rank has printed it,
+    or after :data:`PRINTED_WAIT_SECONDS` (a first rank that found no error); at once elsewhere."""
+    if not _under_torchrun():
+        return
+    try:
+        job_store(timedelta(seconds=PRINTED_WAIT_SECONDS)).wait([_printed_key()])
+    except (RuntimeError, OSError):
+        pass
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ and local_world_size() > 1
+
+
+def _printed_key() -> str:
+    return f"{PRINTED}/{attempt()}/{first_rank_of_machine(int(os.environ.get('LOCAL_RANK', '0')))}"
 
 
 class Process:
