@@ -94,7 +94,7 @@ def load_partitioned(path: str | Path, dtype: str = "fp32") -> Loaded:
     from megatransformer.training.engine.construction import partitioned_for_inference
 
     directory = find_checkpoint(path, f"--checkpoint {path}")
-    cfg, weights = load_weights(directory, lazy=True)
+    cfg, weights = load_weights(directory, lazy=True, shared=True)  # (each file hashed by one rank)
     model = partitioned_for_inference(cfg, weights, torch.distributed.get_world_size(), precision_dtype(dtype))
     tokenizer_path = directory / "tokenizer.json"
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path.is_file() else None

@@ -36,8 +36,11 @@ from megatransformer.checkpoint.directory import (
 )
 from megatransformer.checkpoint.integrity import (
     CheckpointDamaged,
+    agreed,
+    hashing_share,
     read_manifest,
     verify_checkpoint,
+    verify_files,
     write_manifest,
 )
 from megatransformer.checkpoint.weights_files import (
@@ -270,32 +273,55 @@ def load_state(
             done.add(id(tensor))
 
 
-def load_weights(
-    path: str | Path, model_cfg: ModelConfig | None = None, what: str = "checkpoint", lazy: bool = False
-) -> tuple[RunConfig, Mapping[str, torch.Tensor]]:
-    """Config and whole weights of the checkpoint ``path`` means (:func:`find_checkpoint`): a training
-    checkpoint's shards assembled one tensor at a time in fp32, or a weights checkpoint's files as stored; the
-    files read are verified against the manifest first (a damaged one is an error). ``lazy``: as
-    :class:`LazyWeights`, each tensor read when looked up (a dict of them all otherwise)."""
-    from megatransformer.checkpoint.sharded import INDEX, ShardedState
+def check_weights(
+    path: str | Path, model_cfg: ModelConfig | None = None, what: str = "checkpoint"
+) -> tuple[Path, RunConfig, list[str]]:
+    """Every check of :func:`load_weights` but the hashing of the files that hold the weights (the shards, or the
+    weights' files), which are checked for their presence and size: seconds, whatever the model's size. The
+    checkpoint ``path`` means, its config, and those files."""
+    from megatransformer.checkpoint.sharded import INDEX
 
     path = find_checkpoint(path, what)
     if (path / INDEX).is_file():
-        manifest = read_manifest(path) or {}
-        shards = [name for name in manifest if name.startswith("shard_")]
-        verify_checkpoint(path, only=(*WEIGHTS_FILES, INDEX, *shards))
+        verify_checkpoint(path, only=(CONFIG, TOKENIZER, INDEX))
+        data = [name for name in read_manifest(path) or {} if name.startswith("shard_")]
     elif (path / WEIGHTS).is_file() or (path / WEIGHTS_INDEX).is_file():
-        verify_checkpoint(path, only=(*WEIGHTS_FILES, WEIGHTS_INDEX))
-        if (path / WEIGHTS_INDEX).is_file():
-            verify_checkpoint(path, only=weights_file_names(path))
+        verify_checkpoint(path, only=(CONFIG, TOKENIZER, WEIGHTS_INDEX))
+        data = weights_file_names(path)
     else:
         raise ConfigError(
             f"{what}: {path} is not a complete checkpoint (expected {COMPLETE} and {INDEX}, {WEIGHTS} or "
             f"{WEIGHTS_INDEX})"
         )
+    verify_files(path, data, hashed=False)
     saved = saved_config(path)
     if model_cfg is not None:
         check_same_shapes(saved.model, model_cfg, f"{what} {path}")
+    return path, saved, data
+
+
+def load_weights(
+    path: str | Path,
+    model_cfg: ModelConfig | None = None,
+    what: str = "checkpoint",
+    lazy: bool = False,
+    shared: bool = False,
+) -> tuple[RunConfig, Mapping[str, torch.Tensor]]:
+    """Config and whole weights of the checkpoint ``path`` means (:func:`find_checkpoint`): a training
+    checkpoint's shards assembled one tensor at a time in fp32, or a weights checkpoint's files as stored; the
+    files read are verified against the manifest first (a damaged one is an error). ``lazy``: as
+    :class:`LazyWeights`, each tensor read when looked up (a dict of them all otherwise). ``shared``: every rank of
+    the process group loads the checkpoint, and each file of the weights is hashed by one of them
+    (:func:`hashing_share`), every rank raising the same error should any rank find damage (:func:`agreed`):
+    a collective."""
+    from megatransformer.checkpoint.sharded import INDEX, ShardedState
+
+    def check() -> tuple[Path, RunConfig]:
+        directory, saved, data = check_weights(path, model_cfg, what)
+        verify_files(directory, hashing_share(directory, data) if shared else data)
+        return directory, saved
+
+    path, saved = agreed(check) if shared else check()
     if lazy:
         return saved, LazyWeights(path)
     if (path / INDEX).is_file():

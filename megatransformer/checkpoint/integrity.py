@@ -1,13 +1,15 @@
 """Trust in a checkpoint read from disk: the COMPLETE manifest (every file's size and sha256), its
-verification, and loading ``.pt`` state files without running code. Why and how: docs/checkpoints.md."""
+verification (on one process, or shared by a job's ranks and agreed among them), and loading ``.pt`` state files
+without running code. Why and how: docs/checkpoints.md."""
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import pickle
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,18 +177,73 @@ def verify_checkpoint(path: Path, only: Sequence[str] | None = None, rank_parts:
             _refuse_unsafe_pickle(path / name)
 
 
-def verify_files(path: Path, names: Collection[str]) -> None:
+def verify_files(path: Path, names: Collection[str], hashed: bool = True) -> None:
     """:func:`verify_checkpoint` of exactly ``names`` (each must be in the manifest): what a rank checks of the
-    files it reads at a resume. Local: no collective."""
+    files it reads at a resume. ``hashed=False``: their presence and size only. Local: no collective."""
     files = read_manifest(path)
     if files is not None:
         unlisted = sorted(set(names) - set(files))
         if unlisted:
             raise CheckpointDamaged(path, unlisted[0], "missing from the manifest (a file of another save)")
-        _check_files(path, files, sorted(names))
+        _check_files(path, files, sorted(names), hashed=None if hashed else lambda name: False)
     for name in sorted(names):
-        if name.endswith(".pt"):
+        if hashed and name.endswith(".pt"):
             _refuse_unsafe_pickle(path / name)
+
+
+def deal_by_size(sizes: Mapping[str, int], world: int) -> list[list[str]]:
+    """The names of ``sizes`` dealt to ``world`` ranks, balanced by bytes: the largest first, each to the rank
+    with the fewest bytes so far (the lowest of those tied). The same on every rank that computes it."""
+    heap = [(0, rank) for rank in range(world)]
+    dealt: list[list[str]] = [[] for _ in range(world)]
+    for name in sorted(sizes, key=lambda name: (-sizes[name], name)):
+        load, rank = heapq.heappop(heap)
+        dealt[rank].append(name)
+        heapq.heappush(heap, (load + sizes[name], rank))
+    return dealt
+
+
+def hashing_share(path: Path, names: Collection[str]) -> list[str]:
+    """The files of ``names`` this rank hashes where the ranks of the process group verify a checkpoint they all
+    read together, each file once (:func:`deal_by_size`, the manifest's sizes); all of them without a group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return sorted(names)
+    files = read_manifest(path) or {}
+    sizes = {name: files.get(name, {}).get("size", 0) for name in names}
+    return deal_by_size(sizes, dist.get_world_size())[dist.get_rank()]
+
+
+def agreed(check: Callable[[], Any]) -> Any:
+    """``check()``'s result on every rank, once the ranks agree in one collective that none found the
+    checkpoint damaged or unsafe (:class:`CheckpointDamaged`); else every rank raises the first such rank's
+    error, naming the file: no rank loads what another refused. Any other error of a rank's check ends every
+    rank too (that rank with its own error, the others naming it), never leaving them waiting. Without a
+    process group, ``check()``."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return check()
+    found: CheckpointDamaged | str | None = None
+    result, own = None, None
+    try:
+        result = check()
+    except CheckpointDamaged as err:
+        found = err
+    except Exception as err:
+        own, found = err, f"{err.__class__.__name__}: {str(err).strip()[:200]}"
+    everyone: list[CheckpointDamaged | str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, found)
+    first = next((err for err in everyone if isinstance(err, CheckpointDamaged)), None)
+    if first is not None:
+        raise first
+    if own is not None:
+        raise own
+    other = next(((rank, err) for rank, err in enumerate(everyone) if err is not None), None)
+    if other is not None:
+        raise RuntimeError(f"rank {other[0]} failed checking the checkpoint before loading it: {other[1]}")
+    return result
 
 
 def _check_files(

@@ -108,10 +108,11 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
     if busy and os.environ.get("LOCAL_RANK", "0") == "0":
         print(busy, flush=True)
     # (each tensor read when a rank writes it: at ZeRO-3 one rank reads each, never a rank the whole model)
-    init = (
-        ckpt.load_weights(cfg.init_from, cfg.model, f"init_from={cfg.init_from}", lazy=True) if cfg.init_from else None
-    )
-    init_state = init[1] if init else None
+    init, init_from = None, f"init_from={cfg.init_from}"
+    if cfg.init_from and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        init = ckpt.load_weights(cfg.init_from, cfg.model, init_from, lazy=True)
+    elif cfg.init_from:  # (hashed once the process group runs, each file by one rank)
+        ckpt.check_weights(cfg.init_from, cfg.model, init_from)
     import torch
 
     if torch.cuda.is_available():
@@ -127,6 +128,9 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             if board is not None:
                 board.watch(end_after_peer)
             on_first_rank(lambda: held.append(lock_run_dir(cfg.run_dir)))  # before the run writes anything
+            if cfg.init_from and init is None:
+                init = ckpt.load_weights(cfg.init_from, cfg.model, init_from, lazy=True, shared=True)
+            init_state = init[1] if init else None
             trainer = Trainer(cfg, dist_info, tokenizer, init_state, preemption)
         host_memory = apply_host_memory_policy(cfg.train.host_memory)
         preemption.starting = False

@@ -17,7 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.runs import ONE_THREAD, cli, losses_by_step, tiny_data_overrides, tiny_model, train
+from support.runs import (
+    ONE_THREAD,
+    cli,
+    losses_by_step,
+    spawn_ranks,
+    tiny_data_overrides,
+    tiny_model,
+    train,
+    wait_ranks,
+)
 
 from megatransformer import checkpoint as ckpt
 from megatransformer.config import ConfigError, validate
@@ -465,6 +474,24 @@ def test_two_ranks_agree_on_a_shard_of_another_save_and_fall_back_together(tiny_
     assert f"resumed from {root / OLD} at step 2" in resumed.stdout, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     warning = [line for line in resumed.stderr.splitlines() if f"{shard}: a shard of another save" in line]
     assert len(warning) == 1 and f"skipped, resuming from {OLD}" in warning[0], resumed.stderr[-3000:]
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_a_damaged_init_from_stops_both_zero_3_ranks_naming_the_file(tiny_data, run, tmp_path, damage):
+    """init_from on 2 ranks (ZeRO-3): a shard changed in place is hashed by one rank once the process group runs,
+    and stops both ranks with the same line; one cut short is found by every rank before the group starts, and
+    said once for the node (by local rank 0)."""
+    DAMAGE[damage](run / "checkpoints" / NEW / SHARD)
+    fine = tmp_path / "fine"
+    log = tmp_path / "init_from"
+    codes = wait_ranks(spawn_ranks(overrides(tiny_data, fine, f"init_from={run}/checkpoints"), log), log)
+    logs = [Path(f"{log}.rank{rank}.log").read_text() for rank in range(2)]
+    assert codes == [2, 2], logs
+    errors = [[line for line in text.splitlines() if line.startswith("megatransformer train: error:")] for text in logs]
+    reason = "changed since the save" if damage == "flipped" else "cut short or grown"
+    assert len(errors[0]) == 1 and f"{NEW}: {SHARD}: {reason}" in errors[0][0], logs
+    assert errors[1] == (errors[0] if damage == "flipped" else []), logs
+    assert not (fine / "checkpoints").exists() and "Traceback" not in logs[0] + logs[1]
 
 
 def test_a_converted_muon_checkpoint_resumes_at_zero_3(tiny_data, tmp_path):

@@ -543,7 +543,7 @@ class Checkpointer:
             return state, saved, record
 
         # (before the engine changes, and agreed: every rank loads, or every rank refuses with the same error)
-        state, saved, record = agreed(check)
+        state, saved, record = ckpt.agreed(check)
         keys = [k for k in state.kinds if k != sharded.MASTER]
         inner = innermost_optimizer(self.engine)
         if keys:
@@ -570,32 +570,6 @@ def writer_group(minutes: float):
     issuing), with its own timeout (checkpoint.timeout_minutes): a slow rank's write or rank 0's removal of old
     checkpoints on a network file system may take longer than a training collective should wait."""
     return dist.new_group(backend="gloo", timeout=timedelta(minutes=minutes))
-
-
-def agreed(check: Callable[[], Any]) -> Any:
-    """``check()``'s result on every rank, once the ranks agree in one collective that none found the
-    checkpoint damaged or unsafe (:class:`ckpt.CheckpointDamaged`); else every rank raises the first such rank's
-    error, naming the file: no rank loads what another refused. Any other error of a rank's check ends every
-    rank too (that rank with its own error, the others naming it), never leaving them waiting."""
-    found: ckpt.CheckpointDamaged | str | None = None
-    result, own = None, None
-    try:
-        result = check()
-    except ckpt.CheckpointDamaged as err:
-        found = err
-    except Exception as err:
-        own, found = err, f"{err.__class__.__name__}: {str(err).strip()[:200]}"
-    everyone: list[ckpt.CheckpointDamaged | str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, found)
-    first = next((err for err in everyone if isinstance(err, ckpt.CheckpointDamaged)), None)
-    if first is not None:
-        raise first
-    if own is not None:
-        raise own
-    other = next(((rank, err) for rank, err in enumerate(everyone) if err is not None), None)
-    if other is not None:
-        raise RuntimeError(f"rank {other[0]} failed checking the checkpoint before loading it: {other[1]}")
-    return result
 
 
 def load_weights_into(model: torch.nn.Module, weights) -> None:

@@ -9,7 +9,7 @@ import socket
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -305,16 +305,3 @@ def on_first_rank(compute: Callable[[], Any]) -> Any:
     if error is not None:
         raise ConfigError(error)
     return value
-
-
-def shared_work(names: Sequence[str], work: Callable[[str], Any]) -> dict[str, Any]:
-    """``work`` on every name, the names dealt round-robin to the ranks of the process group (all of them
-    here without one); every rank gets the whole result. A collective when there is a process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return {name: work(name) for name in names}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    parts: list[dict[str, Any] | None] = [None] * world
-    dist.all_gather_object(parts, {name: work(name) for name in names[rank::world]})
-    return {name: value for part in parts for name, value in part.items()}
