@@ -300,17 +300,17 @@ def print_sample(cfg: RunConfig, checkpoint: Path, tokenizer, max_new_tokens: in
     """Greedy continuation of train.sample_prompt with the final weights (decoder models)."""
     import torch
 
-    from megatransformer.inference import load_for_inference
+    from megatransformer.inference import free_bytes, load_for_inference, whole_model_bytes
     from megatransformer.model import generate
-    from megatransformer.planner import parameter_counts
 
     if not cfg.train.sample_prompt or cfg.model.arch != "decoder":
         return
-    held, free = sum(parameter_counts(cfg.model)) * 4, available_host_bytes()
+    held, free = whole_model_bytes(cfg, "fp32"), free_bytes("cpu")
     if free is not None and held > SAMPLE_HOST_SHARE * free:
         print(
             f"sample: skipped: the model's {held / 2**20:,.0f} MiB in fp32 would take more than this host has free "
-            f"({free / 2**20:,.0f} MiB); continue train.sample_prompt with `megatransformer generate` where it fits"
+            f"({free / 2**20:,.0f} MiB); continue train.sample_prompt with `megatransformer generate` where it fits, "
+            "or partitioned over torchrun's ranks (--zero-stage 3)"
         )
         return
     model = load_for_inference(checkpoint).model
@@ -321,18 +321,6 @@ def print_sample(cfg: RunConfig, checkpoint: Path, tokenizer, max_new_tokens: in
 
 
 SAMPLE_HOST_SHARE = 0.8  # of the host's available memory the closing sample may take (the model in fp32)
-
-
-def available_host_bytes() -> int | None:
-    """The host memory the kernel can give without swapping (``MemAvailable``); None where it does not say."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def format_sample(prompt: str, continuation: str) -> str:

@@ -157,7 +157,9 @@ def test_the_closing_sample_is_skipped_with_a_line_where_the_model_would_not_fit
     cfg = run_config(train={"sample_prompt": "The"}, model={"d_model": 128, "n_layers": 4, "n_heads": 4})
     assert round(sum(p.numel() for p in build_shapes(cfg.model).parameters()) * 4 / 2**20) == 29
     loads: list = []
-    monkeypatch.setattr(train, "available_host_bytes", lambda: None if free_mib is None else free_mib * 2**20)
+    monkeypatch.setattr(
+        "megatransformer.inference.available_host_bytes", lambda: None if free_mib is None else free_mib * 2**20
+    )
     monkeypatch.setattr("megatransformer.inference.load_for_inference", lambda path: loads.append(path) or 1 / 0)
     if sampled:
         with pytest.raises(ZeroDivisionError):  # (it went on to load the model)
@@ -168,12 +170,13 @@ def test_the_closing_sample_is_skipped_with_a_line_where_the_model_would_not_fit
     assert loads == []
     assert capsys.readouterr().out == (
         "sample: skipped: the model's 29 MiB in fp32 would take more than this host has free (1 MiB); continue "
-        "train.sample_prompt with `megatransformer generate` where it fits\n"
+        "train.sample_prompt with `megatransformer generate` where it fits, or partitioned over torchrun's ranks "
+        "(--zero-stage 3)\n"
     )
 
 
 def test_the_hosts_available_memory_is_read_from_the_kernel():
-    from megatransformer.commands.train import available_host_bytes
+    from megatransformer.inference import available_host_bytes
 
     assert 0 < available_host_bytes() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
