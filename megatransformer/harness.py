@@ -7,8 +7,8 @@ and such groups are packed, longest first, several to a row (one forward per bat
 output head only where a token is scored); generation left-pads a batch of prompts (padding is a segment of its
 own) and decodes with the KV cache. Data-parallel ranks: every rank builds every request (the harness sees one
 rank), runs a share of them dealt by cost (:func:`deal`: tokens, not items) and gathers the others' answers on a
-group of the evaluation's own (``Placement.group``: its own timeout, not the training collectives'). Design:
-docs/evaluation.md.
+group of the evaluation's own (``lockstep.Placement.group``: its own timeout, not the training collectives').
+Design: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -38,16 +38,12 @@ from lm_eval import utils as lm_utils  # noqa: E402
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text  # noqa: E402
 
 from megatransformer.batch import PAD_SEGMENT  # noqa: E402
+from megatransformer.lockstep import Interrupted, Placement  # noqa: E402
 from megatransformer.model.generate import sample_next  # noqa: E402
 from megatransformer.model.gpu_cores import VARLEN_BACKENDS  # noqa: E402
 from megatransformer.model.masks import shared_context_mask  # noqa: E402
 
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for tasks that name no max_gen_toks
-
-
-EVAL_GATHER_TIMEOUT_MINUTES = 180.0
-"""How long a rank waits for the others' answers (the slowest rank's share of a task): the evaluation's own group,
-not the training collectives' parallel.timeout_minutes, which a long evaluation would trip."""
 
 
 ROLLING_CHUNK = 1024
@@ -74,69 +70,6 @@ class Progress:
         sys.__stderr__.write(f"{self.what}: {done:,} of {self.total:,} windows ({seconds:.0f} s)\n")
         sys.__stderr__.flush()
         self.next = math.floor(10 * done / self.total + 1) / 10
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where the harness's LM runs: share ``rank`` of ``world_size`` shares of the items (tensor-parallel peers take
-    the same share: the same forwards, each summing their parts), on ``device``; ``forwards``: the context every
-    forward runs in (autocast, a run's matmul precision); ``group``: the process group the ranks' answers are
-    gathered on (:func:`gather_group`; None: the default one); ``gather``: instead, a function from this rank's
-    object to every rank's (tests). ``lockstep`` (several ranks, ``group`` every one): every rank runs each forward
-    with the others (ZeRO-3: a forward gathers each layer's parameters from every rank; tensor parallelism: peers sum
-    their parts, and should one stop alone the other would wait in the forward's sum), a rank whose share is done
-    running stand-in forwards of one token until every share is (:meth:`any_working`). ``stop``: whether this rank
-    was asked to stop (a preemption): the evaluation then ends, on every rank, with :class:`Interrupted`."""
-
-    device: torch.device
-    rank: int = 0
-    world_size: int = 1
-    forwards: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    group: object | None = None
-    gather: Callable[[object], list] | None = None
-    lockstep: bool = False
-    stop: Callable[[], bool] | None = None
-
-    def any_working(self, working: bool) -> bool:
-        """Before each forward. With ``lockstep`` on several ranks: whether any rank still has a forward of its
-        share to run (every rank asks, the same number of times), and :class:`Interrupted` on every rank at once
-        should one be asked to stop; otherwise True, or Interrupted on this rank (:meth:`HarnessLM.shared` tells
-        the others)."""
-        stopping = self.stop is not None and self.stop()
-        if not self.lockstep:
-            if stopping:
-                raise Interrupted
-            return True
-        flags = torch.tensor([int(working), int(stopping)])
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        if flags[1]:
-            raise Interrupted
-        return bool(flags[0])
-
-    def gather_all(self, obj: object) -> list:
-        """Every rank's ``obj``, in rank order (of the group's ranks: tensor-parallel peers each give theirs)."""
-        if self.world_size == 1:
-            return [obj]
-        if self.gather is not None:
-            return self.gather(obj)
-        out: list = [None] * torch.distributed.get_world_size(self.group)
-        torch.distributed.all_gather_object(out, obj, group=self.group)
-        return out
-
-
-class Interrupted(Exception):
-    """The evaluation ended early on every rank: a rank was asked to stop (:attr:`Placement.stop`)."""
-
-
-def gather_group(world_size: int):
-    """A gloo group of every rank, with :data:`EVAL_GATHER_TIMEOUT_MINUTES` (None on one rank). Every rank calls
-    it, at the same point."""
-    if world_size == 1:
-        return None
-    import datetime
-
-    timeout = datetime.timedelta(minutes=EVAL_GATHER_TIMEOUT_MINUTES)
-    return torch.distributed.new_group(backend="gloo", timeout=timeout)
 
 
 def deal(costs: list[int], ranks: int) -> list[list[int]]:
@@ -370,8 +303,7 @@ class HarnessLM(TemplateLM):
             return run(list(range(len(costs))))
         try:
             mine: dict[int, object] | None = run(deal(costs, ranks)[self.placement.rank])
-            while self.placement.lockstep and self.placement.any_working(False):
-                stand_in()
+            self.placement.wait_for_others(stand_in)
         except Interrupted:
             mine = None  # (told to the others in the gather: none is left waiting for this rank's answers)
         every = self.placement.gather_all(mine)

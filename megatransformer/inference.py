@@ -36,7 +36,7 @@ def inference_device(say: Callable[[str], None]) -> str:
     index, line = cuda_device(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count())
     if line is not None:
         say(line)
-        tell_deepspeed_the_device(index)  # (eval --zero-stage 3 builds the model under DeepSpeed's zero.Init)
+        tell_deepspeed_the_device(index)  # (--zero-stage 3 builds the model under DeepSpeed's zero.Init)
     return f"cuda:{index}"
 
 
@@ -52,18 +52,39 @@ TRAINING_ONLY = (
 )
 
 
+def load_model(
+    path: str | Path, device: str, model_overrides: list[str], dtype: str, zero_stage: int, command: str
+) -> Loaded:
+    """The checkpoint's model as ``command`` runs it: whole on ``device`` (:func:`load_for_inference`), or at
+    ``zero_stage`` 3 partitioned over the process group's ranks (:func:`load_partitioned`)."""
+    if zero_stage != 3:
+        return load_for_inference(path, device, model_overrides, dtype, command)
+    from megatransformer.console import held_stdout
+    from megatransformer.training.runtime.host_memory import map_large_blocks
+
+    map_large_blocks()  # (each layer's gathered parameters returned to the kernel when freed, not kept)
+    with held_stdout():
+        return load_partitioned(path, dtype, model_overrides)
+
+
 def load_for_inference(
-    path: str | Path, device: str = "cpu", model_overrides: list[str] = (), dtype: str = "fp32"
+    path: str | Path,
+    device: str = "cpu",
+    model_overrides: list[str] = (),
+    dtype: str = "fp32",
+    command: str = "generate",
 ) -> Loaded:
     """The checkpoint's model on ``device`` in ``dtype`` (fp32 | bf16), with ``model.*`` overrides applied (see
     :func:`with_model_overrides`): made there, then its weights read into it one tensor at a time (the host holds
-    one tensor, not the model), each cast as it is copied in."""
+    one tensor, not the model), each cast as it is copied in. A model larger than the device's free memory is
+    refused before a weight is read (:func:`refuse_unless_it_fits`, whose fix names ``command``)."""
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.checkpoint import find_checkpoint, load_state, load_weights
 
     directory = find_checkpoint(path, f"--checkpoint {path}")
     cfg, weights = load_weights(directory, lazy=True)
     cfg = with_model_overrides(cfg, model_overrides)
+    refuse_unless_it_fits(cfg, device, dtype, command)
     with torch.device(device), default_dtype(precision_dtype(dtype)):
         model = construct(cfg.model)  # (no initial values: the checkpoint's replace them all)
     load_state(model, weights)
@@ -83,22 +104,79 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def load_partitioned(path: str | Path, dtype: str = "fp32") -> Loaded:
-    """The checkpoint's model partitioned over the process group's ranks by ZeRO-3, on each rank's current device
-    (DeepSpeed's accelerator's), each rank reading its partitions alone
+def load_partitioned(path: str | Path, dtype: str = "fp32", model_overrides: list[str] = ()) -> Loaded:
+    """The checkpoint's model, with ``model.*`` overrides applied, partitioned over the process group's ranks by
+    ZeRO-3, on each rank's current device (DeepSpeed's accelerator's), each rank reading its partitions alone
     (``training.engine.construction.partitioned_for_inference``): every rank runs each forward together."""
-    import torch
-
     from data_pipeline.tokenizer import load_tokenizer
     from megatransformer.checkpoint import find_checkpoint, load_weights
     from megatransformer.training.engine.construction import partitioned_for_inference
 
     directory = find_checkpoint(path, f"--checkpoint {path}")
     cfg, weights = load_weights(directory, lazy=True, shared=True)  # (each file hashed by one rank)
+    cfg = with_model_overrides(cfg, model_overrides)
     model = partitioned_for_inference(cfg, weights, torch.distributed.get_world_size(), precision_dtype(dtype))
     tokenizer_path = directory / "tokenizer.json"
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path.is_file() else None
     return Loaded(cfg, model, tokenizer, directory)
+
+
+def available_host_bytes() -> int | None:
+    """The host memory the kernel can give without swapping (``MemAvailable``); None where it does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def free_bytes(device: str) -> int | None:
+    """The memory free on ``device``: a GPU's (``torch.cuda.mem_get_info``), the host's for the CPU; None where
+    it cannot be read."""
+    if torch.device(device).type == "cuda":
+        try:
+            return torch.cuda.mem_get_info(torch.device(device))[0]
+        except RuntimeError:
+            return None
+    return available_host_bytes()
+
+
+def whole_model_bytes(cfg: RunConfig, dtype: str) -> int:
+    """The bytes of the model's parameters in ``dtype`` (fp32 | bf16)."""
+    from megatransformer.planner import parameter_counts
+
+    return sum(parameter_counts(cfg.model)) * precision_dtype(dtype).itemsize
+
+
+def refuse_unless_it_fits(cfg: RunConfig, device: str, dtype: str, command: str) -> None:
+    """A :class:`ConfigError` naming the sizes and the fix (``command`` partitioned over enough torchrun ranks)
+    when the whole model in ``dtype`` is larger than ``device``'s free memory; nothing where that is unknown."""
+    from megatransformer.planner import gathered_elements
+
+    held, free = whole_model_bytes(cfg, dtype), free_bytes(device)
+    if free is None or held <= free:
+        return
+    # a ZeRO-3 rank holds its 1/N of the model and the layers it gathers for a forward
+    room = free - gathered_elements(cfg.model, 1) * precision_dtype(dtype).itemsize
+    ranks = max(2, -(-held // room)) if room > 0 else None
+    fix = (
+        f"partition it over {ranks} or more such devices: torchrun --nproc-per-node {ranks} -m megatransformer.cli "
+        f"{command} ... --zero-stage 3"
+        if ranks
+        else "even partitioned (--zero-stage 3) a rank's gathered layers would not fit: use devices with more memory"
+    )
+    if dtype == "fp32" and held // 2 <= free:
+        fix += f"; or --dtype bf16 ({size_text(held // 2)})"
+    raise ConfigError(
+        f"the model's {size_text(held)} in {dtype} do not fit in the {size_text(free)} free on {device}; {fix}"
+    )
+
+
+def size_text(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def with_model_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
@@ -176,9 +254,11 @@ def beam_decode(
     form: str,
     max_new_tokens: int | None = None,
     batch_size: int = 1,
+    agreed: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """The best beam-search continuation of every prompt (token ids), without its EOS. Prompts of equal length
-    are searched together, ``batch_size`` at a time (no padding needed, and the same length limit for all)."""
+    are searched together, ``batch_size`` at a time (no padding needed, and the same length limit for all);
+    ``agreed``: as ``beam_search`` takes it."""
     from megatransformer.model.beam import beam_search
 
     tok = loaded.tokenizer
@@ -200,6 +280,7 @@ def beam_decode(
                 form,
                 decoder_start_id=decoder_start_id(loaded.cfg, tok),
                 prefix_lm=loaded.cfg.objective == "prefix_lm",
+                agreed=agreed,
             )
             for i, hyp in zip(batch, best):
                 ends = hyp.tokens and hyp.tokens[-1] == tok.eos_id

@@ -17,12 +17,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from megatransformer.console import held_stdout, to_stderr
+from megatransformer.console import to_stderr
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from megatransformer.commands.arguments import add_beam_arguments, add_dtype_argument, add_zero_stage_argument
     from megatransformer.commands.data import add_instruction_arguments
-    from megatransformer.commands.generate import add_beam_arguments
 
     p = subparsers.add_parser(
         "eval",
@@ -44,12 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (does not change the numbers)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all data)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument(
-        "--dtype",
-        choices=["fp32", "bf16"],
-        default="fp32",
-        help="the weights' and activations' dtype: bf16 halves the model's memory (a bf16 run's own weights)",
-    )
+    add_dtype_argument(p)
+    add_zero_stage_argument(p)
     add_instruction_arguments(p)
     p.add_argument(
         "--bleu",
@@ -66,7 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatransformer.config import ConfigError, apply_overrides, validate
+    import os
+
+    from megatransformer.commands.arguments import zero_stage
+    from megatransformer.config import ConfigError
 
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
@@ -74,22 +73,63 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give --data (loss and perplexity) or --tasks (lm-eval tasks), one of them")
     if args.tasks:
         return run_tasks(args)
-    if args.zero_stage:
-        raise ConfigError("--zero-stage applies to --tasks; --data evaluates the whole model on one process")
     if args.bleu or args.hypotheses:
         _check_bleu_arguments(args)
     model_overrides, run_overrides = _split_overrides(args.overrides)
-    to_stderr(f"loading {args.checkpoint}")  # (PyTorch and the weights: seconds, on a busy machine tens of them)
+    stage = zero_stage(args)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    partitioned = stage == 3
+    speaks = rank == 0 or not partitioned  # (partitioned, the ranks evaluate together and rank 0 tells)
+    say = to_stderr if speaks else lambda line: None
+    say(f"loading {args.checkpoint}")  # (PyTorch and the weights: seconds, on a busy machine tens of them)
+    import torch
+
+    from megatransformer.inference import inference_device, load_model
+    from megatransformer.lockstep import Placement, gather_group, joined, rank_0s
     from megatransformer.training.threads import say_threads
 
     say_threads(to_stderr)  # (as train picks its threads: a busy machine's default threads wait for each other)
-    from megatransformer.inference import inference_device, load_for_inference
+    device = inference_device(to_stderr)
+    with joined(torch.device(device), world if partitioned else 1):
+        loaded = load_model(args.checkpoint, device, model_overrides, args.dtype, stage, "eval")
+        if loaded.tokenizer is None:
+            raise ConfigError(f"{loaded.path} has no tokenizer.json")
+        forwards = bf16_matmuls(args.dtype, loaded.device)
+        held = f", ZeRO-3 over {world} ranks: 1/{world} of the weights a rank" if partitioned else ""
+        if args.bleu:
+            # every rank translates every sentence, taking rank 0's choices (generate's way; encoder-decoders call
+            # the encoder and the decoder apart, which ranks translating shares of their own would not do in step)
+            with forwards():
+                result = _bleu(args, loaded, rank_0s if partitioned else None, say if speaks else None)
+        else:
+            ranks = world if partitioned else 1
+            group = gather_group(ranks)
+            placement = Placement(loaded.device, rank % ranks, ranks, forwards, group, lockstep=ranks > 1)
+            result = _loss(args, loaded, run_overrides, placement, held, say)
+    if not speaks:
+        return 0
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.bleu:
+        print(
+            f"{result['bleu_text']}\n{result['chrf_text']}\nBLEU signature: {result['bleu_signature']}\n"
+            f"chrF signature: {result['chrf_signature']}\n({result['sentences']:,} sentences, beam "
+            f"{args.num_beams}, length penalty {args.length_penalty_form} alpha={args.length_penalty})"
+        )
+    else:
+        print(
+            f"{result['objective']}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
+            f"over {result['tokens']:,} tokens ({result['sequences']:,} sequences); bits per byte "
+            f"{result['bits_per_byte']:.4f} over {result['bytes']:,} bytes, word perplexity "
+            f"{result['word_perplexity']:.3f} over {result['words']:,} words"
+        )
+    return 0
 
-    loaded = load_for_inference(args.checkpoint, inference_device(to_stderr), model_overrides, args.dtype)
-    if loaded.tokenizer is None:
-        raise ConfigError(f"{loaded.path} has no tokenizer.json")
-    if args.bleu:
-        return _bleu(args, loaded)
+
+def _loss(args: argparse.Namespace, loaded, run_overrides: list[str], placement, held: str, say) -> dict:
+    """The loss, perplexity, bits per byte and word perplexity of ``loaded`` on ``--data``."""
+    from megatransformer.config import apply_overrides, validate
+
     raw = apply_overrides(loaded.cfg.model_dump(mode="json"), run_overrides)
     with tempfile.TemporaryDirectory() as tmp:
         shards, split = _as_shards(args, loaded.tokenizer.path, Path(tmp))
@@ -98,24 +138,13 @@ def run(args: argparse.Namespace) -> int:
         cfg = validate(raw)
         limit = f", at most {args.max_batches} batches" if args.max_batches else ""
         data = " ".join(args.data)
-        to_stderr(
-            f"evaluating {loaded.path} on {data} ({cfg.objective}, {args.dtype} on {loaded.device}, batches of "
+        say(
+            f"evaluating {loaded.path} on {data} ({cfg.objective}, {args.dtype} on {loaded.device}{held}, batches of "
             f"{args.batch_size}{limit})"
         )
-        to_stderr(scored(cfg))
-        forwards = bf16_matmuls(args.dtype, loaded.device)
-        result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches, forwards)
-    result = {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(
-            f"{cfg.objective}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
-            f"over {result['tokens']:,} tokens ({result['sequences']:,} sequences); bits per byte "
-            f"{result['bits_per_byte']:.4f} over {result['bytes']:,} bytes, word perplexity "
-            f"{result['word_perplexity']:.3f} over {result['words']:,} words"
-        )
-    return 0
+        say(scored(cfg))
+        result = evaluate(loaded.model, cfg, loaded.tokenizer, split, args.batch_size, args.max_batches, placement)
+    return {"checkpoint": str(loaded.path), "objective": cfg.objective, **result}
 
 
 # What eval reads of a run config besides the model; --data sets the data files and their reading itself.
@@ -159,8 +188,9 @@ def _check_bleu_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(f"--bleu takes only model.* overrides (got {' '.join(other)})")
 
 
-def _bleu(args: argparse.Namespace, loaded) -> int:
-    result = {
+def _bleu(args: argparse.Namespace, loaded, agreed, say) -> dict:
+    """``bleu_of`` the ``--data`` pairs; ``say`` None: a rank that writes and says nothing (not rank 0)."""
+    return {
         "checkpoint": str(loaded.path),
         **bleu_of(
             loaded,
@@ -170,19 +200,12 @@ def _bleu(args: argparse.Namespace, loaded) -> int:
             args.num_beams,
             args.length_penalty,
             args.length_penalty_form,
-            args.hypotheses,
+            args.hypotheses if say else None,
             args.batch_size,
+            agreed,
+            say or (lambda line: None),
         ),
     }
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(
-            f"{result['bleu_text']}\n{result['chrf_text']}\nBLEU signature: {result['bleu_signature']}\n"
-            f"chrF signature: {result['chrf_signature']}\n({result['sentences']:,} sentences, beam "
-            f"{args.num_beams}, length penalty {args.length_penalty_form} alpha={args.length_penalty})"
-        )
-    return 0
 
 
 def bleu_of(
@@ -195,9 +218,12 @@ def bleu_of(
     form: str,
     hypotheses: str | None = None,
     batch_size: int = 8,
+    agreed: Callable | None = None,
+    say: Callable[[str], None] = to_stderr,
 ) -> dict:
     """Beam-search translations of the pairs in ``files`` (sources of equal length ``batch_size`` at a time)
-    scored by sacrebleu: BLEU, chrF and their signatures (the settings that make scores comparable)."""
+    scored by sacrebleu: BLEU, chrF and their signatures (the settings that make scores comparable); ``agreed``:
+    as ``beam_search`` takes it."""
     from sacrebleu.metrics import BLEU, CHRF
 
     from data_pipeline.documents import read_documents
@@ -213,19 +239,19 @@ def bleu_of(
         references.append(pair.text)
     if not sources:
         raise ConfigError(f"no translation pairs in {', '.join(files)}")
-    to_stderr(
+    say(
         f"translating {len(sources):,} sentences of {', '.join(files)} with {loaded.path}: beam {num_beams}, "
         f"batches of {batch_size}"
     )
     outputs = [
         tok.decode(tokens, skip_special=True).strip()
-        for tokens in beam_decode(loaded, sources, num_beams, alpha, form, batch_size=batch_size)
+        for tokens in beam_decode(loaded, sources, num_beams, alpha, form, batch_size=batch_size, agreed=agreed)
     ]
     if hypotheses:
         Path(hypotheses).write_text("".join(line.replace("\n", " ") + "\n" for line in outputs))
     warning = empty_hypotheses_warning(outputs)
     if warning:
-        to_stderr(warning)
+        say(warning)
     bleu, chrf = BLEU(), CHRF()
     bleu_score, chrf_score = bleu.corpus_score(outputs, [references]), chrf.corpus_score(outputs, [references])
     return {
@@ -268,20 +294,13 @@ def add_task_arguments(p: argparse.ArgumentParser) -> None:
         help="with --tasks: bootstrap resamples for the standard errors that need them (0: none; lm-eval's default)",
     )
     p.add_argument("--samples", default=None, help="with --tasks: every item's responses and metrics, as JSONL here")
-    p.add_argument(
-        "--zero-stage",
-        type=int,
-        choices=[0, 3],
-        default=0,
-        help="with --tasks: 0, each torchrun rank holds the whole model; 3, a part of it (ZeRO-3: each forward "
-        "gathers a layer's parameters from every rank), for a model larger than one device",
-    )
 
 
 def run_tasks(args: argparse.Namespace) -> int:
     """lm-eval tasks on the checkpoint, one process or each torchrun rank a share of every task's items."""
     import os
 
+    from megatransformer.commands.arguments import zero_stage
     from megatransformer.config import ConfigError
 
     if args.limit is not None and args.limit < 1:
@@ -290,8 +309,7 @@ def run_tasks(args: argparse.Namespace) -> int:
         raise ConfigError("--num-fewshot must be >= 0")
     if args.bleu or args.overrides:
         raise ConfigError("--tasks takes no --bleu and no key.path=value overrides")
-    if args.zero_stage == 3 and int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        raise ConfigError("--zero-stage 3 partitions the model over torchrun's ranks: run it under torchrun, 2 or more")
+    stage = zero_stage(args)
     if args.samples:
         writable(Path(args.samples))
     # (PyTorch and lm-eval load for tens of seconds on a busy machine; a terminal only: a task name lm-eval does not
@@ -301,7 +319,8 @@ def run_tasks(args: argparse.Namespace) -> int:
     import torch
 
     from megatransformer import harness
-    from megatransformer.inference import inference_device, load_for_inference, load_partitioned
+    from megatransformer.inference import inference_device, load_model
+    from megatransformer.lockstep import Placement, gather_group, joined
     from megatransformer.training.threads import say_threads
 
     tasks = harness.load_tasks(args.tasks, args.include_path)
@@ -312,30 +331,19 @@ def run_tasks(args: argparse.Namespace) -> int:
     say_threads(to_stderr)  # (after the tasks: a name lm-eval does not know stays one line)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(inference_device(to_stderr))
-    if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        if args.zero_stage == 3:
-            from megatransformer.training.runtime.host_memory import map_large_blocks
-
-            map_large_blocks()  # (each layer's gathered parameters returned to the kernel when freed, not kept)
-            with held_stdout():
-                loaded = load_partitioned(args.checkpoint, args.dtype)  # (on the device set above)
-        else:
-            loaded = load_for_inference(args.checkpoint, str(device), dtype=args.dtype)
+    with joined(device, world):
+        loaded = load_model(args.checkpoint, str(device), [], args.dtype, stage, "eval")  # (on the device set)
         if loaded.tokenizer is None:
             raise ConfigError(f"{loaded.path} has no tokenizer.json")
         if rank == 0:
-            held = f", ZeRO-3: 1/{world} of the weights a rank" if args.zero_stage == 3 else ""
+            held = f", ZeRO-3: 1/{world} of the weights a rank" if stage == 3 else ""
             to_stderr(
                 f"evaluating {loaded.path} on {' '.join(tasks.names)} with lm-eval ({args.dtype} on {device}, "
                 f"{world} rank{'s' * (world > 1)}{held}, batches of {args.batch_size})"
             )
-        group = harness.gather_group(world)
+        group = gather_group(world)
         forwards = bf16_matmuls(args.dtype, device)
-        placement = harness.Placement(device, rank, world, forwards, group, lockstep=args.zero_stage == 3 and world > 1)
+        placement = Placement(device, rank, world, forwards, group, lockstep=stage == 3 and world > 1)
         lm = harness.HarnessLM(loaded.model, loaded.cfg, loaded.tokenizer, placement, args.batch_size)
         bar = task_progress(lm, sys.stderr, enabled=rank == 0 and sys.stderr.isatty())  # (before quiet's redirect)
         with harness.quiet():
@@ -343,9 +351,6 @@ def run_tasks(args: argparse.Namespace) -> int:
                 lm, tasks, args.limit, args.num_fewshot, args.bootstrap_iters, log_samples=bool(args.samples)
             )
         bar.close()
-    finally:
-        if world > 1:
-            torch.distributed.destroy_process_group()
     if results is None:  # (ranks other than 0)
         return 0
     if args.samples:
@@ -448,57 +453,73 @@ def bf16_matmuls(dtype: str, device) -> Callable[[], contextlib.AbstractContextM
 
 
 def evaluate(
-    model,
-    cfg,
-    tokenizer,
-    split: str,
-    batch_size: int,
-    max_batches: int | None = None,
-    forwards: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    model, cfg, tokenizer, split: str, batch_size: int, max_batches: int | None = None, placement=None
 ) -> dict:
+    """The summed loss of every batch of ``split`` and what it is over. ``placement`` (``lockstep.Placement``; None:
+    one process on the model's device) of several ranks: every rank reads every batch and runs batches rank,
+    rank + N, ... of them, in lockstep (a rank whose share is done runs the first row again until every share is);
+    the batches' sums are gathered and added in their order, as one process adds them."""
     import torch
     from tqdm import tqdm
 
     from megatransformer.batch import IGNORE_INDEX
+    from megatransformer.lockstep import Placement
     from megatransformer.training.data import build_run_loader
 
     loader = build_run_loader(cfg, split, 1, 0, 1, tokenizer, epochs=1)
     device = next(model.parameters()).device
-    loss_sum, tokens, sequences, pending = 0.0, 0, 0, []
+    placement = placement or Placement(device)
+    ranks, rank = placement.world_size, placement.rank
     total = expected_rows(cfg, split)
     if max_batches:
         total = min(total or max_batches * batch_size, max_batches * batch_size)
-    bar = tqdm(total=total, unit="row", desc="evaluating", file=sys.stderr, disable=not sys.stderr.isatty())
+    bar = tqdm(
+        total=total and -(-total // ranks),
+        unit="row",
+        desc="evaluating",
+        file=sys.stderr,
+        disable=rank != 0 or not sys.stderr.isatty(),
+    )
 
-    text_bytes, words = 0, 0
-
-    def flush() -> None:
-        nonlocal loss_sum, tokens, sequences, text_bytes, words
-        batch = {k: torch.cat([b[k] for b in pending]).to(device) for k in pending[0]}
+    def loss_of(samples: list[dict]) -> tuple[float, torch.Tensor]:
+        batch = {k: torch.cat([b[k] for b in samples]).to(device) for k in samples[0]}
         labels = batch.pop("labels")
-        with torch.no_grad(), forwards():
-            loss_sum += model(**batch, labels=labels).item()
-        tokens += int((labels != IGNORE_INDEX).sum())
+        with torch.no_grad(), placement.forwards():
+            return model(**batch, labels=labels).item(), labels
+
+    sums: dict[int, tuple[float, int, int, int, int]] = {}  # batch: (loss, tokens, bytes, words, sequences)
+
+    def run(index: int, samples: list[dict]) -> None:
+        placement.any_working(True)
+        loss, labels = loss_of(samples)
+        text_bytes, words = 0, 0
         for row in labels:
             text = tokenizer.decode(row[row != IGNORE_INDEX].tolist(), skip_special=True)
             text_bytes += len(text.encode())
             words += len(text.split())
-        sequences += len(pending)
-        bar.update(len(pending))
-        pending.clear()
+        sums[index] = (loss, int((labels != IGNORE_INDEX).sum()), text_bytes, words, len(samples))
+        bar.update(len(samples))
 
-    batches = 0
+    batches, pending, first = 0, [], None
     for sample in loader:
+        first = first or [sample]
         pending.append(sample)
         if len(pending) == batch_size:
-            flush()
-            batches += 1
+            if batches % ranks == rank:
+                run(batches, pending)
+            batches, pending = batches + 1, []
             if max_batches and batches >= max_batches:
                 break
-    if pending and not (max_batches and batches >= max_batches):
-        flush()
+    if pending and not (max_batches and batches >= max_batches) and batches % ranks == rank:
+        run(batches, pending)
+    placement.wait_for_others(lambda: loss_of(first))
+    for share in placement.gather_all(sums):
+        sums.update(share)
     bar.total = bar.n  # (the rows expected were an estimate)
     bar.close()
+    ordered = [sums[index] for index in sorted(sums)]
+    loss_sum = sum(batch[0] for batch in ordered)  # (in the batches' order: the one-process sum, bit for bit)
+    tokens, text_bytes, words, sequences = (sum(batch[k] for batch in ordered) for k in range(1, 5))
     loss = loss_sum / max(tokens, 1)
     return {
         "loss": loss,

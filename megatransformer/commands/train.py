@@ -304,10 +304,11 @@ def first_instruction_prompt(cfg: RunConfig, tokenizer) -> str | None:
 def closing_sample(cfg: RunConfig, trainer: Trainer, tokenizer, max_new_tokens: int = 40) -> str | None:
     """The first rank's line of a greedy continuation of ``train.sample_prompt`` by the final weights (decoder
     models), run in the engine as it stands: where each forward needs every rank (ZeRO-3, tensor parallelism)
-    every rank runs it, for exactly ``max_new_tokens`` forwards (none stops at its own end-of-text), and no rank
-    ever holds more of the model than training did."""
+    every rank runs it, each step taking the first rank's token, and no rank ever holds more of the model than
+    training did."""
     import torch
 
+    from megatransformer.lockstep import rank_0s
     from megatransformer.model import generate
 
     module = trainer.module
@@ -318,11 +319,13 @@ def closing_sample(cfg: RunConfig, trainer: Trainer, tokenizer, max_new_tokens: 
     max_new_tokens = min(max_new_tokens, cfg.model.max_seq_len // 2)
     room = cfg.model.max_seq_len - max_new_tokens  # (a long instruction's prompt: its end)
     prompt = torch.tensor([tokenizer.encode(cfg.train.sample_prompt)[-room:]], device=module.device)
+    agreed = rank_0s if module.forwards_together else None  # (every rank takes the first's tokens: as many forwards)
     with torch.no_grad(), module.plain_model() as model, module.matmuls():
-        new = generate(model, prompt, max_new_tokens, temperature=0.0)[0].tolist()
-    if tokenizer.eos_id in new:
-        new = new[: new.index(tokenizer.eos_id)]
-    return format_sample(cfg.train.sample_prompt, tokenizer.decode(new, skip_special=True))
+        new = generate(model, prompt, max_new_tokens, temperature=0.0, eos_id=tokenizer.eos_id, agreed=agreed)
+    tokens = new[0].tolist()
+    if tokenizer.eos_id in tokens:
+        tokens = tokens[: tokens.index(tokenizer.eos_id)]
+    return format_sample(cfg.train.sample_prompt, tokenizer.decode(tokens, skip_special=True))
 
 
 def format_sample(prompt: str, continuation: str) -> str:

@@ -18,6 +18,7 @@ alpha = 0.6) and ``hf`` ``|Y| ** alpha`` (transformers' ``length_penalty``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +56,11 @@ def beam_search(
     decoder_start_id: int | None = None,
     use_cache: bool = True,
     prefix_lm: bool = False,
+    agreed: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[Hypothesis]:
     """The best hypothesis of every row of ``input_ids`` ([B, L]: decoder prompts or encoder inputs, as in
-    ``generate.stream``)."""
+    ``generate.stream``). ``agreed``: each step's ranked candidates (their scores, their places), from those it
+    ranked (processes that search together take one's: every choice after follows from them alone)."""
     if num_beams < 1 or max_new_tokens < 1:
         raise ValueError(f"need num_beams >= 1 and max_new_tokens >= 1, got {num_beams} and {max_new_tokens}")
     length_penalty(1, alpha, form)  # checks the form before any forward
@@ -74,6 +77,8 @@ def beam_search(
         vocab = log_probs.shape[-1]
         total = (scores.reshape(-1, 1) + log_probs).reshape(rows, k * vocab)
         top, index = total.topk(min(2 * k, k * vocab), dim=-1)
+        if agreed is not None:
+            top, index = agreed(top.contiguous()), agreed(index.contiguous())
         last = t + 1 == max_new_tokens
         divisor = length_penalty(t + 1, alpha, form)
         chosen: list[tuple[float, int, int]] = []  # (score, source row of the batch, token) for every beam

@@ -7,7 +7,7 @@ from ``decoder_start_id``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -52,14 +52,18 @@ def stream(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     prefix_lm: bool = False,
+    agreed: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row ([B]) until max_new_tokens or every row has produced eos_id.
-    ``prefix_lm``: a decoder attends bidirectionally over the prompt (for models trained with prefix_lm)."""
+    ``prefix_lm``: a decoder attends bidirectionally over the prompt (for models trained with prefix_lm).
+    ``agreed``: the tokens each step takes, from those it picked (processes that decode together take one's)."""
     step = _step_function(model, input_ids, prefix_lm)
     state = step(model, input_ids, None, use_cache, max_new_tokens, decoder_start_id)
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for n in range(1, max_new_tokens + 1):
         token = sample_next(state.logits[:, -1], temperature, top_k, top_p, generator)
+        if agreed is not None:
+            token = agreed(token)
         if eos_id is not None:
             token = token.masked_fill(done, eos_id)
             done |= token == eos_id

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from megatransformer.config import ConfigError, RunConfig
+from megatransformer.lockstep import EVAL_GATHER_TIMEOUT_MINUTES, Interrupted, Placement, gather_group
 from megatransformer.training.engine.train_module import TrainModule
 
 
@@ -34,10 +35,10 @@ class Downstream:
         share, shares = module.item_share()
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         lockstep = module.forwards_together
-        group = harness.gather_group(ranks if shares > 1 or lockstep else 1)
-        self.timeout_minutes = harness.EVAL_GATHER_TIMEOUT_MINUTES  # (the longest wait of a rank in the tasks)
+        group = gather_group(ranks if shares > 1 or lockstep else 1)
+        self.timeout_minutes = EVAL_GATHER_TIMEOUT_MINUTES  # (the longest wait of a rank in the tasks)
         # (a preemption ends the tasks between two forwards: the checkpoint comes first, see run)
-        self.placement = harness.Placement(
+        self.placement = Placement(
             torch.device(device), share, shares, module.matmuls, group, lockstep=lockstep, stop=stop
         )
 
@@ -57,7 +58,7 @@ class Downstream:
             with self.module.plain_model() as model, self.harness.quiet():
                 lm = self.harness.HarnessLM(model, cfg, self.tokenizer, self.placement, batch_size)
                 results = self.harness.evaluate(lm, self.tasks, evals.limit, evals.num_fewshot)
-        except self.harness.Interrupted:
+        except Interrupted:
             self.interrupted = True
             return {}
         if results is None:

@@ -112,14 +112,6 @@ def test_arguments_that_would_fail_inside_the_harness_are_one_line_before_evalua
     assert_one_line(capsys.readouterr().err, "megatransformer eval: error:", *fragments)
 
 
-def test_zero_stage_applies_to_tasks_only(tmp_path, capsys):
-    from megatransformer.cli import main
-
-    argv = ["eval", "--checkpoint", str(tmp_path), "--data", str(tmp_path / "t.txt"), "--zero-stage", "3"]
-    assert main(argv) == 2
-    assert_one_line(capsys.readouterr().err, "--zero-stage applies to --tasks")
-
-
 def test_a_few_shot_count_beyond_a_tasks_examples_is_refused_and_a_perplexity_task_keeps_none(tmp_path):
     task = task_yaml(tmp_path / "t.yaml", "mt_t", items(tmp_path / "i.jsonl", 4))
     rolling = tmp_path / "r.yaml"

@@ -37,6 +37,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def quiet_deprecated_collectives() -> None:
+    """DeepSpeed gathers ZeRO and bf16 partitions with all_gather_into_tensor and reduces ZeRO-3's gradients with
+    reduce_scatter_tensor, which torch deprecates: FutureWarnings on every rank, shown again every step (the
+    warnings registry is reset whenever a filter changes), that are DeepSpeed's to act on, not the user's."""
+    warnings.filterwarnings(
+        "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning
+    )
+
+
 def setup(timeout_minutes: float = 10.0) -> Dist:
     """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); a collective that waits
     longer than ``timeout_minutes`` for the other ranks fails (parallel.timeout_minutes)."""
@@ -72,12 +81,7 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
 
     from megatransformer.training.runtime.builds import skip_collective_build
 
-    # DeepSpeed gathers ZeRO and bf16 partitions with all_gather_into_tensor and reduces ZeRO-3's gradients with
-    # reduce_scatter_tensor, which torch deprecates: FutureWarnings on every rank, shown again every step (the
-    # warnings registry is reset whenever a filter changes), that are DeepSpeed's to act on, not the user's
-    warnings.filterwarnings(
-        "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning
-    )
+    quiet_deprecated_collectives()
 
     if os.environ["WORLD_SIZE"] == "1":
         skip_collective_build()
