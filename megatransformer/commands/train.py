@@ -388,7 +388,8 @@ def summary(
     if exit_code == 0:
         latest = ckpt.latest_checkpoint(ckpt.checkpoints_dir(run_dir))
         named = checkpoint if checkpoint is not None and checkpoint != latest else None
-        lines += ["next:", *(f"  {command}" for command in next_commands(cfg, named))]
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        lines += ["next:", *(f"  {command}" for command in next_commands(cfg, named, ranks))]
     return "\n".join(lines)
 
 
@@ -411,20 +412,25 @@ def shell_quote(text: str) -> str:
     return f"$'{escaped}'"
 
 
-def next_commands(cfg: RunConfig, checkpoint: Path | None = None) -> list[str]:
+def next_commands(cfg: RunConfig, checkpoint: Path | None = None, ranks: int = 1) -> list[str]:
     """Evaluate, sample from and export the run just finished, as commands to copy; ``checkpoint``: the one to
-    name when the run directory's latest is another (a damaged one the resume skipped)."""
+    name when the run directory's latest is another (a damaged one the resume skipped); ``ranks``: the ranks of a
+    machine the run shared its model among (ZeRO-3, tensor parallelism), which evaluate and sample it partitioned
+    too (a model of that size may fit no single device)."""
     from megatransformer.hf import hf_incompatibility
 
     run = shlex.quote(str(checkpoint or cfg.run_dir))
     data = cfg.data.valid or cfg.data.train
     data = data if isinstance(data, str) or data is None else data[0].path
+    shared = ranks > 1 and (cfg.parallel.zero_stage == 3 or cfg.parallel.tensor_parallel > 1)
+    launcher = f"torchrun --nproc-per-node {ranks} -m megatransformer.cli" if shared else "megatransformer"
+    partitioned = " --zero-stage 3" if shared else ""
     commands = []
     if data is not None:
-        commands.append(f"megatransformer eval --checkpoint {run} --data {shlex.quote(data)}")
+        commands.append(f"{launcher} eval --checkpoint {run} --data {shlex.quote(data)}{partitioned}")
     if cfg.model.arch != "encoder":
         prompt = cfg.train.sample_prompt or "The"
-        commands.append(f"megatransformer generate --checkpoint {run} --prompt {shell_quote(prompt)}")
+        commands.append(f"{launcher} generate --checkpoint {run} --prompt {shell_quote(prompt)}{partitioned}")
     hf = hf_incompatibility(cfg.model) is None
     commands.append(
         f"megatransformer export --checkpoint {run} --format {'hf' if hf else 'safetensors'} "

@@ -32,6 +32,20 @@ def test_a_prompt_given_or_text_data_keep_the_config_s_prompt(tiny_data, tiny_in
     assert with_closing_prompt(load_config("quickstart", text), text, tok).train.sample_prompt == "The function returns"
 
 
+def test_a_model_shared_among_a_machines_ranks_is_evaluated_and_sampled_partitioned_among_them():
+    data = ["data.train=shards", "data.tokenizer=tok.json"]
+    for layout in ("parallel.zero_stage=3", "parallel.tensor_parallel=2"):
+        evaluate, sample, export = next_commands(load_config("quickstart", [*data, layout]), ranks=8)
+        for command, name in ((evaluate, "eval"), (sample, "generate")):
+            assert command.startswith(f"torchrun --nproc-per-node 8 -m megatransformer.cli {name} --checkpoint ")
+            assert command.endswith(" --zero-stage 3")
+        assert export.startswith("megatransformer export ")  # (one tensor at a time: any machine)
+    whole = next_commands(load_config("quickstart", [*data, "parallel.zero_stage=2"]), ranks=8)
+    assert all(command.startswith("megatransformer ") and "--zero-stage" not in command for command in whole)
+    alone = next_commands(load_config("quickstart", [*data, "parallel.zero_stage=3"]), ranks=1)
+    assert all(command.startswith("megatransformer ") for command in alone)
+
+
 def test_a_run_draws_its_curves_at_its_end_unless_train_plot_is_false(tmp_path, capsys):
     records = [
         {"step": s, "kind": "train", "time": 1.0 + s, "loss": 6.0 - s / 10, "lr": 1e-3, "tokens": 512 * s}
