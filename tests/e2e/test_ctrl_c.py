@@ -23,7 +23,7 @@ TINY = (
     "model.max_seq_len=128 data.seq_len=64 train.micro_batch_size=4 train.grad_accum=1 train.log_every=1 "
     "train.eval_batches=2 checkpoint.every=1000 wandb.mode=disabled"
 ).split()
-STEPS = 30
+STEPS = 80  # (room for the signal to land before the end on a busy machine)
 
 
 def run_command(tiny_data, run_dir: Path, *extra: str) -> list[str]:

@@ -19,7 +19,8 @@ from megatransformer.training.checkpointing.run_lock import LOCK
 
 def test_a_second_run_is_refused_while_the_first_holds_the_lock_and_a_requeue_resumes(tiny_data, tmp_path):
     run = tmp_path / "run"
-    overrides = tiny_run(tiny_data, run, steps=12, changes={"checkpoint.every": 2, "resume": "auto"})
+    # (40 steps: the stop below lands before the end, however busy the machine)
+    overrides = tiny_run(tiny_data, run, steps=40, changes={"checkpoint.every": 2, "resume": "auto"})
     first = subprocess.Popen(
         train_command() + overrides, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

@@ -20,11 +20,12 @@ from support.runs import (
     tiny_data_overrides,
     tiny_model,
     train,
+    wait_for_checkpoint,
     wait_for_step,
     wait_ranks,
 )
 
-STEPS = 14
+STEPS = 24  # (room for a preemption signal to land before the end on a busy machine)
 EXACT = ("step", "loss", "lr", "grad_norm", "tokens", "val_loss", "val_tokens", "bad_steps")
 
 
@@ -60,6 +61,7 @@ def test_kill_9_then_preemption_then_resume_equals_uninterrupted(tiny_data, tmp_
 
     procs = spawn_ranks(overrides(tiny_data, run), run)  # 1. killed -9 on every rank, between checkpoints
     wait_for_step(run, 5, procs)
+    wait_for_checkpoint(run, procs)  # (step 3's, written in the background)
     for p in procs:
         p.send_signal(signal.SIGKILL)
     wait_ranks(procs, run)

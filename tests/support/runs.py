@@ -290,6 +290,17 @@ def wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], log: 
         time.sleep(0.02)
 
 
+def wait_for_checkpoint(run_dir: Path, procs: list[subprocess.Popen]) -> None:
+    """Until ``run_dir`` has a complete checkpoint (its ``latest``: a save written in the background is named there
+    once complete); an error as soon as one of ``procs`` ends before."""
+    latest = run_dir / "checkpoints" / "latest"
+    while not latest.is_file():
+        ended = [p.returncode for p in procs if p.poll() is not None]
+        if ended:
+            raise AssertionError(f"a process ended (exit {ended[0]}) before its first checkpoint was complete")
+        time.sleep(0.02)
+
+
 def metrics(run_dir: Path) -> list[dict]:
     """The records of ``run_dir/metrics.jsonl`` but the checkpoints' timings (:func:`checkpoint_records`),
     which differ from run to run."""
