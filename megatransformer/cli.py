@@ -116,6 +116,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # (from the start: a launcher killed during the imports ends this too)
+        from megatransformer.training.runtime.distributed import end_with_launcher
+
+        end_with_launcher()
     args = parse_args(build_parser(), argv)
     if args.command in COMPUTING:  # (before torch loads libgomp, which reads it once)
         from megatransformer.training.threads import set_wait_policy

@@ -181,6 +181,20 @@ def test_wandb_goes_offline_at_once_when_its_server_does_not_answer(tmp_path, mo
     assert f"warning: cannot reach the W&B server, http://127.0.0.1:{port}: " in err and "logging offline" in err
 
 
+def test_wandb_that_cannot_start_even_offline_leaves_the_run_going_with_a_line(tmp_path, monkeypatch, capsys):
+    import wandb
+
+    def refuse(**_):
+        raise wandb.errors.CommError("wandb-core did not start within 90 seconds")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    assert start_wandb(validate({"run_dir": str(tmp_path), "wandb": {"mode": "offline"}})) is None
+    assert capsys.readouterr().err == (
+        "warning: W&B did not start (wandb-core did not start within 90 seconds); the run goes on without it, every "
+        f"number in {tmp_path / 'metrics.jsonl'}\n"
+    )
+
+
 def test_tensorboard_without_its_package_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
     check_tensorboard(validate({}))

@@ -327,18 +327,34 @@ def start_wandb(cfg: RunConfig, config: dict[str, Any] | None = None):
         id=_run_id(run_dir),
     )
     if mode != "online":
-        return wandb.init(**init, mode=mode, settings=quiet)
+        return _offline_run(wandb, init, mode, quiet)
     down = unreachable(os.environ.get("WANDB_BASE_URL") or configured)
     if down is not None:
         _warn_offline(f"cannot reach the W&B server, {down}", run_dir)
-        return wandb.init(**init, mode="offline", settings=quiet)
+        return _offline_run(wandb, init, "offline", quiet)
     try:
         return wandb.init(**init, mode="online", settings=quiet.model_copy(update={"init_timeout": timeout}))
     except Exception as err:  # noqa: BLE001 - whatever W&B raises, the run goes on offline
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        _warn_offline(f"W&B online start-up failed ({reason})", run_dir)
+        _warn_offline(f"W&B online start-up failed ({_reason(err)})", run_dir)
         wandb.teardown()  # the failed run still holds its id in W&B's service process
-        return wandb.init(**init, mode="offline", settings=quiet)
+        return _offline_run(wandb, init, "offline", quiet)
+
+
+def _offline_run(wandb, init: dict[str, Any], mode: str, settings):
+    """W&B's run in ``mode`` (offline, or W&B's own dryrun), or None with a warning should W&B fail to start even
+    so (its service process, slow to start on a busy machine): the run goes on, its numbers in metrics.jsonl."""
+    try:
+        return wandb.init(**init, mode=mode, settings=settings)
+    except Exception as err:  # noqa: BLE001 - whatever W&B raises, the run goes on without it
+        to_stderr(
+            f"warning: W&B did not start ({_reason(err)}); the run goes on without it, every number in "
+            f"{Path(init['dir']) / 'metrics.jsonl'}"
+        )
+        return None
+
+
+def _reason(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _warn_offline(reason: str, run_dir: Path) -> None:
