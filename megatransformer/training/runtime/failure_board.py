@@ -11,6 +11,9 @@ board which process it is, and the ranks of one machine look after each other: a
 without having ended its run is posted, by the first rank to see it, as having ended without a line. What that
 cannot see (a lost node; the store's own host, rank 0 under srun, killed) leaves its peers waiting for the
 timeout, with the hang watchdog's stacks and NCCL's flight recorder.
+
+Before the process group starts, the same store (torchrun's agent's) tells a machine's ranks that its first rank
+has printed the config or data error they all found (:func:`say_printed`, :func:`wait_until_printed`).
 """
 
 from __future__ import annotations
