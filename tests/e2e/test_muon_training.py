@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from support.models import run_config
 from support.ranks import fork_ranks
 from support.runs import checkpoint, losses, losses_by_step, metrics, tiny_run, train, train_command, wait_for_step
 
+from megatransformer.flops import BALANCE
+
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 from plan_memory import free_port, host_batch, join  # noqa: E402
 
@@ -26,11 +29,20 @@ STEPS = 3
 MATRICES = 7  # one layer: q, k, v, o, gate, up, down
 # d_ff 192: the 192 x 32 gate, up and down cost 4.3x q or o, so that teams balance them (flops.balance_teams): over 2
 # ranks gate (tall) split in two; over 4, gate and up across three (a block across the two tensor-parallel shards)
-# and down (wide: strided blocks) across all four
+# and down (wide: strided blocks) across all four. Tensor-parallel 2 steps the matrices split by rows (q, k, v, gate,
+# up) and by columns (o, down) as two groups, one exchange each, each balanced on its own: q, gate and up across two,
+# down across three
 MODEL = dict(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=192, vocab_size=128, max_seq_len=32)
-TEAMS = {  # by world size: matrices split, team members' parts (of all split matrices) a step, the owner line's words
-    2: (1, 2, ", 1 of them split by columns across teams of 2 ranks"),
-    4: (3, 3 + 3 + 4, ", 3 of them split by columns across teams of 3 to 4 ranks"),
+TEAMS = {  # by world size and tensor-parallel degree: matrices split, team members' parts (of all split matrices) a
+    # step, the owner line's words
+    (2, 1): (1, 2, ", 1 of them split by columns across teams of 2 ranks"),
+    (4, 1): (3, 3 + 3 + 4, ", 3 of them split by columns across teams of 3 to 4 ranks"),
+    (4, 2): (
+        4,
+        2 + 2 + 2 + 3,
+        ", 4 of them split by columns across teams of 2 to 3 ranks, balanced within each of 2 step units (stepped one "
+        "after another)",
+    ),
 }
 MUON = {"optim.name": "muon", "optim.muon_lr": "0.02", "parallel.zero_stage": "0"}
 
@@ -87,11 +99,11 @@ def one_rank(tmp_path_factory) -> dict:
     return one
 
 
-def _orthogonalised_once(one_rank: dict, ranks: list[dict]) -> None:
+def _orthogonalised_once(one_rank: dict, ranks: list[dict], tp: int = 1) -> None:
     """Newton-Schulz's FLOPs summed over the ranks are one rank's (each matrix orthogonalised once: whole at its
     owner, or a part at each member of its team), every rank does some, and the teams split what they should."""
     world = len(ranks)
-    split, parts, words = TEAMS[world]
+    split, parts, words = TEAMS[world, tp]
     assert all(r["owners"] == ranks[0]["owners"] for r in ranks)
     assert f"by one of {world} ranks{words} (max/mean" in ranks[0]["owners"]
     assert sum(r["ns_calls"] for r in ranks) == (MATRICES - split) * STEPS
@@ -118,10 +130,10 @@ def test_each_matrix_is_orthogonalised_once_over_two_ranks_which_train_the_losse
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tensor_parallel_two_over_two_data_parallel_ranks_equals_one_rank(one_rank, tmp_path, stage):
     """Four ranks: each matrix's elements, from both tensor-parallel shards, gathered at its one owner, or each
-    member's columns at the member (three matrices split, across teams of 3 and 4)."""
+    member's columns at the member (four matrices split, across teams of 2 and 3)."""
     ranks = stage_run(4, stage, tmp_path, tensor_parallel=2)
     assert all(r["losses"] == pytest.approx(one_rank["losses"], abs=1e-5) for r in ranks)
-    _orthogonalised_once(one_rank, ranks)
+    _orthogonalised_once(one_rank, ranks, tp=2)
 
 
 def test_four_data_parallel_ranks_at_zero_3_equal_one_rank(one_rank, tmp_path):
@@ -172,7 +184,12 @@ def test_two_ranks_train_the_losses_of_one(tiny_data, shared_runs, tmp_path, lay
     two = train(tiny_run(tiny_data, tmp_path / "two", steps=10, changes=changes) + layout, nproc=2)
     (owners,) = [line for line in two.stdout.splitlines() if line.startswith("Muon owners:")]
     assert "each of 14 matrices orthogonalised once, by one of 2 ranks" in owners
-    assert owners.endswith("per rank, matrices/FLOPs: 7/50.0% 7/50.0%")
+    if any("zero_stage=3" in change or "tensor_parallel" in change for change in layout):
+        # (a ZeRO-3 sub-group a layer, or tensor parallelism's two groups: each balanced on its own)
+        assert "balanced within each of 2 step units (stepped one after another) (max/mean" in owners
+        assert float(re.search(r"max/mean Newton-Schulz FLOPs ([\d.]+)", owners)[1]) <= BALANCE
+    else:
+        assert owners.endswith("per rank, matrices/FLOPs: 7/50.0% 7/50.0%")
     assert losses(tmp_path / "two") == pytest.approx(losses(one.run_dir), abs=1e-5)
 
 

@@ -5,6 +5,8 @@ balance, the state it keeps, and the planner's count of it."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from megatransformer.config import ConfigError, OptimConfig, load_config
 from megatransformer.flops import BALANCE, assign_owners, balance_teams, newton_schulz_flops, team_loads
 from megatransformer.model import build_model
 from megatransformer.model.matrices import hidden_matrix_names
-from megatransformer.training.deepspeed.partitions import Fragment
+from megatransformer.training.deepspeed.partitions import Fragment, PartitionMap
 from megatransformer.training.optimizers.muon import (
     NS_COEFFICIENTS,
     NS_EPS,
@@ -27,6 +29,7 @@ from megatransformer.training.optimizers.muon import (
     newton_schulz_member,
     newton_schulz_steps,
     plan_exchange,
+    step_units,
 )
 from megatransformer.training.runtime.cpu_bf16 import Fp32Gemms
 
@@ -433,6 +436,102 @@ def test_fragments_that_do_not_tile_a_matrix_are_refused():
     gap = [Fragment(0, 0, "a", 0, 2, 0, 0), Fragment(1, 0, "a", 3, 3, 0, 0)]
     with pytest.raises(ConfigError, match="partitions of a .* do not tile it"):
         plan_exchange(matrices, gap, 0, 2)
+
+
+def _layout(net: torch.nn.Module, stage: int, world: int, buffers: list[list[str]]) -> PartitionMap:
+    """A map of ``net``'s matrices in flat buffers, each the names listed: at ZeRO-3 each matrix partitioned on its
+    own (rank r holds part r of it, padded), else each buffer partitioned as one flat tensor."""
+    params = dict(net.named_parameters())
+    fragments = []
+    for number, names in enumerate(buffers):
+        offsets, at = [0] * world, 0
+        for name in names:
+            numel = params[name].numel()
+            part = -(-numel // world)
+            for r in range(world):
+                if stage == 3:
+                    held = min(part, numel - r * part)
+                    if held > 0:
+                        fragments.append(Fragment(r, 0, name, r * part, held, number, offsets[r]))
+                    offsets[r] += part
+                    continue
+                whole = -(-sum(params[n].numel() for n in names) // world)
+                first, end = max(at, r * whole), min(at + numel, (r + 1) * whole)
+                if first < end:
+                    fragments.append(Fragment(r, 0, name, first - at, end - first, number, first - r * whole))
+            at += numel
+    tensors = tuple(torch.empty(0) for _ in buffers)
+    shapes = {name: params[name].shape for names in buffers for name in names}
+    ids = {id(t): number for number, t in enumerate(tensors)}
+    return PartitionMap(stage, world, 0, shapes, tuple(fragments), ids, tensors, (0,) * len(buffers))
+
+
+def _bound(stage: int, world: int, layers: int, per_layer: bool) -> tuple[MuonWithAdamW, list[list[str]], str]:
+    net = model(n_layers=layers)
+    groups, _ = muon_param_groups(net, OptimConfig(name="muon"), 1)
+    chosen = hidden_matrix_names(net)
+    names = [name for name, _ in net.named_parameters() if name in chosen]
+    buffers = [[n for n in names if f".layers.{i}." in n] for i in range(layers)] if per_layer else [names]
+    optimizer = MuonWithAdamW(groups)
+    line = optimizer.bind(net, _layout(net, stage, world, buffers), 1)
+    return optimizer, buffers, line
+
+
+def _unit_loads(optimizer: MuonWithAdamW, names: list[str], world: int) -> list[int]:
+    matrices = [optimizer.matrices[name] for name in names]
+    return team_loads([newton_schulz_flops(m.shape) for m in matrices], [m.team for m in matrices], world)
+
+
+def test_at_zero_3_each_sub_group_is_balanced_over_every_rank():
+    """DeepSpeed's stage-3 optimizer steps one sub-group (here one layer each) per ``step`` call, so each is
+    balanced on its own: every rank works in every sub-group, the busiest within 1.1 of that sub-group's mean;
+    one balance over all layers would leave most ranks idle in each sub-group."""
+    world, layers = 8, 4
+    optimizer, buffers, line = _bound(3, world, layers, per_layer=True)
+    assert step_units(optimizer.partitions, [n for names in buffers for n in names]) == buffers
+    slowest = 0
+    for names in buffers:
+        loads = _unit_loads(optimizer, names, world)
+        assert min(loads) > 0 and max(loads) <= BALANCE * sum(loads) / world
+        slowest += max(loads)
+    total = sum(newton_schulz_flops(optimizer.matrices[n].shape) for names in buffers for n in names)
+    assert f"balanced within each of {layers} step units" in line
+    assert f"(max/mean Newton-Schulz FLOPs {slowest * world / total:.2f})" in line
+    names = [n for names in buffers for n in names]
+    costs = [newton_schulz_flops(optimizer.matrices[n].shape) for n in names]
+    every = dict(zip(names, balance_teams(costs, world, [min(optimizer.matrices[n].shape) for n in names])))
+    before = 0
+    for unit in buffers:
+        loads = team_loads(
+            [newton_schulz_flops(optimizer.matrices[n].shape) for n in unit], [every[n] for n in unit], world
+        )
+        before += max(loads)
+    assert before > 1.5 * slowest  # (one balance over all of them: each sub-group's few owners work, the rest wait)
+
+
+def test_below_zero_3_the_teams_are_one_balance_over_every_matrix():
+    """ZeRO-0/1/2 step every buffer of a parameter group in one exchange (here one buffer, or one per layer)."""
+    world = 8
+    zero_3, _, _ = _bound(3, world, 4, per_layer=True)
+    for stage, per_layer in itertools.product((0, 1, 2), (False, True)):
+        optimizer, buffers, line = _bound(stage, world, 4, per_layer)
+        names = [n for unit in buffers for n in unit]
+        costs = [newton_schulz_flops(optimizer.matrices[n].shape) for n in names]
+        teams = balance_teams(costs, world, [min(optimizer.matrices[n].shape) for n in names])
+        assert [optimizer.matrices[n].team for n in names] == teams
+        assert "step units" not in line and f"each of {len(names)} matrices" in line
+    assert [zero_3.matrices[n].team for n in names] != teams
+
+
+def test_a_matrix_stepped_in_two_sub_groups_is_refused():
+    net = model()
+    groups, _ = muon_param_groups(net, OptimConfig(name="muon"), 1)
+    names = [name for name, _ in net.named_parameters() if name in hidden_matrix_names(net)]
+    layout = _layout(net, 3, 2, [names])
+    moved = [replace(f, buffer=1) if f.name == names[0] and f.rank == 1 else f for f in layout.fragments]
+    layout = replace(layout, fragments=tuple(moved), groups=(0, 0))
+    with pytest.raises(ConfigError, match="parts of .*q_proj.weight in separate optimizer steps"):
+        MuonWithAdamW(groups).bind(net, layout, 1)
 
 
 def test_muon_keeps_a_momentum_and_no_step_count_adamw_its_moments_and_step():

@@ -185,24 +185,52 @@ def fragment_pieces(m: Matrix, f: Fragment, member: int) -> list[tuple[Piece, Pi
     return out
 
 
-def owner_line(matrices: list[Matrix], ranks: int) -> str:
-    """The run log's line on how the matrices are split among their owners."""
-    counts, flops = [0] * ranks, [0] * ranks
-    for m in matrices:
-        for r in m.team:
-            counts[r] += 1
-            flops[r] += -(-newton_schulz_flops(m.shape) // len(m.team))
+def owner_line(units: list[list[Matrix]], ranks: int) -> str:
+    """The run log's line on how the matrices are split among their owners, balanced within each step unit (the
+    matrices whose updates are exchanged together, :func:`step_units`): the max/mean FLOPs is the busiest rank's of
+    each unit summed, over the mean of all."""
+    counts, flops, slowest = [0] * ranks, [0] * ranks, 0
+    for unit in units:
+        loads = [0] * ranks
+        for m in unit:
+            for r in m.team:
+                counts[r] += 1
+                loads[r] += -(-newton_schulz_flops(m.shape) // len(m.team))
+        flops = [a + b for a, b in zip(flops, loads)]
+        slowest += max(loads, default=0)
     total = sum(flops) or 1
     shares = " ".join(f"{c}/{100 * f / total:.1f}%" for c, f in zip(counts, flops))
+    matrices = [m for unit in units for m in unit]
     split = sorted(len(m.team) for m in matrices if len(m.team) > 1)
     teams = ""
     if split:
         sizes = f"{split[0]}" if split[0] == split[-1] else f"{split[0]} to {split[-1]}"
         teams = f", {len(split)} of them split by columns across teams of {sizes} ranks"
+    apart = f", balanced within each of {len(units)} step units (stepped one after another)" if len(units) > 1 else ""
     return (
-        f"Muon owners: each of {len(matrices)} matrices orthogonalised once, by one of {ranks} ranks{teams} "
-        f"(max/mean Newton-Schulz FLOPs {max(flops) * ranks / total:.2f}); per rank, matrices/FLOPs: {shares}"
+        f"Muon owners: each of {len(matrices)} matrices orthogonalised once, by one of {ranks} ranks{teams}{apart} "
+        f"(max/mean Newton-Schulz FLOPs {slowest * ranks / total:.2f}); per rank, matrices/FLOPs: {shares}"
     )
+
+
+def step_units(partitions: PartitionMap, names: list[str]) -> list[list[str]]:
+    """The matrices ``names`` (in their order) by step unit, the flat buffers whose updates one exchange
+    orthogonalises: at ZeRO-3 each buffer (DeepSpeed's stage-3 optimizer steps one sub-group per ``step`` call), else
+    each parameter group's buffers (one ``step`` call, one exchange per group)."""
+    unit_of: dict[str, int] = {}
+    for f in partitions.of(set(names)):
+        unit = f.buffer if partitions.zero_stage == 3 else partitions.groups[f.buffer]
+        if unit_of.setdefault(f.name, unit) != unit:
+            raise ConfigError(
+                f"optim.name=muon: DeepSpeed steps parts of {f.name} in separate optimizer steps (flat buffers "
+                "stepped apart), a layout the Muon owner split cannot serve; use optim.name=adamw, or another "
+                "parallel.zero_stage"
+            )
+    units: dict[int, list[str]] = {}
+    for name in names:
+        if name in unit_of:
+            units.setdefault(unit_of[name], []).append(name)
+    return [units[unit] for unit in sorted(units)]
 
 
 @dataclass(frozen=True)
@@ -345,9 +373,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._adamw = torch.optim.AdamW(adam_groups, fused=fused) if adam_groups else None
 
     def bind(self, module: nn.Module, partitions: PartitionMap, tp: int) -> str:
-        """Orthogonalise each matrix of ``module`` once, at its owner or its team (``flops.balance_teams``), from
-        the fragments ``partitions`` maps; the run log's line on the owners. ``tp``: the tensor-parallel degree the
-        matrices' ``tp_dim`` splits by."""
+        """Orthogonalise each matrix of ``module`` once, at its owner or its team (``flops.balance_teams`` over all
+        ranks within each step unit, :func:`step_units`), from the fragments ``partitions`` maps; the run log's line
+        on the owners. ``tp``: the tensor-parallel degree the matrices' ``tp_dim`` splits by."""
         named = [(name, p) for name, p in module.named_parameters() if id(p) in self._tp_dims]
         unmapped = [name for name, _ in named if name not in partitions.shapes]
         if unmapped:
@@ -358,12 +386,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
             )
         shards = [(name, partitions.shapes[name], self._tp_dims[id(p)]) for name, p in named]
         unsplit = [Matrix(name, shape, dim, tp if dim is not None else 1, (0,)) for name, shape, dim in shards]
-        costs = [newton_schulz_flops(m.shape) for m in unsplit]
-        teams = balance_teams(costs, partitions.world_size, [min(m.shape) for m in unsplit])
-        self.matrices = {m.name: replace(m, team=team) for m, team in zip(unsplit, teams)}
+        by_name = {m.name: m for m in unsplit}
+        units = []
+        for names in step_units(partitions, list(by_name)):
+            unit = [by_name[name] for name in names]
+            costs = [newton_schulz_flops(m.shape) for m in unit]
+            teams = balance_teams(costs, partitions.world_size, [min(m.shape) for m in unit])
+            units.append([replace(m, team=team) for m, team in zip(unit, teams)])
+        self.matrices = {m.name: m for unit in units for m in unit}
         self.partitions, self._exchanges = partitions, {}
-        plan_exchange(self.matrices, partitions.of(set(self.matrices)), 0, partitions.world_size)  # (the cover check)
-        return owner_line(list(self.matrices.values()), partitions.world_size)
+        for unit in units:  # (the cover check)
+            plan_exchange(self.matrices, partitions.of({m.name for m in unit}), 0, partitions.world_size)
+        return owner_line(units, partitions.world_size)
 
     @staticmethod
     def state_keys(group: dict) -> tuple[str, ...]:
