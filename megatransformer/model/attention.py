@@ -321,24 +321,17 @@ class KVCache:
     next query can still see, however long the generation: ``length`` counts the keys held, ``seen`` the
     positions decoded so far. Masks index the keys a call attends to from the first one held (``q_offset`` =
     ``length``), positions count from the start (``seen``). ``value_dim``: the values' width where it is not
-    the keys' (multi-head latent attention holds its latent as the keys and its RoPE key as the values)."""
+    the keys' (multi-head latent attention holds its latent as the keys and its RoPE key as the values).
 
-    def __init__(
-        self,
-        batch: int,
-        kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        dtype,
-        device,
-        window: int | None = None,
-        value_dim: int | None = None,
-    ) -> None:
+    The keys and values are allocated by the first :meth:`append`, in its tensors' heads, widths, dtype and device:
+    those a tensor-parallel shard computes (a slice of the heads), autocast's dtype where it is on."""
+
+    def __init__(self, batch: int, max_len: int, device, window: int | None = None) -> None:
         self.window = window if window is not None and window - 1 < max_len else None  # (else everything fits)
-        size = max_len if self.window is None else self.window - 1
-        self.k = torch.empty(batch, kv_heads, size, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty(batch, kv_heads, size, value_dim or head_dim, dtype=dtype, device=device)
-        self.positions = torch.zeros(batch, size, dtype=torch.long, device=device)
+        self.size = max_len if self.window is None else self.window - 1
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.positions = torch.zeros(batch, self.size, dtype=torch.long, device=device)
         self.length = 0  # keys held
         self.dropped = 0  # keys before them, out of the window
 
@@ -352,6 +345,10 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """This call's keys and values after the ones held, which its queries attend to, and their positions
         (None unless ``positions`` are tracked)."""
+        if self.k is None:
+            batch = self.positions.shape[0]
+            self.k = k.new_empty(batch, k.shape[1], self.size, k.shape[3])
+            self.v = v.new_empty(batch, v.shape[1], self.size, v.shape[3])
         if self.window is not None:
             return self._slide(k, v, positions)
         end = self.length + k.shape[2]

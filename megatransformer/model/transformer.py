@@ -152,13 +152,9 @@ class LanguageModel(nn.Module):
             self.lm_head.weight = embedding.weight
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
-        """Caches in the dtype keys and values come out in: the weights', or autocast's when it is on."""
-        cfg, weight = self.config, self.lm_head.weight
-        n, device = len(self.decoder.layers), weight.device
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
-        heads, key_dim, value_dim = kv_cache_dims(cfg)
-        window = cfg.attention_window
-        return [KVCache(batch, heads, max_len, key_dim, dtype, device, window, value_dim) for _ in range(n)]
+        """A cache for each decoder layer (each sized by the keys and values it first holds)."""
+        device, window = self.lm_head.weight.device, self.config.attention_window
+        return [KVCache(batch, max_len, device, window) for _ in range(len(self.decoder.layers))]
 
 
 def last_positions(hidden: torch.Tensor, count: int) -> torch.Tensor:

@@ -93,6 +93,18 @@ def test_validation_is_split_across_data_parallel_ranks_with_one_rank_numbers(ti
         assert re.findall(r"^sample: The.*$", out, re.M) == [sample]
 
 
+@pytest.mark.parametrize("window", [None, 16], ids=["whole", "window"])
+def test_tensor_parallel_peers_sample_with_their_share_of_the_kv_heads(window, tiny_data, tmp_path):
+    """Each peer's KV cache holds the key/value heads its slice of the projections computes (2 of 4 here), with a
+    sliding window too: the closing sample is one rank's."""
+    tp2, one = tmp_path / "tp2", tmp_path / "one"
+    frozen = ["train.max_steps=1", "optim.lr=1e-10", "train.sample_prompt=The", "model.n_kv_heads=4"]
+    frozen += [f"model.attention_window={window}"] if window else []
+    out_tp2 = train(tiny_run(tiny_data, tp2) + frozen + ["parallel.tensor_parallel=2"], nproc=2).stdout
+    (sample,) = re.findall(r"^sample: The.+$", train(tiny_run(tiny_data, one) + frozen).stdout, re.M)
+    assert re.findall(r"^sample: The.*$", out_tp2, re.M) == [sample]
+
+
 def test_tensor_parallel_equals_single_rank(tiny_data, tmp_path):
     tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
     train(tiny_run(tiny_data, tp2) + ["parallel.tensor_parallel=2", "parallel.zero_stage=1"], nproc=2)
