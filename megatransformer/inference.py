@@ -153,12 +153,24 @@ def whole_model_bytes(cfg: RunConfig, dtype: str) -> int:
 
 def refuse_unless_it_fits(cfg: RunConfig, device: str, dtype: str, command: str) -> None:
     """A :class:`ConfigError` naming the sizes and the fix (``command`` partitioned over enough torchrun ranks)
-    when the whole model in ``dtype`` is larger than ``device``'s free memory; nothing where that is unknown."""
+    when the whole model in ``dtype`` is larger than ``device``'s free memory; nothing where that is unknown. Ranks
+    of a process group refuse together, should any (each rank's device has its own free memory)."""
+    refusal = fit_refusal(cfg, device, dtype, command)
+    if torch.distributed.is_initialized():
+        every: list[str | None] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, refusal)
+        refusal = next((line for line in every if line is not None), None)
+    if refusal is not None:
+        raise ConfigError(refusal)
+
+
+def fit_refusal(cfg: RunConfig, device: str, dtype: str, command: str) -> str | None:
+    """Why the whole model in ``dtype`` does not fit ``device``'s free memory, and the fix; None where it fits."""
     from megatransformer.planner import gathered_elements
 
     held, free = whole_model_bytes(cfg, dtype), free_bytes(device)
     if free is None or held <= free:
-        return
+        return None
     # a ZeRO-3 rank holds its 1/N of the model and the layers it gathers for a forward
     room = free - gathered_elements(cfg.model, 1) * precision_dtype(dtype).itemsize
     ranks = max(2, -(-held // room)) if room > 0 else None
@@ -170,9 +182,7 @@ def refuse_unless_it_fits(cfg: RunConfig, device: str, dtype: str, command: str)
     )
     if dtype == "fp32" and held // 2 <= free:
         fix += f"; or --dtype bf16 ({size_text(held // 2)})"
-    raise ConfigError(
-        f"the model's {size_text(held)} in {dtype} do not fit in the {size_text(free)} free on {device}; {fix}"
-    )
+    return f"the model's {size_text(held)} in {dtype} do not fit in the {size_text(free)} free on {device}; {fix}"
 
 
 def size_text(n: int) -> str:

@@ -91,12 +91,13 @@ def joined(device: torch.device, world_size: int) -> Iterator[None]:
     if world_size == 1:
         yield
         return
-    from megatransformer.training.runtime.distributed import quiet_deprecated_collectives
+    from megatransformer.training.runtime.distributed import note_group_started, quiet_deprecated_collectives
 
     quiet_deprecated_collectives()  # (ZeRO-3's gathers)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    note_group_started()
     try:
         yield
     finally:

@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from megatransformer.lockstep import Placement, gather_group, joined, rank_0s
     from megatransformer.training.threads import say_threads
 
-    say_threads(to_stderr)  # (as train picks its threads: a busy machine's default threads wait for each other)
-    device = inference_device(to_stderr)
+    say_threads(say)  # (as train picks its threads: a busy machine's default threads wait for each other)
+    device = inference_device(say)
     with joined(torch.device(device), world if partitioned else 1):
         loaded = load_model(args.checkpoint, device, model_overrides, args.dtype, stage, "eval")
         if loaded.tokenizer is None:

@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
     stage = zero_stage(args)
     partitioned = stage == 3
     speaks = os.environ.get("RANK", "0") == "0" or not partitioned  # (partitioned, rank 0 alone prints)
-    if speaks:  # (PyTorch and the weights: seconds, on a busy machine tens of them; stderr: stdout holds the text)
-        to_stderr(f"loading {args.checkpoint}")
+    say = to_stderr if speaks else lambda line: None
+    # (PyTorch and the weights: seconds, on a busy machine tens of them; on stderr: stdout holds the text)
+    say(f"loading {args.checkpoint}")
     import torch
 
     from megatransformer.commands.eval import bf16_matmuls
@@ -73,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
     from megatransformer.lockstep import joined, rank_0s
     from megatransformer.training.threads import say_threads
 
-    say_threads(to_stderr)
-    device = inference_device(to_stderr)
+    say_threads(say)
+    device = inference_device(say)
     with joined(torch.device(device), int(os.environ.get("WORLD_SIZE", 1)) if partitioned else 1):
         loaded = load_model(args.checkpoint, device, args.overrides, args.dtype, stage, "generate")
         # Partitioned, every rank runs every forward (each gathers every layer), so all must take the same number:

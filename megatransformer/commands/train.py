@@ -145,8 +145,10 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             if changed:
                 print(f"init_from={cfg.init_from}: this model differs from the checkpoint's: {', '.join(changed)}")
         code = trainer.run()
-        cfg = on_first_rank(lambda: with_closing_prompt(cfg, overrides, tokenizer))  # (the first rank reads data)
-        sample = closing_sample(cfg, trainer, tokenizer) if code == 0 else None
+        sample = None
+        if code == 0:  # (on every rank: the sample's forwards may need them all; the first rank reads the data)
+            cfg = on_first_rank(lambda: with_closing_prompt(cfg, overrides, tokenizer))
+            sample = closing_sample(cfg, trainer, tokenizer)
         if board is not None:
             board.close()
         end_groups(trainer)  # (every collective of the run is behind it)
@@ -192,6 +194,8 @@ def train(config: str, overrides: list[str], verbose: bool = False) -> int:
             tell_peers(board, one_line(err))
         raise
     if dist_info.is_main:
+        if code != 0:  # (the summary's generate command continues the closing prompt)
+            cfg = with_closing_prompt(cfg, overrides, tokenizer)
         if sample is not None:
             print(sample, flush=True)
         print_summary(cfg, code, time.perf_counter() - started, trainer.checkpoint, trainer.state)

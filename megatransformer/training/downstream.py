@@ -36,7 +36,7 @@ class Downstream:
         ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         lockstep = module.forwards_together
         group = gather_group(ranks if shares > 1 or lockstep else 1)
-        self.timeout_minutes = EVAL_GATHER_TIMEOUT_MINUTES  # (the longest wait of a rank in the tasks)
+        self.gather_timeout_minutes = EVAL_GATHER_TIMEOUT_MINUTES  # (the longest wait of a rank for the others)
         # (a preemption ends the tasks between two forwards: the checkpoint comes first, see run)
         self.placement = Placement(
             torch.device(device), share, shares, module.matmuls, group, lockstep=lockstep, stop=stop

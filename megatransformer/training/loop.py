@@ -298,8 +298,7 @@ class Trainer:
             cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
         )
         if exit_code == 0 and not validated_last:
-            with watchdog.watching("validation"):
-                report.log({"step": self.state.step, **self.evaluations(downstream=False)})
+            report.log({"step": self.state.step, **self.evaluations(watchdog, downstream=False)})
         with watchdog.watching("a checkpoint"):
             if exit_code != 0 or cfg.checkpoint.final:
                 self.save()
@@ -393,14 +392,8 @@ class Trainer:
             )
             downstream = False
         if downstream or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-            # (the tasks' answers are gathered on a group with a timeout of its own: the tasks may take hours)
-            watched = (
-                watchdog.watching("validation and train.evals", self.downstream.timeout_minutes)
-                if downstream
-                else watchdog.watching("validation")
-            )
-            with watched, window.paused():  # (the tasks' numbers beside a validation loss)
-                report.log({"step": step, **self.evaluations(downstream)})
+            with window.paused():  # (the tasks' numbers beside a validation loss)
+                report.log({"step": step, **self.evaluations(watchdog, downstream)})
             for line in self.compile_watch.after_evaluation(step) if self.compile_watch is not None else ():
                 report.message(line)
             if downstream and self.downstream.interrupted:  # (the next step agrees to stop and saves; the last saves)
@@ -535,12 +528,15 @@ class Trainer:
         self.state.spikes = ckpt.SpikeState.model_validate(self.spikes.state_dict())
         return path, rows
 
-    def evaluations(self, downstream: bool) -> dict[str, float | None]:
+    def evaluations(self, watchdog: Watchdog, downstream: bool) -> dict[str, float | None]:
         """The validation loss and, with ``downstream``, the harness's tasks (train.evals): one record (without
-        the tasks where a preemption ended them: ``Downstream.interrupted``)."""
-        record = self.evaluate()
+        the tasks where a preemption ended them: ``Downstream.interrupted``), each part watched for a hang."""
+        with watchdog.watching("validation"):
+            record = self.evaluate()
         if downstream:
-            record.update(self.downstream.run())
+            # (the tasks' answers are gathered on a group with a timeout of its own: the tasks may take hours)
+            with watchdog.watching("train.evals", self.downstream.gather_timeout_minutes):
+                record.update(self.downstream.run())
         return record
 
     def close(self) -> None:

@@ -149,6 +149,19 @@ def test_a_config_error_is_printed_by_the_first_local_rank_only(monkeypatch, cap
     assert said == ["waited", "printed"]  # (the quiet rank exits once the first has printed)
 
 
+def test_once_a_group_has_started_every_rank_prints_its_own_error(monkeypatch, capsys):
+    """eval and generate start their groups themselves (``lockstep.joined``): an error after that may be one rank's."""
+    from megatransformer.training.runtime import distributed, failure_board
+
+    monkeypatch.setattr(distributed, "_started", False)
+    monkeypatch.setattr(failure_board, "wait_until_printed", lambda: pytest.fail("a rank of a running group waited"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    distributed.note_group_started()
+    assert main(["info", "--config", "quickstart", "train.max_stepz=3"]) == 2
+    assert "did you mean 'train.max_steps'?" in capsys.readouterr().err
+
+
 # `megatransformer train` under torchrun, rank 0 ten seconds late, as on a loaded machine: torchrun ends the others
 # once one has failed (rank 0 has no signal handler before the trainer's)
 TRAIN_WITH_RANK_0_LATE = """

@@ -114,3 +114,19 @@ def test_zero_stage_3_on_one_process_is_refused_in_one_line(saved, command, monk
 
 def test_the_hosts_available_memory_is_read_from_the_kernel():
     assert 0 < inference.available_host_bytes() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_ranks_loading_together_refuse_together_when_one_device_lacks_the_room(monkeypatch):
+    """Each rank's device has its own free memory: one rank's refusal is every rank's, the same line (a rank going
+    on alone would wait for the others in its next collective)."""
+    from support.thread_ranks import thread_group
+
+    ranks = thread_group(monkeypatch, 3)
+    monkeypatch.setattr(inference, "free_bytes", lambda device: 2**19 if ranks.rank() == 1 else 10**12)
+    cfg = run_config(model=MODEL)
+    outcomes = ranks.run(lambda: inference.refuse_unless_it_fits(cfg, "cpu", "fp32", "generate"))
+    lines = {str(err) for _, err in outcomes if isinstance(err, ConfigError)}
+    assert len(lines) == 1 and all(isinstance(err, ConfigError) for _, err in outcomes)
+    assert lines.pop().startswith("the model's 1.4 MiB in fp32 do not fit in the 0.5 MiB free on cpu")
+    monkeypatch.setattr(inference, "free_bytes", lambda device: 10**12)
+    assert ranks.run(lambda: inference.refuse_unless_it_fits(cfg, "cpu", "fp32", "generate")) == [(None, None)] * 3

@@ -4,13 +4,12 @@ finds stops every rank with the same line. The ranks here are threads meeting at
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 from support.checkpoints import write_checkpoint
+from support.thread_ranks import ThreadRanks, thread_group
 
 from megatransformer import checkpoint as ckpt
 from megatransformer.checkpoint import sharded
@@ -21,51 +20,9 @@ FULL = {"w": torch.arange(96.0).reshape(16, 6), "b": torch.arange(6.0), "v": tor
 DIMS = {"w": 0, "b": None, "v": 1}
 
 
-class ThreadRanks:
-    """A process group of ``world`` threads: each thread's rank, and all_gather_object through a barrier."""
-
-    def __init__(self, world: int) -> None:
-        self.world, self.local = world, threading.local()
-        self.slots: list[object] = [None] * world
-        self.barrier = threading.Barrier(world, timeout=30)
-
-    def rank(self) -> int | None:
-        """This thread's rank; None outside the ranks."""
-        return getattr(self.local, "rank", None)
-
-    def all_gather_object(self, out: list, obj: object, group=None) -> None:
-        self.slots[self.rank()] = obj
-        self.barrier.wait()
-        out[:] = list(self.slots)
-        self.barrier.wait()
-
-    def run(self, work) -> list[tuple[object, BaseException | None]]:
-        """``work()`` on every rank: each rank's result, or the error it raised."""
-        outcomes: list = [None] * self.world
-
-        def rank(r: int) -> None:
-            self.local.rank = r
-            try:
-                outcomes[r] = (work(), None)
-            except BaseException as err:
-                outcomes[r] = (None, err)
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(self.world)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return outcomes
-
-
 @pytest.fixture
 def ranks(monkeypatch) -> ThreadRanks:
-    group = ThreadRanks(WORLD)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_rank", lambda group_=None: group.rank())
-    monkeypatch.setattr(dist, "get_world_size", lambda group_=None: WORLD)
-    monkeypatch.setattr(dist, "all_gather_object", group.all_gather_object)
-    return group
+    return thread_group(monkeypatch, WORLD)
 
 
 @pytest.fixture

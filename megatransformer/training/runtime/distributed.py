@@ -97,8 +97,7 @@ def setup(timeout_minutes: float = 10.0) -> Dist:
 
         distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout)
-    global _started
-    _started = True
+    note_group_started()
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, f"cuda:{device}" if cuda else "cpu")
 
 
@@ -206,6 +205,13 @@ def end_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != launcher:  # (the launcher ended before the signal was asked for)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def note_group_started() -> None:
+    """(Whoever starts this process's group.) From now on an error may be this rank's own: each rank reports its
+    own (:func:`group_started`)."""
+    global _started
+    _started = True
 
 
 def group_started() -> bool:
