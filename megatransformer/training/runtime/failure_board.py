@@ -181,13 +181,15 @@ class FailureBoard:
             self.neighbours[rank] = theirs if me is not None and theirs is not None and theirs.beside(me) else None
 
 
-def job_store(timeout: timedelta = STORE_TIMEOUT):
+def job_store(timeout: timedelta | None = None):
     """A client of the job's TCP store at MASTER_ADDR:MASTER_PORT (torchrun's agent's, or rank 0's once its
-    process group has started); RuntimeError or OSError where it does not answer."""
+    process group has started), waiting ``timeout`` (default :data:`STORE_TIMEOUT`) for an answer; RuntimeError or
+    OSError where none comes."""
     import torch.distributed as dist
 
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    return dist.TCPStore(address, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    wait = STORE_TIMEOUT if timeout is None else timeout
+    return dist.TCPStore(address, port, is_master=False, timeout=wait, wait_for_workers=False)
 
 
 def attempt() -> str:
