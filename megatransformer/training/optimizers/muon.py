@@ -25,7 +25,7 @@ from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from megatransformer.config import ConfigError, OptimConfig
-from megatransformer.flops import balance_teams, newton_schulz_flops
+from megatransformer.flops import balance_teams, newton_schulz_flops, team_loads
 from megatransformer.model.matrices import hidden_matrix_names
 from megatransformer.model.tp_plan import partition_dim
 from megatransformer.training.deepspeed.internals import param_shape
@@ -191,11 +191,10 @@ def owner_line(units: list[list[Matrix]], ranks: int) -> str:
     each unit summed, over the mean of all."""
     counts, flops, slowest = [0] * ranks, [0] * ranks, 0
     for unit in units:
-        loads = [0] * ranks
+        loads = team_loads([newton_schulz_flops(m.shape) for m in unit], [m.team for m in unit], ranks)
         for m in unit:
             for r in m.team:
                 counts[r] += 1
-                loads[r] += -(-newton_schulz_flops(m.shape) // len(m.team))
         flops = [a + b for a, b in zip(flops, loads)]
         slowest += max(loads, default=0)
     total = sum(flops) or 1
