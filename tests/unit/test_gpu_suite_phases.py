@@ -115,6 +115,14 @@ def test_the_data_phases_commands_share_its_limit(suite, tmp_path, monkeypatch):
     result = suite.data_phase(suite.DRY, tmp_path)
     assert given == [15, 9, 3, 0]  # corpus, tokenizer, rows' shards, then no time left for the packed ones
     assert result["timed_out"] and result["stderr"] == "late" and result["limit_s"] == suite.LIMITS_S["data"]
+    # each command's seconds, the one cut short too: what to raise next time
+    assert result["seconds"] == {"corpus": 6, "tokenizer": 6, "shard-rows": 6, "shard-packed": 6}
+
+
+def test_the_bare_steps_mfu_is_the_median_steps_as_the_trainers_is(suite):
+    flops, seconds = [4e12] * 5, [1.0, 1.0, 30.0, 1.0, 1.0]  # one step recompiles
+    assert suite.median_mfu(flops, seconds, peak_tflops=10.0) == pytest.approx(0.4)  # (not 20e12 / 34 s / 10e12)
+    assert suite.median_mfu(flops, seconds, peak_tflops=None) is None
 
 
 def test_the_report_is_written_after_every_phase_and_after_an_exception(suite, tmp_path, monkeypatch):
@@ -148,6 +156,23 @@ def test_the_report_is_written_after_every_phase_and_after_an_exception(suite, t
     markdown = (out / "gpu_suite.md").read_text()
     assert "| packed | trainer (not run) |" in markdown and "stopped by an error: RuntimeError" in markdown
     assert sorted(path.name for path in out.iterdir()) == ["gpu_suite.json", "gpu_suite.md"]
+
+
+def test_a_second_call_can_leave_gpu_check_out(suite, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    ran = []
+    monkeypatch.setattr(suite, "versions", lambda: {"device": "test", "torch": "0", "date": "today"})
+    monkeypatch.setattr(suite, "tp_skip", lambda wl: "one GPU")
+    monkeypatch.setattr(suite, "gpu_check", lambda wl, work: ran.append("gpu_check") or {"ok": True})
+    monkeypatch.setattr(suite, "data_phase", lambda wl, work: {"ok": True, "paths": {"rows": {}, "packed": {}}})
+    monkeypatch.setattr(suite, "trainer", lambda wl, run, data, work: {"ok": True, "step_s": 2.0, "mfu": 0.4})
+    monkeypatch.setattr(suite, "bare", lambda wl, mode, data, work, phase=None: {"ok": True, "step_s": 1, "ns_s": 1})
+    report = suite.run_suite(suite.GPU, tmp_path / "work", out, skip_gpu_check=True)
+    assert ran == [] and report["gpu_check"] == {"skipped": "--skip-gpu-check"}
+    assert "gpu_check" not in report["phases_s"]
+    assert "- gpu_check skipped (--skip-gpu-check); data ok: True" in (out / "gpu_suite.md").read_text()
+    assert report["ok"]  # (the figures are fakes; a skipped gpu_check is not a failed one)
 
 
 def test_the_core_wheel_list_brings_every_requirement_of_what_it_installs(suite, monkeypatch):
