@@ -381,9 +381,16 @@ def step_times(records: list[dict]) -> list[tuple[int, float]]:
 
 
 def saved(records: list[dict]) -> list[dict]:
-    """The run's checkpoints from its metrics (``kind`` checkpoint): step, stall, background write, bytes."""
+    """The run's checkpoints from its metrics (``kind`` checkpoint): step, stall (setup: of it what a run's first
+    save sets up), background write, bytes."""
     return [
-        {"step": r["step"], "stall_s": r["ckpt_stall_s"], "write_s": r["ckpt_write_s"], "gib": r["ckpt_bytes"] / 2**30}
+        {
+            "step": r["step"],
+            "stall_s": r["ckpt_stall_s"],
+            "setup_s": r.get("ckpt_setup_s"),
+            "write_s": r["ckpt_write_s"],
+            "gib": r["ckpt_bytes"] / 2**30,
+        }
         for r in records
         if r.get("kind") == "checkpoint"
     ]
@@ -962,7 +969,8 @@ def table(report: dict) -> str:
     [save, *_] = report["packed"]["trainer"].get("checkpoints") or [{}]
     rows.append(
         f"- checkpoint (the suite's one, packed run, step {save.get('step')}): stall "
-        f"{number(save.get('stall_s'), '.2f')} s, background write {number(save.get('write_s'), '.2f')} s, "
+        f"{number(save.get('stall_s'), '.2f')} s (setting up {number(save.get('setup_s'), '.2f')} s: the first "
+        f"save's), background write {number(save.get('write_s'), '.2f')} s, "
         f"{number(save.get('gib'), '.2f')} GiB"
     )
     muon = report["muon"]

@@ -437,7 +437,7 @@ class Trainer:
         """A metrics record and a log line for each save whose background write has finished."""
         for done in self.module.checkpointer.finished():
             if done.error is None:
-                report.log_save(done.step, done.stall_s, done.write_s, done.bytes)
+                report.log_save(done.step, done.stall_s, done.setup_s, done.write_s, done.bytes)
 
     def save(self) -> Path:
         self.last_save = time.monotonic()

@@ -50,7 +50,7 @@ def test_metrics_rows_have_a_kind_a_time_and_one_shape_per_kind(tracked_run):
     for kind, shape in (
         ("train", {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}),
         ("valid", {"val_loss", "val_ppl", "val_tokens"}),
-        ("checkpoint", {"ckpt_stall_s", "ckpt_write_s", "ckpt_bytes"}),
+        ("checkpoint", {"ckpt_stall_s", "ckpt_setup_s", "ckpt_write_s", "ckpt_bytes"}),
     ):
         keys = [set(r) for r in records if r["kind"] == kind]
         assert all(k == keys[0] for k in keys) and shape <= keys[0], keys

@@ -308,7 +308,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def checkpoint_records(run_dir: Path) -> list[dict]:
-    """One record per finished save: ckpt_stall_s, ckpt_write_s, ckpt_bytes."""
+    """One record per finished save: ckpt_stall_s, ckpt_setup_s, ckpt_write_s, ckpt_bytes."""
     return [r for r in all_metrics(run_dir) if r.get("kind") == "checkpoint"]
 
 

@@ -219,6 +219,7 @@ class SaveJob:
     files: dict[str, bytes]  # rank 0: trainer.json, config.yaml, tokenizer.json, index.json
     keep: Collection[str]
     stall_s: float
+    setup_s: float  # of the stall: the writers' group, the save plan and host memory, made by a run's first save
 
 
 @dataclass
@@ -228,6 +229,7 @@ class SaveOutcome:
     path: Path
     step: int
     stall_s: float
+    setup_s: float
     write_s: float
     bytes: int
     error: str | None  # the WriteFailed line, when a rank's write failed
@@ -304,6 +306,7 @@ class Checkpointer:
             self.group = writer_group(self.cfg.checkpoint.timeout_minutes)
         if self.plan is None:
             self.plan = SavePlan.build(self.engine, self.partitions, self.tp)
+        setup_s = time.perf_counter() - began
         root = ckpt.checkpoints_dir(self.cfg.run_dir)
         path = root / ckpt.step_name(state.step)
         rank = dist.get_rank()
@@ -312,7 +315,7 @@ class Checkpointer:
         box = [secrets.token_hex(16) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         kinds = [sharded.MASTER, *optimizer_state_keys(self.engine)]
-        tensors = self._stage(kinds)
+        tensors, allocate_s = self._stage(kinds)
         buffer = io.BytesIO()
         torch.save({"loader": loader_state, "rng": rng_state()}, buffer)
         files: dict[str, bytes] = {}
@@ -328,16 +331,17 @@ class Checkpointer:
             files[ckpt.CONFIG] = dump_config(self.cfg).encode()
             if self.cfg.data.tokenizer:
                 files[ckpt.TOKENIZER] = Path(self.cfg.data.tokenizer).read_bytes()
-        job = SaveJob(path, state.step, box[0], tensors, buffer.getvalue(), files, keep, 0.0)
+        job = SaveJob(path, state.step, box[0], tensors, buffer.getvalue(), files, keep, 0.0, setup_s + allocate_s)
         job.stall_s = time.perf_counter() - began
         self.writing = path
         self.thread = threading.Thread(target=self._write, args=(job,), name="checkpoint-writer", daemon=True)
         self.thread.start()
         return path
 
-    def _stage(self, kinds: list[str]) -> dict[str, torch.Tensor]:
+    def _stage(self, kinds: list[str]) -> tuple[dict[str, torch.Tensor], float]:
         """This rank's pieces of every kind of state its parameters have, copied to host memory (the step may go
-        on changing the live tensors once this returns)."""
+        on changing the live tensors once this returns), and the seconds that memory took to allocate (none
+        after the first save: the same blocks serve every save of the run)."""
         cuda = self.device.type == "cuda"
         with torch.no_grad():
             live = {}
@@ -347,12 +351,14 @@ class Checkpointer:
                     if state is not None:
                         key = sharded.piece_key(kind, fragment.name, fragment.tp_index, lo)
                         live[key] = state.reshape(-1)[lo - fragment.start : hi - fragment.start]
+            allocating = time.perf_counter()
             hosts = self.staging.views([piece.numel() for piece in live.values()])
+            allocate_s = time.perf_counter() - allocating
             for piece, host in zip(live.values(), hosts):
                 host.copy_(piece, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize(self.device)
-        return dict(zip(live, hosts))
+        return dict(zip(live, hosts)), allocate_s
 
     def _optimizer_record(self) -> dict[str, Any]:
         """The optimizer's step count, the LR scheduler's state and the fp16 loss scaler's numbers."""
@@ -414,7 +420,9 @@ class Checkpointer:
             except Exception as err:  # (the other ranks wait for the verdict)
                 verdict[0] = f"writing checkpoint {job.path.name} failed: {err.__class__.__name__}: {str(err)[:200]}"
         dist.broadcast_object_list(verdict, src=0, group=self.group)
-        self.outcome = SaveOutcome(job.path, job.step, job.stall_s, time.perf_counter() - began, total, verdict[0])
+        self.outcome = SaveOutcome(
+            job.path, job.step, job.stall_s, job.setup_s, time.perf_counter() - began, total, verdict[0]
+        )
 
     def _finish(self, job: SaveJob, reports: list[Any], failure: tuple[int, tuple[str, str]] | None) -> str | None:
         """Rank 0: the manifest and `latest` (last), and the rotation; or, after a failed write anywhere, the

@@ -183,10 +183,10 @@ class Reporter:
         if evaluation:
             self.message(validation_line(record))
 
-    def log_save(self, step: int, stall_s: float, write_s: float, size: int) -> None:
+    def log_save(self, step: int, stall_s: float, setup_s: float, write_s: float, size: int) -> None:
         """A finished checkpoint: metrics.jsonl (``kind`` checkpoint: ``ckpt_stall_s``, the step's wait for the
-        copy to host memory; ``ckpt_write_s``, the background write; ``ckpt_bytes``, every rank's files) and
-        a log line."""
+        copy to host memory, ``ckpt_setup_s`` of it what a run's first save sets up; ``ckpt_write_s``, the
+        background write; ``ckpt_bytes``, every rank's files) and a log line."""
         if not self.is_main:
             return
         record = {
@@ -194,13 +194,16 @@ class Reporter:
             "kind": "checkpoint",
             "time": round(time.time(), 3),
             "ckpt_stall_s": round(stall_s, 4),
+            "ckpt_setup_s": round(setup_s, 4),
             "ckpt_write_s": round(write_s, 4),
             "ckpt_bytes": size,
         }
         append_record(self.path, record)
+        setup = f" ({setup_s:.3f} s of it setting up the saves: host memory, the writers' group)"
+        setup = setup if round(setup_s, 3) else ""  # (a run's first save)
         self.message(
             f"checkpoint step {step}: {size / 2**20:,.1f} MiB written in {write_s:.2f} s in the background; "
-            f"training stalled {stall_s:.3f} s"
+            f"training stalled {stall_s:.3f} s{setup}"
         )
 
     def event(self, record: dict[str, Any], line: str) -> None:
