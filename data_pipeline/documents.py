@@ -260,7 +260,7 @@ class Reading:
     @property
     def position(self) -> int:
         size = self.sizes.get(self.file, 0)
-        if Path(self.file or "").suffix in (".txt", ".jsonl", ".json", ".tsv"):
+        if Path(self.file or "").suffix in INPUT_SUFFIXES:
             return self.finished + min(self.text, size)
         compressed = compressed_offset(self.file) if self.file else None  # (.gz, .zst: the bytes read of the file)
         return self.finished + (min(compressed, size) if compressed is not None else 0)

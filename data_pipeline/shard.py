@@ -45,7 +45,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as validated_dataclass
 
 from data_pipeline import STORAGE_ERRNOS, DataError, schema_error, write_failed
-from data_pipeline.documents import DecodeStats, Document, read_documents
+from data_pipeline.documents import INPUT_SUFFIXES, DecodeStats, Document, read_documents
 from data_pipeline.documents import Reading as _Reading
 from data_pipeline.parts import PART_RECORD, input_fingerprint, part_name, part_segments, save_part, segments
 from data_pipeline.remote import Retry, is_remote, join, read_bytes
@@ -681,7 +681,7 @@ def write_shards(
     compression: str | None = None,
 ) -> Manifest:
     """Tokenize ``files`` into ``out``; documents chosen by :func:`held_out` go to the validation split.
-    ``workers`` tokenizer processes (default: all cores; 1: in this process). With
+    ``workers`` tokenizer processes (default: :func:`default_workers`; 1: in this process). With
     ``prompt_field``, the .jsonl records are (prompt, completion) examples, the completion in ``text_field``.
     With ``part`` (K, N): only the K-th of N parts of ``files``, into ``out``'s part directory (see
     ``data_pipeline.parts``). ``block_mb``: token ids per tar sample; ``version`` 1 writes the older format, a
@@ -813,7 +813,7 @@ def _write_documents(
 ) -> int:
     from tqdm import tqdm
 
-    workers = workers or max(1, (os.cpu_count() or 1) - 1)  # the main process reads and writes
+    workers = workers or default_workers(reading)
     bar = tqdm(total=reading.total, unit="B", unit_scale=True, disable=not progress, desc="sharding", file=sys.stderr)
     n_docs = n_tokens = 0
     current = None
@@ -836,6 +836,17 @@ def _write_documents(
     bar.update(reading.total - bar.n)
     bar.close()
     return n_docs
+
+
+def default_workers(reading: _Reading) -> int:
+    """Tokenizer processes: one a core but the main one's (it reads and writes), no more than a plain-text input
+    has batches of :data:`BATCH_CHARS`: an input of one batch is tokenized in this process, where starting
+    processes that would import the tokenizer and wait took longer than its text (15 of them on a 16-core GPU
+    machine, for a 1.4 MB corpus). A compressed or parquet input's bytes say less than its text: every core."""
+    cores = max(1, (os.cpu_count() or 1) - 1)
+    if not all(Path(path).suffix in INPUT_SUFFIXES for path in reading.sizes):  # (not .gz, .zst, .parquet)
+        return cores
+    return max(1, min(cores, -(-reading.total // BATCH_CHARS)))
 
 
 @contextlib.contextmanager

@@ -72,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--workers",
         type=int,
         default=None,
-        help="tokenizer processes (default: cores - 1; 1: in this process, multi-threaded)",
+        help="tokenizer processes (default: cores - 1, no more than a plain-text input has 2 MiB batches; 1: in this "
+        "process, multi-threaded)",
     )
     p.add_argument("--text-field", default="text", help="field of .jsonl records holding the text")
     p.add_argument(

@@ -12,8 +12,8 @@ from support.data import shard_documents
 
 from data_pipeline import DataError
 from data_pipeline.corpus import write_demo_corpus
-from data_pipeline.documents import DecodeStats, read_documents
-from data_pipeline.shard import Block, Manifest, ShardWriter, write_shards
+from data_pipeline.documents import DecodeStats, Reading, read_documents
+from data_pipeline.shard import Block, Manifest, ShardWriter, default_workers, write_shards
 from data_pipeline.tokenizer import file_sha256, load_tokenizer, train_tokenizer
 from megatransformer.cli import main
 
@@ -322,6 +322,23 @@ def test_parallel_workers_write_the_same_shards(tmp_path, tiny_data):
         [str(tmp_path / "c.txt")], str(tiny_data.tokenizer), tmp_path / "two", shard_mb=0.01, workers=2, progress=False
     )
     assert one.splits == two.splits  # same files, counts and checksums
+
+
+def test_by_default_a_small_plain_input_is_tokenized_without_a_process_a_core(tmp_path, monkeypatch):
+    """15 tokenizer processes for a 1.4 MB corpus on a 16-core machine took longer to start than the text did."""
+    monkeypatch.setattr("data_pipeline.shard.os.cpu_count", lambda: 16)
+    files = {"small.txt": 1_400_000, "ten.jsonl": 10 * 2**20, "large.txt": 200 * 2**20, "small.txt.zst": 1_400_000}
+    for name, size in files.items():
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(size)
+
+    def workers(name: str) -> int:
+        return default_workers(Reading([str(tmp_path / name)]))
+
+    assert workers("small.txt") == 1  # one batch of BATCH_CHARS: in this process
+    assert workers("ten.jsonl") == 5  # a process a batch
+    assert workers("large.txt") == 15  # a process a core, the main one's left to read and write
+    assert workers("small.txt.zst") == 15  # (compressed: its bytes say less than its text)
 
 
 def test_refuses_an_existing_dataset_unless_overwrite(tmp_path, tiny_data):
