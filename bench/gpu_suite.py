@@ -14,7 +14,9 @@
    false``), its stall and size from the run's metrics.
 4. Muon at 1.1B on one rank: the trainer's step with ``optim.name=muon`` against AdamW's, and the bf16
    Newton-Schulz iterations of one step's matrices timed alone.
-5. Tensor parallelism with compile over NCCL (tp 2, torchrun): needs two GPUs; on one it is skipped with its
+5. ZeRO-3 compiled on one rank: each block's forward compiled between DeepSpeed's gather and release hooks (its
+   step, recompiles and graph breaks).
+6. Tensor parallelism with compile over NCCL (tp 2, torchrun): needs two GPUs; on one it is skipped with its
    reason (NCCL runs one rank per GPU, and at tp 1 DeepSpeed applies no AutoTP: nothing of it to check).
 
 The work (data, runs, the compile caches every phase shares: ``CACHE_ENV``) goes to ``--work`` (default: a new
@@ -108,18 +110,20 @@ DRY = Workload(
 # Seconds per phase (--limit PHASE=S overrides), sized for a first run with empty compile caches (compile is on by
 # default on CUDA): the first 1.1B process compiles a Transformer block's graphs into the shared caches and the later
 # ones mostly read them; gpu_check compiles its own small model; the packed run writes the one checkpoint (~15 GB).
-# The data phase spawns a tokenizer process a core (15 on the H200 machine): 15 s was too few there. One device call
-# holds the wheels' install and the suite on one GPU, where trainer-tp is skipped: 550 s of phases + INSTALL_S +
-# START_S = 575 s of CALL_S's 600 (two GPUs add trainer-tp's 55 s: lower another phase's limit there).
+# Each is about twice its time on the H200 of 2026-12-04 (docs/gpu.md; trainer-zero3's compiles its own graphs: a
+# block's forward between ZeRO-3's hooks). One device call holds the wheels' install and the suite on one GPU, where
+# trainer-tp is skipped: 555 s of phases + INSTALL_S + START_S = 580 s of CALL_S's 600 (two GPUs add trainer-tp's
+# 55 s: lower another phase's limit there).
 LIMITS_S = {
     "gpu_check": 150,
-    "data": 45,
+    "data": 30,
     "trainer-rows": 80,
-    "bare-rows": 45,
-    "trainer-packed": 110,
-    "bare-packed": 45,
+    "bare-rows": 40,
+    "trainer-packed": 90,
+    "bare-packed": 40,
     "trainer-muon": 50,
-    "muon-ns": 25,
+    "muon-ns": 15,
+    "trainer-zero3": 60,
     "trainer-tp": 55,
 }
 CALL_S = 600  # one device call: bench/gpu_wheels.sh install core, then the suite (docs/gpu.md)
@@ -812,6 +816,7 @@ def new_report(wl: Workload, work: Path, disk: str) -> dict:
     for mode in MODES:
         report[mode] = {"trainer": dict(NOT_RUN), "bare": dict(NOT_RUN)}
     report["muon"] = {"trainer": dict(NOT_RUN), "ns": dict(NOT_RUN)}
+    report["zero3"] = {"trainer": dict(NOT_RUN)}
     report["tp"] = {"trainer": dict(NOT_RUN)}
     return report
 
@@ -824,7 +829,8 @@ def summarise(report: dict) -> None:
     muon.update(muon_figures(muon["trainer"], muon["ns"], report["rows"]["trainer"]))
     report["total_s"] = round(sum(report["phases_s"].values()), 1)
     sides = [report[mode][side] for mode in MODES for side in ("trainer", "bare")]
-    sides += [muon["trainer"], muon["ns"]] + ([] if "skipped" in report["tp"] else [report["tp"]["trainer"]])
+    sides += [muon["trainer"], muon["ns"], report["zero3"]["trainer"]]
+    sides += [] if "skipped" in report["tp"] else [report["tp"]["trainer"]]
     report["ok"] = (
         (bool(report["gpu_check"].get("ok")) or "skipped" in report["gpu_check"])
         and all(side.get("ok") for side in sides)
@@ -890,6 +896,8 @@ def run_suite(wl: Workload, work: Path, out: Path, disk: str = "", skip_gpu_chec
             muon = Run("trainer-muon", "rows", wl.warmup + wl.muon_steps, extra=("optim.name=muon",))
             phase(muon.phase, lambda: trainer(wl, muon, data["rows"], work), "muon", "trainer")
             phase("muon-ns", lambda: bare(wl, "muon-ns", data["rows"], work, phase="muon-ns"), "muon", "ns")
+            zero3 = Run("trainer-zero3", "rows", wl.warmup + wl.steps // 2, extra=("parallel.zero_stage=3",))
+            phase(zero3.phase, lambda: trainer(wl, zero3, data["rows"], work), "zero3", "trainer")
             if skip is None:
                 tp = Run("trainer-tp", "rows", wl.warmup + wl.steps // 2, extra=(f"parallel.tensor_parallel={TP}",))
                 tp = dataclasses.replace(tp, nproc=TP, tp=TP)
@@ -917,6 +925,7 @@ def missing_figures(report: dict) -> list[str]:
         "packed.bare.documents_per_row",
     ]
     wanted += ["muon.trainer.step_s", "muon.ns.ns_s", "muon.muon_over_adamw", "muon.ns_share"]
+    wanted += ["zero3.trainer.step_s", "zero3.trainer.compile.recompiles", "zero3.trainer.compile.graph_breaks"]
     wanted += (
         ["tp.skipped"]
         if "skipped" in report.get("tp", {})
@@ -955,6 +964,7 @@ def table(report: dict) -> str:
     ]
     runs = [(mode, side, report[mode][side]) for mode in MODES for side in ("trainer", "bare")]
     runs += [("rows, muon", "trainer", report["muon"]["trainer"])]
+    runs += [("rows, ZeRO-3", "trainer", report["zero3"]["trainer"])]
     runs += [] if "skipped" in report["tp"] else [(f"rows, tp {TP}", "trainer", report["tp"]["trainer"])]
     for mode, side, r in runs:
         c = r.get("compile", {})
