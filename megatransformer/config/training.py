@@ -78,6 +78,17 @@ class WatchdogConfig(Section):
     """A fixed limit per step instead of factor and min_seconds (also capped by the collective timeout)."""
 
 
+class ProfileConfig(Section):
+    """torch.profiler over a window of steps (training/observability/profiling.py): when the window closes each rank
+    writes its operators by the time they took, per step, to RUN_DIR/profile/rank_NNNNN.txt (torch's table) and
+    .json (the top rows, the step's wall time and, on a GPU, its kernels' time)."""
+
+    start: NonNegativeInt = 0
+    """The window's first step (0: no profile). Past the first steps: the first ones compile and warm up."""
+    steps: Annotated[int, Field(ge=1, le=100)] = 3
+    """Steps in the window (the profiler's own cost grows with them)."""
+
+
 class EvalsConfig(Section):
     """Downstream tasks of lm-evaluation-harness run in the training process (docs/evaluation.md); results are
     logged as eval/<task>/<metric>. Needs the eval extra (`pip install -e '.[eval]'`)."""
@@ -158,6 +169,8 @@ class TrainConfig(Section):
     """Loss spikes: skip the update, roll back and skip the data, stop (SpikesConfig)."""
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     """Hang diagnosis: every rank's stacks on file when a step overruns (WatchdogConfig)."""
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    """Where a step's time goes: torch.profiler over a window of steps (ProfileConfig)."""
     peak_tflops: PositiveFloat | None = None
     """Per-device peak TFLOP/s for the MFU estimate (default: the GPU's dense peak from
     training.metrics.GPU_PEAK_TFLOPS, e.g. 989 for H100 SXM bf16; another GPU's measured matmul peak; on a CPU
@@ -172,6 +185,16 @@ class TrainConfig(Section):
     check_memory: bool = True
     """Before the first step, stop with one line when the planner's estimate of a rank's memory exceeds the
     device's (what overflows, by how much, the best layout that fits: ``megatransformer plan``)."""
+
+    @model_validator(mode="after")
+    def _profile_within_the_run(self) -> TrainConfig:
+        start, steps = self.profile.start, self.profile.steps
+        require(
+            start == 0 or start + steps - 1 <= self.max_steps,
+            f"train.profile.start={start} with train.profile.steps={steps} ends past train.max_steps="
+            f"{self.max_steps}: start it at step {max(1, self.max_steps - steps + 1)} or earlier",
+        )
+        return self
 
 
 class OptimConfig(Section):

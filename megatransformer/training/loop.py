@@ -29,6 +29,7 @@ from megatransformer.training.engine.compiled import CompileWatch, describe_comp
 from megatransformer.training.engine.train_module import StepResult, TrainModule
 from megatransformer.training.observability import spikes
 from megatransformer.training.observability.metrics import Reporter, finite_or_none, peak_tflops
+from megatransformer.training.observability.profiling import StepProfiler
 from megatransformer.training.observability.trackers import resolved_config, run_facts
 from megatransformer.training.observability.watchdog import Watchdog
 from megatransformer.training.optimizers.schedules import (
@@ -271,11 +272,13 @@ class Trainer:
         self.compile_watch = CompileWatch() if self.module.compiled else None
         self.last_save = time.monotonic()
         window = Window(peak_flops)
+        profiler = StepProfiler(cfg.train.profile, cfg.run_dir, self.dist.rank, torch.device(self.dist.device))
         exit_code = 0
         while self.state.step < cfg.train.max_steps:
+            step = self.state.step + 1
+            report.message(profiler.step_starts(step))
             started = time.perf_counter()
             watchdog.arm()
-            step = self.state.step + 1
             results = self.module.advance(
                 batches, lambda: self.preemption.requested, self.spikes, self.save_due, step, self.reads_at(step)
             )
@@ -288,12 +291,14 @@ class Trainer:
             report.progress(step)
             self.report_saves(report)
             outcome = self.conclude_all(results, report, watchdog, window)
+            report.message(profiler.step_ended(step))
             if outcome == ROLLED_BACK:
                 batches.close()
                 batches = iter(self.train_loader)
             elif outcome is not None:
                 exit_code = outcome
                 break
+        report.message(profiler.close())  # (a run that stopped inside the window)
         validated_last = self.downstream is not None or (
             cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
         )

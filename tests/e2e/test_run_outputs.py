@@ -34,6 +34,8 @@ def tracked_run(tiny_data, tmp_path_factory):
         "wandb.mode=offline",
         "tensorboard=true",
         "train.sample_prompt=ROMEO:",
+        "train.profile.start=2",
+        "train.profile.steps=2",
     ]
     result = train(overrides)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -55,6 +57,20 @@ def test_metrics_rows_have_a_kind_a_time_and_one_shape_per_kind(tracked_run):
         keys = [set(r) for r in records if r["kind"] == kind]
         assert all(k == keys[0] for k in keys) and shape <= keys[0], keys
     assert all(r["mfu"] is None for r in records if r["kind"] == "train")  # a CPU with no train.peak_tflops
+
+
+def test_the_profile_window_leaves_each_ranks_operators_on_file(tracked_run):
+    run, stdout, _, _ = tracked_run
+    assert "profiling steps 2-3 (train.profile)" in stdout
+    assert "profile of 2 step(s): " in stdout and f"{run}/profile/rank_00000.txt and .json" in stdout
+    profile = json.loads((run / "profile" / "rank_00000.json").read_text())
+    assert profile["steps"] == 2 and profile["step_ms"] > 0 and profile["device_busy_ms"] is None  # (a CPU)
+    names = [row["name"] for row in profile["top"]]
+    assert profile["sorted_by"] == "self_cpu_time_total" and {"aten::mm", "aten::addmm"} & set(names), names
+    assert [row["self_cpu_us"] for row in profile["top"]] == sorted(
+        (r["self_cpu_us"] for r in profile["top"]), reverse=True
+    )
+    assert "Self CPU" in (run / "profile" / "rank_00000.txt").read_text()
 
 
 def test_tensorboard_holds_the_numbers_of_metrics_jsonl(tracked_run):

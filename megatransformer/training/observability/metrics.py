@@ -248,8 +248,9 @@ class Reporter:
             self.bar.n = step
             self.bar.refresh()
 
-    def message(self, text: str) -> None:
-        if self.is_main:
+    def message(self, text: str | None) -> None:
+        """A line of the run log (rank 0's; None: nothing to say)."""
+        if self.is_main and text is not None:
             (self.bar.write if self.bar is not None else print)(text)
             sys.stdout.flush()
 
