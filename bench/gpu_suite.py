@@ -9,7 +9,8 @@
    train``; the bare step (``--worker``) is the model with fp32 master weights, PyTorch's fused AdamW and the
    global norm clipped, fed by the same loader (``bench/train_step.py``'s Runner), each Transformer block compiled
    as the trainer compiles it. Recompiles and graph breaks of both come from dynamo's own log
-   (``TORCH_LOGS=recompiles,graph_breaks``) and the run log.
+   (``TORCH_LOGS=recompiles,graph_breaks``) and the run log. On the rows both profile 3 steps after their timed
+   ones (the trainer through ``train.profile``): where the trainer's extra time goes, operator by operator.
 3. The trainer end to end: the packed run writes the suite's one checkpoint (the others ``checkpoint.final=
    false``), its stall and size from the run's metrics.
 4. Muon at 1.1B on one rank: the trainer's step with ``optim.name=muon`` against AdamW's, and the bf16
@@ -59,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 CONFIG = "llama-style"
 MODES = ("rows", "packed")  # one long document per row; short documents packed
 TP = 2  # the tensor-parallel phase's degree (one GPU per rank under NCCL)
+PROFILED, PROFILE_STEPS = "rows", 3  # the mode whose trainer and bare step are profiled, after their timed steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,13 +413,16 @@ class Run:
     extra: tuple[str, ...] = ()  # overrides beyond the suite's
     nproc: int = 1  # ranks (torchrun over more than one)
     tp: int = 1  # their tensor-parallel degree (the data-parallel degree: nproc / tp)
+    profile: int = 0  # steps profiled after the timed ones (train.profile), the last of ``steps``
 
 
 def trainer(wl: Workload, run: Run, data: dict[str, str], work: Path) -> dict:
     """One ``megatransformer train`` run: its median step after the warm-up, MFU, recompiles, its checkpoint."""
     run_dir = work / f"run-{run.phase}"
     shutil.rmtree(run_dir, ignore_errors=True)
+    window = [f"train.profile.start={run.steps - run.profile + 1}", f"train.profile.steps={run.profile}"]
     words = ("train", "--config", CONFIG, *overrides(wl, data, run_dir, run.steps, run.save), *run.extra)
+    words += tuple(window) if run.profile else ()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={run.nproc}"]
     command = [*launcher, "-m", "megatransformer.cli", *words] if run.nproc > 1 else megatransformer(*words)
     metrics = run_dir / "metrics.jsonl"
@@ -437,8 +442,9 @@ def trainer(wl: Workload, run: Run, data: dict[str, str], work: Path) -> dict:
     steps = [r for r in records if r.get("kind") == "train"]
     if done.returncode != 0 or len(steps) != run.steps:
         return {"ok": False, "exit": done.returncode, **outputs(done.stdout, done.stderr), "metrics": records}
-    timed = [t for s, t in step_times(steps) if s > wl.warmup]
-    mfus = [r["mfu"] for r in steps if r["step"] > wl.warmup and r.get("mfu") is not None]
+    last_timed = run.steps - run.profile
+    timed = [t for s, t in step_times(steps) if wl.warmup < s <= last_timed]
+    mfus = [r["mfu"] for r in steps if wl.warmup < r["step"] <= last_timed and r.get("mfu") is not None]
     median = statistics.median(timed)
     report = {
         "ok": True,
@@ -452,6 +458,8 @@ def trainer(wl: Workload, run: Run, data: dict[str, str], work: Path) -> dict:
         "compile": compile_events(done.stdout + done.stderr),
         "checkpoints": saved(records),
     }
+    if run.profile:
+        report["profile"] = json.loads((run_dir / "profile" / "rank_00000.json").read_text())
     return report
 
 
@@ -496,6 +504,7 @@ def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
     from megatransformer.training.engine.compiled import compile_blocks
     from megatransformer.training.engine.train_module import batch_to_device
     from megatransformer.training.observability.metrics import peak_tflops
+    from megatransformer.training.observability.profiling import write_profile
 
     steps = wl.warmup + wl.steps
     cfg = load_config(CONFIG, overrides(wl, data, work / "unused", steps, False))
@@ -513,11 +522,16 @@ def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
     varlen = device.type == "cuda" and backend in VARLEN_BACKENDS
     size = model_size(cfg.model, wl.seq)
     times, flops, documents = [], [], 0
-    for step in range(steps):
-        start = time.perf_counter()
+
+    def one_step() -> dict:
         batch = next(batches)
         inputs, labels, masks = batch_to_device(batch, device, cfg.model.arch, varlen)
         runner.step(inputs.pop("input_ids"), labels, **inputs, masks=masks)
+        return batch
+
+    for step in range(steps):
+        start = time.perf_counter()
+        batch = one_step()
         if step >= wl.warmup:
             times.append(time.perf_counter() - start)
             lengths = document_lengths(batch["segment_ids"].numpy(), tuple(batch["input_ids"].shape))
@@ -532,6 +546,15 @@ def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
     }
     if device.type == "cuda":
         report["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if mode == PROFILED:  # the trainer's profile window, after the timed steps (each ends in loss.item())
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+        with torch.profiler.profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(PROFILE_STEPS):
+                one_step()
+            seconds = time.perf_counter() - start
+        report["profile"] = write_profile(prof, PROFILE_STEPS, seconds, work / "profile-bare", 0, device.type)
     print(json.dumps(report))
     return 0
 
@@ -756,6 +779,29 @@ def compare(trainer_run: dict, bare_run: dict) -> dict:
     return {"trainer_over_bare": bare_run["step_s"] / trainer_run["step_s"]}
 
 
+def profile_difference(trainer_run: dict, bare_run: dict, rows: int = 12) -> dict | None:
+    """The trainer's profiled steps against the bare step's: each one's time a step and its kernels' time, and
+    the operators whose time a step differs most (self device time on a GPU, self CPU time elsewhere; an operator
+    outside one side's top rows counts 0 there)."""
+    trainer_profile, bare_profile = trainer_run.get("profile"), bare_run.get("profile")
+    if not (trainer_profile and bare_profile):
+        return None
+    key = "self_device_us" if trainer_profile["sorted_by"] == "self_device_time_total" else "self_cpu_us"
+    trainer_us = {row["name"]: row[key] for row in trainer_profile["top"]}
+    bare_us = {row["name"]: row[key] for row in bare_profile["top"]}
+    names = sorted(trainer_us.keys() | bare_us.keys(), key=lambda n: -abs(trainer_us.get(n, 0) - bare_us.get(n, 0)))
+    return {
+        "trainer_step_ms": trainer_profile["step_ms"],
+        "bare_step_ms": bare_profile["step_ms"],
+        "trainer_kernels_ms": trainer_profile["device_busy_ms"],
+        "bare_kernels_ms": bare_profile["device_busy_ms"],
+        "by": key,
+        "difference": [
+            {"name": n, "trainer_us": trainer_us.get(n, 0.0), "bare_us": bare_us.get(n, 0.0)} for n in names[:rows]
+        ],
+    }
+
+
 def muon_figures(muon_run: dict, ns: dict, adamw_run: dict) -> dict:
     """Muon's step against AdamW's (the rows runs: same data, same steps timed), and Newton-Schulz's share."""
     figures: dict = {"muon_over_adamw": None, "ns_share": None}
@@ -825,6 +871,7 @@ def summarise(report: dict) -> None:
     """The figures that follow from the phases' results so far: the ratios, the total time, ok, what is missing."""
     for mode in MODES:
         report[mode].update(compare(report[mode]["trainer"], report[mode]["bare"]))
+    report[PROFILED]["profile"] = profile_difference(report[PROFILED]["trainer"], report[PROFILED]["bare"])
     muon = report["muon"]
     muon.update(muon_figures(muon["trainer"], muon["ns"], report["rows"]["trainer"]))
     report["total_s"] = round(sum(report["phases_s"].values()), 1)
@@ -889,8 +936,9 @@ def run_suite(wl: Workload, work: Path, out: Path, disk: str = "", skip_gpu_chec
         data = phase("data", lambda: data_phase(wl, work), "data").get("paths")
         if data:  # (else nothing to train on)
             for mode in MODES:
-                steps = wl.e2e_steps if mode == "packed" else wl.warmup + wl.steps
-                run = Run(f"trainer-{mode}", mode, steps, save=mode == "packed")  # (the suite's one checkpoint)
+                profile = PROFILE_STEPS if mode == PROFILED else 0
+                steps = wl.e2e_steps if mode == "packed" else wl.warmup + wl.steps + profile
+                run = Run(f"trainer-{mode}", mode, steps, save=mode == "packed", profile=profile)  # (save: the one)
                 phase(run.phase, lambda run=run: trainer(wl, run, data[run.mode], work), mode, "trainer")
                 phase(f"bare-{mode}", lambda mode=mode: bare(wl, mode, data[mode], work), mode, "bare")
             muon = Run("trainer-muon", "rows", wl.warmup + wl.muon_steps, extra=("optim.name=muon",))
@@ -924,6 +972,7 @@ def missing_figures(report: dict) -> list[str]:
         "packed.trainer.checkpoints.0.gib",
         "packed.bare.documents_per_row",
     ]
+    wanted += [f"{PROFILED}.profile.trainer_step_ms", f"{PROFILED}.profile.bare_step_ms"]
     wanted += ["muon.trainer.step_s", "muon.ns.ns_s", "muon.muon_over_adamw", "muon.ns_share"]
     wanted += ["zero3.trainer.step_s", "zero3.trainer.compile.recompiles", "zero3.trainer.compile.graph_breaks"]
     wanted += (
@@ -983,6 +1032,18 @@ def table(report: dict) -> str:
         f"save's), background write {number(save.get('write_s'), '.2f')} s, "
         f"{number(save.get('gib'), '.2f')} GiB"
     )
+    profiled = report[PROFILED].get("profile")
+    if profiled:
+        kernels = {side: profiled[f"{side}_kernels_ms"] for side in ("trainer", "bare")}
+        on_device = {side: "" if ms is None else f" (kernels {ms:.1f} ms)" for side, ms in kernels.items()}
+        most = ", ".join(
+            f"{d['name']} {(d['trainer_us'] - d['bare_us']) / 1e3:+.2f} ms" for d in profiled["difference"][:5]
+        )
+        rows.append(
+            f"- profile ({PROFILED}, {PROFILE_STEPS} steps after the timed ones): trainer "
+            f"{profiled['trainer_step_ms']:.1f} ms a step{on_device['trainer']}, bare {profiled['bare_step_ms']:.1f} ms"
+            f"{on_device['bare']}; most different ({profiled['by']}, trainer - bare): {most}"
+        )
     muon = report["muon"]
     rows.append(
         f"- Muon: step {number(muon['trainer'].get('step_s'), '.4f')} s = "

@@ -18,7 +18,7 @@ def suite():
         yield module
 
 
-def test_the_dry_run_reports_every_figure_of_every_phase(tmp_path):
+def test_the_dry_run_reports_every_figure_of_every_phase(suite, tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--dry", "--out", str(out), "--work", str(work)],
@@ -53,6 +53,12 @@ def test_the_dry_run_reports_every_figure_of_every_phase(tmp_path):
     muon = report["muon"]
     assert muon["muon_over_adamw"] == pytest.approx(muon["trainer"]["step_s"] / report["rows"]["trainer"]["step_s"])
     assert muon["ns"]["ns_s"] > 0 and muon["ns"]["matrices"] == 2 * 7 and muon["ns_share"] > 0
+    # the rows' trainer and bare step profiled after their timed steps, side by side
+    assert report["rows"]["trainer"]["steps"] == suite.DRY.warmup + suite.DRY.steps + suite.PROFILE_STEPS
+    profile = report["rows"]["profile"]
+    assert report["rows"]["trainer"]["profile"]["steps"] == report["rows"]["bare"]["profile"]["steps"] == 3
+    assert profile["trainer_step_ms"] > 0 and profile["bare_step_ms"] > 0 and profile["by"] == "self_cpu_us"
+    assert len(profile["difference"]) == 12 and "profile" not in report["packed"]["trainer"]  # (the rows' alone)
     # ZeRO-3 on one rank: the compiled block between DeepSpeed's hooks there
     assert report["zero3"]["trainer"]["ok"] and report["zero3"]["trainer"]["steps"] == 2
     # tensor parallelism: two gloo ranks here (two GPUs there)
@@ -82,7 +88,7 @@ def test_the_dry_run_reports_every_figure_of_every_phase(tmp_path):
     assert (
         "| packed | trainer |" in markdown and "| rows, muon | trainer |" in markdown and "| rows, tp 2 |" in markdown
     )
-    assert "| rows, ZeRO-3 | trainer |" in markdown
+    assert "| rows, ZeRO-3 | trainer |" in markdown and "- profile (rows, 3 steps after the timed ones): " in markdown
     assert "checkpoint (the suite's one, packed run, step 6)" in markdown and markdown in done.stdout + "\n"
 
 
@@ -138,6 +144,7 @@ def complete_report(tp_skipped: bool = False) -> dict:
     report["packed"]["trainer"]["checkpoints"] = [{"step": 30, "stall_s": 2.0, "gib": 15.0, "write_s": 9.0}]
     report["muon"] = {"trainer": {"step_s": 1.2}, "ns": {"ns_s": 0.1}, "muon_over_adamw": 1.2, "ns_share": 0.08}
     report["zero3"] = {"trainer": {"step_s": 1.1, "compile": {"recompiles": 1, "graph_breaks": 0}}}
+    report["rows"]["profile"] = {"trainer_step_ms": 120.0, "bare_step_ms": 110.0}
     skip = {"skipped": "needs 2 GPUs"}
     report["tp"] = skip if tp_skipped else {"trainer": {"step_s": 1.0, "compile": {"graph_breaks": 0}}}
     return report
@@ -162,6 +169,31 @@ def test_a_missing_figure_is_named(suite):
         "tp.trainer.compile.graph_breaks",
     ]
     assert suite.missing_figures(complete_report(tp_skipped=True)) == []  # a skip with its reason is complete
+
+
+def test_the_profiles_differences_come_first_by_their_size(suite):
+    def profile(step_ms, kernels_ms, **us):
+        top = [{"name": name, "self_device_us": t} for name, t in us.items()]
+        return {
+            "profile": {
+                "step_ms": step_ms,
+                "device_busy_ms": kernels_ms,
+                "sorted_by": "self_device_time_total",
+                "top": top,
+            }
+        }
+
+    trainer = profile(120.0, 100.0, gemm=90_000.0, copy=6_000.0, adam=3_000.0)
+    bare = profile(110.0, 99.0, gemm=90_500.0, adam=2_000.0, clip=100.0)
+    compared = suite.profile_difference(trainer, bare, rows=3)
+    assert compared["trainer_step_ms"] == 120.0 and compared["bare_kernels_ms"] == 99.0
+    assert compared["by"] == "self_device_us"
+    assert [(d["name"], d["trainer_us"], d["bare_us"]) for d in compared["difference"]] == [
+        ("copy", 6_000.0, 0.0),  # (in the trainer's top rows only)
+        ("adam", 3_000.0, 2_000.0),
+        ("gemm", 90_000.0, 90_500.0),
+    ]
+    assert suite.profile_difference(trainer, {"ok": False}) is None
 
 
 def test_tensor_parallelism_is_skipped_on_one_gpu_with_its_reason(suite, monkeypatch):
