@@ -54,3 +54,23 @@ def test_no_window_profiles_nothing_and_a_run_ended_inside_one_writes_it(tmp_pat
     assert cut.step_ended(1) is None
     assert cut.close().startswith("profile of 1 step(s): ")  # (the loop ended: a stop, a divergence)
     assert json.loads((tmp_path / "profile" / "rank_00000.json").read_text())["steps"] == 1
+
+
+def test_a_profiler_that_fails_leaves_a_line_and_the_run_going(tmp_path, monkeypatch):
+    from megatransformer.training.observability import profiling
+
+    class Broken:
+        def __init__(self, activities):
+            pass
+
+        def start(self):
+            raise RuntimeError("CUPTI is not available")
+
+    monkeypatch.setattr(profiling, "profile", Broken)
+    profiler = StepProfiler(ProfileConfig(start=1, steps=2), tmp_path, rank=0, device=torch.device("cpu"))
+    line = profiler.step_starts(1)
+    assert (
+        line == "train.profile: torch.profiler did not start (RuntimeError: CUPTI is not available); training goes on"
+    )
+    assert profiler.step_ended(1) is None and profiler.step_ended(2) is None and profiler.close() is None
+    assert not (tmp_path / "profile").exists()

@@ -19,7 +19,8 @@ TOP_ROWS = 40  # operators kept in each rank's table and JSON
 class StepProfiler:
     """Opens torch.profiler before the window's first step and closes it after its last, then writes this rank's
     files (:func:`write_profile`); a window starting at 0 does nothing. A run that ends inside the window writes
-    what it profiled (:meth:`close`)."""
+    what it profiled (:meth:`close`). The profile is a diagnosis, not the run: should the profiler fail, the line
+    says so and training goes on."""
 
     def __init__(self, window: ProfileConfig, run_dir: str | Path, rank: int, device: torch.device) -> None:
         self.first, self.last = window.start, window.start + window.steps - 1
@@ -33,8 +34,12 @@ class StepProfiler:
         if self.first == 0 or step != self.first:
             return None
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self.profiler = profile(activities=activities)
-        self.profiler.start()
+        try:
+            self.profiler = profile(activities=activities)
+            self.profiler.start()
+        except Exception as err:  # noqa: BLE001 (said in the line; the run goes on)
+            self.profiler = None
+            return f"train.profile: torch.profiler did not start ({type(err).__name__}: {err}); training goes on"
         self.opened_at = time.perf_counter()
         return f"profiling steps {self.first}-{self.last} (train.profile)"
 
@@ -52,9 +57,12 @@ class StepProfiler:
         if self.device.type == "cuda":  # (the window's kernels finish inside it)
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - self.opened_at
-        self.profiler.stop()
-        summary = write_profile(self.profiler, self.steps, seconds, self.folder, self.rank, self.device.type)
-        self.profiler = None
+        profiler, self.profiler = self.profiler, None
+        try:
+            profiler.stop()
+            summary = write_profile(profiler, self.steps, seconds, self.folder, self.rank, self.device.type)
+        except Exception as err:  # noqa: BLE001 (said in the line; the run goes on)
+            return f"train.profile: the profile of {self.steps} step(s) was not written ({type(err).__name__}: {err})"
         busy = summary.get("device_busy_ms")
         on_device = "" if busy is None else f", kernels {busy:.1f} ms of it"
         return (
