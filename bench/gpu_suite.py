@@ -785,14 +785,18 @@ def compare(trainer_run: dict, bare_run: dict) -> dict:
 
 def profile_difference(trainer_run: dict, bare_run: dict, rows: int = 12) -> dict | None:
     """The trainer's profiled steps against the bare step's: each one's time a step and its kernels' time, and
-    the operators whose time a step differs most (self device time on a GPU, self CPU time elsewhere; an operator
-    outside one side's top rows counts 0 there)."""
+    what differs most a step: on a GPU the kernels and copies by their time (an operator's device time repeats
+    its kernels'), elsewhere the operators by their self CPU time; one outside a side's top rows counts 0 there."""
     trainer_profile, bare_profile = trainer_run.get("profile"), bare_run.get("profile")
     if not (trainer_profile and bare_profile):
         return None
-    key = "self_device_us" if trainer_profile["sorted_by"] == "self_device_time_total" else "self_cpu_us"
-    trainer_us = {row["name"]: row[key] for row in trainer_profile["top"]}
-    bare_us = {row["name"]: row[key] for row in bare_profile["top"]}
+    on_device = trainer_profile["sorted_by"] == "self_device_time_total"
+    key = "self_device_us" if on_device else "self_cpu_us"
+
+    def times(profile: dict) -> dict[str, float]:
+        return {row["name"]: row[key] for row in profile["top"] if not on_device or row["on"] != "cpu"}
+
+    trainer_us, bare_us = times(trainer_profile), times(bare_profile)
     names = sorted(trainer_us.keys() | bare_us.keys(), key=lambda n: -abs(trainer_us.get(n, 0) - bare_us.get(n, 0)))
     return {
         "trainer_step_ms": trainer_profile["step_ms"],

@@ -40,7 +40,7 @@ def test_the_window_opens_and_closes_on_its_steps(tmp_path):
     assert lines[5].startswith("profile of 2 step(s): ") and f"{tmp_path}/profile/rank_00003.txt" in lines[5]
     profile = json.loads((tmp_path / "profile" / "rank_00003.json").read_text())
     [mm] = [row for row in profile["top"] if row["name"] == "aten::mm"]
-    assert mm["calls"] == 1.0  # per step
+    assert mm["calls"] == 1.0 and mm["on"] == "cpu"  # per step; an operator (a kernel on a GPU: "cuda")
     assert profiler.close() is None  # (closed)
 
 

@@ -80,8 +80,8 @@ def kernel_seconds(prof: profile) -> float:
 def write_profile(prof: profile, steps: int, seconds: float, folder: Path, rank: int, device_type: str) -> dict:
     """``rank_NNNNN.txt`` (torch's table of the top operators) and ``rank_NNNNN.json`` in ``folder``: per step,
     the wall time, the kernels' time on a GPU (:func:`kernel_seconds`) and the top operators' calls and self/total
-    CPU and device microseconds, sorted by self device time on a GPU, self CPU time elsewhere. Returns the JSON's
-    content."""
+    CPU and device microseconds (an operator's device time repeats its kernels'), sorted by self device time on a
+    GPU, self CPU time elsewhere. Returns the JSON's content."""
     cuda = device_type == "cuda"
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     averages = prof.key_averages()
@@ -91,6 +91,7 @@ def write_profile(prof: profile, steps: int, seconds: float, folder: Path, rank:
     def row(event) -> dict:
         return {
             "name": event.key,
+            "on": event.device_type.name.lower(),  # cpu: an operator; cuda: a kernel or a copy
             "calls": event.count / per_step,
             "self_cpu_us": event.self_cpu_time_total / per_step,
             "cpu_us": event.cpu_time_total / per_step,
