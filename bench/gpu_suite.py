@@ -505,7 +505,7 @@ def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
     from megatransformer.training.engine.compiled import compile_blocks
     from megatransformer.training.engine.train_module import batch_to_device
     from megatransformer.training.observability.metrics import peak_tflops
-    from megatransformer.training.observability.profiling import write_profile
+    from megatransformer.training.observability.profiling import activities, write_profile
 
     steps = wl.warmup + wl.steps
     cfg = load_config(CONFIG, overrides(wl, data, work / "unused", steps, False))
@@ -548,10 +548,8 @@ def worker(wl: Workload, mode: str, data: dict[str, str], work: Path) -> int:
     if device.type == "cuda":
         report["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if mode == PROFILED:  # the trainer's profile window, after the timed steps (each ends in loss.item())
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
         try:
-            with torch.profiler.profile(activities=activities) as prof:
+            with torch.profiler.profile(activities=activities(device.type)) as prof:
                 start = time.perf_counter()
                 for _ in range(PROFILE_STEPS):
                     one_step()

@@ -291,8 +291,9 @@ class Trainer:
             report.progress(step)
             self.report_saves(report)
             outcome = self.conclude_all(results, report, watchdog, window)
-            with window.paused():  # (writing the profile after the window's last step is not the steps' time)
-                report.message(profiler.step_ended(step))
+            if profiler.recording:
+                with window.paused():  # (writing the profile after the window's last step is not the steps' time)
+                    report.message(profiler.step_ended(step))
             if outcome == ROLLED_BACK:
                 batches.close()
                 batches = iter(self.train_loader)

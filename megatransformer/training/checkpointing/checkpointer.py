@@ -331,8 +331,8 @@ class Checkpointer:
             files[ckpt.CONFIG] = dump_config(self.cfg).encode()
             if self.cfg.data.tokenizer:
                 files[ckpt.TOKENIZER] = Path(self.cfg.data.tokenizer).read_bytes()
-        job = SaveJob(path, state.step, box[0], tensors, buffer.getvalue(), files, keep, 0.0, setup_s + allocate_s)
-        job.stall_s = time.perf_counter() - began
+        job = SaveJob(path, state.step, box[0], tensors, buffer.getvalue(), files, keep, stall_s=0.0, setup_s=0.0)
+        job.stall_s, job.setup_s = time.perf_counter() - began, setup_s + allocate_s
         self.writing = path
         self.thread = threading.Thread(target=self._write, args=(job,), name="checkpoint-writer", daemon=True)
         self.thread.start()

@@ -33,15 +33,18 @@ class StepProfiler:
         """Opens the window at its first step; returns the log line then."""
         if self.first == 0 or step != self.first:
             return None
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         try:
-            self.profiler = profile(activities=activities)
+            self.profiler = profile(activities=activities(self.device.type))
             self.profiler.start()
         except Exception as err:  # noqa: BLE001 (said in the line; the run goes on)
             self.profiler = None
             return f"train.profile: torch.profiler did not start ({type(err).__name__}: {err}); training goes on"
         self.opened_at = time.perf_counter()
         return f"profiling steps {self.first}-{self.last} (train.profile)"
+
+    @property
+    def recording(self) -> bool:
+        return self.profiler is not None
 
     def step_ended(self, step: int) -> str | None:
         """Counts the step; after the window's last, closes it and returns the log line naming the files."""
@@ -69,6 +72,11 @@ class StepProfiler:
             f"profile of {self.steps} step(s): {summary['step_ms']:.1f} ms a step{on_device}; "
             f"{self.folder}/rank_{self.rank:05d}.txt and .json"
         )
+
+
+def activities(device_type: str) -> list[ProfilerActivity]:
+    """What the profiler records on ``device_type``: the host's operators, and a GPU's kernels and copies."""
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
 
 
 def kernel_seconds(prof: profile) -> float:
